@@ -1,0 +1,102 @@
+"""EngineConfig: every option of a running engine, resolved once by the supervisor (or the
+offline LLM) and handed to each actor as JSON. Imports no torch."""
+from __future__ import annotations
+
+import os
+import re
+
+import msgspec
+
+from .model_info import ModelInfo, resolve_model
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512M', '1.5g', 1024 -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (try 2GiB or 512MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str | None = None                 # path to a GGUF file or HF directory; None: default
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
+    max_model_len: int | None = None         # None: the model's own context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
+    num_kv_blocks: int | None = None         # overrides kv_cache_memory
+    enable_chunked_prefill: bool = True
+    num_tokenizers: int = 1
+    threads: int | None = None               # torch threads in the executor; None: all cores
+    drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
+    run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
+    # Filled in by resolve():
+    model_info: ModelInfo | None = None
+
+    def resolve(self) -> "EngineConfig":
+        """Return a copy with the model read, dtype, context and KV pool size decided.
+        Raises ValueError with a clear message if the options do not fit together."""
+        info = self.model_info or resolve_model(self.model)
+        dtype = _resolve_dtype(self.dtype)
+        max_len = self.max_model_len or info.max_model_len
+        if max_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {max_len}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            per_block = self.block_size * info.kv_bytes_per_token(_DTYPE_BYTES[dtype])
+            num_blocks = self.kv_cache_memory // per_block
+        if num_blocks * self.block_size < max_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
+                f"sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
+                f"--max-model-len")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
+                             f"max_model_len ({max_len})")
+        return msgspec.structs.replace(
+            self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
+            served_model_name=self.served_model_name or info.name)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @staticmethod
+    def from_json(data: bytes) -> "EngineConfig":
+        return msgspec.json.decode(data, type=EngineConfig)
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _resolve_dtype(dtype: str) -> str:
+    if dtype == "auto":
+        return "bfloat16" if _cpu_has_bf16() else "float32"
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    return dtype
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read(1 << 16)
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,103 @@
+"""The detokenizer actor: token ids -> text, incrementally, with stop strings.
+
+Streamed text never holds half a UTF-8 character: tokens that end inside one produce no text
+until the character completes (tokenizers' DecodeStream). When stop strings are set, the last
+len(longest stop) - 1 characters are held back until they can no longer start a match; on a match
+the text is cut there, the request finishes with "stop", and the scheduler is told to abort it so
+its blocks are freed.
+"""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from pagewire.wire.to_detokenizer import DetokStart, TokenDelta, TokenDeltas
+from pagewire.wire.to_gateway import TextDelta
+
+
+class IncrementalText:
+    """One request's output text. `sent` is how much of `text` the gateway has."""
+
+    def __init__(self, backend, start: DetokStart):
+        self.backend, self.start = backend, start
+        self.stream = DecodeStream(skip_special_tokens=start.skip_special_tokens)
+        for tid in start.prompt_tail:          # prime: the first output's text depends on them
+            self.stream.step(backend, tid)
+        self.text, self.sent, self.num_tokens = "", 0, 0
+        self.holdback = max((len(s) for s in start.stop), default=1) - 1
+
+    def add(self, delta: TokenDelta) -> tuple[TextDelta, bool]:
+        """Consume one TokenDelta; return the text delta to send and whether a stop string
+        finished the request."""
+        stopped = False
+        for tid in delta.token_ids:
+            self.num_tokens += 1
+            piece = self.stream.step(self.backend, tid)
+            if piece:
+                searched_from = max(0, len(self.text) - self.holdback)
+                self.text += piece
+                if self.start.stop and self.num_tokens > self.start.min_tokens:
+                    stopped = self._cut_at_stop(searched_from)
+            if stopped:
+                break
+        finish = "stop" if stopped else delta.finish_reason
+        end = len(self.text) if finish else max(self.sent, len(self.text) - self.holdback)
+        out = TextDelta(req_id=delta.req_id, text=self.text[self.sent:end],
+                        num_prompt_tokens=self.start.num_prompt_tokens,
+                        num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error)
+        self.sent = end
+        return out, stopped
+
+    def _cut_at_stop(self, searched_from: int) -> bool:
+        hits = [(i, s) for s in self.start.stop
+                if (i := self.text.find(s, max(0, searched_from - len(s) + 1))) >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = self.text[: index + len(stop) if self.start.include_stop_str_in_output else index]
+        return True
+
+
+class Detokenizer:
+    """All live requests' text state.
+
+    Deltas that arrive before their DetokStart (the two travel on different sockets) wait in
+    `early` until it comes. A request finished here by a stop string stays in `stopped` until
+    the scheduler confirms the abort with a final "abort" delta (it answers every Abort so),
+    and deltas it sent meanwhile are dropped.
+    """
+
+    def __init__(self, tokenizer):
+        self.backend = tokenizer.backend_tokenizer
+        self.live: dict[str, IncrementalText] = {}
+        self.early: dict[str, list[TokenDelta]] = {}
+        self.stopped: set[str] = set()
+
+    def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[str]]:
+        self.live[msg.req_id] = IncrementalText(self.backend, msg)
+        return self.on_deltas(TokenDeltas(self.early.pop(msg.req_id, [])))
+
+    def on_deltas(self, msg: TokenDeltas) -> tuple[list[TextDelta], list[str]]:
+        """Returns the text deltas for the gateway and the request ids to abort at the
+        scheduler (stop strings matched)."""
+        out, aborts = [], []
+        for delta in msg.deltas:
+            state = self.live.get(delta.req_id)
+            if state is None:
+                self._orphan(delta)
+                continue
+            text_delta, stopped = state.add(delta)
+            out.append(text_delta)
+            if text_delta.finish_reason:
+                del self.live[delta.req_id]
+            if stopped and not delta.finish_reason:
+                self.stopped.add(delta.req_id)
+                aborts.append(delta.req_id)
+        return out, aborts
+
+    def _orphan(self, delta: TokenDelta) -> None:
+        """A delta for a request that is not live: stopped here, not started yet, or over."""
+        if delta.finish_reason == "abort":
+            self.stopped.discard(delta.req_id)
+            self.early.pop(delta.req_id, None)
+        elif delta.req_id not in self.stopped:
+            self.early.setdefault(delta.req_id, []).append(delta)

@@ -1,0 +1,176 @@
+"""The Llama family's forward pass over a flattened batch (no padding), reading and writing the
+paged KV cache. Weights are fused at load: one QKV projection and one gate/up projection."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from pagewire.kernels.activation import silu_and_mul
+from pagewire.kernels.attention import AttentionBatch, paged_attention
+from pagewire.kernels.norm import add_rms_norm, rms_norm
+from pagewire.kernels.rotary import apply_rope, rope_cos_sin
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta") or cfg.get("rope_theta", 10000.0),
+            max_position=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False))
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
+        arch = meta["general.architecture"]
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        return cls(
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            hidden_size=hidden, intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_layers=int(meta[f"{arch}.block_count"]), num_heads=heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position=int(meta[f"{arch}.context_length"]),
+            tie_word_embeddings=not has_output)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos_sin)      # [T, Hq, D]
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos_sin)   # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
+        o = paged_attention(q, k, v, kv_cache, batch, self.scale)              # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, cos_sin, kv_cache, batch):
+        x, residual = self.input_norm(x, residual)
+        x = self.attn(x, cos_sin, kv_cache, batch)
+        x, residual = self.post_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    config_class = LlamaConfig
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin", None, persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)build the non-weight buffers; the loader calls it after filling a model that was
+        built on the meta device."""
+        cfg = self.cfg
+        self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_position, cfg.rope_theta)  # [P, D]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H]."""
+        x = self.embed(input_ids)                                  # [T, H]
+        cos_sin = self.cos_sin[positions].to(x.dtype)              # [T, D]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, H] -> float32 logits [S, V]."""
+        weight = self.embed.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @staticmethod
+    def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+        """Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) -> this module's
+        state dict, with q/k/v and gate/up concatenated."""
+        out = {"embed.weight": weights["model.embed_tokens.weight"],
+               "norm.weight": weights["model.norm.weight"]}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = weights["lm_head.weight"]
+        for i in range(cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                out[dst + f"attn.qkv.{kind}"] = torch.cat(
+                    [weights[src + f"self_attn.{p}_proj.{kind}"] for p in "qkv"])
+            out[dst + "attn.o_proj.weight"] = weights[src + "self_attn.o_proj.weight"]
+            out[dst + "mlp.gate_up.weight"] = torch.cat(
+                [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
+            out[dst + "mlp.down.weight"] = weights[src + "mlp.down_proj.weight"]
+            out[dst + "input_norm.weight"] = weights[src + "input_layernorm.weight"]
+            out[dst + "post_norm.weight"] = weights[src + "post_attention_layernorm.weight"]
+        return out

@@ -1,0 +1,142 @@
+"""ModelRunner: the executor's state and one step of work.
+
+Holds the model, the KV cache tensors and a SeqState per request it has been sent. execute()
+applies a StepPlan (drop finished, add new, extend block tables), lays the scheduled tokens out
+as one flat batch (decodes first, then prefill spans), runs the model, samples for every
+sequence whose computed tokens reach the end of its known tokens, and appends those tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.to_executor import StepPlan
+from pagewire.wire.to_scheduler import StepResult
+
+from ..config import EngineConfig, default_threads
+from .loader import _DTYPES, load_model
+from .sampler import SamplingBatch, sample
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_scheduled: int = 0
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer. On CPU the memory comes
+    from calloc (numpy), so pages are committed only when a block is first written: resident
+    memory grows with use, and never-written slots read as zeros, not NaN garbage."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    nbytes = int(np.prod(shape)) * torch.finfo(dtype).bits // 8
+    return [torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+            for _ in range(num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        torch.set_num_threads(config.threads or default_threads())
+        self.config = config
+        self.block_size = config.block_size
+        self.model = load_model(config.model_info, config.dtype)
+        cfg = self.model.cfg
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks, self.block_size,
+                                           cfg.num_kv_heads, cfg.head_dim, _DTYPES[config.dtype])
+        self.eos_ids = list(config.model_info.eos_token_ids)
+        self.seqs: dict[str, SeqState] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        order = self._apply_plan(plan)
+        input_ids, positions, batch, sample_rows, sample_seqs = self._layout(order)
+        hidden = self.model(input_ids, positions, self.kv_caches, batch)       # [T, H]
+        tokens: list[int] = []
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
+            tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
+        for (rid, seq), token in zip(sample_seqs, tokens):
+            seq.token_ids.append(token)
+        for _, seq in order:
+            seq.num_computed += seq.num_scheduled
+        return StepResult(plan.step_id, [rid for rid, _ in sample_seqs], tokens)
+
+    def _apply_plan(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
+        """Update per-request state; return the scheduled requests, decodes first."""
+        for rid in plan.finished:
+            self.seqs.pop(rid, None)
+        order = []
+        for new in plan.new:
+            seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
+                           list(new.block_ids), new.sampling, new.num_scheduled)
+            self.seqs[new.req_id] = seq
+            order.append((new.req_id, seq))
+        for run in plan.running:
+            seq = self.seqs[run.req_id]
+            seq.block_ids += run.new_block_ids
+            seq.num_scheduled = run.num_scheduled
+            order.append((run.req_id, seq))
+        order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
+        return order
+
+    def _layout(self, order: list[tuple[str, SeqState]]):
+        """Flatten the scheduled tokens: ids, positions, attention layout, and which rows of
+        the hidden states to sample from (with their requests)."""
+        bs = self.block_size
+        ids, pos, slots, sample_rows, sample_seqs, prefills = [], [], [], [], [], []
+        decodes = [seq for _, seq in order if seq.num_scheduled == 1]
+        for rid, seq in order:
+            start, n = seq.num_computed, seq.num_scheduled
+            p = np.arange(start, start + n)
+            blocks = np.asarray(seq.block_ids)
+            row = len(ids)
+            ids.extend(seq.token_ids[start:start + n])
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            if n > 1:
+                nb = -(-(start + n) // bs)
+                prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
+            if start + n == len(seq.token_ids):
+                sample_rows.append(row + n - 1)
+                sample_seqs.append((rid, seq))
+        batch = AttentionBatch(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            num_decode_tokens=len(decodes), prefills=prefills,
+            **self._decode_layout(decodes))
+        return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
+                sample_rows, sample_seqs)
+
+    def _decode_layout(self, decodes: list[SeqState]) -> dict:
+        if not decodes:
+            return {"decode_block_tables": None, "decode_bias": None}
+        bs = self.block_size
+        context = np.array([s.num_computed + 1 for s in decodes])
+        width = int(-(-context.max() // bs))
+        tables = np.zeros((len(decodes), width), dtype=np.int64)
+        for i, seq in enumerate(decodes):
+            blocks = seq.block_ids[:width]
+            tables[i, :len(blocks)] = blocks
+        visible = np.arange(width * bs)[None, :] < context[:, None]              # [B, L]
+        bias = torch.from_numpy(np.where(visible, 0.0, -np.inf).astype(np.float32))
+        return {"decode_block_tables": torch.from_numpy(tables),
+                "decode_bias": bias[:, None, None, :]}
+
+    def _sampling_batch(self, sample_seqs: list[tuple[str, SeqState]]) -> SamplingBatch:
+        params, index, banned = [], [], []
+        for _, seq in sample_seqs:
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
+            params.append(seq.sampling)
+            index.append(n_out)
+            s = seq.sampling
+            banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
+                          if n_out < s.min_tokens else [])
+        return SamplingBatch(params, index, banned)

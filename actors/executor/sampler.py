@@ -1,0 +1,89 @@
+"""Token sampling for a batch of rows with per-row parameters.
+
+Random rows draw by the exponential race (argmax of p / E, E ~ Exp(1)), which samples from p
+exactly. A seeded row's noise comes from a generator seeded by (seed, output index), so the
+same seed gives the same tokens whatever else shares the batch, and a request resumed after
+preemption draws exactly what it would have drawn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagewire.wire.sampling import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters for one step; rows follow the logits' rows."""
+    params: list[SamplingParams]
+    output_index: list[int]             # how many tokens each row has generated before this one
+    banned: list[list[int]]             # token ids masked per row (EOS before min_tokens)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits: [S, V] float32 (modified in place) -> token ids [S] int64."""
+    _apply_bans(logits, batch.banned)
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params])
+    logits.div_(temps.unsqueeze(1))
+    _apply_top_k_top_p(logits, batch.params)
+    _apply_min_p(logits, batch.params)
+    probs = torch.softmax(logits, dim=-1)
+    noise = _exponential_noise(probs.shape, batch)
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in batch.params])
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
+    rows = [r for r, ids in enumerate(banned) for _ in ids]
+    if rows:
+        cols = [t for ids in banned for t in ids]
+        logits[rows, cols] = float("-inf")
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Mask tokens outside each row's top-k and top-p nucleus (the most likely token always
+    survives)."""
+    vocab = logits.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
+    top_p = [p.top_p if not p.greedy else 1.0 for p in params]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= torch.tensor(top_k).unsqueeze(1)                 # [S, V] in sorted order
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+    drop[:, 0] = False
+    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    min_p = [p.min_p if not p.greedy else 0.0 for p in params]
+    if not any(min_p):
+        return
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _exponential_noise(shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
+    noise = torch.empty(shape).exponential_()
+    for row, (p, index) in enumerate(zip(batch.params, batch.output_index)):
+        if p.seed is not None and not p.greedy:
+            gen = torch.Generator().manual_seed((p.seed ^ ((index + 1) * _MIX)) & (2**63 - 1))
+            noise[row].exponential_(generator=gen)
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)   # p / 0 would be NaN or inf

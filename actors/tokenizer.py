@@ -1,0 +1,77 @@
+"""The tokenizer actor: chat template, encoding and length checks. Stateless; several may run.
+
+A request that cannot be served is answered from here (RequestFailed straight to the gateway)
+and never reaches the scheduler. Otherwise the detokenizer learns of the request first
+(DetokStart), then the scheduler gets it (NewRequest).
+"""
+from __future__ import annotations
+
+from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.to_detokenizer import DetokStart
+from pagewire.wire.to_gateway import RequestFailed
+from pagewire.wire.to_scheduler import NewRequest
+from pagewire.wire.to_tokenizer import TokenizeRequest
+
+from .config import EngineConfig
+
+PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
+
+
+class RequestTokenizer:
+    """Turns a TokenizeRequest into (DetokStart, NewRequest), or a RequestFailed."""
+
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.model_info.vocab_size
+
+    def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
+        try:
+            ids = self.encode(req)
+            self.check_length(ids, req.sampling.max_tokens)
+        except InvalidParam as e:
+            return RequestFailed(req_id=req.req_id, status=400, message=str(e), param=e.param)
+        except Exception as e:  # a template error, an unencodable prompt: the client's problem
+            return RequestFailed(req_id=req.req_id, status=400, message=f"{type(e).__name__}: {e}")
+        s = req.sampling
+        start = DetokStart(req_id=req.req_id, prompt_tail=ids[-PROMPT_TAIL:],
+                           num_prompt_tokens=len(ids), stop=s.stop,
+                           include_stop_str_in_output=s.include_stop_str_in_output,
+                           skip_special_tokens=s.skip_special_tokens, min_tokens=s.min_tokens)
+        return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
+                                 arrival_time=req.arrival_time)
+
+    def encode(self, req: TokenizeRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidParam("prompt", f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        elif req.messages is not None:
+            ids = self.encode_chat(req)
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        if not ids:
+            raise InvalidParam("prompt", "the prompt is empty")
+        return ids
+
+    def encode_chat(self, req: TokenizeRequest) -> list[int]:
+        if self.tokenizer.chat_template is None:
+            raise InvalidParam("messages", "this model has no chat template; use /v1/completions")
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message)
+        # The template already wrote the special tokens it wants.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_length(self, ids: list[int], max_tokens: int | None) -> None:
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidParam("prompt", f"This model's maximum context length is {limit} tokens. "
+                               f"However, your prompt has {len(ids)} tokens, leaving no room "
+                               "for output.")
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise InvalidParam("max_tokens", f"This model's maximum context length is {limit} "
+                               f"tokens. However, you requested {len(ids) + max_tokens} tokens "
+                               f"({len(ids)} in the prompt, {max_tokens} for the completion).")

@@ -1,0 +1,115 @@
+"""Attention over the paged KV cache for a flattened batch that mixes decodes and prefills.
+
+Cache layout, one tensor per layer: kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 keys, 1 values). Slot s of the pool is block s // block_size, offset s % block_size.
+
+The batch is ordered decodes first: tokens [0, num_decode_tokens) are one token each of a
+distinct sequence; the rest are prefill spans (a whole prompt, or one chunk of it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int                 # index of this span's first token in the flattened batch
+    num_tokens: int            # query tokens computed this step
+    context_len: int           # tokens in the cache for this sequence once this step's are written
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+
+@dataclass
+class AttentionBatch:
+    """How the step's tokens map onto sequences and cache slots. Built once per step by the
+    runner and read, never mutated, by every layer."""
+    slot_mapping: torch.Tensor                # [T] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
+    decode_bias: torch.Tensor | None          # [B, 1, 1, max_blocks * block_size] float32: 0 or -inf
+    prefills: list[PrefillSpan]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v ([T, Hkv, D]) at their slots. Mutates kv_cache."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
+    returns each token's attention output over its sequence's context: [T, Hq, D]."""
+    write_kv(kv_cache, k, v, batch.slot_mapping)
+    out = torch.empty_like(q)
+    nd = batch.num_decode_tokens
+    if nd:
+        out[:nd] = decode_attention(q[:nd], kv_cache, batch.decode_block_tables,
+                                    batch.decode_bias, scale)
+    for span in batch.prefills:
+        end = span.start + span.num_tokens
+        out[span.start:end] = prefill_attention(q[span.start:end], k[span.start:end],
+                                                v[span.start:end], kv_cache, span, scale)
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence. q: [B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    keys = kv_cache[0][block_tables].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
+    values = kv_cache[1][block_tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
+    qg = q.view(batch, num_kv_heads, group, head_dim)                  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      span: PrefillSpan, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens. q: [n, Hq, D]; k, v: [n, Hkv, D] (the
+    same tokens, already in the cache). Earlier context, if any, is read from the cache."""
+    n = span.num_tokens
+    if span.context_len == n:          # nothing cached before: attend the fresh k, v directly
+        mask, causal = None, True
+    else:
+        k = _gather(kv_cache[0], span.block_table, span.context_len)   # [ctx, Hkv, D]
+        v = _gather(kv_cache[1], span.block_table, span.context_len)
+        mask, causal = causal_mask(n, span.context_len, q.device), False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=True)                                                # [1, Hq, n, D]
+    return out.squeeze(0).transpose(0, 1)
+
+
+def causal_mask(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """[n, ctx] bool: query i (at position ctx - n + i) sees keys at positions <= its own."""
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device).unsqueeze(1)
+    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache: [num_blocks, bs, Hkv, D] -> this sequence's first `length` slots: [length, Hkv, D]."""
+    return cache[block_table].flatten(0, 1)[:length]
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """The definition, for tests: causal attention of the last len(q) positions of one sequence.
+    q: [n, Hq, D]; keys, values: [ctx, Hkv, D], contiguous (not paged). Float32 math."""
+    n, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.float().repeat_interleave(group, dim=1)                    # [ctx, Hq, D]
+    v = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale         # [Hq, n, ctx]
+    scores = scores.masked_fill(~causal_mask(n, ctx, q.device), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)

@@ -1,0 +1,7 @@
+"""wire: every message between pagewire's actors, and the typed channels that carry them.
+
+Imports only msgspec, zmq and the standard library.
+"""
+from .sampling import InvalidParam, SamplingParams
+
+__all__ = ["InvalidParam", "SamplingParams"]

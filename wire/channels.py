@@ -1,0 +1,104 @@
+"""Typed ZeroMQ channels.
+
+Every actor binds one PULL inbox; whoever talks to it connects a PUSH. A PullChannel decodes with
+one msgspec Decoder over the union of message types its actor accepts, so an unknown or malformed
+frame raises msgspec.DecodeError / ValidationError instead of becoming an object; there is no
+pickle anywhere. Sockets live in a private 0700 run directory as ipc:// endpoints.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def make_decoder(inbox_type: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(inbox_type)
+
+
+def make_run_dir(parent: str | None = None) -> str:
+    """A fresh private directory for this engine's sockets (mode 0700, removed by the
+    supervisor at exit). `parent` is e.g. systemd's RUNTIME_DIRECTORY."""
+    path = tempfile.mkdtemp(prefix="pagewire-", dir=parent)
+    os.chmod(path, 0o700)
+    return path
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    """The inbox address of actor `name` ("scheduler", "executor-0", ...)."""
+    address = f"ipc://{os.path.join(run_dir, name)}.sock"
+    if len(address) > 100:  # sun_path holds 107 bytes
+        raise ValueError(f"run directory path too long for an ipc socket: {run_dir}")
+    return address
+
+
+def _configure(sock: zmq.Socket) -> None:
+    # No high-water mark: a full queue would block a sender, and two actors that push to each
+    # other (scheduler <-> detokenizer) could then deadlock. Queues are bounded upstream by the
+    # request limits instead.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 2000)
+
+
+class PushChannel:
+    """Sends typed messages to one actor's inbox (or round-robin to several, if connected to
+    more than one address)."""
+
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, bind: bool = False):
+        self.sock = ctx.socket(zmq.PUSH)
+        _configure(self.sock)
+        for address in [addresses] if isinstance(addresses, str) else addresses:
+            self.sock.bind(address) if bind else self.sock.connect(address)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.sock.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PullChannel:
+    """An actor's inbox. recv() returns one decoded message, or None on timeout."""
+
+    def __init__(self, ctx: zmq.Context, address: str, inbox_type: Any, *, bind: bool = True):
+        self.sock = ctx.socket(zmq.PULL)
+        _configure(self.sock)
+        self.sock.bind(address) if bind else self.sock.connect(address)
+        self.decoder = make_decoder(inbox_type)
+
+    def recv(self, timeout_ms: int | None = None) -> Any:
+        """Block up to timeout_ms (None: forever; 0: poll) for the next message."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self.decoder.decode(self.sock.recv(copy=False).buffer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncPullChannel:
+    """The asyncio flavour of PullChannel, for the gateway's event loop."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbox_type: Any):
+        self.sock = ctx.socket(zmq.PULL)
+        _configure(self.sock)
+        self.sock.bind(address)
+        self.decoder = make_decoder(inbox_type)
+
+    async def recv(self) -> Any:
+        frame = await self.sock.recv(copy=False)
+        return self.decoder.decode(frame.buffer)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,61 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+The same struct is the user-facing `pagewire.SamplingParams` and the value that crosses the wire
+(tokenizer -> scheduler -> executor, once per request). Construction validates; an invalid value
+raises InvalidParam naming the field, which the gateway turns into a 400.
+"""
+from __future__ import annotations
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class InvalidParam(ValueError):
+    """A request field holds a value the engine cannot honour."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                   # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16      # None: up to the model's context
+    min_tokens: int = 0
+    stop: list[str] = []             # stop strings, matched on detokenized text
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.n == 1, "n", f"n must be 1 for now, got {self.n}")
+        _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParam(param, message)

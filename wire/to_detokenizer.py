@@ -1,0 +1,31 @@
+"""Messages the detokenizer receives: request setup from a tokenizer, token deltas from the
+scheduler."""
+from __future__ import annotations
+
+import msgspec
+
+
+class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Sent by the tokenizer before the request reaches the scheduler. Deltas for a request the
+    detokenizer has not seen yet are held until this arrives."""
+    req_id: str
+    prompt_tail: list[int]           # last prompt tokens, to prime the incremental decoder
+    num_prompt_tokens: int
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0              # stop strings are ignored before this many outputs
+
+
+class TokenDelta(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
+    deltas: list[TokenDelta]
+
+
+DetokenizerInbox = DetokStart | TokenDeltas

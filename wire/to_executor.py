@@ -1,0 +1,40 @@
+"""Messages an executor receives: one StepPlan per step from the scheduler.
+
+A request's full data (tokens, sampling) crosses once, in a NewSeq; while it keeps running the
+plan carries only a RunSeq: how many tokens to compute and the blocks added since last step.
+The executor appends the token it samples to its own copy of the request's tokens, so the
+scheduler never resends tokens. A request that was preempted comes back as a NewSeq.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from .sampling import SamplingParams
+
+
+class NewSeq(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    token_ids: list[int]        # prompt, plus outputs when resuming after preemption
+    num_prompt_tokens: int
+    num_computed: int           # tokens whose K/V are already in the cache (prefix hits)
+    num_scheduled: int          # tokens to compute this step
+    block_ids: list[int]        # the whole block table so far
+    sampling: SamplingParams
+
+
+class RunSeq(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    num_scheduled: int
+    new_block_ids: list[int]    # appended to the block table
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Invariant: a request appears at most once in new + running; `finished` ids are dropped
+    from the executor's state before this step runs, and none of them is also scheduled."""
+    step_id: int
+    new: list[NewSeq]
+    running: list[RunSeq]
+    finished: list[str]
+
+
+ExecutorInbox = StepPlan

@@ -1,0 +1,28 @@
+"""Messages a tokenizer receives (from the gateway)."""
+from __future__ import annotations
+
+import msgspec
+
+from .sampling import SamplingParams
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str
+    content: str | None = None
+    name: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """One generation request, before tokenization. Exactly one of prompt, prompt_token_ids and
+    messages is set (the gateway guarantees it)."""
+    req_id: str
+    arrival_time: float                  # time.time() at the gateway
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+TokenizerInbox = TokenizeRequest
