@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from pagewire.wire.to_detokenizer import DetokStart, TokenDelta, TokenDeltas
-from pagewire.wire.to_gateway import TextDelta
+from pagewire.wire.channels import PullChannel, PushChannel
+from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
+from pagewire.wire.to_gateway import TextDelta, TextDeltas
+from pagewire.wire.to_scheduler import Abort
+
+from .hf_tokenizer import load_tokenizer
 
 
 class IncrementalText:
@@ -101,3 +105,19 @@ class Detokenizer:
             self.early.pop(delta.req_id, None)
         elif delta.req_id not in self.stopped:
             self.early.setdefault(delta.req_id, []).append(delta)
+
+
+def run(env) -> None:
+    detok = Detokenizer(load_tokenizer(env.config.model_info))
+    inbox = PullChannel(env.ctx, env.address("detokenizer"), DetokenizerInbox)
+    gateway = PushChannel(env.ctx, env.address("gateway"))
+    scheduler = PushChannel(env.ctx, env.address("scheduler"))
+    handlers = {DetokStart: detok.start, TokenDeltas: detok.on_deltas}
+    env.ready()
+    while True:
+        msg = inbox.recv()
+        texts, aborts = handlers[type(msg)](msg)
+        if texts:
+            gateway.send(TextDeltas(texts))
+        if aborts:
+            scheduler.send(Abort(aborts))

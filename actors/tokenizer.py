@@ -6,13 +6,15 @@ and never reaches the scheduler. Otherwise the detokenizer learns of the request
 """
 from __future__ import annotations
 
+from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.sampling import InvalidParam
 from pagewire.wire.to_detokenizer import DetokStart
 from pagewire.wire.to_gateway import RequestFailed
 from pagewire.wire.to_scheduler import NewRequest
-from pagewire.wire.to_tokenizer import TokenizeRequest
+from pagewire.wire.to_tokenizer import TokenizeRequest, TokenizerInbox
 
 from .config import EngineConfig
+from .hf_tokenizer import load_tokenizer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
 
@@ -75,3 +77,20 @@ class RequestTokenizer:
             raise InvalidParam("max_tokens", f"This model's maximum context length is {limit} "
                                f"tokens. However, you requested {len(ids) + max_tokens} tokens "
                                f"({len(ids)} in the prompt, {max_tokens} for the completion).")
+
+
+def run(env) -> None:
+    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info))
+    inbox = PullChannel(env.ctx, env.address(f"tokenizer-{env.index}"), TokenizerInbox)
+    scheduler = PushChannel(env.ctx, env.address("scheduler"))
+    detokenizer = PushChannel(env.ctx, env.address("detokenizer"))
+    gateway = PushChannel(env.ctx, env.address("gateway"))
+    env.ready()
+    while True:
+        result = tokenizer.process(inbox.recv())
+        if isinstance(result, RequestFailed):
+            gateway.send(result)
+        else:
+            start, new = result
+            detokenizer.send(start)   # first, so the detokenizer rarely sees tokens before it
+            scheduler.send(new)

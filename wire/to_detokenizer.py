@@ -24,7 +24,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
 
 
-class TokenDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
+class TokenDeltas(msgspec.Struct, tag=True, gc=False):
     deltas: list[TokenDelta]
 
 

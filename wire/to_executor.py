@@ -28,7 +28,7 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
     new_block_ids: list[int]    # appended to the block table
 
 
-class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
+class StepPlan(msgspec.Struct, tag=True, gc=False):
     """Invariant: a request appears at most once in new + running; `finished` ids are dropped
     from the executor's state before this step runs, and none of them is also scheduled."""
     step_id: int

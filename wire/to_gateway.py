@@ -13,7 +13,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
 
 
-class TextDeltas(msgspec.Struct, tag=True, array_like=True, gc=False):
+class TextDeltas(msgspec.Struct, tag=True, gc=False):
     deltas: list[TextDelta]
 
 

@@ -20,7 +20,7 @@ class Abort(msgspec.Struct, tag=True):
     req_ids: list[str]
 
 
-class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False):
+class StepResult(msgspec.Struct, tag=True, gc=False):
     """What one step produced: the token sampled for each request whose computed tokens reached
     the end of its known tokens, in plan order. `error` is set when the step failed as a whole."""
     step_id: int

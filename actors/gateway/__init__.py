@@ -1,0 +1,1 @@
+"""The gateway actor: the OpenAI-compatible HTTP server."""

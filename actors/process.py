@@ -1,0 +1,105 @@
+"""What every actor process does at start, whatever its role.
+
+    python -m pagewire.process ROLE CONFIG_JSON_PATH [INDEX]
+
+The supervisor starts each actor so: no fork of a process holding threads or sockets, no
+pickled arguments. The actor names itself ("pagewire: executor 0"), dies with its parent,
+leaves SIGINT to the supervisor (a terminal's Ctrl-C reaches the whole group), builds its
+sockets, and reports Ready, or Fatal with the reason, to the supervisor's inbox.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from pagewire.wire.channels import PushChannel, ipc_address
+from pagewire.wire.to_supervisor import Fatal, Ready
+
+from .config import EngineConfig
+
+# role -> module with run(env). Actors never import each other: only this table names them.
+ROLES = {
+    "executor": "pagewire.executor.actor",
+    "scheduler": "pagewire.scheduler.actor",
+    "tokenizer": "pagewire.tokenizer",
+    "detokenizer": "pagewire.detokenizer",
+    "gateway": "pagewire.gateway.actor",
+}
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ActorEnv:
+    """Handed to an actor's run(): its identity, the config and the means to reach others."""
+    role: str
+    index: int
+    config: EngineConfig
+    ctx: zmq.Context
+    supervisor: PushChannel
+
+    @property
+    def name(self) -> str:
+        return self.role if self.role in ("scheduler", "detokenizer", "gateway") \
+            else f"{self.role} {self.index}"
+
+    def address(self, inbox: str) -> str:
+        """ipc address of an inbox: "scheduler", "executor-0", "tokenizer-1", ..."""
+        return ipc_address(self.config.run_dir, inbox)
+
+    def ready(self) -> None:
+        self.supervisor.send(Ready(self.name, os.getpid()))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the supervisor dies, even by SIGKILL."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):   # not Linux: the supervisor's shutdown still ends us
+        return
+    if os.getppid() != parent:          # the parent died before prctl took effect
+        os._exit(1)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=os.environ.get("PAGEWIRE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def main(argv: list[str]) -> None:
+    role, config_path = argv[0], argv[1]
+    index = int(argv[2]) if len(argv) > 2 else 0
+    with open(config_path, "rb") as f:
+        config = EngineConfig.from_json(f.read())
+    ctx = zmq.Context()
+    env = ActorEnv(role, index, config, ctx,
+                   PushChannel(ctx, ipc_address(config.run_dir, "supervisor")))
+    import setproctitle
+    setproctitle.setproctitle(f"pagewire: {env.name}")
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup_logging(env.name)
+    try:
+        importlib.import_module(ROLES[role]).run(env)
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logging.getLogger(env.name).error("fatal: %s", traceback.format_exc())
+        env.supervisor.send(Fatal(env.name, f"{type(e).__name__}: {e}"))
+        env.supervisor.close()
+        ctx.term()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,85 @@
+"""Test helpers: tiny random-weight models and the Hugging Face transformers oracle."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+# Tiny Llama shapes: (hidden, heads, kv_heads, head_dim). Odd on purpose: GQA 1/2/3/4,
+# head_dim 64 and 128, hidden != heads * head_dim.
+TINY_SHAPES = {
+    "gqa2-d64": (128, 4, 2, 64),
+    "mha-d64": (128, 2, 2, 64),
+    "gqa2-d128": (256, 2, 1, 128),
+    "gqa3-odd": (96, 3, 1, 64),
+}
+
+
+def make_tiny_llama(path: str, tokenizer_dir: str, shape: str = "gqa2-d64", *,
+                    vocab_size: int = 512, num_layers: int = 2, tie: bool = False,
+                    seed: int = 0, max_position: int = 1024) -> str:
+    """Save a random-weight LlamaForCausalLM (float32) with the borrowed tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, heads, kv_heads, head_dim = TINY_SHAPES[shape]
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_position, rope_theta=10000.0,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():   # init_std 0.02 gives near-uniform logits; widen them so greedy is decisive
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+class HFOracle:
+    """Greedy decoding with transformers, keeping each step's logits for the tie check."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    @classmethod
+    def from_dir(cls, path: str) -> "HFOracle":
+        from transformers import AutoModelForCausalLM
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        ids = torch.tensor([prompt])
+        out = self.model(ids, use_cache=True)
+        tokens, logits = [], []
+        for _ in range(num_tokens):
+            step_logits = out.logits[0, -1].float()
+            token = int(step_logits.argmax())
+            tokens.append(token)
+            logits.append(step_logits)
+            out = self.model(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                             use_cache=True)
+        return tokens, logits
+
+
+# Two correct engines may sum in a different order; where transformers' own top logits are
+# this close, either token is a correct greedy choice.
+TIE_TOLERANCE = 1e-3
+
+
+def assert_greedy_equal(ours: list[int], theirs: list[int], logits: list[torch.Tensor],
+                        what: str = "") -> None:
+    """Equal tokens, except that the sequences may part at a near-tie in the oracle's logits
+    (after which nothing more is compared)."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            gap = float(logits[i][b] - logits[i][a])
+            assert gap < TIE_TOLERANCE, (
+                f"{what} diverged at output {i}: ours {a}, transformers {b} "
+                f"(transformers' logit gap {gap:.4g}); ours={ours} theirs={theirs}")
+            return
+    assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs {len(theirs)}"
