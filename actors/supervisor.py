@@ -52,7 +52,7 @@ class Supervisor:
                      self.config.host, self.config.port)
             self.watch()
             return 0
-        except ActorFailed as e:
+        except (ActorFailed, ValueError, OSError) as e:
             log.error("%s", e)
             return 1
         finally:

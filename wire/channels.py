@@ -36,10 +36,10 @@ def make_run_dir(parent: str | None = None) -> str:
 
 def ipc_address(run_dir: str, name: str) -> str:
     """The inbox address of actor `name` ("scheduler", "executor-0", ...)."""
-    address = f"ipc://{os.path.join(run_dir, name)}.sock"
-    if len(address) > 100:  # sun_path holds 107 bytes
-        raise ValueError(f"run directory path too long for an ipc socket: {run_dir}")
-    return address
+    path = f"{os.path.join(run_dir, name)}.sock"
+    if len(path.encode()) > 107:  # sun_path holds 108 bytes with the NUL
+        raise ValueError(f"run directory path too long for an ipc socket: {path}")
+    return f"ipc://{path}"
 
 
 def _configure(sock: zmq.Socket) -> None:

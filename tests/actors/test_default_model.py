@@ -1,0 +1,55 @@
+"""The embedded SmolLM2-135M-Instruct: our greedy answers equal transformers' on the same
+dequantized GGUF weights (float32 on both sides), all prompts batched together."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewire import LLM, SamplingParams
+from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
+from tests.helpers import HFOracle, assert_greedy_equal
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three fruits that are red.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a tip for learning to cook.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    from transformers import AutoModelForCausalLM
+    import os
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE,
+                                                 dtype=torch.float32)
+    return HFOracle(model)
+
+
+def test_chat_answers_match_transformers(llm, oracle):
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outputs = llm.chat(conversations, params)
+    for question, out in zip(QUESTIONS, outputs):
+        theirs, logits = oracle.greedy(out.prompt_token_ids, 32)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, question)
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_eos_ends_the_answer(llm):
+    (out,) = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
+                      SamplingParams(temperature=0, max_tokens=64))
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == "The capital of France is Paris."

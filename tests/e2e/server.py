@@ -1,0 +1,84 @@
+"""Start `pagewire serve` as a real process for a test, and end it by pid."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, args: list[str], run_parent: str, timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, RUNTIME_DIRECTORY=run_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagewire.cli", "serve", "--port", str(self.port), *args],
+            env=env)
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.25)
+
+    def healthy(self) -> bool:
+        try:
+            return self.request("GET", "/health")[0] == 200
+        except OSError:
+            return False
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict, dict]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read() or b"{}"), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)

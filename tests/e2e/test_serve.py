@@ -1,0 +1,136 @@
+"""`pagewire serve` as a real process with the default model, through the official openai
+client: chat and completions, streaming and not, concurrent requests, bad input, shutdown."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import tempfile
+
+import openai
+import pytest
+
+from tests.e2e.server import Server, alive, child_pids, cmdline
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
+        srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB"], run_parent)
+        yield srv
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_processes_name_themselves(server):
+    names = sorted(cmdline(pid) for pid in child_pids(server.proc.pid))
+    assert names == ["pagewire: detokenizer", "pagewire: executor 0", "pagewire: gateway",
+                     "pagewire: scheduler", "pagewire: tokenizer 0"]
+
+
+def test_models(client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.owned_by == "pagewire"
+    assert model.model_extra["max_model_len"] == 1024
+
+
+def test_chat_names_paris(client):
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 10
+
+
+def test_chat_streams_token_by_token(client):
+    stream = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
+                                            max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 3 and "Paris" in "".join(pieces)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= len(pieces)
+
+
+def test_stream_and_non_stream_agree(client):
+    full = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     temperature=0, max_tokens=12)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12, stream=True))
+    assert streamed == full.choices[0].text and full.choices[0].finish_reason == "length"
+
+
+def test_completions_with_prompt_list_n_and_stop(client):
+    r = client.completions.create(model=MODEL, prompt=["1, 2, 3,", "a, b, c,"], n=2,
+                                  temperature=0, max_tokens=20, stop=[" 6"])
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == " 4, 5," and r.choices[0].finish_reason == "stop"
+    assert r.choices[1].text == r.choices[0].text
+    assert r.choices[2].text.startswith(" d, e")
+
+
+def test_token_id_prompts(client):
+    r = client.completions.create(model=MODEL, prompt=[[504, 3575, 282, 4649, 314]],
+                                  temperature=0, max_tokens=3)
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 3
+
+
+def test_concurrent_requests(client):
+    questions = ["What is the capital of France?", "Name a primary color.",
+                 "What is 2 + 2?", "Say hello."] * 2
+
+    def ask(q):
+        return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=24,
+                                              messages=[{"role": "user", "content": q}])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, questions))
+    assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+    assert "Paris" in answers[0].choices[0].message.content
+    texts = [a.choices[0].message.content for a in answers]
+    assert texts[:4] == texts[4:]   # the same greedy request gives the same text
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi " * 1100}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 1024}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [[1, 2], [99999999]]}, 400, "prompt"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL}, 400, None),
+])
+def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, body, status, param):
+    code, reply, _ = server.request("POST", "/v1/completions", body)
+    assert code == status
+    err = reply["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["param"] == param and err["message"]
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_request_id_is_echoed(server):
+    code, _, headers = server.request("POST", "/v1/completions",
+                                      {"prompt": "Hi", "max_tokens": 1},
+                                      headers={"X-Request-Id": "abc-123"})
+    assert code == 200 and headers["X-Request-Id"] == "abc-123"
+
+
+def test_sigterm_stops_everything_and_cleans_up():
+    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:   # short: ipc paths are capped
+        srv = Server(["--max-model-len", "256", "--kv-cache-memory", "64MiB"], run_parent)
+        children = child_pids(srv.proc.pid)
+        assert len(children) == 5 and os.listdir(run_parent)
+        assert srv.stop() == 0
+        assert not [pid for pid in children if alive(pid)]
+        assert os.listdir(run_parent) == []
