@@ -8,6 +8,8 @@ its blocks are freed.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import PullChannel, PushChannel
@@ -16,6 +18,9 @@ from pagewire.wire.to_gateway import TextDelta, TextDeltas
 from pagewire.wire.to_scheduler import Abort
 
 from .hf_tokenizer import load_tokenizer
+
+
+_REMEMBER_ENDED = 10_000
 
 
 class IncrementalText:
@@ -37,10 +42,10 @@ class IncrementalText:
             self.num_tokens += 1
             piece = self.stream.step(self.backend, tid)
             if piece:
-                searched_from = max(0, len(self.text) - self.holdback)
+                old_len = len(self.text)
                 self.text += piece
                 if self.start.stop and self.num_tokens > self.start.min_tokens:
-                    stopped = self._cut_at_stop(searched_from)
+                    stopped = self._cut_at_stop(old_len)
             if stopped:
                 break
         finish = "stop" if stopped else delta.finish_reason
@@ -51,9 +56,11 @@ class IncrementalText:
         self.sent = end
         return out, stopped
 
-    def _cut_at_stop(self, searched_from: int) -> bool:
+    def _cut_at_stop(self, old_len: int) -> bool:
+        """Cut at the first stop string that ends inside the piece appended after `old_len`
+        (earlier matches were seen before, or fell within min_tokens and do not count)."""
         hits = [(i, s) for s in self.start.stop
-                if (i := self.text.find(s, max(0, searched_from - len(s) + 1))) >= 0]
+                if (i := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
@@ -67,7 +74,8 @@ class Detokenizer:
     Deltas that arrive before their DetokStart (the two travel on different sockets) wait in
     `early` until it comes. A request finished here by a stop string stays in `stopped` until
     the scheduler confirms the abort with a final "abort" delta (it answers every Abort so),
-    and deltas it sent meanwhile are dropped.
+    and deltas it sent meanwhile are dropped. An "abort" for a request not live is remembered
+    in `ended` (bounded), so a DetokStart that it overtook is dropped when it arrives.
     """
 
     def __init__(self, tokenizer):
@@ -75,8 +83,11 @@ class Detokenizer:
         self.live: dict[str, IncrementalText] = {}
         self.early: dict[str, list[TokenDelta]] = {}
         self.stopped: set[str] = set()
+        self.ended: OrderedDict[str, None] = OrderedDict()   # aborted while not live
 
     def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[str]]:
+        if self.ended.pop(msg.req_id, False) is None:   # its abort overtook it: over already
+            return [], []
         self.live[msg.req_id] = IncrementalText(self.backend, msg)
         return self.on_deltas(TokenDeltas(self.early.pop(msg.req_id, [])))
 
@@ -101,6 +112,9 @@ class Detokenizer:
     def _orphan(self, delta: TokenDelta) -> None:
         """A delta for a request that is not live: stopped here, not started yet, or over."""
         if delta.finish_reason == "abort":
+            self.ended[delta.req_id] = None
+            if len(self.ended) > _REMEMBER_ENDED:
+                self.ended.popitem(last=False)
             self.stopped.discard(delta.req_id)
             self.early.pop(delta.req_id, None)
         elif delta.req_id not in self.stopped:
