@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import EngineConfig, parse_bytes
@@ -30,7 +31,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    p.add_argument("--swap-space", type=_gib, default=0,
+                   help="host-memory KV tier for preemption, GiB (or a size: 512MiB)")
+    p.add_argument("--preemption-mode", default=d.preemption_mode,
+                   choices=["auto", "recompute", "swap"])
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=["fcfs", "priority"])
+    p.add_argument("--max-num-queued-reqs", type=int, default=None)
+    p.add_argument("--max-num-queued-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="executor torch threads")
+
+
+def _gib(text: str) -> int:
+    """vLLM's --swap-space is a number of GiB; a size with a unit is taken as it is."""
+    try:
+        return int(float(text) * 2**30)
+    except ValueError:
+        return parse_bytes(text)
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -47,7 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--num-tokenizers", type=int, default=1)
     serve.add_argument("--drain-timeout", type=float, default=30.0)
+    serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
+                       help="accepted bearer key (repeatable; also $PAGEWIRE_API_KEY, "
+                            "comma-separated)")
+    serve.add_argument("--cache-salt-per-api-key", action="store_true",
+                       help="give each API key its own prefix-cache salt")
     args = parser.parse_args(argv)
+    env_keys = os.environ.get("PAGEWIRE_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
+    args.api_keys = (args.api_keys or []) + [k for k in env_keys.split(",") if k]
     setup_logging("supervisor")
     try:
         config = _config(args).resolve()

@@ -35,12 +35,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
     num_kv_blocks: int | None = None         # overrides kv_cache_memory
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    swap_space: int = 0                      # bytes of host-memory KV tier for preemption
+    preemption_mode: str = "auto"            # auto (swap if it fits, else recompute) | recompute | swap
+    scheduling_policy: str = "fcfs"          # fcfs | priority (lower `priority` first)
+    max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
+    max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
     num_tokenizers: int = 1
     threads: int | None = None               # torch threads in the executor; None: all cores
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
+    api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
+    cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None
+    num_host_blocks: int = 0
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with the model read, dtype, context and KV pool size decided.
@@ -61,6 +70,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"the KV cache ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
                 f"--max-model-len")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+        host_blocks = self.swap_space // (self.block_size * info.kv_bytes_per_token(_DTYPE_BYTES[dtype]))
+        if self.preemption_mode == "swap" and host_blocks == 0:
+            raise ValueError("preemption_mode swap needs --swap-space")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
@@ -68,7 +84,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"max_model_len ({max_len})")
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
-            served_model_name=self.served_model_name or info.name)
+            num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name)
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import PullChannel, PushChannel
+from pagewire.wire.sampling import output_ids
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_gateway import TextDelta, TextDeltas
 from pagewire.wire.to_scheduler import Abort
@@ -52,7 +53,8 @@ class IncrementalText:
         end = len(self.text) if finish else max(self.sent, len(self.text) - self.holdback)
         out = TextDelta(req_id=delta.req_id, text=self.text[self.sent:end],
                         num_prompt_tokens=self.start.num_prompt_tokens,
-                        num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error)
+                        num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error,
+                        cumulative_logprob=delta.cumulative_logprob)
         self.sent = end
         return out, stopped
 
@@ -86,10 +88,15 @@ class Detokenizer:
         self.ended: OrderedDict[str, None] = OrderedDict()   # aborted while not live
 
     def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[str]]:
-        if self.ended.pop(msg.req_id, False) is None:   # its abort overtook it: over already
-            return [], []
-        self.live[msg.req_id] = IncrementalText(self.backend, msg)
-        return self.on_deltas(TokenDeltas(self.early.pop(msg.req_id, [])))
+        texts, aborts = [], []
+        for out_id in output_ids(msg.req_id, msg.num_outputs):
+            if self.ended.pop(out_id, False) is None:   # its abort overtook it: over already
+                continue
+            self.live[out_id] = IncrementalText(self.backend, msg)
+            t, a = self.on_deltas(TokenDeltas(self.early.pop(out_id, [])))
+            texts += t
+            aborts += a
+        return texts, aborts
 
     def on_deltas(self, msg: TokenDeltas) -> tuple[list[TextDelta], list[str]]:
         """Returns the text deltas for the gateway and the request ids to abort at the

@@ -9,7 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling import SamplingParams, output_ids
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest
@@ -30,6 +30,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -54,6 +55,8 @@ class LLM:
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._live: dict[str, RequestOutput] = {}
+        self._outputs: dict[str, tuple[RequestOutput, CompletionOutput]] = {}   # by output id
+        self._n: dict[str, int] = {}           # requests generating more sequences than n
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -93,8 +96,14 @@ class LLM:
         if isinstance(result, RequestFailed):
             raise ValueError(result.message)
         start, new = result
-        self._live[req_id] = RequestOutput(req_id, req.prompt, new.prompt_token_ids,
-                                           [CompletionOutput(0)])
+        sampling = new.sampling
+        out = RequestOutput(req_id, req.prompt, new.prompt_token_ids,
+                            [CompletionOutput(j) for j in range(sampling.num_outputs)])
+        self._live[req_id] = out
+        if sampling.num_outputs > sampling.n:
+            self._n[req_id] = sampling.n
+        for j, out_id in enumerate(output_ids(req_id, sampling.num_outputs)):
+            self._outputs[out_id] = (out, out.outputs[j])
         self.detokenizer.start(start)
         self.scheduler.add(new)
         return req_id
@@ -109,20 +118,34 @@ class LLM:
             raise RuntimeError("scheduler has unfinished requests but nothing to run")
         deltas = self.scheduler.update(self.runner.execute(plan))
         for d in deltas:
-            self._live[d.req_id].outputs[0].token_ids += d.token_ids
+            self._outputs[d.req_id][1].token_ids += d.token_ids
         texts, aborts = self.detokenizer.on_deltas(TokenDeltas(deltas))
         if aborts:
             self.detokenizer.on_deltas(TokenDeltas(self.scheduler.abort(aborts)))
         finished = []
         for t in texts:
-            out = self._live[t.req_id]
-            completion = out.outputs[0]
+            out, completion = self._outputs[t.req_id]
             completion.text += t.text
             if t.finish_reason:
-                completion.finish_reason, out.finished = t.finish_reason, True
+                del self._outputs[t.req_id]
+                completion.finish_reason = t.finish_reason
+                completion.cumulative_logprob = t.cumulative_logprob
                 del completion.token_ids[t.num_output_tokens:]
-                finished.append(self._live.pop(t.req_id))
+                if all(c.finish_reason for c in out.outputs):
+                    finished.append(self._finalize(out))
         return finished
+
+    def _finalize(self, out: RequestOutput) -> RequestOutput:
+        """All sequences are done: keep the n best of best_of (by cumulative logprob)."""
+        del self._live[out.request_id]
+        out.finished = True
+        n = self._n[out.request_id] if out.request_id in self._n else len(out.outputs)
+        if n < len(out.outputs):
+            out.outputs = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+            for j, c in enumerate(out.outputs):
+                c.index = j
+        self._n.pop(out.request_id, None)
+        return out
 
     def _run(self, req_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

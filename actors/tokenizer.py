@@ -39,9 +39,11 @@ class RequestTokenizer:
         start = DetokStart(req_id=req.req_id, prompt_tail=ids[-PROMPT_TAIL:],
                            num_prompt_tokens=len(ids), stop=s.stop,
                            include_stop_str_in_output=s.include_stop_str_in_output,
-                           skip_special_tokens=s.skip_special_tokens, min_tokens=s.min_tokens)
+                           skip_special_tokens=s.skip_special_tokens, min_tokens=s.min_tokens,
+                           num_outputs=s.num_outputs)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
-                                 arrival_time=req.arrival_time)
+                                 arrival_time=req.arrival_time, cache_salt=req.cache_salt,
+                                 priority=req.priority)
 
     def encode(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:

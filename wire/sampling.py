@@ -20,7 +20,10 @@ class InvalidParam(ValueError):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    n: int = 1
+    n: int = 1                       # outputs returned
+    best_of: int | None = None       # sequences generated (the n with the best logprob return)
+    use_beam_search: bool = False    # beam width max(n, best_of); returns the n best beams
+    length_penalty: float = 1.0      # beam score = cumulative logprob / length ** penalty
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                   # 0 or -1: no top-k cut
@@ -33,11 +36,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None      # None: none; 0: the sampled token's; k: and the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n == 1, "n", f"n must be 1 for now, got {self.n}")
+        _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        _check(self.best_of is None or self.best_of >= self.n, "best_of",
+               f"best_of must be at least n ({self.n}), got {self.best_of}")
         _check(self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
@@ -49,11 +55,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "logprobs must be >= 0")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for one prompt: the beam width for beam search,
+        else best_of (or n)."""
+        return max(self.n, self.best_of or 0)
+
+    @property
+    def num_outputs(self) -> int:
+        """Sequences reported back: the n best beams, or every sampled sequence (the
+        gateway keeps the n best of best_of)."""
+        return self.n if self.use_beam_search else self.num_sequences
+
+
+def output_ids(req_id: str, count: int) -> list[str]:
+    """Ids of a request's output sequences, as the scheduler, detokenizer and gateway all
+    name them: the request id itself when there is one, else "<id>.<j>"."""
+    return [req_id] if count == 1 else [f"{req_id}.{j}" for j in range(count)]
 
 
 def _check(ok: bool, param: str, message: str) -> None:

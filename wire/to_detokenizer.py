@@ -15,13 +15,15 @@ class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0              # stop strings are ignored before this many outputs
+    num_outputs: int = 1             # output sequences, named by output_ids(req_id, n)
 
 
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
+    req_id: str                        # an output sequence id (see output_ids)
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | "rejected"
     error: str | None = None
+    cumulative_logprob: float | None = None   # on the final delta, when it was computed
 
 
 class TokenDeltas(msgspec.Struct, tag=True, gc=False):

@@ -25,16 +25,23 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
 class RunSeq(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     num_scheduled: int
-    new_block_ids: list[int]    # appended to the block table
+    block_offset: int           # the block table from this index on is replaced by block_ids
+    block_ids: list[int]        # (new blocks, and a block swapped in by copy-on-write)
+    new_token_ids: list[int] = []   # tokens the scheduler chose (beam search) to append first
 
 
 class StepPlan(msgspec.Struct, tag=True, gc=False):
-    """Invariant: a request appears at most once in new + running; `finished` ids are dropped
-    from the executor's state before this step runs, and none of them is also scheduled."""
+    """Invariant: a request appears at most once in new + running. Before the step runs the
+    executor drops the `finished` ids' state, then copies blocks: `swap_out` [device, host]
+    pairs, then `swap_in` [host, device], then `copies` [src, dst] device pairs
+    (copy-on-write)."""
     step_id: int
     new: list[NewSeq]
     running: list[RunSeq]
     finished: list[str]
+    copies: list[list[int]] = []
+    swap_out: list[list[int]] = []
+    swap_in: list[list[int]] = []
 
 
 ExecutorInbox = StepPlan

@@ -9,8 +9,9 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     text: str
     num_prompt_tokens: int
     num_output_tokens: int              # outputs so far, this delta's included
-    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error" | "rejected"
     error: str | None = None
+    cumulative_logprob: float | None = None
 
 
 class TextDeltas(msgspec.Struct, tag=True, gc=False):

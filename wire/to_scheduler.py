@@ -7,11 +7,15 @@ import msgspec
 from .sampling import SamplingParams
 
 
-class NewRequest(msgspec.Struct, tag=True, kw_only=True):
+class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """One prompt. With sampling.num_sequences > 1 the scheduler forks it into sequences
+    named by output_ids() once the prompt is computed."""
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -21,11 +25,17 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class StepResult(msgspec.Struct, tag=True, gc=False):
-    """What one step produced: the token sampled for each request whose computed tokens reached
-    the end of its known tokens, in plan order. `error` is set when the step failed as a whole."""
+    """What one step produced, one row per request whose computed tokens reached the end of
+    its known tokens: the token sampled (the most likely one for beam search, which appends
+    nothing itself). `logprobs` (the sampled token's log-probability) and `top_ids` /
+    `top_logprobs` (the k most likely tokens, k per request) are set only when some row asked;
+    rows that did not ask hold 0.0 and []. `error` is set when the step failed as a whole."""
     step_id: int
     req_ids: list[str]
     token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
     error: str | None = None
 
 

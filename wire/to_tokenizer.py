@@ -23,6 +23,8 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    cache_salt: str | None = None        # requests with different salts never share KV blocks
+    priority: int = 0                    # lower runs first under the priority policy
 
 
 TokenizerInbox = TokenizeRequest

@@ -19,7 +19,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
 from .loader import _DTYPES, load_model
-from .sampler import SamplingBatch, sample
+from .sampler import LogprobRequest, SamplingBatch, sample
 
 
 @dataclass
@@ -52,23 +52,33 @@ class ModelRunner:
         cfg = self.model.cfg
         self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks, self.block_size,
                                            cfg.num_kv_heads, cfg.head_dim, _DTYPES[config.dtype])
+        self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
+                                             self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                             _DTYPES[config.dtype]) if config.num_host_blocks else []
         self.eos_ids = list(config.model_info.eos_token_ids)
         self.seqs: dict[str, SeqState] = {}
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         order = self._apply_plan(plan)
+        self._copy_blocks(plan)
         input_ids, positions, batch, sample_rows, sample_seqs = self._layout(order)
         hidden = self.model(input_ids, positions, self.kv_caches, batch)       # [T, H]
-        tokens: list[int] = []
+        result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
-            tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
-        for (rid, seq), token in zip(sample_seqs, tokens):
-            seq.token_ids.append(token)
+            wanted = LogprobRequest.of([seq.sampling for _, seq in sample_seqs])
+            logprobs = wanted.log_softmax(logits)          # before sampling edits the logits
+            tokens = sample(logits, self._sampling_batch(sample_seqs))
+            result.token_ids = tokens.tolist()
+            if logprobs is not None:
+                result.logprobs, result.top_ids, result.top_logprobs = wanted.gather(logprobs, tokens)
+        for (_, seq), token in zip(sample_seqs, result.token_ids):
+            if not seq.sampling.use_beam_search:   # the scheduler picks a beam's next token
+                seq.token_ids.append(token)
         for _, seq in order:
             seq.num_computed += seq.num_scheduled
-        return StepResult(plan.step_id, [rid for rid, _ in sample_seqs], tokens)
+        return result
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
         """Update per-request state; return the scheduled requests, decodes first."""
@@ -82,11 +92,22 @@ class ModelRunner:
             order.append((new.req_id, seq))
         for run in plan.running:
             seq = self.seqs[run.req_id]
-            seq.block_ids += run.new_block_ids
+            seq.block_ids[run.block_offset:] = run.block_ids
+            seq.token_ids += run.new_token_ids
             seq.num_scheduled = run.num_scheduled
             order.append((run.req_id, seq))
         order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
         return order
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""
+        for pairs, src_caches, dst_caches in ((plan.swap_out, self.kv_caches, self.host_caches),
+                                              (plan.swap_in, self.host_caches, self.kv_caches),
+                                              (plan.copies, self.kv_caches, self.kv_caches)):
+            if pairs:
+                src, dst = torch.tensor(pairs).T
+                for src_cache, dst_cache in zip(src_caches, dst_caches):
+                    dst_cache[:, dst] = src_cache[:, src]
 
     def _layout(self, order: list[tuple[str, SeqState]]):
         """Flatten the scheduled tokens: ids, positions, attention layout, and which rows of

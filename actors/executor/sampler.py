@@ -87,3 +87,43 @@ def _exponential_noise(shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
             gen = torch.Generator().manual_seed((p.seed ^ ((index + 1) * _MIX)) & (2**63 - 1))
             noise[row].exponential_(generator=gen)
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)   # p / 0 would be NaN or inf
+
+
+@dataclass
+class LogprobRequest:
+    """Which rows want log-probabilities: the sampled token's (`rows`), and the top k
+    (`top_k`, per row; beam search asks for 2 * width candidates). Log-probabilities are the
+    model's own (log-softmax of the raw logits, before temperature and filtering)."""
+    rows: list[int]
+    top_k: list[int]
+    num_rows: int
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> "LogprobRequest":
+        rows, top_k = [], []
+        for i, p in enumerate(params):
+            k = 2 * p.num_sequences if p.use_beam_search else (p.logprobs or 0)
+            if p.logprobs is not None or p.use_beam_search:
+                rows.append(i)
+                top_k.append(k)
+        return cls(rows, top_k, len(params))
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[S, V] -> [len(rows), V], or None when no row asked."""
+        return torch.log_softmax(logits[self.rows], dim=-1) if self.rows else None
+
+    def gather(self, logprobs: torch.Tensor, tokens: torch.Tensor):
+        """Per row of the batch: the sampled token's logprob, the top-k ids and logprobs
+        (0.0, [], [] for rows that did not ask)."""
+        sampled = [0.0] * self.num_rows
+        top_ids = [[] for _ in range(self.num_rows)]
+        top_lps = [[] for _ in range(self.num_rows)]
+        picked = logprobs.gather(1, tokens[self.rows].unsqueeze(1)).squeeze(1).tolist()
+        k_max = max(self.top_k)
+        values, indices = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+        for j, (row, k) in enumerate(zip(self.rows, self.top_k)):
+            sampled[row] = picked[j]
+            if k:
+                top_ids[row] = indices[j, :k].tolist()
+                top_lps[row] = values[j, :k].tolist()
+        return sampled, top_ids, top_lps

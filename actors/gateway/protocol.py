@@ -13,7 +13,7 @@ MAX_N = 16
 class ApiError(Exception):
     """Answered as OpenAI error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -35,6 +35,9 @@ class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send extras."""
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -50,6 +53,8 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
     # Accepted by OpenAI but not implemented yet: refused when set, never silently ignored.
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
@@ -96,18 +101,21 @@ def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
 
 
 def to_sampling(body: _Common, max_tokens: int | None) -> SamplingParams:
-    """The request's SamplingParams for one choice (n is fanned out by the gateway)."""
+    """The request's SamplingParams (shared by each of its prompts)."""
     for name in _UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"`{name}` is not supported yet", name)
     if not 1 <= body.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}, got {body.n}", "n")
+    if body.best_of is not None and not body.n <= body.best_of <= MAX_N:
+        raise ApiError(400, f"best_of must be between n and {MAX_N}, got {body.best_of}", "best_of")
     fields = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                   min_p=body.min_p, seed=body.seed)
     try:
         return SamplingParams(
             **{k: v for k, v in fields.items() if v is not None},
-            max_tokens=max_tokens, min_tokens=body.min_tokens,
+            n=body.n, best_of=body.best_of, use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,

@@ -9,6 +9,8 @@ aborted at the scheduler, so no request outlives its client.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 import uuid
@@ -19,6 +21,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
+from pagewire.wire.sampling import output_ids
 from pagewire.wire.to_gateway import GatewayInbox, RequestFailed, TextDelta, TextDeltas
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
@@ -63,6 +66,8 @@ class Gateway:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
+            if request.path.startswith("/v1/"):
+                self.api_key(request)
             response = await handler(request)
         except ApiError as e:
             response = web.json_response(e.body(), status=e.status)
@@ -93,7 +98,8 @@ class Gateway:
         if body.echo:
             raise ApiError(400, "`echo` is not supported yet", "echo")
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
-                                prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"))
+                                prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
+                                cache_salt=self.salt(request, body), priority=body.priority)
                 for p in completion_prompts(body)]
         fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         return await self.serve(request, body, fmt, subs)
@@ -105,9 +111,35 @@ class Gateway:
         sub = TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                               messages=chat_messages(body),
                               add_generation_prompt=body.add_generation_prompt,
-                              continue_final_message=body.continue_final_message)
+                              continue_final_message=body.continue_final_message,
+                              cache_salt=self.salt(request, body), priority=body.priority)
         fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         return await self.serve(request, body, fmt, [sub])
+
+    def api_key(self, request: web.Request) -> str | None:
+        """The request's bearer key, checked against every configured key in constant time.
+        Raises 401 when keys are configured and none matches."""
+        if not self.config.api_keys:
+            return None
+        header = request.headers.get("Authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        matched = None
+        for key in self.config.api_keys:     # no early exit: timing does not tell which key
+            if hmac.compare_digest(given.encode(), key.encode()):
+                matched = key
+        if matched is None:
+            raise ApiError(401, "invalid or missing API key", error_type="AuthenticationError")
+        return matched
+
+    def salt(self, request: web.Request, body) -> str | None:
+        """The request's cache salt. With cache_salt_per_api_key, each API key gets its own
+        salt (derived from the key, never the key itself) so tenants never share KV blocks,
+        whatever salt a client sends."""
+        key = self.api_key(request) if self.config.cache_salt_per_api_key else None
+        if key is None:
+            return body.cache_salt
+        tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]
+        return f"{tenant}:{body.cache_salt or ''}"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -118,40 +150,38 @@ class Gateway:
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
                     prompts: list[TokenizeRequest]) -> web.StreamResponse:
-        """Fan the prompts out n times each, run them, answer in one response or a stream."""
-        choices = _fan_out(prompts, body.n, fmt.id)
-        queue: asyncio.Queue = asyncio.Queue()
-        open_ids = {c.req_id for c in choices}
-        for c in choices:
-            self.routes[c.req_id] = queue
+        """Run the prompts (each generating its n sequences), answer in one response or a
+        stream."""
+        if body.stream and prompts[0].sampling.num_outputs > prompts[0].sampling.n:
+            raise ApiError(400, "best_of > n cannot be streamed", "best_of")
+        for i, p in enumerate(prompts):
+            p.req_id = f"{fmt.id}-{i}"
+        run = _Run(prompts)
+        for rid in run.route_ids():
+            self.routes[rid] = run.queue
         self.in_flight += 1
         try:
-            for c in choices:
-                self.tokenizers.send(c)
-            first = await _first_replies(queue, len(choices), open_ids)
-            run = _Choices(queue, first, open_ids, len(prompts), body.n)
+            for p in prompts:
+                self.tokenizers.send(p)
+            await run.first_replies()
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return await self.stream(request, fmt, run, include_usage)
             return await self.collect(fmt, run)
         finally:
             self.in_flight -= 1
-            for c in choices:
-                self.routes.pop(c.req_id, None)
-            if open_ids:
-                self.scheduler.send(Abort(sorted(open_ids)))
+            for rid in run.route_ids():
+                self.routes.pop(rid, None)
+            if run.open_ids:
+                self.scheduler.send(Abort(sorted(run.open_ids)))
 
-    async def collect(self, fmt: Formatter, run: "_Choices") -> web.Response:
-        texts, reasons = {}, {}
-        async for index, delta in run:
-            if delta.finish_reason == "error":
-                raise ApiError(500, delta.error or "generation failed")
-            texts[index] = texts.get(index, "") + delta.text
-            if delta.finish_reason:
-                reasons[index] = delta.finish_reason
+    async def collect(self, fmt: Formatter, run: "_Run") -> web.Response:
+        async for _ in run:
+            pass
+        texts, reasons = run.best_choices()
         return web.json_response(fmt.full(texts, reasons, run.usage()), dumps=_dumps)
 
-    async def stream(self, request: web.Request, fmt: Formatter, run: "_Choices",
+    async def stream(self, request: web.Request, fmt: Formatter, run: "_Run",
                      include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -161,18 +191,17 @@ class Gateway:
         if fmt.chat:
             for index in range(run.num_choices):
                 await _send_event(response, fmt.chunk(index, None, None, role=True))
-        async for index, delta in run:
-            if delta.finish_reason == "error":
-                await _send_event(response, ApiError(500, delta.error or "generation failed").body())
-                break
-            if delta.text or (delta.finish_reason and not fmt.chat):
-                await _send_event(response, fmt.chunk(index, delta.text, None if fmt.chat
-                                                      else delta.finish_reason))
-            if delta.finish_reason and fmt.chat:
-                await _send_event(response, fmt.chunk(index, None, delta.finish_reason))
-        else:
+        try:
+            async for index, delta in run:
+                if delta.text or (delta.finish_reason and not fmt.chat):
+                    await _send_event(response, fmt.chunk(index, delta.text, None if fmt.chat
+                                                          else delta.finish_reason))
+                if delta.finish_reason and fmt.chat:
+                    await _send_event(response, fmt.chunk(index, None, delta.finish_reason))
             if include_usage:
                 await _send_event(response, fmt.usage_chunk(run.usage()))
+        except ApiError as e:   # the engine failed mid-stream: an error event, then [DONE]
+            await _send_event(response, e.body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -185,43 +214,50 @@ class Gateway:
             await asyncio.sleep(0.05)
 
 
-def _fan_out(prompts: list[TokenizeRequest], n: int, base_id: str) -> list[TokenizeRequest]:
-    """Choice i*n + j is prompt i's j-th sample; seeded requests get seed + j so the n samples
-    differ yet stay reproducible."""
-    choices = []
-    for i, p in enumerate(prompts):
-        for j in range(n):
-            s = p.sampling
-            if j and s.seed is not None:
-                s = msgspec.structs.replace(s, seed=(s.seed + j) % 2**63)
-            choices.append(msgspec.structs.replace(p, req_id=f"{base_id}-{i * n + j}", sampling=s))
-    return choices
+class _Run:
+    """The sequences of one HTTP request, and their replies as they arrive on `queue`.
 
+    Prompt i's sequences are named output_ids("<id>-i", num_outputs); sequence j of prompt i
+    is choice i*n + j. Iterating yields (choice index, TextDelta) until every sequence has
+    finished, removing finished ids from `open_ids` (what is left is aborted when the
+    handler ends). A failed sequence raises ApiError.
+    """
 
-async def _first_replies(queue: asyncio.Queue, count: int, open_ids: set[str]) -> list:
-    """Wait until every choice has answered once; a refusal (bad prompt, too long) becomes
-    the HTTP error before any response byte is sent."""
-    seen, replies = set(), []
-    while len(seen) < count:
-        msg = await queue.get()
-        seen.add(msg.req_id)
-        if isinstance(msg, RequestFailed):
-            open_ids.discard(msg.req_id)
-            raise ApiError(msg.status, msg.message, msg.param, msg.error_type)
-        replies.append(msg)
-    return replies
-
-
-class _Choices:
-    """Async iterator over (choice index, TextDelta) until every choice has finished; keeps
-    token counts for usage. Removes finished ids from `open_ids`."""
-
-    def __init__(self, queue, first: list[TextDelta], open_ids: set[str], num_prompts: int, n: int):
-        self.queue, self.buffer, self.open_ids = queue, list(first), open_ids
-        self.num_choices = num_prompts * n
-        self.n = n
+    def __init__(self, prompts: list[TokenizeRequest]):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_ids = [p.req_id for p in prompts]
+        sampling = prompts[0].sampling
+        self.n, self.num_outputs = sampling.n, sampling.num_outputs
+        self.num_choices = len(prompts) * self.n
+        self.slot: dict[str, tuple[int, int]] = {
+            out_id: (i, j) for i, p in enumerate(prompts)
+            for j, out_id in enumerate(output_ids(p.req_id, self.num_outputs))}
+        self.open_ids = set(self.slot)
+        self.buffer: list[TextDelta] = []
+        self.texts: dict[tuple[int, int], str] = {}
+        self.reasons: dict[tuple[int, int], str] = {}
+        self.logprobs: dict[tuple[int, int], float] = {}
         self.prompt_tokens: dict[int, int] = {}
-        self.output_tokens: dict[int, int] = {}
+        self.output_tokens: dict[tuple[int, int], int] = {}
+
+    def route_ids(self) -> list[str]:
+        return self.prompt_ids + list(self.slot)
+
+    async def first_replies(self) -> None:
+        """Wait until every prompt has answered once; a refusal (bad prompt, too long, queue
+        full) becomes the HTTP error before any response byte is sent."""
+        answered = set()
+        while len(answered) < len(self.prompt_ids):
+            msg = await self.queue.get()
+            if isinstance(msg, RequestFailed):
+                self.open_ids -= {o for o, (i, _) in self.slot.items()
+                                  if self.prompt_ids[i] == msg.req_id}
+                raise ApiError(msg.status, msg.message, msg.param, msg.error_type)
+            if msg.finish_reason == "rejected":
+                self.open_ids.discard(msg.req_id)
+                raise ApiError(503, msg.error or "the server is overloaded")
+            answered.add(self.slot[msg.req_id][0])
+            self.buffer.append(msg)
 
     def __aiter__(self):
         return self
@@ -230,12 +266,33 @@ class _Choices:
         if not self.open_ids and not self.buffer:
             raise StopAsyncIteration
         delta = self.buffer.pop(0) if self.buffer else await self.queue.get()
-        index = int(delta.req_id.rsplit("-", 1)[1])
-        self.prompt_tokens[index // self.n] = delta.num_prompt_tokens
-        self.output_tokens[index] = delta.num_output_tokens
+        if isinstance(delta, RequestFailed) or delta.req_id not in self.slot:
+            return await self.__anext__()
+        i, j = slot = self.slot[delta.req_id]
         if delta.finish_reason:
             self.open_ids.discard(delta.req_id)
-        return index, delta
+        if delta.finish_reason in ("error", "rejected"):
+            raise ApiError(500 if delta.finish_reason == "error" else 503,
+                           delta.error or "generation failed")
+        self.prompt_tokens[i] = delta.num_prompt_tokens
+        self.output_tokens[slot] = delta.num_output_tokens
+        self.texts[slot] = self.texts.get(slot, "") + delta.text
+        if delta.finish_reason:
+            self.reasons[slot] = delta.finish_reason
+            self.logprobs[slot] = delta.cumulative_logprob or 0.0
+        return i * self.n + j, delta
+
+    def best_choices(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Texts and finish reasons by choice index: per prompt, the n sequences with the
+        highest cumulative logprob when it generated more (best_of)."""
+        texts, reasons = {}, {}
+        for i in range(len(self.prompt_ids)):
+            slots = [(i, j) for j in range(self.num_outputs)]
+            if self.num_outputs > self.n:
+                slots = sorted(slots, key=lambda s: -self.logprobs[s])[: self.n]
+            for j, slot in enumerate(slots):
+                texts[i * self.n + j], reasons[i * self.n + j] = self.texts.get(slot, ""), self.reasons[slot]
+        return texts, reasons
 
     def usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.output_tokens.values()))

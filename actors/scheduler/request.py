@@ -1,28 +1,41 @@
-"""The scheduler's record of one request."""
+"""The scheduler's record of one sequence."""
 from __future__ import annotations
 
 import enum
+import itertools
 
 from pagewire.wire.sampling import SamplingParams
+
+_arrivals = itertools.count()
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"      # preempted to the host tier: blocks held there, not on the device
     FINISHED = "finished"
 
 
 class Request:
-    """Mutated only by the scheduler. `num_computed` counts tokens whose K/V are in the cache;
-    tokens [num_computed, len(token_ids)) are still to run. `on_executor` says the executor
-    holds this request's state (it got a NewSeq and has not been told to drop it)."""
+    """One sequence, mutated only by the scheduler.
+
+    `num_computed` counts tokens whose K/V are in the cache; tokens [num_computed, target_len)
+    are still to run. A fork leader (a prompt that will split into n sequences) targets all
+    but the last prompt token; every other request targets all its tokens. `on_executor` says
+    the executor holds this request's state; `num_blocks_sent` is how much of the block table
+    it holds unchanged. `block_hashes` cover the full blocks of token_ids computed so far
+    (prefix caching); the first `num_committed` are committed to the block manager.
+    """
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "arrival_time",
                  "max_tokens", "status", "num_computed", "num_scheduled", "block_ids",
-                 "num_blocks_sent", "on_executor")
+                 "num_blocks_sent", "on_executor", "priority", "cache_salt", "order",
+                 "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
+                 "host_block_ids", "new_token_ids", "candidates")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 arrival_time: float, max_model_len: int):
+                 arrival_time: float, max_model_len: int, priority: int = 0,
+                 cache_salt: str | None = None):
         self.req_id = req_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -30,18 +43,49 @@ class Request:
         self.arrival_time = arrival_time
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        self.priority, self.cache_salt = priority, cache_salt
+        self.order = next(_arrivals)          # ties in (priority, order) break by arrival
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_scheduled = 0
         self.block_ids: list[int] = []
+        self.host_block_ids: list[int] = []   # where a swapped-out request's blocks are
         self.num_blocks_sent = 0
         self.on_executor = False
+        self.block_hashes: list[bytes] = []
+        self.num_committed = 0
+        self.fork_leader = False
+        self.cum_logprob = 0.0
+        self.group = None                     # the BeamGroup a beam belongs to
+        self.new_token_ids: list[int] = []    # chosen here, not yet sent to the executor
+        self.candidates = None                # a beam's (token ids, logprobs) this step
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Scheduling order: lower runs first, higher is preempted first."""
+        return (self.priority, self.order)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def target_len(self) -> int:
+        return self.num_prompt_tokens - 1 if self.fork_leader else len(self.token_ids)
+
+    @property
     def num_pending(self) -> int:
-        """Tokens not yet computed."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens still to compute before the next sample (or fork)."""
+        return self.target_len - self.num_computed
+
+    def fork(self, req_id: str, sampling: SamplingParams) -> "Request":
+        """A sequence with this one's tokens and blocks (the caller takes block references)."""
+        child = Request.__new__(Request)
+        for name in self.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.req_id, child.sampling, child.fork_leader = req_id, sampling, False
+        child.token_ids, child.block_ids = list(self.token_ids), list(self.block_ids)
+        child.block_hashes, child.new_token_ids = list(self.block_hashes), list(self.new_token_ids)
+        child.host_block_ids, child.candidates = [], None
+        child.on_executor, child.num_blocks_sent, child.num_scheduled = False, 0, 0
+        return child

@@ -1,25 +1,33 @@
-"""The scheduler: the only owner of request state and of the KV block table.
+"""The scheduler: the only owner of request state and of the KV block tables.
 
-Each step, schedule() picks which tokens of which requests run under one token budget shared by
-decodes and prefill chunks (no separate phases): running requests first, in arrival order, then
-waiting ones. When blocks run out, the latest-arriving running request is preempted by
-recompute: its blocks are freed and it goes back to the front of the queue with all its tokens,
-to be prefilled again. update() applies a StepResult: appends sampled tokens, finishes requests
-(EOS, stop ids, max_tokens, context full) and frees their blocks.
+Each step, schedule() picks which tokens of which sequences run under one token budget shared
+by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
+arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached.
+When blocks run out, the last running sequence in that order is preempted: swapped to the host
+tier when the policy allows and it fits, else recomputed (freed, requeued, prefilled again,
+cheaply when its blocks are still cached). update() applies a StepResult: appends sampled
+tokens, forks prompts into their n sequences, advances beams, finishes sequences (EOS, stop
+ids, max_tokens, context full) and frees their blocks.
 
 Calls alternate: schedule() -> (executor runs the plan) -> update(). add() and abort() may come
-at any time, including between schedule() and update(); update() skips requests that ended
+at any time, including between schedule() and update(); update() skips sequences that ended
 meanwhile.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import bisect
+from collections import OrderedDict
 
+import msgspec
+
+from pagewire.wire.sampling import output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 
 from ..config import EngineConfig
+from .beam import BeamGroup
+from .block_tables import BlockTables
 from .kv_manager import BlockManager
 from .request import Request, Status
 
@@ -29,13 +37,19 @@ _FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 class Scheduler:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.kv = BlockManager(config.num_kv_blocks, config.block_size)
+        device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
+            if config.num_host_blocks else None
+        self.tables = BlockTables(device, host)
+        self.kv = device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.scheduled: list[Request] = []     # the plan in flight, in plan order
-        self.to_drop: list[str] = []           # executor state to drop with the next plan
+        self.by_priority = config.scheduling_policy == "priority"
+        self.requests: dict[str, Request] = {}   # every live sequence, by its id
+        self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
+        self.waiting: list[Request] = []         # sorted by key
+        self.running: list[Request] = []         # sorted by key
+        self.scheduled: list[Request] = []       # the plan in flight, in plan order
+        self.to_drop: list[str] = []             # executor state to drop with the next plan
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
@@ -43,54 +57,93 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- arrivals and aborts ---------------------------------------------------------------
+
     def add(self, msg: NewRequest) -> list[TokenDelta]:
-        """Queue a request. Returns a final delta at once if it can never run."""
+        """Queue a request. Returns final deltas at once if it can never run or is refused."""
+        s = msg.sampling
+        outputs = output_ids(msg.req_id, s.num_outputs)
         if msg.req_id in self.aborted_early or msg.req_id in self.requests:
             self.aborted_early.pop(msg.req_id, None)
-            return [TokenDelta(msg.req_id, [], "abort")]
-        if len(msg.prompt_token_ids) >= self.config.max_model_len:
-            return [TokenDelta(msg.req_id, [], "error", f"prompt of {len(msg.prompt_token_ids)} "
-                               f"tokens does not fit max_model_len={self.config.max_model_len}")]
-        req = Request(msg.req_id, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                      self.config.max_model_len)
+            return [TokenDelta(o, [], "abort") for o in outputs]
+        refusal = self._refusal(msg)
+        if refusal:
+            reason, error = refusal
+            return [TokenDelta(o, [], reason, error) for o in outputs]
+        priority = msg.priority if self.by_priority else 0
+        req = Request(msg.req_id, msg.prompt_token_ids, s, msg.arrival_time,
+                      self.config.max_model_len, priority, msg.cache_salt)
+        if s.use_beam_search:
+            group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
+            req.req_id, req.group = group.new_id(), group
+            group.live.append(req)
+        elif s.num_sequences > 1:
+            req.fork_leader = True
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
+            self._fork(req)
+        else:
+            bisect.insort(self.waiting, req, key=lambda r: r.key)
         return []
 
+    def _refusal(self, msg: NewRequest) -> tuple[str, str] | None:
+        limit = self.config.max_model_len
+        if len(msg.prompt_token_ids) >= limit:
+            return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
+                             f"max_model_len={limit}")
+        max_reqs, max_tokens = self.config.max_num_queued_reqs, self.config.max_num_queued_tokens
+        if max_reqs is not None and len(self.waiting) >= max_reqs:
+            return "rejected", f"the queue is full ({max_reqs} requests waiting)"
+        if max_tokens is not None:
+            queued = sum(r.num_pending for r in self.waiting) + len(msg.prompt_token_ids)
+            if queued > max_tokens:
+                return "rejected", f"the queue is full (over {max_tokens} prompt tokens waiting)"
+        return None
+
     def abort(self, req_ids: list[str]) -> list[TokenDelta]:
-        """End these requests. Every id gets a final "abort" delta, known or not, so the
-        detokenizer can forget it."""
+        """End these sequences (or whole requests, by any of their output ids). Every id gets
+        a final "abort" delta, known or not, so the detokenizer can forget it."""
         for rid in req_ids:
-            req = self.requests.get(rid)
-            if req is None:
+            base = rid.rsplit(".", 1)[0]
+            if rid in self.requests:
+                self._finish(self.requests[rid])
+            elif base in self.groups:
+                for beam in list(self.groups.pop(base).live):
+                    self._finish(beam)
+            elif base in self.requests and self.requests[base].fork_leader:
+                self._finish(self.requests[base])
+            elif rid not in self.aborted_early:
                 self.aborted_early[rid] = None
                 if len(self.aborted_early) > _FORGET_ABORTS:
                     self.aborted_early.popitem(last=False)
-            else:
-                self._finish(req)
         return [TokenDelta(rid, [], "abort") for rid in req_ids]
+
+    # -- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to run."""
         budget = self.config.max_num_batched_tokens
-        self.scheduled, budget, preempted = self._schedule_running(budget)
-        if not preempted:
+        preempted = self._make_room_for_priority()
+        self.scheduled, budget, preempted_now = self._schedule_running(budget)
+        if not (preempted or preempted_now):
             self._admit_waiting(budget)
         if not self.scheduled:
             return None
         self.step_id += 1
-        plan = StepPlan(self.step_id, [], [], self.to_drop)
+        copies, swap_out, swap_in = self.tables.take_copies()
+        plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in)
         self.to_drop = []
         for req in self.scheduled:
-            new_blocks = req.block_ids[req.num_blocks_sent:]
-            req.num_blocks_sent = len(req.block_ids)
             if req.on_executor:
-                plan.running.append(RunSeq(req.req_id, req.num_scheduled, new_blocks))
+                offset = req.num_blocks_sent
+                plan.running.append(RunSeq(req.req_id, req.num_scheduled, offset,
+                                           req.block_ids[offset:], req.new_token_ids))
             else:
                 req.on_executor = True
                 plan.new.append(NewSeq(req.req_id, list(req.token_ids), req.num_prompt_tokens,
                                        req.num_computed, req.num_scheduled, list(req.block_ids),
                                        req.sampling))
+            req.num_blocks_sent, req.new_token_ids = len(req.block_ids), []
         return plan
 
     def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
@@ -98,14 +151,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
-            if self._grow(req, n):
+            if n == 0:                 # a beam waiting for its siblings' candidates
+                i += 1
+            elif self.tables.grow(req, n):
                 req.num_scheduled = n
                 scheduled.append(req)
                 budget -= n
                 i += 1
             else:
-                # Out of blocks: preempt from the back (latest arrivals, never one already
-                # scheduled this step) until req fits or is preempted itself.
+                # Out of blocks: preempt from the back (lowest priority, latest arrival; never
+                # one already scheduled this step) until req fits or is preempted itself.
                 self._preempt(self.running[-1])
                 preempted = True
         return scheduled, budget, preempted
@@ -113,70 +168,122 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._prepare_admission(req):
+                break
             n = req.num_pending
             if n > budget and not self.config.enable_chunked_prefill:
+                self._undo_admission(req)
                 break
             n = min(n, budget)
-            if not self._grow(req, n):
+            if not self.tables.grow(req, n):
+                self._undo_admission(req)
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             req.status, req.num_scheduled = Status.RUNNING, n
-            self.running.append(req)
+            bisect.insort(self.running, req, key=lambda r: r.key)
             self.scheduled.append(req)
             budget -= n
 
-    def _grow(self, req: Request, n: int) -> bool:
-        """Give req the blocks to hold n more tokens; False (taking none) if too few are free."""
-        need = self.kv.blocks_needed(req.num_computed + n, len(req.block_ids))
-        if need > self.kv.num_free:
-            return False
-        req.block_ids += self.kv.allocate(need)
+    def _prepare_admission(self, req: Request) -> bool:
+        """Bring a swapped request's blocks back, or map a fresh one's cached prefix."""
+        if req.status is Status.SWAPPED:
+            return self.tables.swap_in(req)
+        if not req.block_ids:
+            self.tables.map_cached_prefix(req)
         return True
+
+    def _undo_admission(self, req: Request) -> None:
+        if req.status is not Status.SWAPPED:   # swapped-in blocks stay: it goes first next time
+            self.tables.release(req)
+            req.num_computed = 0
+
+    def _make_room_for_priority(self) -> bool:
+        """Under the priority policy, preempt running sequences of lower priority than the
+        first waiting one while that one lacks the blocks for its next chunk."""
+        preempted = False
+        if not self.by_priority:
+            return preempted
+        while self.waiting and self.running and self.running[-1].priority > self.waiting[0].priority:
+            head = self.waiting[0]
+            need = self.kv.blocks_needed(min(head.num_pending, self.config.max_num_batched_tokens)
+                                         + head.num_computed, len(head.block_ids))
+            if need + len(head.host_block_ids) <= self.kv.num_free \
+                    and len(self.running) < self.config.max_num_seqs:
+                break
+            self._preempt(self.running[-1])
+            preempted = True
+        return preempted
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
-        req.status, req.num_computed = Status.WAITING, 0
-        self.waiting.appendleft(req)
+        self._drop_from_executor(req)
+        mode = self.config.preemption_mode
+        if mode != "recompute" and self.tables.swap_out(req):
+            req.status = Status.SWAPPED
+        else:
+            self.tables.release(req)
+            req.status, req.num_computed = Status.WAITING, 0
+        bisect.insort(self.waiting, req, key=lambda r: r.key)
         self.num_preemptions += 1
 
-    def _release(self, req: Request) -> None:
-        """Free req's blocks and have the executor drop its state."""
-        self.kv.free(req.block_ids)
-        req.block_ids, req.num_blocks_sent = [], 0
+    def _drop_from_executor(self, req: Request) -> None:
         if req.on_executor:
             self.to_drop.append(req.req_id)
             req.on_executor = False
+            req.new_token_ids = []
 
     def _finish(self, req: Request) -> None:
+        """Remove a sequence wherever it is and free its blocks."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-        elif req.status is Status.WAITING:
+        elif req.status in (Status.WAITING, Status.SWAPPED):
             self.waiting.remove(req)
-        self._release(req)
+        self.tables.release(req)
+        self._drop_from_executor(req)
         req.status = Status.FINISHED
         del self.requests[req.req_id]
+        if req.group is not None and req in req.group.live:
+            req.group.live.remove(req)
+
+    # -- results -----------------------------------------------------------------------------
 
     def update(self, result: StepResult) -> list[TokenDelta]:
         """Apply the executor's result for the plan in flight; returns the token deltas."""
         if result.error is not None:
             return self._fail_step(result.error)
-        sampled = dict(zip(result.req_ids, result.token_ids))
-        deltas = []
+        rows = {rid: i for i, rid in enumerate(result.req_ids)}
+        deltas, groups = [], []
         for req in self.scheduled:
             if req.status is not Status.RUNNING:   # aborted or preempted meanwhile
                 continue
             req.num_computed += req.num_scheduled
-            token = sampled.get(req.req_id)
-            if token is None:                        # a prefill chunk that did not finish
-                continue
-            req.token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            if reason:
-                self._finish(req)
-            deltas.append(TokenDelta(req.req_id, [token], reason))
+            self.tables.commit(req)
+            row = rows.get(req.req_id)
+            if req.fork_leader:
+                if req.num_pending == 0:
+                    self._fork(req)
+            elif row is not None and req.group is not None:
+                req.candidates = (result.top_ids[row], result.top_logprobs[row])
+                if req.group not in groups:
+                    groups.append(req.group)
+            elif row is not None:
+                deltas.append(self._append(req, result, row))
+        for group in groups:
+            if group.ready():
+                deltas += self._advance_beams(group)
         self.scheduled = []
         return deltas
+
+    def _append(self, req: Request, result: StepResult, row: int) -> TokenDelta:
+        token = result.token_ids[row]
+        req.token_ids.append(token)
+        if result.logprobs is not None:
+            req.cum_logprob += result.logprobs[row]
+        reason = self._stop_reason(req, token)
+        if reason:
+            self._finish(req)
+        cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
+        return TokenDelta(req.req_id, [token], reason, None, cum)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         s = req.sampling
@@ -187,10 +294,72 @@ class Scheduler:
             return "length"
         return None
 
+    def _fork(self, leader: Request) -> None:
+        """Split a computed prompt into its sequences. They share its blocks; each one's first
+        write (the last prompt token) copies the shared partial block."""
+        s = leader.sampling
+        for j, child_id in enumerate(output_ids(leader.req_id, s.num_sequences)):
+            seed = None if s.seed is None else (s.seed + j) % 2**63
+            logprobs = s.logprobs if s.best_of is None else max(s.logprobs or 0, 0)
+            child = leader.fork(child_id, msgspec.structs.replace(
+                s, n=1, best_of=None, seed=seed, logprobs=logprobs))
+            child.status = Status.RUNNING
+            self.tables.share(child)
+            self.requests[child_id] = child
+            bisect.insort(self.running, child, key=lambda r: r.key)
+        self._finish(leader)
+
+    def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
+        """Every live beam has its candidates: keep the best `width` continuations (forking a
+        beam chosen more than once, freeing one not chosen), then finish the group if done."""
+        stop_ids = frozenset() if group.live[0].sampling.ignore_eos else self.eos_ids
+        chosen = group.choose(stop_ids)
+        new_live = []
+        for beam in list(group.live):
+            picks = [(tok, cum) for b, tok, cum in chosen if b is beam]
+            if not picks:
+                self._finish(beam)
+                continue
+            for token, cum in picks[1:]:
+                child = beam.fork(group.new_id(), beam.sampling)
+                self.tables.share(child)
+                self.requests[child.req_id] = child
+                bisect.insort(self.running if child.status is Status.RUNNING else self.waiting,
+                              child, key=lambda r: r.key)
+                new_live.append(self._extend_beam(child, token, cum))
+            new_live.append(self._extend_beam(beam, picks[0][0], picks[0][1]))
+        group.live = new_live
+        for beam in group.retire_full_length():
+            self._finish(beam)
+        if not group.is_finished():
+            return []
+        for beam in list(group.live):
+            self._finish(beam)
+        del self.groups[group.req_id]
+        return [TokenDelta(out_id, tokens, reason)
+                for out_id, (tokens, reason) in zip(group.output_ids, group.results())]
+
+    @staticmethod
+    def _extend_beam(beam: Request, token: int, cum: float) -> Request:
+        beam.token_ids.append(token)
+        beam.cum_logprob, beam.candidates = cum, None
+        if beam.on_executor:
+            beam.new_token_ids.append(token)
+        return beam
+
     def _fail_step(self, error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
-        failed = [r for r in self.scheduled if r.status is Status.RUNNING]
-        for req in failed:
-            self._finish(req)
+        deltas = []
+        for req in self.scheduled:
+            if req.status is not Status.RUNNING:
+                continue
+            if req.group is not None:
+                ids = req.group.output_ids
+                self.abort(ids)
+            else:
+                ids = output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader \
+                    else [req.req_id]
+                self._finish(req)
+            deltas += [TokenDelta(i, [], "error", error) for i in ids]
         self.scheduled = []
-        return [TokenDelta(r.req_id, [], "error", error) for r in failed]
+        return deltas

@@ -7,7 +7,7 @@ from pagewire.scheduler.kv_manager import BlockManager, OutOfBlocks
 
 
 def assert_whole(kv: BlockManager) -> None:
-    assert sorted(kv.free_ids) == list(range(kv.num_blocks))
+    assert sorted(kv.free_queue) == list(range(kv.num_blocks))
     assert not any(kv.refcount)
 
 
@@ -17,7 +17,7 @@ def test_allocate_takes_lowest_ids_and_free_returns_them_in_order():
     assert kv.allocate(3) == [2, 3, 4]
     assert kv.refcount == [1, 1, 1, 1, 1, 0]
     kv.free([3, 2])
-    assert list(kv.free_ids) == [5, 3, 2]
+    assert list(kv.free_queue) == [5, 3, 2]
     assert kv.allocate(2) == [5, 3]
     kv.free([0, 1, 3, 4, 5])
     assert_whole(kv)

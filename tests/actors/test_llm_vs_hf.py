@@ -74,6 +74,6 @@ def test_preempted_request_resumes_with_the_same_tokens(tiny_llama):
 def _assert_pool_whole(llm: LLM) -> None:
     kv = llm.scheduler.kv
     assert kv.num_free == kv.num_blocks
-    assert sorted(kv.free_ids) == list(range(kv.num_blocks))
+    assert sorted(kv.free_queue) == list(range(kv.num_blocks))
     assert not any(kv.refcount)
     assert not llm.scheduler.requests

@@ -23,9 +23,12 @@ def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=6
     return Scheduler(config)
 
 
-def new(rid, n_prompt, **sampling) -> NewRequest:
+def new(rid, n_prompt, first=None, **sampling) -> NewRequest:
+    """A request whose prompt is distinct per id (no accidental prefix hits) unless `first`
+    (the first token id) is given."""
     sampling.setdefault("max_tokens", 100)
-    return NewRequest(req_id=rid, prompt_token_ids=list(range(10, 10 + n_prompt)),
+    first = 1000 * (1 + sum(map(ord, rid))) if first is None else first
+    return NewRequest(req_id=rid, prompt_token_ids=list(range(first, first + n_prompt)),
                       sampling=SamplingParams(**sampling), arrival_time=0.0)
 
 
@@ -47,7 +50,7 @@ def _pool_whole_after(request):
     if sched is not None:
         assert sched.kv.num_free == sched.kv.num_blocks
         assert not any(sched.kv.refcount)
-        assert sorted(sched.kv.free_ids) == list(range(sched.kv.num_blocks))
+        assert sorted(sched.kv.free_queue) == list(range(sched.kv.num_blocks))
 
 
 def test_blocks_grow_as_tokens_are_appended(request):
@@ -58,11 +61,12 @@ def test_blocks_grow_as_tokens_are_appended(request):
         [("a", 6, [0, 1], 0)]
     assert [(d.req_id, d.token_ids, d.finish_reason) for d in deltas] == [("a", [5], None)]
     plan, _ = step(sched)                      # 7 tokens: still 2 blocks
-    assert [(r.req_id, r.num_scheduled, r.new_block_ids) for r in plan.running] == [("a", 1, [])]
+    assert [(r.req_id, r.num_scheduled, r.block_offset, r.block_ids) for r in plan.running] == \
+        [("a", 1, 2, [])]
     plan, _ = step(sched)                      # token 8 written at position 7: block 1 is full
-    assert plan.running[0].new_block_ids == []
+    assert plan.running[0].block_ids == []
     plan, deltas = step(sched)                 # position 8 needs a third block
-    assert plan.running[0].new_block_ids == [2]
+    assert (plan.running[0].block_offset, plan.running[0].block_ids) == (2, [2])
     assert deltas[0].finish_reason == "length"
     assert not sched.has_work()
 
@@ -104,15 +108,16 @@ def test_out_of_blocks_preempts_the_latest_arrival(request):
     plan, _ = step(sched, default=6)           # both reach 8 tokens, filling their blocks
     plan = sched.schedule()                    # a needs a 3rd block: b is preempted
     assert plan.finished == ["b"]
-    assert [(r.req_id, r.new_block_ids) for r in plan.running] == [("a", [2])]  # b's first block
+    assert [(r.req_id, r.block_ids) for r in plan.running] == [("a", [3])]  # b's last block
     assert sched.num_preemptions == 1
     assert sched.waiting[0].req_id == "b" and sched.waiting[0].num_computed == 0
     sched.update(StepResult(plan.step_id, ["a"], [7]))
     sched.abort(["a"])
-    plan = sched.schedule()                    # b comes back whole: prompt + its 2 outputs
+    plan = sched.schedule()    # b comes back: prompt + its 2 outputs, its first block still cached
     assert plan.finished == ["a"]
     (seq,) = plan.new
-    assert (seq.req_id, seq.token_ids[7:], seq.num_computed, seq.num_scheduled) == ("b", [5, 6], 0, 9)
+    assert (seq.req_id, seq.token_ids[7:], seq.num_computed, seq.num_scheduled) == ("b", [5, 6], 4, 5)
+    assert seq.block_ids[0] == 2
     sched.abort(["b"])
 
 

@@ -1,0 +1,84 @@
+"""Beam search bookkeeping: which candidates survive each step, and the final ranking.
+
+A BeamGroup holds the live beams of one request (each a scheduler Request sharing blocks with
+its siblings) and the finished hypotheses. The scheduler calls choose() once every live beam
+has its candidates (the executor's top 2*width tokens), then forks, extends and frees beams
+accordingly.
+"""
+from __future__ import annotations
+
+import itertools
+
+from pagewire.wire.sampling import SamplingParams, output_ids
+
+from .request import Request
+
+
+class BeamGroup:
+    def __init__(self, req_id: str, sampling: SamplingParams, max_tokens: int):
+        self.req_id = req_id
+        self.width, self.n = sampling.num_sequences, sampling.n
+        self.length_penalty = sampling.length_penalty
+        self.max_tokens = max_tokens
+        self.live: list[Request] = []
+        self.done: list[tuple[float, list[int], str]] = []     # (score, output ids, reason)
+        self._ids = itertools.count()
+
+    def new_id(self) -> str:
+        return f"{self.req_id}~{next(self._ids)}"
+
+    @property
+    def output_ids(self) -> list[str]:
+        return output_ids(self.req_id, self.n)
+
+    def ready(self) -> bool:
+        return all(b.candidates is not None for b in self.live)
+
+    def score(self, cum_logprob: float, length: int) -> float:
+        return cum_logprob / max(1, length) ** self.length_penalty
+
+    def choose(self, stop_ids: frozenset[int]) -> list[tuple[Request, int, float]]:
+        """The next step's (beam, token, cumulative logprob), best first, at most `width`.
+        Candidates ending in a stop token among the best `width` become finished hypotheses."""
+        candidates = sorted(
+            ((beam.cum_logprob + lp, i, beam, token)
+             for i, beam in enumerate(self.live) for token, lp in zip(*beam.candidates)),
+            key=lambda c: (-c[0], c[1]))
+        chosen = []
+        for rank, (cum, _, beam, token) in enumerate(candidates):
+            if len(chosen) == self.width:
+                break
+            if token in stop_ids:
+                if rank < self.width:
+                    outputs = beam.token_ids[beam.num_prompt_tokens:] + [token]
+                    self.done.append((self.score(cum, len(outputs)), outputs, "stop"))
+                continue
+            chosen.append((beam, token, cum))
+        return chosen
+
+    def retire_full_length(self) -> list[Request]:
+        """Live beams that reached max_tokens become finished hypotheses; returns them."""
+        full = [b for b in self.live if b.num_output_tokens >= self.max_tokens]
+        for beam in full:
+            outputs = beam.token_ids[beam.num_prompt_tokens:]
+            self.done.append((self.score(beam.cum_logprob, len(outputs)), outputs, "length"))
+        self.live = [b for b in self.live if b not in full]
+        return full
+
+    def is_finished(self) -> bool:
+        """No live beams, or `width` hypotheses none of the live beams is likely to beat
+        (judged at its current length, as Hugging Face's early_stopping=False does)."""
+        if not self.live:
+            return True
+        if len(self.done) < self.width:
+            return False
+        worst_kept = sorted(s for s, _, _ in self.done)[-self.width]
+        best_live = max(self.score(b.cum_logprob, b.num_output_tokens) for b in self.live)
+        return best_live <= worst_kept
+
+    def results(self) -> list[tuple[list[int], str]]:
+        """The n best hypotheses, live beams counted as cut at their length."""
+        pool = self.done + [(self.score(b.cum_logprob, b.num_output_tokens),
+                             b.token_ids[b.num_prompt_tokens:], "length") for b in self.live]
+        pool.sort(key=lambda h: -h[0])
+        return [(outputs, reason) for _, outputs, reason in pool[: self.n]]

@@ -1,0 +1,108 @@
+"""Request-level KV memory operations on top of the block managers: grow a table (with
+copy-on-write of a shared block), map a cached prefix, commit full blocks, fork, release, and
+swap to and from the host tier. The device copies these imply are collected here and handed
+to the next StepPlan by take_copies()."""
+from __future__ import annotations
+
+from .kv_manager import BlockManager, block_hashes
+from .request import Request
+
+
+class BlockTables:
+    def __init__(self, device: BlockManager, host: BlockManager | None):
+        self.device, self.host = device, host
+        self.block_size = device.block_size
+        self.copies: list[list[int]] = []      # [src, dst] on the device
+        self.swaps_out: list[list[int]] = []   # [device, host]
+        self.swaps_in: list[list[int]] = []    # [host, device]
+        self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0                   # of which found cached
+
+    def take_copies(self) -> tuple[list, list, list]:
+        out = (self.copies, self.swaps_out, self.swaps_in)
+        self.copies, self.swaps_out, self.swaps_in = [], [], []
+        return out
+
+    def grow(self, req: Request, n: int) -> bool:
+        """Give req room to write its next n tokens: new blocks, and a private copy of the
+        block it writes first if that one is shared. False, changing nothing, if too few
+        blocks are free."""
+        index = req.num_computed // self.block_size
+        shared = index < len(req.block_ids) and self.device.refcount[req.block_ids[index]] > 1
+        need = self.device.blocks_needed(req.num_computed + n, len(req.block_ids))
+        if need + shared > self.device.num_free:
+            return False
+        if shared:
+            old = req.block_ids[index]
+            fresh = self.device.copy_on_write(old)
+            self.copies.append([old, fresh])
+            req.block_ids[index] = fresh
+            req.num_blocks_sent = min(req.num_blocks_sent, index)
+        req.block_ids += self.device.allocate(need)
+        return True
+
+    def map_cached_prefix(self, req: Request) -> None:
+        """For a request holding no blocks: map the longest cached prefix of its tokens. At
+        least one token is always left to compute (the step that samples needs it), so a
+        block holding the last token is never mapped. Undo with release() if the request
+        cannot be admitted after all."""
+        self.update_hashes(req)
+        limit = (req.target_len - 1) // self.block_size
+        hits = self.device.lookup(req.block_hashes[:limit])
+        if req.num_output_tokens == 0:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += len(hits) * self.block_size
+        if hits:
+            self.device.acquire(hits)
+            req.block_ids, req.num_committed = hits, len(hits)
+            req.num_computed = len(hits) * self.block_size
+
+    def update_hashes(self, req: Request) -> None:
+        full = len(req.token_ids) // self.block_size
+        if self.device.enable_caching and len(req.block_hashes) < full:
+            req.block_hashes = block_hashes(req.token_ids, self.block_size, req.cache_salt,
+                                            req.block_hashes)
+
+    def commit(self, req: Request) -> None:
+        """Register the blocks req has completely computed, so later requests can map them."""
+        full = req.num_computed // self.block_size
+        if not self.device.enable_caching or full <= req.num_committed:
+            return
+        self.update_hashes(req)
+        for i in range(req.num_committed, full):
+            self.device.commit(req.block_ids[i], req.block_hashes[i])
+        req.num_committed = full
+
+    def share(self, child: Request) -> None:
+        """child, forked from a request, holds a reference to each block of its table."""
+        self.device.acquire(child.block_ids)
+
+    def release(self, req: Request) -> None:
+        """Drop req's device and host blocks (tail first: its least shared blocks are then
+        evicted first)."""
+        self.device.free(req.block_ids[::-1])
+        if req.host_block_ids:
+            self.host.free(req.host_block_ids)
+        req.block_ids, req.host_block_ids = [], []
+        req.num_blocks_sent = req.num_committed = 0
+
+    def swap_out(self, req: Request) -> bool:
+        """Move req's blocks to the host tier. False, changing nothing, if the tier is full."""
+        if self.host is None or len(req.block_ids) > self.host.num_free:
+            return False
+        req.host_block_ids = self.host.allocate(len(req.block_ids))
+        self.swaps_out += [[d, h] for d, h in zip(req.block_ids, req.host_block_ids)]
+        self.device.free(req.block_ids[::-1])
+        req.block_ids, req.num_blocks_sent = [], 0
+        return True
+
+    def swap_in(self, req: Request) -> bool:
+        """Bring a swapped-out request's blocks back to fresh device blocks."""
+        if len(req.host_block_ids) > self.device.num_free:
+            return False
+        req.block_ids = self.device.allocate(len(req.host_block_ids))
+        self.swaps_in += [[h, d] for h, d in zip(req.host_block_ids, req.block_ids)]
+        self.host.free(req.host_block_ids)
+        req.host_block_ids = []
+        req.num_committed = 0   # the fresh blocks are not registered; commit() redoes it
+        return True
