@@ -115,4 +115,5 @@ def _cpu_has_bf16() -> bool:
 
 
 def default_threads() -> int:
-    return len(os.sched_getaffinity(0))
+    """$PAGEWIRE_THREADS, else every core this process may run on."""
+    return int(os.environ.get("PAGEWIRE_THREADS") or 0) or len(os.sched_getaffinity(0))

@@ -108,6 +108,17 @@ class LLM:
         self.scheduler.add(new)
         return req_id
 
+    def abort(self, req_id: str) -> None:
+        """Stop a request added with add_request(); it frees its blocks and is never returned."""
+        out = self._live.pop(req_id, None)
+        if out is None:
+            return
+        ids = output_ids(req_id, len(out.outputs))
+        for out_id in ids:
+            self._outputs.pop(out_id, None)
+        self._n.pop(req_id, None)
+        self.detokenizer.on_deltas(TokenDeltas(self.scheduler.abort(ids)))
+
     def has_unfinished(self) -> bool:
         return bool(self._live)
 

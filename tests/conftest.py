@@ -1,7 +1,14 @@
 """Shared fixtures (helpers live in tests/helpers.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One torch thread per engine in tests: with two threads on two cores, any other busy process
+# (a server's other actors, the test client) stalls every parallel region, and a tiny model's
+# step goes from ~0.5 ms to ~50 ms. Servers started by the tests inherit this.
+os.environ.setdefault("PAGEWIRE_THREADS", "1")
 
 from tests.helpers import make_tiny_llama
 

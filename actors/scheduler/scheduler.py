@@ -123,9 +123,9 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to run."""
         budget = self.config.max_num_batched_tokens
-        preempted = self._make_room_for_priority()
-        self.scheduled, budget, preempted_now = self._schedule_running(budget)
-        if not (preempted or preempted_now):
+        self._make_room_for_priority()
+        self.scheduled, budget, preempted = self._schedule_running(budget)
+        if not preempted:   # blocks ran short for running work: admit nothing new this step
             self._admit_waiting(budget)
         if not self.scheduled:
             return None
@@ -168,15 +168,21 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self._prepare_admission(req):
-                break
+            if req.status is Status.SWAPPED:
+                if not self.tables.swap_in(req):
+                    break
+                req.status = Status.WAITING    # blocks back on the device; first in line
+            fresh = not req.block_ids
+            if fresh:
+                self.tables.map_cached_prefix(req)
             n = req.num_pending
             if n > budget and not self.config.enable_chunked_prefill:
-                self._undo_admission(req)
-                break
+                n = 0
             n = min(n, budget)
-            if not self.tables.grow(req, n):
-                self._undo_admission(req)
+            if n == 0 or not self.tables.grow(req, n):
+                if fresh:                      # give back the cached prefix it mapped
+                    self.tables.release(req)
+                    req.num_computed = 0
                 break
             self.waiting.pop(0)
             req.status, req.num_scheduled = Status.RUNNING, n
@@ -184,25 +190,11 @@ class Scheduler:
             self.scheduled.append(req)
             budget -= n
 
-    def _prepare_admission(self, req: Request) -> bool:
-        """Bring a swapped request's blocks back, or map a fresh one's cached prefix."""
-        if req.status is Status.SWAPPED:
-            return self.tables.swap_in(req)
-        if not req.block_ids:
-            self.tables.map_cached_prefix(req)
-        return True
-
-    def _undo_admission(self, req: Request) -> None:
-        if req.status is not Status.SWAPPED:   # swapped-in blocks stay: it goes first next time
-            self.tables.release(req)
-            req.num_computed = 0
-
-    def _make_room_for_priority(self) -> bool:
+    def _make_room_for_priority(self) -> None:
         """Under the priority policy, preempt running sequences of lower priority than the
         first waiting one while that one lacks the blocks for its next chunk."""
-        preempted = False
         if not self.by_priority:
-            return preempted
+            return
         while self.waiting and self.running and self.running[-1].priority > self.waiting[0].priority:
             head = self.waiting[0]
             need = self.kv.blocks_needed(min(head.num_pending, self.config.max_num_batched_tokens)
@@ -211,8 +203,6 @@ class Scheduler:
                     and len(self.running) < self.config.max_num_seqs:
                 break
             self._preempt(self.running[-1])
-            preempted = True
-        return preempted
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

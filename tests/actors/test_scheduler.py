@@ -4,43 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagewire.config import EngineConfig
-from pagewire.model_info import ModelInfo
-from pagewire.scheduler.scheduler import Scheduler
-from pagewire.wire.sampling import SamplingParams
-from pagewire.wire.to_scheduler import NewRequest, StepResult
-
-EOS = 2
-
-
-def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=64, chunked=True):
-    info = ModelInfo(path="/dev/null", format="hf", name="m", architecture="LlamaForCausalLM",
-                     max_model_len=max_len, vocab_size=100, num_layers=1, num_kv_heads=1,
-                     head_dim=8, eos_token_ids=[EOS], digest="0")
-    config = EngineConfig(model_info=info, num_kv_blocks=num_blocks, block_size=block_size,
-                          max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          enable_chunked_prefill=chunked).resolve()
-    return Scheduler(config)
-
-
-def new(rid, n_prompt, first=None, **sampling) -> NewRequest:
-    """A request whose prompt is distinct per id (no accidental prefix hits) unless `first`
-    (the first token id) is given."""
-    sampling.setdefault("max_tokens", 100)
-    first = 1000 * (1 + sum(map(ord, rid))) if first is None else first
-    return NewRequest(req_id=rid, prompt_token_ids=list(range(first, first + n_prompt)),
-                      sampling=SamplingParams(**sampling), arrival_time=0.0)
-
-
-def step(sched: Scheduler, tokens: dict[str, int] | None = None, default=5):
-    """schedule() then update() with `default` sampled for every request that samples."""
-    plan = sched.schedule()
-    assert plan is not None
-    samplers = [r for r in sched.scheduled if r.num_computed + r.num_scheduled == len(r.token_ids)]
-    ids = [r.req_id for r in samplers]
-    toks = [(tokens or {}).get(rid, default) for rid in ids]
-    deltas = sched.update(StepResult(plan.step_id, ids, toks))
-    return plan, deltas
+from pagewire.wire.to_scheduler import StepResult
+from tests.actors.sched_helpers import EOS, assert_pool_whole, make_scheduler, new, step
 
 
 @pytest.fixture(autouse=True)
@@ -48,9 +13,7 @@ def _pool_whole_after(request):
     yield
     sched = getattr(request.node, "sched", None)
     if sched is not None:
-        assert sched.kv.num_free == sched.kv.num_blocks
-        assert not any(sched.kv.refcount)
-        assert sorted(sched.kv.free_queue) == list(range(sched.kv.num_blocks))
+        assert_pool_whole(sched)
 
 
 def test_blocks_grow_as_tokens_are_appended(request):

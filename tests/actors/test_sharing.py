@@ -1,0 +1,227 @@
+"""Prefix caching, copy-on-write forks, swap and priority preemption, queue limits and chunked
+prefill at the scheduler, with exact block ids. Every test ends with the pool whole."""
+from __future__ import annotations
+
+import pytest
+
+from pagewire.wire.to_scheduler import NewRequest, StepResult
+from tests.actors.sched_helpers import assert_pool_whole, make_scheduler, new, step
+
+
+@pytest.fixture
+def sched_factory():
+    made = []
+
+    def make(**kw):
+        made.append(make_scheduler(**kw))
+        return made[-1]
+    yield make
+    for sched in made:
+        for rid in list(sched.requests) + list(sched.groups):
+            sched.abort([rid])
+        sched.schedule()   # drop the executor state list
+        assert_pool_whole(sched)
+
+
+def run_to_end(sched, **kw):
+    deltas = []
+    while sched.has_work():
+        deltas += step(sched, **kw)[1]
+    return deltas
+
+
+def test_shared_prefix_maps_cached_blocks(sched_factory):
+    sched = sched_factory(num_blocks=16, block_size=4)
+    sched.add(new("a", 10, first=100, max_tokens=1))
+    plan, _ = step(sched)
+    assert plan.new[0].block_ids == [0, 1, 2]
+    # a is done; its full blocks 0 and 1 stay cached. b shares 8 prompt tokens, then differs.
+    prompt = list(range(100, 108)) + [7, 7, 7]
+    sched.add(NewRequest(req_id="b", prompt_token_ids=prompt, sampling=new("x", 1).sampling,
+                         arrival_time=0.0))
+    plan, _ = step(sched)
+    (seq,) = plan.new
+    assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 3, [0, 1, 3])
+    assert (sched.tables.prefix_queries, sched.tables.prefix_hits) == (10 + 11, 8)
+    run_to_end(sched)
+
+
+def test_whole_prompt_hit_still_computes_its_last_token(sched_factory):
+    sched = sched_factory(block_size=4)
+    sched.add(new("a", 8, first=100, max_tokens=1))
+    step(sched)
+    sched.add(new("b", 8, first=100, max_tokens=1))
+    plan, _ = step(sched)
+    assert (plan.new[0].num_computed, plan.new[0].num_scheduled) == (4, 4)
+
+
+def test_different_salts_never_share(sched_factory):
+    sched = sched_factory(block_size=4)
+    for rid, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        msg = new(rid, 9, first=100, max_tokens=1)
+        msg.cache_salt = salt
+        sched.add(msg)
+        plan, _ = step(sched)
+        hit = plan.new[0].num_computed
+        assert hit == (8 if rid == "c" else 0), rid
+
+
+def test_prefix_caching_off_never_hits(sched_factory):
+    sched = sched_factory(block_size=4, enable_prefix_caching=False)
+    for rid in "ab":
+        sched.add(new(rid, 9, first=100, max_tokens=1))
+        plan, _ = step(sched)
+        assert plan.new[0].num_computed == 0
+    assert not sched.kv.cached
+
+
+def test_in_use_blocks_are_never_evicted(sched_factory):
+    sched = sched_factory(num_blocks=6, block_size=4, max_len=24)
+    sched.add(new("a", 8, first=100, max_tokens=10))   # holds blocks 0, 1 while running
+    step(sched)
+    sched.add(new("b", 12, first=500, max_tokens=1))   # a's decode takes 2; b takes 3, 4, 5
+    step(sched)
+    assert set(sched.kv.cached.values()) == {0, 1, 3, 4, 5}
+    sched.add(new("c", 9, first=900, max_tokens=1))    # needs 3: evicts b's blocks, not a's
+    plan, _ = step(sched)
+    assert plan.new[0].block_ids == [5, 4, 3]          # b freed its tail first
+    assert set(sched.kv.cached.values()) == {0, 1, 5, 4}
+    assert sched.kv.refcount[:3] == [1, 1, 1]
+
+
+def test_n8_shares_the_prompt_and_copies_only_the_partial_block(sched_factory):
+    sched = sched_factory(num_blocks=64, block_size=16, budget=512, max_len=256)
+    sched.add(new("p", 100, first=100, n=8, temperature=1.0, max_tokens=10))
+    plan, deltas = step(sched)                 # the leader computes 99 tokens, then forks
+    assert [(s.req_id, s.num_scheduled) for s in plan.new] == [("p", 99)]
+    assert deltas == [] and sched.kv.num_blocks - sched.kv.num_free == 7
+    plan, deltas = step(sched)                 # each child computes token 99 and samples
+    assert plan.finished == ["p"]
+    assert sorted(s.req_id for s in plan.new) == [f"p.{j}" for j in range(8)]
+    assert len(plan.copies) == 7               # the 8th writer holds the partial block alone
+    assert {src for src, _ in plan.copies} == {6}
+    assert {tuple(s.block_ids[:6]) for s in plan.new} == {(0, 1, 2, 3, 4, 5)}
+    assert len({s.block_ids[6] for s in plan.new}) == 8
+    assert sorted(d.req_id for d in deltas) == [f"p.{j}" for j in range(8)]
+    for _ in range(8):
+        step(sched)
+    # One prompt (6 full blocks, shared) plus eight tails (one block each), not 8 prompts.
+    assert sched.kv.num_blocks - sched.kv.num_free == 6 + 8
+    assert all(sched.kv.refcount[b] == 8 for b in range(6))
+    run_to_end(sched)
+
+
+def test_children_get_consecutive_seeds(sched_factory):
+    sched = sched_factory(block_size=4)
+    sched.add(new("p", 5, n=3, temperature=1.0, seed=41, max_tokens=2))
+    step(sched)
+    plan, _ = step(sched)
+    assert [(s.req_id, s.sampling.seed, s.sampling.n) for s in plan.new] == \
+        [("p.0", 41, 1), ("p.1", 42, 1), ("p.2", 43, 1)]
+    run_to_end(sched)
+
+
+def test_beam_search_forks_and_frees_beams(sched_factory):
+    sched = sched_factory(num_blocks=32, block_size=4, max_len=64)
+    sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
+    plan = sched.schedule()
+    (beam0,) = plan.new
+    assert beam0.req_id == "q~0" and beam0.sampling.use_beam_search
+    # top-6 candidates of the only beam: the best three survive (q~0 kept, q~1 and q~2 forked)
+    result = StepResult(plan.step_id, ["q~0"], [30], [0.0], [[30, 31, 32, 33, 34, 35]],
+                        [[-0.1, -0.2, -0.3, -2.0, -3.0, -4.0]])
+    assert sched.update(result) == []
+    assert sorted(r.req_id for r in sched.groups["q"].live) == ["q~0", "q~1", "q~2"]
+    plan = sched.schedule()
+    assert [(r.req_id, r.new_token_ids) for r in plan.running] == [("q~0", [30])]
+    assert sorted((s.req_id, s.token_ids[-1]) for s in plan.new) == [("q~1", 31), ("q~2", 32)]
+    # Both forks share q~0's partial block (positions 4-6): the two first writers copy it.
+    assert len(plan.copies) == 2
+    tops = {"q~0": [40, 41], "q~1": [50, 51], "q~2": [60, 61]}
+    lps = {"q~0": [-5.0, -6.0], "q~1": [-0.1, -0.2], "q~2": [-0.3, -7.0]}
+    ids = [s.req_id for s in plan.running] + [s.req_id for s in plan.new]
+    result = StepResult(plan.step_id, ids, [0] * 3, [0.0] * 3,
+                        [tops[i] + [1, 2, 3, 4] for i in ids], [lps[i] + [-9.0] * 4 for i in ids])
+    sched.update(result)
+    # q~1 is chosen twice (fork q~3), q~2 once, q~0 not at all: freed.
+    live = sorted((b.req_id, b.token_ids[6:]) for b in sched.groups["q"].live)
+    assert live == [("q~1", [31, 50]), ("q~2", [32, 60]), ("q~3", [31, 51])]
+    assert "q~0" not in sched.requests and sched.to_drop == ["q~0"]
+    run_to_end(sched)
+
+
+def test_swap_preemption_moves_blocks_to_the_host_tier(sched_factory):
+    sched = sched_factory(num_blocks=4, block_size=4, max_len=16, swap_space=1 << 20)
+    sched.add(new("a", 7, max_tokens=9))
+    sched.add(new("b", 7, max_tokens=9))
+    step(sched)
+    step(sched)
+    plan = sched.schedule()                    # a needs a 3rd block: b is swapped out
+    assert plan.finished == ["b"] and plan.swap_out == [[2, 0], [3, 1]]
+    assert [(r.req_id, r.block_offset, r.block_ids) for r in plan.running] == [("a", 2, [3])]
+    swapped = sched.waiting[0]
+    assert (swapped.req_id, swapped.num_computed, swapped.host_block_ids) == ("b", 8, [0, 1])
+    sched.update(StepResult(plan.step_id, ["a"], [5]))
+    sched.abort(["a"])
+    plan = sched.schedule()                    # b comes back with its computed tokens
+    assert plan.swap_in == [[0, 2], [1, 3]]
+    assert [(s.req_id, s.num_computed, s.num_scheduled, s.block_ids) for s in plan.new] == \
+        [("b", 8, 1, [2, 3, 1])]
+    assert sched.tables.host.num_free == sched.tables.host.num_blocks
+    sched.update(StepResult(plan.step_id, ["b"], [5]))
+
+
+def test_priority_preempts_lower_priority_work(sched_factory):
+    sched = sched_factory(num_blocks=4, block_size=4, max_len=16, scheduling_policy="priority")
+    low = new("low", 12, max_tokens=4)
+    low.priority = 5
+    sched.add(low)
+    step(sched)
+    high = new("high", 7, max_tokens=1)
+    high.priority = -1
+    sched.add(high)
+    plan, _ = step(sched)
+    assert plan.finished == ["low"] and [s.req_id for s in plan.new] == ["high"]
+    assert sched.num_preemptions == 1
+    run_to_end(sched)
+
+
+def test_fcfs_ignores_priority(sched_factory):
+    sched = sched_factory(scheduling_policy="fcfs")
+    a, b = new("a", 3, max_tokens=1), new("b", 3, max_tokens=1)
+    a.priority, b.priority = 9, -9
+    sched.add(a)
+    sched.add(b)
+    assert [r.req_id for r in sched.waiting] == ["a", "b"]
+    run_to_end(sched)
+
+
+def test_queue_limits_refuse_new_requests(sched_factory):
+    sched = sched_factory(max_num_queued_reqs=2, max_num_queued_tokens=100, max_len=128,
+                          num_blocks=64)
+    assert sched.add(new("a", 10)) == [] and sched.add(new("b", 10)) == []
+    (d,) = sched.add(new("c", 10))
+    assert (d.req_id, d.finish_reason) == ("c", "rejected") and "2 requests" in d.error
+    sched.waiting.pop()   # leave one waiting: now the token limit binds
+    sched.requests.pop("b")
+    (d,) = sched.add(new("d", 95))
+    assert d.finish_reason == "rejected" and "100 prompt tokens" in d.error
+    ds = sched.add(new("e", 10, n=2))
+    assert ds == []
+    run_to_end(sched)
+
+
+def test_decodes_keep_flowing_while_a_long_prompt_is_chunked(sched_factory):
+    sched = sched_factory(num_blocks=64, block_size=4, budget=16, max_len=200)
+    sched.add(new("d", 3, max_tokens=50))
+    step(sched)
+    sched.add(new("long", 120, max_tokens=1))
+    steps = 0
+    while "long" in sched.requests:
+        plan, _ = step(sched)
+        counts = {r.req_id: r.num_scheduled for r in plan.running} | \
+                 {s.req_id: s.num_scheduled for s in plan.new}
+        assert counts["d"] == 1 and sum(counts.values()) <= 16
+        steps += 1
+    assert steps == 8   # 120 tokens at 15 per step
+    run_to_end(sched)
