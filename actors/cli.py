@@ -42,6 +42,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-queued-reqs", type=int, default=None)
     p.add_argument("--max-num-queued-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="executor torch threads")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
 
 
 def _gib(text: str) -> int:

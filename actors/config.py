@@ -43,6 +43,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
     num_tokenizers: int = 1
     threads: int | None = None               # torch threads in the executor; None: all cores
+    kernels: str = "auto"                    # auto | torch (reference) | cpu (native) | triton
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt

@@ -29,7 +29,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor                # [T] int64
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
-    decode_bias: torch.Tensor | None          # [B, 1, 1, max_blocks * block_size] float32: 0 or -inf
+    decode_context_lens: torch.Tensor | None  # [B] int64: tokens each decode attends (its own included)
     prefills: list[PrefillSpan]
 
 
@@ -42,27 +42,52 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+                    batch: AttentionBatch, scale: float, write=write_kv,
+                    decode=None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
-    returns each token's attention output over its sequence's context: [T, Hq, D]."""
-    write_kv(kv_cache, k, v, batch.slot_mapping)
+    returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
+    and `decode` may be replaced by faster implementations with the same contracts."""
+    write(kv_cache, k, v, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd:
-        out[:nd] = decode_attention(q[:nd], kv_cache, batch.decode_block_tables,
-                                    batch.decode_bias, scale)
+        out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
+                                                batch.decode_context_lens, scale)
+    fresh: dict[int, list[PrefillSpan]] = {}
     for span in batch.prefills:
+        if span.context_len == span.num_tokens:
+            fresh.setdefault(span.num_tokens, []).append(span)
+            continue
         end = span.start + span.num_tokens
         out[span.start:end] = prefill_attention(q[span.start:end], k[span.start:end],
                                                 v[span.start:end], kv_cache, span, scale)
+    for spans in fresh.values():
+        _fresh_prefills(q, k, v, spans, scale, out)
     return out
 
 
+def _fresh_prefills(q, k, v, spans: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
+    """Prompts with nothing cached before them, all of one length: one causal attention call
+    over the stack of them (one small call per prompt costs several times more on CPU)."""
+    n = spans[0].num_tokens
+    def stack(x):                                            # -> [S, heads, n, D]
+        return torch.stack([x[s.start:s.start + n] for s in spans]).transpose(1, 2)
+    o = F.scaled_dot_product_attention(stack(q), stack(k), stack(v), is_causal=True,
+                                       scale=scale, enable_gqa=True).transpose(1, 2)
+    for i, span in enumerate(spans):
+        out[span.start:span.start + n] = o[i]
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence. q: [B, Hq, D] -> [B, Hq, D]."""
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence, attending its first context_lens[b] cached tokens.
+    q: [B, Hq, D] -> [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    width = block_tables.shape[1] * block_size
+    visible = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]   # [B, L]
+    bias = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
+    bias = bias[:, None, None, :]                                                     # [B,1,1,L]
     group = num_heads // num_kv_heads
     keys = kv_cache[0][block_tables].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
     values = kv_cache[1][block_tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]

@@ -15,6 +15,7 @@ from pagewire.kernels.attention import (AttentionBatch, PrefillSpan, paged_atten
                                         reference_attention, write_kv)
 from pagewire.kernels.norm import add_rms_norm, rms_norm
 from pagewire.kernels.rotary import apply_rope, rope_cos_sin
+from pagewire.kernels.ops import select_ops
 
 # Sequences of the batch, decodes first: (context_len once this step's tokens are written,
 # tokens computed this step). Decodes cover a lone token, block-boundary and long contexts;
@@ -55,26 +56,27 @@ def _build(block_size, head_dim, num_heads, num_kv_heads, seed=0):
     nd = len(DECODES)
     max_blocks = max(blocks_needed[:nd])
     decode_tables = torch.zeros(nd, max_blocks, dtype=torch.int64)   # padded with block 0
-    bias = torch.full((nd, 1, 1, max_blocks * block_size), float("-inf"))
     for i, (ctx, _) in enumerate(DECODES):
         decode_tables[i, :blocks_needed[i]] = tables[i]
-        bias[i, ..., :ctx] = 0.0
+    context_lens = torch.tensor([ctx for ctx, _ in DECODES], dtype=torch.int64)
     spans, start = [], nd
     for (ctx, n), table in zip(PREFILLS, tables[nd:]):
         spans.append(PrefillSpan(start=start, num_tokens=n, context_len=ctx, block_table=table))
         start += n
     batch = AttentionBatch(slot_mapping=torch.cat(slot_mapping), num_decode_tokens=nd,
-                           decode_block_tables=decode_tables, decode_bias=bias, prefills=spans)
+                           decode_block_tables=decode_tables, decode_context_lens=context_lens,
+                           prefills=spans)
     return cache, torch.cat(qs), torch.cat(ks), torch.cat(vs), batch, full_kv
 
 
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_paged_attention_matches_reference(block_size, head_dim, num_heads, num_kv_heads):
+def test_paged_attention_matches_reference(block_size, head_dim, num_heads, num_kv_heads, kernels):
     cache, q, k, v, batch, full_kv = _build(block_size, head_dim, num_heads, num_kv_heads)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k, v, cache, batch, scale)
+    out = select_ops(torch.device("cpu"), kernels).attention(q, k, v, cache, batch, scale)
     assert out.shape == q.shape and out.dtype == torch.float32
     row = 0
     for (ctx, n), (keys, values) in zip(DECODES + PREFILLS, full_kv):
@@ -99,7 +101,7 @@ def test_paged_attention_writes_this_steps_kv(block_size):
 
 
 def test_decode_ignores_blocks_outside_its_context():
-    """Padding entries (block 0) and slots past a decode's context are masked by the bias:
+    """Padding entries (block 0) and slots past a decode's context are masked:
     filling every block no decode owns, and the unused tail slots, with garbage changes
     nothing."""
     cache, q, k, v, batch, _ = _build(16, 64, 4, 2, seed=2)

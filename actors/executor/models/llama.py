@@ -7,12 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
-from pagewire.kernels.activation import silu_and_mul
-from pagewire.kernels.attention import AttentionBatch, paged_attention
-from pagewire.kernels.norm import add_rms_norm, rms_norm
-from pagewire.kernels.rotary import apply_rope, rope_cos_sin
+from pagewire.kernels.attention import AttentionBatch
+from pagewire.kernels.linear import Linear
+from pagewire.kernels.ops import TorchOps
+from pagewire.kernels.rotary import rope_cos_sin
 
 
 @dataclass
@@ -68,8 +67,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -78,29 +77,27 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, ops, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos_sin)      # [T, Hq, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos_sin)   # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
-        o = paged_attention(q, k, v, kv_cache, batch, self.scale)              # [T, Hq, D]
+        q, k, v = ops.split_qkv_rope(self.qkv(x), self.num_heads, self.num_kv_heads,
+                                     self.head_dim, *rope)   # [T, Hq, D], [T, Hkv, D] x 2
+        o = ops.attention(q, k, v, kv_cache, batch, self.scale)                # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ops.silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,11 +108,11 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos_sin, kv_cache, batch):
-        x, residual = self.input_norm(x, residual)
-        x = self.attn(x, cos_sin, kv_cache, batch)
-        x, residual = self.post_norm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, ops, x, residual, rope, kv_cache, batch):
+        x, residual = self.input_norm(ops, x, residual)
+        x = self.attn(ops, x, rope, kv_cache, batch)
+        x, residual = self.post_norm(ops, x, residual)
+        return self.mlp(ops, x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,8 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # tied: shares embed's weight
+        self.ops = TorchOps()     # the kernel set; the runner picks one for the device
         self.register_buffer("cos_sin", None, persistent=False)
         self.reset_buffers()
 
@@ -142,17 +139,16 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]."""
         x = self.embed(input_ids)                                  # [T, H]
-        cos_sin = self.cos_sin[positions].to(x.dtype)              # [T, D]
+        rope = (self.cos_sin, positions)                           # [P, D] table, [T]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
-        x, _ = self.norm(x, residual)
+            x, residual = layer(self.ops, x, residual, rope, kv_cache, batch)
+        x, _ = self.norm(self.ops, x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> float32 logits [S, V]."""
-        weight = self.embed.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     @staticmethod
     def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -160,8 +156,8 @@ class LlamaForCausalLM(nn.Module):
         state dict, with q/k/v and gate/up concatenated."""
         out = {"embed.weight": weights["model.embed_tokens.weight"],
                "norm.weight": weights["model.norm.weight"]}
-        if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = weights["lm_head.weight"]
+        out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings \
+            else weights["lm_head.weight"]
         for i in range(cfg.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):

@@ -1,0 +1,276 @@
+// CPU kernels for pagewire, called through ctypes (kernels/native.py builds and loads this).
+//
+// Built with -O3 -march=native against torch's headers only for at::parallel_for, so the work
+// runs on torch's own OpenMP pool (same libgomp, same thread count as torch.set_num_threads).
+// Every function takes raw pointers and explicit strides (in elements); the Python side checks
+// shapes, dtypes and devices before calling.
+//
+// Cache layout (per layer, keys and values separately): [num_blocks, block_size, Hkv, D].
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;
+
+// Built with -ffast-math (vectorized exp, reassociated sums), which assumes finite values:
+// "no score yet" is a large finite negative, not -inf.
+constexpr float kNoScore = -1e30f;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, bf16* dst) {  // round to nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) { *dst = 0x7fc0; return; }
+  bits += 0x7fff + ((bits >> 16) & 1);
+  *dst = static_cast<bf16>(bits >> 16);
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// One sequence and a range of its kv heads [h0, h1): each kv head's G query heads attend over
+// the sequence's context, block by block, with an online softmax (scores never leave this
+// function). Token rows hold all kv heads contiguously, so a row is read once for all heads.
+template <typename T, int64_t kD>
+void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
+                int64_t bs, float scale) {
+  const int64_t D = kD ? kD : D_;   // a compile-time head dim unrolls the inner loops
+  const int64_t H = (h1 - h0) * G;          // query heads handled here
+  std::vector<float> qf(H * D), acc(H * D, 0.f), row((h1 - h0) * D), scores(H * bs);
+  std::vector<float> m(H, kNoScore), l(H, 0.f);
+  load_row(q + h0 * G * D, qf.data(), H * D);
+  for (auto& x : qf) x *= scale;
+  const int64_t row_stride = Hkv * D;
+  const int64_t row_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t start = 0; start < context; start += bs) {
+    const int64_t n = std::min(bs, context - start);
+    const int64_t base = table[start / bs] * bs * row_stride + h0 * D;
+    // Blocks are scattered: prefetch the next one's rows while this one is computed.
+    const bool has_next = start + bs < context;
+    const int64_t next = has_next ? table[start / bs + 1] * bs * row_stride + h0 * D : 0;
+    for (int64_t t = 0; t < n; ++t) {
+      if (has_next) {
+        const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
+        const char* nv = reinterpret_cast<const char*>(v_cache + next + t * row_stride);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(nk + off);
+          __builtin_prefetch(nv + off);
+        }
+      }
+      load_row(k_cache + base + t * row_stride, row.data(), (h1 - h0) * D);
+      for (int64_t h = 0; h < H; ++h)
+        scores[h * bs + t] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = scores.data() + h * bs;
+      const float new_m = std::max(m[h], *std::max_element(sh, sh + n));
+      const float alpha = std::exp(m[h] - new_m);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - new_m); sum += sh[t]; }
+      l[h] = l[h] * alpha + sum;
+      m[h] = new_m;
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= alpha;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      load_row(v_cache + base + t * row_stride, row.data(), (h1 - h0) * D);
+      for (int64_t h = 0; h < H; ++h)
+        axpy(acc.data() + h * D, scores[h * bs + t], row.data() + (h / G) * D, D);
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    T* oh = out + (h0 * G + h) * D;
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    for (int64_t d = 0; d < D; ++d) from_float(acc[h * D + d] * inv, oh + d);
+  }
+}
+
+template <typename T>
+void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
+                      const int64_t* block_tables, const int64_t* context_lens, int64_t B,
+                      int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
+                      int64_t q_stride, int64_t out_stride, float scale) {
+  const int64_t G = Hq / Hkv;
+  // Whole sequences per work item when there are enough of them (each token row is then read
+  // once); split a small batch by kv head so every thread has work.
+  const int64_t splits = B < 2 * at::get_num_threads() ? Hkv : 1;
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, part = item % splits;
+      const int64_t h0 = part * Hkv / splits, h1 = (part + 1) * Hkv / splits;
+      auto fn = D == 64 ? decode_seq<T, 64> : D == 128 ? decode_seq<T, 128> : decode_seq<T, 0>;
+      fn(out + b * out_stride, q + b * q_stride, k_cache, v_cache,
+         block_tables + b * table_stride, context_lens[b], h0, h1, Hkv, G, D, bs, scale);
+    }
+  });
+}
+
+// bf16 arithmetic as torch does it: each op computes in float and rounds its result, so these
+// kernels give the same bits as the torch reference path (up to exp/rsqrt implementations).
+inline float round_as(float x, const float*) { return x; }
+inline float round_as(float x, const bf16*) {
+  bf16 b;
+  from_float(x, &b);
+  return to_float(b);
+}
+
+template <typename T>
+void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t tokens,
+                  int64_t hidden, int64_t x_stride, float eps) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * x_stride;
+      T* rt = residual ? residual + t * hidden : nullptr;
+      float ss = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) {
+        float v = to_float(xt[i]);
+        if (rt) {                     // residual' = x + residual, rounded to T
+          v = round_as(v + to_float(rt[i]), xt);
+          from_float(v, rt + i);
+        }
+        row[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / hidden + eps);
+      T* ot = out + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        from_float(to_float(weight[i]) * round_as(row[i] * inv, xt), ot + i);
+    }
+  });
+}
+
+// Neox rotary embedding, in place, on the query and key heads of a fused qkv row.
+template <typename T>
+void rope_inplace(T* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
+                  int64_t tokens, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cs = cos_sin + positions[t] * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + t * row_stride + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = round_as(cs[i], x), s = round_as(cs[half + i], x);
+          const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+          from_float(round_as(x1 * c, x) - round_as(x2 * s, x), x + i);
+          from_float(round_as(x2 * c, x) + round_as(x1 * s, x), x + half + i);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = gate_up + t * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + t * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = to_float(g[i]);
+        const float silu = round_as(gv / (1.f + std::exp(-gv)), g);
+        from_float(silu * to_float(u[i]), o + i);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
+void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,
+                         int64_t tokens, int64_t hidden, int64_t x_stride, float eps) {
+  add_rms_norm(out, residual, x, w, tokens, hidden, x_stride, eps);
+}
+void pw_add_rms_norm_bf16(bf16* out, bf16* residual, const bf16* x, const bf16* w,
+                          int64_t tokens, int64_t hidden, int64_t x_stride, float eps) {
+  add_rms_norm(out, residual, x, w, tokens, hidden, x_stride, eps);
+}
+
+// qkv [T, row_stride]: the first `heads` heads of each row (queries then keys) are rotated.
+void pw_rope_f32(float* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
+                 int64_t tokens, int64_t heads, int64_t D) {
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
+}
+void pw_rope_bf16(bf16* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
+                  int64_t tokens, int64_t heads, int64_t D) {
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
+}
+
+// gate_up [T, 2I] (gate first) -> out [T, I].
+void pw_silu_and_mul_f32(float* out, const float* gate_up, int64_t tokens, int64_t inter) {
+  silu_and_mul(out, gate_up, tokens, inter);
+}
+void pw_silu_and_mul_bf16(bf16* out, const bf16* gate_up, int64_t tokens, int64_t inter) {
+  silu_and_mul(out, gate_up, tokens, inter);
+}
+
+// out, q: [B, Hq, D] (token stride q_stride / out_stride, heads contiguous);
+// block_tables: [B, table_stride] int64; context_lens: [B] int64 (tokens to attend, >= 1).
+void pw_decode_attention_f32(float* out, const float* q, const float* k_cache,
+                             const float* v_cache, const int64_t* block_tables,
+                             const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                             int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
+                             int64_t out_stride, float scale) {
+  decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
+                   table_stride, q_stride, out_stride, scale);
+}
+
+void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
+                              const bf16* v_cache, const int64_t* block_tables,
+                              const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                              int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
+                              int64_t out_stride, float scale) {
+  decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
+                   table_stride, q_stride, out_stride, scale);
+}
+
+// Copy each token's keys and values (row_bytes each, rows `k_stride` / `v_stride` bytes apart)
+// into cache slot slots[t] (rows row_bytes apart). Slots are distinct, so tokens are
+// independent.
+void pw_write_kv(char* k_cache, char* v_cache, const char* k, const char* v,
+                 const int64_t* slots, int64_t T, int64_t row_bytes, int64_t k_stride,
+                 int64_t v_stride) {
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(k_cache + slots[t] * row_bytes, k + t * k_stride, row_bytes);
+    std::memcpy(v_cache + slots[t] * row_bytes, v + t * v_stride, row_bytes);
+  }
+}
+
+}  // extern "C"

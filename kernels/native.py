@@ -1,0 +1,189 @@
+"""Native CPU kernels (csrc/cpu_kernels.cpp), compiled on first use and called via ctypes.
+
+The library is built with g++ -O3 -march=native against torch's headers (for
+at::parallel_for, so it runs on torch's own thread pool) and cached under
+$PAGEWIRE_CACHE_DIR/kernels (default ~/.cache/pagewire/kernels), keyed by the source, the
+compiler flags, torch's version and this CPU's model and flags. Building takes about a second.
+If no compiler is available (or PAGEWIRE_NATIVE=0), load() returns None and callers use the
+torch paths.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+
+import torch
+
+log = logging.getLogger(__name__)
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+          "-Wno-unused-parameter"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32],
+    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32],
+    "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
+    "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
+    "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
+    "pw_rope_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
+    "pw_rope_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
+    "pw_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
+    "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
+}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _typed(name: str, dtype: torch.dtype):
+    if dtype not in _SUFFIX:
+        raise ValueError(f"{name}: dtype {dtype} not supported by the native kernels")
+    return getattr(load(), f"{name}_{_SUFFIX[dtype]}")
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")
+    path = os.path.join(root, "kernels")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f.read(1 << 16).splitlines() if l.startswith(("model name", "flags"))]
+        return "\n".join(lines[:2])
+    except OSError:
+        return "unknown"
+
+
+def _build(target: str) -> None:
+    torch_dir = os.path.dirname(torch.__file__)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, f"-I{torch_dir}/include", _SOURCE,
+           f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    os.replace(tmp, target)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEWIRE_NATIVE", "1") == "0":
+        return None
+    with open(_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join(_FLAGS).encode() + torch.__version__.encode()
+                             + _cpu_identity().encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
+    try:
+        if not os.path.exists(target):
+            with open(target + ".lock", "w") as lock:   # several executors may start at once
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not os.path.exists(target):
+                    _build(target)
+        lib = ctypes.CDLL(target)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("native CPU kernels unavailable, using torch paths: %s", detail[-2000:])
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _check_cpu(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"native CPU kernels need CPU tensors, got {t.device}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] (heads contiguous); k_cache, v_cache: [num_blocks, bs, Hkv, D]
+    contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
+    Returns [B, Hq, D] in q's dtype."""
+    lib = load()
+    _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype:
+        raise ValueError(f"unsupported dtypes q={q.dtype} cache={k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
+            or q.stride(1) != head_dim or num_heads % num_kv_heads:
+        raise ValueError("decode_attention: bad strides or head counts")
+    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 \
+            or not block_tables.is_contiguous() or block_tables.shape[0] != batch:
+        raise ValueError("decode_attention: block_tables/context_lens must be int64 [B, W], [B]")
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
+    fn = lib.pw_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.pw_decode_attention_f32
+    fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+       block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
+       head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale)
+    return out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] with each token's row contiguous; caches [num_blocks, bs, Hkv, D]
+    contiguous; slots: [T] int64, distinct. Mutates the caches."""
+    lib = load()
+    _check_cpu(k_cache, v_cache, k, v, slots)
+    row = k.shape[1] * k.shape[2]
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != k_cache.dtype:
+            raise ValueError("write_kv: each token's row must be contiguous, cache dtype")
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError("write_kv: slots must be contiguous int64")
+    size = k.element_size()
+    lib.pw_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    slots.data_ptr(), k.shape[0], row * size, k.stride(0) * size,
+                    v.stride(0) * size)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As kernels.norm.add_rms_norm: x [T, H] (rows may be strided); residual [T, H]
+    contiguous is updated in place to x + residual. Returns (normed, residual)."""
+    _check_cpu(x, weight)
+    tokens, hidden = x.shape
+    if x.stride(1) != 1 or weight.dtype != x.dtype or weight.shape != (hidden,):
+        raise ValueError("add_rms_norm: x rows must be contiguous, weight [H] of x's dtype")
+    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
+                                 or residual.dtype != x.dtype):
+        raise ValueError("add_rms_norm: residual must be contiguous and shaped like x")
+    out = torch.empty((tokens, hidden), dtype=x.dtype)
+    _typed("pw_add_rms_norm", x.dtype)(
+        out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
+        weight.data_ptr(), tokens, hidden, x.stride(0), eps)
+    return out, (x if residual is None else residual)
+
+
+def rope_(qkv: torch.Tensor, num_heads: int, head_dim: int, table: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotate, in place, the first num_heads heads of each row of qkv [T, W] (queries, then
+    keys) by their token's position. table: [P, D] float32 cos|sin; positions: [T] int64."""
+    _check_cpu(qkv, table, positions)
+    if qkv.stride(1) != 1 or num_heads * head_dim > qkv.shape[1] or table.dtype != torch.float32 \
+            or not table.is_contiguous() or table.shape[1] != head_dim \
+            or positions.dtype != torch.int64 or not positions.is_contiguous() \
+            or positions.shape[0] != qkv.shape[0]:
+        raise ValueError("rope_: bad shapes, strides or dtypes")
+    _typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
+                                 positions.data_ptr(), qkv.shape[0], num_heads, head_dim)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] contiguous -> [T, I]."""
+    _check_cpu(gate_up)
+    if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError("silu_and_mul: gate_up must be contiguous [T, 2I]")
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=gate_up.dtype)
+    _typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens, inter)
+    return out
