@@ -42,6 +42,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-queued-reqs", type=int, default=None)
     p.add_argument("--max-num-queued-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="executor torch threads")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
 
@@ -73,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
                             "comma-separated)")
     serve.add_argument("--cache-salt-per-api-key", action="store_true",
                        help="give each API key its own prefix-cache salt")
+    bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
+    from . import bench_cli
+    bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        setup_logging("bench")
+        return bench_cli.run(args)
     env_keys = os.environ.get("PAGEWIRE_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
     args.api_keys = (args.api_keys or []) + [k for k in env_keys.split(",") if k]
     setup_logging("supervisor")

@@ -20,6 +20,7 @@ from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
+from .cuda_graphs import DecodeGraphs
 from .loader import _DTYPES, load_model
 from .sampler import LogprobRequest, SamplingBatch, sample
 
@@ -45,31 +46,48 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         torch.set_num_threads(config.threads or default_threads())
         self.config = config
         self.block_size = config.block_size
-        self.device = torch.device("cpu")
-        self.model = load_model(config.model_info, config.dtype)
+        self.device = resolve_device(config.device)
+        self.model = load_model(config.model_info, config.dtype).to(self.device)
         self.model.ops = select_ops(self.device, config.kernels)
         if self.model.ops.name == "cpu":
             pack_linears(self.model)
-        cfg = self.model.cfg
-        self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks, self.block_size,
-                                           cfg.num_kv_heads, cfg.head_dim, _DTYPES[config.dtype])
+        cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
+        # One block past the scheduler's pool: the scratch block padded decode rows write to.
+        self.scratch_block = config.num_kv_blocks
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1,
+                                           self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                           dtype, self.device)
         self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
                                              self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                             _DTYPES[config.dtype]) if config.num_host_blocks else []
+                                             dtype) if config.num_host_blocks else []
         self.eos_ids = list(config.model_info.eos_token_ids)
         self.seqs: dict[str, SeqState] = {}
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = self.decode_graphs(capture=True)
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        width = -(-self.config.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, width,
+                            self.block_size, self.scratch_block, capture)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         order = self._apply_plan(plan)
         self._copy_blocks(plan)
         input_ids, positions, batch, sample_rows, sample_seqs = self._layout(order)
-        hidden = self.model(input_ids, positions, self.kv_caches, batch)       # [T, H]
+        hidden = self._forward(input_ids, positions, batch)                    # [T, H]
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
@@ -105,6 +123,24 @@ class ModelRunner:
         order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
         return order
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 batch: AttentionBatch) -> torch.Tensor:
+        decode_only = not batch.prefills
+        if decode_only and self.graphs is not None and \
+                self.graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
+            return self.graphs.run(input_ids, positions, batch.slot_mapping,
+                                   batch.decode_block_tables, batch.decode_context_lens)
+        dev = self.device
+        if dev.type != "cpu":
+            batch = AttentionBatch(
+                batch.slot_mapping.to(dev), batch.num_decode_tokens,
+                *(t.to(dev) if t is not None else None
+                  for t in (batch.decode_block_tables, batch.decode_context_lens)),
+                [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
+                 for p in batch.prefills])
+            input_ids, positions = input_ids.to(dev), positions.to(dev)
+        return self.model(input_ids, positions, self.kv_caches, batch)
+
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""
         for pairs, src_caches, dst_caches in ((plan.swap_out, self.kv_caches, self.host_caches),
@@ -113,7 +149,8 @@ class ModelRunner:
             if pairs:
                 src, dst = torch.tensor(pairs).T
                 for src_cache, dst_cache in zip(src_caches, dst_caches):
-                    dst_cache[:, dst] = src_cache[:, src]
+                    dst_cache[:, dst.to(dst_cache.device)] = \
+                        src_cache[:, src.to(src_cache.device)].to(dst_cache.device)
 
     def _layout(self, order: list[tuple[str, SeqState]]):
         """Flatten the scheduled tokens: ids, positions, attention layout, and which rows of

@@ -34,14 +34,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params])
+    dev = logits.device
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params], device=dev)
     logits.div_(temps.unsqueeze(1))
     _apply_top_k_top_p(logits, batch.params)
     _apply_min_p(logits, batch.params)
     probs = torch.softmax(logits, dim=-1)
-    noise = _exponential_noise(probs.shape, batch)
+    noise = _exponential_noise(probs.shape, batch, dev)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in batch.params])
+    is_greedy = torch.tensor([p.greedy for p in batch.params], device=dev)
     return torch.where(is_greedy, greedy, sampled)
 
 
@@ -60,13 +61,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> No
     top_p = [p.top_p if not p.greedy else 1.0 for p in params]
     if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
         return
+    dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    drop = ranks >= torch.tensor(top_k).unsqueeze(1)                 # [S, V] in sorted order
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)     # [S, V] in sorted order
     sorted_logits.masked_fill_(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+    drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
     drop[:, 0] = False
     logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
@@ -76,15 +78,18 @@ def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     if not any(min_p):
         return
     probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+    threshold = probs.max(dim=-1, keepdim=True).values * \
+        torch.tensor(min_p, device=logits.device).unsqueeze(1)
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _exponential_noise(shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
-    noise = torch.empty(shape).exponential_()
+def _exponential_noise(shape: torch.Size, batch: SamplingBatch,
+                       device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
     for row, (p, index) in enumerate(zip(batch.params, batch.output_index)):
         if p.seed is not None and not p.greedy:
-            gen = torch.Generator().manual_seed((p.seed ^ ((index + 1) * _MIX)) & (2**63 - 1))
+            gen = torch.Generator(device=device).manual_seed(
+                (p.seed ^ ((index + 1) * _MIX)) & (2**63 - 1))
             noise[row].exponential_(generator=gen)
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)   # p / 0 would be NaN or inf
 
