@@ -5,6 +5,9 @@ Cache layout, one tensor per layer: kv_cache[2, num_blocks, block_size, num_kv_h
 
 The batch is ordered decodes first: tokens [0, num_decode_tokens) are one token each of a
 distinct sequence; the rest are prefill spans (a whole prompt, or one chunk of it).
+
+The Triton kernels for CUDA (split-K decode, varlen prefill, the whole-batch launcher) are in
+attention_triton.py and re-exported here, at the bottom.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .cache import triton_write_kv, write_kv  # noqa: F401  (the cache write lives in cache.py)
 
 
 @dataclass
@@ -31,14 +36,6 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [B] int64: tokens each decode attends (its own included)
     prefills: list[PrefillSpan]
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k, v ([T, Hkv, D]) at their slots. Mutates kv_cache."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -138,3 +135,8 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale         # [Hq, n, ctx]
     scores = scores.masked_fill(~causal_mask(n, ctx, q.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+# The Triton launchers (importing them needs no Triton; calling them does).
+from .attention_triton import (triton_decode_attention, triton_paged_attention,  # noqa: E402,F401
+                               triton_prefill_attention, varlen_prefills)

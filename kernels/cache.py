@@ -1,0 +1,73 @@
+"""Writing this step's keys and values into the paged KV cache.
+
+Cache layout, one tensor per layer: kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 keys, 1 values). Slot s of the pool is block s // block_size, offset s % block_size.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, check, check_same_device, next_pow2, require_triton, tl, triton
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v ([T, Hkv, D]) at their slots. Mutates kv_cache."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _write_kv_kernel(cache_ptr, k_ptr, v_ptr, slot_ptr, num_kv_heads, head_dim,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_c, stride_cb, stride_cs, stride_ch,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One program per token: its [Hkv, D] keys and values into its slot (slots < 0 are
+        padding and skipped)."""
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            heads = tl.arange(0, BLOCK_H)
+            dims = tl.arange(0, BLOCK_D)
+            mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
+            dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+                   + heads[:, None] * stride_ch + dims[None, :])
+            key = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :],
+                          mask=mask)
+            value = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :],
+                            mask=mask)
+            tl.store(dst, key, mask=mask)
+            tl.store(dst + stride_c, value, mask=mask)
+
+
+def triton_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """As write_kv, one Triton launch. k, v: [T, Hkv, D] of the cache's dtype, rows may be
+    strided views (last dimension contiguous); slot_mapping: [T] int64, distinct (a negative
+    slot is padding: that token is not written). Mutates kv_cache."""
+    require_triton()
+    check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
+          f"kv_cache must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    check(kv_cache.stride(-1) == 1, "kv_cache: last dimension must be contiguous")
+    for name, t in (("k", k), ("v", v)):
+        check(t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_dim),
+              f"{name} must be [T, {num_kv_heads}, {head_dim}], got {tuple(t.shape)}")
+        check(t.dtype == kv_cache.dtype,
+              f"{name}: dtype {t.dtype} differs from the cache's {kv_cache.dtype}")
+        check(t.stride(-1) == 1, f"{name}: last dimension must be contiguous")
+    check(k.shape[0] == v.shape[0], f"k and v token counts differ: {k.shape[0]}, {v.shape[0]}")
+    check(slot_mapping.dtype == torch.int64 and slot_mapping.dim() == 1
+          and slot_mapping.shape[0] == k.shape[0] and slot_mapping.is_contiguous(),
+          f"slot_mapping must be contiguous [{k.shape[0]}] int64, got {tuple(slot_mapping.shape)} "
+          f"{slot_mapping.dtype}")
+    check_same_device(kv_cache=kv_cache, k=k, v=v, slot_mapping=slot_mapping)
+    if k.shape[0] == 0:
+        return
+    _write_kv_kernel[(k.shape[0],)](
+        kv_cache, k, v, slot_mapping, num_kv_heads, head_dim,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=block_size, BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim))

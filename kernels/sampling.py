@@ -1,0 +1,128 @@
+"""Top-k / top-p (nucleus) masking of logits, per row: the torch reference and a Triton kernel.
+
+Per row: tokens outside the top_k most likely are masked to -inf (top_k <= 0 or >= vocab:
+no top-k); then, over the renormalized survivors in order of likelihood, a token is masked
+when the probability mass before it is >= top_p (top_p >= 1: no top-p). The most likely token
+always survives. The semantics of actors/executor/sampler.py's _apply_top_k_top_p, with
+per-row tensors instead of SamplingParams.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, check, check_same_device, out_or_new, require_triton, tl, triton
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """logits [S, V]; top_k [S] int; top_p [S] float. Returns a masked copy."""
+    vocab = logits.shape[1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)                                  # [S, V] in sorted order
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p.to(device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    drop |= (mass_before >= p) & (p < 1.0)      # top_p = 1 keeps the tail cumsum rounds to 1
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _ordered_key(x):
+        """float32 -> int32 with the same order (-inf lowest; -0.0 just below +0.0)."""
+        bits = x.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _top_k_top_p_kernel(x_ptr, out_ptr, k_ptr, p_ptr, vocab, stride_x, stride_o,
+                            BLOCK: tl.constexpr):
+        """One program per row. Without sorting: each threshold is found by bisection over
+        the 32-bit ordered keys of the logits, one pass over the row per step. Keeps the
+        tokens whose key is >= both thresholds."""
+        row = tl.program_id(0).to(tl.int64)
+        src = x_ptr + row * stride_x
+        k = tl.load(k_ptr + row)
+        top_p = tl.load(p_ptr + row)
+        min_key = k * 0 - 2147483648                       # int64 scalars
+        k_thresh = min_key
+        p_thresh = min_key
+        if (k > 0) & (k < vocab):
+            # the largest t with count(key >= t) >= k: the k-th largest key
+            lo = min_key
+            hi = k * 0 + 2147483647
+            for _ in range(32):
+                mid = lo + (hi - lo + 1) // 2
+                count = 0
+                for v0 in range(0, vocab, BLOCK):
+                    cols = v0 + tl.arange(0, BLOCK)
+                    x = tl.load(src + cols, mask=cols < vocab, other=float("-inf"))
+                    hit = (_ordered_key(x) >= mid) & (cols < vocab)
+                    count += tl.sum(hit.to(tl.int32), 0)
+                lo = tl.where(count >= k, mid, lo)
+                hi = tl.where(count >= k, hi, mid - 1)
+            k_thresh = lo
+        if top_p < 1.0:
+            top = float("-inf")
+            for v0 in range(0, vocab, BLOCK):
+                cols = v0 + tl.arange(0, BLOCK)
+                x = tl.load(src + cols, mask=cols < vocab, other=float("-inf"))
+                top = tl.maximum(top, tl.max(x, 0))
+            total = 0.0
+            for v0 in range(0, vocab, BLOCK):
+                cols = v0 + tl.arange(0, BLOCK)
+                x = tl.load(src + cols, mask=cols < vocab, other=float("-inf"))
+                kept = (_ordered_key(x) >= k_thresh) & (cols < vocab)
+                total += tl.sum(tl.where(kept, tl.exp(x - top), 0.0), 0)
+            target = top_p * total
+            # the smallest t whose mass strictly above it is < top_p (the top key always
+            # qualifies: a token survives when the mass before it is < top_p)
+            lo = min_key - 1
+            hi = _ordered_key(top).to(tl.int64)
+            for _ in range(33):
+                mid = lo + (hi - lo) // 2
+                mass = 0.0
+                for v0 in range(0, vocab, BLOCK):
+                    cols = v0 + tl.arange(0, BLOCK)
+                    x = tl.load(src + cols, mask=cols < vocab, other=float("-inf"))
+                    key = _ordered_key(x)
+                    above = (key > mid) & (key >= k_thresh) & (cols < vocab)
+                    mass += tl.sum(tl.where(above, tl.exp(x - top), 0.0), 0)
+                lo = tl.where(mass < target, lo, mid)
+                hi = tl.where(mass < target, mid, hi)
+            p_thresh = hi
+        dst = out_ptr + row * stride_o
+        for v0 in range(0, vocab, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            x = tl.load(src + cols, mask=cols < vocab, other=float("-inf"))
+            key = _ordered_key(x)
+            keep = (key >= k_thresh) & (key >= p_thresh)
+            tl.store(dst + cols, tl.where(keep, x, float("-inf")), mask=cols < vocab)
+
+
+def triton_top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
+                            out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
+    """As top_k_top_p_mask, one Triton launch (a program per row). logits [S, V] float32,
+    rows may be strided; top_k [S] int64; top_p [S] float32. Returns out (new unless given;
+    out=logits masks in place). Ties differ from the sorting reference: tokens whose logit
+    equals the k-th largest, or the last one top-p keeps, are all kept or all dropped."""
+    require_triton()
+    check(logits.dim() == 2, f"logits must be [S, V], got {tuple(logits.shape)}")
+    check(logits.dtype == torch.float32, f"logits: dtype must be float32, got {logits.dtype}")
+    check(logits.stride(-1) == 1, "logits: last dimension must be contiguous")
+    rows, vocab = logits.shape
+    check(top_k.dtype == torch.int64 and tuple(top_k.shape) == (rows,) and top_k.is_contiguous(),
+          f"top_k must be contiguous [{rows}] int64, got {tuple(top_k.shape)} {top_k.dtype}")
+    check(top_p.dtype == torch.float32 and tuple(top_p.shape) == (rows,)
+          and top_p.is_contiguous(),
+          f"top_p must be contiguous [{rows}] float32, got {tuple(top_p.shape)} {top_p.dtype}")
+    check(block >= 16 and block & (block - 1) == 0, "block: a power of 2, >= 16")
+    out = out_or_new(out, (rows, vocab), logits)
+    check_same_device(logits=logits, top_k=top_k, top_p=top_p, out=out)
+    if rows and vocab:
+        _top_k_top_p_kernel[(rows,)](logits, out, top_k, top_p, vocab, logits.stride(0),
+                                     out.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,33 @@
+"""The Triton kernel set: TorchOps' methods, each one Triton launch (attention: the cache
+write, then one decode and one varlen prefill launch). Runs on CUDA; on CPU only under the
+Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
+from __future__ import annotations
+
+from .activation import triton_silu_and_mul
+from .attention_triton import triton_paged_attention
+from .norm import triton_add_rms_norm
+from .ops import TorchOps
+from .rotary import triton_rope_table_
+
+
+class TritonOps(TorchOps):
+    name = "triton"
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """As TorchOps.add_rms_norm; residual (when given) is updated in place."""
+        return triton_add_rms_norm(x, residual, weight, eps)
+
+    def split_qkv_rope(self, qkv, num_heads, num_kv_heads, head_dim, table, positions):
+        """Rotates q and k in place inside qkv (one launch, the table gather fused), then
+        returns views: q [T, Hq, D], k, v [T, Hkv, D]."""
+        t = qkv.shape[0]
+        heads = qkv.view(t, -1, head_dim)                   # [T, Hq + 2 Hkv, D]
+        triton_rope_table_(heads[:, :num_heads + num_kv_heads], table, positions)
+        q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        return q, k, v
+
+    def silu_and_mul(self, gate_up):
+        return triton_silu_and_mul(gate_up)
+
+    def attention(self, q, k, v, kv_cache, batch, scale):
+        return triton_paged_attention(q, k, v, kv_cache, batch, scale)
