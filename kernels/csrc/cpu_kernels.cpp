@@ -7,12 +7,16 @@
 //
 // Cache layout (per layer, keys and values separately): [num_blocks, block_size, Hkv, D].
 #include <ATen/Parallel.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,6 +26,7 @@ using bf16 = uint16_t;
 // Built with -ffast-math (vectorized exp, reassociated sums), which assumes finite values:
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
+constexpr int64_t kPrefetchAhead = 1;
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) {
@@ -61,6 +66,31 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
 // One sequence and a range of its kv heads [h0, h1): each kv head's G query heads attend over
 // the sequence's context, block by block, with an online softmax (scores never leave this
 // function). Token rows hold all kv heads contiguously, so a row is read once for all heads.
+// q . k for one query head and one cached token. bf16 inputs on AVX512-BF16 multiply in
+// pairs straight from memory (vdpbf16ps: exact products, float32 sums); elsewhere both are
+// widened to float32 first (`qf` holds the query pre-widened, `row` the token's keys).
+template <typename T, int64_t kD>
+inline float qk_dot(const T* q, const float* qf, const T* k, const float* row, int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16> && kD > 0 && kD % 32 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kD; i += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i),
+                             (__m512bh)_mm512_loadu_si512(k + i));
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  return dot(qf, row, D);
+}
+
+template <typename T, int64_t kD>
+constexpr bool kDirectQK =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, bf16> && kD > 0 && kD % 32 == 0;
+#else
+    false;
+#endif
+
 template <typename T, int64_t kD>
 void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
@@ -69,16 +99,17 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
   const int64_t H = (h1 - h0) * G;          // query heads handled here
   std::vector<float> qf(H * D), acc(H * D, 0.f), row((h1 - h0) * D), scores(H * bs);
   std::vector<float> m(H, kNoScore), l(H, 0.f);
-  load_row(q + h0 * G * D, qf.data(), H * D);
-  for (auto& x : qf) x *= scale;
+  const T* qh0 = q + h0 * G * D;
+  load_row(qh0, qf.data(), H * D);
   const int64_t row_stride = Hkv * D;
   const int64_t row_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
   for (int64_t start = 0; start < context; start += bs) {
     const int64_t n = std::min(bs, context - start);
     const int64_t base = table[start / bs] * bs * row_stride + h0 * D;
-    // Blocks are scattered: prefetch the next one's rows while this one is computed.
-    const bool has_next = start + bs < context;
-    const int64_t next = has_next ? table[start / bs + 1] * bs * row_stride + h0 * D : 0;
+    // Blocks are scattered, so the hardware cannot guess the next one: prefetch the rows of
+    // the block kPrefetchAhead blocks ahead while this one is computed.
+    const bool has_next = start + kPrefetchAhead * bs < context;
+    const int64_t next = has_next ? table[start / bs + kPrefetchAhead] * bs * row_stride + h0 * D : 0;
     for (int64_t t = 0; t < n; ++t) {
       if (has_next) {
         const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
@@ -88,9 +119,11 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
           __builtin_prefetch(nv + off);
         }
       }
-      load_row(k_cache + base + t * row_stride, row.data(), (h1 - h0) * D);
+      const T* krow = k_cache + base + t * row_stride;
+      if (!kDirectQK<T, kD>) load_row(krow, row.data(), (h1 - h0) * D);
       for (int64_t h = 0; h < H; ++h)
-        scores[h * bs + t] = dot(qf.data() + h * D, row.data() + (h / G) * D, D);
+        scores[h * bs + t] = scale * qk_dot<T, kD>(qh0 + h * D, qf.data() + h * D,
+                                                   krow + (h / G) * D, row.data() + (h / G) * D, D);
     }
     for (int64_t h = 0; h < H; ++h) {
       float* sh = scores.data() + h * bs;
