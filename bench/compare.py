@@ -35,6 +35,14 @@ def run(cmd: list[str], kind: str) -> float:
     return float(match.group(3) if kind == "throughput" else match.group(1))
 
 
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """This script's own arguments, and those after `--` (passed on to the engines)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
 def commands(kind: str, args: list[str], with_hf: bool) -> dict[str, list[str]]:
     common = ["--max-model-len", "2048"]
     cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16"],
@@ -50,9 +58,8 @@ def main() -> None:
     p.add_argument("kind", choices=["throughput", "latency"])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    a = p.parse_args()
-    args = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    own, args = split_argv(sys.argv[1:])
+    a = p.parse_args(own)
     cmds = commands(a.kind, args, not a.no_hf)
     results: dict[str, list[float]] = {name: [] for name in cmds}
     for i in range(a.runs):

