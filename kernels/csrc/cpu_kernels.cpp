@@ -91,6 +91,63 @@ constexpr bool kDirectQK =
     false;
 #endif
 
+#if defined(__AVX512BF16__)
+// acc[h] += sum_t p[h][t] * V[t][kv(h)] for NG query heads sharing one kv head, kD/16 zmm per
+// head: the accumulators stay in registers for the whole block, and each value row is widened
+// from bf16 once for all NG heads.
+template <int64_t kD, int NG>
+inline void pv_heads(float* acc, const float* p, const bf16* v, int64_t n, int64_t row_stride,
+                     int64_t bs) {
+  constexpr int C = kD / 16;
+  __m512 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * kD + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    const bf16* vr = v + t * row_stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c)
+      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c * 16))), 16));
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * bs + t]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * kD + c * 16, a[g][c]);
+}
+#endif
+
+// The value half of a block: acc[h][:] += sum_t scores[h][t] * V[t][kv head of h][:], for the
+// G query heads of each of the nkv kv heads starting at `v` (the block's first row).
+template <typename T, int64_t kD>
+inline void accumulate_pv(float* acc, const float* scores, const T* v, float* row, int64_t n,
+                          int64_t row_stride, int64_t nkv, int64_t G, int64_t bs, int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16> && kD > 0 && kD % 16 == 0) {
+    constexpr int kChunk = kD <= 64 ? 4 : 2;   // heads per pass: accumulators fit the registers
+    for (int64_t j = 0; j < nkv; ++j)
+      for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
+        float* a = acc + (j * G + g0) * kD;
+        const float* p = scores + (j * G + g0) * bs;
+        const bf16* vj = v + j * kD;
+        switch (std::min<int64_t>(kChunk, G - g0)) {
+          case 1: pv_heads<kD, 1>(a, p, vj, n, row_stride, bs); break;
+          case 2: pv_heads<kD, 2>(a, p, vj, n, row_stride, bs); break;
+          case 3: pv_heads<kD, 3>(a, p, vj, n, row_stride, bs); break;
+          default: pv_heads<kD, 4>(a, p, vj, n, row_stride, bs); break;
+        }
+      }
+    return;
+  }
+#endif
+  const int64_t H = nkv * G;
+  for (int64_t t = 0; t < n; ++t) {
+    load_row(v + t * row_stride, row, nkv * D);
+    for (int64_t h = 0; h < H; ++h) axpy(acc + h * D, scores[h * bs + t], row + (h / G) * D, D);
+  }
+}
+
 template <typename T, int64_t kD>
 void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
@@ -137,11 +194,8 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
       if (alpha != 1.f)
         for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= alpha;
     }
-    for (int64_t t = 0; t < n; ++t) {
-      load_row(v_cache + base + t * row_stride, row.data(), (h1 - h0) * D);
-      for (int64_t h = 0; h < H; ++h)
-        axpy(acc.data() + h * D, scores[h * bs + t], row.data() + (h / G) * D, D);
-    }
+    accumulate_pv<T, kD>(acc.data(), scores.data(), v_cache + base, row.data(), n, row_stride,
+                         h1 - h0, G, bs, D);
   }
   for (int64_t h = 0; h < H; ++h) {
     T* oh = out + (h0 * G + h) * D;
