@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--num-tokenizers", type=int, default=1)
     serve.add_argument("--drain-timeout", type=float, default=30.0)
+    serve.add_argument("--actor-nice", type=int, default=10,
+                       help="niceness of the actors other than the executors")
     serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
                        help="accepted bearer key (repeatable; also $PAGEWIRE_API_KEY, "
                             "comma-separated)")

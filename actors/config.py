@@ -46,6 +46,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kernels: str = "auto"                    # auto | torch (reference) | cpu (native) | triton
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
+    actor_nice: int = 10                     # niceness of every actor but the executors
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt

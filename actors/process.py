@@ -89,6 +89,8 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     setup_logging(env.name)
+    if role != "executor" and config.actor_nice:
+        os.nice(config.actor_nice)
     try:
         importlib.import_module(ROLES[role]).run(env)
     except SystemExit:

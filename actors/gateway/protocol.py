@@ -87,8 +87,10 @@ class ChatBody(_Common, kw_only=True):
     continue_final_message: bool = False
 
 
-_UNSUPPORTED = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "logit_bias")
+# Field -> the values that mean "off" (accepted, as clients often send them explicitly).
+_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0),
+                "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+                "repetition_penalty": (None, 1.0), "logit_bias": (None, {})}
 
 
 def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
@@ -102,8 +104,8 @@ def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
 
 def to_sampling(body: _Common, max_tokens: int | None) -> SamplingParams:
     """The request's SamplingParams (shared by each of its prompts)."""
-    for name in _UNSUPPORTED:
-        if getattr(body, name) not in (None, False):
+    for name, neutral in _UNSUPPORTED.items():
+        if getattr(body, name) not in neutral:
             raise ApiError(400, f"`{name}` is not supported yet", name)
     if not 1 <= body.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}, got {body.n}", "n")
