@@ -43,7 +43,7 @@ def peaks() -> tuple[float, float]:
 
 def load_model():
     from pagewire import LLM
-    llm = LLM(max_model_len=4096, kv_cache_memory=3 * 2**30, max_num_seqs=256)
+    llm = LLM(max_model_len=4096, kv_cache_memory=6 * 2**30, max_num_seqs=256)
     return llm.runner
 
 
@@ -108,7 +108,7 @@ def step_row(runner, batch: int, context: int):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,32,64,128")
-    p.add_argument("--contexts", default="128,512,2048")
+    p.add_argument("--contexts", default="256,1024,4096")
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if a.threads:

@@ -7,6 +7,7 @@ sequence whose computed tokens reach the end of its known tokens, and appends th
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,16 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+def _release_freed_memory() -> None:
+    """Loading frees large float32 buffers (dequantized weights) that malloc would keep: hand
+    them back to the OS, so resident memory is weights + cache + a steady overhead (~0.4 GiB
+    less after loading the default model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,6 +87,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = self.decode_graphs(capture=True)
+        _release_freed_memory()
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         width = -(-self.config.max_model_len // self.block_size)
