@@ -84,10 +84,10 @@ class Attention(nn.Module):
     def forward(self, ops, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = ops.split_qkv_rope(self.qkv(x), self.num_heads, self.num_kv_heads,
+        q, k, v = ops.split_qkv_rope(self.qkv.forward(x), self.num_heads, self.num_kv_heads,
                                      self.head_dim, *rope)   # [T, Hq, D], [T, Hkv, D] x 2
         o = ops.attention(q, k, v, kv_cache, batch, self.scale)                # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -97,7 +97,7 @@ class MLP(nn.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ops.silu_and_mul(self.gate_up(x)))
+        return self.down.forward(ops.silu_and_mul(self.gate_up.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -109,10 +109,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, ops, x, residual, rope, kv_cache, batch):
-        x, residual = self.input_norm(ops, x, residual)
-        x = self.attn(ops, x, rope, kv_cache, batch)
-        x, residual = self.post_norm(ops, x, residual)
-        return self.mlp(ops, x), residual
+        x, residual = self.input_norm.forward(ops, x, residual)
+        x = self.attn.forward(ops, x, rope, kv_cache, batch)
+        x, residual = self.post_norm.forward(ops, x, residual)
+        return self.mlp.forward(ops, x), residual
+
+
+# The forward passes call submodules' .forward directly: nn.Module.__call__ (hooks machinery)
+# costs ~3 us a call, ~0.8 ms of a 12 ms single-stream decode step.
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,8 +146,8 @@ class LlamaForCausalLM(nn.Module):
         rope = (self.cos_sin, positions)                           # [P, D] table, [T]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(self.ops, x, residual, rope, kv_cache, batch)
-        x, _ = self.norm(self.ops, x, residual)
+            x, residual = layer.forward(self.ops, x, residual, rope, kv_cache, batch)
+        x, _ = self.norm.forward(self.ops, x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
