@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                             "comma-separated)")
     serve.add_argument("--cache-salt-per-api-key", action="store_true",
                        help="give each API key its own prefix-cache salt")
+    serve.add_argument("--metrics-require-api-key", action="store_true",
+                       help="put GET /metrics behind the API key check (open by default)")
     bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
     from . import bench_cli
     bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))

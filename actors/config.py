@@ -50,6 +50,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
+    metrics_require_api_key: bool = False    # GET /metrics behind the API key check too
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None

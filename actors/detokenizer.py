@@ -13,9 +13,9 @@ from collections import OrderedDict
 from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import PullChannel, PushChannel
-from pagewire.wire.sampling import output_ids
+from pagewire.wire.sampling import LogprobsChunk, output_ids
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
-from pagewire.wire.to_gateway import TextDelta, TextDeltas
+from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
 from pagewire.wire.to_scheduler import Abort
 
 from .hf_tokenizer import load_tokenizer
@@ -34,6 +34,8 @@ class IncrementalText:
             self.stream.step(backend, tid)
         self.text, self.sent, self.num_tokens = "", 0, 0
         self.holdback = max((len(s) for s in start.stop), default=1) - 1
+        self.first_prompt = True           # the next prompt-logprobs chunk is the first
+        self.echo = start.echo_prompt      # sent with the first delta
 
     def add(self, delta: TokenDelta) -> tuple[TextDelta, bool]:
         """Consume one TokenDelta; return the text delta to send and whether a stop string
@@ -54,9 +56,31 @@ class IncrementalText:
         out = TextDelta(req_id=delta.req_id, text=self.text[self.sent:end],
                         num_prompt_tokens=self.start.num_prompt_tokens,
                         num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error,
-                        cumulative_logprob=delta.cumulative_logprob)
+                        cumulative_logprob=delta.cumulative_logprob,
+                        logprobs=self._texts(delta.logprobs),
+                        prompt_logprobs=self._texts(delta.prompt_logprobs, first=self.first_prompt))
+        if delta.prompt_logprobs is not None:
+            self.first_prompt = False
+        out.echo_prompt, self.echo = self.echo, None
         self.sent = end
         return out, stopped
+
+    def _texts(self, chunk: LogprobsChunk | None, first: bool = False) -> list[TokenLogprob] | None:
+        """A logprobs chunk with each token's text. The prompt's first chunk starts with its
+        first token, which nothing predicts (logprob None)."""
+        if chunk is None:
+            return None
+        decode = self._token_text
+        out = [TokenLogprob(self.start.first_prompt_token, decode(self.start.first_prompt_token),
+                            None)] if first and self.start.first_prompt_token is not None else []
+        for tid, lp, top_ids, top_lps in zip(chunk.token_ids, chunk.logprobs, chunk.top_ids,
+                                             chunk.top_logprobs):
+            out.append(TokenLogprob(tid, decode(tid), lp,
+                                    [(t, decode(t), l) for t, l in zip(top_ids, top_lps)]))
+        return out
+
+    def _token_text(self, tid: int) -> str:
+        return self.backend.decode([tid], skip_special_tokens=False)
 
     def _cut_at_stop(self, old_len: int) -> bool:
         """Cut at the first stop string that ends inside the piece appended after `old_len`

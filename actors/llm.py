@@ -31,6 +31,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cumulative_logprob: float | None = None
+    logprobs: list | None = None          # TokenLogprob per token, when asked
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first: logprob None)
 
 
 class LLM:
@@ -137,6 +139,10 @@ class LLM:
         for t in texts:
             out, completion = self._outputs[t.req_id]
             completion.text += t.text
+            if t.logprobs is not None:
+                completion.logprobs = (completion.logprobs or []) + t.logprobs
+            if t.prompt_logprobs is not None and completion.index == 0:
+                out.prompt_logprobs = (out.prompt_logprobs or []) + t.prompt_logprobs
             if t.finish_reason:
                 del self._outputs[t.req_id]
                 completion.finish_reason = t.finish_reason

@@ -6,6 +6,8 @@ and never reaches the scheduler. Otherwise the detokenizer learns of the request
 """
 from __future__ import annotations
 
+import msgspec
+
 from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.sampling import InvalidParam
 from pagewire.wire.to_detokenizer import DetokStart
@@ -30,20 +32,51 @@ class RequestTokenizer:
     def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
         try:
             ids = self.encode(req)
+            if req.sampling.truncate_prompt_tokens is not None:
+                ids = ids[-req.sampling.truncate_prompt_tokens:]
             self.check_length(ids, req.sampling.max_tokens)
+            self.check_token_ids(req.sampling)
+            s = self.with_bad_words_ids(req.sampling)
         except InvalidParam as e:
             return RequestFailed(req_id=req.req_id, status=400, message=str(e), param=e.param)
         except Exception as e:  # a template error, an unencodable prompt: the client's problem
             return RequestFailed(req_id=req.req_id, status=400, message=f"{type(e).__name__}: {e}")
-        s = req.sampling
+        echo = None
+        if req.echo:
+            echo = self.tokenizer.decode(ids, skip_special_tokens=False) \
+                if req.prompt is None or s.truncate_prompt_tokens else req.prompt
         start = DetokStart(req_id=req.req_id, prompt_tail=ids[-PROMPT_TAIL:],
                            num_prompt_tokens=len(ids), stop=s.stop,
                            include_stop_str_in_output=s.include_stop_str_in_output,
                            skip_special_tokens=s.skip_special_tokens, min_tokens=s.min_tokens,
-                           num_outputs=s.num_outputs)
+                           num_outputs=s.num_outputs, echo_prompt=echo,
+                           first_prompt_token=ids[0] if s.prompt_logprobs is not None else None)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority)
+
+    def check_token_ids(self, s) -> None:
+        """Token ids in the sampling fields must exist: the executor indexes logits by them."""
+        for name, ids in (("logit_bias", list(s.logit_bias or {})),
+                          ("allowed_token_ids", s.allowed_token_ids or []),
+                          ("stop_token_ids", s.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidParam(name, f"{name}: token id {bad[0]} is out of range "
+                                         f"[0, {self.vocab_size})")
+
+    def with_bad_words_ids(self, s):
+        """Token sequences of each bad word, as it would start a text and after a space."""
+        if not s.bad_words:
+            return s
+        seqs = []
+        for word in s.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                # ids the model cannot produce (a tokenizer wider than the model) never match
+                if ids and ids not in seqs and max(ids) < self.vocab_size:
+                    seqs.append(ids)
+        return msgspec.structs.replace(s, bad_words_ids=seqs)
 
     def encode(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -63,9 +96,11 @@ class RequestTokenizer:
         if self.tokenizer.chat_template is None:
             raise InvalidParam("messages", "this model has no chat template; use /v1/completions")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs)
+        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=req.continue_final_message, **kwargs)
         # The template already wrote the special tokens it wants.
         return self.tokenizer.encode(text, add_special_tokens=False)
 

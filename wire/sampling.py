@@ -37,6 +37,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None      # None: none; 0: the sampled token's; k: and the top k
+    prompt_logprobs: int | None = None   # the same for every prompt token after the first
+    presence_penalty: float = 0.0    # subtracted once from every token already generated
+    frequency_penalty: float = 0.0   # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (positive) / multiplies (negative) logits of
+                                     # tokens in the prompt or generated
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []        # never completed (the tokenizer fills bad_words_ids)
+    bad_words_ids: list[list[int]] = []
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,11 +66,32 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids must be >= 0")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "logprobs must be >= 0")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               "prompt_logprobs must be >= 0")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0, "repetition_penalty",
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()), "logit_bias",
+               "logit_bias values must be in [-100, 100]")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids", "allowed_token_ids must not be empty")
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+               "truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether anything but temperature/top-k/top-p/min-p reshapes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.allowed_token_ids is not None or self.bad_words_ids)
 
     @property
     def num_sequences(self) -> int:
@@ -84,3 +115,13 @@ def output_ids(req_id: str, count: int) -> list[str]:
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidParam(param, message)
+
+
+class LogprobsChunk(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities of consecutive tokens: token_ids[i] had logprobs[i] under the model;
+    top_ids[i] / top_logprobs[i] are the k most likely tokens at that position ([] when no
+    top-k was asked)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from .sampling import LogprobsChunk
+
 
 class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """Sent by the tokenizer before the request reaches the scheduler. Deltas for a request the
@@ -16,6 +18,8 @@ class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     min_tokens: int = 0              # stop strings are ignored before this many outputs
     num_outputs: int = 1             # output sequences, named by output_ids(req_id, n)
+    echo_prompt: str | None = None   # the prompt's text, sent ahead of the output (echo)
+    first_prompt_token: int | None = None   # heads the prompt logprobs, when asked
 
 
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
@@ -24,6 +28,8 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | "rejected"
     error: str | None = None
     cumulative_logprob: float | None = None   # on the final delta, when it was computed
+    logprobs: LogprobsChunk | None = None     # of token_ids, when asked
+    prompt_logprobs: LogprobsChunk | None = None
 
 
 class TokenDeltas(msgspec.Struct, tag=True, gc=False):

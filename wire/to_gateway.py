@@ -1,7 +1,17 @@
-"""Messages the gateway receives: text from the detokenizer, refusals from tokenizers."""
+"""Messages the gateway receives: text from the detokenizer, refusals from tokenizers, metrics
+from the scheduler."""
 from __future__ import annotations
 
 import msgspec
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One token's log-probability, with its text and the top alternatives' (None for the
+    first prompt token, which nothing predicts)."""
+    token_id: int
+    token: str
+    logprob: float | None
+    top: list[tuple[int, str, float]] = []      # (token id, text, logprob), most likely first
 
 
 class TextDelta(msgspec.Struct, array_like=True, gc=False):
@@ -12,6 +22,9 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None    # "stop" | "length" | "abort" | "error" | "rejected"
     error: str | None = None
     cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None          # of this delta's tokens
+    prompt_logprobs: list[TokenLogprob] | None = None   # once, before any output
+    echo_prompt: str | None = None                      # once, before any output
 
 
 class TextDeltas(msgspec.Struct, tag=True, gc=False):
@@ -27,4 +40,22 @@ class RequestFailed(msgspec.Struct, tag=True, kw_only=True):
     param: str | None = None
 
 
-GatewayInbox = TextDeltas | RequestFailed
+class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
+    """The scheduler's figures for /metrics, sent about once a second while it is busy and once
+    when it goes idle. Counters are cumulative since the scheduler started; gauges are current;
+    the lists are the histogram observations made since the previous report."""
+    num_running: int                   # sequences running
+    num_waiting: int                   # sequences waiting (swapped ones included)
+    kv_cache_usage: float              # fraction of device KV blocks in use, 0..1
+    prompt_tokens: int                 # prompt tokens of prompts whose prefill completed
+    generation_tokens: int             # tokens sampled
+    preemptions: int
+    prefix_cache_queries: int          # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int             # of which found cached
+    inbox_messages: dict[str, int] = {}   # scheduler inbox messages received, by type
+    iteration_tokens: list[int] = []      # tokens per step
+    queue_times: list[float] = []         # seconds from arrival to first scheduled
+    step_durations: list[float] = []      # seconds from plan sent to result received
+
+
+GatewayInbox = TextDeltas | RequestFailed | SchedulerStats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .sampling import SamplingParams
+from .sampling import LogprobsChunk, SamplingParams
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -36,7 +36,8 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
-    error: str | None = None
+    prompt_logprobs: dict[str, LogprobsChunk] | None = None   # by request: this step's prompt
+    error: str | None = None                                  # positions (token 1 onward)
 
 
 SchedulerInbox = NewRequest | Abort | StepResult

@@ -25,6 +25,8 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     continue_final_message: bool = False
     cache_salt: str | None = None        # requests with different salts never share KV blocks
     priority: int = 0                    # lower runs first under the priority policy
+    echo: bool = False                   # send the prompt's text ahead of the output
+    chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
 
 
 TokenizerInbox = TokenizeRequest

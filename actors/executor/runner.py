@@ -23,6 +23,7 @@ from pagewire.wire.to_scheduler import StepResult
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .loader import _DTYPES, load_model
+from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 
 
@@ -98,9 +99,12 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         order = self._apply_plan(plan)
         self._copy_blocks(plan)
-        input_ids, positions, batch, sample_rows, sample_seqs = self._layout(order)
+        input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
+        spans = spans_of(rows)
+        if spans:
+            result.prompt_logprobs = prompt_logprobs(self.model, hidden, spans)
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
             wanted = LogprobRequest.of([seq.sampling for _, seq in sample_seqs])
@@ -169,12 +173,14 @@ class ModelRunner:
         the hidden states to sample from (with their requests)."""
         bs = self.block_size
         ids, pos, slots, sample_rows, sample_seqs, prefills = [], [], [], [], [], []
+        rows = []
         decodes = [seq for _, seq in order if seq.num_scheduled == 1]
         for rid, seq in order:
             start, n = seq.num_computed, seq.num_scheduled
             p = np.arange(start, start + n)
             blocks = np.asarray(seq.block_ids)
             row = len(ids)
+            rows.append((rid, seq, row))
             ids.extend(seq.token_ids[start:start + n])
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
@@ -189,7 +195,7 @@ class ModelRunner:
             num_decode_tokens=len(decodes), prefills=prefills,
             **self._decode_layout(decodes))
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
-                sample_rows, sample_seqs)
+                sample_rows, sample_seqs, rows)
 
     def _decode_layout(self, decodes: list[SeqState]) -> dict:
         if not decodes:
@@ -213,4 +219,7 @@ class ModelRunner:
             s = seq.sampling
             banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
                           if n_out < s.min_tokens else [])
-        return SamplingBatch(params, index, banned)
+        histories = None
+        if any(p.has_logits_processors for p in params):
+            histories = [(seq.token_ids, seq.num_prompt_tokens) for _, seq in sample_seqs]
+        return SamplingBatch(params, index, banned, histories)

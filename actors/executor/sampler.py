@@ -15,6 +15,8 @@ import torch
 
 from pagewire.wire.sampling import SamplingParams
 
+from .logits_processors import apply_logits_processors
+
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -24,6 +26,7 @@ class SamplingBatch:
     params: list[SamplingParams]
     output_index: list[int]             # how many tokens each row has generated before this one
     banned: list[list[int]]             # token ids masked per row (EOS before min_tokens)
+    histories: list[tuple[list[int], int]] | None = None   # (tokens, prompt length) per row
 
     @property
     def all_greedy(self) -> bool:
@@ -32,6 +35,8 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits: [S, V] float32 (modified in place) -> token ids [S] int64."""
+    if batch.histories is not None:
+        apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
     if batch.all_greedy:
         return logits.argmax(dim=-1)

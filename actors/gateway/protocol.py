@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.to_gateway import TextDelta, TokenLogprob
 from pagewire.wire.to_tokenizer import ChatMessage
 
 MAX_N = 16
@@ -31,6 +32,10 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send extras."""
     model: str | None = None
@@ -55,18 +60,21 @@ class _Common(msgspec.Struct, kw_only=True):
     user: str | None = None
     cache_salt: str | None = None
     priority: int = 0
-    # Accepted by OpenAI but not implemented yet: refused when set, never silently ignored.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
     prompt: str | list[str | int | list[int]]
     echo: bool = False
+    logprobs: int | None = None          # the top k alternatives (and the sampled token's)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -85,12 +93,16 @@ class ChatBody(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
 
 
-# Field -> the values that mean "off" (accepted, as clients often send them explicitly).
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0),
-                "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-                "repetition_penalty": (None, 1.0), "logit_bias": (None, {})}
+MAX_LOGPROBS = 20
+# chat_template_kwargs a client may set: switches the common templates read, nothing that
+# reaches into the template's code paths (tools, documents, custom templates).
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "add_generation_prompt",
+                                  "reasoning_effort"})
 
 
 def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
@@ -102,28 +114,61 @@ def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
         raise ApiError(400, f"malformed JSON body: {e}") from None
 
 
-def to_sampling(body: _Common, max_tokens: int | None) -> SamplingParams:
+def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
+                prompt_logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams (shared by each of its prompts)."""
-    for name, neutral in _UNSUPPORTED.items():
-        if getattr(body, name) not in neutral:
-            raise ApiError(400, f"`{name}` is not supported yet", name)
-    if not 1 <= body.n <= MAX_N:
-        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {body.n}", "n")
-    if body.best_of is not None and not body.n <= body.best_of <= MAX_N:
-        raise ApiError(400, f"best_of must be between n and {MAX_N}, got {body.best_of}", "best_of")
-    fields = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                  min_p=body.min_p, seed=body.seed)
+    _check_caps(body, logprobs, prompt_logprobs)
+    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty)
+    try:
+        bias = {int(k): v for k, v in (body.logit_bias or {}).items()} or None
+    except ValueError:
+        raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
     try:
         return SamplingParams(
-            **{k: v for k, v in fields.items() if v is not None},
+            **{k: v for k, v in optional.items() if v is not None},
             n=body.n, best_of=body.best_of, use_beam_search=body.use_beam_search,
             length_penalty=body.length_penalty, max_tokens=max_tokens, min_tokens=body.min_tokens,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens)
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            allowed_token_ids=body.allowed_token_ids, bad_words=list(body.bad_words or []),
+            truncate_prompt_tokens=body.truncate_prompt_tokens)
     except InvalidParam as e:
         raise ApiError(400, str(e), e.param) from None
+
+
+def _check_caps(body: _Common, logprobs: int | None, prompt_logprobs: int | None) -> None:
+    """Server-side limits, each a 400 naming its field."""
+    if not 1 <= body.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}, got {body.n}", "n")
+    if body.best_of is not None and not body.n <= body.best_of <= MAX_N:
+        raise ApiError(400, f"best_of must be between n and {MAX_N}, got {body.best_of}", "best_of")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet "
+                       "(only 'text')", "response_format")
+
+
+def chat_logprobs(body: ChatBody) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def template_kwargs(body: ChatBody) -> dict:
+    kwargs = body.chat_template_kwargs or {}
+    refused = sorted(set(kwargs) - CHAT_TEMPLATE_KWARGS)
+    if refused:
+        raise ApiError(400, f"chat_template_kwargs {refused} are not allowed (allowed: "
+                       f"{sorted(CHAT_TEMPLATE_KWARGS)})", "chat_template_kwargs")
+    return kwargs
 
 
 def completion_prompts(body: CompletionBody) -> list[dict]:
@@ -162,38 +207,115 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Formatter:
-    """Response shapes for one endpoint. `chat` picks chat.completion vs text_completion."""
+class Choice:
+    """One output sequence's response so far, as its TextDeltas arrive."""
 
-    def __init__(self, chat: bool, req_id: str, created: int, model: str):
+    def __init__(self):
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.echo = ""
+        self.cumulative_logprob = 0.0
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.logprobs += delta.logprobs or []
+        self.prompt_logprobs += delta.prompt_logprobs or []
+        self.echo += delta.echo_prompt or ""
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+            self.cumulative_logprob = delta.cumulative_logprob or 0.0
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's completions logprobs: parallel lists, text_offset counted from `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e.token)
+        out["token_logprobs"].append(e.logprob)
+        top = {text: lp for _, text, lp in e.top}
+        if e.logprob is not None:
+            top.setdefault(e.token, e.logprob)
+        out["top_logprobs"].append(top if e.logprob is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(e.token)
+    return out
+
+
+def chat_logprobs_content(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [dict(item(e.token, e.logprob),
+                             top_logprobs=[item(t, lp) for _, t, lp in e.top])
+                        for e in entries], "refusal": None}
+
+
+def prompt_logprobs_list(entries: list[TokenLogprob]) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob,
+    decoded_token}} with the actual token and the top alternatives."""
+    out = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(tid): {"logprob": lp, "decoded_token": text} for tid, text, lp in e.top}
+        d.setdefault(str(e.token_id), {"logprob": e.logprob, "decoded_token": e.token})
+        out.append(d)
+    return out
+
+
+class Formatter:
+    """Response shapes for one endpoint. `chat` picks chat.completion vs text_completion;
+    `logprobs` whether choices carry them."""
+
+    def __init__(self, chat: bool, req_id: str, created: int, model: str,
+                 logprobs: bool = False, prompt_logprobs: bool = False, echo: bool = False):
         self.chat, self.id, self.created, self.model = chat, req_id, created, model
+        self.logprobs, self.prompt_logprobs, self.echo = logprobs, prompt_logprobs, echo
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def full(self, texts: dict[int, str], reasons: dict[int, str], use: dict) -> dict:
-        if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                        "logprobs": None, "finish_reason": reasons[i]} for i in sorted(texts)]
-            out = self._envelope("chat.completion", choices)
-        else:
-            choices = [{"index": i, "text": texts[i], "logprobs": None,
-                        "finish_reason": reasons[i]} for i in sorted(texts)]
-            out = self._envelope("text_completion", choices)
+    def full(self, choices: dict[int, Choice], use: dict) -> dict:
+        out = self._envelope("chat.completion" if self.chat else "text_completion",
+                             [self._full_choice(i, choices[i]) for i in sorted(choices)])
         out["usage"] = use
         return out
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None,
-              role: bool = False) -> dict:
+    def _full_choice(self, index: int, c: Choice) -> dict:
+        choice = {"index": index, "logprobs": None, "finish_reason": c.finish_reason}
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else \
+            choice["message"] = {"role": "assistant", "content": c.text}
+            if self.logprobs:
+                choice["logprobs"] = chat_logprobs_content(c.logprobs)
+        else:
+            choice["text"] = c.echo + c.text
+            if self.logprobs:
+                entries = (c.prompt_logprobs if c.echo else []) + c.logprobs
+                choice["logprobs"] = completion_logprobs(entries)
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_list(c.prompt_logprobs)
+        return choice
+
+    def chunk(self, index: int, delta: TextDelta | None, finish_reason: str | None,
+              role: bool = False) -> dict:
+        text = delta.text if delta is not None else ""
+        entries = (delta.logprobs or []) if delta is not None else []
+        if self.chat:
+            delta_obj = {"role": "assistant", "content": ""} if role else \
                 ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta_obj, "finish_reason": finish_reason,
+                      "logprobs": chat_logprobs_content(entries) if self.logprobs and entries
+                      else None}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": index, "text": text or "", "logprobs": None,
-                  "finish_reason": finish_reason}
+        echo = (delta.echo_prompt or "") if delta is not None else ""
+        if self.echo and delta is not None:
+            entries = (delta.prompt_logprobs or []) + entries
+        choice = {"index": index, "text": echo + text, "finish_reason": finish_reason,
+                  "logprobs": completion_logprobs(entries) if self.logprobs and entries else None}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, use: dict) -> dict:

@@ -22,12 +22,15 @@ from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.sampling import output_ids
-from pagewire.wire.to_gateway import GatewayInbox, RequestFailed, TextDelta, TextDeltas
+from pagewire.wire.to_gateway import (GatewayInbox, RequestFailed, SchedulerStats, TextDelta,
+                                      TextDeltas)
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
-from .protocol import (ApiError, ChatBody, CompletionBody, Formatter, chat_messages,
-                       completion_prompts, decode_body, to_sampling, usage)
+from .metrics import GatewayMetrics
+from .protocol import (ApiError, ChatBody, Choice, CompletionBody, Formatter, chat_messages,
+                       chat_logprobs, completion_prompts, decode_body, template_kwargs,
+                       to_sampling, usage)
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
@@ -47,26 +50,35 @@ class Gateway:
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
         self.in_flight = 0
         self.draining = False
+        self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
+                                      config.max_num_batched_tokens)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions)])
+        self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
         """Route every inbox message to the queue of the HTTP request it belongs to."""
         while True:
             msg = await self.inbox.recv()
+            if isinstance(msg, SchedulerStats):
+                self.metrics.on_scheduler_stats(msg)
+                continue
             items = msg.deltas if isinstance(msg, TextDeltas) else [msg]
             for item in items:
                 queue = self.routes.get(item.req_id)
                 if queue is not None:
                     queue.put_nowait(item)
+                    if isinstance(item, TextDelta):   # timed on arrival, not when consumed
+                        self.metrics.on_tokens(item)
 
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/"):
+            if request.path.startswith("/v1/") or (
+                    request.path == "/metrics" and self.config.metrics_require_api_key):
                 self.api_key(request)
             response = await handler(request)
         except ApiError as e:
@@ -94,26 +106,34 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionBody)
         self.check_model(body.model)
-        sampling = to_sampling(body, 16 if body.max_tokens is None else body.max_tokens)
-        if body.echo:
-            raise ApiError(400, "`echo` is not supported yet", "echo")
+        # echo with logprobs reports the prompt's tokens too: their logprobs are computed.
+        prompt_lps = body.prompt_logprobs if body.prompt_logprobs is not None or not body.echo \
+            else body.logprobs
+        sampling = to_sampling(body, 16 if body.max_tokens is None else body.max_tokens,
+                               body.logprobs, prompt_lps)
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                                 prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
-                                cache_salt=self.salt(request, body), priority=body.priority)
+                                cache_salt=self.salt(request, body), priority=body.priority,
+                                echo=body.echo)
                 for p in completion_prompts(body)]
-        fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                        logprobs=body.logprobs is not None,
+                        prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo)
         return await self.serve(request, body, fmt, subs)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatBody)
         self.check_model(body.model)
-        sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens)
+        sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
+                               chat_logprobs(body), body.prompt_logprobs)
         sub = TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                               messages=chat_messages(body),
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
-                              cache_salt=self.salt(request, body), priority=body.priority)
-        fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+                              cache_salt=self.salt(request, body), priority=body.priority,
+                              chat_template_kwargs=template_kwargs(body))
+        fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                        logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None)
         return await self.serve(request, body, fmt, [sub])
 
     def api_key(self, request: web.Request) -> str | None:
@@ -160,6 +180,7 @@ class Gateway:
         for rid in run.route_ids():
             self.routes[rid] = run.queue
         self.in_flight += 1
+        self.metrics.on_request_start(list(run.slot))
         try:
             for p in prompts:
                 self.tokenizers.send(p)
@@ -170,6 +191,7 @@ class Gateway:
             return await self.collect(fmt, run)
         finally:
             self.in_flight -= 1
+            self.metrics.on_request_end(list(run.slot), run.open_ids)
             for rid in run.route_ids():
                 self.routes.pop(rid, None)
             if run.open_ids:
@@ -178,8 +200,7 @@ class Gateway:
     async def collect(self, fmt: Formatter, run: "_Run") -> web.Response:
         async for _ in run:
             pass
-        texts, reasons = run.best_choices()
-        return web.json_response(fmt.full(texts, reasons, run.usage()), dumps=_dumps)
+        return web.json_response(fmt.full(run.best_choices(), run.usage()), dumps=_dumps)
 
     async def stream(self, request: web.Request, fmt: Formatter, run: "_Run",
                      include_usage: bool) -> web.StreamResponse:
@@ -193,8 +214,9 @@ class Gateway:
                 await _send_event(response, fmt.chunk(index, None, None, role=True))
         try:
             async for index, delta in run:
-                if delta.text or (delta.finish_reason and not fmt.chat):
-                    await _send_event(response, fmt.chunk(index, delta.text, None if fmt.chat
+                if delta.text or delta.logprobs or delta.echo_prompt or \
+                        (delta.finish_reason and not fmt.chat):
+                    await _send_event(response, fmt.chunk(index, delta, None if fmt.chat
                                                           else delta.finish_reason))
                 if delta.finish_reason and fmt.chat:
                     await _send_event(response, fmt.chunk(index, None, delta.finish_reason))
@@ -234,9 +256,7 @@ class _Run:
             for j, out_id in enumerate(output_ids(p.req_id, self.num_outputs))}
         self.open_ids = set(self.slot)
         self.buffer: list[TextDelta] = []
-        self.texts: dict[tuple[int, int], str] = {}
-        self.reasons: dict[tuple[int, int], str] = {}
-        self.logprobs: dict[tuple[int, int], float] = {}
+        self.choices: dict[tuple[int, int], Choice] = {slot: Choice() for slot in self.slot.values()}
         self.prompt_tokens: dict[int, int] = {}
         self.output_tokens: dict[tuple[int, int], int] = {}
 
@@ -276,23 +296,20 @@ class _Run:
                            delta.error or "generation failed")
         self.prompt_tokens[i] = delta.num_prompt_tokens
         self.output_tokens[slot] = delta.num_output_tokens
-        self.texts[slot] = self.texts.get(slot, "") + delta.text
-        if delta.finish_reason:
-            self.reasons[slot] = delta.finish_reason
-            self.logprobs[slot] = delta.cumulative_logprob or 0.0
+        self.choices[slot].add(delta)
         return i * self.n + j, delta
 
-    def best_choices(self) -> tuple[dict[int, str], dict[int, str]]:
-        """Texts and finish reasons by choice index: per prompt, the n sequences with the
-        highest cumulative logprob when it generated more (best_of)."""
-        texts, reasons = {}, {}
+    def best_choices(self) -> dict[int, Choice]:
+        """Choices by index: per prompt, the n sequences with the highest cumulative logprob
+        when it generated more (best_of)."""
+        out = {}
         for i in range(len(self.prompt_ids)):
             slots = [(i, j) for j in range(self.num_outputs)]
             if self.num_outputs > self.n:
-                slots = sorted(slots, key=lambda s: -self.logprobs[s])[: self.n]
+                slots = sorted(slots, key=lambda s: -self.choices[s].cumulative_logprob)[: self.n]
             for j, slot in enumerate(slots):
-                texts[i * self.n + j], reasons[i * self.n + j] = self.texts.get(slot, ""), self.reasons[slot]
-        return texts, reasons
+                out[i * self.n + j] = self.choices[slot]
+        return out
 
     def usage(self) -> dict:
         return usage(sum(self.prompt_tokens.values()), sum(self.output_tokens.values()))

@@ -4,15 +4,128 @@
     -> ... StepResult -> update() -> TokenDeltas to the detokenizer
 
 One plan is in flight at a time. The inbox is drained without blocking while there is work to
-plan, and blocks when waiting for a result or when idle.
+plan, and blocks when waiting for a result or when idle (with a timeout while a metrics report
+or log line is due).
+
+Metrics: the loop times steps and queueing and sends a SchedulerStats to the gateway about once
+a second while busy and once on going idle; every 5 seconds while busy it logs vLLM's line
+(throughput, running/waiting, KV cache usage, prefix cache hit rate).
 """
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
+from pagewire.wire.to_executor import StepPlan
+from pagewire.wire.to_gateway import SchedulerStats
 from pagewire.wire.to_scheduler import Abort, NewRequest, SchedulerInbox, StepResult
 
 from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL = 1.0   # seconds between SchedulerStats while busy
+LOG_INTERVAL = 5.0      # seconds between throughput log lines while busy
+
+
+class StatsReporter:
+    """Collects the scheduler's metrics between reports and decides when to report and log.
+
+    The loop calls on_message / on_plan / on_result as things happen, and tick(busy) after each
+    round; tick sends what is due and returns how long the loop may block before the next tick
+    is needed (None: until a message comes). Clocks and the sender are injectable for tests.
+    """
+
+    def __init__(self, sched: Scheduler, send: Callable[[SchedulerStats], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
+        self.sched, self.send = sched, send
+        self.clock, self.wall_clock = clock, wall_clock
+        self.inbox_messages: dict[str, int] = {}
+        self.iteration_tokens: list[int] = []
+        self.queue_times: list[float] = []
+        self.step_durations: list[float] = []
+        self.plan_sent_at: float | None = None
+        now = clock()
+        self.reported_at, self.dirty = now, False
+        self.logged_at, self.logged_totals = now, self._totals()
+        self.quiet = True        # idle with nothing left to log: the log interval restarts
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on_message(self, msg) -> None:
+        name = type(msg).__name__
+        self.inbox_messages[name] = self.inbox_messages.get(name, 0) + 1
+        self.dirty = True
+        if self.quiet:           # activity after a quiet spell: time the log interval from now
+            self.logged_at, self.logged_totals, self.quiet = self.clock(), self._totals(), False
+
+    def on_plan(self, plan: StepPlan) -> None:
+        self.plan_sent_at = self.clock()
+        self.iteration_tokens.append(sum(s.num_scheduled for s in plan.new)
+                                     + sum(r.num_scheduled for r in plan.running))
+        if self.sched.first_scheduled:
+            wall = self.wall_clock()
+            self.queue_times += [max(0.0, wall - t) for t in self.sched.first_scheduled]
+        self.dirty = True
+
+    def on_result(self) -> None:
+        if self.plan_sent_at is not None:
+            self.step_durations.append(self.clock() - self.plan_sent_at)
+            self.plan_sent_at = None
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def tick(self, busy: bool) -> float | None:
+        """Report and log what is due; return seconds until the next tick is due, or None."""
+        now = self.clock()
+        if self.dirty and (not busy or now - self.reported_at >= REPORT_INTERVAL):
+            self.report(now)
+        totals = self._totals()
+        pending = totals[:2] != self.logged_totals[:2]
+        if (busy or pending) and now - self.logged_at >= LOG_INTERVAL:
+            self.log_line(now, totals)
+            pending = False
+        self.quiet = not busy and not pending
+        waits = []
+        if busy:
+            waits.append(self.reported_at + REPORT_INTERVAL - now)
+        if busy or pending:
+            waits.append(self.logged_at + LOG_INTERVAL - now)
+        return max(0.0, min(waits)) if waits else None
+
+    def stats(self) -> SchedulerStats:
+        s, tables = self.sched, self.sched.tables
+        return SchedulerStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            kv_cache_usage=s.kv_cache_usage(), prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=s.num_generation_tokens, preemptions=s.num_preemptions,
+            prefix_cache_queries=tables.prefix_queries, prefix_cache_hits=tables.prefix_hits,
+            inbox_messages=dict(self.inbox_messages), iteration_tokens=self.iteration_tokens,
+            queue_times=self.queue_times, step_durations=self.step_durations)
+
+    def report(self, now: float) -> None:
+        self.send(self.stats())
+        self.iteration_tokens, self.queue_times, self.step_durations = [], [], []
+        self.reported_at, self.dirty = now, False
+
+    def log_line(self, now: float, totals: tuple[int, int, int, int]) -> None:
+        elapsed = max(now - self.logged_at, 1e-9)
+        prompt, gen, queries, hits = (a - b for a, b in zip(totals, self.logged_totals))
+        log.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                 "Prefix cache hit rate: %.1f%%", prompt / elapsed, gen / elapsed,
+                 len(self.sched.running), len(self.sched.waiting),
+                 100 * self.sched.kv_cache_usage(), 100 * hits / queries if queries else 0.0)
+        self.logged_at, self.logged_totals = now, totals
+
+    def _totals(self) -> tuple[int, int, int, int]:
+        s = self.sched
+        return (s.num_prompt_tokens, s.num_generation_tokens, s.tables.prefix_queries,
+                s.tables.prefix_hits)
 
 
 class SchedulerLoop:
@@ -21,18 +134,23 @@ class SchedulerLoop:
         self.inbox = PullChannel(env.ctx, env.address("scheduler"), SchedulerInbox)
         self.executors = [PushChannel(env.ctx, env.address("executor-0"))]
         self.detokenizer = PushChannel(env.ctx, env.address("detokenizer"))
+        self.gateway = PushChannel(env.ctx, env.address("gateway"))
+        self.stats = StatsReporter(self.sched, self.gateway.send)
         self.in_flight: int | None = None     # step id of the plan being run
         self.handlers = {NewRequest: self.on_new, Abort: self.on_abort, StepResult: self.on_result}
 
     def run(self) -> None:
+        wait: float | None = None
         while True:
             can_plan = self.in_flight is None and self.sched.has_work()
-            msg = self.inbox.recv(0 if can_plan else None)
+            msg = self.inbox.recv(0 if can_plan else None if wait is None else int(wait * 1000) + 1)
             while msg is not None:
+                self.stats.on_message(msg)
                 self.handlers[type(msg)](msg)
                 msg = self.inbox.recv(0)
             if self.in_flight is None:
                 self.plan()
+            wait = self.stats.tick(self.in_flight is not None or self.sched.has_work())
 
     def plan(self) -> None:
         plan = self.sched.schedule()
@@ -41,6 +159,7 @@ class SchedulerLoop:
         self.in_flight = plan.step_id
         for executor in self.executors:
             executor.send(plan)
+        self.stats.on_plan(plan)
 
     def on_new(self, msg: NewRequest) -> None:
         self.emit(self.sched.add(msg))
@@ -51,6 +170,7 @@ class SchedulerLoop:
     def on_result(self, msg: StepResult) -> None:
         if msg.step_id != self.in_flight:
             raise RuntimeError(f"result for step {msg.step_id}, expected {self.in_flight}")
+        self.stats.on_result()
         self.in_flight = None
         self.emit(self.sched.update(msg))
 

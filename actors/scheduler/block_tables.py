@@ -46,6 +46,8 @@ class BlockTables:
         least one token is always left to compute (the step that samples needs it), so a
         block holding the last token is never mapped. Undo with release() if the request
         cannot be admitted after all."""
+        if req.sampling.prompt_logprobs is not None:
+            return        # every prompt position must be computed for its logprobs
         self.update_hashes(req)
         limit = (req.target_len - 1) // self.block_size
         hits = self.device.lookup(req.block_hashes[:limit])

@@ -31,7 +31,8 @@ class Request:
                  "max_tokens", "status", "num_computed", "num_scheduled", "block_ids",
                  "num_blocks_sent", "on_executor", "priority", "cache_salt", "order",
                  "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
-                 "host_block_ids", "new_token_ids", "candidates")
+                 "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
+                 "scheduled_before", "prompt_counted")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -59,6 +60,9 @@ class Request:
         self.group = None                     # the BeamGroup a beam belongs to
         self.new_token_ids: list[int] = []    # chosen here, not yet sent to the executor
         self.candidates = None                # a beam's (token ids, logprobs) this step
+        self.scheduled_before = False         # admitted once already (metrics: queue time)
+        self.prompt_counted = False           # prefill completed once (metrics: prompt tokens)
+        self.num_prompt_logprobs_sent = 1     # prompt positions whose logprobs went out
 
     @property
     def key(self) -> tuple[int, int]:

@@ -9,6 +9,12 @@ cheaply when its blocks are still cached). update() applies a StepResult: append
 tokens, forks prompts into their n sequences, advances beams, finishes sequences (EOS, stop
 ids, max_tokens, context full) and frees their blocks.
 
+Metrics are plain counters here (no clocks, no I/O; the actor times and reports them):
+num_prompt_tokens (a prompt's length, counted once when its prefill first completes, cached
+tokens included, as vLLM counts), num_generation_tokens (tokens sampled), num_preemptions,
+tables.prefix_queries / prefix_hits, and first_scheduled (the arrival times of the requests the
+latest schedule() ran for the first time).
+
 Calls alternate: schedule() -> (executor runs the plan) -> update(). add() and abort() may come
 at any time, including between schedule() and update(); update() skips sequences that ended
 meanwhile.
@@ -20,7 +26,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from pagewire.wire.sampling import output_ids
+from pagewire.wire.sampling import LogprobsChunk, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
@@ -53,9 +59,16 @@ class Scheduler:
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0               # metrics counters; see the module docstring
+        self.num_generation_tokens = 0
+        self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of device KV blocks held by sequences (free cached blocks count as free)."""
+        return 1.0 - self.kv.num_free / self.kv.num_blocks if self.kv.num_blocks else 0.0
 
     # -- arrivals and aborts ---------------------------------------------------------------
 
@@ -80,10 +93,10 @@ class Scheduler:
         elif s.num_sequences > 1:
             req.fork_leader = True
         self.requests[req.req_id] = req
+        bisect.insort(self.waiting, req, key=lambda r: r.key)
         if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
-            self._fork(req)
-        else:
-            bisect.insort(self.waiting, req, key=lambda r: r.key)
+            self._count_prompt(req)
+            self._fork(req)                            # (_finish takes it out of waiting)
         return []
 
     def _refusal(self, msg: NewRequest) -> tuple[str, str] | None:
@@ -123,6 +136,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Decide the next step. Returns None when there is nothing to run."""
         budget = self.config.max_num_batched_tokens
+        self.first_scheduled = []
         self._make_room_for_priority()
         self.scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
@@ -186,6 +200,9 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             req.status, req.num_scheduled = Status.RUNNING, n
+            if not req.scheduled_before:
+                req.scheduled_before = True
+                self.first_scheduled.append(req.arrival_time)
             bisect.insort(self.running, req, key=lambda r: r.key)
             self.scheduled.append(req)
             budget -= n
@@ -246,8 +263,12 @@ class Scheduler:
         for req in self.scheduled:
             if req.status is not Status.RUNNING:   # aborted or preempted meanwhile
                 continue
+            if result.prompt_logprobs and req.req_id in result.prompt_logprobs:
+                deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.req_id])
             req.num_computed += req.num_scheduled
             self.tables.commit(req)
+            if not req.prompt_counted and req.num_pending == 0:
+                self._count_prompt(req)
             row = rows.get(req.req_id)
             if req.fork_leader:
                 if req.num_pending == 0:
@@ -264,16 +285,38 @@ class Scheduler:
         self.scheduled = []
         return deltas
 
+    def _count_prompt(self, req: Request) -> None:
+        req.prompt_counted = True       # forks and beams copy the flag: one count per prompt
+        self.num_prompt_tokens += req.num_prompt_tokens
+
     def _append(self, req: Request, result: StepResult, row: int) -> TokenDelta:
         token = result.token_ids[row]
         req.token_ids.append(token)
+        self.num_generation_tokens += 1
+        logprobs = None
         if result.logprobs is not None:
             req.cum_logprob += result.logprobs[row]
+            if req.sampling.logprobs is not None:
+                logprobs = LogprobsChunk([token], [result.logprobs[row]], [result.top_ids[row]],
+                                         [result.top_logprobs[row]])
         reason = self._stop_reason(req, token)
         if reason:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
-        return TokenDelta(req.req_id, [token], reason, None, cum)
+        return TokenDelta(req.req_id, [token], reason, None, cum, logprobs)
+
+    def _prompt_logprobs(self, req: Request, chunk: LogprobsChunk) -> list[TokenDelta]:
+        """Forward prompt logprobs for positions not sent before (a recomputed request
+        computes them again), to every output sequence of the request. Called before
+        num_computed advances: the chunk covers prompt tokens num_computed + 1 onward."""
+        skip = max(0, req.num_prompt_logprobs_sent - (req.num_computed + 1))
+        if skip >= len(chunk.token_ids):
+            return []
+        fresh = LogprobsChunk(chunk.token_ids[skip:], chunk.logprobs[skip:],
+                              chunk.top_ids[skip:], chunk.top_logprobs[skip:])
+        req.num_prompt_logprobs_sent = req.num_computed + 1 + len(chunk.token_ids)
+        ids = output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader else [req.req_id]
+        return [TokenDelta(i, [], prompt_logprobs=fresh) for i in ids]
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         s = req.sampling
@@ -319,6 +362,7 @@ class Scheduler:
                 new_live.append(self._extend_beam(child, token, cum))
             new_live.append(self._extend_beam(beam, picks[0][0], picks[0][1]))
         group.live = new_live
+        self.num_generation_tokens += len(new_live)   # one token appended to each
         for beam in group.retire_full_length():
             self._finish(beam)
         if not group.is_finished():

@@ -12,7 +12,8 @@ from pagewire.wire import InvalidParam, SamplingParams
 from pagewire.wire.channels import encode, make_decoder
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import ExecutorInbox, NewSeq, RunSeq, StepPlan
-from pagewire.wire.to_gateway import GatewayInbox, RequestFailed, TextDelta, TextDeltas
+from pagewire.wire.to_gateway import (GatewayInbox, RequestFailed, SchedulerStats, TextDelta,
+                                      TextDeltas)
 from pagewire.wire.to_scheduler import Abort, NewRequest, SchedulerInbox, StepResult
 from pagewire.wire.to_supervisor import Fatal, Ready, SupervisorInbox
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest, TokenizerInbox
@@ -65,6 +66,15 @@ CASES = [
     (GatewayInbox, RequestFailed(req_id="a", status=400, message="too long", param="prompt")),
     (GatewayInbox, RequestFailed(req_id="b", status=503, message="overloaded",
                                  error_type="ServiceUnavailableError")),
+    (GatewayInbox, SchedulerStats(num_running=3, num_waiting=1, kv_cache_usage=0.375,
+                                  prompt_tokens=1200, generation_tokens=345, preemptions=2,
+                                  prefix_cache_queries=1200, prefix_cache_hits=64,
+                                  inbox_messages={"NewRequest": 4, "StepResult": 90},
+                                  iteration_tokens=[512, 3, 3], queue_times=[0.012],
+                                  step_durations=[0.031, 0.0042, 0.0041])),
+    (GatewayInbox, SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                  prompt_tokens=0, generation_tokens=0, preemptions=0,
+                                  prefix_cache_queries=0, prefix_cache_hits=0)),
     (SupervisorInbox, Ready("executor 0", 4242)),
     (SupervisorInbox, Fatal("scheduler", "Traceback ...")),
 ]

@@ -1,0 +1,220 @@
+"""Prometheus metrics for GET /metrics, under vLLM's names and labels so its dashboards work.
+
+The gateway measures what it sees per sequence (a choice of a request; vLLM counts each as a
+request too): time to first token and between tokens from the moment its TextDeltas arrive,
+end-to-end latency, prompt and generation lengths, and the finish reason. The scheduler's
+figures (running/waiting, KV cache usage, token counters, preemptions, prefix cache, step and
+queue times) arrive as SchedulerStats: counters cumulative, histograms as the observations made
+since its previous report. Everything lives in a private CollectorRegistry, so several
+GatewayMetrics (tests) never collide.
+"""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import exposition
+
+from pagewire.wire.to_gateway import SchedulerStats, TextDelta
+
+CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards' quantiles mean the same.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0]
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's build_1_2_5_buckets)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > limit:
+                return out
+            out.append(value)
+        exponent += 1
+
+
+def buckets_pow2(limit: int) -> list[int]:
+    """1, 8, 16, 32, ... up to the first power of two at or over limit."""
+    out, value = [1, 8], 16
+    while out[-1] < limit:
+        out.append(value)
+        value *= 2
+    return out
+
+
+class _Seq:
+    __slots__ = ("start", "first_token_at", "last_token_at", "num_prompt", "num_output")
+
+    def __init__(self, start: float):
+        self.start = start
+        self.first_token_at: float | None = None
+        self.last_token_at = start
+        self.num_prompt: int | None = None
+        self.num_output = 0
+
+
+class GatewayMetrics:
+    """The gateway's registry. Hooks, all taking an optional monotonic `now` (tests):
+    on_request_start / on_request_end around an HTTP request, on_tokens for each TextDelta of a
+    sequence (first token, later tokens, finish), on_scheduler_stats; `handler` serves them."""
+
+    def __init__(self, model_name: str, max_model_len: int = 2048,
+                 max_num_batched_tokens: int = 2048):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, names, registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=r).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**labels)
+
+        self.labels = labels
+        # From the scheduler.
+        self.num_running = gauge("vllm:num_requests_running", "Number of requests running.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
+                              "KV cache usage. 1 means 100 percent usage.")
+        self.counters = {
+            "prompt_tokens": counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
+            "generation_tokens": counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed."),
+            "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemptions."),
+            "prefix_cache_queries": counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in tokens."),
+            "prefix_cache_hits": counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in tokens."),
+        }
+        self.last_counts = {name: 0 for name in self.counters}
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine step.",
+                                          buckets_pow2(max_num_batched_tokens))
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent waiting in the queue, in seconds.",
+                                    LATENCY_BUCKETS)
+        self.step_duration = Histogram(
+            "pagewire:step_duration_seconds", "Time from a step plan sent to its result received.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.inbox_messages = Counter("pagewire:scheduler_inbox_messages",
+                                      "Messages received by the scheduler, by type.", ["type"],
+                                      registry=r)
+        self.last_inbox: dict[str, int] = {}
+        # Measured here.
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
+        self.prompt_len = histogram("vllm:request_prompt_tokens",
+                                    "Number of prefill tokens processed.",
+                                    buckets_1_2_5(max_model_len))
+        self.output_len = histogram("vllm:request_generation_tokens",
+                                    "Number of generation tokens processed.",
+                                    buckets_1_2_5(max_model_len))
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               names + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):   # present from the start, as vLLM
+            self.success.labels(**labels, finished_reason=reason)
+        self.in_flight = Gauge("pagewire:requests_in_flight",
+                               "HTTP generation requests being handled by the gateway.",
+                               registry=r)
+        self.seqs: dict[str, _Seq] = {}
+
+    # -- per request, measured at the gateway --------------------------------------------------
+
+    def on_request_start(self, seq_ids: list[str], now: float | None = None) -> None:
+        """An HTTP request arrived that will produce these sequences."""
+        now = time.monotonic() if now is None else now
+        self.in_flight.inc()
+        for sid in seq_ids:
+            self.seqs[sid] = _Seq(now)
+
+    def on_tokens(self, delta: TextDelta, now: float | None = None) -> None:
+        """A TextDelta of a tracked sequence arrived: first token, later tokens, finish."""
+        seq = self.seqs.get(delta.req_id)
+        if seq is None:
+            return
+        if delta.finish_reason == "rejected":    # refused before it ran: not a request served
+            del self.seqs[delta.req_id]
+            return
+        now = time.monotonic() if now is None else now
+        seq.num_prompt = delta.num_prompt_tokens
+        if delta.num_output_tokens > seq.num_output:
+            if seq.first_token_at is None:
+                self.on_first_token(seq, now)
+            else:
+                self.itl.observe(now - seq.last_token_at)
+            seq.last_token_at, seq.num_output = now, delta.num_output_tokens
+        if delta.finish_reason:
+            self.on_finish(delta.req_id, delta.finish_reason, now)
+
+    def on_first_token(self, seq: _Seq, now: float) -> None:
+        seq.first_token_at = now
+        self.ttft.observe(now - seq.start)
+
+    def on_finish(self, seq_id: str, reason: str, now: float | None = None) -> None:
+        """A sequence ended (stop, length, abort, error)."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        now = time.monotonic() if now is None else now
+        self.e2e.observe(now - seq.start)
+        if seq.num_prompt is not None:           # unknown for one aborted before any reply
+            self.prompt_len.observe(seq.num_prompt)
+        self.output_len.observe(seq.num_output)
+        self.success.labels(**self.labels, finished_reason=reason).inc()
+
+    def on_request_end(self, seq_ids: list[str], aborted: set[str] | frozenset = frozenset(),
+                       now: float | None = None) -> None:
+        """The HTTP handler ended. Sequences in `aborted` that had not finished count as
+        aborts; others still tracked (refused before running) are forgotten."""
+        self.in_flight.dec()
+        for sid in seq_ids:
+            if sid in aborted:
+                self.on_finish(sid, "abort", now)
+            else:
+                self.seqs.pop(sid, None)
+
+    # -- from the scheduler --------------------------------------------------------------------
+
+    def on_scheduler_stats(self, msg: SchedulerStats) -> None:
+        self.num_running.set(msg.num_running)
+        self.num_waiting.set(msg.num_waiting)
+        self.kv_usage.set(msg.kv_cache_usage)
+        for name, counter in self.counters.items():
+            value = getattr(msg, name)
+            counter.inc(max(0, value - self.last_counts[name]))
+            self.last_counts[name] = max(value, self.last_counts[name])
+        for kind, value in msg.inbox_messages.items():
+            last = self.last_inbox.get(kind, 0)
+            self.inbox_messages.labels(type=kind).inc(max(0, value - last))
+            self.last_inbox[kind] = max(value, last)
+        for n in msg.iteration_tokens:
+            self.iteration_tokens.observe(n)
+        for t in msg.queue_times:
+            self.queue_time.observe(t)
+        for t in msg.step_durations:
+            self.step_duration.observe(t)
+
+    # -- exposition ----------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE})
