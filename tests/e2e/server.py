@@ -1,12 +1,14 @@
 """Start `pagewire serve` as a real process for a test, and end it by pid."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -82,3 +84,20 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+@contextlib.contextmanager
+def running_server(args: list[str]):
+    """A server with its run directory under /tmp (ipc socket paths are length-capped),
+    stopped by pid on exit."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
+        srv = Server(args, run_parent)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
+def openai_client(srv: Server, api_key: str = "unused"):
+    import openai
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key)

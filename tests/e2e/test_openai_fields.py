@@ -4,12 +4,9 @@ allowed_token_ids, bad_words, truncate_prompt_tokens, response_format, chat_temp
 and the 400s for what is out of range."""
 from __future__ import annotations
 
-import tempfile
-
-import openai
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,15 +15,13 @@ ASK = [{"role": "user", "content": "Name three colors."}]
 
 @pytest.fixture(scope="module")
 def server():
-    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
-        srv = Server(["--max-model-len", "512", "--kv-cache-memory", "64MiB"], run_parent)
+    with running_server(["--max-model-len", "512", "--kv-cache-memory", "64MiB"]) as srv:
         yield srv
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    return openai_client(server)
 
 
 def test_completion_logprobs_line_up_with_the_text(client):

@@ -6,10 +6,9 @@ import concurrent.futures
 import os
 import tempfile
 
-import openai
 import pytest
 
-from tests.e2e.server import Server, alive, child_pids, cmdline
+from tests.e2e.server import Server, alive, child_pids, cmdline, openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,15 +17,13 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
-        srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB"], run_parent)
+    with running_server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]) as srv:
         yield srv
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    return openai_client(server)
 
 
 def test_processes_name_themselves(server):
