@@ -9,16 +9,18 @@ from __future__ import annotations
 import msgspec
 
 from pagewire.wire.channels import PullChannel, PushChannel
-from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.sampling import InvalidParam, SamplingParams
 from pagewire.wire.to_detokenizer import DetokStart
-from pagewire.wire.to_gateway import RequestFailed
+from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
 from pagewire.wire.to_scheduler import NewRequest
-from pagewire.wire.to_tokenizer import TokenizeRequest, TokenizerInbox
+from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizeRequest,
+                                        TokenizerInbox)
 
 from .config import EngineConfig
 from .hf_tokenizer import load_tokenizer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
+_NO_SAMPLING = SamplingParams()
 
 
 class RequestTokenizer:
@@ -64,6 +66,26 @@ class RequestTokenizer:
             if bad:
                 raise InvalidParam(name, f"{name}: token id {bad[0]} is out of range "
                                          f"[0, {self.vocab_size})")
+
+    def tokenize_only(self, msg: TokenizeOnly) -> TokenizeReply | RequestFailed:
+        try:
+            if msg.messages is not None:
+                ids = self.encode_chat(TokenizeRequest(
+                    req_id=msg.req_id, arrival_time=0.0, sampling=_NO_SAMPLING,
+                    messages=msg.messages, add_generation_prompt=msg.add_generation_prompt))
+            else:
+                ids = self.tokenizer.encode(msg.prompt or "",
+                                            add_special_tokens=msg.add_special_tokens)
+        except Exception as e:
+            return RequestFailed(req_id=msg.req_id, status=400, message=f"{type(e).__name__}: {e}")
+        return TokenizeReply(msg.req_id, ids, self.tokenizer.convert_ids_to_tokens(ids))
+
+    def detokenize_only(self, msg: DetokenizeOnly) -> DetokenizeReply | RequestFailed:
+        bad = [t for t in msg.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return RequestFailed(req_id=msg.req_id, status=400, param="tokens",
+                                 message=f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        return DetokenizeReply(msg.req_id, self.tokenizer.decode(msg.token_ids))
 
     def with_bad_words_ids(self, s):
         """Token sequences of each bad word, as it would start a text and after a space."""
@@ -122,12 +144,20 @@ def run(env) -> None:
     scheduler = PushChannel(env.ctx, env.address("scheduler"))
     detokenizer = PushChannel(env.ctx, env.address("detokenizer"))
     gateway = PushChannel(env.ctx, env.address("gateway"))
-    env.ready()
-    while True:
-        result = tokenizer.process(inbox.recv())
+
+    def generate(msg: TokenizeRequest) -> None:
+        result = tokenizer.process(msg)
         if isinstance(result, RequestFailed):
             gateway.send(result)
         else:
             start, new = result
             detokenizer.send(start)   # first, so the detokenizer rarely sees tokens before it
             scheduler.send(new)
+
+    handlers = {TokenizeRequest: generate,
+                TokenizeOnly: lambda msg: gateway.send(tokenizer.tokenize_only(msg)),
+                DetokenizeOnly: lambda msg: gateway.send(tokenizer.detokenize_only(msg))}
+    env.ready()
+    while True:
+        msg = inbox.recv()
+        handlers[type(msg)](msg)

@@ -31,6 +31,17 @@ class TextDeltas(msgspec.Struct, tag=True, gc=False):
     deltas: list[TextDelta]
 
 
+class TokenizeReply(msgspec.Struct, tag=True):
+    req_id: str
+    token_ids: list[int]
+    token_strs: list[str]
+
+
+class DetokenizeReply(msgspec.Struct, tag=True):
+    req_id: str
+    text: str
+
+
 class RequestFailed(msgspec.Struct, tag=True, kw_only=True):
     """A request refused before it reached the scheduler (bad prompt, too long, ...)."""
     req_id: str
@@ -58,4 +69,4 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     step_durations: list[float] = []      # seconds from plan sent to result received
 
 
-GatewayInbox = TextDeltas | RequestFailed | SchedulerStats
+GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply

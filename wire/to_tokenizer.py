@@ -29,4 +29,19 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
 
 
-TokenizerInbox = TokenizeRequest
+class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """/tokenize: encode a prompt or chat messages and answer the gateway; nothing runs."""
+    req_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeOnly(msgspec.Struct, tag=True):
+    """/detokenize: token ids back to text."""
+    req_id: str
+    token_ids: list[int]
+
+
+TokenizerInbox = TokenizeRequest | TokenizeOnly | DetokenizeOnly

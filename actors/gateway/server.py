@@ -31,6 +31,7 @@ from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, Choice, CompletionBody, Formatter, chat_messages,
                        chat_logprobs, completion_prompts, decode_body, template_kwargs,
                        to_sampling, usage)
+from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
@@ -56,7 +57,8 @@ class Gateway:
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions)])
+            web.post("/v1/chat/completions", self.chat_completions),
+            *TokenizeRoutes(self).routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -77,7 +79,7 @@ class Gateway:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") or (
+            if request.path.startswith(("/v1/", "/tokenize", "/detokenize")) or (
                     request.path == "/metrics" and self.config.metrics_require_api_key):
                 self.api_key(request)
             response = await handler(request)

@@ -114,3 +114,18 @@ def test_response_format_and_template_kwargs(client, server):
             ({"messages": ASK, "repetition_penalty": 0}, "repetition_penalty")):
         code, reply, _ = server.request("POST", "/v1/chat/completions", body)
         assert (code, reply["error"]["param"]) == (400, param), body
+
+
+def test_tokenize_detokenize_and_version(server):
+    code, tok, _ = server.request("POST", "/tokenize", {"prompt": "Hello world",
+                                                         "return_token_strs": True})
+    assert code == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"])
+    assert tok["max_model_len"] == 512
+    code, detok, _ = server.request("POST", "/detokenize", {"tokens": tok["tokens"]})
+    assert (code, detok["prompt"]) == (200, "Hello world")
+    code, chat, _ = server.request("POST", "/tokenize", {"messages": ASK})
+    assert code == 200 and chat["count"] > tok["count"]
+    code, bad, _ = server.request("POST", "/detokenize", {"tokens": [10**9]})
+    assert code == 400 and bad["error"]["param"] == "tokens"
+    code, version, _ = server.request("GET", "/version")
+    assert code == 200 and version["version"]

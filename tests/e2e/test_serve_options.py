@@ -274,3 +274,11 @@ def test_cache_salt_is_accepted_and_does_not_change_the_output(keyed_server, cli
         "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "cache_salt": "s"},
         headers={"Authorization": "Bearer k2"})
     assert code == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_tokenizer_endpoints_need_the_key(keyed_server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        code, reply, _ = keyed_server.request("POST", path, body)
+        assert code == 401 and reply["error"]["code"] == 401
+        code, _, _ = keyed_server.request("POST", path, body, headers={"Authorization": "Bearer k2"})
+        assert code == 200
