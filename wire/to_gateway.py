@@ -52,8 +52,8 @@ class RequestFailed(msgspec.Struct, tag=True, kw_only=True):
 
 
 class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
-    """The scheduler's figures for /metrics, sent about once a second while it is busy and once
-    when it goes idle. Counters are cumulative since the scheduler started; gauges are current;
+    """The scheduler's figures for /metrics, sent about once a second while it is busy, once
+    when it goes idle, and at least every 2 seconds (the engine's heartbeat). Counters are cumulative since the scheduler started; gauges are current;
     the lists are the histogram observations made since the previous report."""
     num_running: int                   # sequences running
     num_waiting: int                   # sequences waiting (swapped ones included)
@@ -67,6 +67,7 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     iteration_tokens: list[int] = []      # tokens per step
     queue_times: list[float] = []         # seconds from arrival to first scheduled
     step_durations: list[float] = []      # seconds from plan sent to result received
+    step_running_for: float = 0.0         # seconds the step now in flight has run (0: none)
 
 
 GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply

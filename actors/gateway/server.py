@@ -35,6 +35,8 @@ from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
+ENGINE_SILENT_AFTER = 10.0    # seconds without a scheduler heartbeat: the engine is down
+STEP_STALLED_AFTER = 60.0     # seconds one step may run before the engine counts as hung
 _json = msgspec.json.Encoder()
 
 
@@ -51,6 +53,8 @@ class Gateway:
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
         self.in_flight = 0
         self.draining = False
+        self.heard_from_engine = time.monotonic()   # it was ready when the gateway started
+        self.step_running_for = 0.0
         self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
                                       config.max_num_batched_tokens)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
@@ -67,6 +71,7 @@ class Gateway:
             msg = await self.inbox.recv()
             if isinstance(msg, SchedulerStats):
                 self.metrics.on_scheduler_stats(msg)
+                self.heard_from_engine, self.step_running_for = time.monotonic(), msg.step_running_for
                 continue
             items = msg.deltas if isinstance(msg, TextDeltas) else [msg]
             for item in items:
@@ -96,8 +101,19 @@ class Gateway:
         return response
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok" if not self.draining else "draining"},
-                                 status=503 if self.draining else 200)
+        status = self.engine_status()
+        return web.json_response({"status": status}, status=200 if status == "ok" else 503)
+
+    def engine_status(self) -> str:
+        """ok, draining, or why the engine cannot serve: the scheduler's heartbeat stopped, or
+        one step has run far longer than any step should (a hung executor)."""
+        if self.draining:
+            return "draining"
+        if time.monotonic() - self.heard_from_engine > ENGINE_SILENT_AFTER:
+            return "engine not responding"
+        if self.step_running_for > STEP_STALLED_AFTER:
+            return f"engine step stalled for {self.step_running_for:.0f}s"
+        return "ok"
 
     async def models(self, request: web.Request) -> web.Response:
         entry = {"id": self.model_name, "object": "model", "created": self.created,

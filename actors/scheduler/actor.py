@@ -8,7 +8,8 @@ plan, and blocks when waiting for a result or when idle (with a timeout while a 
 or log line is due).
 
 Metrics: the loop times steps and queueing and sends a SchedulerStats to the gateway about once
-a second while busy and once on going idle; every 5 seconds while busy it logs vLLM's line
+a second while busy, once on going idle, and every 2 seconds regardless (the gateway's /health
+reads it as the engine's heartbeat); every 5 seconds while busy it logs vLLM's line
 (throughput, running/waiting, KV cache usage, prefix cache hit rate).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL = 1.0   # seconds between SchedulerStats while busy
+HEARTBEAT_INTERVAL = 2.0   # a SchedulerStats at least this often, busy or not: engine liveness
 LOG_INTERVAL = 5.0      # seconds between throughput log lines while busy
 
 
@@ -82,7 +84,8 @@ class StatsReporter:
     def tick(self, busy: bool) -> float | None:
         """Report and log what is due; return seconds until the next tick is due, or None."""
         now = self.clock()
-        if self.dirty and (not busy or now - self.reported_at >= REPORT_INTERVAL):
+        if (self.dirty and (not busy or now - self.reported_at >= REPORT_INTERVAL)) \
+                or now - self.reported_at >= HEARTBEAT_INTERVAL:
             self.report(now)
         totals = self._totals()
         pending = totals[:2] != self.logged_totals[:2]
@@ -90,12 +93,12 @@ class StatsReporter:
             self.log_line(now, totals)
             pending = False
         self.quiet = not busy and not pending
-        waits = []
+        waits = [self.reported_at + HEARTBEAT_INTERVAL - now]
         if busy:
             waits.append(self.reported_at + REPORT_INTERVAL - now)
         if busy or pending:
             waits.append(self.logged_at + LOG_INTERVAL - now)
-        return max(0.0, min(waits)) if waits else None
+        return max(0.0, min(waits))
 
     def stats(self) -> SchedulerStats:
         s, tables = self.sched, self.sched.tables
@@ -105,7 +108,8 @@ class StatsReporter:
             generation_tokens=s.num_generation_tokens, preemptions=s.num_preemptions,
             prefix_cache_queries=tables.prefix_queries, prefix_cache_hits=tables.prefix_hits,
             inbox_messages=dict(self.inbox_messages), iteration_tokens=self.iteration_tokens,
-            queue_times=self.queue_times, step_durations=self.step_durations)
+            queue_times=self.queue_times, step_durations=self.step_durations,
+            step_running_for=0.0 if self.plan_sent_at is None else self.clock() - self.plan_sent_at)
 
     def report(self, now: float) -> None:
         self.send(self.stats())

@@ -258,15 +258,18 @@ def test_reports_once_a_second_while_busy_and_once_on_idle(caplog):
     assert idle.iteration_tokens == [1, 1] and idle.queue_times == []
     assert idle.step_durations == [0.5, 0.25]
     assert idle.inbox_messages == {"NewRequest": 1, "StepResult": 3}
-    assert wait == pytest.approx(4.0)              # the throughput line of this interval is due
+    assert wait == pytest.approx(2.0)              # idle: the next heartbeat is due first
     clock.t += wait
+    assert rep.tick(False) == pytest.approx(2.0)   # heartbeat sent; the log line is due next
+    assert len(sent) == 3 and sent[2].num_running == 0 and sent[2].step_durations == []
+    clock.t += 2.0
     with caplog.at_level(logging.INFO, logger="pagewire.scheduler.actor"):
-        assert rep.tick(False) is None             # logged; nothing more until a message
+        assert rep.tick(False) == pytest.approx(2.0)   # logged; only heartbeats from here
     (line,) = [r.getMessage() for r in caplog.records]
     assert line == ("Avg prompt throughput: 1.2 tokens/s, Avg generation throughput: 0.6 tokens/s, "
                     "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
                     "Prefix cache hit rate: 0.0%")
-    assert len(sent) == 2
+    assert len(sent) == 4
     # A long quiet spell does not dilute the next interval's throughput.
     clock.t += 3600
     caplog.clear()
@@ -275,7 +278,7 @@ def test_reports_once_a_second_while_busy_and_once_on_idle(caplog):
     with caplog.at_level(logging.INFO, logger="pagewire.scheduler.actor"):
         run_step(0.5)
         clock.t += 4.5
-        assert rep.tick(False) is None
+        assert rep.tick(False) == pytest.approx(2.0)   # logged; heartbeats only from here
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("Avg prompt throughput: 1.8 tokens/s, Avg generation throughput: 0.2 ")
 
@@ -344,3 +347,22 @@ def test_cli_flag_sets_the_option():
             cli.main(["serve", "--metrics-require-api-key"])
     assert cli._config(config.call_args.args[0]).metrics_require_api_key is True
     assert EngineConfig().metrics_require_api_key is False
+
+
+def test_health_follows_the_engine_heartbeat():
+    async def main():
+        with tempfile.TemporaryDirectory(dir="/tmp") as run_dir:
+            gateway, _ = _gateway(run_dir)
+            async with TestClient(TestServer(gateway.app)) as client:
+                assert (await client.get("/health")).status == 200
+                gateway.heard_from_engine -= 11            # no heartbeat for 11 s
+                r = await client.get("/health")
+                assert (r.status, (await r.json())["status"]) == (503, "engine not responding")
+                gateway.heard_from_engine += 11
+                gateway.step_running_for = 61.0            # one step for over a minute
+                r = await client.get("/health")
+                assert r.status == 503 and "stalled" in (await r.json())["status"]
+                gateway.step_running_for, gateway.draining = 0.0, True
+                r = await client.get("/health")
+                assert (r.status, (await r.json())["status"]) == (503, "draining")
+    asyncio.run(main())
