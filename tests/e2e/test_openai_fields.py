@@ -129,3 +129,35 @@ def test_tokenize_detokenize_and_version(server):
     assert code == 400 and bad["error"]["param"] == "tokens"
     code, version, _ = server.request("GET", "/version")
     assert code == 200 and version["version"]
+
+
+def test_remaining_sampling_and_template_fields(client, server):
+    base = dict(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0, max_tokens=12)
+    plain = client.completions.create(**base).choices[0].text
+    # top_k=1 / min_p=1 at any temperature are greedy
+    assert client.completions.create(**{**base, "temperature": 1.5},
+                                     extra_body={"top_k": 1}).choices[0].text == plain
+    assert client.completions.create(**{**base, "temperature": 1.5},
+                                     extra_body={"min_p": 1.0}).choices[0].text == plain
+    tok = server.request("POST", "/tokenize", {"prompt": plain})[1]["tokens"]
+    stopped = client.completions.create(**base, extra_body={"stop_token_ids": [tok[1]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 2
+    kept = client.completions.create(**base, stop=[" 5"],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(" 5")
+    forced = client.completions.create(**{**base, "max_tokens": 4},
+                                       extra_body={"min_tokens": 4, "stop_token_ids": [tok[0]],
+                                                   "priority": 3})
+    assert forced.usage.completion_tokens == 4
+    chat = dict(model=MODEL, temperature=0, user="u-1")
+    r = client.chat.completions.create(**chat, messages=ASK, max_completion_tokens=3)
+    assert r.usage.completion_tokens == 3
+    special = client.chat.completions.create(**chat, messages=ASK, max_tokens=40,
+                                             extra_body={"skip_special_tokens": False})
+    assert special.choices[0].finish_reason == "stop"
+    assert special.choices[0].message.content.endswith("<|im_end|>")
+    cont = client.chat.completions.create(**chat, max_tokens=5, messages=ASK + [
+        {"role": "assistant", "content": "Red, green"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert cont.choices[0].message.content.startswith(",") or \
+        cont.choices[0].message.content.startswith(" and")
