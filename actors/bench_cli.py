@@ -58,7 +58,7 @@ def _llm(args):
     from .llm import LLM
     fields = {k: v for k, v in msgspec.structs.asdict(_config(args)).items()
               if v is not None and k not in ("model", "model_info", "run_dir")}
-    return LLM(args.model, **fields)
+    return LLM(getattr(args, "model", None), **fields)
 
 
 def throughput(args) -> dict:

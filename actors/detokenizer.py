@@ -160,7 +160,10 @@ def run(env) -> None:
     handlers = {DetokStart: detok.start, TokenDeltas: detok.on_deltas}
     env.ready()
     while True:
-        msg = inbox.recv()
+        msg = inbox.recv(timeout_ms=1000)
+        env.heartbeat()
+        if msg is None:
+            continue
         texts, aborts = handlers[type(msg)](msg)
         if texts:
             gateway.send(TextDeltas(texts))

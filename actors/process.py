@@ -15,13 +15,14 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
 import zmq
 
 from pagewire.wire.channels import PushChannel, ipc_address
-from pagewire.wire.to_supervisor import Fatal, Ready
+from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready
 
 from .config import EngineConfig
 
@@ -35,6 +36,9 @@ ROLES = {
 }
 
 _PR_SET_PDEATHSIG = 1
+STOP_SIGNAL = signal.SIGUSR1   # the supervisor's "exit now"
+HEARTBEAT_INTERVAL = 1.0     # seconds; an actor silent for HEARTBEAT_TIMEOUT counts as hung
+HEARTBEAT_TIMEOUT = 10.0
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ActorEnv:
     config: EngineConfig
     ctx: zmq.Context
     supervisor: PushChannel
+    _last_heartbeat: float = 0.0
 
     @property
     def name(self) -> str:
@@ -57,6 +62,14 @@ class ActorEnv:
 
     def ready(self) -> None:
         self.supervisor.send(Ready(self.name, os.getpid()))
+
+    def heartbeat(self, step_running_for: float = 0.0) -> None:
+        """Tell the supervisor this actor's loop is alive; call as often as convenient, it
+        sends at most one message per HEARTBEAT_INTERVAL."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
+            self._last_heartbeat = now
+            self.supervisor.send(Heartbeat(self.name, step_running_for))
 
 
 def die_with_parent() -> None:
@@ -86,8 +99,12 @@ def main(argv: list[str]) -> None:
     import setproctitle
     setproctitle.setproctitle(f"pagewire: {env.name}")
     die_with_parent()
+    # Stopping is the supervisor's call: SIGINT (a terminal's Ctrl-C reaches the group) and
+    # SIGTERM (systemd's KillMode=control-group signals every process) are left to it, so the
+    # gateway can drain first; it stops the others with STOP_SIGNAL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
     setup_logging(env.name)
     if role != "executor" and config.actor_nice:
         os.nice(config.actor_nice)

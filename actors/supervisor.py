@@ -1,14 +1,28 @@
-"""The supervisor: starts every actor, waits for each one's Ready, and stops them all.
+"""The supervisor: starts every actor, watches them, restarts them, and stops them all.
 
-Start order follows the pipeline's dependencies: executors (the slow model load), scheduler,
-detokenizer, tokenizers start together and are awaited; the gateway starts last, so nothing
-listens for HTTP before the engine can serve. On SIGINT/SIGTERM the gateway drains first
-(in-flight requests finish, new ones get 503), then the others are stopped; the run
-directory with its sockets is removed. If an actor dies, everything is stopped and the
-supervisor exits non-zero (restarts come with the operations issue).
+Start order follows the pipeline: the engine core (executors, scheduler, detokenizer) and the
+tokenizers start together and are awaited; the gateway starts last, so nothing listens for HTTP
+before the engine can serve. Then READY=1 goes to systemd (STATUS= lines while loading).
+
+While serving it reads every actor's heartbeat and pings systemd's watchdog (WATCHDOG=1 at half
+of $WATCHDOG_USEC) only while all of them are fresh and no step has stalled: a hung executor
+stops the pings and systemd restarts the service.
+
+When an actor dies:
+- a tokenizer or the detokenizer is restarted; the gateway fails requests in flight cleanly
+  (their state may have been in the dead actor) and keeps serving;
+- the gateway is restarted; the scheduler aborts every request (their clients are gone);
+- the scheduler or an executor: the gateway fails every request in flight and answers 503
+  while the core (executors, scheduler, detokenizer) restarts, then serves again.
+More than `restart_budget` restarts within `restart_window` seconds: everything stops and the
+supervisor exits 1, for systemd's Restart=on-failure to take over.
+
+On SIGINT/SIGTERM: STOPPING=1, the gateway drains (in-flight requests finish, new ones get
+503), then the other actors stop; the run directory with its sockets is removed.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -19,18 +33,28 @@ import time
 
 import zmq
 
-from pagewire.wire.channels import PullChannel, ipc_address, make_run_dir
-from pagewire.wire.to_supervisor import Fatal, Ready, SupervisorInbox
+from pagewire.wire.channels import PullChannel, PushChannel, ipc_address, make_run_dir
+from pagewire.wire.to_gateway import EngineEvent
+from pagewire.wire.to_scheduler import AbortAll
+from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready, SupervisorInbox
 
 from .config import EngineConfig
+from .process import HEARTBEAT_TIMEOUT, STOP_SIGNAL
+from .sd_notify import notify, watchdog_period
 
 log = logging.getLogger("supervisor")
 START_TIMEOUT = 300.0
 STOP_TIMEOUT = 10.0
+STEP_STALLED_AFTER = 60.0       # a step running this long counts as a hung executor
+CORE = ("executor", "scheduler", "detokenizer")
 
 
 class ActorFailed(RuntimeError):
     pass
+
+
+def actor_name(role: str, index: int) -> str:
+    return role if role in ("scheduler", "detokenizer", "gateway") else f"{role} {index}"
 
 
 class Supervisor:
@@ -38,97 +62,191 @@ class Supervisor:
         self.config = config
         self.children: dict[str, subprocess.Popen] = {}
         self.ready: set[str] = set()
+        self.last_beat: dict[str, float] = {}
+        self.step_running_for = 0.0
+        self.restarts: collections.deque[float] = collections.deque()
         self.stop_requested = False
         self.ctx = zmq.Context()
         self.inbox: PullChannel | None = None
+        self.config_path = ""
+        self.watchdog_period = watchdog_period()
+        self.next_ping = 0.0
+        self.serving = False           # READY=1 sent; the watchdog runs from then on
 
     def run(self) -> int:
-        """Serve until a signal or an actor's death. Returns the process exit code."""
+        """Serve until a signal, or until actors die past the restart budget. Returns the
+        process exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             self.start()
             log.info("serving %s on http://%s:%d", self.config.served_model_name,
                      self.config.host, self.config.port)
+            notify(f"READY=1\nSTATUS=serving {self.config.served_model_name}")
+            self.serving = True
             self.watch()
             return 0
         except (ActorFailed, ValueError, OSError) as e:
             log.error("%s", e)
             return 1
         finally:
+            notify("STOPPING=1")
             self.stop()
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_requested = True
 
+    # -- starting ------------------------------------------------------------------------------
+
     def start(self) -> None:
         run_dir = make_run_dir(os.environ.get("RUNTIME_DIRECTORY"))
         self.config.run_dir = run_dir
-        config_path = os.path.join(run_dir, "config.json")
-        with open(os.open(config_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        self.config_path = os.path.join(run_dir, "config.json")
+        with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(self.config.to_json())
         self.inbox = PullChannel(self.ctx, ipc_address(run_dir, "supervisor"), SupervisorInbox)
-        engine = [("executor", 0), ("scheduler", 0), ("detokenizer", 0)] + \
-                 [("tokenizer", i) for i in range(self.config.num_tokenizers)]
-        for role, index in engine:
-            self._spawn(role, index, config_path)
+        self.gateway_channel = PushChannel(self.ctx, ipc_address(run_dir, "gateway"))
+        self.scheduler_channel = PushChannel(self.ctx, ipc_address(run_dir, "scheduler"))
+        notify(f"STATUS=loading {self.config.served_model_name}")
+        for role, index in self._core() + [("tokenizer", i) for i in range(self.config.num_tokenizers)]:
+            self._spawn(role, index)
         self._await_ready()
-        self._spawn("gateway", 0, config_path)
+        notify("STATUS=starting the gateway")
+        self._spawn("gateway", 0)
         self._await_ready()
 
-    def _spawn(self, role: str, index: int, config_path: str) -> None:
-        name = role if role in ("scheduler", "detokenizer", "gateway") else f"{role} {index}"
+    def _core(self) -> list[tuple[str, int]]:
+        return [("executor", 0), ("scheduler", 0), ("detokenizer", 0)]
+
+    def _spawn(self, role: str, index: int) -> None:
+        name = actor_name(role, index)
         self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "pagewire.process", role, config_path, str(index)])
+            [sys.executable, "-m", "pagewire.process", role, self.config_path, str(index)])
+        self.ready.discard(name)
+        self.last_beat[name] = time.monotonic()
 
     def _await_ready(self) -> None:
         """Wait until every actor started so far has said Ready."""
-        ready = self.ready
         deadline = time.monotonic() + START_TIMEOUT
-        while len(ready) < len(self.children):
+        while len(self.ready) < len(self.children):
             if self.stop_requested:
                 raise ActorFailed("stopped while starting")
             if time.monotonic() > deadline:
                 raise ActorFailed(f"actors not ready after {START_TIMEOUT:.0f}s: "
-                                  f"{sorted(set(self.children) - ready)}")
-            msg = self.inbox.recv(200)
-            if isinstance(msg, Fatal):
+                                  f"{sorted(set(self.children) - self.ready)}")
+            self._handle(self.inbox.recv(200), starting=True)
+            if self.serving:                 # a core restart reloads the model: stay alive
+                self._ping_watchdog()
+            for name, proc in self.children.items():
+                if proc.poll() is not None:
+                    raise ActorFailed(f"{name} exited with code {proc.returncode} while starting")
+
+    def _handle(self, msg, starting: bool = False) -> None:
+        if isinstance(msg, Ready):
+            self.ready.add(msg.actor)
+            self.last_beat[msg.actor] = time.monotonic()
+            log.info("%s ready (pid %d)", msg.actor, msg.pid)
+        elif isinstance(msg, Heartbeat):
+            self.last_beat[msg.actor] = time.monotonic()
+            if msg.actor == "scheduler":
+                self.step_running_for = msg.step_running_for
+        elif isinstance(msg, Fatal):
+            log.error("%s failed: %s", msg.actor, msg.message)
+            if starting:
                 raise ActorFailed(f"{msg.actor} failed to start: {msg.message}")
-            if isinstance(msg, Ready):
-                ready.add(msg.actor)
-                log.info("%s ready (pid %d)", msg.actor, msg.pid)
-            self._check_alive()
+
+    # -- watching ------------------------------------------------------------------------------
 
     def watch(self) -> None:
         while not self.stop_requested:
-            msg = self.inbox.recv(200)
-            if isinstance(msg, Fatal):
-                raise ActorFailed(f"{msg.actor} failed: {msg.message}")
-            self._check_alive()
+            self._handle(self.inbox.recv(200))
+            dead = next(((n, p) for n, p in self.children.items() if p.poll() is not None), None)
+            if dead is not None:       # one at a time: a recovery replaces other children too
+                self.recover(dead[0], dead[1].returncode)
+            self._ping_watchdog()
 
-    def _check_alive(self) -> None:
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                raise ActorFailed(f"{name} exited with code {proc.returncode}")
+    def _ping_watchdog(self) -> None:
+        """WATCHDOG=1 every half $WATCHDOG_USEC, only while healthy. While actors restart the
+        silent ones are the new ones, which _spawn counted as fresh."""
+        if self.watchdog_period and time.monotonic() >= self.next_ping:
+            if self.healthy():
+                notify("WATCHDOG=1")
+            self.next_ping = time.monotonic() + self.watchdog_period
+
+    def healthy(self) -> bool:
+        """Every actor's heartbeat is fresh and no step has stalled."""
+        now = time.monotonic()
+        stale = [n for n, t in self.last_beat.items() if now - t > HEARTBEAT_TIMEOUT]
+        if stale or self.step_running_for > STEP_STALLED_AFTER:
+            log.warning("not pinging the watchdog: silent %s, step running for %.0fs",
+                        stale, self.step_running_for)
+            return False
+        return True
+
+    def recover(self, name: str, code: int) -> None:
+        """Restart a dead actor (and what depends on it), within the restart budget."""
+        now = time.monotonic()
+        self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > self.config.restart_window:
+            self.restarts.popleft()
+        if len(self.restarts) > self.config.restart_budget:
+            raise ActorFailed(f"{name} exited with code {code}; over the restart budget "
+                              f"({self.config.restart_budget} in {self.config.restart_window:.0f}s)")
+        role = name.split()[0]
+        log.error("%s exited with code %s; restarting", name, code)
+        if role in ("scheduler", "executor"):
+            self._restart_core(f"{name} exited with code {code}")
+        elif role == "gateway":
+            self.scheduler_channel.send(AbortAll(f"{name} died"))
+            self._respawn(name)
+        else:
+            # First fail what was in flight (its state may have died there); requests sent
+            # from now on queue at the socket and reach the new actor.
+            self.gateway_channel.send(EngineEvent("restarted", f"{name} died"))
+            self._respawn(name)
+
+    def _respawn(self, name: str) -> None:
+        role, _, index = name.partition(" ")
+        self._spawn(role, int(index or 0))
+        self._await_ready()
+
+    def _restart_core(self, reason: str) -> None:
+        self.gateway_channel.send(EngineEvent("down", reason))
+        notify(f"STATUS=restarting the engine: {reason}")
+        core = [actor_name(r, i) for r, i in self._core()]
+        _terminate([self.children.pop(n) for n in core if n in self.children], STOP_TIMEOUT)
+        self.step_running_for = 0.0
+        for role, index in self._core():
+            self._spawn(role, index)
+        self._await_ready()
+        self.gateway_channel.send(EngineEvent("up", "engine restarted"))
+        notify(f"STATUS=serving {self.config.served_model_name}")
+
+    # -- stopping ------------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Drain the gateway, then stop every actor; remove the run directory."""
         gateway = self.children.pop("gateway", None)
         if gateway is not None:
+            notify("STATUS=draining")
             _terminate([gateway], self.config.drain_timeout + STOP_TIMEOUT)
         _terminate(list(self.children.values()), STOP_TIMEOUT)
         self.children.clear()
-        if self.inbox is not None:
-            self.inbox.close()
+        for channel in (self.inbox, getattr(self, "gateway_channel", None),
+                        getattr(self, "scheduler_channel", None)):
+            if channel is not None:
+                channel.sock.setsockopt(zmq.LINGER, 0)
+                channel.close()
         self.ctx.term()
         if self.config.run_dir:
             shutil.rmtree(self.config.run_dir, ignore_errors=True)
 
 
 def _terminate(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Stop actors (the gateway drains first on this signal), SIGKILL past the timeout."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(STOP_SIGNAL)
     deadline = time.monotonic() + timeout
     for p in procs:
         try:

@@ -159,5 +159,8 @@ def run(env) -> None:
                 DetokenizeOnly: lambda msg: gateway.send(tokenizer.detokenize_only(msg))}
     env.ready()
     while True:
-        msg = inbox.recv()
+        msg = inbox.recv(timeout_ms=1000)
+        env.heartbeat()
+        if msg is None:
+            continue
         handlers[type(msg)](msg)

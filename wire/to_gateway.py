@@ -42,6 +42,15 @@ class DetokenizeReply(msgspec.Struct, tag=True):
     text: str
 
 
+class EngineEvent(msgspec.Struct, tag=True):
+    """From the supervisor. "down": the scheduler or an executor died and is being restarted:
+    fail every request in flight, refuse new ones (503) until "up". "restarted": a stateless
+    actor (tokenizer, detokenizer) was restarted: requests in flight may have lost state there,
+    fail them cleanly; new ones are served."""
+    status: str          # "down" | "up" | "restarted"
+    reason: str
+
+
 class RequestFailed(msgspec.Struct, tag=True, kw_only=True):
     """A request refused before it reached the scheduler (bad prompt, too long, ...)."""
     req_id: str
@@ -70,4 +79,4 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     step_running_for: float = 0.0         # seconds the step now in flight has run (0: none)
 
 
-GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply
+GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply | EngineEvent

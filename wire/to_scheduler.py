@@ -40,4 +40,10 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     error: str | None = None                                  # positions (token 1 onward)
 
 
-SchedulerInbox = NewRequest | Abort | StepResult
+class AbortAll(msgspec.Struct, tag=True):
+    """From the supervisor when the gateway was restarted: its clients are gone, so end every
+    request (each still gets its final "abort" delta)."""
+    reason: str
+
+
+SchedulerInbox = NewRequest | Abort | StepResult | AbortAll

@@ -15,4 +15,11 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-SupervisorInbox = Ready | Fatal
+class Heartbeat(msgspec.Struct, tag=True):
+    """An actor's loop is alive: sent about once a second, busy or idle. The scheduler adds
+    how long the step now in flight has run (a hung executor shows there)."""
+    actor: str
+    step_running_for: float = 0.0
+
+
+SupervisorInbox = Ready | Fatal | Heartbeat

@@ -19,7 +19,10 @@ def run(env) -> None:
     results = PushChannel(env.ctx, env.address("scheduler"))
     env.ready()
     while True:
-        plan = inbox.recv()
+        plan = inbox.recv(timeout_ms=1000)
+        env.heartbeat()          # a step that hangs stops these: the supervisor notices
+        if plan is None:
+            continue
         try:
             result = runner.execute(plan)
         except Exception as e:

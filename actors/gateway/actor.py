@@ -1,4 +1,5 @@
-"""The gateway actor: aiohttp on uvloop. Ready once listening; SIGTERM drains, then exits."""
+"""The gateway actor: aiohttp on uvloop. Ready once listening; SIGTERM or the supervisor's
+stop signal drains (in-flight requests finish, new ones get 503), then exits."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import signal
 import uvloop
 from aiohttp import web
 
+from ..process import STOP_SIGNAL
 from .server import Gateway
 
 
@@ -17,12 +19,22 @@ async def _serve(env) -> None:
     await runner.setup()
     await web.TCPSite(runner, env.config.host, env.config.port).start()
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    for sig in (signal.SIGTERM, STOP_SIGNAL):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     env.ready()
+    beat = asyncio.get_running_loop().create_task(_heartbeats(env))
     await stop.wait()
+    beat.cancel()
     await gateway.drain(env.config.drain_timeout)
     await runner.cleanup()
     pump.cancel()
+
+
+async def _heartbeats(env) -> None:
+    """Sent from the event loop itself: a blocked loop stops them."""
+    while True:
+        env.heartbeat()
+        await asyncio.sleep(1.0)
 
 
 def run(env) -> None:

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.sampling import output_ids
-from pagewire.wire.to_gateway import (GatewayInbox, RequestFailed, SchedulerStats, TextDelta,
-                                      TextDeltas)
+from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
+                                      TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
@@ -54,6 +54,7 @@ class Gateway:
         self.in_flight = 0
         self.draining = False
         self.heard_from_engine = time.monotonic()   # it was ready when the gateway started
+        self.engine_down: str | None = None         # why the engine core is restarting
         self.step_running_for = 0.0
         self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
                                       config.max_num_batched_tokens)
@@ -69,6 +70,9 @@ class Gateway:
         """Route every inbox message to the queue of the HTTP request it belongs to."""
         while True:
             msg = await self.inbox.recv()
+            if isinstance(msg, EngineEvent):
+                self.on_engine_event(msg)
+                continue
             if isinstance(msg, SchedulerStats):
                 self.metrics.on_scheduler_stats(msg)
                 self.heard_from_engine, self.step_running_for = time.monotonic(), msg.step_running_for
@@ -104,11 +108,27 @@ class Gateway:
         status = self.engine_status()
         return web.json_response({"status": status}, status=200 if status == "ok" else 503)
 
+    def on_engine_event(self, event: EngineEvent) -> None:
+        """The supervisor restarted part of the engine: every request in flight fails with a
+        503 (its state is gone); while the core is down new requests get 503 too."""
+        log.warning("engine %s: %s", event.status, event.reason)
+        if event.status == "up":
+            self.engine_down, self.heard_from_engine = None, time.monotonic()
+            return
+        if event.status == "down":
+            self.engine_down = event.reason
+        failure = f"the engine restarted ({event.reason}); retry the request"
+        for rid, queue in list(self.routes.items()):
+            queue.put_nowait(RequestFailed(req_id=rid, status=503, message=failure,
+                                           error_type="ServiceUnavailableError"))
+
     def engine_status(self) -> str:
         """ok, draining, or why the engine cannot serve: the scheduler's heartbeat stopped, or
         one step has run far longer than any step should (a hung executor)."""
         if self.draining:
             return "draining"
+        if self.engine_down:
+            return f"engine restarting: {self.engine_down}"
         if time.monotonic() - self.heard_from_engine > ENGINE_SILENT_AFTER:
             return "engine not responding"
         if self.step_running_for > STEP_STALLED_AFTER:
@@ -185,6 +205,8 @@ class Gateway:
                            "NotFoundError")
         if self.draining:
             raise ApiError(503, "the server is shutting down")
+        if self.engine_down:
+            raise ApiError(503, f"the engine is restarting ({self.engine_down})")
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
                     prompts: list[TokenizeRequest]) -> web.StreamResponse:
@@ -304,7 +326,9 @@ class _Run:
         if not self.open_ids and not self.buffer:
             raise StopAsyncIteration
         delta = self.buffer.pop(0) if self.buffer else await self.queue.get()
-        if isinstance(delta, RequestFailed) or delta.req_id not in self.slot:
+        if isinstance(delta, RequestFailed):       # the engine failed this request
+            raise ApiError(delta.status, delta.message, delta.param, delta.error_type)
+        if delta.req_id not in self.slot:
             return await self.__anext__()
         i, j = slot = self.slot[delta.req_id]
         if delta.finish_reason:

@@ -22,7 +22,7 @@ from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import SchedulerStats
-from pagewire.wire.to_scheduler import Abort, NewRequest, SchedulerInbox, StepResult
+from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, SchedulerInbox, StepResult
 
 from .scheduler import Scheduler
 
@@ -109,7 +109,10 @@ class StatsReporter:
             prefix_cache_queries=tables.prefix_queries, prefix_cache_hits=tables.prefix_hits,
             inbox_messages=dict(self.inbox_messages), iteration_tokens=self.iteration_tokens,
             queue_times=self.queue_times, step_durations=self.step_durations,
-            step_running_for=0.0 if self.plan_sent_at is None else self.clock() - self.plan_sent_at)
+            step_running_for=self.step_running_for())
+
+    def step_running_for(self) -> float:
+        return 0.0 if self.plan_sent_at is None else self.clock() - self.plan_sent_at
 
     def report(self, now: float) -> None:
         self.send(self.stats())
@@ -134,6 +137,7 @@ class StatsReporter:
 
 class SchedulerLoop:
     def __init__(self, env):
+        self.env = env
         self.sched = Scheduler(env.config)
         self.inbox = PullChannel(env.ctx, env.address("scheduler"), SchedulerInbox)
         self.executors = [PushChannel(env.ctx, env.address("executor-0"))]
@@ -141,10 +145,11 @@ class SchedulerLoop:
         self.gateway = PushChannel(env.ctx, env.address("gateway"))
         self.stats = StatsReporter(self.sched, self.gateway.send)
         self.in_flight: int | None = None     # step id of the plan being run
-        self.handlers = {NewRequest: self.on_new, Abort: self.on_abort, StepResult: self.on_result}
+        self.handlers = {NewRequest: self.on_new, Abort: self.on_abort, StepResult: self.on_result,
+                         AbortAll: self.on_abort_all}
 
     def run(self) -> None:
-        wait: float | None = None
+        wait: float | None = 0.0       # tick() at once: heartbeats and reports start now
         while True:
             can_plan = self.in_flight is None and self.sched.has_work()
             msg = self.inbox.recv(0 if can_plan else None if wait is None else int(wait * 1000) + 1)
@@ -155,6 +160,7 @@ class SchedulerLoop:
             if self.in_flight is None:
                 self.plan()
             wait = self.stats.tick(self.in_flight is not None or self.sched.has_work())
+            self.env.heartbeat(self.stats.step_running_for())
 
     def plan(self) -> None:
         plan = self.sched.schedule()
@@ -170,6 +176,10 @@ class SchedulerLoop:
 
     def on_abort(self, msg: Abort) -> None:
         self.emit(self.sched.abort(msg.req_ids))
+
+    def on_abort_all(self, msg: AbortAll) -> None:
+        log.warning("aborting every request: %s", msg.reason)
+        self.emit(self.sched.abort_all())
 
     def on_result(self, msg: StepResult) -> None:
         if msg.step_id != self.in_flight:

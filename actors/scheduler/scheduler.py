@@ -131,6 +131,18 @@ class Scheduler:
                     self.aborted_early.popitem(last=False)
         return [TokenDelta(rid, [], "abort") for rid in req_ids]
 
+    def abort_all(self) -> list[TokenDelta]:
+        """End every request, by the output ids the detokenizer and gateway know."""
+        ids = {}
+        for req in self.requests.values():
+            if req.group is not None:
+                ids.update(dict.fromkeys(req.group.output_ids))
+            elif req.fork_leader:
+                ids.update(dict.fromkeys(output_ids(req.req_id, req.sampling.num_outputs)))
+            else:
+                ids[req.req_id] = None
+        return self.abort(list(ids))
+
     # -- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:

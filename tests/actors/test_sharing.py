@@ -225,3 +225,15 @@ def test_decodes_keep_flowing_while_a_long_prompt_is_chunked(sched_factory):
         steps += 1
     assert steps == 8   # 120 tokens at 15 per step
     run_to_end(sched)
+
+
+def test_abort_all_ends_every_request_by_its_output_ids(sched_factory):
+    sched = sched_factory(num_blocks=64, block_size=4)
+    sched.add(new("a", 5, max_tokens=9))
+    sched.add(new("p", 6, n=2, temperature=1.0, max_tokens=9))
+    sched.add(new("q", 6, n=2, use_beam_search=True, max_tokens=9))
+    step(sched)
+    deltas = sched.abort_all()
+    assert sorted(d.req_id for d in deltas) == ["a", "p.0", "p.1", "q.0", "q.1"]
+    assert all(d.finish_reason == "abort" for d in deltas)
+    assert not sched.requests and not sched.groups and not sched.has_work()

@@ -47,10 +47,13 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, args: list[str], run_parent: str, timeout: float = 180.0):
+    def __init__(self, args: list[str], run_parent: str, timeout: float = 180.0,
+                 env: dict[str, str | None] | None = None):
+        """`env` is added to this process's environment for the server (None unsets)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, RUNTIME_DIRECTORY=run_parent)
+        env = {k: v for k, v in {**os.environ, "RUNTIME_DIRECTORY": run_parent, **(env or {})}.items()
+               if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagewire.cli", "serve", "--port", str(self.port), *args],
             env=env)
@@ -87,11 +90,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str]):
+def running_server(args: list[str], env: dict[str, str | None] | None = None):
     """A server with its run directory under /tmp (ipc socket paths are length-capped),
     stopped by pid on exit."""
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
-        srv = Server(args, run_parent)
+        srv = Server(args, run_parent, env=env)
         try:
             yield srv
         finally:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import tempfile
-from unittest import mock
 
 import openai
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -18,26 +16,12 @@ SMALL = ["--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 PROMPT = "The capital of France is"
 
 
-class EnvServer(Server):
-    """A Server whose process sees `env` on top of this one's environment (and no API keys
-    inherited from it)."""
-
-    def __init__(self, args: list[str], run_parent: str, env: dict[str, str] | None = None):
-        with mock.patch.dict(os.environ):      # restored as it was once the process started
-            os.environ.pop("PAGEWIRE_API_KEY", None)
-            os.environ.pop("VLLM_API_KEY", None)
-            os.environ.update(env or {})
-            super().__init__(args, run_parent)
-
-
 def start(args: list[str], env: dict[str, str] | None = None):
-    """Yield a running server, always stopping it (a generator for module fixtures)."""
-    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:   # short: ipc paths are capped
-        srv = EnvServer(SMALL + args, run_parent, env)
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    """Yield a running server, always stopping it (a generator for module fixtures). API keys
+    come only from `args` and `env`, never from this process's environment."""
+    with running_server(SMALL + args, {"PAGEWIRE_API_KEY": None, "VLLM_API_KEY": None,
+                                       **(env or {})}) as srv:
+        yield srv
 
 
 def client_for(server: Server, key: str = "unused") -> openai.OpenAI:
