@@ -91,8 +91,9 @@ def test_concurrent_requests(client):
         answers = list(pool.map(ask, questions))
     assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
     assert "Paris" in answers[0].choices[0].message.content
-    texts = [a.choices[0].message.content for a in answers]
-    assert texts[:4] == texts[4:]   # the same greedy request gives the same text
+    # Equal texts for the repeated questions are not asserted: in bf16 the second copy runs in
+    # another batch shape (and from the first one's cached prefix), and near-ties may flip.
+    # Batch-invariance of the tokens is tested in float32 against transformers.
 
 
 @pytest.mark.parametrize("body, status, param", [
