@@ -36,7 +36,6 @@ def add_arguments(sub) -> None:
     tp.add_argument("--random-output-len", type=int, default=128)
     tp.add_argument("--random-range-ratio", type=float, default=0.0)
     tp.add_argument("--num-prompts", type=int, default=1000)
-    tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(bench=throughput)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
@@ -46,7 +45,6 @@ def add_arguments(sub) -> None:
     lat.add_argument("--batch-size", type=int, default=8)
     lat.add_argument("--num-iters", type=int, default=30)
     lat.add_argument("--num-iters-warmup", type=int, default=10)
-    lat.add_argument("--seed", type=int, default=0)
     lat.add_argument("--output-json", default=None)
     lat.set_defaults(bench=latency)
 
@@ -65,7 +63,8 @@ def throughput(args) -> dict:
     from pagewire.wire.sampling import SamplingParams
     llm = _llm(args)
     reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                           args.random_range_ratio, args.seed, llm.config.model_info.vocab_size)
+                           args.random_range_ratio, getattr(args, "seed", 0),
+                           llm.config.model_info.vocab_size)
     limit = llm.config.max_model_len
     reqs = [(p[: limit - o], o) for p, o in reqs]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True)
@@ -91,7 +90,7 @@ def throughput(args) -> dict:
 def latency(args) -> dict:
     from pagewire.wire.sampling import SamplingParams
     llm = _llm(args)
-    rng = random.Random(args.seed)
+    rng = random.Random(getattr(args, "seed", 0))
     vocab = llm.config.model_info.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
                for _ in range(args.batch_size)]

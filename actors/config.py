@@ -2,6 +2,7 @@
 offline LLM) and handed to each actor as JSON. Imports no torch."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -49,6 +50,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     actor_nice: int = 10                     # niceness of every actor but the executors
     restart_budget: int = 5                  # actor restarts allowed within restart_window...
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
+    seed: int = 0                            # the executor's random state for unseeded sampling
+    trace_dir: str | None = None             # record every actor's messages here
+    trace_redact: bool = False               # blank prompts and outputs in traces
+    trace_segment_bytes: int = 64 * 2**20    # a trace file rotates past this size...
+    trace_max_segments: int = 8              # ...and each actor keeps this many
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
@@ -92,6 +98,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name)
+
+    def digest(self) -> str:
+        """What decides the engine's outputs, hashed: replays compare it. Operational settings
+        (addresses, keys, restarts, tracing) are left out."""
+        skip = {"host", "port", "api_keys", "run_dir", "drain_timeout", "actor_nice",
+                "restart_budget", "restart_window", "trace_dir", "trace_redact",
+                "trace_segment_bytes", "trace_max_segments", "num_tokenizers",
+                "cache_salt_per_api_key", "metrics_require_api_key", "threads"}
+        values = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in skip}
+        return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)

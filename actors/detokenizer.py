@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 from tokenizers.decoders import DecodeStream
 
-from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.sampling import LogprobsChunk, output_ids
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
@@ -154,9 +153,9 @@ class Detokenizer:
 
 def run(env) -> None:
     detok = Detokenizer(load_tokenizer(env.config.model_info))
-    inbox = PullChannel(env.ctx, env.address("detokenizer"), DetokenizerInbox)
-    gateway = PushChannel(env.ctx, env.address("gateway"))
-    scheduler = PushChannel(env.ctx, env.address("scheduler"))
+    inbox = env.pull("detokenizer", DetokenizerInbox)
+    gateway = env.push("gateway")
+    scheduler = env.push("scheduler")
     handlers = {DetokStart: detok.start, TokenDeltas: detok.on_deltas}
     env.ready()
     while True:

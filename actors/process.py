@@ -19,9 +19,11 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
-from pagewire.wire.channels import PushChannel, ipc_address
+from pagewire.wire.channels import PullChannel, PushChannel, ipc_address
+from pagewire.wire.trace import FORMAT_VERSION, TraceHeader, TraceWriter
 from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready
 
 from .config import EngineConfig
@@ -49,6 +51,7 @@ class ActorEnv:
     config: EngineConfig
     ctx: zmq.Context
     supervisor: PushChannel
+    tracer: TraceWriter | None = None
     _last_heartbeat: float = 0.0
 
     @property
@@ -60,6 +63,18 @@ class ActorEnv:
         """ipc address of an inbox: "scheduler", "executor-0", "tokenizer-1", ..."""
         return ipc_address(self.config.run_dir, inbox)
 
+    def push(self, inboxes: str | list[str]) -> PushChannel:
+        """A channel to another actor's inbox (round-robin over several), traced under the
+        first inbox's name when tracing is on."""
+        names = [inboxes] if isinstance(inboxes, str) else inboxes
+        return PushChannel(self.ctx, [self.address(n) for n in names], tracer=self.tracer,
+                           name=names[0].split("-")[0] if len(names) > 1 else names[0])
+
+    def pull(self, inbox: str, inbox_type) -> PullChannel:
+        """This actor's inbox, traced when tracing is on."""
+        return PullChannel(self.ctx, self.address(inbox), inbox_type, tracer=self.tracer,
+                           name=inbox)
+
     def ready(self) -> None:
         self.supervisor.send(Ready(self.name, os.getpid()))
 
@@ -70,6 +85,22 @@ class ActorEnv:
         if now - self._last_heartbeat >= HEARTBEAT_INTERVAL:
             self._last_heartbeat = now
             self.supervisor.send(Heartbeat(self.name, step_running_for))
+            if self.tracer is not None:
+                self.tracer.flush()      # a live trace is readable within a second
+
+
+def open_tracer(config: EngineConfig, actor: str) -> TraceWriter | None:
+    """This actor's trace writer when the engine records (--trace DIR)."""
+    if not config.trace_dir:
+        return None
+    public = msgspec.structs.replace(config, api_keys=[])
+    header = TraceHeader(version=FORMAT_VERSION, actor=actor, pid=os.getpid(), segment=0,
+                         config_digest=config.digest(),
+                         model_id=f"{config.model_info.name}@{config.model_info.digest}",
+                         config_json=public.to_json().decode(), started=time.time(),
+                         redacted=config.trace_redact)
+    return TraceWriter(config.trace_dir, header, config.trace_segment_bytes,
+                       config.trace_max_segments)
 
 
 def die_with_parent() -> None:
@@ -96,6 +127,7 @@ def main(argv: list[str]) -> None:
     ctx = zmq.Context()
     env = ActorEnv(role, index, config, ctx,
                    PushChannel(ctx, ipc_address(config.run_dir, "supervisor")))
+    env.tracer = open_tracer(config, env.name)
     import setproctitle
     setproctitle.setproctitle(f"pagewire: {env.name}")
     die_with_parent()
@@ -111,8 +143,11 @@ def main(argv: list[str]) -> None:
     try:
         importlib.import_module(ROLES[role]).run(env)
     except SystemExit:
-        pass
+        if env.tracer is not None:
+            env.tracer.close()
     except BaseException as e:
+        if env.tracer is not None:
+            env.tracer.close()
         logging.getLogger(env.name).error("fatal: %s", traceback.format_exc())
         env.supervisor.send(Fatal(env.name, f"{type(e).__name__}: {e}"))
         env.supervisor.close()

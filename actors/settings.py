@@ -27,7 +27,8 @@ def gib(text: str | int | float) -> int:
         return parse_bytes(text)
 
 
-_CONVERT = {"kv_cache_memory": parse_bytes, "swap_space": gib}
+_CONVERT = {"kv_cache_memory": parse_bytes, "swap_space": gib,
+            "trace_segment_bytes": parse_bytes}
 
 
 def from_file(path: str) -> dict:

@@ -37,6 +37,7 @@ from pagewire.wire.channels import PullChannel, PushChannel, ipc_address, make_r
 from pagewire.wire.to_gateway import EngineEvent
 from pagewire.wire.to_scheduler import AbortAll
 from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready, SupervisorInbox
+from pagewire.wire.trace import set_recording
 
 from .config import EngineConfig
 from .process import HEARTBEAT_TIMEOUT, STOP_SIGNAL
@@ -107,6 +108,8 @@ class Supervisor:
         self.inbox = PullChannel(self.ctx, ipc_address(run_dir, "supervisor"), SupervisorInbox)
         self.gateway_channel = PushChannel(self.ctx, ipc_address(run_dir, "gateway"))
         self.scheduler_channel = PushChannel(self.ctx, ipc_address(run_dir, "scheduler"))
+        if self.config.trace_dir:              # recording is on from the start with --trace
+            set_recording(self.config.trace_dir, True)
         notify(f"STATUS=loading {self.config.served_model_name}")
         for role, index in self._core() + [("tokenizer", i) for i in range(self.config.num_tokenizers)]:
             self._spawn(role, index)

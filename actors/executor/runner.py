@@ -67,6 +67,7 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         torch.set_num_threads(config.threads or default_threads())
+        torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
         self.config = config
         self.block_size = config.block_size
         self.device = resolve_device(config.device)

@@ -13,7 +13,7 @@ from .server import Gateway
 
 
 async def _serve(env) -> None:
-    gateway = Gateway(env.config, env.address)
+    gateway = Gateway(env.config, env.address, env.tracer)
     pump = asyncio.get_running_loop().create_task(gateway.pump())
     runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
     await runner.setup()

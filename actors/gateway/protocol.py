@@ -14,7 +14,8 @@ MAX_N = 16
 class ApiError(Exception):
     """Answered as OpenAI error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             409: "ConflictError", 413: "RequestTooLargeError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,

@@ -41,15 +41,18 @@ _json = msgspec.json.Encoder()
 
 
 class Gateway:
-    def __init__(self, config, address):
+    def __init__(self, config, address, tracer=None):
         self.config = config
         self.model_name = config.served_model_name
         self.created = int(time.time())
+        self.tracer = tracer
         ctx, actx = zmq.Context(), zmq.asyncio.Context()
-        self.inbox = AsyncPullChannel(actx, address("gateway"), GatewayInbox)
+        self.inbox = AsyncPullChannel(actx, address("gateway"), GatewayInbox, tracer=tracer,
+                                      name="gateway")
         self.tokenizers = PushChannel(ctx, [address(f"tokenizer-{i}")
-                                            for i in range(config.num_tokenizers)])
-        self.scheduler = PushChannel(ctx, address("scheduler"))
+                                            for i in range(config.num_tokenizers)],
+                                      tracer=tracer, name="tokenizer")
+        self.scheduler = PushChannel(ctx, address("scheduler"), tracer=tracer, name="scheduler")
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
         self.in_flight = 0
         self.draining = False
@@ -88,7 +91,7 @@ class Gateway:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith(("/v1/", "/tokenize", "/detokenize")) or (
+            if request.path.startswith(("/v1/", "/tokenize", "/detokenize", "/admin/")) or (
                     request.path == "/metrics" and self.config.metrics_require_api_key):
                 self.api_key(request)
             response = await handler(request)

@@ -1,8 +1,9 @@
-"""/tokenize, /detokenize and /version: answered by a tokenizer actor (the gateway loads no
-tokenizer), or by the gateway itself for /version."""
+"""/tokenize, /detokenize, /version and /admin/trace: tokenizing is answered by a tokenizer
+actor (the gateway loads no tokenizer); /version and the trace switch by the gateway itself."""
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 
 import msgspec
@@ -11,6 +12,7 @@ from aiohttp import web
 import pagewire
 from pagewire.wire.to_gateway import RequestFailed
 from pagewire.wire.to_tokenizer import DetokenizeOnly, TokenizeOnly
+from pagewire.wire.trace import ENABLED_FLAG, set_recording
 
 from .protocol import ApiError, ChatMessageBody, chat_messages, decode_body
 
@@ -29,13 +31,18 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class TraceSwitch(msgspec.Struct, kw_only=True):
+    enabled: bool
+
+
 class TokenizeRoutes:
     def __init__(self, gateway):
         self.gateway = gateway
 
     def routes(self) -> list:
         return [web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
-                web.get("/version", self.version)]
+                web.get("/version", self.version), web.get("/admin/trace", self.trace),
+                web.post("/admin/trace", self.trace)]
 
     async def ask(self, msg):
         """Send to a tokenizer; the reply, or its RequestFailed as an ApiError."""
@@ -73,3 +80,15 @@ class TokenizeRoutes:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": pagewire.__version__})
+
+    async def trace(self, request: web.Request) -> web.Response:
+        """Recording on or off at run time (every actor checks the flag file within a second).
+        Behind the API key; only for a server started with --trace DIR."""
+        trace_dir = self.gateway.config.trace_dir
+        if not trace_dir:
+            raise ApiError(409, "recording needs a server started with --trace DIR",
+                           error_type="ConflictError")
+        on = os.path.exists(os.path.join(trace_dir, ENABLED_FLAG))
+        if request.method == "POST":
+            on = set_recording(trace_dir, decode_body(await request.read(), TraceSwitch).enabled)
+        return web.json_response({"recording": on, "directory": trace_dir})

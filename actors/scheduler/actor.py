@@ -18,7 +18,6 @@ import logging
 import time
 from typing import Callable
 
-from pagewire.wire.channels import PullChannel, PushChannel
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import SchedulerStats
@@ -139,10 +138,10 @@ class SchedulerLoop:
     def __init__(self, env):
         self.env = env
         self.sched = Scheduler(env.config)
-        self.inbox = PullChannel(env.ctx, env.address("scheduler"), SchedulerInbox)
-        self.executors = [PushChannel(env.ctx, env.address("executor-0"))]
-        self.detokenizer = PushChannel(env.ctx, env.address("detokenizer"))
-        self.gateway = PushChannel(env.ctx, env.address("gateway"))
+        self.inbox = env.pull("scheduler", SchedulerInbox)
+        self.executors = [env.push("executor-0")]
+        self.detokenizer = env.push("detokenizer")
+        self.gateway = env.push("gateway")
         self.stats = StatsReporter(self.sched, self.gateway.send)
         self.in_flight: int | None = None     # step id of the plan being run
         self.handlers = {NewRequest: self.on_new, Abort: self.on_abort, StepResult: self.on_result,

@@ -107,6 +107,14 @@ def test_health_needs_no_key(keyed_server):
     assert code == 200
 
 
+def test_trace_switch_needs_a_server_started_with_trace(keyed_server):
+    assert keyed_server.request("POST", "/admin/trace", {"enabled": True})[0] == 401
+    code, reply, _ = keyed_server.request("POST", "/admin/trace", {"enabled": True},
+                                          {"Authorization": "Bearer k1"})
+    assert_error(reply, 409, "ConflictError")
+    assert "--trace" in reply["error"]["message"]
+
+
 # -- the waiting-queue limit -------------------------------------------------------------------
 
 def test_a_full_queue_refuses_with_503_and_the_server_keeps_serving(queue_server):
