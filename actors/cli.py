@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import sys
 
@@ -54,6 +53,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag("--device", choices=["auto", "cpu", "cuda"])
     flag("--enforce-eager", action="store_true", help="no CUDA graphs")
     flag("--seed", type=int, help="random state of unseeded sampling (default 0)")
+    flag("--tensor-parallel-size", "-tp", type=int,
+         help="executor ranks, each holding a share of the model (default 1)")
     flag("--kernels", choices=["auto", "torch", "cpu", "triton"],
          help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
 
@@ -76,6 +77,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="give each API key its own prefix-cache salt")
     p.add_argument("--metrics-require-api-key", action="store_true",
                    help="put /metrics behind the API key check too")
+    p.add_argument("--executors", choices=["local", "external"],
+                   help="local: the engine starts every rank (default); external: ranks 1.. "
+                   "attach with `pagewire executor --attach`")
+    p.add_argument("--listen", help="tcp://HOST:PORT where external executors attach (needs "
+                   "--curve-keys; torch.distributed uses PORT+1)")
+    p.add_argument("--curve-keys", help="directory of keys from `pagewire keys DIR`")
+    p.add_argument("--attach-timeout", type=float,
+                   help="seconds to wait for external executors (default 300)")
+    p.add_argument("--tp-timeout", type=float,
+                   help="seconds a tensor-parallel collective may wait (default 30)")
     p.add_argument("--trace", dest="trace_dir", help="record every actor's messages in DIR "
                    "(see `pagewire trace` and `pagewire replay`)")
     p.add_argument("--trace-redact", action="store_true",
@@ -91,33 +102,6 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     return settings.build(flags, config_file=getattr(args, "config_file", None))
 
 
-def _override(text: str) -> tuple[str, object]:
-    """OPTION=VALUE for `pagewire replay --set`: VALUE as JSON, else as a string."""
-    key, sep, value = text.partition("=")
-    key = key.strip().lstrip("-").replace("-", "_")
-    if not sep or key not in EngineConfig.__struct_fields__:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected OPTION=VALUE with an engine option")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
-
-
-def _trace_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level="WARNING")
-    if args.command == "replay":
-        from .replay import replay
-        return replay(args.directory, args.actor, dict(getattr(args, "overrides", None) or []))
-    from . import trace_tools
-    if args.trace_command == "show":
-        trace_tools.show(args.directory, getattr(args, "request", None), getattr(args, "actor", None),
-                         getattr(args, "type_name", None), getattr(args, "since", None),
-                         getattr(args, "until", None))
-    else:
-        trace_tools.stats(args.directory)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagewire", argument_default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,26 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
     from . import bench_cli
     bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))
-    trace = sub.add_parser("trace", help="read traces recorded with --trace DIR")
-    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
-    show = trace_sub.add_parser("show", help="a readable timeline")
-    show.add_argument("directory")
-    show.add_argument("--request", help="only messages about request ids containing this")
-    show.add_argument("--actor", help="only this actor (e.g. scheduler, 'executor 0')")
-    show.add_argument("--type", dest="type_name", help="only this message type (e.g. StepPlan)")
-    show.add_argument("--since", type=float, help="seconds from the first record")
-    show.add_argument("--until", type=float)
-    stats = trace_sub.add_parser("stats", help="message rates, sizes, per-request latency")
-    stats.add_argument("directory")
-    replay = sub.add_parser("replay", help="re-run an actor on its recorded inbox and diff")
-    replay.add_argument("directory")
-    replay.add_argument("--actor", required=True, choices=["scheduler", "detokenizer", "tokenizer"])
-    replay.add_argument("--set", dest="overrides", action="append", type=_override,
-                        metavar="OPTION=VALUE", help="replay with this option changed "
-                        "(e.g. max_num_seqs=8); the report names what differs")
+    from . import cli_tools
+    cli_tools.add_commands(sub)
     args = parser.parse_args(argv)
-    if args.command in ("trace", "replay"):
-        return _trace_command(args)
+    if args.command in cli_tools.COMMANDS:
+        return cli_tools.run(args)
     if args.command == "bench":
         setup_logging("bench")
         return bench_cli.run(args)

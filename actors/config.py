@@ -51,6 +51,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     restart_budget: int = 5                  # actor restarts allowed within restart_window...
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
     seed: int = 0                            # the executor's random state for unseeded sampling
+    tensor_parallel_size: int = 1            # executor ranks, each holding a share of the model
+    executors: str = "local"                 # "local": the engine starts every rank;
+                                             # "external": ranks 1.. attach at `listen`
+    listen: str | None = None                # tcp://HOST:PORT where external ranks attach
+    curve_keys: str | None = None            # directory from `pagewire keys` (TCP needs it)
+    attach_timeout: float = 300.0            # seconds rank 0 waits for external ranks
+    tp_timeout: float = 30.0                 # a collective waiting longer than this fails
     trace_dir: str | None = None             # record every actor's messages here
     trace_redact: bool = False               # blank prompts and outputs in traces
     trace_segment_bytes: int = 64 * 2**20    # a trace file rotates past this size...
@@ -95,9 +102,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")
+        self._check_parallel()
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name)
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.executors not in ("local", "external"):
+            raise ValueError(f"executors must be local or external, got {self.executors!r}")
+        if self.executors == "external":
+            if self.tensor_parallel_size < 2:
+                raise ValueError("--executors external needs --tensor-parallel-size 2 or more")
+            if not self.listen:
+                raise ValueError("--executors external needs --listen tcp://HOST:PORT")
+        if self.listen:
+            parse_tcp(self.listen)
+            if not self.curve_keys:
+                raise ValueError(f"--listen {self.listen} needs --curve-keys DIR (make the keys "
+                                 "with `pagewire keys DIR`): executors are authenticated")
 
     def digest(self) -> str:
         """What decides the engine's outputs, hashed: replays compare it. Operational settings
@@ -105,7 +129,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         skip = {"host", "port", "api_keys", "run_dir", "drain_timeout", "actor_nice",
                 "restart_budget", "restart_window", "trace_dir", "trace_redact",
                 "trace_segment_bytes", "trace_max_segments", "num_tokenizers",
-                "cache_salt_per_api_key", "metrics_require_api_key", "threads"}
+                "cache_salt_per_api_key", "metrics_require_api_key", "threads", "executors",
+                "listen", "curve_keys", "attach_timeout", "tp_timeout"}
         values = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in skip}
         return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 
@@ -137,6 +162,20 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def default_threads() -> int:
-    """$PAGEWIRE_THREADS, else every core this process may run on."""
-    return int(os.environ.get("PAGEWIRE_THREADS") or 0) or len(os.sched_getaffinity(0))
+def parse_tcp(address: str) -> tuple[str, int]:
+    """tcp://HOST:PORT -> (HOST, PORT). The host must be named: a wildcard would listen on
+    every interface without anyone having asked for it (0.0.0.0 asks)."""
+    m = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/]+):(\d+)", address)
+    if not m:
+        raise ValueError(f"{address!r} is not tcp://HOST:PORT")
+    if m.group(1) == "*":
+        raise ValueError(f"{address!r}: name the address to listen on (tcp://0.0.0.0:PORT for "
+                         "every interface)")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def default_threads(ranks: int = 1) -> int:
+    """$PAGEWIRE_THREADS, else the cores this process may run on, shared among the tensor-
+    parallel ranks on this machine (at least one each)."""
+    return int(os.environ.get("PAGEWIRE_THREADS") or 0) or \
+        max(1, len(os.sched_getaffinity(0)) // ranks)

@@ -150,9 +150,12 @@ def main(argv: list[str]) -> None:
             env.tracer.close()
         logging.getLogger(env.name).error("fatal: %s", traceback.format_exc())
         env.supervisor.send(Fatal(env.name, f"{type(e).__name__}: {e}"))
+        env.supervisor.sock.setsockopt(zmq.LINGER, 2000)   # deliver Fatal, then go
         env.supervisor.close()
-        ctx.term()
-        sys.exit(1)
+        logging.shutdown()
+        # Not ctx.term(): it waits for every socket to close, and the failure may have left
+        # some open (or a thread using them, like a CURVE authenticator).
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class Supervisor:
         self.last_beat: dict[str, float] = {}
         self.step_running_for = 0.0
         self.restarts: collections.deque[float] = collections.deque()
+        self.fatal: dict[str, str] = {}            # actor -> what it said when it failed
         self.stop_requested = False
         self.ctx = zmq.Context()
         self.inbox: PullChannel | None = None
@@ -119,7 +120,10 @@ class Supervisor:
         self._await_ready()
 
     def _core(self) -> list[tuple[str, int]]:
-        return [("executor", 0), ("scheduler", 0), ("detokenizer", 0)]
+        """The engine core, restarted together. With --executors external only rank 0 is
+        ours: the other ranks attach to it (and again after a restart)."""
+        ranks = 1 if self.config.executors == "external" else self.config.tensor_parallel_size
+        return [("executor", r) for r in range(ranks)] + [("scheduler", 0), ("detokenizer", 0)]
 
     def _spawn(self, role: str, index: int) -> None:
         name = actor_name(role, index)
@@ -131,6 +135,10 @@ class Supervisor:
     def _await_ready(self) -> None:
         """Wait until every actor started so far has said Ready."""
         deadline = time.monotonic() + START_TIMEOUT
+        if self.config.executors == "external":     # rank 0 waits for attached ranks
+            deadline += self.config.attach_timeout
+            notify(f"STATUS=waiting for executor ranks 1..{self.config.tensor_parallel_size - 1}"
+                   f" to attach at {self.config.listen}")
         while len(self.ready) < len(self.children):
             if self.stop_requested:
                 raise ActorFailed("stopped while starting")
@@ -155,6 +163,7 @@ class Supervisor:
                 self.step_running_for = msg.step_running_for
         elif isinstance(msg, Fatal):
             log.error("%s failed: %s", msg.actor, msg.message)
+            self.fatal[msg.actor] = msg.message
             if starting:
                 raise ActorFailed(f"{msg.actor} failed to start: {msg.message}")
 
@@ -197,8 +206,13 @@ class Supervisor:
                               f"({self.config.restart_budget} in {self.config.restart_window:.0f}s)")
         role = name.split()[0]
         log.error("%s exited with code %s; restarting", name, code)
+        msg = self.inbox.recv(50)              # what it said before it died, if anything
+        while msg is not None:
+            self._handle(msg)
+            msg = self.inbox.recv(0)
+        why = self.fatal.pop(name, None)
         if role in ("scheduler", "executor"):
-            self._restart_core(f"{name} exited with code {code}")
+            self._restart_core(f"{name} exited with code {code}" + (f": {why}" if why else ""))
         elif role == "gateway":
             self.scheduler_channel.send(AbortAll(f"{name} died"))
             self._respawn(name)

@@ -16,13 +16,14 @@ TINY_SHAPES = {
 }
 
 
-def make_tiny_llama(path: str, tokenizer_dir: str, shape: str = "gqa2-d64", *,
+def make_tiny_llama(path: str, tokenizer_dir: str, shape: str | tuple = "gqa2-d64", *,
                     vocab_size: int = 512, num_layers: int = 2, tie: bool = False,
                     seed: int = 0, max_position: int = 1024) -> str:
-    """Save a random-weight LlamaForCausalLM (float32) with the borrowed tokenizer."""
+    """Save a random-weight LlamaForCausalLM (float32) with the borrowed tokenizer. `shape` is
+    a TINY_SHAPES name or a (hidden, heads, kv_heads, head_dim) tuple."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hidden, heads, kv_heads, head_dim = TINY_SHAPES[shape]
+    hidden, heads, kv_heads, head_dim = TINY_SHAPES[shape] if isinstance(shape, str) else shape
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

@@ -1,4 +1,5 @@
-"""Messages an executor receives: one StepPlan per step from the scheduler.
+"""Messages an executor receives: one StepPlan per step from the scheduler (rank 0), which
+rank 0 forwards to the other tensor-parallel ranks; and the attach handshake between ranks.
 
 A request's full data (tokens, sampling) crosses once, in a NewSeq; while it keeps running the
 plan carries only a RunSeq: how many tokens to compute and the blocks added since last step.
@@ -45,3 +46,35 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
 
 
 ExecutorInbox = StepPlan
+
+
+# -- between tensor-parallel ranks -------------------------------------------------------------
+# An executor of rank r > 0 connects to rank 0's rank socket (ipc for ranks the engine starts,
+# tcp with CURVE keys for attached ones) and says AttachHello; rank 0 checks it and answers
+# AttachWelcome or AttachRefused. Then rank 0 forwards every StepPlan, and both sides send
+# RankPing each second: a rank that hears nothing for a while takes its peer for gone.
+
+class AttachHello(msgspec.Struct, tag=True, kw_only=True):
+    version: str                 # pagewire.__version__ of the executor
+    rank: int
+    tensor_parallel_size: int
+    model_name: str
+    model_digest: str            # of the weights the executor found locally
+    dtype: str | None = None     # when the executor was told one: it must match
+
+
+class AttachWelcome(msgspec.Struct, tag=True):
+    config_json: str             # the engine's resolved configuration, API keys removed
+    dist_address: str            # tcp://HOST:PORT of the torch.distributed store
+
+
+class AttachRefused(msgspec.Struct, tag=True):
+    reason: str
+
+
+class RankPing(msgspec.Struct, tag=True):
+    rank: int
+
+
+RankZeroInbox = AttachHello | RankPing
+RankInbox = StepPlan | AttachWelcome | AttachRefused | RankPing

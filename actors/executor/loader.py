@@ -17,6 +17,7 @@ from pagewire.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 from pagewire.model_info import ModelInfo
 
 from .models import MODELS
+from .parallel import TensorParallel, shard_state
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -30,8 +31,9 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
                    "output": "lm_head"}
 
 
-def load_model(info: ModelInfo, dtype: str) -> nn.Module:
-    """Build the model for `info` and fill it with weights cast to `dtype`."""
+def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) -> nn.Module:
+    """Build the model for `info` and fill it with weights cast to `dtype` (this rank's share
+    of them under tensor parallelism)."""
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
@@ -46,8 +48,9 @@ def load_model(info: ModelInfo, dtype: str) -> nn.Module:
         weights = read_safetensors(info.path)
     torch_dtype = _DTYPES[dtype]
     with torch.device("meta"):
-        model = model_cls(cfg)
-    state = {k: w.to(torch_dtype) for k, w in model_cls.fuse_weights(weights, cfg).items()}
+        model = model_cls(cfg, tp)
+    state = shard_state(model_cls.fuse_weights(weights, cfg), cfg, tp or TensorParallel())
+    state = {k: w.to(torch_dtype) for k, w in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:

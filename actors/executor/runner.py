@@ -23,6 +23,7 @@ from pagewire.wire.to_scheduler import StepResult
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .loader import _DTYPES, load_model
+from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 
@@ -65,29 +66,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
-        torch.set_num_threads(config.threads or default_threads())
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
+        ranks_here = config.tensor_parallel_size if config.executors == "local" else 1
+        torch.set_num_threads(config.threads or default_threads(ranks_here))
         torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
-        self.config = config
+        self.config, self.tp = config, tp or TensorParallel()
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
-        self.model = load_model(config.model_info, config.dtype).to(self.device)
+        self.model = load_model(config.model_info, config.dtype, self.tp).to(self.device)
         self.model.ops = select_ops(self.device, config.kernels)
         if self.model.ops.name == "cpu":
             pack_linears(self.model)
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
+        kv_heads = self.model.num_kv_heads                 # this rank's share
         self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1,
-                                           self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                           self.block_size, kv_heads, cfg.head_dim,
                                            dtype, self.device)
         self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
-                                             self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                             self.block_size, kv_heads, cfg.head_dim,
                                              dtype) if config.num_host_blocks else []
         self.eos_ids = list(config.model_info.eos_token_ids)
         self.seqs: dict[str, SeqState] = {}
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
         _release_freed_memory()
 
@@ -110,7 +113,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
             wanted = LogprobRequest.of([seq.sampling for _, seq in sample_seqs])
             logprobs = wanted.log_softmax(logits)          # before sampling edits the logits
-            tokens = sample(logits, self._sampling_batch(sample_seqs))
+            # Every rank samples (they keep the tokens for the next step); rank 0's choice is
+            # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
+            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs)))
             result.token_ids = tokens.tolist()
             if logprobs is not None:
                 result.logprobs, result.top_ids, result.top_logprobs = wanted.gather(logprobs, tokens)

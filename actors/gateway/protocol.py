@@ -70,6 +70,7 @@ class _Common(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -229,6 +230,14 @@ class Choice:
             self.cumulative_logprob = delta.cumulative_logprob or 0.0
 
 
+def as_token_ids(entries: list[TokenLogprob]) -> list[TokenLogprob]:
+    """vLLM's return_tokens_as_token_ids: each token, sampled or alternative, named
+    "token_id:N" (text that does not decode alone stays unambiguous)."""
+    return [msgspec.structs.replace(e, token=f"token_id:{e.token_id}",
+                                    top=[(t, f"token_id:{t}", lp) for t, _, lp in e.top])
+            for e in entries]
+
+
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
     """OpenAI's completions logprobs: parallel lists, text_offset counted from `offset`."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -272,9 +281,11 @@ class Formatter:
     `logprobs` whether choices carry them."""
 
     def __init__(self, chat: bool, req_id: str, created: int, model: str,
-                 logprobs: bool = False, prompt_logprobs: bool = False, echo: bool = False):
+                 logprobs: bool = False, prompt_logprobs: bool = False, echo: bool = False,
+                 token_ids: bool = False):
         self.chat, self.id, self.created, self.model = chat, req_id, created, model
         self.logprobs, self.prompt_logprobs, self.echo = logprobs, prompt_logprobs, echo
+        self.view = as_token_ids if token_ids else list
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -291,12 +302,12 @@ class Formatter:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": c.text}
             if self.logprobs:
-                choice["logprobs"] = chat_logprobs_content(c.logprobs)
+                choice["logprobs"] = chat_logprobs_content(self.view(c.logprobs))
         else:
             choice["text"] = c.echo + c.text
             if self.logprobs:
                 entries = (c.prompt_logprobs if c.echo else []) + c.logprobs
-                choice["logprobs"] = completion_logprobs(entries)
+                choice["logprobs"] = completion_logprobs(self.view(entries))
         if self.prompt_logprobs:
             choice["prompt_logprobs"] = prompt_logprobs_list(c.prompt_logprobs)
         return choice
@@ -304,7 +315,7 @@ class Formatter:
     def chunk(self, index: int, delta: TextDelta | None, finish_reason: str | None,
               role: bool = False) -> dict:
         text = delta.text if delta is not None else ""
-        entries = (delta.logprobs or []) if delta is not None else []
+        entries = self.view((delta.logprobs or []) if delta is not None else [])
         if self.chat:
             delta_obj = {"role": "assistant", "content": ""} if role else \
                 ({"content": text} if text else {})
@@ -314,7 +325,7 @@ class Formatter:
             return self._envelope("chat.completion.chunk", [choice])
         echo = (delta.echo_prompt or "") if delta is not None else ""
         if self.echo and delta is not None:
-            entries = (delta.prompt_logprobs or []) + entries
+            entries = self.view(delta.prompt_logprobs or []) + entries
         choice = {"index": index, "text": echo + text, "finish_reason": finish_reason,
                   "logprobs": completion_logprobs(entries) if self.logprobs and entries else None}
         return self._envelope("text_completion", [choice])

@@ -159,7 +159,8 @@ class Gateway:
                 for p in completion_prompts(body)]
         fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         logprobs=body.logprobs is not None,
-                        prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo)
+                        prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo,
+                        token_ids=body.return_tokens_as_token_ids)
         return await self.serve(request, body, fmt, subs)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -174,7 +175,8 @@ class Gateway:
                               cache_salt=self.salt(request, body), priority=body.priority,
                               chat_template_kwargs=template_kwargs(body))
         fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                        logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None)
+                        logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
+                        token_ids=body.return_tokens_as_token_ids)
         return await self.serve(request, body, fmt, [sub])
 
     def api_key(self, request: web.Request) -> str | None:

@@ -13,6 +13,8 @@ from pagewire.kernels.linear import Linear
 from pagewire.kernels.ops import TorchOps
 from pagewire.kernels.rotary import rope_cos_sin
 
+from ..parallel import TensorParallel, split_range
+
 
 @dataclass
 class LlamaConfig:
@@ -72,11 +74,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """This rank's heads (all of them without tensor parallelism): QKV column-parallel,
+    o_proj row-parallel, summed over ranks."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        share = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = share.num_q, share.num_kv, cfg.head_dim
+        self.q_size = share.num_q * cfg.head_dim
+        self.kv_size = share.num_kv * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
@@ -87,26 +94,30 @@ class Attention(nn.Module):
         q, k, v = ops.split_qkv_rope(self.qkv.forward(x), self.num_heads, self.num_kv_heads,
                                      self.head_dim, *rope)   # [T, Hq, D], [T, Hkv, D] x 2
         o = ops.attention(q, k, v, kv_cache, batch, self.scale)                # [T, Hq, D]
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj.forward(o.reshape(t, self.q_size)))   # [T, H]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """gate/up column-parallel, down row-parallel (a slice of the intermediate rows per rank)."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        start, end = split_range(cfg.intermediate_size, tp.size, tp.rank)
+        self.tp = tp
+        self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False)
+        self.down = Linear(end - start, cfg.hidden_size, bias=False)
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
-        return self.down.forward(ops.silu_and_mul(self.gate_up.forward(x)))
+        return self.tp.all_reduce(self.down.forward(ops.silu_and_mul(self.gate_up.forward(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, ops, x, residual, rope, kv_cache, batch):
         x, residual = self.input_norm.forward(ops, x, residual)
@@ -122,13 +133,15 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     config_class = LlamaConfig
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp or TensorParallel()
+        v0, v1 = self.tp.vocab(cfg.vocab_size)                   # this rank's vocabulary rows
+        self.embed = nn.Embedding(v1 - v0, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
+        self.num_kv_heads = self.layers[0].attn.num_kv_heads     # this rank's, for its KV cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # tied: shares embed's weight
+        self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
         self.ops = TorchOps()     # the kernel set; the runner picks one for the device
         self.register_buffer("cos_sin", None, persistent=False)
         self.reset_buffers()
@@ -142,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]."""
-        x = self.embed(input_ids)                                  # [T, H]
+        x = self.tp.embed(self.embed.weight, input_ids, self.cfg.vocab_size)   # [T, H]
         rope = (self.cos_sin, positions)                           # [P, D] table, [T]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -151,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, H] -> float32 logits [S, V]."""
-        return self.lm_head(hidden).float()
+        """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows)."""
+        return self.tp.gather_vocab(self.lm_head.forward(hidden).float(), self.cfg.vocab_size)
 
     @staticmethod
     def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,143 @@
+"""Tensor parallelism, Megatron style: which share of each weight a rank holds, and the
+collectives that put the shares back together.
+
+- QKV and gate/up are column-parallel: a rank holds some attention heads (its KV heads and the
+  query heads that read them) and a slice of the MLP's intermediate rows.
+- o_proj and down are row-parallel: each rank's partial output is summed by an all-reduce.
+- The embedding and the LM head are vocab-parallel: a rank holds a range of vocabulary rows;
+  embedding rows outside the range read as zero before the all-reduce, and the logits are
+  gathered.
+
+Shares need not be equal (SmolLM2 has 9 query and 3 KV heads): a rank's KV heads are a
+contiguous range, the first `n % size` ranks taking one more, and its query heads are exactly
+the groups of those KV heads. With fewer KV heads than ranks, each KV head is replicated over
+`size / num_kv_heads` ranks, which split its query group between them.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def split_range(n: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's share of n items; the first n % size ranks get one more."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in the group. size 1 (the default) makes every collective a no-op."""
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShare:
+        """The query and KV heads this rank holds (see the module docstring)."""
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= self.size:
+            kv_start, kv_end = split_range(num_kv_heads, self.size, self.rank)
+            return HeadShare(kv_start * group, (kv_end - kv_start) * group, kv_start,
+                             kv_end - kv_start)
+        replicas = self.size // num_kv_heads
+        if self.size % num_kv_heads or group % replicas:
+            raise ValueError(f"{num_heads} query / {num_kv_heads} KV heads cannot be split over "
+                             f"{self.size} ranks: with fewer KV heads than ranks, the rank count "
+                             "must be a multiple of the KV heads and divide each query group")
+        kv = self.rank // replicas
+        per = group // replicas
+        return HeadShare(kv * group + (self.rank % replicas) * per, per, kv, 1)
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        return split_range(vocab_size, self.size, self.rank)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's x, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Vocab-parallel lookup: weight [V_local, H], ids [T] -> [T, H] on every rank."""
+        if self.size == 1:
+            return F.embedding(ids, weight)
+        start, end = self.vocab(vocab_size)
+        local = ids - start
+        inside = (local >= 0) & (local < end - start)
+        x = F.embedding(local.clamp(0, end - start - 1), weight) * inside[:, None].to(weight.dtype)
+        return self.all_reduce(x)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[S, V_local] on each rank -> [S, V] on every rank."""
+        if self.size == 1:
+            return logits
+        width = -(-vocab_size // self.size)           # all_gather wants equal shapes: pad
+        padded = F.pad(logits, (0, width - logits.shape[1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        sizes = [e - s for s, e in (split_range(vocab_size, self.size, r) for r in range(self.size))]
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(x, 0, group=self.group)
+        return x
+
+
+def init_group(address: str, rank: int, size: int, timeout: float) -> TensorParallel:
+    """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store).
+    A collective that waits longer than `timeout` seconds raises instead of hanging."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    if host in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's share of a fused state dict (names as LlamaForCausalLM.fuse_weights makes
+    them). Shares are copies, so the full tensors can be freed."""
+    if tp.size == 1:
+        return state
+    heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+    d, q_size, kv_size = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q = slice(heads.q_start * d, (heads.q_start + heads.num_q) * d)
+    kv = slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d)
+    i0, i1 = split_range(cfg.intermediate_size, tp.size, tp.rank)
+    v0, v1 = tp.vocab(cfg.vocab_size)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+            qw, kw, vw = w.split([q_size, kv_size, kv_size])
+            w = torch.cat([qw[q], kw[kv], vw[kv]])
+        elif name.endswith("attn.o_proj.weight"):
+            w = w[:, q]
+        elif name.endswith("mlp.gate_up.weight"):
+            gate, up = w.chunk(2)
+            w = torch.cat([gate[i0:i1], up[i0:i1]])
+        elif name.endswith("mlp.down.weight"):
+            w = w[:, i0:i1]
+        elif name in ("embed.weight", "lm_head.weight"):
+            w = w[v0:v1]
+        out[name] = w.clone()
+    if state.get("lm_head.weight") is state.get("embed.weight"):
+        out["lm_head.weight"] = out["embed.weight"]          # tied: one copy
+    return out

@@ -1,0 +1,187 @@
+"""Tensor parallelism end to end: `pagewire serve -tp 2` with both ranks started by the engine,
+and with rank 1 attached by hand over TCP (CURVE keys), gives transformers' greedy tokens on
+tiny models of uneven shapes and on the default model; mismatched executors are refused with
+the reason; a rank killed or stopped mid-step fails its requests cleanly and never hangs."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from tests.e2e.server import Server, alive, child_pids, cmdline, free_port, running_server
+from tests.helpers import HFOracle, assert_greedy_equal, make_tiny_llama
+
+pytestmark = pytest.mark.slow
+F32 = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB"]
+PROMPTS = [[5, 17, 300, 42, 7], [9] * 30, list(range(3, 60))]
+# (hidden, heads, kv heads, head dim), vocab: rank shares of unequal size everywhere.
+SHAPES = {"kv3-of-6-heads": ((96, 6, 3, 32), 511, True),     # KV heads split 2 + 1
+          "kv1-below-ranks": ((256, 2, 1, 128), 509, False)}  # the one KV head replicated
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smol_tokenizer_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-models")
+    return {name: make_tiny_llama(str(root / name), smol_tokenizer_dir, shape, vocab_size=vocab,
+                                  tie=tie)
+            for name, (shape, vocab, tie) in SHAPES.items()}
+
+
+def greedy(srv: Server, prompt: list[int], n: int = 16) -> list[int]:
+    code, reply, _ = srv.request("POST", "/v1/completions", {
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True})
+    assert code == 200, reply
+    return [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]]
+
+
+def assert_matches_transformers(srv: Server, path: str | HFOracle, prompts=PROMPTS) -> None:
+    oracle = path if isinstance(path, HFOracle) else HFOracle.from_dir(path)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:   # batched together
+        ours = list(pool.map(lambda p: greedy(srv, p), prompts))
+    for prompt, tokens in zip(prompts, ours):
+        theirs, logits = oracle.greedy(prompt, len(tokens))
+        assert_greedy_equal(tokens, theirs, logits, f"prompt of {len(prompt)}")
+
+
+def ranks(srv: Server) -> dict[str, int]:
+    return {cmdline(p).removeprefix("pagewire: "): p for p in child_pids(srv.proc.pid)
+            if alive(p) and "executor" in cmdline(p)}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_local_ranks_match_transformers(models, shape):
+    with running_server([models[shape], *F32, "--tensor-parallel-size", "2"]) as srv:
+        assert sorted(ranks(srv)) == ["executor 0", "executor 1"]
+        assert_matches_transformers(srv, models[shape])
+
+
+def test_default_model_matches_transformers():
+    from transformers import AutoModelForCausalLM
+    import torch
+    from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_path()),
+                                              gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+    with running_server([*F32, "-tp", "2"]) as srv:
+        prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47], [504, 3458, 282] * 5]
+        assert_matches_transformers(srv, HFOracle(hf), prompts)
+
+
+def stream_until_error(srv: Server, kill) -> dict:
+    """Start a long stream, call kill() once tokens flow; return the error event it ends
+    with."""
+    body = json.dumps({"prompt": PROMPTS[2], "max_tokens": 190, "n": 8, "temperature": 1.0, "seed": 1,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(srv.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+                if len(events) == 3:
+                    kill()
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+    return error["message"]
+
+
+def test_local_rank_killed_mid_step_fails_requests_and_the_engine_recovers(models):
+    path = models["kv3-of-6-heads"]
+    with running_server([path, *F32, "-tp", "2"]) as srv:
+        victim = ranks(srv)["executor 1"]
+        last = stream_until_error(srv, lambda: os.kill(victim, signal.SIGKILL))
+        assert "executor" in last
+        deadline = time.monotonic() + 90
+        while not srv.healthy():
+            assert time.monotonic() < deadline, "not healthy again"
+            time.sleep(0.5)
+        assert ranks(srv)["executor 1"] != victim
+        assert_matches_transformers(srv, path, PROMPTS[:1])
+
+
+def test_stopped_rank_fails_the_step_after_the_timeout(models):
+    path = models["kv3-of-6-heads"]
+    with running_server([path, *F32, "-tp", "2", "--tp-timeout", "3"]) as srv:
+        victim = ranks(srv)["executor 1"]
+        started = time.monotonic()
+        try:
+            last = stream_until_error(srv, lambda: os.kill(victim, signal.SIGSTOP))
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert "stopped answering" in last
+        assert time.monotonic() - started < 30
+
+
+# -- attached by hand --------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def attached_executor(address: str, keys: str, *args: str):
+    proc = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "executor", "--attach",
+                             address, "--rank", "1", "--curve-keys", keys, *args])
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def refused(address: str, keys: str, *args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pagewire.cli", "executor", "--attach",
+                             address, "--curve-keys", keys, "--attach-timeout", "10", *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> tuple[str, str]:
+    """(good keys, a second set whose executor key the engine does not know)."""
+    good, other = (str(tmp_path_factory.mktemp(n)) for n in ("keys", "other-keys"))
+    for d in (good, other):
+        subprocess.run([sys.executable, "-m", "pagewire.cli", "keys", d], check=True,
+                       capture_output=True)
+    shutil.copy(os.path.join(good, "engine.key"), other)      # the right engine, a wrong key
+    return good, other
+
+
+def test_attached_rank_matches_refuses_mismatches_and_recovers(models, keys):
+    path = models["kv3-of-6-heads"]
+    good, other = keys
+    address = f"tcp://127.0.0.1:{free_port()}"
+    serve = [path, *F32, "-tp", "2", "--executors", "external", "--listen", address,
+             "--curve-keys", good, "--attach-timeout", "120"]
+    with tempfile.TemporaryDirectory(dir="/tmp") as run_parent, \
+            attached_executor(address, good, path) as executor:
+        srv = Server(serve, run_parent)        # healthy only once rank 1 has attached
+        try:
+            assert sorted(ranks(srv)) == ["executor 0"]      # rank 1 is not the engine's child
+            assert_matches_transformers(srv, path)
+            assert "refused this executor's CURVE key" in refused(address, other, path, "--rank", "1")
+            assert "the executor has SmolLM2-135M-Instruct" in refused(address, good, "--rank", "1")
+            assert "was started for 3" in refused(address, good, path, "--rank", "1", "-tp", "3")
+            assert "rank 2 is outside 1..1" in refused(address, good, path, "--rank", "2")
+            assert "rank 1 is already attached" in refused(address, good, path, "--rank", "1")
+            last = stream_until_error(srv, executor.kill)    # killed mid-step
+            assert "a rank left or stopped answering" in last
+            assert srv.request("GET", "/health")[0] == 503
+            with attached_executor(address, good, path):      # a new rank 1: serving again
+                deadline = time.monotonic() + 90
+                while not srv.healthy():
+                    assert time.monotonic() < deadline, "not healthy after re-attaching"
+                    time.sleep(0.5)
+                assert_matches_transformers(srv, path, PROMPTS[:1])
+        finally:
+            srv.stop()
