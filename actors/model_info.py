@@ -31,6 +31,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     head_dim: int
     eos_token_ids: list[int]
     digest: str             # identifies the weights' file(s); keys caches
+    sliding_window: int | None = None   # when every layer slides (Mistral, Phi3): the KV
+                                        # blocks behind it are freed
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -107,7 +109,9 @@ def _hf_info(path: str) -> ModelInfo:
         num_layers=int(text_cfg["num_hidden_layers"]),
         num_kv_heads=int(text_cfg.get("num_key_value_heads", heads)),
         head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
-        eos_token_ids=eos, digest=digest.hexdigest()[:32])
+        eos_token_ids=eos, digest=digest.hexdigest()[:32],
+        sliding_window=text_cfg.get("sliding_window") if cfg.get("architectures", [""])[0]
+        in ("MistralForCausalLM", "Phi3ForCausalLM") else None)
 
 
 def _as_list(value) -> list[int]:

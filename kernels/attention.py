@@ -11,6 +11,7 @@ attention_triton.py and re-exported here, at the bottom.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,26 +39,42 @@ class AttentionBatch:
     prefills: list[PrefillSpan]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What some architectures add to plain causal attention: a sliding window (a query sees
+    its own and the window - 1 keys before it) and soft-capped scores
+    (cap * tanh(score / cap), Gemma2)."""
+    window: int | None = None
+    softcap: float | None = None
+
+
+PLAIN = Variant()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float, write=write_kv,
-                    decode=None) -> torch.Tensor:
+                    decode=None, variant: Variant = PLAIN) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
     returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
-    and `decode` may be replaced by faster implementations with the same contracts."""
+    and `decode` may be replaced by faster implementations with the same contracts (`decode`
+    only for plain attention)."""
     write(kv_cache, k, v, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd:
-        out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
-                                                batch.decode_context_lens, scale)
+        if variant != PLAIN or decode is None:
+            decode = functools.partial(decode_attention, variant=variant)
+        out[:nd] = decode(q[:nd], kv_cache, batch.decode_block_tables,
+                          batch.decode_context_lens, scale)
     fresh: dict[int, list[PrefillSpan]] = {}
     for span in batch.prefills:
-        if span.context_len == span.num_tokens:
+        if span.context_len == span.num_tokens and variant == PLAIN:
             fresh.setdefault(span.num_tokens, []).append(span)
             continue
         end = span.start + span.num_tokens
         out[span.start:end] = prefill_attention(q[span.start:end], k[span.start:end],
-                                                v[span.start:end], kv_cache, span, scale)
+                                                v[span.start:end], kv_cache, span, scale,
+                                                variant)
     for spans in fresh.values():
         _fresh_prefills(q, k, v, spans, scale, out)
     return out
@@ -76,13 +93,17 @@ def _fresh_prefills(q, k, v, spans: list[PrefillSpan], scale: float, out: torch.
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence, attending its first context_lens[b] cached tokens.
-    q: [B, Hq, D] -> [B, Hq, D]."""
+                     context_lens: torch.Tensor, scale: float,
+                     variant: Variant = PLAIN) -> torch.Tensor:
+    """One query token per sequence, attending its first context_lens[b] cached tokens (the
+    last `window` of them with a window). q: [B, Hq, D] -> [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     width = block_tables.shape[1] * block_size
-    visible = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]   # [B, L]
+    pos = torch.arange(width, device=q.device)[None, :]
+    visible = pos < context_lens[:, None]                                             # [B, L]
+    if variant.window is not None:
+        visible &= pos >= context_lens[:, None] - variant.window
     bias = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
     bias = bias[:, None, None, :]                                                     # [B,1,1,L]
     group = num_heads // num_kv_heads
@@ -90,21 +111,26 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     values = kv_cache[1][block_tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
     qg = q.view(batch, num_kv_heads, group, head_dim)                  # [B, Hkv, G, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
     probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
     return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                      span: PrefillSpan, scale: float) -> torch.Tensor:
+                      span: PrefillSpan, scale: float, variant: Variant = PLAIN) -> torch.Tensor:
     """Causal attention of one sequence's new tokens. q: [n, Hq, D]; k, v: [n, Hkv, D] (the
     same tokens, already in the cache). Earlier context, if any, is read from the cache."""
     n = span.num_tokens
-    if span.context_len == n:          # nothing cached before: attend the fresh k, v directly
+    if span.context_len == n and variant == PLAIN:   # nothing cached: the fresh k, v directly
         mask, causal = None, True
     else:
-        k = _gather(kv_cache[0], span.block_table, span.context_len)   # [ctx, Hkv, D]
-        v = _gather(kv_cache[1], span.block_table, span.context_len)
-        mask, causal = causal_mask(n, span.context_len, q.device), False
+        if span.context_len != n:
+            k = _gather(kv_cache[0], span.block_table, span.context_len)   # [ctx, Hkv, D]
+            v = _gather(kv_cache[1], span.block_table, span.context_len)
+        mask, causal = causal_mask(n, span.context_len, q.device, variant.window), False
+    if variant.softcap is not None:
+        return _softcapped(q, k, v, mask, scale, variant.softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
@@ -112,10 +138,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     return out.squeeze(0).transpose(0, 1)
 
 
-def causal_mask(num_queries: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """[n, ctx] bool: query i (at position ctx - n + i) sees keys at positions <= its own."""
+def causal_mask(num_queries: int, context_len: int, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """[n, ctx] bool: query i (at position ctx - n + i) sees keys at positions <= its own
+    (and, with a window, > its own - window)."""
     q_pos = torch.arange(context_len - num_queries, context_len, device=device).unsqueeze(1)
-    return torch.arange(context_len, device=device).unsqueeze(0) <= q_pos
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
+def _softcapped(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with capped scores (SDPA has no hook for it). q: [n, Hq, D]; k, v:
+    [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]. Float32 scores, as Gemma2 in transformers."""
+    group = q.shape[1] // k.shape[1]
+    kq = k.repeat_interleave(group, dim=1)                               # [ctx, Hq, D]
+    vq = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kq).float() * scale         # [Hq, n, ctx]
+    scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, vq)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

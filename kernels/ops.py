@@ -37,8 +37,13 @@ class TorchOps:
     def silu_and_mul(self, gate_up):
         return activation.silu_and_mul(gate_up)
 
-    def attention(self, q, k, v, kv_cache, batch, scale):
-        return attention.paged_attention(q, k, v, kv_cache, batch, scale)
+    def gelu_tanh_and_mul(self, gate_up):
+        return activation.gelu_tanh_and_mul(gate_up)
+
+    def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
+        """`variant`: a sliding window and/or soft-capping (attention.Variant). Only the torch
+        kernels implement them; the other sets fall back to these for such layers."""
+        return attention.paged_attention(q, k, v, kv_cache, batch, scale, variant=variant)
 
 
 class CpuOps(TorchOps):
@@ -65,13 +70,13 @@ class CpuOps(TorchOps):
         from . import native
         return native.silu_and_mul(gate_up)
 
-    def attention(self, q, k, v, kv_cache, batch, scale):
+    def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
         from . import native
         return attention.paged_attention(
             q, k, v, kv_cache, batch, scale,
             write=lambda cache, k_, v_, slots: native.write_kv(cache[0], cache[1], k_, v_, slots),
             decode=lambda q_, cache, tables, lens, s: native.decode_attention(
-                q_, cache[0], cache[1], tables, lens, s))
+                q_, cache[0], cache[1], tables, lens, s), variant=variant)
 
 
 def select_ops(device: torch.device, name: str = "auto") -> TorchOps:

@@ -4,6 +4,7 @@ Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
 from __future__ import annotations
 
 from .activation import triton_silu_and_mul
+from .attention import PLAIN
 from .attention_triton import triton_paged_attention
 from .norm import triton_add_rms_norm
 from .ops import TorchOps
@@ -29,5 +30,7 @@ class TritonOps(TorchOps):
     def silu_and_mul(self, gate_up):
         return triton_silu_and_mul(gate_up)
 
-    def attention(self, q, k, v, kv_cache, batch, scale):
+    def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
+        if variant != PLAIN:         # sliding windows and soft-capping: torch kernels for now
+            return TorchOps.attention(self, q, k, v, kv_cache, batch, scale, variant)
         return triton_paged_attention(q, k, v, kv_cache, batch, scale)

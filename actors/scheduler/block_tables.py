@@ -9,8 +9,10 @@ from .request import Request
 
 
 class BlockTables:
-    def __init__(self, device: BlockManager, host: BlockManager | None):
+    def __init__(self, device: BlockManager, host: BlockManager | None,
+                 sliding_window: int | None = None):
         self.device, self.host = device, host
+        self.window = sliding_window           # every layer's, when they all slide
         self.block_size = device.block_size
         self.copies: list[list[int]] = []      # [src, dst] on the device
         self.swaps_out: list[list[int]] = []   # [device, host]
@@ -77,20 +79,31 @@ class BlockTables:
 
     def share(self, child: Request) -> None:
         """child, forked from a request, holds a reference to each block of its table."""
-        self.device.acquire(child.block_ids)
+        self.device.acquire(child.block_ids[child.num_dropped:])
+
+    def drop_behind_window(self, req: Request) -> None:
+        """Free the leading blocks that no query of req can see again: the next token (at
+        position num_computed) sees keys after num_computed - window, and later ones see less."""
+        if self.window is None:
+            return
+        keep_from = max(0, req.num_computed - self.window) // self.block_size
+        if keep_from > req.num_dropped:
+            self.device.free(req.block_ids[req.num_dropped:keep_from][::-1])
+            req.num_dropped = keep_from
 
     def release(self, req: Request) -> None:
         """Drop req's device and host blocks (tail first: its least shared blocks are then
         evicted first)."""
-        self.device.free(req.block_ids[::-1])
+        self.device.free(req.block_ids[req.num_dropped:][::-1])
         if req.host_block_ids:
             self.host.free(req.host_block_ids)
         req.block_ids, req.host_block_ids = [], []
-        req.num_blocks_sent = req.num_committed = 0
+        req.num_blocks_sent = req.num_committed = req.num_dropped = 0
 
     def swap_out(self, req: Request) -> bool:
-        """Move req's blocks to the host tier. False, changing nothing, if the tier is full."""
-        if self.host is None or len(req.block_ids) > self.host.num_free:
+        """Move req's blocks to the host tier. False, changing nothing, if the tier is full
+        (or req dropped blocks behind a window: it is recomputed instead)."""
+        if self.host is None or req.num_dropped or len(req.block_ids) > self.host.num_free:
             return False
         req.host_block_ids = self.host.allocate(len(req.block_ids))
         self.swaps_out += [[d, h] for d, h in zip(req.block_ids, req.host_block_ids)]

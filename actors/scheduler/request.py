@@ -24,7 +24,9 @@ class Request:
     but the last prompt token; every other request targets all its tokens. `on_executor` says
     the executor holds this request's state; `num_blocks_sent` is how much of the block table
     it holds unchanged. `block_hashes` cover the full blocks of token_ids computed so far
-    (prefix caching); the first `num_committed` are committed to the block manager.
+    (prefix caching); the first `num_committed` are committed to the block manager. With a
+    sliding window the first `num_dropped` entries of block_ids are no longer this request's
+    (freed, maybe reused by others): positions keep their block index, nothing reads them.
     """
 
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "arrival_time",
@@ -32,7 +34,7 @@ class Request:
                  "num_blocks_sent", "on_executor", "priority", "cache_salt", "order",
                  "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
-                 "scheduled_before", "prompt_counted")
+                 "scheduled_before", "prompt_counted", "num_dropped")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -63,6 +65,7 @@ class Request:
         self.scheduled_before = False         # admitted once already (metrics: queue time)
         self.prompt_counted = False           # prefill completed once (metrics: prompt tokens)
         self.num_prompt_logprobs_sent = 1     # prompt positions whose logprobs went out
+        self.num_dropped = 0                  # leading blocks freed: behind the sliding window
 
     @property
     def key(self) -> tuple[int, int]:

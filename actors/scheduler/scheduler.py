@@ -46,7 +46,7 @@ class Scheduler:
         device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
             if config.num_host_blocks else None
-        self.tables = BlockTables(device, host)
+        self.tables = BlockTables(device, host, config.model_info.sliding_window)
         self.kv = device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
@@ -279,6 +279,7 @@ class Scheduler:
                 deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.req_id])
             req.num_computed += req.num_scheduled
             self.tables.commit(req)
+            self.tables.drop_behind_window(req)
             if not req.prompt_counted and req.num_pending == 0:
                 self._count_prompt(req)
             row = rows.get(req.req_id)

@@ -1,9 +1,9 @@
 """Model code: one module per architecture family, selected by the HF architecture name."""
 from .llama import LlamaConfig, LlamaForCausalLM
 
-MODELS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-}
+# Every supported architecture is an option set of the one decoder (see config.py).
+MODELS = {name: LlamaForCausalLM for name in (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")}
 
 __all__ = ["MODELS", "LlamaConfig", "LlamaForCausalLM"]

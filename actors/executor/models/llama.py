@@ -1,66 +1,24 @@
 """The Llama family's forward pass over a flattened batch (no padding), reading and writing the
-paged KV cache. Weights are fused at load: one QKV projection and one gate/up projection."""
+paged KV cache. Weights are fused at load (weights.py): one QKV projection and one gate/up
+projection. The cousins are options of the same decoder (config.py): QKV biases (Qwen2),
+q/k norms (Qwen3, Gemma3), sliding windows (Mistral, Phi3, Gemma), sandwich norms, GELU,
+scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from pagewire.kernels.attention import AttentionBatch
+from pagewire.kernels.attention import AttentionBatch, Variant
 from pagewire.kernels.linear import Linear
+from pagewire.kernels.norm import rms_norm
 from pagewire.kernels.ops import TorchOps
-from pagewire.kernels.rotary import rope_cos_sin
+from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 from ..parallel import TensorParallel, split_range
+from .config import LlamaConfig
+from .weights import fuse_weights
 
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        return cls(
-            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=rope.get("rope_theta") or cfg.get("rope_theta", 10000.0),
-            max_position=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False))
-
-    @classmethod
-    def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
-        arch = meta["general.architecture"]
-        heads = int(meta[f"{arch}.attention.head_count"])
-        hidden = int(meta[f"{arch}.embedding_length"])
-        return cls(
-            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
-            hidden_size=hidden, intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-            num_layers=int(meta[f"{arch}.block_count"]), num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position=int(meta[f"{arch}.context_length"]),
-            tie_word_embeddings=not has_output)
+__all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
 
 class RMSNorm(nn.Module):
@@ -77,7 +35,7 @@ class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): QKV column-parallel,
     o_proj row-parallel, summed over ranks."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()
         share = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.tp = tp
@@ -86,15 +44,29 @@ class Attention(nn.Module):
         self.kv_size = share.num_kv * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale
+        self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
 
     def forward(self, ops, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = ops.split_qkv_rope(self.qkv.forward(x), self.num_heads, self.num_kv_heads,
+        qkv = self.qkv.forward(x)                            # [T, (Hq + 2 Hkv) D]
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
+        q, k, v = ops.split_qkv_rope(qkv, self.num_heads, self.num_kv_heads,
                                      self.head_dim, *rope)   # [T, Hq, D], [T, Hkv, D] x 2
-        o = ops.attention(q, k, v, kv_cache, batch, self.scale)                # [T, Hq, D]
+        o = ops.attention(q, k, v, kv_cache, batch, self.scale, self.variant)  # [T, Hq, D]
         return self.tp.all_reduce(self.o_proj.forward(o.reshape(t, self.q_size)))   # [T, H]
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """RMSNorm of each query and key head, in place in qkv (rope then rotates them)."""
+        t, d = qkv.shape[0], self.head_dim
+        heads = qkv[:, :self.q_size + self.kv_size].view(t, -1, d)     # [T, Hq + Hkv, D]
+        q, k = heads[:, :self.num_heads], heads[:, self.num_heads:]
+        q.copy_(rms_norm(q, self.q_norm.weight, self.q_norm.eps))
+        k.copy_(rms_norm(k, self.k_norm.weight, self.k_norm.eps))
 
 
 class MLP(nn.Module):
@@ -106,24 +78,39 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False)
         self.down = Linear(end - start, cfg.hidden_size, bias=False)
+        self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down.forward(ops.silu_and_mul(self.gate_up.forward(x))))
+        gate_up = self.gate_up.forward(x)                                    # [T, 2 I]
+        act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
+        return self.tp.all_reduce(self.down.forward(act))                   # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    """Pre-norm residual block. With sandwich norms (Gemma) the attention and MLP outputs are
+    normed too, before they join the residual stream."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, tp)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, tp, layer)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)        # before the MLP
         self.mlp = MLP(cfg, tp)
+        self.post_attn_norm = self.post_mlp_norm = None
+        if cfg.sandwich_norms:
+            self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, ops, x, residual, rope, kv_cache, batch):
         x, residual = self.input_norm.forward(ops, x, residual)
         x = self.attn.forward(ops, x, rope, kv_cache, batch)
+        if self.post_attn_norm is not None:
+            x = self.post_attn_norm.forward(ops, x)[0]
         x, residual = self.post_norm.forward(ops, x, residual)
-        return self.mlp.forward(ops, x), residual
+        x = self.mlp.forward(ops, x)
+        if self.post_mlp_norm is not None:
+            x = self.post_mlp_norm.forward(ops, x)[0]
+        return x, residual
 
 
 # The forward passes call submodules' .forward directly: nn.Module.__call__ (hooks machinery)
@@ -138,52 +125,50 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.tp = cfg, tp or TensorParallel()
         v0, v1 = self.tp.vocab(cfg.vocab_size)                   # this rank's vocabulary rows
         self.embed = nn.Embedding(v1 - v0, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in range(cfg.num_layers))
         self.num_kv_heads = self.layers[0].attn.num_kv_heads     # this rank's, for its KV cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
         self.ops = TorchOps()     # the kernel set; the runner picks one for the device
         self.register_buffer("cos_sin", None, persistent=False)
+        self.rope_tables: list[torch.Tensor] = []
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
         """(Re)build the non-weight buffers; the loader calls it after filling a model that was
-        built on the meta device."""
+        built on the meta device. One (cos | sin) table per rope base, scaled as configured."""
         cfg = self.cfg
-        self.cos_sin = rope_cos_sin(cfg.head_dim, cfg.max_position, cfg.rope_theta)  # [P, D]
+        self.rope_tables = []
+        for theta, scaling in cfg.rope_tables:
+            inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position)
+            table = rope_cos_sin(cfg.head_dim, cfg.max_position, theta, inv_freq)  # [P, D]
+            self.rope_tables.append(table * factor if factor != 1.0 else table)
+        self.cos_sin = self.rope_tables[0]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)                 # .to(device) moves the rope tables too
+        self.rope_tables = [fn(t) for t in self.rope_tables]
+        self.rope_tables[0] = self.cos_sin
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]."""
-        x = self.tp.embed(self.embed.weight, input_ids, self.cfg.vocab_size)   # [T, H]
-        rope = (self.cos_sin, positions)                           # [P, D] table, [T]
+        cfg = self.cfg
+        x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache, table in zip(self.layers, kv_caches, cfg.layer_rope):
+            rope = (self.rope_tables[table], positions)              # [P, D] table, [T]
             x, residual = layer.forward(self.ops, x, residual, rope, kv_cache, batch)
         x, _ = self.norm.forward(self.ops, x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows)."""
-        return self.tp.gather_vocab(self.lm_head.forward(hidden).float(), self.cfg.vocab_size)
+        logits = self.tp.gather_vocab(self.lm_head.forward(hidden).float(), self.cfg.vocab_size)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @staticmethod
-    def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-        """Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) -> this module's
-        state dict, with q/k/v and gate/up concatenated."""
-        out = {"embed.weight": weights["model.embed_tokens.weight"],
-               "norm.weight": weights["model.norm.weight"]}
-        out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings \
-            else weights["lm_head.weight"]
-        for i in range(cfg.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-                out[dst + f"attn.qkv.{kind}"] = torch.cat(
-                    [weights[src + f"self_attn.{p}_proj.{kind}"] for p in "qkv"])
-            out[dst + "attn.o_proj.weight"] = weights[src + "self_attn.o_proj.weight"]
-            out[dst + "mlp.gate_up.weight"] = torch.cat(
-                [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
-            out[dst + "mlp.down.weight"] = weights[src + "mlp.down_proj.weight"]
-            out[dst + "input_norm.weight"] = weights[src + "input_layernorm.weight"]
-            out[dst + "post_norm.weight"] = weights[src + "post_attention_layernorm.weight"]
-        return out
+    fuse_weights = staticmethod(fuse_weights)

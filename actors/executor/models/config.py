@@ -1,0 +1,146 @@
+"""The model's shape and per-architecture options, read from a Hugging Face config.json or a
+GGUF header. One dataclass serves the whole Llama family: each architecture is a set of
+options on the same decoder (see llama.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False             # biases on q, k, v (Qwen2)
+    qk_norm: bool = False                    # RMSNorm of each q and k head before rope (Qwen3, Gemma3)
+    sandwich_norms: bool = False             # norms after attention and MLP too (Gemma2/3)
+    activation: str = "silu"                 # "silu" | "gelu_tanh" (Gemma)
+    embed_scale: float = 1.0                 # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None          # default head_dim ** -0.5
+    attn_softcap: float | None = None        # scores -> cap * tanh(scores / cap) (Gemma2)
+    final_softcap: float | None = None       # the same on the logits
+    # Per layer: the sliding window (None: global attention) and which rope table it uses
+    # (index into rope_tables). Empty lists mean every layer global, table 0.
+    layer_windows: list[int | None] = field(default_factory=list)
+    layer_rope: list[int] = field(default_factory=list)
+    # Rope tables: (theta, Hugging Face rope parameters or None). Table 0 is the default.
+    rope_tables: list[tuple[float, dict | None]] = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        if not self.rope_tables:
+            self.rope_tables = [(self.rope_theta, None)]
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        if not self.layer_rope:
+            self.layer_rope = [0] * self.num_layers
+        if self.attn_scale is None:
+            self.attn_scale = self.head_dim ** -0.5
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer slides (Mistral): blocks behind it can be freed."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        cfg = cfg.get("text_config", cfg)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope = _rope_parameters(cfg)
+        base = dict(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", 10000.0),
+            max_position=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", arch.startswith("Gemma")),
+            attention_bias=cfg.get("attention_bias", False), architecture=arch)
+        scaled = rope if rope.get("rope_type", "default") != "default" else None
+        base["rope_tables"] = [(base["rope_theta"], scaled)]
+        n = base["num_layers"]
+        if arch == "Qwen2ForCausalLM":
+            base["attention_bias"] = True
+            if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+                first = cfg.get("max_window_layers", n)
+                base["layer_windows"] = [cfg["sliding_window"] if i >= first else None
+                                         for i in range(n)]
+        elif arch == "Qwen3ForCausalLM":
+            base["qk_norm"] = True
+        elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+            base["layer_windows"] = [cfg.get("sliding_window")] * n
+        elif arch.startswith("Gemma"):
+            base.update(_gemma(cfg, arch, base))
+        return cls(**base)
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
+        arch = meta["general.architecture"]
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        return cls(
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            hidden_size=hidden, intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_layers=int(meta[f"{arch}.block_count"]), num_heads=heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position=int(meta[f"{arch}.context_length"]),
+            tie_word_embeddings=not has_output, attention_bias=arch == "qwen2")
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """transformers 5 keeps rope settings in rope_parameters (theta included); older configs
+    have rope_theta and rope_scaling."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope
+
+
+def _gemma(cfg: dict, arch: str, base: dict) -> dict:
+    """Gemma2/Gemma3: sandwich norms, GELU, scaled embeddings, soft-capping (Gemma2),
+    alternating sliding/global layers (Gemma3: its own rope base for the sliding ones)."""
+    n = base["num_layers"]
+    out = dict(sandwich_norms=True, activation="gelu_tanh",
+               embed_scale=base["hidden_size"] ** 0.5,
+               attn_scale=cfg.get("query_pre_attn_scalar", base["head_dim"]) ** -0.5,
+               attn_softcap=cfg.get("attn_logit_softcapping"),
+               final_softcap=cfg.get("final_logit_softcapping"))
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:            # Gemma2: even layers slide; Gemma3: 5 sliding, then 1 global
+        period = cfg.get("sliding_window_pattern", 2 if arch.startswith("Gemma2") else 6)
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(n)]
+    out["layer_windows"] = [window if t == "sliding_attention" else None for t in types]
+    if arch.startswith("Gemma3"):
+        out["qk_norm"] = True
+        rope = cfg.get("rope_parameters") or {}
+        if "sliding_attention" in rope:          # transformers 5: one set per layer type
+            full, local = rope["full_attention"], rope["sliding_attention"]
+        else:
+            full = _rope_parameters(cfg)
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        out["rope_tables"] = [(full.get("rope_theta", 1e6), _scaled(full)),
+                              (local.get("rope_theta", 1e4), _scaled(local))]
+        out["layer_rope"] = [1 if t == "sliding_attention" else 0 for t in types]
+    return out
+
+
+def _scaled(rope: dict) -> dict | None:
+    return rope if rope.get("rope_type", "default") != "default" else None

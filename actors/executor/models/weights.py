@@ -1,0 +1,55 @@
+"""Hugging Face tensor names -> LlamaForCausalLM's state dict: q/k/v and gate/up fused (Phi3
+ships them fused already), norms renamed by role, Gemma's norm weights made plain (its
+RMSNorm multiplies by 1 + weight)."""
+from __future__ import annotations
+
+import torch
+
+from .config import LlamaConfig
+
+# Hugging Face layer norm name -> ours, per family. Llama's post_attention_layernorm is the
+# norm before the MLP; Gemma's normalizes the attention output (its pre-MLP norm is
+# pre_feedforward_layernorm).
+_NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_norm"}
+_SANDWICH_NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm",
+                   "pre_feedforward_layernorm": "post_norm",
+                   "post_feedforward_layernorm": "post_mlp_norm"}
+
+
+def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) -> this module's
+    state dict. Tensors pass through unchanged where no fusing is needed."""
+    norm = _gemma_norm if cfg.architecture.startswith("Gemma") else (lambda w: w)
+    out = {"embed.weight": weights["model.embed_tokens.weight"],
+           "norm.weight": norm(weights["model.norm.weight"])}
+    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings \
+        else weights["lm_head.weight"]
+    names = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        _attention(weights, src + "self_attn.", dst + "attn.", cfg, out)
+        if src + "mlp.gate_up_proj.weight" in weights:                     # Phi3: fused
+            out[dst + "mlp.gate_up.weight"] = weights[src + "mlp.gate_up_proj.weight"]
+        else:
+            out[dst + "mlp.gate_up.weight"] = torch.cat(
+                [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
+        out[dst + "mlp.down.weight"] = weights[src + "mlp.down_proj.weight"]
+        for theirs, ours in names.items():
+            out[f"{dst}{ours}.weight"] = norm(weights[f"{src}{theirs}.weight"])
+        if cfg.qk_norm:
+            for p in "qk":
+                out[f"{dst}attn.{p}_norm.weight"] = norm(weights[f"{src}self_attn.{p}_norm.weight"])
+    return out
+
+
+def _attention(weights, src: str, dst: str, cfg: LlamaConfig, out: dict) -> None:
+    for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+        if src + f"qkv_proj.{kind}" in weights:                            # Phi3: fused
+            out[dst + f"qkv.{kind}"] = weights[src + f"qkv_proj.{kind}"]
+        else:
+            out[dst + f"qkv.{kind}"] = torch.cat([weights[src + f"{p}_proj.{kind}"] for p in "qkv"])
+    out[dst + "o_proj.weight"] = weights[src + "o_proj.weight"]
+
+
+def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
+    return w.float() + 1.0
