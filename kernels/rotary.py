@@ -2,6 +2,8 @@
 torch reference and the Triton kernel."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._triton import (HAS_TRITON, check, check_float, check_same_device, next_pow2,
@@ -16,6 +18,75 @@ def rope_cos_sin(head_dim: int, max_position: int, theta: float,
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)                           # [P, D]
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  max_position: int | None = None,
+                  seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] float32, attention factor) for a rope scaling config in
+    Hugging Face's form ({"rope_type": "yarn", "factor": 4.0, ...}; None: plain rope), the
+    values transformers' ROPE_INIT_FUNCTIONS give. The attention factor multiplies cos and
+    sin (yarn's mscale; 1.0 otherwise). `dynamic` is NTK scaling as of `seq_len` tokens
+    (default max_position: at or below it, plain rope)."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if kind == "default":
+        return 1.0 / theta ** exponents, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return 1.0 / theta ** exponents / factor, 1.0
+    if kind == "dynamic":
+        length = max(seq_len or max_position, max_position)
+        base = theta * (factor * length / max_position - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / base ** exponents, 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(1.0 / theta ** exponents, factor, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, factor, scaling)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict) -> torch.Tensor:
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, theta: float, factor: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) \
+            if mscale and mscale_all else _yarn_mscale(factor)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
