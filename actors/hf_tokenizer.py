@@ -7,13 +7,12 @@ import os
 import shutil
 import tempfile
 
-from .model_info import ModelInfo
+from .model_info import ModelInfo, cache_root
 
 
 def cache_dir(*parts: str) -> str:
-    root = os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")
-    path = os.path.join(root, *parts)
+    """A directory under the cache root (model_info.cache_root), created if need be."""
+    path = os.path.join(cache_root(), *parts)
     os.makedirs(path, exist_ok=True)
     return path
 
