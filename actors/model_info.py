@@ -166,7 +166,9 @@ def _eos_ids(path: str, text_cfg: dict) -> list[int]:
 def hf_rope_scaling(cfg: dict, where: str = "config.json") -> dict | None:
     """The config's rope scaling in transformers 5's form (rope_type; None for plain rope),
     from `rope_parameters` or the older `rope_scaling` (where `type` may name the kind)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        params = cfg.get("rope_scaling") or params     # an older config's key
     if not params:
         return None
     params = {k: v for k, v in params.items() if k != "rope_theta"}
