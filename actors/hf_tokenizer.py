@@ -18,10 +18,8 @@ def cache_dir(*parts: str) -> str:
 
 
 def load_tokenizer(info: ModelInfo):
-    from transformers import AutoTokenizer
-
     if info.format == "hf":
-        return AutoTokenizer.from_pretrained(info.path)
+        return _from_directory(info.path)
     target = os.path.join(cache_dir("tokenizers"), info.digest)
     if not os.path.isdir(target):
         # Several actors start at once; the lock makes one convert while the others wait.
@@ -29,7 +27,28 @@ def load_tokenizer(info: ModelInfo):
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.isdir(target):
                 _convert_gguf_tokenizer(info.path, target)
-    return AutoTokenizer.from_pretrained(target)
+    return _from_directory(target)
+
+
+def _from_directory(path: str):
+    """A tokenizer saved as tokenizer.json with transformers' generic class is loaded by that
+    class directly: AutoTokenizer would resolve the model config first, importing torch
+    (~1.4 s of every tokenizer and detokenizer start, on cores the executor is loading on)."""
+    import json
+
+    config_path = os.path.join(path, "tokenizer_config.json")
+    generic = False
+    if os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        with open(config_path) as f:
+            generic = json.load(f).get("tokenizer_class") in _GENERIC_CLASSES
+    if generic:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _convert_gguf_tokenizer(path: str, target: str) -> None:
