@@ -77,6 +77,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         info = self.model_info or resolve_model(self.model)
         dtype = _resolve_dtype(self.dtype)
         max_len = self.max_model_len or info.max_model_len
+        if max_len > info.max_model_len:
+            raise ValueError(f"max_model_len={max_len} is longer than the model's context "
+                             f"({info.max_model_len} tokens, from its config)")
         if max_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_len}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

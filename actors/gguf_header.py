@@ -6,6 +6,7 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,13 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+
+# GGML tensor types pagewire reads: id -> (name, elements per block, bytes per block). The
+# first eight are dequantized with torch (executor/gguf_weights.py); the rest through gguf-py.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18),
+              3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+              14: ("Q6_K", 256, 210), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+              10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 13: ("Q5_K", 256, 176)}
 
 
 @dataclass
@@ -92,3 +100,20 @@ def read_gguf_header(path: str) -> GGUFHeader:
     start = (cur.pos + align - 1) // align * align
     tensors = {name: TensorInfo(name, shape, t, start + off) for name, shape, t, off in infos}
     return GGUFHeader(metadata, tensors)
+
+
+def check_tensors(path: str, header: GGUFHeader) -> None:
+    """Every tensor is of a type we read and lies whole inside the file; else a ValueError
+    naming the file and the tensor (a download cut short shows up here, not mid-load)."""
+    size = os.path.getsize(path)
+    for t in header.tensors.values():
+        if t.ggml_type not in GGML_TYPES:
+            raise ValueError(f"{path}: tensor {t.name} has GGML type {t.ggml_type}, which "
+                             f"pagewire cannot read (it reads "
+                             f"{', '.join(n for n, _, _ in GGML_TYPES.values())})")
+        _, block, type_size = GGML_TYPES[t.ggml_type]
+        count = int(np.prod(t.shape))
+        end = t.offset + count // block * type_size
+        if count % block or end > size:
+            raise ValueError(f"{path}: truncated or corrupt GGUF: tensor {t.name} needs bytes "
+                             f"{t.offset}..{end}, the file has {size}")

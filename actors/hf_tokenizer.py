@@ -7,22 +7,19 @@ import os
 import shutil
 import tempfile
 
-from .model_info import ModelInfo
+from .model_info import ModelInfo, cache_root
 
 
 def cache_dir(*parts: str) -> str:
-    root = os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")
-    path = os.path.join(root, *parts)
+    """A directory under the cache root (model_info.cache_root), created if need be."""
+    path = os.path.join(cache_root(), *parts)
     os.makedirs(path, exist_ok=True)
     return path
 
 
 def load_tokenizer(info: ModelInfo):
-    from transformers import AutoTokenizer
-
     if info.format == "hf":
-        return AutoTokenizer.from_pretrained(info.path)
+        return _from_directory(info.path)
     target = os.path.join(cache_dir("tokenizers"), info.digest)
     if not os.path.isdir(target):
         # Several actors start at once; the lock makes one convert while the others wait.
@@ -30,7 +27,28 @@ def load_tokenizer(info: ModelInfo):
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.isdir(target):
                 _convert_gguf_tokenizer(info.path, target)
-    return AutoTokenizer.from_pretrained(target)
+    return _from_directory(target)
+
+
+def _from_directory(path: str):
+    """A tokenizer saved as tokenizer.json with transformers' generic class is loaded by that
+    class directly: AutoTokenizer would resolve the model config first, importing torch
+    (~1.4 s of every tokenizer and detokenizer start, on cores the executor is loading on)."""
+    import json
+
+    config_path = os.path.join(path, "tokenizer_config.json")
+    generic = False
+    if os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        with open(config_path) as f:
+            generic = json.load(f).get("tokenizer_class") in _GENERIC_CLASSES
+    if generic:
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _convert_gguf_tokenizer(path: str, target: str) -> None:

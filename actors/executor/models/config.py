@@ -34,6 +34,8 @@ class LlamaConfig:
     layer_rope: list[int] = field(default_factory=list)
     # Rope tables: (theta, Hugging Face rope parameters or None). Table 0 is the default.
     rope_tables: list[tuple[float, dict | None]] = field(default_factory=list)
+    rope_table_len: int = 0                  # positions tabled: max_position x a linear,
+                                             # dynamic or yarn factor (the context grows too)
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
@@ -45,6 +47,10 @@ class LlamaConfig:
             self.layer_rope = [0] * self.num_layers
         if self.attn_scale is None:
             self.attn_scale = self.head_dim ** -0.5
+        if not self.rope_table_len:
+            factors = [s.get("factor", 1.0) for _, s in self.rope_tables if s
+                       and s.get("rope_type") in ("linear", "dynamic", "yarn")]
+            self.rope_table_len = int(self.max_position * max(factors, default=1.0))
 
     @property
     def sliding_window(self) -> int | None:
@@ -81,25 +87,42 @@ class LlamaConfig:
             base["qk_norm"] = True
         elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
             base["layer_windows"] = [cfg.get("sliding_window")] * n
+        elif arch == "GemmaForCausalLM":
+            base.update(activation="gelu_tanh", embed_scale=base["hidden_size"] ** 0.5)
         elif arch.startswith("Gemma"):
             base.update(_gemma(cfg, arch, base))
         return cls(**base)
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
+        """llama.cpp's metadata in Hugging Face's terms, then from_hf (the tensors come under
+        Hugging Face names too, see gguf_weights.py)."""
+        from pagewire.model_info import GGUF_ARCHITECTURES, gguf_rope_scaling
         arch = meta["general.architecture"]
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
-        return cls(
-            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
-            hidden_size=hidden, intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-            num_layers=int(meta[f"{arch}.block_count"]), num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position=int(meta[f"{arch}.context_length"]),
-            tie_word_embeddings=not has_output, attention_bias=arch == "qwen2")
+
+        def get(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+        cfg = {"architectures": [GGUF_ARCHITECTURES.get(arch, "LlamaForCausalLM")],
+               "vocab_size": int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+               "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
+               "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+               "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+               "head_dim": int(get("attention.key_length", hidden // heads)),
+               "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+               "rope_theta": float(get("rope.freq_base", 10000.0)),
+               "rope_scaling": gguf_rope_scaling(meta, arch),
+               "max_position_embeddings": int(get("context_length")),
+               "tie_word_embeddings": not has_output,
+               "sliding_window": get("attention.sliding_window"),
+               "attn_logit_softcapping": get("attn_logit_softcapping"),
+               "final_logit_softcapping": get("final_logit_softcapping")}
+        if arch == "llama":
+            cfg["sliding_window"] = None
+        if arch == "qwen2":
+            cfg["use_sliding_window"] = False
+        return cls.from_hf({k: v for k, v in cfg.items() if v is not None})
 
 
 def _rope_parameters(cfg: dict) -> dict:

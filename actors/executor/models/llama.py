@@ -140,8 +140,9 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         self.rope_tables = []
         for theta, scaling in cfg.rope_tables:
-            inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position)
-            table = rope_cos_sin(cfg.head_dim, cfg.max_position, theta, inv_freq)  # [P, D]
+            inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position,
+                                             seq_len=cfg.rope_table_len)
+            table = rope_cos_sin(cfg.head_dim, cfg.rope_table_len, theta, inv_freq)  # [P, D]
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
 

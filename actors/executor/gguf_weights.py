@@ -1,0 +1,186 @@
+"""A GGUF file's tensors under Hugging Face names, dequantized with torch.
+
+Dequantization follows ggml's block layouts (ggml-quants.c, the same as gguf-py's numpy
+reference `gguf.quants.dequantize`) and gives the same float32 values bit for bit, but runs
+as a few vectorized torch ops per tensor: the default model's 140M weights take ~0.3 s here
+instead of ~1.4 s in numpy. Other types fall back to gguf-py.
+
+Conventions of llama.cpp's converter (convert_hf_to_gguf.py) undone here, so the model code
+receives exactly what a Hugging Face checkpoint holds:
+- arch `llama` (Llama, Mistral, SmolLM, ...): Q and K rows are permuted so that each head's
+  rotary pairs interleave (ggml's "normal" rope); we permute them back to rotate-half order.
+  qwen2, qwen3 and gemma* use the NEOX (rotate-half) rope in ggml and are not permuted.
+- arch `gemma`, `gemma2`, `gemma3`: every `*norm.weight` is stored plus one (Gemma's RMSNorm
+  multiplies by 1 + weight; llama.cpp folds the 1 in). We subtract it again, as transformers'
+  GGUF loader does: Hugging Face names hold the raw weight.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagewire.gguf_header import GGML_TYPES, GGUFHeader, TensorInfo
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma 2 and 3 have four norms per layer: ffn_norm is the one before the MLP there.
+_GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
+               "gemma": _LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES,
+               "gemma3": _GEMMA2_LAYER_NAMES}
+ROPE_PERMUTED = {"llama"}
+_CHUNK_VALUES = 1 << 18     # values dequantized per slice (1 MiB of float32)
+NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors the
+    model does not use (rope_freqs, ...)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4:
+        kind = LAYER_NAMES[arch].get(parts[2])
+        return None if kind is None else f"model.layers.{parts[1]}.{kind}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_heads: int,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor the model uses, under Hugging Face names, in `dtype`. Each tensor is
+    dequantized (float32), fixed up and converted before the next is read, so the float32
+    copy of the whole model never exists at once."""
+    arch = header.metadata.get("general.architecture", "llama")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights = {}
+    for info in header.tensors.values():
+        name = hf_name(info.name, arch)
+        if name is None:
+            continue
+        plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
+        tensor = read_tensor(data, info, torch.float32 if plus_one else dtype)
+        if plus_one:
+            tensor = (tensor - 1.0).to(dtype)
+        if arch in ROPE_PERMUTED and ".self_attn.q_proj." in name:
+            tensor = unpermute_rope(tensor, num_heads)
+        elif arch in ROPE_PERMUTED and ".self_attn.k_proj." in name:
+            tensor = unpermute_rope(tensor, num_kv_heads)
+        weights[name] = tensor
+    return weights
+
+
+def read_tensor(data: np.ndarray, info: TensorInfo,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One tensor of the file `data` (a uint8 memmap), dequantized to float32 and stored in
+    `dtype`. Quantized tensors are dequantized a slice of blocks at a time into the output:
+    whole-tensor intermediates would each be a fresh allocation, and first-touch page faults
+    cost more than the arithmetic here (measured: 9 s vs 0.6 s for the default model)."""
+    if info.ggml_type not in _DEQUANT and info.ggml_type not in (0, 1, 30):
+        return _read_with_gguf(data, info).to(dtype)
+    _, block, type_size = GGML_TYPES[info.ggml_type]
+    count = int(np.prod(info.shape))
+    raw = np.array(data[info.offset: info.offset + count // block * type_size])
+    if info.ggml_type in (0, 1, 30):
+        view = {0: np.float32, 1: np.float16, 30: np.int16}[info.ggml_type]
+        tensor = torch.from_numpy(raw.view(view))
+        tensor = tensor.view(torch.bfloat16) if info.ggml_type == 30 else tensor
+        return tensor.reshape(info.shape).to(dtype)
+    blocks = torch.from_numpy(raw).reshape(-1, type_size)
+    out = torch.empty(blocks.shape[0], block, dtype=dtype)
+    step = max(1, _CHUNK_VALUES // block)
+    for start in range(0, blocks.shape[0], step):
+        out[start:start + step] = _DEQUANT[info.ggml_type](blocks[start:start + step])
+    return out.reshape(info.shape)
+
+
+def _read_with_gguf(data: np.ndarray, info: TensorInfo) -> torch.Tensor:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ValueError(f"tensor {info.name}: unknown GGML type {info.ggml_type}") from None
+    rows = int(np.prod(info.shape[:-1]))
+    row_bytes = info.shape[-1] // block * type_size
+    raw = data[info.offset: info.offset + rows * row_bytes].reshape(rows, row_bytes)
+    try:
+        values = dequantize(raw, qtype)
+    except NotImplementedError:
+        raise ValueError(f"tensor {info.name}: GGML type {qtype.name} cannot be dequantized "
+                         f"(supported: {', '.join(n for n, _, _ in GGML_TYPES.values())})") from None
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of every block, as float32 [n, 1]."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """[n, groups * width] bytes -> [n, groups * 2 * width] values: each group's low nibbles,
+    then its high nibbles (ggml's order)."""
+    qs = qs.reshape(qs.shape[0], groups, 1, width)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(qs.shape[0], -1)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * blocks[:, 2:].view(torch.int8).float()
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 2:], 1, 16).view(torch.int8) - 8
+    return _f16(blocks, 0) * q.float()
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _nibbles(blocks[:, 4:], 1, 16).float() + _f16(blocks, 2)
+
+
+def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 bytes of eight 6-bit scales and eight 6-bit mins -> two [n, 8] float32."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    sc, mn = _q4_k_scales(blocks[:, 4:16])
+    scale = (_f16(blocks, 0) * sc).reshape(n, 8, 1)
+    offset = (_f16(blocks, 2) * mn).reshape(n, 8, 1)
+    q = _nibbles(blocks[:, 16:], 4, 32).reshape(n, 8, 32).float()
+    return (scale * q - offset).reshape(n, 256)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scale = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
+    low = _nibbles(blocks[:, :128], 2, 64).reshape(n, 8, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = torch.cat([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16).float()
+    return (scale * q).reshape(n, 256)
+
+
+_DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+
+
+def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's two rotary halves; undo it so the weights
+    match Hugging Face's rotate-half layout."""
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2) \
+        .reshape(shape)

@@ -1,0 +1,160 @@
+"""Whole tiny models written as GGUF files the way llama.cpp's converter writes them
+(tests/gguf_writer.py), loaded by us: Llama end to end against transformers, and the Qwen and
+Gemma families' tensors under the Hugging Face names and values their checkpoints hold."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from pagewire import LLM, SamplingParams
+from pagewire.executor.gguf_weights import read_gguf_weights
+from pagewire.gguf_header import read_gguf_header
+from pagewire.model_info import default_model_path, resolve_model
+from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
+from tests.helpers import HFOracle, assert_greedy_equal
+
+
+@pytest.fixture(scope="module")
+def tokenizer_meta() -> dict:
+    meta = read_gguf_header(default_model_path()).metadata
+    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Converted tokenizers and weights of these throwaway models stay out of ~/.cache."""
+    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
+    from transformers import AutoModelForCausalLM
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    state = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+    return write_gguf(out, "llama", state, cfg, meta, qtype)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype):
+    """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
+    dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
+    a GGUF file, hence a shape where that holds."""
+    from transformers import AutoModelForCausalLM
+    path = _gguf_from_hf_dir(tiny_llama("gqa2-d128"), str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256)
+    oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                           dtype=torch.float32))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 19, 40)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 10)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{qtype} prompt {len(prompt)}")
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tiny_llama, tmp_path, tokenizer_meta,
+                                                        smol_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from pagewire.hf_tokenizer import load_tokenizer
+    path = _gguf_from_hf_dir(tiny_llama(), str(tmp_path / "t.gguf"), tokenizer_meta, "F32")
+    tok = load_tokenizer(resolve_model(path))
+    assert tok.chat_template == tokenizer_meta["tokenizer.chat_template"]
+    reference = AutoTokenizer.from_pretrained(smol_tokenizer_dir)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok.encode("Hello, world!") == reference.encode("Hello, world!")
+
+
+def test_weight_cache_is_used_and_survives_damage(tiny_llama, tmp_path, tokenizer_meta):
+    from pagewire.executor import weight_cache
+    from pagewire.executor.loader import load_model
+    info = resolve_model(_gguf_from_hf_dir(tiny_llama(), str(tmp_path / "c.gguf"),
+                                           tokenizer_meta, "Q8_0"))
+    first = load_model(info, "float32").state_dict()
+    cached = weight_cache.cache_path(info.digest, torch.float32)
+    assert os.path.isfile(cached)
+    again = load_model(info, "float32").state_dict()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    with open(cached, "r+b") as f:       # cut short: ignored, converted again, rewritten
+        f.truncate(os.path.getsize(cached) // 2)
+    damaged = load_model(info, "float32").state_dict()
+    assert all(torch.equal(first[k], damaged[k]) for k in first)
+    assert weight_cache.load(info.digest, torch.float32) is not None    # whole again
+
+
+def _tiny_hf(arch: str):
+    import transformers as tf
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512)
+    cls, cfg_cls, extra = {
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, {}),
+        # transformers reads no head_dim from a qwen3 GGUF file: its default, 128, it is
+        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, {"head_dim": 128}),
+        "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig, {}),
+        "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config, {}),
+        "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, {}),
+    }[arch]
+    torch.manual_seed(0)
+    model = cls(cfg_cls(**{**common, **extra})).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # norms away from 0 and 1, biases nonzero
+            p.normal_(0.3 if "norm" in name else 0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+def test_family_tensors_read_under_hf_names(tmp_path, tokenizer_meta, arch):
+    """Every tensor of the Hugging Face checkpoint comes back under its own name with its own
+    value: Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 2/3's four norms per
+    layer, not permuted (NEOX rope in ggml), Gemma norms minus llama.cpp's +1."""
+    model = _tiny_hf(arch)
+    cfg = model.config.to_dict()
+    state = {k: v for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    path = write_gguf(str(tmp_path / f"{arch}.gguf"), arch, state, cfg, tokenizer_meta)
+    header = read_gguf_header(path)
+    ours = read_gguf_weights(path, header, 4, 2)
+    assert sorted(ours) == sorted(state)
+    for name, w in state.items():
+        exact = not (arch.startswith("gemma") and name.endswith("norm.weight"))
+        torch.testing.assert_close(ours[name], w, rtol=0, atol=0 if exact else 1e-7, msg=name)
+    if arch != "gemma":      # transformers reads GGUF gemma2/3 and qwen2/3, not gemma
+        _assert_transformers_agrees(tmp_path, f"{arch}.gguf", state)
+
+
+def _assert_transformers_agrees(directory, file: str, state: dict) -> None:
+    """transformers' own GGUF loader reads the file as the same checkpoint: the file is
+    written by llama.cpp's conventions as transformers understands them too."""
+    from transformers import AutoModelForCausalLM
+    theirs = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=file,
+                                                  dtype=torch.float32).state_dict()
+    for name, w in state.items():
+        torch.testing.assert_close(theirs[name], w, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_family_gguf_greedy_matches_transformers(tmp_path, tokenizer_meta, arch):
+    """Ours on the GGUF file against transformers on the checkpoint it was written from.
+    (A gemma GGUF's tokenizer cannot be converted: transformers refuses the architecture.)"""
+    model = _tiny_hf(arch)
+    cfg = model.config.to_dict()
+    state = {k: v for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    path = write_gguf(str(tmp_path / f"{arch}.gguf"), arch, state, cfg, tokenizer_meta)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (3, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    oracle = HFOracle(model)
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{arch} {len(prompt)}")
