@@ -66,9 +66,11 @@ def _to_gguf_tensor(name: str, w: torch.Tensor, arch: str, cfg: dict) -> np.ndar
 
 
 def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
-               tokenizer_meta: dict, qtype: str = "F32") -> str:
+               tokenizer_meta: dict, qtype: str = "F32",
+               raw: dict[str, np.ndarray] | None = None) -> str:
     """Write `state` (Hugging Face names, a model config dict) as GGUF arch `arch`, with 2-D
-    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and 1-D ones as F32."""
+    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and 1-D ones as F32; `raw`
+    adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
     import gguf
     from gguf.quants import quantize
 
@@ -88,6 +90,8 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
             writer.add_tensor(gguf_name, a.astype(np.float16))
         else:
             writer.add_tensor(gguf_name, quantize(a, kind), raw_dtype=kind)
+    for gguf_name, a in (raw or {}).items():
+        writer.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

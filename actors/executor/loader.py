@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +24,7 @@ from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
 
 from . import weight_cache
-from .gguf_weights import read_gguf_weights
+from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
 from .parallel import TensorParallel, shard_state
 
@@ -57,6 +58,10 @@ def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):
     if info.format == "gguf":
         header = read_gguf_header(info.path)
         cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
+        freqs = header.tensors.get("rope_freqs.weight")
+        if freqs is not None:     # Llama 3's rope scaling as llama.cpp keeps it: a divisor per
+            data = np.memmap(info.path, dtype=np.uint8, mode="r")       # rope frequency
+            cfg.rope_freq_divisors = read_tensor(data, freqs).tolist()
         cached = weight_cache.load(info.digest, dtype)
         if cached is not None:
             return cfg, cached

@@ -158,3 +158,33 @@ def test_family_gguf_greedy_matches_transformers(tmp_path, tokenizer_meta, arch)
     for prompt, out in zip(prompts, outs):
         theirs, logits = oracle.greedy(prompt, 8)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{arch} {len(prompt)}")
+
+
+def test_llama3_rope_freqs_tensor_scales_the_rope(tmp_path, tokenizer_meta):
+    """llama.cpp keeps Llama 3's rope scaling as a rope_freqs tensor (a divisor per frequency),
+    not as metadata: ours on such a file equals transformers on the llama3-scaled checkpoint."""
+    import transformers as tf
+    from pagewire.kernels.rotary import rope_inv_freq
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512,
+                         rope_parameters={"rope_theta": 10000.0, **scaling})
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.08)
+    plain, _ = rope_inv_freq(64, 10000.0)
+    scaled, _ = rope_inv_freq(64, 10000.0, scaling)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"} \
+        if cfg.tie_word_embeddings else model.state_dict()
+    path = write_gguf(str(tmp_path / "llama3.gguf"), "llama", state, cfg.to_dict(),
+                      tokenizer_meta, raw={"rope_freqs.weight": (plain / scaled).numpy()})
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256)
+    prompt = list(range(3, 90))
+    (out,) = llm.generate([{"prompt_token_ids": prompt}],
+                          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    theirs, logits = HFOracle(model).greedy(prompt, 10)
+    assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, "llama3 rope_freqs")

@@ -34,6 +34,8 @@ class LlamaConfig:
     layer_rope: list[int] = field(default_factory=list)
     # Rope tables: (theta, Hugging Face rope parameters or None). Table 0 is the default.
     rope_tables: list[tuple[float, dict | None]] = field(default_factory=list)
+    rope_freq_divisors: list[float] | None = None   # GGUF Llama 3: the global table's
+                                                    # frequencies divided by these (rope_freqs)
     rope_table_len: int = 0                  # positions tabled: max_position x a linear,
                                              # dynamic or yarn factor (the context grows too)
     architecture: str = "LlamaForCausalLM"

@@ -139,9 +139,11 @@ class LlamaForCausalLM(nn.Module):
         built on the meta device. One (cos | sin) table per rope base, scaled as configured."""
         cfg = self.cfg
         self.rope_tables = []
-        for theta, scaling in cfg.rope_tables:
+        for i, (theta, scaling) in enumerate(cfg.rope_tables):
             inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position,
                                              seq_len=cfg.rope_table_len)
+            if i == 0 and cfg.rope_freq_divisors:
+                inv_freq = inv_freq / torch.tensor(cfg.rope_freq_divisors, dtype=torch.float32)
             table = rope_cos_sin(cfg.head_dim, cfg.rope_table_len, theta, inv_freq)  # [P, D]
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
