@@ -32,9 +32,16 @@ def _add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta", 10000.0)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)          # Gemma3: the global layers' rope
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
     writer.add_rope_freq_base(float(theta))
     writer.add_vocab_size(vocab_size)
+    if arch in ("gemma2", "gemma3") and cfg.get("sliding_window"):
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
 
 def _copy_tokenizer(writer, tokenizer_meta: dict) -> None:

@@ -89,7 +89,7 @@ def test_weight_cache_is_used_and_survives_damage(tiny_llama, tmp_path, tokenize
     assert weight_cache.load(info.digest, torch.float32) is not None    # whole again
 
 
-def _tiny_hf(arch: str):
+def _tiny_hf(arch: str, **overrides):
     import transformers as tf
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -103,7 +103,7 @@ def _tiny_hf(arch: str):
         "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, {}),
     }[arch]
     torch.manual_seed(0)
-    model = cls(cfg_cls(**{**common, **extra})).float()
+    model = cls(cfg_cls(**{**common, **extra, **overrides})).float()
     with torch.no_grad():
         for name, p in model.named_parameters():   # norms away from 0 and 1, biases nonzero
             p.normal_(0.3 if "norm" in name else 0, 0.1)
@@ -140,11 +140,16 @@ def _assert_transformers_agrees(directory, file: str, state: dict) -> None:
         torch.testing.assert_close(theirs[name], w, rtol=0, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+# llama.cpp keeps no query_pre_attn_scalar: it scales by head_dim ** -0.5 (27B aside).
+_GGUF_GEMMA = {"sliding_window": 8, "query_pre_attn_scalar": 16}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "gemma3"])
 def test_family_gguf_greedy_matches_transformers(tmp_path, tokenizer_meta, arch):
-    """Ours on the GGUF file against transformers on the checkpoint it was written from.
-    (A gemma GGUF's tokenizer cannot be converted: transformers refuses the architecture.)"""
-    model = _tiny_hf(arch)
+    """Ours on the GGUF file against transformers on the checkpoint it was written from:
+    Gemma's sliding window (8, below the prompt) and soft-capping come from the metadata.
+    (A gemma 1 GGUF's tokenizer cannot be converted: transformers refuses the architecture.)"""
+    model = _tiny_hf(arch, **(_GGUF_GEMMA if arch.startswith("gemma") else {}))
     cfg = model.config.to_dict()
     state = {k: v for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
