@@ -158,11 +158,7 @@ def run(env) -> None:
     scheduler = env.push("scheduler")
     handlers = {DetokStart: detok.start, TokenDeltas: detok.on_deltas}
     env.ready()
-    while True:
-        msg = inbox.recv(timeout_ms=1000)
-        env.heartbeat()
-        if msg is None:
-            continue
+    for msg in env.messages(inbox):
         texts, aborts = handlers[type(msg)](msg)
         if texts:
             gateway.send(TextDeltas(texts))

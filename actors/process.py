@@ -75,6 +75,14 @@ class ActorEnv:
         return PullChannel(self.ctx, self.address(inbox), inbox_type, tracer=self.tracer,
                            name=inbox)
 
+    def messages(self, inbox: PullChannel):
+        """Each message of inbox as it comes, heartbeating at least once a second meanwhile."""
+        while True:
+            msg = inbox.recv(timeout_ms=1000)
+            self.heartbeat()
+            if msg is not None:
+                yield msg
+
     def ready(self) -> None:
         self.supervisor.send(Ready(self.name, os.getpid()))
 

@@ -157,9 +157,5 @@ def run(env) -> None:
                 TokenizeOnly: lambda msg: gateway.send(tokenizer.tokenize_only(msg)),
                 DetokenizeOnly: lambda msg: gateway.send(tokenizer.detokenize_only(msg))}
     env.ready()
-    while True:
-        msg = inbox.recv(timeout_ms=1000)
-        env.heartbeat()
-        if msg is None:
-            continue
+    for msg in env.messages(inbox):
         handlers[type(msg)](msg)

@@ -75,49 +75,49 @@ class PushChannel:
         self.sock.close()
 
 
-class PullChannel:
-    """An actor's inbox. recv() returns one decoded message, or None on timeout. With a
-    tracer, each frame received is also recorded under `name`."""
+class _Inbox:
+    """What both inbox flavours share: a bound (or connected) PULL socket, the typed decoder
+    and the trace copy of each frame received."""
 
-    def __init__(self, ctx: zmq.Context, address: str, inbox_type: Any, *, bind: bool = True,
-                 tracer: TraceWriter | None = None, name: str = ""):
-        self.sock = ctx.socket(zmq.PULL)
+    def __init__(self, sock: zmq.Socket, address: str, inbox_type: Any, bind: bool,
+                 tracer: TraceWriter | None, name: str):
+        self.sock = sock
         _configure(self.sock)
         self.sock.bind(address) if bind else self.sock.connect(address)
         self.decoder = make_decoder(inbox_type)
         self.tracer, self.name = tracer, name
 
+    def _decode(self, frame) -> Any:
+        msg = self.decoder.decode(frame)
+        if self.tracer is not None:
+            self.tracer.record_message("in", self.name, msg, frame)
+        return msg
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PullChannel(_Inbox):
+    """An actor's inbox. recv() returns one decoded message, or None on timeout. With a
+    tracer, each frame received is also recorded under `name`."""
+
+    def __init__(self, ctx: zmq.Context, address: str, inbox_type: Any, *, bind: bool = True,
+                 tracer: TraceWriter | None = None, name: str = ""):
+        super().__init__(ctx.socket(zmq.PULL), address, inbox_type, bind, tracer, name)
+
     def recv(self, timeout_ms: int | None = None) -> Any:
         """Block up to timeout_ms (None: forever; 0: poll) for the next message."""
         if timeout_ms is not None and not self.sock.poll(timeout_ms):
             return None
-        frame = self.sock.recv(copy=False).buffer
-        msg = self.decoder.decode(frame)
-        if self.tracer is not None:
-            self.tracer.record_message("in", self.name, msg, frame)
-        return msg
-
-    def close(self) -> None:
-        self.sock.close()
+        return self._decode(self.sock.recv(copy=False).buffer)
 
 
-class AsyncPullChannel:
+class AsyncPullChannel(_Inbox):
     """The asyncio flavour of PullChannel, for the gateway's event loop."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, inbox_type: Any, *,
                  tracer: TraceWriter | None = None, name: str = ""):
-        self.sock = ctx.socket(zmq.PULL)
-        _configure(self.sock)
-        self.sock.bind(address)
-        self.decoder = make_decoder(inbox_type)
-        self.tracer, self.name = tracer, name
+        super().__init__(ctx.socket(zmq.PULL), address, inbox_type, True, tracer, name)
 
     async def recv(self) -> Any:
-        frame = (await self.sock.recv(copy=False)).buffer
-        msg = self.decoder.decode(frame)
-        if self.tracer is not None:
-            self.tracer.record_message("in", self.name, msg, frame)
-        return msg
-
-    def close(self) -> None:
-        self.sock.close()
+        return self._decode((await self.sock.recv(copy=False)).buffer)
