@@ -53,16 +53,17 @@ PLAIN = Variant()
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float, write=write_kv,
-                    decode=None, variant: Variant = PLAIN) -> torch.Tensor:
+                    decode=None, variant: Variant = PLAIN,
+                    native_variants: bool = False) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
     returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
     and `decode` may be replaced by faster implementations with the same contracts (`decode`
-    only for plain attention)."""
+    handles the variant itself only where `native_variants` says so)."""
     write(kv_cache, k, v, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd:
-        if variant != PLAIN or decode is None:
+        if decode is None or (variant != PLAIN and not native_variants):
             decode = functools.partial(decode_attention, variant=variant)
         out[:nd] = decode(q[:nd], kv_cache, batch.decode_block_tables,
                           batch.decode_context_lens, scale)

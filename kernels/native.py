@@ -26,8 +26,8 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32],
-    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32],
+    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
+    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
     "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
     "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
@@ -104,10 +104,12 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (heads contiguous); k_cache, v_cache: [num_blocks, bs, Hkv, D]
     contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
-    Returns [B, Hq, D] in q's dtype."""
+    `window`: attend only the last `window` tokens; `softcap`: capped scores (see
+    attention.Variant). Returns [B, Hq, D] in q's dtype."""
     lib = load()
     _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_heads, head_dim = q.shape
@@ -124,7 +126,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fn = lib.pw_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.pw_decode_attention_f32
     fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
        block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
-       head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale)
+       head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
+       window or 0, softcap or 0.0)
     return out
 
 

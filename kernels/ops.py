@@ -41,8 +41,8 @@ class TorchOps:
         return activation.gelu_tanh_and_mul(gate_up)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
-        """`variant`: a sliding window and/or soft-capping (attention.Variant). Only the torch
-        kernels implement them; the other sets fall back to these for such layers."""
+        """`variant`: a sliding window and/or soft-capping (attention.Variant): the torch
+        kernels and the native CPU decode implement them; Triton falls back to these."""
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, variant=variant)
 
 
@@ -76,7 +76,8 @@ class CpuOps(TorchOps):
             q, k, v, kv_cache, batch, scale,
             write=lambda cache, k_, v_, slots: native.write_kv(cache[0], cache[1], k_, v_, slots),
             decode=lambda q_, cache, tables, lens, s: native.decode_attention(
-                q_, cache[0], cache[1], tables, lens, s), variant=variant)
+                q_, cache[0], cache[1], tables, lens, s, variant.window, variant.softcap),
+            variant=variant, native_variants=True)
 
 
 def select_ops(device: torch.device, name: str = "auto") -> TorchOps:

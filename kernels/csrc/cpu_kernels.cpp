@@ -148,10 +148,12 @@ inline void accumulate_pv(float* acc, const float* scores, const T* v, float* ro
   }
 }
 
+// window > 0: only the last `window` positions are attended (sliding-window layers);
+// softcap > 0: each score becomes softcap * tanh(score / softcap) (Gemma2).
 template <typename T, int64_t kD>
 void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
                 int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
-                int64_t bs, float scale) {
+                int64_t bs, float scale, int64_t window, float softcap) {
   const int64_t D = kD ? kD : D_;   // a compile-time head dim unrolls the inner loops
   const int64_t H = (h1 - h0) * G;          // query heads handled here
   std::vector<float> qf(H * D), acc(H * D, 0.f), row((h1 - h0) * D), scores(H * bs);
@@ -160,7 +162,8 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
   load_row(qh0, qf.data(), H * D);
   const int64_t row_stride = Hkv * D;
   const int64_t row_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t start = 0; start < context; start += bs) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
+  for (int64_t start = first / bs * bs; start < context; start += bs) {
     const int64_t n = std::min(bs, context - start);
     const int64_t base = table[start / bs] * bs * row_stride + h0 * D;
     // Blocks are scattered, so the hardware cannot guess the next one: prefetch the rows of
@@ -182,6 +185,12 @@ void decode_seq(T* out, const T* q, const T* k_cache, const T* v_cache, const in
         scores[h * bs + t] = scale * qk_dot<T, kD>(qh0 + h * D, qf.data() + h * D,
                                                    krow + (h / G) * D, row.data() + (h / G) * D, D);
     }
+    if (softcap > 0.f)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t)
+          scores[h * bs + t] = softcap * std::tanh(scores[h * bs + t] / softcap);
+    for (int64_t t = 0; start + t < first; ++t)      // before the window: never attended
+      for (int64_t h = 0; h < H; ++h) scores[h * bs + t] = -INFINITY;
     for (int64_t h = 0; h < H; ++h) {
       float* sh = scores.data() + h * bs;
       const float new_m = std::max(m[h], *std::max_element(sh, sh + n));
@@ -208,7 +217,8 @@ template <typename T>
 void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
                       const int64_t* block_tables, const int64_t* context_lens, int64_t B,
                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
-                      int64_t q_stride, int64_t out_stride, float scale) {
+                      int64_t q_stride, int64_t out_stride, float scale, int64_t window,
+                      float softcap) {
   const int64_t G = Hq / Hkv;
   // Whole sequences per work item when there are enough of them (each token row is then read
   // once); split a small batch by kv head so every thread has work.
@@ -219,7 +229,8 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache,
       const int64_t h0 = part * Hkv / splits, h1 = (part + 1) * Hkv / splits;
       auto fn = D == 64 ? decode_seq<T, 64> : D == 128 ? decode_seq<T, 128> : decode_seq<T, 0>;
       fn(out + b * out_stride, q + b * q_stride, k_cache, v_cache,
-         block_tables + b * table_stride, context_lens[b], h0, h1, Hkv, G, D, bs, scale);
+         block_tables + b * table_stride, context_lens[b], h0, h1, Hkv, G, D, bs, scale,
+         window, softcap);
     }
   });
 }
@@ -329,23 +340,24 @@ void pw_silu_and_mul_bf16(bf16* out, const bf16* gate_up, int64_t tokens, int64_
 }
 
 // out, q: [B, Hq, D] (token stride q_stride / out_stride, heads contiguous);
-// block_tables: [B, table_stride] int64; context_lens: [B] int64 (tokens to attend, >= 1).
+// block_tables: [B, table_stride] int64; context_lens: [B] int64 (tokens to attend, >= 1);
+// window > 0: a sliding window; softcap > 0: capped scores.
 void pw_decode_attention_f32(float* out, const float* q, const float* k_cache,
                              const float* v_cache, const int64_t* block_tables,
                              const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
                              int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
-                             int64_t out_stride, float scale) {
+                             int64_t out_stride, float scale, int64_t window, float softcap) {
   decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
-                   table_stride, q_stride, out_stride, scale);
+                   table_stride, q_stride, out_stride, scale, window, softcap);
 }
 
 void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
                               const bf16* v_cache, const int64_t* block_tables,
                               const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
                               int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
-                              int64_t out_stride, float scale) {
+                              int64_t out_stride, float scale, int64_t window, float softcap) {
   decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
-                   table_stride, q_stride, out_stride, scale);
+                   table_stride, q_stride, out_stride, scale, window, softcap);
 }
 
 // Copy each token's keys and values (row_bytes each, rows `k_stride` / `v_stride` bytes apart)

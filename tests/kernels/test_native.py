@@ -62,10 +62,13 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_handles_every_context_length(dtype):
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (16, None), (20, 3.0),
+                                             (None, 1.5)])
+def test_decode_attention_handles_every_context_length(dtype, window, softcap):
     """Context lengths 1 .. 3 blocks + 1, against the torch path, small and large batches
-    (a small batch is split by kv head)."""
-    from pagewire.kernels.attention import decode_attention
+    (a small batch is split by kv head); sliding windows (shorter than, equal to and across
+    a block) and soft-capping."""
+    from pagewire.kernels.attention import Variant, decode_attention
     g = torch.Generator().manual_seed(3)
     bs, hkv, hq, d = 16, 2, 6, 64
     lens = list(range(1, 3 * bs + 2))
@@ -76,8 +79,9 @@ def test_decode_attention_handles_every_context_length(dtype):
     ctx = torch.tensor(lens)
     for rows in (slice(0, 2), slice(None)):
         out = native.decode_attention(q[rows], cache[0], cache[1], tables[rows].contiguous(),
-                                      ctx[rows].contiguous(), 0.125)
-        ref = decode_attention(q[rows].float(), cache.float(), tables[rows], ctx[rows], 0.125)
+                                      ctx[rows].contiguous(), 0.125, window, softcap)
+        ref = decode_attention(q[rows].float(), cache.float(), tables[rows], ctx[rows], 0.125,
+                               Variant(window, softcap))
         torch.testing.assert_close(out.float(), ref, **tol(dtype))
 
 
