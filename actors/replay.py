@@ -172,30 +172,35 @@ DRIVERS = {"scheduler": SchedulerReplay, "detokenizer": DetokenizerReplay,
            "tokenizer": TokenizerReplay}
 
 
-def recorded(directory: str, actor: str) -> tuple[TraceHeader, list]:
-    """The actor's records across its segments; when it ran more than once (a restart), its
-    last run. Raises CannotReplay when the run's start is missing (segments rotated away, or
-    recording switched off for a while)."""
-    runs: dict[int, list[tuple[TraceHeader, str]]] = defaultdict(list)
+def recorded(directory: str, actor: str) -> list[tuple[TraceHeader, list]]:
+    """Each instance of the actor kind (tokenizer 0, tokenizer 1, ...) with its records across
+    its segments; an instance that ran more than once (a restart) by its last run. Raises
+    CannotReplay when a run's start is missing (segments rotated away, or recording switched
+    off for a while)."""
+    runs: dict[str, dict[int, list[tuple[TraceHeader, str]]]] = defaultdict(lambda: defaultdict(list))
     for path in trace_files(directory):
         header, _ = read_trace(path)
         if header.actor.split()[0] == actor:
-            runs[header.pid].append((header, path))
+            runs[header.actor][header.pid].append((header, path))
     if not runs:
         raise CannotReplay(f"no trace of a {actor} in {directory}")
+    return [_last_run(runs[name]) for name in sorted(runs)]
+
+
+def _last_run(runs: dict[int, list[tuple[TraceHeader, str]]]) -> tuple[TraceHeader, list]:
     last = max(runs.values(), key=lambda files: files[0][0].started)
     last.sort(key=lambda hp: hp[0].segment)
-    if last[0][0].segment != 0:
-        raise CannotReplay(f"the {actor}'s first {last[0][0].segment} trace segments were "
+    first, name = last[0][0], last[0][0].actor
+    if first.segment != 0:
+        raise CannotReplay(f"the {name}'s first {first.segment} trace segments were "
                            "rotated away (--trace-max-segments): a replay needs its start")
     if any(h.gap for h, _ in last):
-        raise CannotReplay(f"recording was switched off during the {actor}'s run, so its trace "
+        raise CannotReplay(f"recording was switched off during the {name}'s run, so its trace "
                            "has gaps: a replay needs every message since it started")
-    if last[0][0].redacted:
+    if first.redacted:
         raise CannotReplay("this trace was recorded with --trace-redact: its content cannot "
                            "be replayed")
-    records = [r for _, path in last for r in read_trace(path)[1]]
-    return last[0][0], records
+    return first, [r for _, path in last for r in read_trace(path)[1]]
 
 
 def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, list[str]]:
@@ -215,10 +220,23 @@ def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, l
 
 
 def replay(directory: str, actor: str, overrides: dict | None = None) -> int:
-    """Returns the exit code: 0 no divergence, 1 a divergence, 2 cannot replay."""
+    """Replays every recorded instance of the actor kind, in name order, stopping at the first
+    divergence. Returns the exit code: 0 no divergence, 1 a divergence, 2 cannot replay."""
     try:
-        header, records = recorded(directory, actor)
-        config, changed = replay_config(header, overrides or {})
+        runs = recorded(directory, actor)
+    except CannotReplay as e:
+        print(f"cannot replay: {e}")
+        return 2
+    for header, records in runs:
+        code = _replay_run(actor, header, records, overrides or {})
+        if code:
+            return code
+    return 0
+
+
+def _replay_run(actor: str, header: TraceHeader, records: list, overrides: dict) -> int:
+    try:
+        config, changed = replay_config(header, overrides)
     except CannotReplay as e:
         print(f"cannot replay: {e}")
         return 2
@@ -232,7 +250,7 @@ def replay(directory: str, actor: str, overrides: dict | None = None) -> int:
             driver.feed(r.direction, r.channel, decode(r.channel, r.frame))
         driver.finish()
     except Divergence as e:
-        print(e)
+        print(f"{header.actor} (pid {header.pid}): {e}")
         return 1
     except CannotReplay as e:
         print(f"cannot replay: {e}")
