@@ -11,7 +11,6 @@ attention_triton.py and re-exported here, at the bottom.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,29 +46,30 @@ class Variant:
     window: int | None = None
     softcap: float | None = None
 
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
 
 PLAIN = Variant()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float, write=write_kv,
-                    decode=None, variant: Variant = PLAIN,
-                    native_variants: bool = False) -> torch.Tensor:
+                    decode=None, variant: Variant = PLAIN) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
     returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
-    and `decode` may be replaced by faster implementations with the same contracts (`decode`
-    handles the variant itself only where `native_variants` says so)."""
+    and `decode` may be replaced by faster implementations with the same contracts
+    (decode_attention's, variant included)."""
     write(kv_cache, k, v, batch.slot_mapping)
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd:
-        if decode is None or (variant != PLAIN and not native_variants):
-            decode = functools.partial(decode_attention, variant=variant)
-        out[:nd] = decode(q[:nd], kv_cache, batch.decode_block_tables,
-                          batch.decode_context_lens, scale)
+        out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
+                                                batch.decode_context_lens, scale, variant)
     fresh: dict[int, list[PrefillSpan]] = {}
     for span in batch.prefills:
-        if span.context_len == span.num_tokens and variant == PLAIN:
+        if span.context_len == span.num_tokens and variant.plain:
             fresh.setdefault(span.num_tokens, []).append(span)
             continue
         end = span.start + span.num_tokens
@@ -123,7 +123,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     """Causal attention of one sequence's new tokens. q: [n, Hq, D]; k, v: [n, Hkv, D] (the
     same tokens, already in the cache). Earlier context, if any, is read from the cache."""
     n = span.num_tokens
-    if span.context_len == n and variant == PLAIN:   # nothing cached: the fresh k, v directly
+    if span.context_len == n and variant.plain:   # nothing cached: the fresh k, v directly
         mask, causal = None, True
     else:
         if span.context_len != n:

@@ -22,6 +22,33 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     @triton.jit
+    def _attend_tile(q, cache_ptr, table, pos, end, q_pos, kvh, dims, d_mask, m_i, l_i, acc,
+                     qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
+                     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
+        """One online-softmax step of the query rows q [R, D] over the cached keys and values
+        at positions `pos` (those < end; with CAUSAL, only those <= each row's q_pos).
+        Returns the updated running max m_i [R], sum-exp l_i [R] and output acc [R, D]."""
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale          # [R, N]
+        if CAUSAL:
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        else:
+            visible = valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + stride_c + slot[:, None] + dims[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(
             q_ptr, cache_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
             qk_scale, num_heads, group, head_dim, split_len, num_splits, head_tiles,
@@ -50,22 +77,10 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             table = tables_ptr + b * stride_tb
             for n0 in range(start, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                valid = pos < end
-                block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
-                slot = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)
-                kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale   # [H, N]
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(cache_ptr + stride_c + slot[:, None] + dims[None, :], mask=kv_mask,
-                            other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, cache_ptr, table, n0 + tl.arange(0, BLOCK_N), end, end, kvh, dims,
+                    d_mask, m_i, l_i, acc, qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
+                    BLOCK_SIZE, False)
             # mid buffers: [B, Hq, num_splits, (D)] contiguous
             row = (b * num_heads + heads) * num_splits + split
             tl.store(mid_o_ptr + row[:, None] * head_dim + dims[None, :],
@@ -129,23 +144,10 @@ if HAS_TRITON:
             end = tl.minimum(ctx, ctx - n + m0 + BLOCK_M)     # one past the tile's last query
             table = tables_ptr + span * stride_tb
             for n0 in range(0, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                valid = pos < end
-                block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
-                slot = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)
-                kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale   # [M, N]
-                visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(cache_ptr + stride_c + slot[:, None] + dims[None, :], mask=kv_mask,
-                            other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(
+                    q, cache_ptr, table, n0 + tl.arange(0, BLOCK_N), end, q_pos, kvh, dims,
+                    d_mask, m_i, l_i, acc, qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
+                    BLOCK_SIZE, True)
             tl.store(out_ptr + tokens[:, None] * stride_ot + h * stride_oh + dims[None, :],
                      acc / l_i[:, None], mask=r_mask[:, None] & d_mask[None, :])
 

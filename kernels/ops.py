@@ -71,13 +71,19 @@ class CpuOps(TorchOps):
         return native.silu_and_mul(gate_up)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
+        return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self._write_kv,
+                                         decode=self._decode, variant=variant)
+
+    @staticmethod
+    def _write_kv(cache, k, v, slots):
         from . import native
-        return attention.paged_attention(
-            q, k, v, kv_cache, batch, scale,
-            write=lambda cache, k_, v_, slots: native.write_kv(cache[0], cache[1], k_, v_, slots),
-            decode=lambda q_, cache, tables, lens, s: native.decode_attention(
-                q_, cache[0], cache[1], tables, lens, s, variant.window, variant.softcap),
-            variant=variant, native_variants=True)
+        native.write_kv(cache[0], cache[1], k, v, slots)
+
+    @staticmethod
+    def _decode(q, cache, tables, lens, scale, variant):
+        from . import native
+        return native.decode_attention(q, cache[0], cache[1], tables, lens, scale,
+                                       variant.window, variant.softcap)
 
 
 def select_ops(device: torch.device, name: str = "auto") -> TorchOps:

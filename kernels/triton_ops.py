@@ -31,6 +31,6 @@ class TritonOps(TorchOps):
         return triton_silu_and_mul(gate_up)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
-        if variant != PLAIN:         # sliding windows and soft-capping: torch kernels for now
+        if not variant.plain:        # sliding windows and soft-capping: torch kernels for now
             return TorchOps.attention(self, q, k, v, kv_cache, batch, scale, variant)
         return triton_paged_attention(q, k, v, kv_cache, batch, scale)
