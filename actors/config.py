@@ -137,6 +137,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         values = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in skip}
         return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 
+    def public(self) -> "EngineConfig":
+        """This configuration as it may leave the process (into a trace header, to an attached
+        executor): no API keys, no trace directory."""
+        return msgspec.structs.replace(self, api_keys=[], trace_dir=None)
+
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 

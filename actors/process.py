@@ -19,7 +19,6 @@ import time
 import traceback
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from pagewire.wire.channels import PullChannel, PushChannel, ipc_address
@@ -101,11 +100,10 @@ def open_tracer(config: EngineConfig, actor: str) -> TraceWriter | None:
     """This actor's trace writer when the engine records (--trace DIR)."""
     if not config.trace_dir:
         return None
-    public = msgspec.structs.replace(config, api_keys=[])
     header = TraceHeader(version=FORMAT_VERSION, actor=actor, pid=os.getpid(), segment=0,
                          config_digest=config.digest(),
                          model_id=f"{config.model_info.name}@{config.model_info.digest}",
-                         config_json=public.to_json().decode(), started=time.time(),
+                         config_json=config.public().to_json().decode(), started=time.time(),
                          redacted=config.trace_redact)
     return TraceWriter(config.trace_dir, header, config.trace_segment_bytes,
                        config.trace_max_segments)

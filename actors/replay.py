@@ -10,87 +10,23 @@ The configuration is the recorded one; a model whose weights changed since is re
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import deque
 
 import msgspec
 
+from pagewire.wire.replay import (CannotReplay, Divergence, Replay, decode, differing_ids,
+                                  recorded)
 from pagewire.wire.to_detokenizer import DetokStart, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import TextDeltas
 from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
 from pagewire.wire.to_tokenizer import DetokenizeOnly, TokenizeOnly, TokenizeRequest
-from pagewire.wire.trace import TraceHeader, read_trace, trace_files
+from pagewire.wire.trace import TraceHeader
 
 from .config import EngineConfig
 from .model_info import resolve_model
-from .trace_tools import decode, request_ids
 
-
-class Divergence(Exception):
-    def __init__(self, index: int, where: str, recorded, replayed):
-        self.req_ids = differing_ids(recorded, replayed)
-        lines = [f"divergence at record {index} ({where}), requests {self.req_ids[:8]}"]
-        a, b = _parts(recorded) or {}, _parts(replayed) or {}
-        for rid in self.req_ids[:3] if a or b else []:
-            lines += [f"  {rid} recorded: {a.get(rid)!r}", f"  {rid} replayed: {b.get(rid)!r}"]
-        lines += [f"  recorded message: {recorded!r}", f"  replayed message: {replayed!r}"]
-        super().__init__("\n".join(lines))
-
-
-class CannotReplay(Exception):
-    """The trace does not hold what a replay needs (exit 2, not a divergence)."""
-
-
-def _parts(msg) -> dict | None:
-    """A message's per-request parts, for messages that have them."""
-    if isinstance(msg, StepResult):
-        columns = [c for c in (msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs) if c]
-        return {rid: tuple(c[i] for c in columns) for i, rid in enumerate(msg.req_ids)}
-    if isinstance(msg, (TokenDeltas, TextDeltas)):
-        return {d.req_id: d for d in msg.deltas}
-    if isinstance(msg, StepPlan):
-        return {s.req_id: s for s in msg.new} | {r.req_id: r for r in msg.running}
-    return None
-
-
-def differing_ids(recorded, replayed) -> list[str]:
-    """The requests whose parts of two messages differ; every request they name when the
-    messages have no per-request parts or are of different kinds."""
-    a, b = _parts(recorded), _parts(replayed)
-    if a is not None and b is not None:
-        return sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))
-    return sorted(set(request_ids(recorded) if recorded is not None else [])
-                  | set(request_ids(replayed) if replayed is not None else []))
-
-
-class Replay:
-    """Feeds records in order; compares what the actor sends with the recording, per
-    destination, in order."""
-
-    def __init__(self):
-        self.sent: dict[str, deque] = defaultdict(deque)    # destination -> our messages
-        self.index = 0
-
-    def send(self, channel: str, msg) -> None:
-        self.sent[channel.split("-")[0]].append(msg)
-
-    def feed(self, direction: str, channel: str, msg) -> None:
-        if direction == "in":
-            self.receive(msg)
-        else:
-            self.expect(channel, msg)
-
-    def expect(self, channel: str, recorded) -> None:
-        queue = self.sent[channel.split("-")[0]]
-        replayed = queue.popleft() if queue else None
-        if replayed != recorded:
-            raise Divergence(self.index, f"sent to {channel}", recorded, replayed)
-
-    def finish(self) -> None:
-        for channel, queue in self.sent.items():
-            if queue:
-                raise Divergence(self.index, f"sent to {channel}, not in the recording",
-                                 None, queue[0])
+__all__ = ["replay", "differing_ids", "CannotReplay"]
 
 
 class SchedulerReplay(Replay):
@@ -170,37 +106,6 @@ class TokenizerReplay(Replay):
 
 DRIVERS = {"scheduler": SchedulerReplay, "detokenizer": DetokenizerReplay,
            "tokenizer": TokenizerReplay}
-
-
-def recorded(directory: str, actor: str) -> list[tuple[TraceHeader, list]]:
-    """Each instance of the actor kind (tokenizer 0, tokenizer 1, ...) with its records across
-    its segments; an instance that ran more than once (a restart) by its last run. Raises
-    CannotReplay when a run's start is missing (segments rotated away, or recording switched
-    off for a while)."""
-    runs: dict[str, dict[int, list[tuple[TraceHeader, str]]]] = defaultdict(lambda: defaultdict(list))
-    for path in trace_files(directory):
-        header, _ = read_trace(path)
-        if header.actor.split()[0] == actor:
-            runs[header.actor][header.pid].append((header, path))
-    if not runs:
-        raise CannotReplay(f"no trace of a {actor} in {directory}")
-    return [_last_run(runs[name]) for name in sorted(runs)]
-
-
-def _last_run(runs: dict[int, list[tuple[TraceHeader, str]]]) -> tuple[TraceHeader, list]:
-    last = max(runs.values(), key=lambda files: files[0][0].started)
-    last.sort(key=lambda hp: hp[0].segment)
-    first, name = last[0][0], last[0][0].actor
-    if first.segment != 0:
-        raise CannotReplay(f"the {name}'s first {first.segment} trace segments were "
-                           "rotated away (--trace-max-segments): a replay needs its start")
-    if any(h.gap for h, _ in last):
-        raise CannotReplay(f"recording was switched off during the {name}'s run, so its trace "
-                           "has gaps: a replay needs every message since it started")
-    if first.redacted:
-        raise CannotReplay("this trace was recorded with --trace-redact: its content cannot "
-                           "be replayed")
-    return first, [r for _, path in last for r in read_trace(path)[1]]
 
 
 def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, list[str]]:

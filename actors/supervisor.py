@@ -135,8 +135,8 @@ class Supervisor:
     def _await_ready(self) -> None:
         """Wait until every actor started so far has said Ready."""
         deadline = time.monotonic() + START_TIMEOUT
-        if self.config.executors == "external":     # rank 0 waits for attached ranks
-            deadline += self.config.attach_timeout
+        if self.config.executors == "external" and "executor 0" not in self.ready:
+            deadline += self.config.attach_timeout   # rank 0 waits for the attached ranks
             notify(f"STATUS=waiting for executor ranks 1..{self.config.tensor_parallel_size - 1}"
                    f" to attach at {self.config.listen}")
         while len(self.ready) < len(self.children):

@@ -12,18 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pagewire.wire.to_detokenizer import DetokenizerInbox
-from pagewire.wire.to_executor import ExecutorInbox
-from pagewire.wire.to_gateway import GatewayInbox
-from pagewire.wire.to_scheduler import SchedulerInbox
-from pagewire.wire.to_tokenizer import TokenizerInbox
+from pagewire.wire.replay import decode, request_ids
 from pagewire.wire.trace import TraceHeader, read_trace, trace_files
-
-# A frame is decoded with the inbox type of the actor it went to (channel names are inboxes).
-INBOXES = {"scheduler": SchedulerInbox, "executor": ExecutorInbox,
-           "detokenizer": DetokenizerInbox, "gateway": GatewayInbox, "tokenizer": TokenizerInbox}
-_DECODERS = {name: msgspec.msgpack.Decoder(t) for name, t in INBOXES.items()}
-
 
 @dataclass
 class Event:
@@ -41,10 +31,6 @@ class Event:
         return type(self.msg).__name__
 
 
-def decode(channel: str, frame: bytes) -> msgspec.Struct:
-    return _DECODERS[channel.split("-")[0]].decode(frame)
-
-
 def load(directory: str) -> tuple[list[TraceHeader], list[Event]]:
     """Every actor's records, in wall-clock order (processes share the machine's clock)."""
     headers, events = [], []
@@ -56,17 +42,6 @@ def load(directory: str) -> tuple[list[TraceHeader], list[Event]]:
                                 len(r.frame), decode(r.channel, r.frame)))
     events.sort(key=lambda e: e.wall)
     return headers, events
-
-
-def request_ids(msg) -> list[str]:
-    """The request (or sequence) ids a message concerns."""
-    if hasattr(msg, "req_id"):
-        return [msg.req_id]
-    if hasattr(msg, "deltas"):
-        return [d.req_id for d in msg.deltas]
-    if hasattr(msg, "new"):                                   # StepPlan
-        return [s.req_id for s in msg.new] + [r.req_id for r in msg.running]
-    return list(getattr(msg, "req_ids", []))
 
 
 def base_id(rid: str) -> str:

@@ -84,13 +84,12 @@ class TraceWriter:
         data = _record_encoder.encode(TraceRecord(time.monotonic(), time.time(), direction,
                                                   channel, bytes(frame)))
         if self.skipped:            # switched back on: a new segment says what is missing
-            self.header.gap, self.skipped = True, 0
-            self._open(self.header.segment + 1)
+            self.skipped = 0
+            self._open(self.header.segment + 1, gap=True)
         elif self.size + len(data) > self.segment_bytes:
             self._open(self.header.segment + 1)
         self.file.write(_LEN.pack(len(data)) + data)
         self.size += _LEN.size + len(data)
-        self.header.gap = False
 
     def flush(self) -> None:
         if self.file is not None:
@@ -101,9 +100,9 @@ class TraceWriter:
             self.file.close()
             self.file = None
 
-    def _open(self, segment: int) -> None:
+    def _open(self, segment: int, gap: bool = False) -> None:
         self.close()
-        self.header.segment = segment
+        self.header.segment, self.header.gap = segment, gap
         path = os.path.join(self.directory, f"{self.stem}.{segment:05d}.pwtrace")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         self.file = os.fdopen(fd, "wb", buffering=1 << 16)

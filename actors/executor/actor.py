@@ -39,7 +39,8 @@ def run(env) -> None:
         serve_steps(env, ModelRunner(config, tp), server)
     else:
         client = RankClient(env.ctx, env.address("ranks"), env.index)
-        welcome = client.attach(hello(config.model_info, env.index, config), LOCAL_ATTACH_TIMEOUT)
+        welcome = client.attach(hello(config.model_info, env.index, config.tensor_parallel_size,
+                                      config.dtype), LOCAL_ATTACH_TIMEOUT)
         tp = init_group(welcome.dist_address, env.index, config.tensor_parallel_size,
                         config.tp_timeout)
         runner = ModelRunner(config, tp)
@@ -106,8 +107,7 @@ def admit_ranks(env) -> RankServer:
     else:
         address = env.address("ranks")
         dist_address = f"tcp://127.0.0.1:{_free_port()}"
-    public = msgspec.structs.replace(config, api_keys=[], trace_dir=None)
-    welcome = AttachWelcome(public.to_json().decode(), dist_address)
+    welcome = AttachWelcome(config.public().to_json().decode(), dist_address)
     server = RankServer(env.ctx, address, config.tensor_parallel_size,
                         lambda h: refusal(config, h), welcome, config.curve_keys)
     if external:
@@ -118,13 +118,12 @@ def admit_ranks(env) -> RankServer:
     return server
 
 
-def hello(info: ModelInfo, rank: int, config: EngineConfig | None = None,
-          tensor_parallel_size: int = 0, dtype: str | None = None) -> AttachHello:
+def hello(info: ModelInfo, rank: int, tensor_parallel_size: int = 0,
+          dtype: str | None = None) -> AttachHello:
+    """What an executor says of itself (0 / None: no claim to check)."""
     return AttachHello(version=pagewire.__version__, rank=rank,
-                       tensor_parallel_size=config.tensor_parallel_size if config
-                       else tensor_parallel_size,
-                       model_name=info.name, model_digest=info.digest,
-                       dtype=config.dtype if config else dtype)
+                       tensor_parallel_size=tensor_parallel_size, model_name=info.name,
+                       model_digest=info.digest, dtype=dtype)
 
 
 def refusal(config: EngineConfig, h: AttachHello) -> str | None:
@@ -160,7 +159,7 @@ def attached(address: str, rank: int, info: ModelInfo, keys: str | None, timeout
         ctx = zmq.Context()
         client = RankClient(ctx, address, rank, keys)
         try:
-            welcome = client.attach(hello(info, rank, None, tensor_parallel_size, dtype), timeout)
+            welcome = client.attach(hello(info, rank, tensor_parallel_size, dtype), timeout)
             config = msgspec.structs.replace(EngineConfig.from_json(welcome.config_json.encode()),
                                              model_info=info, threads=threads)
             log.info("attached to %s as rank %d of %d", address, rank,

@@ -42,12 +42,18 @@ def records_of(path: str) -> list:
     return list(read_trace(path)[1])
 
 
-def test_records_read_back_in_order_with_header(tmp_path):
-    w = writer(str(tmp_path))
-    for i in range(5):
+def trace_of_requests(directory: str, count: int) -> str:
+    """A closed scheduler trace of `count` NewRequests; its path."""
+    w = writer(directory)
+    for i in range(count):
         record(w, new_request(i))
     w.close()
-    (path,) = trace_files(str(tmp_path))
+    (path,) = trace_files(directory)
+    return path
+
+
+def test_records_read_back_in_order_with_header(tmp_path):
+    path = trace_of_requests(str(tmp_path), 5)
     assert os.path.basename(path) == "scheduler.4242.00000.pwtrace"
     head, records = read_trace(path)
     assert (head.actor, head.pid, head.config_digest, head.model_id) == \
@@ -121,11 +127,7 @@ def test_switched_off_records_nothing_and_resumes_in_a_new_segment(tmp_path):
 
 @pytest.mark.parametrize("cut", [1, 7, 30])
 def test_cut_short_file_reads_to_the_last_whole_record(tmp_path, cut):
-    w = writer(str(tmp_path))
-    for i in range(4):
-        record(w, new_request(i))
-    w.close()
-    (path,) = trace_files(str(tmp_path))
+    path = trace_of_requests(str(tmp_path), 4)
     with open(path, "r+b") as f:                 # killed mid-write: the last record is partial
         f.truncate(os.path.getsize(path) - cut)
     with pytest.warns(UserWarning, match="cut short or corrupt after record 3"):
@@ -134,11 +136,7 @@ def test_cut_short_file_reads_to_the_last_whole_record(tmp_path, cut):
 
 
 def test_corrupt_tail_reads_to_the_last_whole_record(tmp_path):
-    w = writer(str(tmp_path))
-    for i in range(3):
-        record(w, new_request(i))
-    w.close()
-    (path,) = trace_files(str(tmp_path))
+    path = trace_of_requests(str(tmp_path), 3)
     with open(path, "ab") as f:
         f.write(b"\x05\x00\x00\x00\xc1\xc1\xc1\xc1\xc1")      # a length, then bytes no record has
     with pytest.warns(UserWarning, match="after record 3"):

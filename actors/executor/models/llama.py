@@ -149,9 +149,8 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = self.rope_tables[0]
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)                 # .to(device) moves the rope tables too
-        self.rope_tables = [fn(t) for t in self.rope_tables]
-        self.rope_tables[0] = self.cos_sin
+        super()._apply(fn, recurse)    # moves the cos_sin buffer (table 0); the others follow
+        self.rope_tables = [self.cos_sin] + [fn(t) for t in self.rope_tables[1:]]
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -162,9 +161,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         residual = None
-        for layer, kv_cache, table in zip(self.layers, kv_caches, cfg.layer_rope):
-            rope = (self.rope_tables[table], positions)              # [P, D] table, [T]
-            x, residual = layer.forward(self.ops, x, residual, rope, kv_cache, batch)
+        ropes = [(table, positions) for table in self.rope_tables]      # [P, D] table, [T]
+        for layer, kv_cache, which in zip(self.layers, kv_caches, cfg.layer_rope):
+            x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch)
         x, _ = self.norm.forward(self.ops, x, residual)
         return x
 
