@@ -57,6 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
          help="executor ranks, each holding a share of the model (default 1)")
     flag("--kernels", choices=["auto", "torch", "cpu", "triton"],
          help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
+    flag("--quantized-matmul-tokens", type=int,
+         help="steps of up to N tokens multiply a GGUF model's Q4_1/Q8_0 weights as stored "
+              f"(CPU; bfloat16 or float32); larger ones use dequantized copies; 0: never (default "
+              f"{d.quantized_matmul_tokens})")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

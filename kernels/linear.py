@@ -2,9 +2,11 @@
 
 `Linear` is the model's projection. On CPU, pack() reorders its weight once into oneDNN's
 blocked layout (bf16 runs on AMX/AVX512-BF16), so each call skips the per-call reorder
-torch.nn.functional.linear pays: 1.5-2.5x faster at decode batch sizes on this machine. A
-quantized weight format plugs in the same way: a module with the same forward(x) contract
-that pack() (or a loader) puts in place of the float one.
+torch.nn.functional.linear pays: 1.5-2.5x faster at decode batch sizes on this machine.
+
+A quantized weight plugs in beside it: use_quantized() gives the Linear a QuantWeight
+(kernels/quant.py), which serves steps of up to `max_tokens` tokens; larger ones keep using
+the float weight, where arithmetic rather than bytes read bounds the matmul.
 """
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import quant
+
 
 class Linear(nn.Linear):
     """nn.Linear that can be packed for the CPU. Its parameters keep nn.Linear's names, so
     state dicts load unchanged; after pack() the float weight is dropped."""
 
     packed: torch.Tensor | None = None
+    quantized: quant.QuantWeight | None = None
+    quantized_max_tokens: int = 0
 
     def pack(self, batch_hint: int = 64) -> None:
         if self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -25,13 +31,25 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
         self.weight = None   # the packed copy is the only one kept
 
+    def use_quantized(self, weight: quant.QuantWeight, max_tokens: int) -> None:
+        if (weight.rows, weight.cols) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight [{weight.rows}, {weight.cols}] does not fit "
+                             f"Linear({self.in_features}, {self.out_features})")
+        self.quantized, self.quantized_max_tokens = weight, max_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
+            out = quant.matmul(x, self.quantized)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", packed" if self.packed is not None else "")
+        extra = ", packed" if self.packed is not None else ""
+        if self.quantized is not None:
+            extra += f", quantized up to {self.quantized_max_tokens} tokens"
+        return super().extra_repr() + extra
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -1,8 +1,8 @@
-"""Native CPU kernels (csrc/cpu_kernels.cpp), compiled on first use and called via ctypes.
+"""Native CPU kernels (csrc/cpu_kernels.cpp, csrc/quant_kernels.cpp), compiled on first use and called via ctypes.
 
 The library is built with g++ -O3 -march=native against torch's headers (for
 at::parallel_for, so it runs on torch's own thread pool) and cached under
-$PAGEWIRE_CACHE_DIR/kernels (default ~/.cache/pagewire/kernels), keyed by the source, the
+$PAGEWIRE_CACHE_DIR/kernels (default ~/.cache/pagewire/kernels), keyed by the sources, the
 compiler flags, torch's version and this CPU's model and flags. Building takes about a second.
 If no compiler is available (or PAGEWIRE_NATIVE=0), load() returns None and callers use the
 torch paths.
@@ -20,7 +20,8 @@ import subprocess
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
+            for name in ("cpu_kernels.cpp", "quant_kernels.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -35,6 +36,8 @@ _SIGNATURES = {
     "pw_rope_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
     "pw_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
+    **{f"pw_q{q}_matmul_{t}": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
+       for q in ("4_1", "8_0") for t in ("f32", "bf16")},
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -65,7 +68,7 @@ def _cpu_identity() -> str:
 def _build(target: str) -> None:
     torch_dir = os.path.dirname(torch.__file__)
     tmp = f"{target}.{os.getpid()}.tmp"
-    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, f"-I{torch_dir}/include", _SOURCE,
+    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, f"-I{torch_dir}/include", *_SOURCES,
            f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.replace(tmp, target)
@@ -75,9 +78,9 @@ def _build(target: str) -> None:
 def load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEWIRE_NATIVE", "1") == "0":
         return None
-    with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join(_FLAGS).encode() + torch.__version__.encode()
-                             + _cpu_identity().encode()).hexdigest()[:16]
+    sources = b"".join(open(path, "rb").read() for path in _SOURCES)
+    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + torch.__version__.encode()
+                         + _cpu_identity().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
     try:
         if not os.path.exists(target):
@@ -93,6 +96,7 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    lib.pw_quant_available.restype = ctypes.c_int64
     return lib
 
 

@@ -71,12 +71,38 @@ def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_head
         tensor = read_tensor(data, info, torch.float32 if plus_one else dtype)
         if plus_one:
             tensor = (tensor - 1.0).to(dtype)
-        if arch in ROPE_PERMUTED and ".self_attn.q_proj." in name:
-            tensor = unpermute_rope(tensor, num_heads)
-        elif arch in ROPE_PERMUTED and ".self_attn.k_proj." in name:
-            tensor = unpermute_rope(tensor, num_kv_heads)
-        weights[name] = tensor
+        weights[name] = _rows_in_hf_order(tensor, name, arch, num_heads, num_kv_heads)
     return weights
+
+
+def read_blocks(path: str, header: GGUFHeader, names: list[str], types: set[int],
+                num_heads: int, num_kv_heads: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """The 2-D tensors among Hugging Face `names` stored in one of the GGML `types`, as the
+    file stores them: {name: (GGML type, uint8 [rows, bytes of a row's blocks])}, rows in
+    Hugging Face order (kernels/quant.py packs them). Other names are left out."""
+    arch = header.metadata.get("general.architecture", "llama")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    wanted = set(names)
+    out = {}
+    for info in header.tensors.values():
+        name = hf_name(info.name, arch)
+        if name not in wanted or len(info.shape) != 2 or info.ggml_type not in types:
+            continue
+        _, block, type_size = GGML_TYPES[info.ggml_type]
+        rows, cols = info.shape
+        raw = np.array(data[info.offset: info.offset + rows * (cols // block) * type_size])
+        raw = torch.from_numpy(raw).reshape(rows, -1)
+        out[name] = (info.ggml_type, _rows_in_hf_order(raw, name, arch, num_heads, num_kv_heads))
+    return out
+
+
+def _rows_in_hf_order(rows: torch.Tensor, name: str, arch: str, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor:
+    if arch in ROPE_PERMUTED and ".self_attn.q_proj." in name:
+        return unpermute_rope(rows, num_heads)
+    if arch in ROPE_PERMUTED and ".self_attn.k_proj." in name:
+        return unpermute_rope(rows, num_kv_heads)
+    return rows
 
 
 def read_tensor(data: np.ndarray, info: TensorInfo,

@@ -20,11 +20,13 @@ import torch
 from torch import nn
 
 from pagewire.gguf_header import read_gguf_header
+from pagewire.kernels import quant
+from pagewire.kernels.linear import Linear
 from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
 
 from . import weight_cache
-from .gguf_weights import read_gguf_weights, read_tensor
+from .gguf_weights import read_blocks, read_gguf_weights, read_tensor
 from .models import MODELS
 from .parallel import TensorParallel, shard_state
 
@@ -51,6 +53,28 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
         raise ValueError(f"weights missing from {info.path}: {', '.join(missing[:5])}")
     model.reset_buffers()
     return model.eval()
+
+
+def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int) -> int:
+    """Give each Linear whose GGUF tensors are all Q4_1 or all Q8_0 a quantized copy of its
+    weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes kept.
+    The model must hold its whole weights (no tensor parallelism), in bfloat16 or float32."""
+    if info.format != "gguf" or max_tokens <= 0 or not quant.available():
+        return 0
+    header, cfg, kept = read_gguf_header(info.path), model.cfg, 0
+    for module_name, sources in model.linear_sources(cfg).items():
+        linear = model.get_submodule(module_name)
+        blocks = read_blocks(info.path, header, sources, {quant.Q4_1, quant.Q8_0},
+                             cfg.num_heads, cfg.num_kv_heads)
+        types = {blocks[n][0] for n in sources if n in blocks}
+        if not isinstance(linear, Linear) or len(blocks) != len(sources) or len(types) != 1:
+            continue
+        rows = torch.cat([blocks[n][1] for n in sources])      # fused as fuse_weights does
+        if quant.packable(types.pop(), rows.shape[0], linear.in_features):
+            weight = quant.pack(blocks[sources[0]][0], rows, linear.in_features)
+            linear.use_quantized(weight, max_tokens)
+            kept += weight.nbytes
+    return kept
 
 
 def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):

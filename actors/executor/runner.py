@@ -22,7 +22,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
-from .loader import _DTYPES, load_model
+from .loader import _DTYPES, keep_quantized, load_model
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
@@ -77,6 +77,8 @@ class ModelRunner:
         self.model.ops = select_ops(self.device, config.kernels)
         if self.model.ops.name == "cpu":
             pack_linears(self.model)
+            if config.dtype in ("bfloat16", "float32") and self.tp.size == 1:
+                keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens)
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks

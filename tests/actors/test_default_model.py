@@ -1,5 +1,6 @@
 """The embedded SmolLM2-135M-Instruct: our greedy answers equal transformers' on the same
-dequantized GGUF weights (float32 on both sides), all prompts batched together."""
+dequantized GGUF weights (float32 on both sides), all prompts batched together and one
+alone. Decode steps multiply the file's Q4_1/Q8_0 blocks as stored (kernels/quant.py)."""
 from __future__ import annotations
 
 import pytest
@@ -46,6 +47,17 @@ def test_chat_answers_match_transformers(llm, oracle):
         theirs, logits = oracle.greedy(out.prompt_token_ids, 32)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, question)
     assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_single_streams_match_transformers(llm, oracle):
+    model = llm.runner.model
+    assert all(m.quantized is not None for m in (model.lm_head, model.layers[0].attn.qkv,
+                                                 model.layers[29].mlp.down))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for question in QUESTIONS[1:3]:
+        (out,) = llm.chat([{"role": "user", "content": question}], params)
+        theirs, logits = oracle.greedy(out.prompt_token_ids, 24)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, question)
 
 
 def test_eos_ends_the_answer(llm):

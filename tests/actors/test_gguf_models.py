@@ -13,6 +13,7 @@ import torch
 from pagewire import LLM, SamplingParams
 from pagewire.executor.gguf_weights import read_gguf_weights
 from pagewire.gguf_header import read_gguf_header
+from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
 from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
 from tests.helpers import HFOracle, assert_greedy_equal
@@ -38,14 +39,18 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
     return write_gguf(out, "llama", state, cfg, meta, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
-    a GGUF file, hence a shape where that holds."""
+    a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
+    file's blocks as stored (kernels/quant.py), prefill their dequantized copies."""
     from transformers import AutoModelForCausalLM
     path = _gguf_from_hf_dir(tiny_llama("gqa2-d128"), str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256)
+    quantized = [m.quantized is not None for m in llm.runner.model.modules()
+                 if isinstance(m, Linear)]
+    assert quantized == [qtype != "F32"] * (4 * 2 + 1), quantized   # 4 a layer + LM head
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
                                                            dtype=torch.float32))
     rng = random.Random(5)

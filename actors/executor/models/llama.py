@@ -16,7 +16,7 @@ from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 from ..parallel import TensorParallel, split_range
 from .config import LlamaConfig
-from .weights import fuse_weights
+from .weights import fuse_weights, linear_sources
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
@@ -174,3 +174,4 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     fuse_weights = staticmethod(fuse_weights)
+    linear_sources = staticmethod(linear_sources)

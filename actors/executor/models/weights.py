@@ -42,6 +42,20 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     return out
 
 
+def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
+    """Each Linear of the model -> the Hugging Face tensors fuse_weights concatenates (by
+    rows) into its weight, for loaders that keep weights in their stored form."""
+    out = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                       else "lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "attn.qkv"] = [f"{src}self_attn.{p}_proj.weight" for p in "qkv"]
+        out[dst + "attn.o_proj"] = [src + "self_attn.o_proj.weight"]
+        out[dst + "mlp.gate_up"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
+        out[dst + "mlp.down"] = [src + "mlp.down_proj.weight"]
+    return out
+
+
 def _attention(weights, src: str, dst: str, cfg: LlamaConfig, out: dict) -> None:
     for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
         if src + f"qkv_proj.{kind}" in weights:                            # Phi3: fused

@@ -1,0 +1,80 @@
+"""GGUF-quantized weights kept in their quantized form, for the small-batch matmuls.
+
+At batch 1 a decode step reads every weight once and does little else, so its time is the
+bytes of weights read: Q4_1 is 0.625 bytes a weight, bfloat16 2. pack() reorders a tensor's
+GGUF blocks once, at load, into the tiles csrc/quant_kernels.cpp reads (16 output rows by 32
+columns: one SIMD lane per output row); matmul() runs x @ W^T from them. The products use
+each weight's exact value (d * q + m with the file's fp16 d and m), as dequantizing does.
+
+A Linear (kernels/linear.py) holding a QuantWeight uses it for steps of up to `max_tokens`
+tokens and its dense packed copy for larger ones (prefill, big batches), where the matmul is
+bound by arithmetic and oneDNN's bfloat16 GEMM is faster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Q4_1, Q8_0 = 3, 8                            # GGML type ids
+_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}          # bytes of one 32-weight block in the file
+_ROWS = 16                                   # output rows per tile
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile]."""
+    ggml_type: int
+    tiles: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+
+def packable(ggml_type: int, rows: int, cols: int) -> bool:
+    return ggml_type in _BLOCK_BYTES and rows % _ROWS == 0 and cols % 32 == 0
+
+
+def available() -> bool:
+    """Whether this machine's native kernels have the quantized matmuls (AVX512-BF16)."""
+    from . import native
+    lib = native.load()
+    return lib is not None and bool(lib.pw_quant_available())
+
+
+def pack(ggml_type: int, raw: torch.Tensor, cols: int) -> QuantWeight:
+    """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row."""
+    rows = raw.shape[0]
+    if not packable(ggml_type, rows, cols):
+        raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
+    nb = cols // 32
+    blocks = raw.reshape(rows // _ROWS, _ROWS, nb, _BLOCK_BYTES[ggml_type]).transpose(1, 2)
+    groups = blocks.shape[0]                                  # blocks: [G, nb, 16, bytes]
+    if ggml_type == Q4_1:
+        d, m = blocks[..., 0:2], blocks[..., 2:4]             # fp16 scale and minimum
+        qs = blocks[..., 4:].reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)   # [G,nb,8,16,2]
+        parts = [qs, d, m]
+    else:
+        d = blocks[..., 0:2]
+        qs = blocks[..., 2:].transpose(2, 3)                  # [G, nb, 32 columns, 16 rows]
+        parts = [qs, d]
+    tiles = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2).contiguous()
+    return QuantWeight(ggml_type, tiles, rows, cols)
+
+
+def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. float32
+    activations keep float32's precision (split into three bfloat16 parts in the kernel)."""
+    from . import native
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 \
+            or x.shape[1] != weight.cols or x.stride(1) != 1:
+        raise ValueError(f"quantized matmul: x must be bfloat16 or float32 [T, {weight.cols}] "
+                         f"with contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty((x.shape[0], weight.rows), dtype=x.dtype)
+    name = "pw_q4_1_matmul" if weight.ggml_type == Q4_1 else "pw_q8_0_matmul"
+    native._typed(name, x.dtype)(out.data_ptr(), weight.rows, x.data_ptr(), x.stride(0),
+                                 x.shape[0], weight.tiles.data_ptr(), weight.rows, weight.cols)
+    return out
