@@ -62,8 +62,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     and `decode` may be replaced by faster implementations with the same contracts
     (decode_attention's, variant included)."""
     write(kv_cache, k, v, batch.slot_mapping)
-    out = torch.empty_like(q)
     nd = batch.num_decode_tokens
+    if not batch.prefills and nd == q.shape[0]:    # decode only: the kernel's output is it
+        return (decode or decode_attention)(q, kv_cache, batch.decode_block_tables,
+                                            batch.decode_context_lens, scale, variant)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, scale, variant)

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from . import attention, norm, rotary, activation
+from . import activation, attention, native, norm, rotary
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,10 @@ class CpuOps(TorchOps):
         self.lib = lib
 
     def add_rms_norm(self, x, residual, weight, eps):
-        from . import native
         return native.add_rms_norm(x, residual, weight, eps)
 
     def split_qkv_rope(self, qkv, num_heads, num_kv_heads, head_dim, table, positions):
         """Rotates q and k in place inside qkv, then returns views (no copies)."""
-        from . import native
         native.rope_(qkv, num_heads + num_kv_heads, head_dim, table, positions)
         t = qkv.shape[0]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -67,7 +65,6 @@ class CpuOps(TorchOps):
                 v.view(t, num_kv_heads, head_dim))
 
     def silu_and_mul(self, gate_up):
-        from . import native
         return native.silu_and_mul(gate_up)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
@@ -76,12 +73,10 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def _write_kv(cache, k, v, slots):
-        from . import native
         native.write_kv(cache[0], cache[1], k, v, slots)
 
     @staticmethod
     def _decode(q, cache, tables, lens, scale, variant):
-        from . import native
         return native.decode_attention(q, cache[0], cache[1], tables, lens, scale,
                                        variant.window, variant.softcap)
 
@@ -94,7 +89,6 @@ def select_ops(device: torch.device, name: str = "auto") -> TorchOps:
     if name == "torch":
         return TorchOps()
     if name == "cpu":
-        from . import native
         lib = native.load()
         return CpuOps(lib) if lib is not None else TorchOps()
     if name == "triton":

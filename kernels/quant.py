@@ -12,8 +12,6 @@ bound by arithmetic and oneDNN's bfloat16 GEMM is faster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 Q4_1, Q8_0 = 3, 8                            # GGML type ids
@@ -21,13 +19,13 @@ _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}          # bytes of one 32-weight block in t
 _ROWS = 16                                   # output rows per tile
 
 
-@dataclass(frozen=True)
 class QuantWeight:
     """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile]."""
-    ggml_type: int
-    tiles: torch.Tensor
-    rows: int
-    cols: int
+    __slots__ = ("ggml_type", "tiles", "rows", "cols", "_kernels")
+
+    def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int):
+        self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
+        self._kernels: dict[torch.dtype, object] | None = None   # bound on first use
 
     @property
     def nbytes(self) -> int:
@@ -67,14 +65,22 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int) -> QuantWeight:
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. float32
-    activations keep float32's precision (split into three bfloat16 parts in the kernel)."""
-    from . import native
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 \
-            or x.shape[1] != weight.cols or x.stride(1) != 1:
+    activations keep float32's precision (split into three bfloat16 parts in the kernel).
+    Called per linear per step: the checks are the few the kernel's memory safety needs."""
+    kernels = weight._kernels or _bind(weight)
+    fn = kernels.get(x.dtype)
+    if fn is None or x.dim() != 2 or x.shape[1] != weight.cols or x.stride(1) != 1:
         raise ValueError(f"quantized matmul: x must be bfloat16 or float32 [T, {weight.cols}] "
                          f"with contiguous rows, got {x.dtype} {tuple(x.shape)}")
     out = torch.empty((x.shape[0], weight.rows), dtype=x.dtype)
-    name = "pw_q4_1_matmul" if weight.ggml_type == Q4_1 else "pw_q8_0_matmul"
-    native._typed(name, x.dtype)(out.data_ptr(), weight.rows, x.data_ptr(), x.stride(0),
-                                 x.shape[0], weight.tiles.data_ptr(), weight.rows, weight.cols)
+    fn(out.data_ptr(), weight.rows, x.data_ptr(), x.stride(0), x.shape[0],
+       weight.tiles.data_ptr(), weight.rows, weight.cols)
     return out
+
+
+def _bind(weight: QuantWeight) -> dict:
+    from . import native
+    name = "pw_q4_1_matmul" if weight.ggml_type == Q4_1 else "pw_q8_0_matmul"
+    weight._kernels = {dtype: native._typed(name, dtype)
+                       for dtype in (torch.bfloat16, torch.float32)}
+    return weight._kernels
