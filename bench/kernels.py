@@ -3,7 +3,8 @@
     python bench/kernels.py [--batches 1,8,32,64,128] [--contexts 128,512,2048] [--threads N]
 
 Measures the peaks first (a bf16 matrix product, a large copy), then times each op of the
-default model (SmolLM2-135M, bf16, native CPU kernels) at every batch size, the paged decode
+default model (SmolLM2-135M, bf16, native CPU kernels; its Q4_1/Q8_0 blocks where the
+quantized matmul serves the batch size) at every batch size, the paged decode
 attention at every (batch, context), and the whole decode step (every layer, the LM head and
 greedy sampling; no scheduler or IPC). Prints markdown tables: time, GFLOP/s and GB/s, and the
 fraction of the peak the dominant resource reaches.
@@ -17,6 +18,7 @@ import torch
 
 from pagewire.kernels import native
 from pagewire.kernels.attention import AttentionBatch
+from pagewire.kernels.linear import Linear
 
 
 def timeit(fn, min_time: float = 0.2, warmup: int = 2) -> float:
@@ -35,7 +37,6 @@ def peaks() -> tuple[float, float]:
     """Best of five: a bf16 matrix product through oneDNN with a prepacked weight (the path
     the model's linears take) and a 256 MiB copy (bytes read + written). This VM shares its
     host, so single measurements swing by 30%."""
-    from pagewire.kernels.linear import Linear
     lin = Linear(2048, 2048, bias=False).to(torch.bfloat16)
     lin.pack(batch_hint=1024)
     x = torch.randn(1024, 2048, dtype=torch.bfloat16)
@@ -64,7 +65,7 @@ def op_rows(runner, batch: int):
         inp = torch.randn(batch, lin.in_features, dtype=torch.bfloat16)
         t = timeit(lambda: lin(inp))
         rows.append((name, t, 2 * batch * lin.in_features * lin.out_features,
-                     2 * lin.in_features * lin.out_features))
+                     linear_bytes(lin, batch)))
     res = torch.randn_like(x)
     t = timeit(lambda: native.add_rms_norm(x, res, layer.input_norm.weight, 1e-5))
     rows.append(("add_rms_norm", t, 5 * x.numel(), 3 * x.numel() * 2))
@@ -77,6 +78,14 @@ def op_rows(runner, batch: int):
     t = timeit(lambda: native.silu_and_mul(gu))
     rows.append(("silu_and_mul", t, 4 * gu.numel(), 3 * gu.numel()))
     return rows
+
+
+def linear_bytes(lin, batch: int) -> int:
+    """Bytes of weight a Linear reads for a step of `batch` tokens: its GGUF blocks when the
+    quantized matmul serves that size (kernels/quant.py), else its bfloat16 weight."""
+    if lin.quantized is not None and batch <= lin.quantized_max_tokens:
+        return lin.quantized.nbytes
+    return 2 * lin.in_features * lin.out_features
 
 
 def decode_batch(runner, batch: int, context: int):
@@ -99,11 +108,12 @@ def step_row(runner, batch: int, context: int):
             hidden = m(ids, pos, runner.kv_caches, attn_batch)
             m.compute_logits(hidden).argmax(-1)
     t = timeit(step, min_time=0.5)
-    params = sum(p.numel() for p in m.parameters()) + sum(
-        l.packed.numel() for l in m.modules() if getattr(l, "packed", None) is not None)
-    weight_bytes = 2 * params - 2 * cfg.vocab_size * cfg.hidden_size      # embedding: a lookup
+    linears = [l for l in m.modules() if isinstance(l, Linear)]
+    norms = sum(p.numel() for n, p in m.named_parameters() if n.endswith("norm.weight"))
+    weight_bytes = 2 * norms + sum(linear_bytes(l, batch) for l in linears)
     kv_bytes = 2 * 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim
-    flops = batch * (weight_bytes + 4 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim)
+    macs = sum(l.in_features * l.out_features for l in linears)      # a token's multiply-adds
+    flops = batch * (2 * macs + 4 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim)
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
     cache = runner.kv_caches[0]
     ta = timeit(lambda: native.decode_attention(q, cache[0], cache[1], tables, lens,

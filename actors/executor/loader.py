@@ -12,6 +12,7 @@ instead of dequantizing again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
@@ -61,26 +62,38 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int) -> int:
     The model must hold its whole weights (no tensor parallelism), in bfloat16 or float32."""
     if info.format != "gguf" or max_tokens <= 0 or not quant.available():
         return 0
-    header, cfg, kept = read_gguf_header(info.path), model.cfg, 0
-    for module_name, sources in model.linear_sources(cfg).items():
-        linear = model.get_submodule(module_name)
-        blocks = read_blocks(info.path, header, sources, {quant.Q4_1, quant.Q8_0},
-                             cfg.num_heads, cfg.num_kv_heads)
-        types = {blocks[n][0] for n in sources if n in blocks}
-        if not isinstance(linear, Linear) or len(blocks) != len(sources) or len(types) != 1:
-            continue
-        rows = torch.cat([blocks[n][1] for n in sources])      # fused as fuse_weights does
-        if quant.packable(types.pop(), rows.shape[0], linear.in_features):
-            weight = quant.pack(blocks[sources[0]][0], rows, linear.in_features)
-            linear.use_quantized(weight, max_tokens)
-            kept += weight.nbytes
+    cfg, kept = model.cfg, 0
+    sources = model.linear_sources(cfg)
+    with _one_thread():
+        blocks = read_blocks(info.path, _gguf_header(info.path),
+                             [n for names in sources.values() for n in names],
+                             {quant.Q4_1, quant.Q8_0}, cfg.num_heads, cfg.num_kv_heads)
+        for module_name, names in sources.items():
+            linear = model.get_submodule(module_name)
+            types = {blocks[n][0] for n in names if n in blocks}
+            if not isinstance(linear, Linear) or not all(n in blocks for n in names) \
+                    or len(types) != 1:
+                continue
+            ggml_type = types.pop()
+            rows = torch.cat([blocks.pop(n)[1] for n in names])   # fused as fuse_weights does
+            if quant.packable(ggml_type, rows.shape[0], linear.in_features):
+                weight = quant.pack(ggml_type, rows, linear.in_features)
+                linear.use_quantized(weight, max_tokens)
+                kept += weight.nbytes
     return kept
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_header(path: str):
+    """A GGUF file's header, read once for the weights and the quantized copies (its
+    tokenizer arrays make reading it cost ~0.2 s)."""
+    return read_gguf_header(path)
 
 
 def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):
     """(model config, {Hugging Face name: tensor in dtype})."""
     if info.format == "gguf":
-        header = read_gguf_header(info.path)
+        header = _gguf_header(info.path)
         cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
         freqs = header.tensors.get("rope_freqs.weight")
         if freqs is not None:     # Llama 3's rope scaling as llama.cpp keeps it: a divisor per
