@@ -6,6 +6,9 @@ ratios. vLLM comes from ../shared/peers/vllm-cpu.sh (installed on first use).
         --random-input-len 128 --random-output-len 128 --num-prompts 64
     python bench/compare.py latency [--runs 2] -- --input-len 128 --output-len 128 --batch-size 1
 
+--pagewire-args "FLAGS" passes flags to pagewire only (e.g. "--quantized-matmul-tokens 0": the
+bfloat16 weights at every batch size instead of the GGUF's Q4_1 blocks at small ones).
+
 Both engines get the same arguments plus --max-model-len 2048 --dtype bfloat16 and a 4 GiB KV
 cache (the peer script passes those to vLLM).
 """
@@ -43,11 +46,12 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def commands(kind: str, args: list[str], with_hf: bool) -> dict[str, list[str]]:
+def commands(kind: str, args: list[str], with_hf: bool,
+             own_args: list[str]) -> dict[str, list[str]]:
     # vLLM gets VLLM_CPU_KVCACHE_SPACE=4 (GiB) from the peer script: the same KV budget here.
     common = ["--max-model-len", "2048"]
     cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16",
-                         "--kv-cache-memory", "4GiB"],
+                         "--kv-cache-memory", "4GiB", *own_args],
             "vllm-cpu": ["bash", PEER, kind, *args]}
     if with_hf and kind == "throughput":
         cmds["hf-transformers"] = [sys.executable, os.path.join(os.path.dirname(__file__),
@@ -60,9 +64,10 @@ def main() -> None:
     p.add_argument("kind", choices=["throughput", "latency"])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--pagewire-args", default="", help="extra flags for pagewire only")
     own, args = split_argv(sys.argv[1:])
     a = p.parse_args(own)
-    cmds = commands(a.kind, args, not a.no_hf)
+    cmds = commands(a.kind, args, not a.no_hf, a.pagewire_args.split())
     results: dict[str, list[float]] = {name: [] for name in cmds}
     for i in range(a.runs):
         for name, cmd in cmds.items():
@@ -70,7 +75,8 @@ def main() -> None:
             results[name].append(value)
             unit = "output tok/s" if a.kind == "throughput" else "s avg latency"
             print(f"run {i + 1} {name:16} {value:10.3f} {unit}", flush=True)
-    print(f"\nworkload: {a.kind} {' '.join(args)}")
+    print(f"\nworkload: {a.kind} {' '.join(args)}"
+          + (f" (pagewire: {a.pagewire_args})" if a.pagewire_args else ""))
     ours = statistics.median(results["pagewire"])
     for name, values in results.items():
         med = statistics.median(values)

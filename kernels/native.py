@@ -1,4 +1,5 @@
-"""Native CPU kernels (csrc/cpu_kernels.cpp, csrc/quant_kernels.cpp), compiled on first use and called via ctypes.
+"""Native CPU kernels (csrc/*.cpp: cpu_kernels, quant_kernels, decode_stack), compiled on
+first use and called via ctypes.
 
 The library is built with g++ -O3 -march=native against torch's headers (for
 at::parallel_for, so it runs on torch's own thread pool) and cached under
@@ -21,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("cpu_kernels.cpp", "quant_kernels.cpp")]
+            for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -38,6 +39,8 @@ _SIGNATURES = {
     "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
     **{f"pw_q{q}_matmul_{t}": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
        for q in ("4_1", "8_0") for t in ("f32", "bf16")},
+    **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] + [_ptr] * 5 + [_i64, _i64, _f32, _f32]
+       for t in ("f32", "bf16")},
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -97,6 +100,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
     lib.pw_quant_available.restype = ctypes.c_int64
+    lib.pw_decode_stack_fields.restype = ctypes.c_int64
     return lib
 
 

@@ -23,6 +23,7 @@ from pagewire.wire.to_scheduler import StepResult
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .loader import _DTYPES, keep_quantized, load_model
+from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
@@ -86,6 +87,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1,
                                            self.block_size, kv_heads, cfg.head_dim,
                                            dtype, self.device)
+        if self.model.ops.name == "cpu":
+            self.model.fused_decode = FusedDecode.build(self.model, self.kv_caches)
         self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
                                              self.block_size, kv_heads, cfg.head_dim,
                                              dtype) if config.num_host_blocks else []

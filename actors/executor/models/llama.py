@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
         self.ops = TorchOps()     # the kernel set; the runner picks one for the device
+        self.fused_decode = None  # set by the runner where fused_decode.py applies
         self.register_buffer("cos_sin", None, persistent=False)
         self.rope_tables: list[torch.Tensor] = []
         self.reset_buffers()
@@ -160,10 +161,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        residual = None
-        ropes = [(table, positions) for table in self.rope_tables]      # [P, D] table, [T]
-        for layer, kv_cache, which in zip(self.layers, kv_caches, cfg.layer_rope):
-            x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch)
+        fused = self.fused_decode
+        if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
+            x, residual = fused.run(x, positions, batch)        # the same kernels, one call
+        else:
+            residual = None
+            ropes = [(table, positions) for table in self.rope_tables]  # [P, D] table, [T]
+            for layer, kv_cache, which in zip(self.layers, kv_caches, cfg.layer_rope):
+                x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch)
         x, _ = self.norm.forward(self.ops, x, residual)
         return x
 

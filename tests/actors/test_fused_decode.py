@@ -1,0 +1,72 @@
+"""The fused decode stack (actors/executor/models/fused_decode.py) against the per-op path
+it replaces: bit-identical hidden states and KV cache writes, on the default model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewire import LLM
+from pagewire.kernels import quant
+from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not quant.available(), reason="needs AVX512-BF16 kernels")]
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def runner(request):
+    return LLM(dtype=request.param, max_model_len=512, num_kv_blocks=128).runner
+
+
+def decode_step(runner, contexts: list[int], seed: int):
+    """A decode-only batch: sequence i attends contexts[i] tokens in its own shuffled blocks,
+    filled with random keys and values."""
+    g = torch.Generator().manual_seed(seed)
+    bs, width = runner.block_size, -(-max(contexts) // runner.block_size)
+    blocks = torch.randperm(runner.config.num_kv_blocks, generator=g)[:len(contexts) * width]
+    tables = blocks.view(len(contexts), width).contiguous()
+    lens = torch.tensor(contexts, dtype=torch.int64)
+    slots = torch.stack([tables[i, (c - 1) // bs] * bs + (c - 1) % bs
+                         for i, c in enumerate(contexts)])
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
+    ids = torch.randint(0, 49152, (len(contexts),), generator=g)
+    return ids, lens - 1, AttentionBatch(slots, len(contexts), tables, lens, [])
+
+
+@pytest.mark.parametrize("contexts", [[1], [37], [300], [5, 129, 17, 64, 250]])
+def test_fused_stack_equals_the_per_op_path(runner, contexts):
+    model = runner.model
+    fused = model.fused_decode
+    assert fused is not None and fused.max_tokens == 8
+    ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
+    caches = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        model.fused_decode = None
+        try:
+            expected = model(ids, positions, runner.kv_caches, batch)
+        finally:
+            model.fused_decode = fused
+        written = [c.clone() for c in runner.kv_caches]
+        for cache, before in zip(runner.kv_caches, caches):
+            cache.copy_(before)
+        assert fused.serves(len(contexts), batch, runner.kv_caches)
+        got = model(ids, positions, runner.kv_caches, batch)
+    assert torch.equal(got, expected)
+    assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
+
+
+def test_steps_the_stack_does_not_serve(runner):
+    fused = runner.model.fused_decode
+    _, _, batch = decode_step(runner, [10] * 9, seed=9)
+    assert not fused.serves(9, batch, runner.kv_caches)                 # over 8 tokens
+    _, _, small = decode_step(runner, [10, 20], seed=2)
+    assert not fused.serves(2, small, list(runner.kv_caches))           # other caches
+    mixed = AttentionBatch(small.slot_mapping, 1, small.decode_block_tables[:1],
+                           small.decode_context_lens[:1], [PrefillSpan(1, 1, 1, small.decode_block_tables[1, :1])])
+    assert not fused.serves(2, mixed, runner.kv_caches)                 # a prefill in it
+
+
+def test_models_it_does_not_apply_to():
+    llm = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=16, quantized_matmul_tokens=0)
+    assert llm.runner.model.fused_decode is None                        # no quantized weights
