@@ -23,6 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
+_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "bf16.h")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -81,7 +82,7 @@ def _build(target: str) -> None:
 def load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEWIRE_NATIVE", "1") == "0":
         return None
-    sources = b"".join(open(path, "rb").read() for path in _SOURCES)
+    sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, _HEADER])
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + torch.__version__.encode()
                          + _cpu_identity().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")

@@ -19,31 +19,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-using bf16 = uint16_t;
+using pw::bf16;
+using pw::from_float;
+using pw::to_float;
 
 // Built with -ffast-math (vectorized exp, reassociated sums), which assumes finite values:
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
 constexpr int64_t kPrefetchAhead = 1;
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline void from_float(float x, float* dst) { *dst = x; }
-inline void from_float(float x, bf16* dst) {  // round to nearest even, NaN kept quiet
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) { *dst = 0x7fc0; return; }
-  bits += 0x7fff + ((bits >> 16) & 1);
-  *dst = static_cast<bf16>(bits >> 16);
-}
 
 template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {

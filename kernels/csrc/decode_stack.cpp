@@ -47,23 +47,19 @@ enum Field {
 // The model's sizes: hidden, query heads, KV heads, head dim, intermediate, block size.
 struct Shape { int64_t H, Hq, Hkv, D, I, bs; };
 
+// The kernels for one activation type, by name suffix (f32, bf16).
 template <typename T> struct Kernels;
-template <> struct Kernels<float> {
-  static constexpr auto norm = pw_add_rms_norm_f32;
-  static constexpr auto rope = pw_rope_f32;
-  static constexpr auto silu = pw_silu_and_mul_f32;
-  static constexpr auto attend = pw_decode_attention_f32;
-  static constexpr auto q4_1 = pw_q4_1_matmul_f32;
-  static constexpr auto q8_0 = pw_q8_0_matmul_f32;
-};
-template <> struct Kernels<bf16> {
-  static constexpr auto norm = pw_add_rms_norm_bf16;
-  static constexpr auto rope = pw_rope_bf16;
-  static constexpr auto silu = pw_silu_and_mul_bf16;
-  static constexpr auto attend = pw_decode_attention_bf16;
-  static constexpr auto q4_1 = pw_q4_1_matmul_bf16;
-  static constexpr auto q8_0 = pw_q8_0_matmul_bf16;
-};
+#define PW_KERNELS(type, sfx)                                                                \
+  template <> struct Kernels<type> {                                                         \
+    static constexpr auto norm = pw_add_rms_norm_##sfx;                                      \
+    static constexpr auto rope = pw_rope_##sfx;                                              \
+    static constexpr auto silu = pw_silu_and_mul_##sfx;                                      \
+    static constexpr auto attend = pw_decode_attention_##sfx;                                \
+    static constexpr auto q4_1 = pw_q4_1_matmul_##sfx;                                       \
+    static constexpr auto q8_0 = pw_q8_0_matmul_##sfx;                                       \
+  };
+PW_KERNELS(float, f32)
+PW_KERNELS(bf16, bf16)
 
 template <typename T>
 const T* ptr(const int64_t* layer, Field f) { return reinterpret_cast<const T*>(layer[f]); }

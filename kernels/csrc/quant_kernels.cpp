@@ -21,9 +21,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-using bf16 = uint16_t;
+using pw::bf16;
+using pw::from_float;
+using pw::to_float;
 constexpr int64_t kRows = 16;     // output rows per group (one zmm of float32 lanes)
 constexpr int64_t kQ4Tile = 320;
 constexpr int64_t kQ8Tile = 544;
@@ -56,19 +60,10 @@ inline __m512i nibble_table() {
 
 inline void store_rows(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline bf16 to_bf16(float x) {    // round to nearest even (values here are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<bf16>(bits >> 16);
+inline bf16 to_bf16(float x) {
+  bf16 out;
+  from_float(x, &out);
+  return out;
 }
 
 // The activations as the kernels read them, for T tokens of K columns:
