@@ -45,7 +45,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_tokenizers: int = 1
     threads: int | None = None               # torch threads in the executor; None: all cores
     kernels: str = "auto"                    # auto | torch (reference) | cpu (native) | triton
-    quantized_matmul_tokens: int = 8         # steps up to this many tokens use GGUF weights as
+    quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
                                              # stored (Q4_1, Q8_0); 0: always dequantized
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs

@@ -82,3 +82,12 @@ class BeamGroup:
                              b.token_ids[b.num_prompt_tokens:], "length") for b in self.live]
         pool.sort(key=lambda h: -h[0])
         return [(outputs, reason) for _, outputs, reason in pool[: self.n]]
+
+
+def extend_beam(beam: Request, token: int, cum: float) -> Request:
+    """Append a chosen token to a beam (and to what its executor learns next step)."""
+    beam.token_ids.append(token)
+    beam.cum_logprob, beam.candidates = cum, None
+    if beam.on_executor:
+        beam.new_token_ids.append(token)
+    return beam

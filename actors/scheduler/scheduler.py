@@ -32,7 +32,7 @@ from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 
 from ..config import EngineConfig
-from .beam import BeamGroup
+from .beam import BeamGroup, extend_beam
 from .block_tables import BlockTables
 from .kv_manager import BlockManager
 from .request import Request, Status
@@ -133,15 +133,15 @@ class Scheduler:
 
     def abort_all(self) -> list[TokenDelta]:
         """End every request, by the output ids the detokenizer and gateway know."""
-        ids = {}
-        for req in self.requests.values():
-            if req.group is not None:
-                ids.update(dict.fromkeys(req.group.output_ids))
-            elif req.fork_leader:
-                ids.update(dict.fromkeys(output_ids(req.req_id, req.sampling.num_outputs)))
-            else:
-                ids[req.req_id] = None
+        ids = dict.fromkeys(i for req in self.requests.values() for i in self._output_ids(req))
         return self.abort(list(ids))
+
+    @staticmethod
+    def _output_ids(req: Request) -> list[str]:
+        if req.group is not None:
+            return req.group.output_ids
+        return output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader \
+            else [req.req_id]
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -350,10 +350,15 @@ class Scheduler:
             child = leader.fork(child_id, msgspec.structs.replace(
                 s, n=1, best_of=None, seed=seed, logprobs=logprobs))
             child.status = Status.RUNNING
-            self.tables.share(child)
-            self.requests[child_id] = child
-            bisect.insort(self.running, child, key=lambda r: r.key)
+            self._adopt(child)
         self._finish(leader)
+
+    def _adopt(self, child: Request) -> None:
+        """A forked sequence joins: it shares its parent's blocks and queues by its status."""
+        self.tables.share(child)
+        self.requests[child.req_id] = child
+        bisect.insort(self.running if child.status is Status.RUNNING else self.waiting, child,
+                      key=lambda r: r.key)
 
     def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
         """Every live beam has its candidates: keep the best `width` continuations (forking a
@@ -368,12 +373,9 @@ class Scheduler:
                 continue
             for token, cum in picks[1:]:
                 child = beam.fork(group.new_id(), beam.sampling)
-                self.tables.share(child)
-                self.requests[child.req_id] = child
-                bisect.insort(self.running if child.status is Status.RUNNING else self.waiting,
-                              child, key=lambda r: r.key)
-                new_live.append(self._extend_beam(child, token, cum))
-            new_live.append(self._extend_beam(beam, picks[0][0], picks[0][1]))
+                self._adopt(child)
+                new_live.append(extend_beam(child, token, cum))
+            new_live.append(extend_beam(beam, picks[0][0], picks[0][1]))
         group.live = new_live
         self.num_generation_tokens += len(new_live)   # one token appended to each
         for beam in group.retire_full_length():
@@ -386,26 +388,16 @@ class Scheduler:
         return [TokenDelta(out_id, tokens, reason)
                 for out_id, (tokens, reason) in zip(group.output_ids, group.results())]
 
-    @staticmethod
-    def _extend_beam(beam: Request, token: int, cum: float) -> Request:
-        beam.token_ids.append(token)
-        beam.cum_logprob, beam.candidates = cum, None
-        if beam.on_executor:
-            beam.new_token_ids.append(token)
-        return beam
-
     def _fail_step(self, error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
         deltas = []
         for req in self.scheduled:
             if req.status is not Status.RUNNING:
                 continue
+            ids = self._output_ids(req)
             if req.group is not None:
-                ids = req.group.output_ids
                 self.abort(ids)
             else:
-                ids = output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader \
-                    else [req.req_id]
                 self._finish(req)
             deltas += [TokenDelta(i, [], "error", error) for i in ids]
         self.scheduled = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagewire import LLM
+from pagewire.config import EngineConfig
 from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 
@@ -38,7 +39,7 @@ def decode_step(runner, contexts: list[int], seed: int):
 def test_fused_stack_equals_the_per_op_path(runner, contexts):
     model = runner.model
     fused = model.fused_decode
-    assert fused is not None and fused.max_tokens == 8
+    assert fused is not None and fused.max_tokens == EngineConfig().quantized_matmul_tokens
     ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
     caches = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
@@ -58,8 +59,9 @@ def test_fused_stack_equals_the_per_op_path(runner, contexts):
 
 def test_steps_the_stack_does_not_serve(runner):
     fused = runner.model.fused_decode
-    _, _, batch = decode_step(runner, [10] * 9, seed=9)
-    assert not fused.serves(9, batch, runner.kv_caches)                 # over 8 tokens
+    over = fused.max_tokens + 1
+    _, _, batch = decode_step(runner, [10] * over, seed=9)
+    assert not fused.serves(over, batch, runner.kv_caches)              # too many tokens
     _, _, small = decode_step(runner, [10, 20], seed=2)
     assert not fused.serves(2, small, list(runner.kv_caches))           # other caches
     mixed = AttentionBatch(small.slot_mapping, 1, small.decode_block_tables[:1],
