@@ -46,7 +46,8 @@ _SIGNATURES = {
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _typed(name: str, dtype: torch.dtype):
+def typed(name: str, dtype: torch.dtype):
+    """The library's `name`_f32 or `name`_bf16 function for tensors of `dtype`."""
     if dtype not in _SUFFIX:
         raise ValueError(f"{name}: dtype {dtype} not supported by the native kernels")
     return getattr(load(), f"{name}_{_SUFFIX[dtype]}")
@@ -170,7 +171,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                  or residual.dtype != x.dtype):
         raise ValueError("add_rms_norm: residual must be contiguous and shaped like x")
     out = torch.empty((tokens, hidden), dtype=x.dtype)
-    _typed("pw_add_rms_norm", x.dtype)(
+    typed("pw_add_rms_norm", x.dtype)(
         out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
         weight.data_ptr(), tokens, hidden, x.stride(0), eps)
     return out, (x if residual is None else residual)
@@ -186,7 +187,7 @@ def rope_(qkv: torch.Tensor, num_heads: int, head_dim: int, table: torch.Tensor,
             or positions.dtype != torch.int64 or not positions.is_contiguous() \
             or positions.shape[0] != qkv.shape[0]:
         raise ValueError("rope_: bad shapes, strides or dtypes")
-    _typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
+    typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
                                  positions.data_ptr(), qkv.shape[0], num_heads, head_dim)
 
 
@@ -197,5 +198,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul: gate_up must be contiguous [T, 2I]")
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype)
-    _typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens, inter)
+    typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens, inter)
     return out

@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import torch
 
+from . import native
+
 Q4_1, Q8_0 = 3, 8                            # GGML type ids
 _BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}          # bytes of one 32-weight block in the file
 _ROWS = 16                                   # output rows per tile
 
 
 class QuantWeight:
-    """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile]."""
-    __slots__ = ("ggml_type", "tiles", "rows", "cols", "_kernels")
+    """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile], and
+    the native kernels that multiply them, by activation dtype."""
+    __slots__ = ("ggml_type", "tiles", "rows", "cols", "kernels")
 
     def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int):
         self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
-        self._kernels: dict[torch.dtype, object] | None = None   # bound on first use
+        name = "pw_q4_1_matmul" if ggml_type == Q4_1 else "pw_q8_0_matmul"
+        self.kernels = {dtype: native.typed(name, dtype)
+                        for dtype in (torch.bfloat16, torch.float32)} if available() else {}
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +43,6 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
 
 def available() -> bool:
     """Whether this machine's native kernels have the quantized matmuls (AVX512-BF16)."""
-    from . import native
     lib = native.load()
     return lib is not None and bool(lib.pw_quant_available())
 
@@ -67,8 +71,7 @@ def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. float32
     activations keep float32's precision (split into three bfloat16 parts in the kernel).
     Called per linear per step: the checks are the few the kernel's memory safety needs."""
-    kernels = weight._kernels or _bind(weight)
-    fn = kernels.get(x.dtype)
+    fn = weight.kernels.get(x.dtype)
     if fn is None or x.dim() != 2 or x.shape[1] != weight.cols or x.stride(1) != 1:
         raise ValueError(f"quantized matmul: x must be bfloat16 or float32 [T, {weight.cols}] "
                          f"with contiguous rows, got {x.dtype} {tuple(x.shape)}")
@@ -77,10 +80,3 @@ def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
        weight.tiles.data_ptr(), weight.rows, weight.cols)
     return out
 
-
-def _bind(weight: QuantWeight) -> dict:
-    from . import native
-    name = "pw_q4_1_matmul" if weight.ggml_type == Q4_1 else "pw_q8_0_matmul"
-    weight._kernels = {dtype: native._typed(name, dtype)
-                       for dtype in (torch.bfloat16, torch.float32)}
-    return weight._kernels

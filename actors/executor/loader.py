@@ -59,8 +59,11 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int) -> int:
     """Give each Linear whose GGUF tensors are all Q4_1 or all Q8_0 a quantized copy of its
     weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes kept.
-    The model must hold its whole weights (no tensor parallelism), in bfloat16 or float32."""
-    if info.format != "gguf" or max_tokens <= 0 or not quant.available():
+    Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
+    float32, the activation dtypes the kernels take."""
+    if info.format != "gguf" or max_tokens <= 0 or not quant.available() \
+            or model.tp.size != 1 or model.embed.weight.dtype not in (torch.bfloat16,
+                                                                      torch.float32):
         return 0
     cfg, kept = model.cfg, 0
     sources = model.linear_sources(cfg)

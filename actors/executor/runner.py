@@ -78,8 +78,7 @@ class ModelRunner:
         self.model.ops = select_ops(self.device, config.kernels)
         if self.model.ops.name == "cpu":
             pack_linears(self.model)
-            if config.dtype in ("bfloat16", "float32") and self.tp.size == 1:
-                keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens)
+            keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens)
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
@@ -87,8 +86,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1,
                                            self.block_size, kv_heads, cfg.head_dim,
                                            dtype, self.device)
-        if self.model.ops.name == "cpu":
-            self.model.fused_decode = FusedDecode.build(self.model, self.kv_caches)
+        self.model.fused_decode = FusedDecode.build(self.model, self.kv_caches)
         self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
                                              self.block_size, kv_heads, cfg.head_dim,
                                              dtype) if config.num_host_blocks else []

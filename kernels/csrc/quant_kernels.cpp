@@ -66,27 +66,36 @@ inline bf16 to_bf16(float x) {
   return out;
 }
 
-// The activations as the kernels read them, for T tokens of K columns:
-//   parts[p][t][k]: bfloat16 x split into P parts whose sum is x (P = 1 for bfloat16 input;
-//     3 for float32, each part the bfloat16 of what the earlier ones left: 24 bits in all,
-//     float32's precision, so a float32 engine multiplies float32 activations);
-//   sums[t][b]: the float32 sum of x over block b (Q4_1's minimum multiplies it);
-//   xf[t][k]: x in float32 (Q8_0 converts its weights to float32 instead).
+// The activations as the kernels read them, for T tokens of K columns; each kernel has only
+// its own form built (`use`):
+//   kParts (Q4_1): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
+//     bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
+//     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
+//     and sums[t][b], the float32 sum of x over block b (Q4_1's minimum multiplies it);
+//   kFloat (Q8_0): xf[t][k], x in float32 (Q8_0 converts its weights to float32 instead).
+enum Use { kParts, kFloat };
+
 struct Activations {
   int64_t T, K, P;
   std::vector<bf16> parts;
   std::vector<float> sums, xf;
 
   template <typename In>
-  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, bool split)
-      : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1),
-        parts(P * T * K), sums(T * (K / 32), 0.f), xf(T * K) {
+  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use)
+      : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1) {
+    if (use == kFloat) {
+      xf.resize(T * K);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(x[t * x_stride + k]);
+      return;
+    }
+    parts.resize(P * T * K);
+    sums.assign(T * (K / 32), 0.f);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
         float rest = to_float(x[t * x_stride + k]);
-        xf[t * K + k] = rest;
         sums[t * (K / 32) + k / 32] += rest;
-        for (int64_t p = 0; p < (split ? P : 1); ++p) {
+        for (int64_t p = 0; p < P; ++p) {
           const bf16 part = to_bf16(rest);
           parts[(p * T + t) * K + k] = part;
           rest -= to_float(part);
@@ -226,18 +235,18 @@ int64_t pw_quant_available() {
 // out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
 // out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32).
 #if defined(__AVX512BF16__)
-#define PW_QUANT_MATMUL(name, kernel, type, split)                                            \
+#define PW_QUANT_MATMUL(name, kernel, type, use)                                            \
   void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,        \
             const uint8_t* packed, int64_t N, int64_t K) {                                    \
-    matmul<kernel>(out, out_stride, Activations(x, x_stride, T, K, split), packed, N);        \
+    matmul<kernel>(out, out_stride, Activations(x, x_stride, T, K, use), packed, N);          \
   }
 #else
-#define PW_QUANT_MATMUL(name, kernel, type, split)                                            \
+#define PW_QUANT_MATMUL(name, kernel, type, use)                                            \
   void name(type*, int64_t, const type*, int64_t, int64_t, const uint8_t*, int64_t, int64_t) {}
 #endif
-PW_QUANT_MATMUL(pw_q4_1_matmul_bf16, Q4_1, bf16, true)
-PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, true)
-PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, false)
-PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, false)
+PW_QUANT_MATMUL(pw_q4_1_matmul_bf16, Q4_1, bf16, kParts)
+PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, kParts)
+PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, kFloat)
+PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, kFloat)
 
 }  // extern "C"

@@ -26,7 +26,7 @@ class FusedDecode:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], fn):
         cfg, layers = model.cfg, model.layers
-        self.kv_caches, self._fn, self.cfg = kv_caches, fn, cfg
+        self.kv_caches, self._fn, self.hidden = kv_caches, fn, cfg.hidden_size
         self.max_tokens = min(l.attn.qkv.quantized_max_tokens for l in layers)
         self.dtype = kv_caches[0].dtype
         rows = [_layer_row(layer, kv_caches[i], model.rope_tables[cfg.layer_rope[i]])
@@ -48,7 +48,7 @@ class FusedDecode:
                 or lib.pw_decode_stack_fields() != len(_FIELDS) \
                 or not all(c.is_contiguous() for c in kv_caches):
             return None
-        return cls(model, kv_caches, getattr(lib, f"pw_decode_stack_{_TYPES[kv_caches[0].dtype]}"))
+        return cls(model, kv_caches, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
@@ -64,7 +64,7 @@ class FusedDecode:
                         ("tables", tables)):
             if v.dtype != torch.int64 or not v.is_contiguous() or v.shape[0] != t:
                 raise ValueError(f"fused decode: {name} must be contiguous int64 with {t} rows")
-        if x.dtype != self.dtype or not x.is_contiguous() or x.shape[1] != self.cfg.hidden_size:
+        if x.dtype != self.dtype or not x.is_contiguous() or x.shape[1] != self.hidden:
             raise ValueError(f"fused decode: x must be contiguous {self.dtype} [T, H]")
         residual = torch.empty_like(x)
         self._fn(x.data_ptr(), residual.data_ptr(), self.layers.data_ptr(), len(self.layers),
