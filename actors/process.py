@@ -38,6 +38,7 @@ ROLES = {
 
 _PR_SET_PDEATHSIG = 1
 STOP_SIGNAL = signal.SIGUSR1   # the supervisor's "exit now"
+FATAL_EXIT_CODE = 1            # an actor that exits so has sent Fatal first
 HEARTBEAT_INTERVAL = 1.0     # seconds; an actor silent for HEARTBEAT_TIMEOUT counts as hung
 HEARTBEAT_TIMEOUT = 10.0
 
@@ -155,13 +156,23 @@ def main(argv: list[str]) -> None:
         if env.tracer is not None:
             env.tracer.close()
         logging.getLogger(env.name).error("fatal: %s", traceback.format_exc())
-        env.supervisor.send(Fatal(env.name, f"{type(e).__name__}: {e}"))
-        env.supervisor.sock.setsockopt(zmq.LINGER, 2000)   # deliver Fatal, then go
-        env.supervisor.close()
+        send_last_words(config, Fatal(env.name, f"{type(e).__name__}: {e}"))
         logging.shutdown()
         # Not ctx.term(): it waits for every socket to close, and the failure may have left
         # some open (or a thread using them, like a CURVE authenticator).
-        os._exit(1)
+        os._exit(FATAL_EXIT_CODE)
+
+
+def send_last_words(config: EngineConfig, fatal: Fatal) -> None:
+    """Deliver Fatal before the process exits. A send only queues the frame for zmq's IO
+    thread, and os._exit does not wait for it; a private context's term() does (up to the
+    linger), without waiting on the sockets the failure may have left open elsewhere."""
+    ctx = zmq.Context()
+    channel = PushChannel(ctx, ipc_address(config.run_dir, "supervisor"))
+    channel.send(fatal)
+    channel.sock.setsockopt(zmq.LINGER, 2000)
+    channel.close()
+    ctx.term()
 
 
 if __name__ == "__main__":

@@ -40,13 +40,14 @@ from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready, SupervisorInbox
 from pagewire.wire.trace import set_recording
 
 from .config import EngineConfig
-from .process import HEARTBEAT_TIMEOUT, STOP_SIGNAL
+from .process import FATAL_EXIT_CODE, HEARTBEAT_TIMEOUT, STOP_SIGNAL
 from .sd_notify import notify, watchdog_period
 
 log = logging.getLogger("supervisor")
 START_TIMEOUT = 300.0
 STOP_TIMEOUT = 10.0
 STEP_STALLED_AFTER = 60.0       # a step running this long counts as a hung executor
+FATAL_WAIT = 2.0                # how long a dead actor's Fatal may still be in flight
 CORE = ("executor", "scheduler", "detokenizer")
 
 
@@ -206,11 +207,7 @@ class Supervisor:
                               f"({self.config.restart_budget} in {self.config.restart_window:.0f}s)")
         role = name.split()[0]
         log.error("%s exited with code %s; restarting", name, code)
-        msg = self.inbox.recv(50)              # what it said before it died, if anything
-        while msg is not None:
-            self._handle(msg)
-            msg = self.inbox.recv(0)
-        why = self.fatal.pop(name, None)
+        why = self._last_words(name, FATAL_WAIT if code == FATAL_EXIT_CODE else 0.05)
         if role in ("scheduler", "executor"):
             self._restart_core(f"{name} exited with code {code}" + (f": {why}" if why else ""))
         elif role == "gateway":
@@ -221,6 +218,18 @@ class Supervisor:
             # from now on queue at the socket and reach the new actor.
             self.gateway_channel.send(EngineEvent("restarted", f"{name} died"))
             self._respawn(name)
+
+    def _last_words(self, name: str, wait: float) -> str | None:
+        """What `name` said (Fatal) before it died, handling what else is in the inbox. An
+        actor that exits FATAL_EXIT_CODE sent one before exiting, but it may still be in
+        flight: wait up to `wait` seconds for it."""
+        deadline = time.monotonic() + wait
+        while name not in self.fatal:
+            msg = self.inbox.recv(max(0, int((deadline - time.monotonic()) * 1000)))
+            if msg is None:
+                break
+            self._handle(msg)
+        return self.fatal.pop(name, None)
 
     def _respawn(self, name: str) -> None:
         role, _, index = name.partition(" ")
