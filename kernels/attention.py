@@ -11,6 +11,7 @@ attention_triton.py and re-exported here, at the bottom.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,19 @@ class AttentionBatch:
     decode_context_lens: torch.Tensor | None  # [B] int64: tokens each decode attends (its own included)
     prefills: list[PrefillSpan]
 
+    @functools.cached_property
+    def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill spans as the native kernel takes them, built on first use (once a
+        step, not once a layer): chunks [S, 4] int64 rows (start, num_tokens, context_len,
+        offset of the span's block table) and the spans' block tables concatenated."""
+        offsets, total = [], 0
+        for span in self.prefills:
+            offsets.append(total)
+            total += span.block_table.shape[0]
+        chunks = torch.tensor([[s.start, s.num_tokens, s.context_len, o]
+                               for s, o in zip(self.prefills, offsets)], dtype=torch.int64)
+        return chunks.view(-1, 4), torch.cat([s.block_table for s in self.prefills])
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -56,11 +70,13 @@ PLAIN = Variant()
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     batch: AttentionBatch, scale: float, write=write_kv,
-                    decode=None, variant: Variant = PLAIN) -> torch.Tensor:
+                    decode=None, prefill=None, variant: Variant = PLAIN) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
     returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
     and `decode` may be replaced by faster implementations with the same contracts
-    (decode_attention's, variant included)."""
+    (decode_attention's, variant included); `prefill(q, kv_cache, batch, scale, variant, out)`
+    may take every prefill span at once (writing their rows of out, returning True) or
+    decline (False)."""
     write(kv_cache, k, v, batch.slot_mapping)
     nd = batch.num_decode_tokens
     if not batch.prefills and nd == q.shape[0]:    # decode only: the kernel's output is it
@@ -70,6 +86,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if nd:
         out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
                                                 batch.decode_context_lens, scale, variant)
+    if prefill is not None and prefill(q, kv_cache, batch, scale, variant, out):
+        return out
     fresh: dict[int, list[PrefillSpan]] = {}
     for span in batch.prefills:
         if span.context_len == span.num_tokens and variant.plain:

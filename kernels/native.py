@@ -1,4 +1,5 @@
-"""Native CPU kernels (csrc/*.cpp: cpu_kernels, quant_kernels, decode_stack), compiled on
+"""Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, quant_kernels,
+decode_stack), compiled on
 first use and called via ctypes.
 
 The library is built with g++ -O3 -march=native against torch's headers (for
@@ -22,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
+            for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "quant_kernels.cpp",
+                         "decode_stack.cpp")]
 _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "bf16.h")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
@@ -31,6 +33,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
     "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
+    "pw_prefill_attention_bf16": [_ptr] * 6 + [_i64] * 7 + [_f32, _i64],
     "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
     "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
@@ -102,6 +105,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
     lib.pw_quant_available.restype = ctypes.c_int64
+    lib.pw_prefill_attention_available.restype = ctypes.c_int64
     lib.pw_decode_stack_fields.restype = ctypes.c_int64
     return lib
 
@@ -139,6 +143,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
        head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
        window or 0, softcap or 0.0)
     return out
+
+
+def prefill_attention_serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a
+    multiple of 16 tokens, and a build with AVX512-BF16."""
+    lib = load()
+    _, block_size, _, head_dim = k_cache.shape
+    return (lib is not None and bool(lib.pw_prefill_attention_available())
+            and q.dtype == k_cache.dtype == torch.bfloat16 and head_dim in (64, 128)
+            and block_size % 16 == 0 and q.device.type == "cpu")
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      chunks: torch.Tensor, tables: torch.Tensor, scale: float,
+                      window: int | None, out: torch.Tensor) -> None:
+    """Causal attention of prefill chunks whose keys and values are already in the cache.
+    q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
+    chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
+    table in `tables`); a chunk's queries are positions ctx - n .. ctx - 1. Writes those rows
+    of out. Only what prefill_attention_serves accepts."""
+    _check_cpu(q, k_cache, v_cache, chunks, tables, out)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
+            or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim \
+            or num_heads % num_kv_heads or out.dtype != q.dtype:
+        raise ValueError("prefill_attention: bad strides, dtypes or head counts")
+    if chunks.dtype != torch.int64 or not chunks.is_contiguous() or chunks.shape[1:] != (4,) \
+            or tables.dtype != torch.int64 or not tables.is_contiguous():
+        raise ValueError("prefill_attention: chunks [S, 4] and tables must be contiguous int64")
+    load().pw_prefill_attention_bf16(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads, head_dim, block_size,
+        q.stride(0), out.stride(0), scale, window or 0)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

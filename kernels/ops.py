@@ -69,11 +69,22 @@ class CpuOps(TorchOps):
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self._write_kv,
-                                         decode=self._decode, variant=variant)
+                                         decode=self._decode, prefill=self._prefill,
+                                         variant=variant)
 
     @staticmethod
     def _write_kv(cache, k, v, slots):
         native.write_kv(cache[0], cache[1], k, v, slots)
+
+    @staticmethod
+    def _prefill(q, cache, batch, scale, variant, out) -> bool:
+        """bfloat16 prefills (plain or windowed) on the native kernel; the rest on torch."""
+        if variant.softcap is not None or not native.prefill_attention_serves(q, cache[0]):
+            return False
+        chunks, tables = batch.packed_prefills
+        native.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
+                                 out)
+        return True
 
     @staticmethod
     def _decode(q, cache, tables, lens, scale, variant):

@@ -85,6 +85,60 @@ def test_decode_attention_handles_every_context_length(dtype, window, softcap):
         torch.testing.assert_close(out.float(), ref, **tol(dtype))
 
 
+PREFILL_CHUNKS = [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100), (40, 7), (70, 33), (33, 1),
+                  (130, 64)]          # (context once written, queries): fresh and continued
+
+
+def _prefill_case(heads, kv_heads, head_dim, block_size, seed=5):
+    """Chunks at shuffled blocks of a random bf16 cache; q as strided rows of a fused qkv."""
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-ctx // block_size) for ctx, _ in PREFILL_CHUNKS]
+    cache = torch.randn(2, sum(need) + 2, block_size, kv_heads, head_dim,
+                        generator=g).bfloat16()
+    ids = torch.randperm(cache.shape[1], generator=g)
+    spans, start, used = [], 0, 0
+    for (ctx, n), blocks in zip(PREFILL_CHUNKS, need):
+        spans.append(PrefillSpan(start, n, ctx, ids[used:used + blocks]))
+        start, used = start + n, used + blocks
+    width = (heads + 2 * kv_heads) * head_dim
+    q = torch.randn(start, width, generator=g).bfloat16()[:, :heads * head_dim]
+    batch = AttentionBatch(torch.zeros(start, dtype=torch.int64), 0, None, None, spans)
+    return cache, q.view(start, heads, head_dim), batch
+
+
+@pytest.mark.skipif(not native.prefill_attention_serves(torch.zeros(1, dtype=torch.bfloat16),
+                                                        torch.zeros(1, 16, 1, 64,
+                                                                    dtype=torch.bfloat16)),
+                    reason="no AVX512-BF16")
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (4, 4, 128), (8, 1, 64),
+                                                       (9, 3, 64)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 5, 20, 40])
+def test_prefill_attention_matches_the_float32_reference(heads, kv_heads, head_dim, block_size,
+                                                         window):
+    """Every chunk of one call (fresh prompts of 1 .. 100 tokens, around the 16-key tile, and
+    chunks over cached context) against causal attention in float32 of the same bf16
+    inputs, sliding windows included: within bfloat16's rounding, and no worse than torch's
+    own bf16 SDPA on the same inputs."""
+    from pagewire.kernels.attention import Variant, prefill_attention
+    cache, q, batch = _prefill_case(heads, kv_heads, head_dim, block_size)
+    chunks, tables = batch.packed_prefills
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    native.prefill_attention(q, cache[0], cache[1], chunks, tables, 0.125, window, out)
+    for span in batch.prefills:
+        rows = slice(span.start, span.start + span.num_tokens)
+        new = [c[span.block_table].flatten(0, 1)[span.context_len - span.num_tokens:
+                                                 span.context_len] for c in cache]
+        ref = prefill_attention(q[rows].float(), new[0].float(), new[1].float(), cache.float(),
+                                span, 0.125, Variant(window))
+        torch.testing.assert_close(out[rows].float(), ref, **tol(torch.bfloat16))
+        if window is None and span.context_len > span.num_tokens:
+            sdpa = prefill_attention(q[rows], *new, cache, span, 0.125)
+            ours, theirs = ((x.float() - ref).abs().mean() for x in (out[rows], sdpa))
+            assert ours <= 1.1 * theirs
+
+
 def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama):
     path = tiny_llama("gqa3-odd")
     rng = random.Random(4)
