@@ -1,4 +1,4 @@
-"""Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, quant_kernels,
+"""Native CPU kernels (csrc/*.cpp: cpu_kernels, attention_bf16, quant_kernels,
 decode_stack), compiled on
 first use and called via ctypes.
 
@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "quant_kernels.cpp",
+            for name in ("cpu_kernels.cpp", "attention_bf16.cpp", "quant_kernels.cpp",
                          "decode_stack.cpp")]
 _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "bf16.h")
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",

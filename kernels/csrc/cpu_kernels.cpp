@@ -298,6 +298,11 @@ void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
 
 extern "C" {
 
+int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
+                                       const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                                       float);  // attention_bf16.cpp
+
 // out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
 void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,
                          int64_t tokens, int64_t hidden, int64_t x_stride, float eps) {
@@ -343,6 +348,10 @@ void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
                               const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
                               int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
                               int64_t out_stride, float scale, int64_t window, float softcap) {
+  if (pw_decode_attention_tiled_bf16(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq,
+                                     Hkv, D, bs, table_stride, q_stride, out_stride, scale,
+                                     window, softcap))
+    return;
   decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
                    table_stride, q_stride, out_stride, scale, window, softcap);
 }

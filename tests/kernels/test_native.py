@@ -64,13 +64,15 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (16, None), (20, 3.0),
                                              (None, 1.5)])
-def test_decode_attention_handles_every_context_length(dtype, window, softcap):
+@pytest.mark.parametrize("hq, hkv, d", [(6, 2, 64), (8, 1, 128), (4, 4, 64)])
+def test_decode_attention_handles_every_context_length(dtype, window, softcap, hq, hkv, d):
     """Context lengths 1 .. 3 blocks + 1, against the torch path, small and large batches
     (a small batch is split by kv head); sliding windows (shorter than, equal to and across
-    a block) and soft-capping."""
+    a block) and soft-capping; 3, 8 (two passes of query heads) and 1 query head per kv
+    head."""
     from pagewire.kernels.attention import Variant, decode_attention
     g = torch.Generator().manual_seed(3)
-    bs, hkv, hq, d = 16, 2, 6, 64
+    bs = 16
     lens = list(range(1, 3 * bs + 2))
     width = -(-max(lens) // bs)
     cache = torch.randn(2, len(lens) * width + 1, bs, hkv, d, generator=g).to(dtype)
