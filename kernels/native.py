@@ -1,5 +1,5 @@
-"""Native CPU kernels (csrc/*.cpp: cpu_kernels, attention_bf16, quant_kernels,
-decode_stack), compiled on
+"""Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
+quant_kernels, decode_stack), compiled on
 first use and called via ctypes.
 
 The library is built with g++ -O3 -march=native against torch's headers (for
@@ -23,9 +23,10 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("cpu_kernels.cpp", "attention_bf16.cpp", "quant_kernels.cpp",
-                         "decode_stack.cpp")]
-_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "bf16.h")
+            for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
+                         "quant_kernels.cpp", "decode_stack.cpp")]
+_HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
+            for name in ("bf16.h", "attention_tiles.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -86,7 +87,7 @@ def _build(target: str) -> None:
 def load() -> ctypes.CDLL | None:
     if os.environ.get("PAGEWIRE_NATIVE", "1") == "0":
         return None
-    sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, _HEADER])
+    sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + torch.__version__.encode()
                          + _cpu_identity().encode()).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")

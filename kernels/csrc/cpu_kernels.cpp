@@ -301,7 +301,7 @@ extern "C" {
 int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
                                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                       float);  // attention_bf16.cpp
+                                       float);  // decode_attention.cpp
 
 // out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
 void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,
