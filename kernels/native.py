@@ -1,5 +1,5 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-quant_kernels, decode_stack), compiled on
+sampling, quant_kernels, decode_stack), compiled on
 first use and called via ctypes.
 
 The library is built with g++ -O3 -march=native against torch's headers (for
@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
-                         "quant_kernels.cpp", "decode_stack.cpp")]
+                         "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("bf16.h", "attention_tiles.h")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
@@ -35,6 +35,7 @@ _SIGNATURES = {
     "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
     "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
     "pw_prefill_attention_bf16": [_ptr] * 6 + [_i64] * 7 + [_f32, _i64],
+    "pw_sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
     "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
     "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
@@ -107,6 +108,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.pw_quant_available.restype = ctypes.c_int64
     lib.pw_prefill_attention_available.restype = ctypes.c_int64
+    lib.pw_sample_available.restype = ctypes.c_int64
     lib.pw_decode_stack_fields.restype = ctypes.c_int64
     return lib
 
@@ -178,6 +180,25 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads, head_dim, block_size,
         q.stride(0), out.stride(0), scale, window or 0)
+
+
+def sample_serves(logits: torch.Tensor) -> bool:
+    """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""
+    lib = load()
+    return (lib is not None and bool(lib.pw_sample_available()) and logits.device.type == "cpu"
+            and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1)
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: for each row of logits [S, V], the first token whose cumulative
+    softmax mass reaches uniforms[s] (in (0, 1]) of the row's total; -inf logits weigh
+    nothing. uniforms: [S] float32. Returns [S] int64. Only what sample_serves accepts."""
+    rows, vocab = logits.shape
+    u = uniforms.reshape(rows).to(torch.float32).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    load().pw_sample_rows(logits.data_ptr(), rows, vocab, logits.stride(0), u.data_ptr(),
+                          out.data_ptr())
+    return out
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

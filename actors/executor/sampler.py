@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagewire.kernels import native
 from pagewire.wire.sampling import SamplingParams
 
 from .logits_processors import apply_logits_processors
@@ -43,16 +44,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     is_greedy = [p.greedy for p in batch.params]
     greedy = logits.argmax(dim=-1) if any(is_greedy) else None
     dev = logits.device
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in batch.params], device=dev)
-    logits.div_(temps.unsqueeze(1))
+    temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
+    if any(t != 1.0 for t in temps):
+        logits.div_(torch.tensor(temps, device=dev).unsqueeze(1))
     _apply_top_k_top_p(logits, batch.params)
     _apply_min_p(logits, batch.params)
-    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)                # [S, V]
-    target = _uniforms(batch, dev).mul_(cdf[:, -1:])                   # [S, 1] in (0, total]
-    sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    sampled = draw(logits, _uniforms(batch, dev))
     if greedy is None:
         return sampled
     return torch.where(torch.tensor(is_greedy, device=dev), greedy, sampled)
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [S, V], the first token whose cumulative softmax probability reaches
+    uniforms [S, 1] (in (0, 1]) of the total: the native kernel on the CPU (one fused pass per
+    row, no [S, V] temporaries), else softmax, cumsum and a search."""
+    if native.sample_serves(logits):
+        return native.sample_rows(logits, uniforms)
+    return draw_by_search(logits, uniforms)
+
+
+def draw_by_search(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """draw on any device: the reference for the native kernel."""
+    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)                # [S, V]
+    target = uniforms.mul(cdf[:, -1:])                                 # [S, 1] in (0, total]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
