@@ -85,6 +85,16 @@ class Request:
         """Tokens still to compute before the next sample (or fork)."""
         return self.target_len - self.num_computed
 
+    def stop_reason(self, token: int, eos_ids: frozenset[int]) -> str | None:
+        """Why the sequence ends with `token` (just appended): "stop", "length" or None."""
+        s = self.sampling
+        if self.num_output_tokens > s.min_tokens:   # the executor masks them before that
+            if (token in eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+                return "stop"
+        if self.num_output_tokens >= self.max_tokens:
+            return "length"
+        return None
+
     def fork(self, req_id: str, sampling: SamplingParams) -> "Request":
         """A sequence with this one's tokens and blocks (the caller takes block references)."""
         child = Request.__new__(Request)

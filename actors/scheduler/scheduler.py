@@ -312,7 +312,7 @@ class Scheduler:
             if req.sampling.logprobs is not None:
                 logprobs = LogprobsChunk([token], [result.logprobs[row]], [result.top_ids[row]],
                                          [result.top_logprobs[row]])
-        reason = self._stop_reason(req, token)
+        reason = req.stop_reason(token, self.eos_ids)
         if reason:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
@@ -330,15 +330,6 @@ class Scheduler:
         req.num_prompt_logprobs_sent = req.num_computed + 1 + len(chunk.token_ids)
         ids = output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader else [req.req_id]
         return [TokenDelta(i, [], prompt_logprobs=fresh) for i in ids]
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        s = req.sampling
-        if req.num_output_tokens > s.min_tokens:   # the executor masks them before that
-            if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
-                return "stop"
-        if req.num_output_tokens >= req.max_tokens:
-            return "length"
-        return None
 
     def _fork(self, leader: Request) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first
