@@ -16,14 +16,10 @@
 #include "attention_tiles.h"
 #include "bf16.h"
 
+namespace pw {
 namespace {
 
-using pw::bf16;
-
 #if defined(__AVX512BF16__)
-using pw::exp_ps;
-using pw::kNoScore;
-using pw::kTile;
 constexpr int64_t kAhead = 1;      // tiles ahead that decode prefetches
 
 // Rows r[0..15] of 16 dwords -> columns: r[c] lane t = old r[t] lane c.
@@ -90,7 +86,8 @@ inline void decode_tile(Head<kD>* heads, const bf16* q, const bf16* k0, const bf
   __m512 acc[NG][C];
   for (int g = 0; g < NG; ++g) {
     Head<kD>& h = heads[g];
-    const __m512 sg = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), seen, s[g], _mm512_set1_ps(scale));
+    const __m512 sg = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), seen, s[g],
+                                         _mm512_set1_ps(scale));
     const float m_new = std::max(h.m, _mm512_reduce_max_ps(sg));
     const __m512 p = _mm512_maskz_mov_ps(seen, exp_ps(_mm512_sub_ps(sg, _mm512_set1_ps(m_new))));
     const __m512 alpha = exp_ps(_mm512_set1_ps(h.m - m_new));
@@ -102,10 +99,12 @@ inline void decode_tile(Head<kD>* heads, const bf16* q, const bf16* k0, const bf
   for (int kp = 0; kp < kTile / 2; ++kp) {
     __m512i vt[C];                            // keys 2kp, 2kp + 1 interleaved, by dims
     for (int c = 0; c < C; ++c) {
+      const bf16* ra = v0 + 2 * kp * row_stride + 16 * c;
+      const bf16* rb = ra + row_stride;
       const __m512i a = 2 * kp < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(v0 + 2 * kp * row_stride + 16 * c))) : _mm512_setzero_si512();
+          reinterpret_cast<const __m256i*>(ra))) : _mm512_setzero_si512();
       const __m512i b = 2 * kp + 1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(v0 + (2 * kp + 1) * row_stride + 16 * c))) : _mm512_setzero_si512();
+          reinterpret_cast<const __m256i*>(rb))) : _mm512_setzero_si512();
       vt[c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
       constexpr int kLines = kD / 32;      // 64-byte lines per row: C = 2 kLines steps here
       __builtin_prefetch(v_next + (2 * kp + c / kLines) * row_stride + 32 * (c % kLines));
@@ -141,8 +140,9 @@ void decode_seq(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
     const int64_t ahead = key0 + kAhead * kTile;
     const int64_t next = ahead < ctx ? (table[ahead / bs] * bs + ahead % bs) * row_stride : -1;
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(key0)));
-    const __mmask16 seen = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(ctx)))
-                         & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(first)));
+    const __mmask16 seen =
+        _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(ctx))) &
+        _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(first)));
     for (int64_t j = h0; j < h1; ++j) {
       const bf16* k0 = k_cache + slot0 * row_stride + j * kD;
       const bf16* v0 = v_cache + slot0 * row_stride + j * kD;
@@ -150,11 +150,13 @@ void decode_seq(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
       for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
         Head<kD>* hs = heads.data() + (j - h0) * G + g0;
         const bf16* qg = q + (j * G + g0) * kD;
+        const bf16 *kn = k_cache + pre, *vn = v_cache + pre;
         switch (std::min<int64_t>(kChunk, G - g0)) {
-          case 1: decode_tile<kD, 1>(hs, qg, k0, v0, k_cache + pre, v_cache + pre, row_stride, seen, valid, scale); break;
-          case 2: decode_tile<kD, 2>(hs, qg, k0, v0, k_cache + pre, v_cache + pre, row_stride, seen, valid, scale); break;
-          case 3: decode_tile<kD, 3>(hs, qg, k0, v0, k_cache + pre, v_cache + pre, row_stride, seen, valid, scale); break;
-          default: decode_tile<kD, kChunk>(hs, qg, k0, v0, k_cache + pre, v_cache + pre, row_stride, seen, valid, scale); break;
+          case 1: decode_tile<kD, 1>(hs, qg, k0, v0, kn, vn, row_stride, seen, valid, scale); break;
+          case 2: decode_tile<kD, 2>(hs, qg, k0, v0, kn, vn, row_stride, seen, valid, scale); break;
+          case 3: decode_tile<kD, 3>(hs, qg, k0, v0, kn, vn, row_stride, seen, valid, scale); break;
+          default:
+            decode_tile<kD, kChunk>(hs, qg, k0, v0, kn, vn, row_stride, seen, valid, scale);
         }
       }
     }
@@ -187,21 +189,22 @@ void decode_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16*
 #endif
 
 }  // namespace
+}  // namespace pw
 
 extern "C" {
 
 // As pw_decode_attention_bf16 (cpu_kernels.cpp), which calls this first: returns 0, doing
 // nothing, for what this kernel does not take (D not 64 or 128, bs % 16 != 0, a soft-cap, or
 // a build without AVX512-BF16).
-int64_t pw_decode_attention_tiled_bf16(bf16* out, const bf16* q, const bf16* k_cache,
-                                       const bf16* v_cache, const int64_t* block_tables,
-                                       const int64_t* context_lens, int64_t B, int64_t Hq,
-                                       int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
-                                       int64_t q_stride, int64_t out_stride, float scale,
-                                       int64_t window, float softcap) {
+int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
+                                       const pw::bf16* k_cache, const pw::bf16* v_cache,
+                                       const int64_t* block_tables, const int64_t* context_lens,
+                                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                                       int64_t table_stride, int64_t q_stride, int64_t out_stride,
+                                       float scale, int64_t window, float softcap) {
 #if defined(__AVX512BF16__)
-  if (bs % kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
-  auto fn = D == 64 ? decode_attention<64> : decode_attention<128>;
+  if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
+  auto fn = D == 64 ? pw::decode_attention<64> : pw::decode_attention<128>;
   fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
      q_stride, out_stride, scale, window);
   return 1;

@@ -30,14 +30,10 @@
 #include "attention_tiles.h"
 #include "bf16.h"
 
+namespace pw {
 namespace {
 
-using pw::bf16;
-
 #if defined(__AVX512BF16__)
-using pw::exp_ps;
-using pw::kNoScore;
-using pw::kTile;
 constexpr int64_t kItemPositions = 32;
 
 // Two vectors of 16 floats -> 16 dwords, each the pair (lo[i], hi[i]) rounded to bfloat16.
@@ -225,7 +221,8 @@ void prefill_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16
       for (int64_t i0 = 0; i0 < chunks[c].n; i0 += kItemPositions) {
         const int64_t i1 = std::min(chunks[c].n, i0 + kItemPositions);
         const int64_t keys = chunks[c].ctx - chunks[c].n + i1;
-        items.push_back({c, j, i0, i1, (i1 - i0) * (sh.window > 0 ? std::min(keys, sh.window) : keys)});
+        const int64_t seen = sh.window > 0 ? std::min(keys, sh.window) : keys;
+        items.push_back({c, j, i0, i1, (i1 - i0) * seen});
       }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -242,6 +239,7 @@ void prefill_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16
 #endif
 
 }  // namespace
+}  // namespace pw
 
 extern "C" {
 
@@ -257,15 +255,17 @@ int64_t pw_prefill_attention_available() {
 // out, q: [T, Hq, D] bf16 (rows out_stride / q_stride apart, heads contiguous); caches
 // [num_blocks, bs, Hkv, D] bf16 contiguous, bs % 16 == 0; chunks [num_chunks, 4] int64 (first
 // row, queries, context, offset of its block table in `tables`). D is 64 or 128.
-void pw_prefill_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
-                               const bf16* v_cache, const int64_t* tables, const int64_t* chunks,
-                               int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                               int64_t q_stride, int64_t out_stride, float scale, int64_t window) {
+void pw_prefill_attention_bf16(pw::bf16* out, const pw::bf16* q, const pw::bf16* k_cache,
+                               const pw::bf16* v_cache, const int64_t* tables,
+                               const int64_t* chunks, int64_t num_chunks, int64_t Hq,
+                               int64_t Hkv, int64_t D, int64_t bs, int64_t q_stride,
+                               int64_t out_stride, float scale, int64_t window) {
 #if defined(__AVX512BF16__)
-  const Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale};
-  const Chunk* c = reinterpret_cast<const Chunk*>(chunks);
-  if (D == 64) prefill_attention<64>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
-  else if (D == 128) prefill_attention<128>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
+  const pw::Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale};
+  const pw::Chunk* c = reinterpret_cast<const pw::Chunk*>(chunks);
+  if (D == 64) pw::prefill_attention<64>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
+  else if (D == 128)
+    pw::prefill_attention<128>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
 #endif
 }
 
