@@ -106,11 +106,17 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
-    lib.pw_quant_available.restype = ctypes.c_int64
-    lib.pw_prefill_attention_available.restype = ctypes.c_int64
-    lib.pw_sample_available.restype = ctypes.c_int64
+    lib.pw_avx512_bf16.restype = ctypes.c_int64
     lib.pw_decode_stack_fields.restype = ctypes.c_int64
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def avx512_bf16() -> bool:
+    """Whether the library was built with the AVX512-BF16 kernels (bf16 attention, sampling,
+    quantized matmuls). Asked once: callers check it on the per-step path."""
+    lib = load()
+    return lib is not None and bool(lib.pw_avx512_bf16())
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
@@ -151,11 +157,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention_serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a
     multiple of 16 tokens, and a build with AVX512-BF16."""
-    lib = load()
     _, block_size, _, head_dim = k_cache.shape
-    return (lib is not None and bool(lib.pw_prefill_attention_available())
-            and q.dtype == k_cache.dtype == torch.bfloat16 and head_dim in (64, 128)
-            and block_size % 16 == 0 and q.device.type == "cpu")
+    return (avx512_bf16() and q.dtype == k_cache.dtype == torch.bfloat16
+            and head_dim in (64, 128) and block_size % 16 == 0 and q.device.type == "cpu")
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -184,9 +188,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def sample_serves(logits: torch.Tensor) -> bool:
     """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""
-    lib = load()
-    return (lib is not None and bool(lib.pw_sample_available()) and logits.device.type == "cpu"
-            and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1)
+    return (avx512_bf16() and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.stride(1) == 1)
 
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

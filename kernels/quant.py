@@ -43,8 +43,7 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
 
 def available() -> bool:
     """Whether this machine's native kernels have the quantized matmuls (AVX512-BF16)."""
-    lib = native.load()
-    return lib is not None and bool(lib.pw_quant_available())
+    return native.avx512_bf16()
 
 
 def pack(ggml_type: int, raw: torch.Tensor, cols: int) -> QuantWeight:

@@ -9,9 +9,11 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace pw {
 
-constexpr int kTile = 16;            // keys per tile (and, in prefill, query positions per lane group)
+constexpr int kTile = 16;            // keys per tile; in prefill also query positions per group
 constexpr float kNoScore = -1e30f;   // finite: the library is built with -ffast-math
 
 // e^x for x <= 0 (scores minus their running maximum): 2^(x log2 e) split into an integer
@@ -30,6 +32,16 @@ inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// 16 dims of two keys' value rows interleaved, the pairs P . V multiplies against a query's
+// two probabilities: lane i = (a[i], b[i]) as bf16. A row not `live` (a key past the written
+// slots of the last block) reads as zeros, so whatever is there never meets a 0 weight; the
+// masked load keeps this branch-free.
+inline __m512i value_pair(const uint16_t* a, bool a_live, const uint16_t* b, bool b_live) {
+  const __m512i wa = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(a_live ? 0xffff : 0, a));
+  const __m512i wb = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(b_live ? 0xffff : 0, b));
+  return _mm512_or_si512(wa, _mm512_slli_epi32(wb, 16));
 }
 
 }  // namespace pw

@@ -298,6 +298,17 @@ void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
 
 extern "C" {
 
+// 1 when this build has the AVX512-BF16 kernels (prefill_attention, decode_attention,
+// sampling, quant_kernels, decode_stack's quantized linears); without them (0) they do
+// nothing and callers take the torch or float paths.
+int64_t pw_avx512_bf16() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
                                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,

@@ -100,12 +100,7 @@ inline void decode_tile(Head<kD>* heads, const bf16* q, const bf16* k0, const bf
     __m512i vt[C];                            // keys 2kp, 2kp + 1 interleaved, by dims
     for (int c = 0; c < C; ++c) {
       const bf16* ra = v0 + 2 * kp * row_stride + 16 * c;
-      const bf16* rb = ra + row_stride;
-      const __m512i a = 2 * kp < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(ra))) : _mm512_setzero_si512();
-      const __m512i b = 2 * kp + 1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rb))) : _mm512_setzero_si512();
-      vt[c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+      vt[c] = value_pair(ra, 2 * kp < valid, ra + row_stride, 2 * kp + 1 < valid);
       constexpr int kLines = kD / 32;      // 64-byte lines per row: C = 2 kLines steps here
       __builtin_prefetch(v_next + (2 * kp + c / kLines) * row_stride + 32 * (c % kLines));
     }

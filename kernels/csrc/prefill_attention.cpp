@@ -143,15 +143,9 @@ template <int kD>
 inline void pair_values(const bf16* const* vrow, int valid, __m512i* vt) {
   constexpr int C = kD / 16;
   for (int t = 0; t < kTile; t += 2)
-    for (int c = 0; c < C; ++c) {
-      const __m512i a = t < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        reinterpret_cast<const __m256i*>(vrow[t] + 16 * c)))
-                                  : _mm512_setzero_si512();
-      const __m512i b = t + 1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                            reinterpret_cast<const __m256i*>(vrow[t + 1] + 16 * c)))
-                                      : _mm512_setzero_si512();
-      vt[t / 2 * C + c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-    }
+    for (int c = 0; c < C; ++c)
+      vt[t / 2 * C + c] = value_pair(vrow[t] + 16 * c, t < valid, vrow[t + 1] + 16 * c,
+                                     t + 1 < valid);
 }
 
 // One work item: chunk `ch`, kv head j, its queries [i0, i1).
@@ -242,15 +236,6 @@ void prefill_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16
 }  // namespace pw
 
 extern "C" {
-
-// 1 when this build has the kernel (AVX512-BF16); callers fall back to torch otherwise.
-int64_t pw_prefill_attention_available() {
-#if defined(__AVX512BF16__)
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 // out, q: [T, Hq, D] bf16 (rows out_stride / q_stride apart, heads contiguous); caches
 // [num_blocks, bs, Hkv, D] bf16 contiguous, bs % 16 == 0; chunks [num_chunks, 4] int64 (first

@@ -223,15 +223,6 @@ void matmul(Out* out, int64_t out_stride, const Activations& a, const uint8_t* p
 
 extern "C" {
 
-// 1 when this build has the quantized kernels (AVX512-BF16), else 0 and callers dequantize.
-int64_t pw_quant_available() {
-#if defined(__AVX512BF16__)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
 // out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32).
 #if defined(__AVX512BF16__)

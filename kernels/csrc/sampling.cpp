@@ -3,6 +3,7 @@
 // reaches u times the row's total. torch needed a softmax, a cumulative sum and a search,
 // four passes over [S, V] float32 with S x V temporaries (~14 ms at 128 x 49152 here); this
 // makes three passes over each row while it sits in L2, rows spread over the threads.
+// Built with the bf16 kernels (it shares their vector exp, attention_tiles.h).
 #include <ATen/Parallel.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -73,15 +74,6 @@ int64_t draw_row(const float* x, int64_t V, float u, std::vector<float>& weights
 }  // namespace
 
 extern "C" {
-
-// 1 when this build has the kernel (AVX-512); callers use torch otherwise.
-int64_t pw_sample_available() {
-#if defined(__AVX512BF16__)
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 // logits [rows, V] float32, rows `stride` apart; u [rows] in (0, 1]; out [rows] int64.
 void pw_sample_rows(const float* logits, int64_t rows, int64_t V, int64_t stride, const float* u,
