@@ -12,6 +12,8 @@ import functools
 import logging
 import sys
 
+from pagewire.kernels import tiers
+
 from . import settings
 from .config import EngineConfig, parse_bytes
 from .process import setup_logging
@@ -55,8 +57,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag("--seed", type=int, help="random state of unseeded sampling (default 0)")
     flag("--tensor-parallel-size", "-tp", type=int,
          help="executor ranks, each holding a share of the model (default 1)")
-    flag("--kernels", choices=["auto", "torch", "cpu", "triton"],
-         help="kernel set: auto (native CPU kernels or Triton on CUDA), torch (reference)")
+    flag("--kernels", choices=list(tiers.BACKENDS),
+         help="backend: auto (the best native CPU tier, or Triton on CUDA), cpu (the best "
+              "tier), a tier (avx2, avx512, avx512_bf16, amx: any up to this CPU's own), "
+              "torch (the reference)")
     flag("--quantized-matmul-tokens", type=int,
          help="steps of up to N tokens multiply a GGUF model's Q4_1/Q8_0 weights as stored "
               f"(CPU; bfloat16 or float32); larger ones use dequantized copies; 0: never (default "

@@ -8,6 +8,8 @@ import re
 
 import msgspec
 
+from pagewire.kernels import tiers
+
 from .model_info import ModelInfo, resolve_model
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -44,7 +46,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
     num_tokenizers: int = 1
     threads: int | None = None               # torch threads in the executor; None: all cores
-    kernels: str = "auto"                    # auto | torch (reference) | cpu (native) | triton
+    kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
                                              # stored (Q4_1, Q8_0); 0: always dequantized
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
@@ -77,7 +79,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """Return a copy with the model read, dtype, context and KV pool size decided.
         Raises ValueError with a clear message if the options do not fit together."""
         info = self.model_info or resolve_model(self.model)
-        dtype = _resolve_dtype(self.dtype)
+        dtype = _resolve_dtype(self.dtype, self._check_kernels())
         max_len = self.max_model_len or info.max_model_len
         if max_len > info.max_model_len:
             raise ValueError(f"max_model_len={max_len} is longer than the model's context "
@@ -111,6 +113,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name)
+
+    def _check_kernels(self) -> str | None:
+        """The CPU tier the executors will run (None: none), checked before any actor
+        starts: a named tier this CPU cannot run is refused here."""
+        if self.kernels not in tiers.BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(tiers.BACKENDS)}, got "
+                             f"{self.kernels!r}")
+        if self.kernels in tiers.TIERS:
+            return tiers.resolve(self.kernels)
+        return tiers.best()
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -155,21 +167,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def _resolve_dtype(dtype: str) -> str:
+def _resolve_dtype(dtype: str, tier: str | None) -> str:
+    """auto: bfloat16 where the CPU tier multiplies it in hardware, else float32 (emulated
+    bfloat16 arithmetic is far slower than float32's)."""
     if dtype == "auto":
-        return "bfloat16" if _cpu_has_bf16() else "float32"
+        return "bfloat16" if tiers.has_bf16_dot(tier) else "float32"
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     return dtype
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read(1 << 16)
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def parse_tcp(address: str) -> tuple[str, int]:

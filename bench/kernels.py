@@ -67,15 +67,15 @@ def op_rows(runner, batch: int):
         rows.append((name, t, 2 * batch * lin.in_features * lin.out_features,
                      linear_bytes(lin, batch)))
     res = torch.randn_like(x)
-    t = timeit(lambda: native.add_rms_norm(x, res, layer.input_norm.weight, 1e-5))
+    t = timeit(lambda: native.load().add_rms_norm(x, res, layer.input_norm.weight, 1e-5))
     rows.append(("add_rms_norm", t, 5 * x.numel(), 3 * x.numel() * 2))
     qkv = torch.randn(batch, layer.attn.qkv.out_features, dtype=torch.bfloat16)
     pos = torch.randint(0, 1024, (batch,))
     heads = cfg.num_heads + cfg.num_kv_heads
-    t = timeit(lambda: native.rope_(qkv, heads, cfg.head_dim, m.cos_sin, pos))
+    t = timeit(lambda: native.load().rope_(qkv, heads, cfg.head_dim, m.cos_sin, pos))
     rows.append(("rope", t, 6 * batch * heads * cfg.head_dim, 4 * batch * heads * cfg.head_dim))
     gu = torch.randn(batch, 2 * cfg.intermediate_size, dtype=torch.bfloat16)
-    t = timeit(lambda: native.silu_and_mul(gu))
+    t = timeit(lambda: native.load().silu_and_mul(gu))
     rows.append(("silu_and_mul", t, 4 * gu.numel(), 3 * gu.numel()))
     return rows
 
@@ -116,7 +116,7 @@ def step_row(runner, batch: int, context: int):
     flops = batch * (2 * macs + 4 * cfg.num_layers * context * cfg.num_heads * cfg.head_dim)
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
     cache = runner.kv_caches[0]
-    ta = timeit(lambda: native.decode_attention(q, cache[0], cache[1], tables, lens,
+    ta = timeit(lambda: native.load().decode_attention(q, cache[0], cache[1], tables, lens,
                                                 cfg.head_dim ** -0.5))
     return t, flops, weight_bytes + kv_bytes, ta, kv_bytes // cfg.num_layers
 

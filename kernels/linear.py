@@ -7,6 +7,10 @@ torch.nn.functional.linear pays: 1.5-2.5x faster at decode batch sizes on this m
 A quantized weight plugs in beside it: use_quantized() gives the Linear a QuantWeight
 (kernels/quant.py), which serves steps of up to `max_tokens` tokens; larger ones keep using
 the float weight, where arithmetic rather than bytes read bounds the matmul.
+
+On a CPU without a bfloat16 dot product (AVX2, AVX-512 before BF16) oneDNN packs no bfloat16
+weight and torch's bfloat16 matmul is emulated (below 1 GFLOP/s): pack(upcast=True) keeps a
+bfloat16 model's dense weight in float32 and multiplies in float32, rounding the output back.
 """
 from __future__ import annotations
 
@@ -22,13 +26,20 @@ class Linear(nn.Linear):
     state dicts load unchanged; after pack() the float weight is dropped."""
 
     packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
     quantized: quant.QuantWeight | None = None
     quantized_max_tokens: int = 0
 
-    def pack(self, batch_hint: int = 64) -> None:
+    def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
+        """upcast: multiply in float32 whatever the weight's dtype."""
         if self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        weight = self.weight.detach()
+        bias = None if self.bias is None else self.bias.detach()    # a tensor, not a Parameter
+        if upcast and weight.dtype != torch.float32:
+            weight, bias = weight.float(), None if bias is None else bias.float()
+        self.packed_bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.weight = None   # the packed copy is the only one kept
 
     def use_quantized(self, weight: quant.QuantWeight, max_tokens: int) -> None:
@@ -42,7 +53,10 @@ class Linear(nn.Linear):
             out = quant.matmul(x, self.quantized)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            dtype = self.packed.dtype
+            out = torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed, self.packed_bias,
+                                                     "none", [], "")
+            return out.to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -52,11 +66,11 @@ class Linear(nn.Linear):
         return super().extra_repr() + extra
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every Linear of a CPU model in place; returns how many were packed."""
+def pack_linears(model: nn.Module, upcast: bool = False) -> int:
+    """Pack every Linear of a CPU model in place (float32 if `upcast`); returns how many."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(upcast=upcast)
             count += module.packed is not None
     return count

@@ -1,13 +1,13 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-sampling, quant_kernels, decode_stack), compiled on
-first use and called via ctypes.
+sampling, quant_kernels, decode_stack), compiled once per instruction-set tier
+(kernels/tiers.py) on first use and called via ctypes.
 
-The library is built with g++ -O3 -march=native against torch's headers (for
-at::parallel_for, so it runs on torch's own thread pool) and cached under
+Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
+AVX512-BF16 machine also builds and tests its AVX-512 and AVX2 variants) against torch's
+headers (for at::parallel_for, so it runs on torch's own thread pool), and cached under
 $PAGEWIRE_CACHE_DIR/kernels (default ~/.cache/pagewire/kernels), keyed by the sources, the
-compiler flags, torch's version and this CPU's model and flags. Building takes about a second.
-If no compiler is available (or PAGEWIRE_NATIVE=0), load() returns None and callers use the
-torch paths.
+flags and torch's version. If no compiler is available (or PAGEWIRE_NATIVE=0), load()
+returns None and the torch reference runs.
 """
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ import subprocess
 
 import torch
 
+from . import tiers
+
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
                          "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("bf16.h", "attention_tiles.h")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+            for name in ("bf16.h", "attention_tiles.h", "quant_avx2.h")]
+_FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -51,13 +53,6 @@ _SIGNATURES = {
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def typed(name: str, dtype: torch.dtype):
-    """The library's `name`_f32 or `name`_bf16 function for tensors of `dtype`."""
-    if dtype not in _SUFFIX:
-        raise ValueError(f"{name}: dtype {dtype} not supported by the native kernels")
-    return getattr(load(), f"{name}_{_SUFFIX[dtype]}")
-
-
 def _cache_dir() -> str:
     root = os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")
@@ -66,57 +61,57 @@ def _cache_dir() -> str:
     return path
 
 
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [l for l in f.read(1 << 16).splitlines() if l.startswith(("model name", "flags"))]
-        return "\n".join(lines[:2])
-    except OSError:
-        return "unknown"
-
-
-def _build(target: str) -> None:
+def _build(target: str, flags: list[str]) -> None:
     torch_dir = os.path.dirname(torch.__file__)
     tmp = f"{target}.{os.getpid()}.tmp"
-    cmd = [os.environ.get("CXX", "g++"), *_FLAGS, f"-I{torch_dir}/include", *_SOURCES,
+    cmd = [os.environ.get("CXX", "g++"), *flags, f"-I{torch_dir}/include", *_SOURCES,
            f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     os.replace(tmp, target)
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
+def library_path(tier: str) -> str:
+    """Where `tier`'s build lives (built there if missing; the CPU need not run the tier)."""
+    flags = [*_FLAGS, *tiers.compiler_flags(tier)]
+    sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, *_HEADERS])
+    key = hashlib.sha256(sources + " ".join(flags).encode() + torch.__version__.encode()
+                         ).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"cpu_kernels-{tier}-{key}.so")
+    if not os.path.exists(target):
+        with open(target + ".lock", "w") as lock:   # several executors may start at once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(target):
+                _build(target, flags)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load(tier: str | None = None) -> "Library | None":
+    """`tier`'s library (default: the best tier this CPU runs), or None where the native
+    kernels cannot run here: no tier, no compiler, or PAGEWIRE_NATIVE=0."""
     if os.environ.get("PAGEWIRE_NATIVE", "1") == "0":
         return None
-    sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + torch.__version__.encode()
-                         + _cpu_identity().encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
+    tier = tier or tiers.best()
+    if tier is None:
+        log.warning("this CPU runs no native kernel tier (%s): using the torch reference",
+                    ", ".join(tiers.TIERS))
+        return None
+    if tier not in tiers.runnable():
+        raise ValueError(f"this CPU cannot run the {tier} kernels")
     try:
-        if not os.path.exists(target):
-            with open(target + ".lock", "w") as lock:   # several executors may start at once
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not os.path.exists(target):
-                    _build(target)
-        lib = ctypes.CDLL(target)
+        cdll = ctypes.CDLL(library_path(tier))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.warning("native CPU kernels unavailable, using torch paths: %s", detail[-2000:])
+        log.warning("native CPU kernels unavailable, using the torch reference: %s",
+                    detail[-2000:])
         return None
     for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
-    lib.pw_avx512_bf16.restype = ctypes.c_int64
-    lib.pw_decode_stack_fields.restype = ctypes.c_int64
-    return lib
-
-
-@functools.lru_cache(maxsize=1)
-def avx512_bf16() -> bool:
-    """Whether the library was built with the AVX512-BF16 kernels (bf16 attention, sampling,
-    quantized matmuls). Asked once: callers check it on the per-step path."""
-    lib = load()
-    return lib is not None and bool(lib.pw_avx512_bf16())
+        getattr(cdll, name).argtypes = argtypes
+        getattr(cdll, name).restype = None
+    cdll.pw_avx512_bf16.restype = ctypes.c_int64
+    cdll.pw_quant_matmuls.restype = ctypes.c_int64
+    cdll.pw_decode_stack_fields.restype = ctypes.c_int64
+    return Library(cdll, tier)
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
@@ -125,141 +120,152 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
             raise ValueError(f"native CPU kernels need CPU tensors, got {t.device}")
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     scale: float, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
-    """q: [B, Hq, D] (heads contiguous); k_cache, v_cache: [num_blocks, bs, Hkv, D]
-    contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
-    `window`: attend only the last `window` tokens; `softcap`: capped scores (see
-    attention.Variant). Returns [B, Hq, D] in q's dtype."""
-    lib = load()
-    _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype:
-        raise ValueError(f"unsupported dtypes q={q.dtype} cache={k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
-            or q.stride(1) != head_dim or num_heads % num_kv_heads:
-        raise ValueError("decode_attention: bad strides or head counts")
-    if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 \
-            or not block_tables.is_contiguous() or block_tables.shape[0] != batch:
-        raise ValueError("decode_attention: block_tables/context_lens must be int64 [B, W], [B]")
-    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
-    fn = lib.pw_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.pw_decode_attention_f32
-    fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-       block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
-       head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
-       window or 0, softcap or 0.0)
-    return out
+class Library:
+    """One tier's build, loaded: its kernels with the checks their memory safety needs."""
 
+    def __init__(self, cdll: ctypes.CDLL, tier: str):
+        self.cdll, self.tier = cdll, tier
+        self.bf16_dot = bool(cdll.pw_avx512_bf16())          # asked once, not per step
+        self.quant_matmuls = bool(cdll.pw_quant_matmuls())
 
-def prefill_attention_serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a
-    multiple of 16 tokens, and a build with AVX512-BF16."""
-    _, block_size, _, head_dim = k_cache.shape
-    return (avx512_bf16() and q.dtype == k_cache.dtype == torch.bfloat16
-            and head_dim in (64, 128) and block_size % 16 == 0 and q.device.type == "cpu")
+    def __repr__(self) -> str:
+        return f"native.Library({self.tier})"
 
+    def typed(self, name: str, dtype: torch.dtype):
+        """The library's `name`_f32 or `name`_bf16 function for tensors of `dtype`."""
+        if dtype not in _SUFFIX:
+            raise ValueError(f"{name}: dtype {dtype} not supported by the native kernels")
+        return getattr(self.cdll, f"{name}_{_SUFFIX[dtype]}")
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      chunks: torch.Tensor, tables: torch.Tensor, scale: float,
-                      window: int | None, out: torch.Tensor) -> None:
-    """Causal attention of prefill chunks whose keys and values are already in the cache.
-    q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
-    chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
-    table in `tables`); a chunk's queries are positions ctx - n .. ctx - 1. Writes those rows
-    of out. Only what prefill_attention_serves accepts."""
-    _check_cpu(q, k_cache, v_cache, chunks, tables, out)
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
-            or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim \
-            or num_heads % num_kv_heads or out.dtype != q.dtype:
-        raise ValueError("prefill_attention: bad strides, dtypes or head counts")
-    if chunks.dtype != torch.int64 or not chunks.is_contiguous() or chunks.shape[1:] != (4,) \
-            or tables.dtype != torch.int64 or not tables.is_contiguous():
-        raise ValueError("prefill_attention: chunks [S, 4] and tables must be contiguous int64")
-    load().pw_prefill_attention_bf16(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-        q.stride(0), out.stride(0), scale, window or 0)
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+        """q: [B, Hq, D] (heads contiguous); k_cache, v_cache: [num_blocks, bs, Hkv, D]
+        contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
+        `window`: attend only the last `window` tokens; `softcap`: capped scores (see
+        attention.Variant). Returns [B, Hq, D] in q's dtype."""
+        _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
+        batch, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype:
+            raise ValueError(f"unsupported dtypes q={q.dtype} cache={k_cache.dtype}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
+                or q.stride(1) != head_dim or num_heads % num_kv_heads:
+            raise ValueError("decode_attention: bad strides or head counts")
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64 \
+                or not block_tables.is_contiguous() or block_tables.shape[0] != batch:
+            raise ValueError("decode_attention: block_tables/context_lens must be int64 "
+                             "[B, W], [B]")
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
+        fn = self.typed("pw_decode_attention", q.dtype)
+        fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+           block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
+           head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
+           window or 0, softcap or 0.0)
+        return out
 
+    def prefill_attention_serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a
+        multiple of 16 tokens, and a build with AVX512-BF16."""
+        _, block_size, _, head_dim = k_cache.shape
+        return (self.bf16_dot and q.dtype == k_cache.dtype == torch.bfloat16
+                and head_dim in (64, 128) and block_size % 16 == 0 and q.device.type == "cpu")
 
-def sample_serves(logits: torch.Tensor) -> bool:
-    """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""
-    return (avx512_bf16() and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.dim() == 2 and logits.stride(1) == 1)
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          chunks: torch.Tensor, tables: torch.Tensor, scale: float,
+                          window: int | None, out: torch.Tensor) -> None:
+        """Causal attention of prefill chunks whose keys and values are already in the cache.
+        q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
+        chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
+        table in `tables`); a chunk's queries are positions ctx - n .. ctx - 1. Writes those rows
+        of out. Only what prefill_attention_serves accepts."""
+        _check_cpu(q, k_cache, v_cache, chunks, tables, out)
+        _, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
+                or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim \
+                or num_heads % num_kv_heads or out.dtype != q.dtype:
+            raise ValueError("prefill_attention: bad strides, dtypes or head counts")
+        if chunks.dtype != torch.int64 or not chunks.is_contiguous() or chunks.shape[1:] != (4,) \
+                or tables.dtype != torch.int64 or not tables.is_contiguous():
+            raise ValueError("prefill_attention: chunks [S, 4] and tables must be contiguous "
+                             "int64")
+        self.cdll.pw_prefill_attention_bf16(
+            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads,
+            head_dim, block_size, q.stride(0), out.stride(0), scale, window or 0)
 
+    def sample_serves(self, logits: torch.Tensor) -> bool:
+        """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""
+        return (self.bf16_dot and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and logits.stride(1) == 1)
 
-def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: for each row of logits [S, V], the first token whose cumulative
-    softmax mass reaches uniforms[s] (in (0, 1]) of the row's total; -inf logits weigh
-    nothing. uniforms: [S] float32. Returns [S] int64. Only what sample_serves accepts."""
-    rows, vocab = logits.shape
-    u = uniforms.reshape(rows).to(torch.float32).contiguous()
-    out = torch.empty(rows, dtype=torch.int64)
-    load().pw_sample_rows(logits.data_ptr(), rows, vocab, logits.stride(0), u.data_ptr(),
-                          out.data_ptr())
-    return out
+    def sample_rows(self, logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF draws: for each row of logits [S, V], the first token whose cumulative
+        softmax mass reaches uniforms[s] (in (0, 1]) of the row's total; -inf logits weigh
+        nothing. uniforms: [S] float32. Returns [S] int64. Only what sample_serves accepts."""
+        rows, vocab = logits.shape
+        u = uniforms.reshape(rows).to(torch.float32).contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        self.cdll.pw_sample_rows(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                 u.data_ptr(), out.data_ptr())
+        return out
 
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D] with each token's row contiguous; caches [num_blocks, bs, Hkv, D]
+        contiguous; slots: [T] int64, distinct. Mutates the caches."""
+        _check_cpu(k_cache, v_cache, k, v, slots)
+        row = k.shape[1] * k.shape[2]
+        for t in (k, v):
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != k_cache.dtype:
+                raise ValueError("write_kv: each token's row must be contiguous, cache dtype")
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError("write_kv: slots must be contiguous int64")
+        size = k.element_size()
+        self.cdll.pw_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                              slots.data_ptr(), k.shape[0], row * size, k.stride(0) * size,
+                              v.stride(0) * size)
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] with each token's row contiguous; caches [num_blocks, bs, Hkv, D]
-    contiguous; slots: [T] int64, distinct. Mutates the caches."""
-    lib = load()
-    _check_cpu(k_cache, v_cache, k, v, slots)
-    row = k.shape[1] * k.shape[2]
-    for t in (k, v):
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != k_cache.dtype:
-            raise ValueError("write_kv: each token's row must be contiguous, cache dtype")
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        raise ValueError("write_kv: slots must be contiguous int64")
-    size = k.element_size()
-    lib.pw_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-                    slots.data_ptr(), k.shape[0], row * size, k.stride(0) * size,
-                    v.stride(0) * size)
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """As kernels.norm.add_rms_norm: x [T, H] (rows may be strided); residual [T, H]
+        contiguous is updated in place to x + residual. Returns (normed, residual)."""
+        _check_cpu(x, weight)
+        tokens, hidden = x.shape
+        if x.stride(1) != 1 or weight.dtype != x.dtype or weight.shape != (hidden,):
+            raise ValueError("add_rms_norm: x rows must be contiguous, weight [H] of x's dtype")
+        if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
+                                     or residual.dtype != x.dtype):
+            raise ValueError("add_rms_norm: residual must be contiguous and shaped like x")
+        out = torch.empty((tokens, hidden), dtype=x.dtype)
+        self.typed("pw_add_rms_norm", x.dtype)(
+            out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
+            weight.data_ptr(), tokens, hidden, x.stride(0), eps)
+        return out, (x if residual is None else residual)
 
+    def rope_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, table: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Rotate, in place, the first num_heads heads of each row of qkv [T, W] (queries, then
+        keys) by their token's position. table: [P, D] float32 cos|sin; positions: [T] int64."""
+        _check_cpu(qkv, table, positions)
+        if qkv.stride(1) != 1 or num_heads * head_dim > qkv.shape[1] \
+                or table.dtype != torch.float32 or not table.is_contiguous() \
+                or table.shape[1] != head_dim \
+                or positions.dtype != torch.int64 or not positions.is_contiguous() \
+                or positions.shape[0] != qkv.shape[0]:
+            raise ValueError("rope_: bad shapes, strides or dtypes")
+        self.typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
+                                         positions.data_ptr(), qkv.shape[0], num_heads, head_dim)
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """As kernels.norm.add_rms_norm: x [T, H] (rows may be strided); residual [T, H]
-    contiguous is updated in place to x + residual. Returns (normed, residual)."""
-    _check_cpu(x, weight)
-    tokens, hidden = x.shape
-    if x.stride(1) != 1 or weight.dtype != x.dtype or weight.shape != (hidden,):
-        raise ValueError("add_rms_norm: x rows must be contiguous, weight [H] of x's dtype")
-    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
-                                 or residual.dtype != x.dtype):
-        raise ValueError("add_rms_norm: residual must be contiguous and shaped like x")
-    out = torch.empty((tokens, hidden), dtype=x.dtype)
-    typed("pw_add_rms_norm", x.dtype)(
-        out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
-        weight.data_ptr(), tokens, hidden, x.stride(0), eps)
-    return out, (x if residual is None else residual)
-
-
-def rope_(qkv: torch.Tensor, num_heads: int, head_dim: int, table: torch.Tensor,
-          positions: torch.Tensor) -> None:
-    """Rotate, in place, the first num_heads heads of each row of qkv [T, W] (queries, then
-    keys) by their token's position. table: [P, D] float32 cos|sin; positions: [T] int64."""
-    _check_cpu(qkv, table, positions)
-    if qkv.stride(1) != 1 or num_heads * head_dim > qkv.shape[1] or table.dtype != torch.float32 \
-            or not table.is_contiguous() or table.shape[1] != head_dim \
-            or positions.dtype != torch.int64 or not positions.is_contiguous() \
-            or positions.shape[0] != qkv.shape[0]:
-        raise ValueError("rope_: bad shapes, strides or dtypes")
-    typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
-                                 positions.data_ptr(), qkv.shape[0], num_heads, head_dim)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] contiguous -> [T, I]."""
-    _check_cpu(gate_up)
-    if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
-        raise ValueError("silu_and_mul: gate_up must be contiguous [T, 2I]")
-    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((tokens, inter), dtype=gate_up.dtype)
-    typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens, inter)
-    return out
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] contiguous -> [T, I]."""
+        _check_cpu(gate_up)
+        if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+            raise ValueError("silu_and_mul: gate_up must be contiguous [T, 2I]")
+        tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((tokens, inter), dtype=gate_up.dtype)
+        self.typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens,
+                                                     inter)
+        return out

@@ -1,11 +1,13 @@
-"""The one dispatch point: which implementation of each kernel family a model runs.
+"""The one dispatch point: which backend (kernel set) a model runs, chosen once per process.
 
-    ops = select_ops(device, "auto")   # "torch" | "cpu" | "triton"
+    ops = select_ops(device, "auto")   # torch | cpu | avx2 | avx512 | avx512_bf16 | amx | triton
     ops.attention(q, k, v, kv_cache, batch, scale)
 
-TorchOps is plain torch on any device: the reference every other implementation is tested
-against. CpuOps swaps in the native AVX-512 kernels (kernels/native.py) where they exist;
-TritonOps the Triton kernels, on CUDA. Every set has the same methods and contracts.
+TorchOps is plain torch on any device: the reference every other backend is tested against.
+CpuOps runs one instruction-set tier's native kernels (kernels/tiers.py, kernels/native.py):
+"cpu" (and "auto" on a CPU) is the best tier this CPU runs, a tier's name forces that tier
+(any tier up to the CPU's own). TritonOps runs the Triton kernels, on CUDA. Every backend
+has the same methods and contracts; `backend` names it for logs and metrics.
 """
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ import logging
 
 import torch
 
-from . import activation, attention, native, norm, rotary
+from . import activation, attention, native, norm, rotary, tiers
 
 log = logging.getLogger(__name__)
 
 
 class TorchOps:
-    name = "torch"
+    name = backend = "torch"
+    lib = None                          # the native library, for backends that have one
 
     def add_rms_norm(self, x, residual, weight, eps):
         return norm.add_rms_norm(x, residual, weight, eps)
@@ -49,15 +52,15 @@ class TorchOps:
 class CpuOps(TorchOps):
     name = "cpu"
 
-    def __init__(self, lib):
-        self.lib = lib
+    def __init__(self, lib: native.Library):
+        self.lib, self.backend = lib, f"cpu-{lib.tier}"
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return native.add_rms_norm(x, residual, weight, eps)
+        return self.lib.add_rms_norm(x, residual, weight, eps)
 
     def split_qkv_rope(self, qkv, num_heads, num_kv_heads, head_dim, table, positions):
         """Rotates q and k in place inside qkv, then returns views (no copies)."""
-        native.rope_(qkv, num_heads + num_kv_heads, head_dim, table, positions)
+        self.lib.rope_(qkv, num_heads + num_kv_heads, head_dim, table, positions)
         t = qkv.shape[0]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -65,44 +68,48 @@ class CpuOps(TorchOps):
                 v.view(t, num_kv_heads, head_dim))
 
     def silu_and_mul(self, gate_up):
-        return native.silu_and_mul(gate_up)
+        return self.lib.silu_and_mul(gate_up)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self._write_kv,
                                          decode=self._decode, prefill=self._prefill,
                                          variant=variant)
 
-    @staticmethod
-    def _write_kv(cache, k, v, slots):
-        native.write_kv(cache[0], cache[1], k, v, slots)
+    def _write_kv(self, cache, k, v, slots):
+        self.lib.write_kv(cache[0], cache[1], k, v, slots)
 
-    @staticmethod
-    def _prefill(q, cache, batch, scale, variant, out) -> bool:
+    def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
         """bfloat16 prefills (plain or windowed) on the native kernel; the rest on torch."""
-        if variant.softcap is not None or not native.prefill_attention_serves(q, cache[0]):
+        if variant.softcap is not None or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
-        native.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
-                                 out)
+        self.lib.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
+                                   out)
         return True
 
-    @staticmethod
-    def _decode(q, cache, tables, lens, scale, variant):
-        return native.decode_attention(q, cache[0], cache[1], tables, lens, scale,
-                                       variant.window, variant.softcap)
+    def _decode(self, q, cache, tables, lens, scale, variant):
+        return self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
+                                         variant.window, variant.softcap)
+
+
 
 
 def select_ops(device: torch.device, name: str = "auto") -> TorchOps:
-    """The kernel set for `device`: "auto" picks triton on CUDA, the native CPU kernels on CPU
-    (falling back to torch when they cannot be built)."""
+    """The backend for `device`: "auto" is triton on CUDA and the best native tier on a CPU
+    (the torch reference where no tier runs or no compiler builds it, with a warning). A
+    named tier this CPU cannot run is an error."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch":
         return TorchOps()
-    if name == "cpu":
-        lib = native.load()
+    if name == "cpu" or name in tiers.TIERS:
+        if name == "cpu" and tiers.best() is None:
+            log.warning("this CPU runs no native tier (%s): the torch reference runs",
+                        ", ".join(tiers.TIERS))
+            return TorchOps()
+        lib = native.load(tiers.resolve(name))
         return CpuOps(lib) if lib is not None else TorchOps()
     if name == "triton":
         from .triton_ops import TritonOps
         return TritonOps()
-    raise ValueError(f"unknown kernel set {name!r} (auto, torch, cpu, triton)")
+    raise ValueError(f"unknown backend {name!r} ({', '.join(tiers.BACKENDS)})")

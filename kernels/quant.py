@@ -26,11 +26,13 @@ class QuantWeight:
     the native kernels that multiply them, by activation dtype."""
     __slots__ = ("ggml_type", "tiles", "rows", "cols", "kernels")
 
-    def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int):
+    def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int,
+                 lib: native.Library):
+        if not available(lib):
+            raise ValueError(f"{lib} has no quantized matmuls")
         self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
         name = "pw_q4_1_matmul" if ggml_type == Q4_1 else "pw_q8_0_matmul"
-        self.kernels = {dtype: native.typed(name, dtype)
-                        for dtype in (torch.bfloat16, torch.float32)} if available() else {}
+        self.kernels = {dtype: lib.typed(name, dtype) for dtype in (torch.bfloat16, torch.float32)}
 
     @property
     def nbytes(self) -> int:
@@ -41,13 +43,14 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
     return ggml_type in _BLOCK_BYTES and rows % _ROWS == 0 and cols % 32 == 0
 
 
-def available() -> bool:
-    """Whether this machine's native kernels have the quantized matmuls (AVX512-BF16)."""
-    return native.avx512_bf16()
+def available(lib: native.Library | None) -> bool:
+    """Whether a backend's library has the quantized matmuls (every tier from AVX2 up)."""
+    return lib is not None and lib.quant_matmuls
 
 
-def pack(ggml_type: int, raw: torch.Tensor, cols: int) -> QuantWeight:
-    """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row."""
+def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library) -> QuantWeight:
+    """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row; the weight
+    multiplies with `lib`'s kernels."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
@@ -63,7 +66,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int) -> QuantWeight:
         qs = blocks[..., 2:].transpose(2, 3)                  # [G, nb, 32 columns, 16 rows]
         parts = [qs, d]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2).contiguous()
-    return QuantWeight(ggml_type, tiles, rows, cols)
+    return QuantWeight(ggml_type, tiles, rows, cols, lib)
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

@@ -12,7 +12,7 @@ from .rotary import triton_rope_table_
 
 
 class TritonOps(TorchOps):
-    name = "triton"
+    name = backend = "triton"
 
     def add_rms_norm(self, x, residual, weight, eps):
         """As TorchOps.add_rms_norm; residual (when given) is updated in place."""

@@ -11,7 +11,39 @@ import pytest
 os.environ.setdefault("PAGEWIRE_THREADS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton kernels run on CPU tensors in tests
 
+from pagewire.kernels import tiers
 from tests.helpers import make_tiny_llama
+
+_TIERS_TESTED: set[str] = set()
+
+
+@pytest.fixture(params=tiers.TIERS)
+def tier(request) -> str:
+    """Each native CPU tier (kernels/tiers.py); skipped, naming the tier, on a CPU that
+    cannot run it."""
+    if request.param not in tiers.runnable():
+        pytest.skip(f"needs the {request.param} tier: this CPU runs "
+                    f"{', '.join(tiers.runnable()) or 'none'}")
+    _TIERS_TESTED.add(request.param)
+    return request.param
+
+
+@pytest.fixture
+def native_lib(tier):
+    """That tier's native library (built on first use)."""
+    from pagewire.kernels import native
+    lib = native.load(tier)
+    if lib is None:
+        pytest.skip("no C++ compiler for the native kernels")
+    return lib
+
+
+def pytest_terminal_summary(terminalreporter):
+    tested = [t for t in tiers.TIERS if t in _TIERS_TESTED]
+    untested = [t for t in tiers.TIERS if t not in _TIERS_TESTED]
+    terminalreporter.write_line(f"native CPU tiers tested: {', '.join(tested) or 'none'}; not "
+                                f"tested: {', '.join(untested) or 'none'} (this CPU runs "
+                                f"{', '.join(tiers.runnable()) or 'none'})")
 
 
 @pytest.fixture(scope="session")

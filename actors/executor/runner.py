@@ -8,6 +8,7 @@ sequence whose computed tokens reach the end of its known tokens, and appends th
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,8 @@ from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,10 +78,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.model = load_model(config.model_info, config.dtype, self.tp).to(self.device)
-        self.model.ops = select_ops(self.device, config.kernels)
-        if self.model.ops.name == "cpu":
-            pack_linears(self.model)
-            keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens)
+        self.model.ops = ops = select_ops(self.device, config.kernels)
+        log.info("backend %s (dtype %s)", ops.backend, config.dtype)
+        if ops.name == "cpu":
+            pack_linears(self.model, upcast=not ops.lib.bf16_dot)
+            keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
+                           ops.lib)
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
@@ -118,7 +123,8 @@ class ModelRunner:
             logprobs = wanted.log_softmax(logits)          # before sampling edits the logits
             # Every rank samples (they keep the tokens for the next step); rank 0's choice is
             # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
-            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs)))
+            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs),
+                                              self.model.ops.lib))
             result.token_ids = tokens.tolist()
             if logprobs is not None:
                 result.logprobs, result.top_ids, result.top_logprobs = wanted.gather(logprobs, tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagewire.kernels import native
+from pagewire.kernels.native import Library
 from pagewire.wire.sampling import SamplingParams
 
 from .logits_processors import apply_logits_processors
@@ -34,8 +34,9 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: [S, V] float32 (modified in place) -> token ids [S] int64."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, lib: Library | None = None) -> torch.Tensor:
+    """logits: [S, V] float32 (modified in place) -> token ids [S] int64. `lib`: the
+    backend's native library, whose draw runs where it serves."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
@@ -49,18 +50,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.div_(torch.tensor(temps, device=dev).unsqueeze(1))
     _apply_top_k_top_p(logits, batch.params)
     _apply_min_p(logits, batch.params)
-    sampled = draw(logits, _uniforms(batch, dev))
+    sampled = draw(logits, _uniforms(batch, dev), lib)
     if greedy is None:
         return sampled
     return torch.where(torch.tensor(is_greedy, device=dev), greedy, sampled)
 
 
-def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def draw(logits: torch.Tensor, uniforms: torch.Tensor, lib: Library | None = None) -> torch.Tensor:
     """Per row of logits [S, V], the first token whose cumulative softmax probability reaches
     uniforms [S, 1] (in (0, 1]) of the total: the native kernel on the CPU (one fused pass per
     row, no [S, V] temporaries), else softmax, cumsum and a search."""
-    if native.sample_serves(logits):
-        return native.sample_rows(logits, uniforms)
+    if lib is not None and lib.sample_serves(logits):
+        return lib.sample_rows(logits, uniforms)
     return draw_by_search(logits, uniforms)
 
 

@@ -11,7 +11,8 @@
 //   Q4_1 tile, 320 bytes: nibbles[8][16][2] (byte [j][l][p] = the file's qs[2j + p] of row l:
 //     low nibble column 2j + p, high nibble column 2j + 16 + p), d[16] fp16, m[16] fp16.
 //   Q8_0 tile, 544 bytes: q[32][16] int8 (byte [k][l] = column k of row l), d[16] fp16.
-// Built into the same library as cpu_kernels.cpp (kernels/native.py).
+// Built into the same library as cpu_kernels.cpp (kernels/native.py). Tiers without
+// AVX512-BF16 multiply the same tiles with quant_avx2.h's kernels.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -22,6 +23,9 @@
 #include <vector>
 
 #include "bf16.h"
+#if !defined(__AVX512BF16__) && defined(__AVX2__)
+#include "quant_avx2.h"
+#endif
 
 namespace {
 
@@ -226,18 +230,33 @@ extern "C" {
 // out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
 // out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32).
 #if defined(__AVX512BF16__)
-#define PW_QUANT_MATMUL(name, kernel, type, use)                                            \
+#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
   void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,        \
             const uint8_t* packed, int64_t N, int64_t K) {                                    \
     matmul<kernel>(out, out_stride, Activations(x, x_stride, T, K, use), packed, N);          \
   }
+#elif defined(__AVX2__)
+#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
+  void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,        \
+            const uint8_t* packed, int64_t N, int64_t K) {                                    \
+    pw::avx2::matmul(out, out_stride, x, x_stride, T, packed, N, K, q4);                     \
+  }
 #else
-#define PW_QUANT_MATMUL(name, kernel, type, use)                                            \
+#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
   void name(type*, int64_t, const type*, int64_t, int64_t, const uint8_t*, int64_t, int64_t) {}
 #endif
-PW_QUANT_MATMUL(pw_q4_1_matmul_bf16, Q4_1, bf16, kParts)
-PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, kParts)
-PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, kFloat)
-PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, kFloat)
+PW_QUANT_MATMUL(pw_q4_1_matmul_bf16, Q4_1, bf16, kParts, true)
+PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, kParts, true)
+PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, kFloat, false)
+PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, kFloat, false)
+
+// Whether this build has the quantized matmuls (every tier from AVX2 up).
+int64_t pw_quant_matmuls() {
+#if defined(__AVX512BF16__) || defined(__AVX2__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 }  // extern "C"

@@ -7,16 +7,20 @@ import torch
 
 from pagewire import LLM
 from pagewire.config import EngineConfig
-from pagewire.kernels import quant
+from pagewire.kernels import tiers
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not quant.available(), reason="needs AVX512-BF16 kernels")]
+pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+@pytest.fixture(scope="module", params=[(tier, dtype) for tier in tiers.TIERS
+                                        for dtype in ("bfloat16", "float32")], ids=str)
 def runner(request):
-    return LLM(dtype=request.param, max_model_len=512, num_kv_blocks=128).runner
+    """The default model on each tier this CPU runs (the stack calls that tier's kernels)."""
+    tier, dtype = request.param
+    if tier not in tiers.runnable():
+        pytest.skip(f"needs the {tier} tier: this CPU runs {', '.join(tiers.runnable())}")
+    return LLM(dtype=dtype, kernels=tier, max_model_len=512, num_kv_blocks=128).runner
 
 
 def decode_step(runner, contexts: list[int], seed: int):

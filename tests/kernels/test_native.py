@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from pagewire import LLM, SamplingParams
-from pagewire.kernels import native
 from pagewire.kernels.activation import silu_and_mul
 from pagewire.kernels.norm import add_rms_norm
 from pagewire.kernels.rotary import apply_rope, rope_cos_sin
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="no C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -23,13 +21,13 @@ def tol(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm(dtype, with_residual):
+def test_add_rms_norm(native_lib, dtype, with_residual):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 200, generator=g).to(dtype)[:, :96]        # strided rows
     res = torch.randn(37, 96, generator=g).to(dtype) if with_residual else None
     w = torch.randn(96, generator=g).to(dtype)
     ref_out, ref_res = add_rms_norm(x, None if res is None else res.clone(), w, 1e-5)
-    out, new_res = native.add_rms_norm(x, res, w, 1e-5)
+    out, new_res = native_lib.add_rms_norm(x, res, w, 1e-5)
     torch.testing.assert_close(out, ref_out, **tol(dtype))
     torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)    # the add rounds the same
     if with_residual:
@@ -38,7 +36,7 @@ def test_add_rms_norm(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope_in_place_on_fused_qkv(dtype, head_dim):
+def test_rope_in_place_on_fused_qkv(native_lib, dtype, head_dim):
     g = torch.Generator().manual_seed(1)
     hq, hkv, t = 4, 2, 19
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
@@ -48,7 +46,7 @@ def test_rope_in_place_on_fused_qkv(dtype, head_dim):
     q_ref = apply_rope(qkv[:, :hq * head_dim].reshape(t, hq, head_dim), cos_sin)
     k_ref = apply_rope(qkv[:, hq * head_dim:(hq + hkv) * head_dim].reshape(t, hkv, head_dim), cos_sin)
     v_before = qkv[:, (hq + hkv) * head_dim:].clone()
-    native.rope_(qkv, hq + hkv, head_dim, table, positions)
+    native_lib.rope_(qkv, hq + hkv, head_dim, table, positions)
     torch.testing.assert_close(qkv[:, :hq * head_dim].view(t, hq, head_dim), q_ref, **tol(dtype))
     torch.testing.assert_close(qkv[:, hq * head_dim:(hq + hkv) * head_dim].view(t, hkv, head_dim),
                                k_ref, **tol(dtype))
@@ -56,16 +54,17 @@ def test_rope_in_place_on_fused_qkv(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(native_lib, dtype):
     x = torch.randn(23, 2 * 300, generator=torch.Generator().manual_seed(2)).to(dtype)
-    torch.testing.assert_close(native.silu_and_mul(x), silu_and_mul(x), **tol(dtype))
+    torch.testing.assert_close(native_lib.silu_and_mul(x), silu_and_mul(x), **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (16, None), (20, 3.0),
                                              (None, 1.5)])
 @pytest.mark.parametrize("hq, hkv, d", [(6, 2, 64), (8, 1, 128), (4, 4, 64)])
-def test_decode_attention_handles_every_context_length(dtype, window, softcap, hq, hkv, d):
+def test_decode_attention_handles_every_context_length(native_lib, dtype, window, softcap, hq,
+                                                       hkv, d):
     """Context lengths 1 .. 3 blocks + 1, against the torch path, small and large batches
     (a small batch is split by kv head); sliding windows (shorter than, equal to and across
     a block) and soft-capping; 3, 8 (two passes of query heads) and 1 query head per kv
@@ -80,7 +79,7 @@ def test_decode_attention_handles_every_context_length(dtype, window, softcap, h
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
     ctx = torch.tensor(lens)
     for rows in (slice(0, 2), slice(None)):
-        out = native.decode_attention(q[rows], cache[0], cache[1], tables[rows].contiguous(),
+        out = native_lib.decode_attention(q[rows], cache[0], cache[1], tables[rows].contiguous(),
                                       ctx[rows].contiguous(), 0.125, window, softcap)
         ref = decode_attention(q[rows].float(), cache.float(), tables[rows], ctx[rows], 0.125,
                                Variant(window, softcap))
@@ -109,25 +108,24 @@ def _prefill_case(heads, kv_heads, head_dim, block_size, seed=5):
     return cache, q.view(start, heads, head_dim), batch
 
 
-@pytest.mark.skipif(not native.prefill_attention_serves(torch.zeros(1, dtype=torch.bfloat16),
-                                                        torch.zeros(1, 16, 1, 64,
-                                                                    dtype=torch.bfloat16)),
-                    reason="no AVX512-BF16")
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 64), (4, 4, 128), (8, 1, 64),
                                                        (9, 3, 64)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 5, 20, 40])
-def test_prefill_attention_matches_the_float32_reference(heads, kv_heads, head_dim, block_size,
-                                                         window):
+def test_prefill_attention_matches_the_float32_reference(native_lib, heads, kv_heads, head_dim,
+                                                         block_size, window):
     """Every chunk of one call (fresh prompts of 1 .. 100 tokens, around the 16-key tile, and
     chunks over cached context) against causal attention in float32 of the same bf16
     inputs, sliding windows included: within bfloat16's rounding, and no worse than torch's
     own bf16 SDPA on the same inputs."""
     from pagewire.kernels.attention import Variant, prefill_attention
+    if not native_lib.bf16_dot:
+        pytest.skip(f"the native prefill kernel needs a bfloat16 dot product ({native_lib.tier} "
+                    "prefills on torch)")
     cache, q, batch = _prefill_case(heads, kv_heads, head_dim, block_size)
     chunks, tables = batch.packed_prefills
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
-    native.prefill_attention(q, cache[0], cache[1], chunks, tables, 0.125, window, out)
+    native_lib.prefill_attention(q, cache[0], cache[1], chunks, tables, 0.125, window, out)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         new = [c[span.block_table].flatten(0, 1)[span.context_len - span.num_tokens:
@@ -141,16 +139,16 @@ def test_prefill_attention_matches_the_float32_reference(heads, kv_heads, head_d
             assert ours <= 1.1 * theirs
 
 
-def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama):
+def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama, tier):
     path = tiny_llama("gqa3-odd")
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 9, 33, 70)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
-    for kernels in ("torch", "cpu"):
+    for kernels in ("torch", tier):
         llm = LLM(path, dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=128,
                   max_num_batched_tokens=32)
-        assert llm.runner.model.ops.name == kernels
+        assert llm.runner.model.ops.backend == ("torch" if kernels == "torch" else f"cpu-{tier}")
         outs[kernels] = [o.outputs[0].token_ids for o in
                          llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    assert outs["cpu"] == outs["torch"]
+    assert outs[tier] == outs["torch"]

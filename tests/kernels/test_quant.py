@@ -1,5 +1,6 @@
-"""Quantized matmuls on GGUF blocks (kernels/quant.py, csrc/quant_kernels.cpp): the tile
-layout byte for byte, and products against gguf-py's dequantization of the same blocks."""
+"""Quantized matmuls on GGUF blocks (kernels/quant.py, csrc/quant_kernels.cpp and
+quant_avx2.h): the tile layout byte for byte, and products against gguf-py's dequantization
+of the same blocks, on every tier this CPU runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,6 @@ from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 
 gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(not quant.available(),
-                                reason="needs the native kernels with AVX512-BF16")
 TYPES = {"Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
 
 
@@ -23,10 +22,10 @@ def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(raw.copy()), torch.from_numpy(values)
 
 
-def test_q4_1_tile_layout():
+def test_q4_1_tile_layout(native_lib):
     raw = torch.arange(32 * 2 * 20, dtype=torch.int64).remainder(251).to(torch.uint8)
     raw = raw.reshape(32, 40)                                # 32 rows, 2 blocks of 20 bytes
-    tiles = quant.pack(quant.Q4_1, raw, 64).tiles            # [2 groups, 2 blocks, 320]
+    tiles = quant.pack(quant.Q4_1, raw, 64, native_lib).tiles   # [2 groups, 2 blocks, 320]
     assert tiles.shape == (2, 2, 320)
     for row, block in ((0, 0), (5, 1), (17, 0), (31, 1)):
         src, tile = raw[row, block * 20:(block + 1) * 20], tiles[row // 16, block]
@@ -37,9 +36,9 @@ def test_q4_1_tile_layout():
             assert tile[(i // 2) * 32 + 2 * lane + i % 2] == src[4 + i]
 
 
-def test_q8_0_tile_layout():
+def test_q8_0_tile_layout(native_lib):
     raw = torch.arange(16 * 34, dtype=torch.int64).remainder(253).to(torch.uint8).reshape(16, 34)
-    tile = quant.pack(quant.Q8_0, raw, 32).tiles[0, 0]
+    tile = quant.pack(quant.Q8_0, raw, 32, native_lib).tiles[0, 0]
     assert tile.shape == (544,)
     for row in (0, 9, 15):
         assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
@@ -48,13 +47,13 @@ def test_q8_0_tile_layout():
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])   # 13: a chunk of 8, then one of 5
-def test_float32_products_equal_dequantized_weights(qtype, tokens):
+def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
     """float32 activations keep float32's precision: the error stays within the worst-case
     rounding bound of a float32 sum of K products (K * 2^-24 of the sum of magnitudes)."""
     rng = np.random.default_rng(tokens)
     raw, w = blocks_of(rng.standard_normal((48, 96)) * 0.1, qtype)
     x = torch.from_numpy(rng.standard_normal((tokens, 96)).astype(np.float32))
-    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 96))
+    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 96, native_lib))
     ref = x.double() @ w.T
     bound = (x.double().abs() @ w.abs().T) * 96 * 2.0 ** -24
     assert out.dtype == torch.float32 and out.shape == (tokens, 48)
@@ -62,26 +61,26 @@ def test_float32_products_equal_dequantized_weights(qtype, tokens):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_bfloat16_products_are_rounded_exact_sums(qtype):
+def test_bfloat16_products_are_rounded_exact_sums(native_lib, qtype):
     """bfloat16 activations times the exact weights, summed in float32, rounded once."""
     rng = np.random.default_rng(1)
     raw, w = blocks_of(rng.standard_normal((64, 576)) * 0.1, qtype)
     x = torch.from_numpy(rng.standard_normal((5, 576)).astype(np.float32)).bfloat16()
-    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 576))
+    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 576, native_lib))
     ref = x.double() @ w.T
     bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.abs().T) * 1e-6
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref).abs() <= bound).all()
 
 
-def test_linear_uses_the_quantized_weight_up_to_max_tokens():
+def test_linear_uses_the_quantized_weight_up_to_max_tokens(native_lib):
     rng = np.random.default_rng(2)
     raw, w = blocks_of(rng.standard_normal((32, 64)), "Q4_1")
     linear = Linear(64, 32, bias=True)
     with torch.no_grad():
         linear.weight.copy_(w.float())
         linear.bias.copy_(torch.arange(32, dtype=torch.float32))
-    weight = quant.pack(quant.Q4_1, raw, 64)
+    weight = quant.pack(quant.Q4_1, raw, 64, native_lib)
     linear.use_quantized(weight, max_tokens=4)
     small, large = torch.randn(4, 64), torch.randn(5, 64)
     assert torch.equal(linear.forward(small), quant.matmul(small, weight) + linear.bias)
@@ -91,13 +90,14 @@ def test_linear_uses_the_quantized_weight_up_to_max_tokens():
         Linear(32, 32).use_quantized(weight, 4)
 
 
-def test_shapes_that_cannot_be_packed():
+def test_shapes_that_cannot_be_packed(native_lib):
     assert quant.packable(quant.Q4_1, 48, 96)
     assert not quant.packable(quant.Q4_1, 40, 96)            # rows: groups of 16
     assert not quant.packable(quant.Q4_1, 48, 80)            # columns: blocks of 32
     assert not quant.packable(14, 48, 256)                   # Q6_K: no kernel
     with pytest.raises(ValueError, match="cannot pack"):
-        quant.pack(quant.Q8_0, torch.zeros(40, 34, dtype=torch.uint8), 32)
+        quant.pack(quant.Q8_0, torch.zeros(40, 34, dtype=torch.uint8), 32, native_lib)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         quant.matmul(torch.zeros(2, 32, dtype=torch.float16),
-                     quant.pack(quant.Q8_0, torch.zeros(16, 34, dtype=torch.uint8), 32))
+                     quant.pack(quant.Q8_0, torch.zeros(16, 34, dtype=torch.uint8), 32,
+                                native_lib))

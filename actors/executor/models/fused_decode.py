@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from pagewire.kernels import native
 from pagewire.kernels.attention import AttentionBatch
 
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -41,9 +40,9 @@ class FusedDecode:
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> "FusedDecode | None":
         """The fused path for this model and these caches, or None where it does not apply."""
-        lib = native.load()
+        lib = model.ops.lib.cdll if model.ops.name == "cpu" else None
         dtype = kv_caches[0].dtype if kv_caches else None
-        if lib is None or model.ops.name != "cpu" or model.tp.size != 1 or dtype not in _TYPES \
+        if lib is None or model.tp.size != 1 or dtype not in _TYPES \
                 or not all(_plain(layer, dtype) for layer in model.layers) \
                 or lib.pw_decode_stack_fields() != len(_FIELDS) \
                 or not all(c.is_contiguous() for c in kv_caches):
