@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewire.executor.sampler import SamplingBatch, draw_by_search, sample
-from pagewire.kernels import native
+from pagewire.executor.sampler import SamplingBatch, sample
 from pagewire.wire import SamplingParams
 
 V = 8
@@ -168,29 +167,3 @@ def test_all_greedy_batch_property():
     assert SamplingBatch([SamplingParams(temperature=0.0)] * 2, [0, 0], [[], []]).all_greedy
     assert not SamplingBatch([SamplingParams(temperature=0.0), SamplingParams()], [0, 0],
                              [[], []]).all_greedy
-
-
-@pytest.mark.skipif(not native.sample_serves(torch.zeros(1, 1)), reason="no native kernels")
-def test_native_draw_matches_the_cumulative_search():
-    """The native inverse-CDF draw against softmax + cumsum + search: the same token, except
-    where the target lies within float rounding of a cumulative boundary; never a -inf token;
-    u = 1 draws one of the last tokens of weight (those past it hold no more than rounding),
-    not a token of the masked tail behind them."""
-    g = torch.Generator().manual_seed(7)
-    logits = torch.randn(96, 1003, generator=g) * 4           # V not a multiple of 16
-    logits[::3, 700:] = float("-inf")                         # masked tails
-    logits[1, :] = float("-inf")
-    logits[1, 517] = 2.0                                      # one live token
-    u = 1.0 - torch.rand(96, 1, generator=g)
-    u[::5] = 1.0
-    ours = native.sample_rows(logits, u)
-    ref = draw_by_search(logits.clone(), u)
-    cdf = torch.softmax(logits.double(), -1).cumsum(-1)
-    for row in range(96):
-        assert logits[row, ours[row]] > float("-inf")
-        if ours[row] != ref[row]:
-            edge = min(ours[row], ref[row])
-            assert abs(cdf[row, edge] - u[row, 0]) < 1e-5, (row, ours[row], ref[row])
-    assert ours[1] == 517
-    for row in range(0, 96, 5):
-        assert cdf[row, ours[row]] > 1 - 1e-6
