@@ -27,8 +27,8 @@ from ._triton import HAS_TRITON, check, check_same_device, out_or_new, require_t
 @dataclass
 class SamplingTensors:
     """Per-row parameters, rows following the logits' rows. A greedy row takes the argmax
-    whatever its other fields hold. Held on the CPU (as the engine builds them), sample() can
-    tell which stages some row needs without waiting on the logits' device."""
+    whatever its other fields hold. Held on the CPU (as the engine builds them), they let
+    sample() tell which stages some row needs without waiting on the logits' device."""
     temperature: torch.Tensor      # [S] float32; 1: no scaling
     top_k: torch.Tensor            # [S] int64; <= 0 or >= vocab: no top-k
     top_p: torch.Tensor            # [S] float32 in (0, 1]; >= 1: no top-p
