@@ -1,21 +1,79 @@
-"""Top-k / top-p (nucleus) masking of logits, per row: the torch reference and a Triton kernel.
+"""Token sampling for a batch of rows with per-row parameters: the torch reference the engine
+runs, the one place that picks the native CPU draw, and a Triton top-k / top-p kernel.
 
-Per row: tokens outside the top_k most likely are masked to -inf (top_k <= 0 or >= vocab:
-no top-k); then, over the renormalized survivors in order of likelihood, a token is masked
-when the probability mass before it is >= top_p (top_p >= 1: no top-p). The most likely token
-always survives. The semantics of actors/executor/sampler.py's _apply_top_k_top_p, with
-per-row tensors instead of SamplingParams.
+A row is either greedy (the argmax of its logits) or random: its logits are divided by its
+temperature, cut by top-k, top-p and min-p, and one token is drawn by inverting the cumulative
+distribution. The draw takes one uniform u in (0, 1] per row, supplied by the caller, and picks
+the first token whose cumulative probability reaches u times the row's total: one random number
+per row instead of one per vocabulary entry (as the exponential race, argmax p / E, needs), and
+whoever supplies the uniforms decides reproducibility (the engine seeds them per request).
+
+Cuts, per row: tokens outside the top_k most likely are masked to -inf (top_k <= 0 or >= vocab:
+no top-k); then, over the renormalized survivors in order of likelihood, a token is masked when
+the probability mass before it is >= top_p (top_p >= 1: no top-p, even where the cumulative sum
+rounds to 1 before the tail); then tokens whose probability is below min_p times the top one's
+are masked (min_p 0: no min-p). The most likely token always survives every cut.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from . import native
 from ._triton import HAS_TRITON, check, check_same_device, out_or_new, require_triton, tl, triton
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters, rows following the logits' rows. A greedy row takes the argmax
+    whatever its other fields hold. Held on the CPU (as the engine builds them), they let
+    sample() tell which stages some row needs without waiting on the logits' device."""
+    temperature: torch.Tensor      # [S] float32; 1: no scaling
+    top_k: torch.Tensor            # [S] int64; <= 0 or >= vocab: no top-k
+    top_p: torch.Tensor            # [S] float32 in (0, 1]; >= 1: no top-p
+    min_p: torch.Tensor            # [S] float32 in [0, 1]; 0: no min-p
+    greedy: torch.Tensor           # [S] bool
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor,
+           lib: native.Library | None = None) -> torch.Tensor:
+    """logits [S, V] float32 (overwritten: scaled and cut in place); uniforms [S] or [S, 1] in
+    (0, 1], on the logits' device -> token ids [S] int64. `lib`: the backend's native library
+    (its draw runs where it serves)."""
+    if bool(params.greedy.all()):
+        return logits.argmax(dim=-1)
+    greedy_tokens = logits.argmax(dim=-1) if bool(params.greedy.any()) else None
+    sampled = draw(sampling_logits(logits, params), uniforms, lib)
+    if greedy_tokens is None:
+        return sampled
+    return torch.where(params.greedy.to(logits.device), greedy_tokens, sampled.to(logits.device))
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The logits the random rows draw from: divided by the temperature, then cut by top-k,
+    top-p and min-p. Greedy rows pass through unchanged. logits [S, V] float32 are scaled in
+    place; returns them or a cut copy. A stage no row uses costs nothing, so a batch at
+    temperature 1 is not divided."""
+    random = ~params.greedy
+    temperature = torch.where(random, params.temperature, 1.0)
+    if bool((temperature != 1.0).any()):
+        logits.div_(temperature.to(logits.device, logits.dtype).unsqueeze(1))
+    vocab = logits.shape[1]
+    top_k = torch.where(random, params.top_k, 0)
+    top_p = torch.where(random, params.top_p, 1.0)
+    if bool((((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)).any()):
+        logits = top_k_top_p_mask(logits, top_k, top_p)
+    min_p = torch.where(random, params.min_p, 0.0)
+    if bool((min_p > 0).any()):
+        min_p_mask_(logits, min_p)
+    return logits
 
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor) -> torch.Tensor:
-    """logits [S, V]; top_k [S] int; top_p [S] float. Returns a masked copy."""
+    """logits [S, V]; top_k [S] int; top_p [S] float. Returns a masked copy (the module
+    docstring's top-k and top-p cuts)."""
     vocab = logits.shape[1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -28,6 +86,34 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor,
     drop |= (mass_before >= p) & (p < 1.0)      # top_p = 1 keeps the tail cumsum rounds to 1
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def min_p_mask_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask, in place, each row's tokens less likely than min_p [S] times its top token (which
+    min_p <= 1 always keeps)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * \
+        min_p.to(logits.device, probs.dtype).unsqueeze(1)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor,
+         lib: native.Library | None = None) -> torch.Tensor:
+    """Per row of logits [S, V], the first token whose cumulative softmax probability reaches
+    uniforms [S] or [S, 1] (in (0, 1]) of the total; -inf logits weigh nothing. `lib`'s native
+    kernel where it serves (AVX512-BF16 tiers: one fused pass per row, no [S, V] temporaries),
+    else the search."""
+    if lib is not None and lib.sample_serves(logits):
+        return lib.sample_rows(logits, uniforms)
+    return draw_by_search(logits, uniforms)
+
+
+def draw_by_search(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """draw on any device (softmax, cumulative sum, search): the reference for the native
+    kernel."""
+    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)                # [S, V]
+    target = uniforms.reshape(-1, 1).mul(cdf[:, -1:])                  # [S, 1] in (0, total]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 if HAS_TRITON:

