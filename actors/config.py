@@ -74,6 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Filled in by resolve():
     model_info: ModelInfo | None = None
     num_host_blocks: int = 0
+    backend: str = ""                        # executor 0's, as it reported it (gateway metric)
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with the model read, dtype, context and KV pool size decided.
@@ -147,7 +148,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "restart_budget", "restart_window", "trace_dir", "trace_redact",
                 "trace_segment_bytes", "trace_max_segments", "num_tokenizers",
                 "cache_salt_per_api_key", "metrics_require_api_key", "threads", "executors",
-                "listen", "curve_keys", "attach_timeout", "tp_timeout"}
+                "listen", "curve_keys", "attach_timeout", "tp_timeout", "backend"}
         values = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in skip}
         return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 

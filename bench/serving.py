@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 
-from compare import PEER, split_argv
+from compare import PEER, peer_dtype, split_argv
 
 FIELDS = {"output tok/s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
           "median TTFT ms": r"Median TTFT \(ms\):\s+([\d.]+)",
@@ -44,10 +44,11 @@ def free_port() -> int:
 def start(engine: str, port: int, trace_dir: str) -> subprocess.Popen:
     if engine.startswith("pagewire"):
         cmd = ["pagewire", "serve", "--port", str(port), "--max-model-len", "2048",
-               "--dtype", "bfloat16", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
+               "--dtype", "auto", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
         if engine == "pagewire-trace":
             cmd += ["--trace", os.path.join(trace_dir, f"run-{port}")]
     else:
+        os.environ.setdefault("VLLM_DTYPE", peer_dtype())      # its faster one on this CPU
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

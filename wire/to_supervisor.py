@@ -7,6 +7,7 @@ import msgspec
 class Ready(msgspec.Struct, tag=True):
     actor: str          # e.g. "executor 0", "scheduler"
     pid: int
+    backend: str = ""   # an executor's kernel backend as it runs, e.g. "cpu-avx2", "triton"
 
 
 class Fatal(msgspec.Struct, tag=True):

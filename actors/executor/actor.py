@@ -53,7 +53,7 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
     so the engine core restarts (and in-flight requests fail) rather than go on."""
     inbox = env.pull(f"executor-{env.index}", ExecutorInbox)
     results = env.push("scheduler")
-    env.ready()
+    env.ready(runner.model.ops.backend)
     while True:
         plan = inbox.recv(timeout_ms=1000)
         env.heartbeat()          # a step that hangs stops these: the supervisor notices

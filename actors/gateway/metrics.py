@@ -133,7 +133,13 @@ class GatewayMetrics:
         self.in_flight = Gauge("pagewire:requests_in_flight",
                                "HTTP generation requests being handled by the gateway.",
                                registry=r)
+        self.backend = Gauge("pagewire:backend_info",
+                             "The executors' kernel backend (device and CPU tier) and dtype: 1.",
+                             ["backend", "dtype"], registry=r)
         self.seqs: dict[str, _Seq] = {}
+
+    def set_backend(self, backend: str, dtype: str) -> None:
+        self.backend.labels(backend=backend, dtype=dtype).set(1)
 
     # -- per request, measured at the gateway --------------------------------------------------
 

@@ -61,6 +61,7 @@ class Gateway:
         self.step_running_for = 0.0
         self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
                                       config.max_num_batched_tokens)
+        self.metrics.set_backend(config.backend or "unknown", config.dtype)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),

@@ -135,3 +135,16 @@ def test_cancelled_stream_frees_everything(server, client):
     assert get(after, "vllm:request_success_total", finished_reason="abort") - \
         get(before, "vllm:request_success_total", finished_reason="abort") == 1
     assert get(after, "pagewire:requests_in_flight") == 0
+
+
+def test_backend_is_the_one_executor_0_runs(server):
+    """The default server on this CPU runs its best native tier, float32 unless that tier
+    multiplies bfloat16 in hardware; /metrics says so."""
+    from pagewire.kernels import tiers
+    tier = tiers.best()
+    backend, dtype = (f"cpu-{tier}", "bfloat16" if tiers.has_bf16_dot(tier) else "float32") \
+        if tier else ("torch", "float32")
+    samples = scrape(server)
+    assert get(samples, "pagewire:backend_info", backend=backend, dtype=dtype) == 1
+    assert [k for k in samples if k[0] == "pagewire:backend_info"] == \
+        [("pagewire:backend_info", frozenset({"backend": backend, "dtype": dtype}.items()))]

@@ -1,0 +1,67 @@
+"""CPU tiers (kernels/tiers.py): which tiers a CPU's flags allow, how each is built, and how
+--kernels and --dtype auto resolve from them."""
+from __future__ import annotations
+
+import pytest
+
+from pagewire.config import _resolve_dtype
+from pagewire.kernels import tiers
+
+BASE = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+ZEN3 = frozenset(BASE)
+SKYLAKE_SP = frozenset(BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
+ZEN4 = frozenset(SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "avx512_vbmi"})
+SAPPHIRE_RAPIDS = frozenset(ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"})
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (ZEN3, ("avx2",)),
+    (SKYLAKE_SP, ("avx2", "avx512")),
+    (ZEN4, ("avx2", "avx512", "avx512_bf16")),
+    (SAPPHIRE_RAPIDS, ("avx2", "avx512", "avx512_bf16", "amx")),
+    (frozenset({"fp", "asimd"}), ()),                       # aarch64: no tier, torch runs
+    (frozenset(BASE - {"fma"}), ()),                        # AVX2 without FMA is no tier
+    (frozenset(ZEN3 | {"amx_tile", "amx_bf16", "amx_int8"}), ("avx2",)),   # tiers stack
+])
+def test_runnable_tiers_follow_the_flags(flags, expected):
+    assert tiers.runnable(flags) == expected
+
+
+def test_each_tier_builds_with_the_flags_of_those_below_it():
+    assert tiers.compiler_flags("avx2") == ["-mavx2", "-mfma", "-mf16c"]
+    bf16 = tiers.compiler_flags("avx512_bf16")
+    assert bf16[:3] == ["-mavx2", "-mfma", "-mf16c"] and "-mavx512bw" in bf16
+    assert "-mavx512bf16" in bf16 and "-mamx-tile" not in bf16
+    assert tiers.compiler_flags("amx")[-3:] == ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+    with pytest.raises(ValueError, match="unknown CPU tier 'sse'"):
+        tiers.compiler_flags("sse")
+
+
+def test_resolve_refuses_a_tier_above_the_cpu(monkeypatch):
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
+    assert tiers.resolve("cpu") == tiers.resolve("native") == "avx2"
+    assert tiers.resolve("avx2") == "avx2"
+    with pytest.raises(ValueError, match="--kernels avx512_bf16: this CPU runs avx2"):
+        tiers.resolve("avx512_bf16")
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: frozenset())
+    with pytest.raises(ValueError, match="use --kernels torch"):
+        tiers.resolve("cpu")
+
+
+def test_dtype_auto_is_bfloat16_only_with_a_bf16_dot_product():
+    assert [_resolve_dtype("auto", t) for t in (None, *tiers.TIERS)] == \
+        ["float32", "float32", "float32", "bfloat16", "bfloat16"]
+    assert _resolve_dtype("bfloat16", "avx2") == "bfloat16"       # asked for: kept
+
+
+def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
+    from pagewire.config import EngineConfig
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, cpu, avx2"):
+        EngineConfig(kernels="avx3").resolve()
+    with pytest.raises(ValueError, match="this CPU runs avx2"):
+        EngineConfig(kernels="amx").resolve()
+    assert EngineConfig(kernels="avx2").resolve().dtype == "float32"
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN4)
+    assert EngineConfig().resolve().dtype == "bfloat16"
+    assert EngineConfig(kernels="avx512").resolve().dtype == "float32"
