@@ -16,8 +16,8 @@ import torch
 
 from . import native
 
-Q4_1, Q8_0 = 3, 8                            # GGML type ids
-_BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}          # bytes of one 32-weight block in the file
+Q4_0, Q4_1, Q8_0 = 2, 3, 8                   # GGML type ids
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}   # bytes of one 32-weight block in the file
 _ROWS = 16                                   # output rows per tile
 
 
@@ -50,10 +50,12 @@ def available(lib: native.Library | None) -> bool:
 
 def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library) -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row; the weight
-    multiplies with `lib`'s kernels."""
+    multiplies with `lib`'s kernels. Q4_0 blocks become Q4_1 ones (below)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
+    if ggml_type == Q4_0:
+        ggml_type, raw = Q4_1, q4_0_as_q4_1(raw)
     nb = cols // 32
     blocks = raw.reshape(rows // _ROWS, _ROWS, nb, _BLOCK_BYTES[ggml_type]).transpose(1, 2)
     groups = blocks.shape[0]                                  # blocks: [G, nb, 16, bytes]
@@ -67,6 +69,20 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library) -> Q
         parts = [qs, d]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2).contiguous()
     return QuantWeight(ggml_type, tiles, rows, cols, lib)
+
+
+def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks [rows, nb * 18] (d, 16 bytes of nibbles; a weight is d * (q - 8)) as Q4_1
+    blocks [rows, nb * 20] (d, m, the same nibbles; d * q + m) with m = -8 d, which fp16 holds
+    exactly (a power-of-two multiple), so every tier's Q4_1 kernel multiplies the file's
+    exact values."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)             # [rows, nb, 1]
+    m = d * -8
+    if not torch.isfinite(m).all():
+        raise ValueError("Q4_0 scale too large for fp16 minimum (|d| > 8188)")
+    out = torch.cat([blocks[..., 0:2], m.view(torch.uint8), blocks[..., 2:]], dim=2)
+    return out.reshape(raw.shape[0], -1)
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

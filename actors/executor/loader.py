@@ -57,8 +57,9 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib) -> int:
-    """Give each Linear whose GGUF tensors are all Q4_1 or all Q8_0 a quantized copy of its
-    weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes kept.
+    """Give each Linear whose GGUF tensors are all Q4_0, all Q4_1 or all Q8_0 a quantized copy
+    of its weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes
+    kept.
     Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
     float32, the activation dtypes the kernels take. `lib`: the backend's native library."""
     if info.format != "gguf" or max_tokens <= 0 or not quant.available(lib) \
@@ -70,7 +71,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib) -> i
     with _one_thread():
         blocks = read_blocks(info.path, _gguf_header(info.path),
                              [n for names in sources.values() for n in names],
-                             {quant.Q4_1, quant.Q8_0}, cfg.num_heads, cfg.num_kv_heads)
+                             {quant.Q4_0, quant.Q4_1, quant.Q8_0}, cfg.num_heads,
+                             cfg.num_kv_heads)
         for module_name, names in sources.items():
             linear = model.get_submodule(module_name)
             types = {blocks[n][0] for n in names if n in blocks}

@@ -11,7 +11,7 @@ from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 
 gguf = pytest.importorskip("gguf")
-TYPES = {"Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
+TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
 
 
 def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ def test_q8_0_tile_layout(native_lib):
         assert [int(tile[16 * k + row]) for k in range(32)] == raw[row, 2:].tolist()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])   # 13: a chunk of 8, then one of 5
 def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
     """float32 activations keep float32's precision: the error stays within the worst-case
@@ -60,7 +60,7 @@ def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
     assert ((out.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_bfloat16_products_are_rounded_exact_sums(native_lib, qtype):
     """bfloat16 activations times the exact weights, summed in float32, rounded once."""
     rng = np.random.default_rng(1)
@@ -101,3 +101,15 @@ def test_shapes_that_cannot_be_packed(native_lib):
         quant.matmul(torch.zeros(2, 32, dtype=torch.float16),
                      quant.pack(quant.Q8_0, torch.zeros(16, 34, dtype=torch.uint8), 32,
                                 native_lib))
+
+
+def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
+    """d * (q - 8) == d * q + m with m = -8 d, exact in fp16; nibbles untouched."""
+    rng = np.random.default_rng(3)
+    raw, values = blocks_of(rng.standard_normal((4, 64)), "Q4_0")
+    as_q4_1 = quant.q4_0_as_q4_1(raw)
+    assert as_q4_1.shape == (4, 40)
+    blocks = as_q4_1.reshape(4, 2, 20)
+    assert torch.equal(blocks[..., 4:], raw.reshape(4, 2, 18)[..., 2:])
+    again = gguf.quants.dequantize(as_q4_1.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(torch.from_numpy(again.astype(np.float64)), values)
