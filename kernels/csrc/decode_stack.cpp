@@ -167,7 +167,8 @@ void decode_stack(T* x, T* residual, const int64_t* program, int64_t length, int
   Machine<T> m{positions, slots, tables, lens, tokens, table_stride, hidden, residual};
   m.cur = x, m.width = hidden;
   m.a.resize(tokens * scratch), m.b.resize(tokens * scratch);
-  for (int64_t i = 0; i < length; i += 1 + arity(program[i]))
+  // The Python side encodes only ops with an arity here; an unknown one still must not loop.
+  for (int64_t i = 0; i < length && arity(program[i]) >= 0; i += 1 + arity(program[i]))
     m.step(program[i], program + i + 1);
   if (m.cur != x) std::memcpy(x, m.cur, tokens * hidden * sizeof(T));
 }
