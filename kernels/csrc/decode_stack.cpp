@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 using bf16 = uint16_t;
 
 extern "C" {
@@ -44,7 +46,7 @@ namespace {
 enum Op : int64_t {
   kAddNorm = 1,   // weight, eps bits
   kNorm = 2,      // weight, eps bits
-  kLinear = 3,    // tiles, ggml type, N, K
+  kLinear = 3,    // tiles, ggml type, N, K, bias (0: none)
   kRope = 5,      // cos|sin table, rotated heads, head dim
   kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits
   kSiluMul = 7,   // (none)
@@ -53,7 +55,7 @@ enum Op : int64_t {
 int64_t arity(int64_t op) {
   switch (op) {
     case kAddNorm: case kNorm: return 2;
-    case kLinear: return 4;
+    case kLinear: return 5;
     case kRope: return 3;
     case kAttend: return 9;
     case kSiluMul: return 0;
@@ -121,7 +123,15 @@ struct Machine {
       Kernels<T>::q4_1(out, n, cur, k, tokens, tiles, n, k);
     else
       Kernels<T>::q8_0(out, n, cur, k, tokens, tiles, n, k);
+    if (o[4]) add_bias(out, ptr<T>(o[4]), n);
     cur = out, width = n;
+  }
+
+  // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.
+  void add_bias(T* out, const T* bias, int64_t n) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < n; ++j)
+        pw::from_float(pw::to_float(out[t * n + j]) + pw::to_float(bias[j]), &out[t * n + j]);
   }
 
   void rope(const int64_t* o) {

@@ -1,7 +1,7 @@
 """The native interpreter of the layer program (csrc/decode_stack.cpp) against the per-op
 path, on tiny random models with random Q8_0 weights: the options the default model lacks
-(sandwich norms, soft-capped and windowed attention, per-layer rope tables) bit-identical
-too, and the architectures whose programs hold an op it lacks refused."""
+(QKV biases, sandwich norms, soft-capped and windowed attention) bit-identical too, and the
+architectures whose programs hold an op it lacks refused."""
 from __future__ import annotations
 
 import pytest
@@ -68,8 +68,9 @@ GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("extra, overrides", [
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, None),
+    ({"architectures": ["Qwen2ForCausalLM"]}, None),                 # QKV bias
     (GEMMA2, {**PLAIN_LAYERS, "sandwich_norms": True}),      # sandwich norms, soft-cap, window
-], ids=["mistral", "gemma2-silu"])
+], ids=["mistral", "qwen2", "gemma2-silu"])
 def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, overrides):
     model = model_for(native_lib, dtype, extra, overrides)
     caches = allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16, dtype)
@@ -94,11 +95,10 @@ def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, over
 
 
 @pytest.mark.parametrize("extra, overrides", [
-    ({"architectures": ["Qwen2ForCausalLM"]}, None),                 # QKV bias
     ({"architectures": ["Qwen3ForCausalLM"]}, None),                 # QK_NORM
     (GEMMA2, None),                                                  # GELU_MUL
     (GEMMA3, PLAIN_LAYERS),                                          # QK_NORM
-], ids=["qwen2", "qwen3", "gemma2", "gemma3-silu"])
+], ids=["qwen3", "gemma2", "gemma3-silu"])
 def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
     model = model_for(native_lib, torch.float32, extra, overrides)
     assert FusedDecode.build(model, allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16,

@@ -10,7 +10,7 @@ Here each layer's program is encoded as int64 words: an opcode (program.Op's val
 its operands (pointers as integers, sizes, floats as a double's bits). It applies where
 every op of every layer encodes: the native library implements the op
 (pw_decode_stack_arity) and this file knows its operands, which for linears means quantized
-weights without bias, all serving the same number of tokens. Otherwise, and for tensor
+weights (with or without a bias), all serving the same number of tokens. Otherwise, and for tensor
 parallelism, other backends, steps with a prefill or with more than the linears'
 `quantized_max_tokens` tokens, the per-op path runs.
 """
@@ -109,12 +109,14 @@ class _Encoder:
         return [w.data_ptr(), _real(norm.eps)]
 
     def linear(self, linear) -> list[int] | None:
-        q = linear.quantized
-        if q is None or linear.bias is not None or q.ggml_type not in (quant.Q4_1, quant.Q8_0):
+        q, bias = linear.quantized, linear.bias
+        if q is None or q.ggml_type not in (quant.Q4_1, quant.Q8_0) or bias is not None and (
+                bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
         self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
-        return [q.tiles.data_ptr(), q.ggml_type, linear.out_features, linear.in_features]
+        return [q.tiles.data_ptr(), q.ggml_type, linear.out_features, linear.in_features,
+                0 if bias is None else bias.data_ptr()]
 
     def rope(self, attn) -> list[int] | None:
         table = self.rope_table
