@@ -2,7 +2,9 @@
 paged KV cache. Weights are fused at load (weights.py): one QKV projection and one gate/up
 projection. The cousins are options of the same decoder (config.py): QKV biases (Qwen2),
 q/k norms (Qwen3, Gemma3), sliding windows (Mistral, Phi3, Gemma), sandwich norms, GELU,
-scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3)."""
+scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3). A layer's ops
+are the program program.py declares from those options; the native fused decode runs the same
+program (fused_decode.py)."""
 from __future__ import annotations
 
 import torch
