@@ -47,7 +47,7 @@ _SIGNATURES = {
     "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
     **{f"pw_q{q}_matmul_{t}": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
        for q in ("4_1", "8_0") for t in ("f32", "bf16")},
-    **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] + [_ptr] * 5 + [_i64, _i64, _f32, _f32]
+    **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2
        for t in ("f32", "bf16")},
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -110,7 +110,8 @@ def load(tier: str | None = None) -> "Library | None":
         getattr(cdll, name).restype = None
     cdll.pw_avx512_bf16.restype = ctypes.c_int64
     cdll.pw_quant_matmuls.restype = ctypes.c_int64
-    cdll.pw_decode_stack_fields.restype = ctypes.c_int64
+    cdll.pw_decode_stack_arity.argtypes = [_i64]
+    cdll.pw_decode_stack_arity.restype = ctypes.c_int64
     return Library(cdll, tier)
 
 

@@ -37,6 +37,15 @@ class TorchOps:
                 rotary.apply_rope(k.view(t, num_kv_heads, head_dim), cos_sin),
                 v.view(t, num_kv_heads, head_dim))
 
+    def rms_norm_heads_(self, qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps):
+        """RMSNorm of each query and key head of qkv [T, (Hq + 2 Hkv) D], in place (rope then
+        rotates them); the values are left alone."""
+        t = qkv.shape[0]
+        heads = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(t, -1, head_dim)
+        q, k = heads[:, :num_heads], heads[:, num_heads:]
+        q.copy_(norm.rms_norm(q, q_weight, eps))
+        k.copy_(norm.rms_norm(k, k_weight, eps))
+
     def silu_and_mul(self, gate_up):
         return activation.silu_and_mul(gate_up)
 

@@ -1,11 +1,15 @@
-// Every decoder layer of a small decode step in one call: the same kernels, in the same order,
-// as the model's Python forward (actors/executor/models/llama.py) runs them one call at a
-// time, so the results are bit-identical; only the ~300 Python/ctypes round trips of a step
-// (a quarter of a single stream's step) are gone. For plain Llama-shaped layers whose linears
-// all hold quantized weights (kernels/quant.py); the Python side decides when it applies.
+// Every decoder layer of a small decode step in one call, by interpreting the layer's declared
+// program (actors/executor/models/program.py): the Python side encodes each op as its opcode
+// followed by its operands (pointers, sizes and float bits, int64 each), and the loop below
+// dispatches each opcode to the kernel the per-op path calls for it (kernels/ops.py CpuOps),
+// in the same order, so the results are bit-identical; only the Python/ctypes round trips of
+// a step are gone. There is no second copy of the decoder here: an op this file does not
+// implement makes the Python side keep the per-op path (pw_decode_stack_arity says -1).
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "bf16.h"
 
 using bf16 = uint16_t;
 
@@ -38,14 +42,28 @@ void pw_q8_0_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const ui
 
 namespace {
 
-// One layer's parameters as the Python side lays them out (int64 each, pointers as integers).
-enum Field {
-  kInputNorm, kPostNorm, kQkv, kQkvType, kOProj, kOProjType, kGateUp, kGateUpType, kDown,
-  kDownType, kKCache, kVCache, kWindow, kRopeTable, kFields
+// Opcodes: program.Op's values. Operands follow each, in the order listed.
+enum Op : int64_t {
+  kAddNorm = 1,   // weight, eps bits
+  kNorm = 2,      // weight, eps bits
+  kLinear = 3,    // tiles, ggml type, N, K, bias (0: none)
+  kRope = 5,      // cos|sin table, rotated heads, head dim
+  kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits
+  kSiluMul = 7,   // (none)
 };
 
-// The model's sizes: hidden, query heads, KV heads, head dim, intermediate, block size.
-struct Shape { int64_t H, Hq, Hkv, D, I, bs; };
+int64_t arity(int64_t op) {
+  switch (op) {
+    case kAddNorm: case kNorm: return 2;
+    case kLinear: return 5;
+    case kRope: return 3;
+    case kAttend: return 9;
+    case kSiluMul: return 0;
+    default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
+  }
+}
+
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;   // GGML type ids (kernels/quant.py)
 
 // The kernels for one activation type, by name suffix (f32, bf16).
 template <typename T> struct Kernels;
@@ -61,75 +79,130 @@ template <typename T> struct Kernels;
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
 
-template <typename T>
-const T* ptr(const int64_t* layer, Field f) { return reinterpret_cast<const T*>(layer[f]); }
-
-// out [tokens, N] = x [tokens, K] @ W^T with the layer's quantized weight in field `f`.
-template <typename T>
-void matmul(T* out, const T* x, int64_t tokens, const int64_t* layer, Field f, int64_t N,
-            int64_t K) {
-  const auto* tiles = ptr<uint8_t>(layer, f);
-  if (layer[f + 1] == 3)
-    Kernels<T>::q4_1(out, N, x, K, tokens, tiles, N, K);
-  else
-    Kernels<T>::q8_0(out, N, x, K, tokens, tiles, N, K);
+// A float operand: Python writes a double's bits; ctypes would round it to float the same way.
+float real(int64_t bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return static_cast<float>(d);
 }
 
+template <typename T> const T* ptr(int64_t word) { return reinterpret_cast<const T*>(word); }
+
+// The step's inputs (one decode token per sequence) and what flows between ops: the current
+// value [tokens, width] and the residual stream, as program.State holds them in Python.
 template <typename T>
-void decode_stack(T* x, T* residual, const int64_t* layers, int64_t num_layers, Shape s,
-                  const int64_t* positions, const int64_t* slots, const int64_t* tables,
-                  const int64_t* lens, int64_t tokens, int64_t table_stride, float eps,
-                  float scale) {
-  using K = Kernels<T>;
-  const int64_t qkv_width = (s.Hq + 2 * s.Hkv) * s.D, q_width = s.Hq * s.D;
-  std::vector<T> normed(tokens * s.H), qkv(tokens * qkv_width), attn(tokens * q_width),
-      gate_up(tokens * 2 * s.I), act(tokens * s.I);
-  const int64_t kv_row = s.Hkv * s.D * sizeof(T), qkv_row = qkv_width * sizeof(T);
-  for (int64_t i = 0; i < num_layers; ++i) {
-    const int64_t* layer = layers + i * kFields;
-    if (i == 0) {       // the residual stream starts as the embeddings themselves
-      std::memcpy(residual, x, tokens * s.H * sizeof(T));
-      K::norm(normed.data(), nullptr, x, ptr<T>(layer, kInputNorm), tokens, s.H, s.H, eps);
-    } else {
-      K::norm(normed.data(), residual, x, ptr<T>(layer, kInputNorm), tokens, s.H, s.H, eps);
+struct Machine {
+  const int64_t *positions, *slots, *tables, *lens;
+  int64_t tokens, table_stride, hidden;
+  T* residual;
+  bool residual_started = false;   // the first ADD_NORM starts it as x itself
+  T* cur;
+  int64_t width;
+  std::vector<T> a, b;             // ops write into whichever the current value is not in
+
+  T* next() { return cur == a.data() ? b.data() : a.data(); }
+
+  void add_norm(const int64_t* o, bool add) {
+    T* out = next();
+    T* res = nullptr;
+    if (add && residual_started) {
+      res = residual;
+    } else if (add) {
+      std::memcpy(residual, cur, tokens * hidden * sizeof(T));
+      residual_started = true;
     }
-    matmul<T>(qkv.data(), normed.data(), tokens, layer, kQkv, qkv_width, s.H);
-    K::rope(qkv.data(), qkv_width, ptr<float>(layer, kRopeTable), positions, tokens,
-            s.Hq + s.Hkv, s.D);
-    char* k = reinterpret_cast<char*>(qkv.data() + q_width);
-    pw_write_kv(reinterpret_cast<char*>(layer[kKCache]), reinterpret_cast<char*>(layer[kVCache]),
-                k, k + kv_row, slots, tokens, kv_row, qkv_row, qkv_row);
-    K::attend(attn.data(), qkv.data(), ptr<T>(layer, kKCache), ptr<T>(layer, kVCache), tables,
-              lens, tokens, s.Hq, s.Hkv, s.D, s.bs, table_stride, qkv_width, q_width, scale,
-              layer[kWindow], 0.f);
-    matmul<T>(x, attn.data(), tokens, layer, kOProj, s.H, q_width);
-    K::norm(normed.data(), residual, x, ptr<T>(layer, kPostNorm), tokens, s.H, s.H, eps);
-    matmul<T>(gate_up.data(), normed.data(), tokens, layer, kGateUp, 2 * s.I, s.H);
-    K::silu(act.data(), gate_up.data(), tokens, s.I);
-    matmul<T>(x, act.data(), tokens, layer, kDown, s.H, s.I);
+    Kernels<T>::norm(out, res, cur, ptr<T>(o[0]), tokens, hidden, width, real(o[1]));
+    cur = out;
   }
+
+  void linear(const int64_t* o) {
+    T* out = next();
+    const auto* tiles = ptr<uint8_t>(o[0]);
+    const int64_t n = o[2], k = o[3];
+    if (o[1] == kQ4_1)
+      Kernels<T>::q4_1(out, n, cur, k, tokens, tiles, n, k);
+    else
+      Kernels<T>::q8_0(out, n, cur, k, tokens, tiles, n, k);
+    if (o[4]) add_bias(out, ptr<T>(o[4]), n);
+    cur = out, width = n;
+  }
+
+  // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.
+  void add_bias(T* out, const T* bias, int64_t n) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < n; ++j)
+        pw::from_float(pw::to_float(out[t * n + j]) + pw::to_float(bias[j]), &out[t * n + j]);
+  }
+
+  void rope(const int64_t* o) {
+    Kernels<T>::rope(cur, width, ptr<float>(o[0]), positions, tokens, o[1], o[2]);
+  }
+
+  // cur: qkv [tokens, (Hq + 2 Hkv) D]; k and v go to the cache, then q attends.
+  void attend(const int64_t* o) {
+    const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d;
+    const int64_t kv_row = hkv * d * sizeof(T), qkv_row = width * sizeof(T);
+    char* k = reinterpret_cast<char*>(cur + q_width);
+    pw_write_kv(reinterpret_cast<char*>(o[0]), reinterpret_cast<char*>(o[1]), k, k + kv_row,
+                slots, tokens, kv_row, qkv_row, qkv_row);
+    T* out = next();
+    Kernels<T>::attend(out, cur, ptr<T>(o[0]), ptr<T>(o[1]), tables, lens, tokens, hq, hkv, d,
+                       o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]));
+    cur = out, width = q_width;
+  }
+
+  void silu_mul() {
+    T* out = next();
+    Kernels<T>::silu(out, cur, tokens, width / 2);
+    cur = out, width /= 2;
+  }
+
+  void step(int64_t op, const int64_t* o) {
+    switch (op) {
+      case kAddNorm: add_norm(o, true); break;
+      case kNorm: add_norm(o, false); break;
+      case kLinear: linear(o); break;
+      case kRope: rope(o); break;
+      case kAttend: attend(o); break;
+      case kSiluMul: silu_mul(); break;
+    }
+  }
+};
+
+template <typename T>
+void decode_stack(T* x, T* residual, const int64_t* program, int64_t length, int64_t hidden,
+                  int64_t scratch, const int64_t* positions, const int64_t* slots,
+                  const int64_t* tables, const int64_t* lens, int64_t tokens,
+                  int64_t table_stride) {
+  Machine<T> m{positions, slots, tables, lens, tokens, table_stride, hidden, residual};
+  m.cur = x, m.width = hidden;
+  m.a.resize(tokens * scratch), m.b.resize(tokens * scratch);
+  // The Python side encodes only ops with an arity here; an unknown one still must not loop.
+  for (int64_t i = 0; i < length && arity(program[i]) >= 0; i += 1 + arity(program[i]))
+    m.step(program[i], program + i + 1);
+  if (m.cur != x) std::memcpy(x, m.cur, tokens * hidden * sizeof(T));
 }
 
 }  // namespace
 
 extern "C" {
 
-// x [T, H] (contiguous): the embeddings in, the last layer's MLP output out; residual [T, H]:
-// the residual stream out (the final norm adds x to it). layers: num_layers x 14 int64 (Field).
-// shape: H, Hq, Hkv, D, I, block size. One decode token per sequence: positions, slots,
-// lens [T]; tables [T, table_stride].
+// x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the
+// residual stream out (the final norm adds x to it). program: `length` int64 words, every
+// layer's ops in turn (opcode, operands). scratch: the widest value an op makes (elements a
+// token). One decode token per sequence: positions, slots, lens [T]; tables [T, table_stride].
 #define PW_DECODE_STACK(name, type)                                                          \
-  void name(type* x, type* residual, const int64_t* layers, int64_t num_layers,             \
-            const int64_t* shape, const int64_t* positions, const int64_t* slots,            \
+  void name(type* x, type* residual, const int64_t* program, int64_t length, int64_t hidden, \
+            int64_t scratch, const int64_t* positions, const int64_t* slots,                 \
             const int64_t* tables, const int64_t* lens, int64_t tokens,                      \
-            int64_t table_stride, float eps, float scale) {                                  \
-    decode_stack(x, residual, layers, num_layers,                                            \
-                 Shape{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]},          \
-                 positions, slots, tables, lens, tokens, table_stride, eps, scale);          \
+            int64_t table_stride) {                                                          \
+    decode_stack(x, residual, program, length, hidden, scratch, positions, slots, tables,   \
+                 lens, tokens, table_stride);                                                \
   }
 PW_DECODE_STACK(pw_decode_stack_f32, float)
 PW_DECODE_STACK(pw_decode_stack_bf16, bf16)
 
-int64_t pw_decode_stack_fields() { return kFields; }
+// The operands `op` takes, or -1 where this interpreter does not implement it.
+int64_t pw_decode_stack_arity(int64_t op) { return arity(op); }
 
 }  // extern "C"

@@ -8,6 +8,8 @@ import torch
 from pagewire import LLM
 from pagewire.config import EngineConfig
 from pagewire.kernels import tiers
+from pagewire.executor.models.fused_decode import FusedDecode
+from pagewire.executor.models.program import Op, Step
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 
 pytestmark = pytest.mark.slow
@@ -71,6 +73,34 @@ def test_steps_the_stack_does_not_serve(runner):
     mixed = AttentionBatch(small.slot_mapping, 1, small.decode_block_tables[:1],
                            small.decode_context_lens[:1], [PrefillSpan(1, 1, 1, small.decode_block_tables[1, :1])])
     assert not fused.serves(2, mixed, runner.kv_caches)                 # a prefill in it
+
+
+def test_the_stack_runs_the_layers_programs(runner):
+    """The encoded program is every layer's declared ops, in order, each opcode then its
+    operands."""
+    model, fused = runner.model, runner.model.fused_decode
+    words, arity = fused.program.tolist(), model.ops.lib.cdll.pw_decode_stack_arity
+    ops, i = [], 0
+    while i < len(words):
+        ops.append(words[i])
+        i += 1 + arity(words[i])
+    assert ops == [int(step.op) for layer in model.layers for step in layer.program]
+
+
+@pytest.mark.parametrize("step", [Step(Op.QK_NORM, "attn"), Step(Op.GELU_MUL),
+                                  Step(Op.ALL_REDUCE)], ids=lambda s: s.op.name)
+def test_a_program_with_an_op_it_lacks_is_refused(runner, step):
+    """One layer's program with an op the native interpreter does not implement: the whole
+    model takes the per-op path."""
+    layer = runner.model.layers[1]
+    program = layer.program
+    assert runner.model.ops.lib.cdll.pw_decode_stack_arity(int(step.op)) == -1
+    try:
+        layer.program = (*program[:2], step, *program[2:])
+        assert FusedDecode.build(runner.model, runner.kv_caches) is None
+    finally:
+        layer.program = program
+    assert FusedDecode.build(runner.model, runner.kv_caches) is not None
 
 
 def test_models_it_does_not_apply_to():

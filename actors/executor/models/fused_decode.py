@@ -1,53 +1,58 @@
 """Small decode steps through every decoder layer in one native call (csrc/decode_stack.cpp).
 
-At batch 1 the layers' kernels take ~5 ms of a ~7 ms step; the rest is Python and ctypes
-going back and forth ~300 times. The native stack runs the same kernels in the same order
-as LlamaForCausalLM.forward, so its hidden states are bit-identical to the per-op path
+At batch 1 most of a step's time outside the kernels is Python and ctypes going back and
+forth a few hundred times. The native interpreter runs each layer's declared program
+(program.py), the same program the per-op path runs, calling for each op the kernel CpuOps
+calls for it, in the same order: its hidden states are bit-identical to the per-op path
 (tests/actors/test_fused_decode.py); it only removes the round trips.
 
-It applies to plain Llama-shaped layers (no QKV bias, q/k norms, sandwich norms, GELU or
-soft-capping; sliding windows are fine) whose four linears all hold quantized weights, on
-the native CPU kernels without tensor parallelism, and to steps that decode only, with at
-most the linears' `quantized_max_tokens` tokens. Everything else takes the per-op path.
+Here each layer's program is encoded as int64 words: an opcode (program.Op's value), then
+its operands (pointers as integers, sizes, floats as a double's bits). It applies where
+every op of every layer encodes: the native library implements the op
+(pw_decode_stack_arity) and this file knows its operands, which for linears means quantized
+weights (with or without a bias), all serving the same number of tokens. Otherwise, and for tensor
+parallelism, other backends, steps with a prefill or with more than the linears'
+`quantized_max_tokens` tokens, the per-op path runs.
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 
+from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch
+
+from .program import Op
 
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 class FusedDecode:
-    """Per-layer pointers (weights, KV caches, rope tables) laid out once; valid while the
-    model (which holds this) and `kv_caches` (referenced here) live."""
+    """Every layer's encoded program, laid out once; valid while the model (which holds this)
+    and `kv_caches` (referenced here) live."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], fn):
-        cfg, layers = model.cfg, model.layers
-        self.kv_caches, self._fn, self.hidden = kv_caches, fn, cfg.hidden_size
-        self.max_tokens = min(l.attn.qkv.quantized_max_tokens for l in layers)
-        self.dtype = kv_caches[0].dtype
-        rows = [_layer_row(layer, kv_caches[i], model.rope_tables[cfg.layer_rope[i]])
-                for i, layer in enumerate(layers)]
-        self.layers = torch.tensor(rows, dtype=torch.int64)              # [L, fields]
-        attn = layers[0].attn
-        self.shape = torch.tensor([cfg.hidden_size, attn.num_heads, attn.num_kv_heads,
-                                   attn.head_dim, layers[0].mlp.down.in_features,
-                                   kv_caches[0].shape[2]], dtype=torch.int64)
-        self.scale, self.eps = attn.scale, cfg.rms_norm_eps
+    def __init__(self, program: list[int], kv_caches: list[torch.Tensor], hidden: int,
+                 scratch: int, max_tokens: int, fn):
+        self.kv_caches, self._fn, self.hidden, self.scratch = kv_caches, fn, hidden, scratch
+        self.max_tokens, self.dtype = max_tokens, kv_caches[0].dtype
+        self.program = torch.tensor(program, dtype=torch.int64)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> "FusedDecode | None":
         """The fused path for this model and these caches, or None where it does not apply."""
         lib = model.ops.lib.cdll if model.ops.name == "cpu" else None
         dtype = kv_caches[0].dtype if kv_caches else None
-        if lib is None or model.tp.size != 1 or dtype not in _TYPES \
-                or not all(_plain(layer, dtype) for layer in model.layers) \
-                or lib.pw_decode_stack_fields() != len(_FIELDS) \
-                or not all(c.is_contiguous() for c in kv_caches):
+        if lib is None or dtype not in _TYPES or not all(c.is_contiguous() for c in kv_caches):
             return None
-        return cls(model, kv_caches, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
+        enc = _Encoder(model, dtype, lib.pw_decode_stack_arity)
+        for i, layer in enumerate(model.layers):
+            if not enc.layer(layer, kv_caches[i], model.rope_tables[model.cfg.layer_rope[i]]):
+                return None
+        if len(enc.max_tokens) != 1:     # the per-op path would switch weights part-way
+            return None
+        return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch,
+                   enc.max_tokens.pop(), getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
@@ -66,34 +71,68 @@ class FusedDecode:
         if x.dtype != self.dtype or not x.is_contiguous() or x.shape[1] != self.hidden:
             raise ValueError(f"fused decode: x must be contiguous {self.dtype} [T, H]")
         residual = torch.empty_like(x)
-        self._fn(x.data_ptr(), residual.data_ptr(), self.layers.data_ptr(), len(self.layers),
-                 self.shape.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[1], self.eps, self.scale)
+        self._fn(x.data_ptr(), residual.data_ptr(), self.program.data_ptr(), len(self.program),
+                 self.hidden, self.scratch, positions.data_ptr(), slots.data_ptr(),
+                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[1])
         return x, residual
 
 
-_FIELDS = ("input_norm", "post_norm", "qkv", "qkv_type", "o_proj", "o_proj_type", "gate_up",
-           "gate_up_type", "down", "down_type", "k_cache", "v_cache", "window", "rope_table")
+def _real(value: float) -> int:
+    """A float operand as int64 words carry it: the double's bits."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
-def _plain(layer, dtype: torch.dtype) -> bool:
-    attn, mlp = layer.attn, layer.mlp
-    linears = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
-    norms = (layer.input_norm.weight, layer.post_norm.weight)
-    return (all(l.quantized is not None and l.bias is None for l in linears)
-            and all(w.dtype == dtype and w.is_contiguous() for w in norms)
-            and len({l.quantized_max_tokens for l in linears}) == 1
-            and attn.q_norm is None and layer.post_attn_norm is None and not mlp.gelu
-            and attn.variant.softcap is None)
+class _Encoder:
+    """Encodes layers' programs one op at a time; an op it cannot encode refuses the model."""
+
+    def __init__(self, model, dtype: torch.dtype, arity):
+        self.model, self.dtype, self.arity = model, dtype, arity
+        self.words: list[int] = []
+        self.scratch = model.cfg.hidden_size   # the widest value an op makes, a token
+        self.max_tokens: set[int] = set()
+
+    def layer(self, layer, kv_cache: torch.Tensor, rope_table: torch.Tensor) -> bool:
+        self.kv_cache, self.rope_table = kv_cache, rope_table
+        for step in layer.program:
+            encode = _ENCODERS.get(step.op)
+            operands = encode(self, layer.get_submodule(step.arg) if step.arg else None) \
+                if encode is not None else None
+            if operands is None or self.arity(int(step.op)) != len(operands):
+                return False
+            self.words += [int(step.op), *operands]
+        return True
+
+    def norm(self, norm) -> list[int] | None:
+        w = norm.weight
+        if w.dtype != self.dtype or not w.is_contiguous():
+            return None
+        return [w.data_ptr(), _real(norm.eps)]
+
+    def linear(self, linear) -> list[int] | None:
+        q, bias = linear.quantized, linear.bias
+        if q is None or q.ggml_type not in (quant.Q4_1, quant.Q8_0) or bias is not None and (
+                bias.dtype != self.dtype or not bias.is_contiguous()):
+            return None
+        self.max_tokens.add(linear.quantized_max_tokens)
+        self.scratch = max(self.scratch, linear.out_features)
+        return [q.tiles.data_ptr(), q.ggml_type, linear.out_features, linear.in_features,
+                0 if bias is None else bias.data_ptr()]
+
+    def rope(self, attn) -> list[int] | None:
+        table = self.rope_table
+        if table.dtype != torch.float32 or not table.is_contiguous():
+            return None
+        return [table.data_ptr(), attn.num_heads + attn.num_kv_heads, attn.head_dim]
+
+    def attend(self, attn) -> list[int] | None:
+        cache = self.kv_cache                      # [2, num_blocks, bs, Hkv, D]
+        if cache.dtype != self.dtype:
+            return None
+        return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,
+                attn.head_dim, cache.shape[2], attn.variant.window or 0, _real(attn.scale),
+                _real(attn.variant.softcap or 0.0)]
 
 
-def _layer_row(layer, kv_cache: torch.Tensor, rope_table: torch.Tensor) -> list[int]:
-    attn, mlp = layer.attn, layer.mlp
-    if rope_table.dtype != torch.float32 or not rope_table.is_contiguous():
-        raise ValueError("fused decode: rope tables must be contiguous float32")
-    row = [layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()]
-    for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down):
-        row += [linear.quantized.tiles.data_ptr(), linear.quantized.ggml_type]
-    row += [kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), attn.variant.window or 0,
-            rope_table.data_ptr()]
-    return row
+_ENCODERS = {Op.ADD_NORM: _Encoder.norm, Op.NORM: _Encoder.norm, Op.LINEAR: _Encoder.linear,
+             Op.ROPE: _Encoder.rope, Op.ATTEND: _Encoder.attend,
+             Op.SILU_MUL: lambda enc, _: []}

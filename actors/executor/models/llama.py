@@ -2,7 +2,9 @@
 paged KV cache. Weights are fused at load (weights.py): one QKV projection and one gate/up
 projection. The cousins are options of the same decoder (config.py): QKV biases (Qwen2),
 q/k norms (Qwen3, Gemma3), sliding windows (Mistral, Phi3, Gemma), sandwich norms, GELU,
-scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3)."""
+scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3). A layer's ops
+are the program program.py declares from those options; the native fused decode runs the same
+program (fused_decode.py)."""
 from __future__ import annotations
 
 import torch
@@ -10,11 +12,11 @@ from torch import nn
 
 from pagewire.kernels.attention import AttentionBatch, Variant
 from pagewire.kernels.linear import Linear
-from pagewire.kernels.norm import rms_norm
 from pagewire.kernels.ops import TorchOps
 from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 from ..parallel import TensorParallel, split_range
+from . import program
 from .config import LlamaConfig
 from .weights import fuse_weights, linear_sources
 
@@ -33,7 +35,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): QKV column-parallel,
-    o_proj row-parallel, summed over ranks."""
+    o_proj row-parallel, summed over ranks. Its weights and sizes; the layer's program runs it."""
 
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()
@@ -49,28 +51,10 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
 
-    def forward(self, ops, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv.forward(x)                            # [T, (Hq + 2 Hkv) D]
-        if self.q_norm is not None:
-            self._norm_heads(qkv)
-        q, k, v = ops.split_qkv_rope(qkv, self.num_heads, self.num_kv_heads,
-                                     self.head_dim, *rope)   # [T, Hq, D], [T, Hkv, D] x 2
-        o = ops.attention(q, k, v, kv_cache, batch, self.scale, self.variant)  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj.forward(o.reshape(t, self.q_size)))   # [T, H]
-
-    def _norm_heads(self, qkv: torch.Tensor) -> None:
-        """RMSNorm of each query and key head, in place in qkv (rope then rotates them)."""
-        t, d = qkv.shape[0], self.head_dim
-        heads = qkv[:, :self.q_size + self.kv_size].view(t, -1, d)     # [T, Hq + Hkv, D]
-        q, k = heads[:, :self.num_heads], heads[:, self.num_heads:]
-        q.copy_(rms_norm(q, self.q_norm.weight, self.q_norm.eps))
-        k.copy_(rms_norm(k, self.k_norm.weight, self.k_norm.eps))
-
 
 class MLP(nn.Module):
-    """gate/up column-parallel, down row-parallel (a slice of the intermediate rows per rank)."""
+    """gate/up column-parallel, down row-parallel (a slice of the intermediate rows per rank).
+    Its weights; the layer's program runs it."""
 
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
@@ -78,17 +62,11 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False)
         self.down = Linear(end - start, cfg.hidden_size, bias=False)
-        self.gelu = cfg.activation == "gelu_tanh"
-
-    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up.forward(x)                                    # [T, 2 I]
-        act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
-        return self.tp.all_reduce(self.down.forward(act))                   # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block. With sandwich norms (Gemma) the attention and MLP outputs are
-    normed too, before they join the residual stream."""
+    """Pre-norm residual block, its ops declared in program.py. With sandwich norms (Gemma) the
+    attention and MLP outputs are normed too, before they join the residual stream."""
 
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()
@@ -100,17 +78,12 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.program = program.layer_program(cfg, tp.size)   # what runs, on every path
+        self._bound = program.bind(self, self.program)
 
     def forward(self, ops, x, residual, rope, kv_cache, batch):
-        x, residual = self.input_norm.forward(ops, x, residual)
-        x = self.attn.forward(ops, x, rope, kv_cache, batch)
-        if self.post_attn_norm is not None:
-            x = self.post_attn_norm.forward(ops, x)[0]
-        x, residual = self.post_norm.forward(ops, x, residual)
-        x = self.mlp.forward(ops, x)
-        if self.post_mlp_norm is not None:
-            x = self.post_mlp_norm.forward(ops, x)[0]
-        return x, residual
+        """The layer's program (program.py), op by op through the backend."""
+        return program.run(self._bound, ops, program.State(x, residual, rope, kv_cache, batch))
 
 
 # The forward passes call submodules' .forward directly: nn.Module.__call__ (hooks machinery)

@@ -1,0 +1,121 @@
+"""A decoder layer as a declared program: a short list of typed ops built once from the
+config, which every path runs. The Python forward (DecoderLayer.forward) steps through it
+calling the backend (`ops`); the fused native decode (fused_decode.py) encodes the same
+program as opcodes that csrc/decode_stack.cpp interprets. An architecture's options change
+the program, never the code that runs it, so adding an op means one implementation per
+backend rather than a second decoder.
+
+Each op reads the current value (the hidden states, then what the previous op made of them)
+and leaves the next one; ADD_NORM also carries the residual stream. `arg` names the layer's
+submodule an op uses (a norm, a linear, the attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+
+class Op(IntEnum):
+    """The opcodes. The values are the native interpreter's too (csrc/decode_stack.cpp)."""
+    ADD_NORM = 1     # residual += x (x alone in the first layer), x = rms_norm(residual)
+    NORM = 2         # x = rms_norm(x), the residual untouched (sandwich norms)
+    LINEAR = 3       # x = x @ W^T (+ bias)
+    QK_NORM = 4      # rms_norm of each query and key head of qkv, in place
+    ROPE = 5         # rotate q and k of qkv by position; x becomes (q, k, v)
+    ATTEND = 6       # write k, v to the paged cache, x = paged attention of q
+    SILU_MUL = 7     # x = silu(gate) * up
+    GELU_MUL = 8     # x = gelu_tanh(gate) * up
+    ALL_REDUCE = 9   # x = sum of x over the tensor-parallel ranks
+
+
+@dataclass(frozen=True)
+class Step:
+    op: Op
+    arg: str = ""    # the layer submodule it uses, as a dotted path ("attn.qkv")
+
+
+def layer_program(cfg, tp_size: int = 1) -> tuple[Step, ...]:
+    """The layer's ops for `cfg` (models/config.py LlamaConfig): pre-norm attention then MLP,
+    each output summed over ranks (only with tensor parallelism: the sum of one rank is x)."""
+    reduce = (Step(Op.ALL_REDUCE),) if tp_size > 1 else ()
+    steps = [Step(Op.ADD_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv")]
+    if cfg.qk_norm:
+        steps.append(Step(Op.QK_NORM, "attn"))
+    steps += [Step(Op.ROPE, "attn"), Step(Op.ATTEND, "attn"), Step(Op.LINEAR, "attn.o_proj"),
+              *reduce]
+    if cfg.sandwich_norms:
+        steps.append(Step(Op.NORM, "post_attn_norm"))
+    act = Op.GELU_MUL if cfg.activation == "gelu_tanh" else Op.SILU_MUL
+    steps += [Step(Op.ADD_NORM, "post_norm"), Step(Op.LINEAR, "mlp.gate_up"), Step(act),
+              Step(Op.LINEAR, "mlp.down"), *reduce]
+    if cfg.sandwich_norms:
+        steps.append(Step(Op.NORM, "post_mlp_norm"))
+    return tuple(steps)
+
+
+class State:
+    """What flows between ops: the current value, the residual stream, and the step's inputs."""
+    __slots__ = ("x", "residual", "rope", "kv_cache", "batch")
+
+    def __init__(self, x, residual, rope, kv_cache, batch):
+        self.x, self.residual, self.rope = x, residual, rope
+        self.kv_cache, self.batch = kv_cache, batch
+
+
+def _add_norm(ops, norm, s: State) -> None:
+    s.x, s.residual = ops.add_rms_norm(s.x, s.residual, norm.weight, norm.eps)
+
+
+def _norm(ops, norm, s: State) -> None:
+    s.x = ops.add_rms_norm(s.x, None, norm.weight, norm.eps)[0]
+
+
+def _linear(ops, linear, s: State) -> None:
+    s.x = linear.forward(s.x)
+
+
+def _qk_norm(ops, attn, s: State) -> None:
+    ops.rms_norm_heads_(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                        attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+
+
+def _rope(ops, attn, s: State) -> None:
+    s.x = ops.split_qkv_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim, *s.rope)
+
+
+def _attend(ops, attn, s: State) -> None:
+    q, k, v = s.x                                     # [T, Hq, D], [T, Hkv, D] x 2
+    o = ops.attention(q, k, v, s.kv_cache, s.batch, attn.scale, attn.variant)
+    s.x = o.reshape(q.shape[0], attn.q_size)          # [T, Hq D]
+
+
+def _silu_mul(ops, _, s: State) -> None:
+    s.x = ops.silu_and_mul(s.x)
+
+
+def _gelu_mul(ops, _, s: State) -> None:
+    s.x = ops.gelu_tanh_and_mul(s.x)
+
+
+def _all_reduce(ops, tp, s: State) -> None:
+    s.x = tp.all_reduce(s.x)
+
+
+RUN = {Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.LINEAR: _linear, Op.QK_NORM: _qk_norm,
+       Op.ROPE: _rope, Op.ATTEND: _attend, Op.SILU_MUL: _silu_mul, Op.GELU_MUL: _gelu_mul,
+       Op.ALL_REDUCE: _all_reduce}
+
+
+def bind(layer, program: tuple[Step, ...]) -> list:
+    """(function, operand) pairs for `layer`, resolved once: the per-op path runs every step of
+    every layer each forward, so the lookups are not repeated there."""
+    return [(RUN[step.op], layer.get_submodule(step.arg) if step.arg else
+             (layer.attn.tp if step.op == Op.ALL_REDUCE else None)) for step in program]
+
+
+def run(bound: list, ops, s: State) -> tuple[torch.Tensor, torch.Tensor]:
+    for fn, operand in bound:
+        fn(ops, operand, s)
+    return s.x, s.residual

@@ -1,0 +1,105 @@
+"""The native interpreter of the layer program (csrc/decode_stack.cpp) against the per-op
+path, on tiny random models with random Q8_0 weights: the options the default model lacks
+(QKV biases, sandwich norms, soft-capped and windowed attention) bit-identical too, and the
+architectures whose programs hold an op it lacks refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewire.executor.models.config import LlamaConfig
+from pagewire.executor.models.fused_decode import FusedDecode
+from pagewire.executor.models.llama import LlamaForCausalLM
+from pagewire.executor.runner import allocate_kv_cache
+from pagewire.kernels import quant
+from pagewire.kernels.attention import AttentionBatch
+from pagewire.kernels.linear import Linear
+from pagewire.kernels.ops import CpuOps
+
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6)
+BLOCK, BLOCKS, MAX_TOKENS = 8, 32, 4
+PLAIN_LAYERS = {"sandwich_norms": False, "activation": "silu"}   # Gemma2 less its GELU
+
+
+def model_for(lib, dtype, extra: dict, overrides: dict | None = None):
+    cfg = LlamaConfig.from_hf({**SHAPE, **extra})
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
+    g = torch.Generator().manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.2 * torch.randn(p.shape, generator=g))
+    model.to(dtype).reset_buffers()                # rope tables stay float32
+    model.ops = CpuOps(lib)
+    for linear in (m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head):
+        linear.use_quantized(random_q8_0(linear, lib, g), MAX_TOKENS)
+    return model
+
+
+def random_q8_0(linear: Linear, lib, g) -> quant.QuantWeight:
+    """Q8_0 blocks (an fp16 scale, 32 int8) of random values."""
+    rows, blocks = linear.out_features, linear.in_features // 32
+    scale = torch.full((rows, blocks, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+    qs = torch.randint(-127, 128, (rows, blocks, 32), generator=g, dtype=torch.int8)
+    raw = torch.cat([scale, qs.view(torch.uint8)], dim=2).reshape(rows, -1)
+    return quant.pack(quant.Q8_0, raw, linear.in_features, lib)
+
+
+def decode_batch(caches, contexts: list[int], g):
+    width = -(-max(contexts) // BLOCK)
+    tables = torch.randperm(BLOCKS, generator=g)[:len(contexts) * width].view(len(contexts), -1)
+    lens = torch.tensor(contexts, dtype=torch.int64)
+    slots = torch.stack([tables[i, (c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK
+                         for i, c in enumerate(contexts)])
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
+    return lens - 1, AttentionBatch(slots, len(contexts), tables.contiguous(), lens, [])
+
+
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8,
+          "attn_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh"}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("extra, overrides", [
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, None),
+    ({"architectures": ["Qwen2ForCausalLM"]}, None),                 # QKV bias
+    (GEMMA2, {**PLAIN_LAYERS, "sandwich_norms": True}),      # sandwich norms, soft-cap, window
+], ids=["mistral", "qwen2", "gemma2-silu"])
+def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, overrides):
+    model = model_for(native_lib, dtype, extra, overrides)
+    caches = allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16, dtype)
+    fused = FusedDecode.build(model, caches)
+    assert fused is not None
+    g = torch.Generator().manual_seed(1)
+    for contexts in ([1], [20], [3, 30, 11]):
+        positions, batch = decode_batch(caches, contexts, g)
+        ids = torch.randint(0, 64, (len(contexts),), generator=g)
+        before = [c.clone() for c in caches]
+        with torch.inference_mode():
+            expected = model(ids, positions, caches, batch)          # fused_decode unset
+            written = [c.clone() for c in caches]
+            for cache, old in zip(caches, before):
+                cache.copy_(old)
+            model.fused_decode = fused
+            assert fused.serves(len(contexts), batch, caches)
+            got = model(ids, positions, caches, batch)
+            model.fused_decode = None
+        assert torch.equal(got, expected), contexts
+        assert all(torch.equal(c, w) for c, w in zip(caches, written))
+
+
+@pytest.mark.parametrize("extra, overrides", [
+    ({"architectures": ["Qwen3ForCausalLM"]}, None),                 # QK_NORM
+    (GEMMA2, None),                                                  # GELU_MUL
+    (GEMMA3, PLAIN_LAYERS),                                          # QK_NORM
+], ids=["qwen3", "gemma2", "gemma3-silu"])
+def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
+    model = model_for(native_lib, torch.float32, extra, overrides)
+    assert FusedDecode.build(model, allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16,
+                                                      torch.float32)) is None
