@@ -48,7 +48,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     threads: int | None = None               # torch threads in the executor; None: all cores
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
-                                             # stored (Q4_1, Q8_0); 0: always dequantized
+                                             # stored (Q4_0, Q4_1, Q8_0); 0: always dequantized
+    quantized_activations: str = "auto"      # auto | exact | int8 (Q4 weights x int8 activations)
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
     actor_nice: int = 10                     # niceness of every actor but the executors
@@ -80,7 +81,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """Return a copy with the model read, dtype, context and KV pool size decided.
         Raises ValueError with a clear message if the options do not fit together."""
         info = self.model_info or resolve_model(self.model)
-        dtype = _resolve_dtype(self.dtype, self._check_kernels())
+        tier = self._check_kernels()
+        dtype = _resolve_dtype(self.dtype, tier)
+        activations = _resolve_activations(self.quantized_activations, self.dtype, tier)
         max_len = self.max_model_len or info.max_model_len
         if max_len > info.max_model_len:
             raise ValueError(f"max_model_len={max_len} is longer than the model's context "
@@ -113,7 +116,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._check_parallel()
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
-            num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name)
+            num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
+            quantized_activations=activations)
 
     def _check_kernels(self) -> str | None:
         """The CPU tier the executors will run (None: none), checked before any actor
@@ -166,6 +170,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
+    """auto: int8 where --dtype auto chose float32 for want of a bfloat16 dot product (the
+    speed class bfloat16 gives elsewhere, and llama.cpp's arithmetic), exact otherwise: a
+    float32 engine asked for by name keeps float32's precision."""
+    if activations not in ("auto", "exact", "int8"):
+        raise ValueError(f"quantized_activations must be auto, exact or int8, got "
+                         f"{activations!r}")
+    if activations == "auto":
+        return "int8" if dtype == "auto" and not tiers.has_bf16_dot(tier) else "exact"
+    return activations
 
 
 def _resolve_dtype(dtype: str, tier: str | None) -> str:

@@ -18,20 +18,26 @@ from . import native
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8                   # GGML type ids
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}   # bytes of one 32-weight block in the file
+# A packed weight's kind: its GGML type, or that type's tiles times activations rounded to
+# int8 (the fused decode stack dispatches on these, csrc/decode_stack.cpp).
+Q4_1_I8, Q8_0_I8 = 103, 108
+KINDS = (Q4_1, Q8_0, Q4_1_I8, Q8_0_I8)
 _ROWS = 16                                   # output rows per tile
 
 
 class QuantWeight:
     """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile], and
     the native kernels that multiply them, by activation dtype."""
-    __slots__ = ("ggml_type", "tiles", "rows", "cols", "kernels")
+    __slots__ = ("ggml_type", "kind", "tiles", "rows", "cols", "kernels")
 
     def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int,
-                 lib: native.Library):
+                 lib: native.Library, int8: bool = False):
         if not available(lib):
             raise ValueError(f"{lib} has no quantized matmuls")
         self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
-        name = "pw_q4_1_matmul" if ggml_type == Q4_1 else "pw_q8_0_matmul"
+        self.kind = {Q4_1: Q4_1_I8, Q8_0: Q8_0_I8}[ggml_type] if int8 else ggml_type
+        name = {Q4_1: "pw_q4_1_matmul", Q8_0: "pw_q8_0_matmul", Q4_1_I8: "pw_q4_1_i8_matmul",
+                Q8_0_I8: "pw_q8_0_i8_matmul"}[self.kind]
         self.kernels = {dtype: lib.typed(name, dtype) for dtype in (torch.bfloat16, torch.float32)}
 
     @property
@@ -48,9 +54,12 @@ def available(lib: native.Library | None) -> bool:
     return lib is not None and lib.quant_matmuls
 
 
-def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library) -> QuantWeight:
+def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
+         int8: bool = False) -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row; the weight
-    multiplies with `lib`'s kernels. Q4_0 blocks become Q4_1 ones (below)."""
+    multiplies with `lib`'s kernels. Q4_0 blocks become Q4_1 ones (below). int8: the weights
+    multiply activations rounded to int8 per 32-column block, as llama.cpp does
+    (csrc/quant_avx2.h); Q8_0 tiles then hold a row's four adjacent columns together."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
@@ -63,12 +72,16 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library) -> Q
         d, m = blocks[..., 0:2], blocks[..., 2:4]             # fp16 scale and minimum
         qs = blocks[..., 4:].reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)   # [G,nb,8,16,2]
         parts = [qs, d, m]
+    elif int8:
+        d = blocks[..., 0:2]
+        qs = blocks[..., 2:].reshape(groups, nb, _ROWS, 8, 4).transpose(2, 3)   # [G,nb,8,16,4]
+        parts = [qs, d]
     else:
         d = blocks[..., 0:2]
         qs = blocks[..., 2:].transpose(2, 3)                  # [G, nb, 32 columns, 16 rows]
         parts = [qs, d]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2).contiguous()
-    return QuantWeight(ggml_type, tiles, rows, cols, lib)
+    return QuantWeight(ggml_type, tiles, rows, cols, lib, int8)
 
 
 def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
@@ -86,8 +99,8 @@ def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. float32
-    activations keep float32's precision (split into three bfloat16 parts in the kernel).
+    """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. The exact
+    kernels keep float32 activations' precision; int8 weights round them (pack()).
     Called per linear per step: the checks are the few the kernel's memory safety needs."""
     fn = weight.kernels.get(x.dtype)
     if fn is None or x.dim() != 2 or x.shape[1] != weight.cols or x.stride(1) != 1:

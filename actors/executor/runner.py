@@ -79,11 +79,12 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.model = load_model(config.model_info, config.dtype, self.tp).to(self.device)
         self.model.ops = ops = select_ops(self.device, config.kernels)
-        log.info("backend %s (dtype %s)", ops.backend, config.dtype)
+        log.info("backend %s (dtype %s, quantized activations %s)", ops.backend, config.dtype,
+                 config.quantized_activations)
         if ops.name == "cpu":
             pack_linears(self.model, upcast=not ops.lib.bf16_dot)
             keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
-                           ops.lib)
+                           ops.lib, config.quantized_activations == "int8")
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks

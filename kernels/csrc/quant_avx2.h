@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -191,5 +193,167 @@ void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t to
     }
   }
 }
+
+// -- Q4_1 and Q8_0 tiles times int8 activations (--quantized-activations int8) --------------
+//
+// llama.cpp's arithmetic: each token's activations are rounded to int8 per 32-column block
+// (scale max|x| / 127), so products are integer: vpmaddubsw multiplies a row's two adjacent
+// nibble columns (bytes [j][l][0..1] of a tile, unsigned) by the broadcast pair of int8
+// activations and adds them, one int16 lane per row; eight steps of <= 2 * 15 * 127 each
+// stay within int16. The block's integer sums, times d and the activation scale, plus
+// m * sum(x) (the float sum of the unrounded activations) make the output. About three
+// times fewer instructions per weight than the exact kernels; the error is that of the
+// rounded activations (at most max|x| / 254 per activation of a block).
+
+struct Int8Activations {
+  int64_t T, K;
+  std::vector<int8_t> q;        // [T][K]
+  std::vector<float> scale, sum;   // [T][K / 32]
+
+  template <typename In>
+  Int8Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_)
+      : T(T_), K(K_), q(T_ * K_), scale(T_ * (K_ / 32)), sum(T_ * (K_ / 32)) {
+    float v[32];
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        float top = 0.f, total = 0.f;
+        for (int k = 0; k < 32; ++k) {
+          v[k] = to_float(x[t * x_stride + b * 32 + k]);
+          top = std::max(top, std::fabs(v[k]));
+          total += v[k];
+        }
+        const float d = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+        for (int k = 0; k < 32; ++k)
+          q[t * K + b * 32 + k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
+        scale[t * (K / 32) + b] = d;
+        sum[t * (K / 32) + b] = total;
+      }
+  }
+};
+
+inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lane
+  int16_t v;
+  std::memcpy(&v, q, 2);
+  return _mm256_set1_epi16(v);
+}
+
+// Tile groups [g0, g1) (16 rows each) for M tokens starting at token t.
+template <int M, typename Out>
+void q4_1_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
+                    const uint8_t* packed, int64_t g0, int64_t g1) {
+  const int64_t nb = a.K / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* tile = packed + g * nb * kQ4Tile;
+    __m256 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, tile += kQ4Tile) {
+      __m256i lo[M], hi[M];           // int16 sums of columns < 16 and >= 16, a lane per row
+      for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+        const __m256i w_lo = _mm256_and_si256(w, low);
+        const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xq = a.q.data() + (t + m) * a.K + b * 32 + 2 * j;
+          lo[m] = _mm256_add_epi16(lo[m], _mm256_maddubs_epi16(w_lo, pair_of(xq)));
+          hi[m] = _mm256_add_epi16(hi[m], _mm256_maddubs_epi16(w_hi, pair_of(xq + 16)));
+        }
+      }
+      for (int half = 0; half < 2; ++half) {
+        const __m256 d = fp16x8(tile + 256 + 16 * half), mn = fp16x8(tile + 288 + 16 * half);
+        for (int m = 0; m < M; ++m) {
+          const __m128i l = half ? _mm256_extracti128_si256(lo[m], 1) : _mm256_castsi256_si128(lo[m]);
+          const __m128i h = half ? _mm256_extracti128_si256(hi[m], 1) : _mm256_castsi256_si128(hi[m]);
+          const __m256 qx = _mm256_cvtepi32_ps(
+              _mm256_add_epi32(_mm256_cvtepi16_epi32(l), _mm256_cvtepi16_epi32(h)));
+          const int64_t s = (t + m) * nb + b;
+          acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, _mm256_set1_ps(a.scale[s])), d,
+                                         acc[m][half]);
+          acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[s]), acc[m][half]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int half = 0; half < 2; ++half)
+        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
+  }
+}
+
+// Q8_0 tiles for int8 activations (kernels/quant.py packs them so when asked): byte
+// [j][l][c] is column 4j + c of row l (a row's four columns adjacent), then d[16] fp16.
+// vpmaddubsw wants unsigned times signed: |w| times x with w's sign, two products a lane
+// (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an int32 lane per row.
+constexpr int64_t kQ8QuadTile = 544;
+
+template <int M, typename Out>
+void q8_0_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
+                    const uint8_t* packed, int64_t g0, int64_t g1) {
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* tile = packed + g * nb * kQ8QuadTile;
+    __m256 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, tile += kQ8QuadTile) {
+      __m256i sum[M][2];
+      for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i w = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
+          const __m256i w_abs = _mm256_abs_epi8(w);
+          for (int m = 0; m < M; ++m) {
+            int32_t quad;
+            std::memcpy(&quad, a.q.data() + (t + m) * a.K + b * 32 + 4 * j, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w);
+            sum[m][half] = _mm256_add_epi32(
+                sum[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+          }
+        }
+      for (int half = 0; half < 2; ++half) {
+        const __m256 d = fp16x8(tile + 512 + 16 * half);
+        for (int m = 0; m < M; ++m) {
+          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+          acc[m][half] = _mm256_fmadd_ps(
+              _mm256_mul_ps(_mm256_cvtepi32_ps(sum[m][half]), dx), d, acc[m][half]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int half = 0; half < 2; ++half)
+        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
+  }
+}
+
+// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (N a multiple of 16, K of 32).
+template <template <int, typename> class Groups, typename T>
+void matmul_i8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
+               const uint8_t* packed, int64_t N, int64_t K) {
+  const Int8Activations a(x, x_stride, tokens, K);
+  for (int64_t t = 0; t < tokens; t += kMaxBatch) {
+    T* o = out + t * out_stride;
+    const int64_t m = std::min<int64_t>(kMaxBatch, tokens - t);
+    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+      switch (m) {
+        case 1: Groups<1, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 2: Groups<2, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 3: Groups<3, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        default: Groups<4, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+      }
+    });
+  }
+}
+
+template <int M, typename T> struct Q4_1_I8 {
+  static void run(T* o, int64_t os, const Int8Activations& a, int64_t t, const uint8_t* p,
+                  int64_t g0, int64_t g1) { q4_1_i8_groups<M>(o, os, a, t, p, g0, g1); }
+};
+template <int M, typename T> struct Q8_0_I8 {
+  static void run(T* o, int64_t os, const Int8Activations& a, int64_t t, const uint8_t* p,
+                  int64_t g0, int64_t g1) { q8_0_i8_groups<M>(o, os, a, t, p, g0, g1); }
+};
 
 }  // namespace pw::avx2

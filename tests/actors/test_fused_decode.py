@@ -7,7 +7,7 @@ import torch
 
 from pagewire import LLM
 from pagewire.config import EngineConfig
-from pagewire.kernels import tiers
+from pagewire.kernels import quant, tiers
 from pagewire.executor.models.fused_decode import FusedDecode
 from pagewire.executor.models.program import Op, Step
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
@@ -15,14 +15,21 @@ from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[(tier, dtype) for tier in tiers.TIERS
-                                        for dtype in ("bfloat16", "float32")], ids=str)
+@pytest.fixture(scope="module", params=[(tier, dtype, acts) for tier in tiers.TIERS
+                                        for dtype, acts in (("bfloat16", "exact"),
+                                                            ("float32", "exact"),
+                                                            ("float32", "int8"))], ids=str)
 def runner(request):
-    """The default model on each tier this CPU runs (the stack calls that tier's kernels)."""
-    tier, dtype = request.param
+    """The default model on each tier this CPU runs (the stack calls that tier's kernels),
+    with exact and int8-rounded activations for its Q4_1 weights."""
+    tier, dtype, acts = request.param
     if tier not in tiers.runnable():
         pytest.skip(f"needs the {tier} tier: this CPU runs {', '.join(tiers.runnable())}")
-    return LLM(dtype=dtype, kernels=tier, max_model_len=512, num_kv_blocks=128).runner
+    llm = LLM(dtype=dtype, kernels=tier, quantized_activations=acts, max_model_len=512,
+              num_kv_blocks=128)
+    kind = llm.runner.model.layers[0].attn.qkv.quantized.kind
+    assert kind == (quant.Q4_1_I8 if acts == "int8" else quant.Q4_1)
+    return llm.runner
 
 
 def decode_step(runner, contexts: list[int], seed: int):

@@ -113,3 +113,34 @@ def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
     assert torch.equal(blocks[..., 4:], raw.reshape(4, 2, 18)[..., 2:])
     again = gguf.quants.dequantize(as_q4_1.numpy(), gguf.GGMLQuantizationType.Q4_1)
     assert torch.equal(torch.from_numpy(again.astype(np.float64)), values)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activation_products_are_within_their_rounding(native_lib, qtype, tokens, dtype):
+    """Activations rounded to int8 per 32-column block (scale max|x| / 127) move each by at
+    most max|x_block| / 254: the output stays within sum over blocks of that times sum|w|
+    (plus the output's own rounding), and the weights are the file's exact values."""
+    rng = np.random.default_rng(tokens)
+    raw, w = blocks_of(rng.standard_normal((48, 96)) * 0.1, qtype)
+    weight = quant.pack(TYPES[qtype], raw, 96, native_lib, int8=True)
+    assert weight.kind == (quant.Q8_0_I8 if qtype == "Q8_0" else quant.Q4_1_I8)
+    x = torch.from_numpy(rng.standard_normal((tokens, 96)).astype(np.float32)).to(dtype)
+    out = quant.matmul(x, weight).double()
+    ref = x.double() @ w.T
+    rounding = x.double().abs().reshape(tokens, 3, 32).amax(-1) @ \
+        w.abs().reshape(48, 3, 32).sum(-1).T / 254
+    output_rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6)
+    assert ((out - ref).abs() <= rounding * 1.001 + output_rounding + 1e-6).all()
+    assert ((out - ref).abs() > 0).any()                    # rounded indeed, not exact
+
+
+def test_q8_0_tile_layout_for_int8_activations(native_lib):
+    """A row's four adjacent columns together: byte [j][l][c] is column 4j + c of row l."""
+    raw = torch.arange(16 * 34, dtype=torch.int64).remainder(253).to(torch.uint8).reshape(16, 34)
+    tile = quant.pack(quant.Q8_0, raw, 32, native_lib, int8=True).tiles[0, 0]
+    for row in (0, 9, 15):
+        assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
+        assert [int(tile[64 * (k // 4) + 4 * row + k % 4]) for k in range(32)] == \
+            raw[row, 2:].tolist()

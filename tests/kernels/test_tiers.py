@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagewire.config import _resolve_dtype
+from pagewire.config import _resolve_activations, _resolve_dtype
 from pagewire.kernels import tiers
 
 BASE = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
@@ -65,3 +65,13 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN4)
     assert EngineConfig().resolve().dtype == "bfloat16"
     assert EngineConfig(kernels="avx512").resolve().dtype == "float32"
+
+
+def test_quantized_activations_auto_is_int8_only_where_auto_chose_float32():
+    assert _resolve_activations("auto", "auto", "avx2") == "int8"
+    assert _resolve_activations("auto", "auto", "avx512") == "int8"
+    assert _resolve_activations("auto", "auto", "avx512_bf16") == "exact"   # bfloat16 there
+    assert _resolve_activations("auto", "float32", "avx2") == "exact"       # asked for
+    assert _resolve_activations("int8", "float32", "amx") == "int8"
+    with pytest.raises(ValueError, match="quantized_activations must be auto, exact or int8"):
+        _resolve_activations("fp8", "auto", "avx2")

@@ -110,12 +110,12 @@ class _Encoder:
 
     def linear(self, linear) -> list[int] | None:
         q, bias = linear.quantized, linear.bias
-        if q is None or q.ggml_type not in (quant.Q4_1, quant.Q8_0) or bias is not None and (
+        if q is None or q.kind not in quant.KINDS or bias is not None and (
                 bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
         self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
-        return [q.tiles.data_ptr(), q.ggml_type, linear.out_features, linear.in_features,
+        return [q.tiles.data_ptr(), q.kind, linear.out_features, linear.in_features,
                 0 if bias is None else bias.data_ptr()]
 
     def rope(self, attn) -> list[int] | None:
