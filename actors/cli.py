@@ -65,11 +65,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
          help="steps of up to N tokens multiply a GGUF model's Q4_1/Q8_0 weights as stored "
               f"(CPU; bfloat16 or float32); larger ones use dequantized copies; 0: never (default "
               f"{d.quantized_matmul_tokens})")
-    flag("--quantized-activations", choices=["auto", "exact", "int8"],
-         help="what those Q4_0/Q4_1 weights multiply: exact float32/bfloat16 activations, or "
-              "activations rounded to int8 per 32 columns (llama.cpp's arithmetic, ~3x fewer "
-              "instructions); auto: int8 where --dtype auto chose float32 (no bfloat16 dot "
-              "product), else exact")
+    flag("--quantized-activations", choices=["auto", "exact", "int8", "int8-all"],
+         help="what those weights multiply: exact float32/bfloat16 activations; int8: Q4_0/Q4_1 "
+              "weights take activations rounded to int8 per 32 columns (~3x fewer instructions), "
+              "Q8_0 ones stay exact; int8-all: Q8_0 too (llama.cpp's arithmetic); auto: exact "
+              "(int8 degrades small models' answers: see the README)")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

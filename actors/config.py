@@ -49,7 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
                                              # stored (Q4_0, Q4_1, Q8_0); 0: always dequantized
-    quantized_activations: str = "auto"      # auto | exact | int8 (Q4 weights x int8 activations)
+    quantized_activations: str = "auto"      # auto | exact | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
     actor_nice: int = 10                     # niceness of every actor but the executors
@@ -173,15 +173,14 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
-    """auto: int8 where --dtype auto chose float32 for want of a bfloat16 dot product (the
-    speed class bfloat16 gives elsewhere, and llama.cpp's arithmetic), exact otherwise: a
-    float32 engine asked for by name keeps float32's precision."""
-    if activations not in ("auto", "exact", "int8"):
-        raise ValueError(f"quantized_activations must be auto, exact or int8, got "
+    """auto: exact. Rounding activations to int8 (int8: for Q4 weights; int8-all: Q8_0 too,
+    llama.cpp's arithmetic) is ~3x fewer instructions a weight, but it garbles the default
+    model's answers, in a prompt's tail as in its LM head, as llama.cpp's own do
+    (bench/NOTES.md): it is taken only by name."""
+    if activations not in ("auto", "exact", "int8", "int8-all"):
+        raise ValueError(f"quantized_activations must be auto, exact, int8 or int8-all, got "
                          f"{activations!r}")
-    if activations == "auto":
-        return "int8" if dtype == "auto" and not tiers.has_bf16_dot(tier) else "exact"
-    return activations
+    return "exact" if activations == "auto" else activations
 
 
 def _resolve_dtype(dtype: str, tier: str | None) -> str:

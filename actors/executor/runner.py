@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
@@ -30,6 +31,9 @@ from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
+# The GGML types whose weights multiply int8-rounded activations, by --quantized-activations.
+INT8_TYPES = {"exact": frozenset(), "int8": frozenset({quant.Q4_0, quant.Q4_1}),
+              "int8-all": frozenset({quant.Q4_0, quant.Q4_1, quant.Q8_0})}
 
 
 @dataclass
@@ -84,7 +88,7 @@ class ModelRunner:
         if ops.name == "cpu":
             pack_linears(self.model, upcast=not ops.lib.bf16_dot)
             keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
-                           ops.lib, config.quantized_activations == "int8")
+                           ops.lib, INT8_TYPES[config.quantized_activations])
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks

@@ -27,8 +27,10 @@ def runner(request):
         pytest.skip(f"needs the {tier} tier: this CPU runs {', '.join(tiers.runnable())}")
     llm = LLM(dtype=dtype, kernels=tier, quantized_activations=acts, max_model_len=512,
               num_kv_blocks=128)
-    kind = llm.runner.model.layers[0].attn.qkv.quantized.kind
-    assert kind == (quant.Q4_1_I8 if acts == "int8" else quant.Q4_1)
+    model = llm.runner.model
+    assert model.layers[0].attn.qkv.quantized.kind == \
+        (quant.Q4_1_I8 if acts == "int8" else quant.Q4_1)
+    assert model.lm_head.quantized.kind == quant.Q8_0        # int8 rounds Q4 weights' only
     return llm.runner
 
 

@@ -67,11 +67,10 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
     assert EngineConfig(kernels="avx512").resolve().dtype == "float32"
 
 
-def test_quantized_activations_auto_is_int8_only_where_auto_chose_float32():
-    assert _resolve_activations("auto", "auto", "avx2") == "int8"
-    assert _resolve_activations("auto", "auto", "avx512") == "int8"
-    assert _resolve_activations("auto", "auto", "avx512_bf16") == "exact"   # bfloat16 there
-    assert _resolve_activations("auto", "float32", "avx2") == "exact"       # asked for
+def test_quantized_activations_are_exact_unless_int8_is_asked_for():
+    assert _resolve_activations("auto", "auto", "avx2") == "exact"
+    assert _resolve_activations("auto", "auto", "avx512_bf16") == "exact"
     assert _resolve_activations("int8", "float32", "amx") == "int8"
-    with pytest.raises(ValueError, match="quantized_activations must be auto, exact or int8"):
+    assert _resolve_activations("int8-all", "auto", "avx2") == "int8-all"
+    with pytest.raises(ValueError, match="must be auto, exact, int8 or int8-all"):
         _resolve_activations("fp8", "auto", "avx2")
