@@ -1,7 +1,8 @@
 // CPU kernels for pagewire, called through ctypes (kernels/native.py builds and loads this).
 //
-// Built with -O3 -march=native against torch's headers only for at::parallel_for, so the work
-// runs on torch's own OpenMP pool (same libgomp, same thread count as torch.set_num_threads).
+// Built per CPU tier (-O3 and the tier's -m flags, kernels/tiers.py) against torch's headers
+// only for at::parallel_for, so the work runs on torch's own OpenMP pool (same libgomp, same
+// thread count as torch.set_num_threads).
 // Every function takes raw pointers and explicit strides (in elements); the Python side checks
 // shapes, dtypes and devices before calling.
 //
