@@ -11,13 +11,9 @@ has the same methods and contracts; `backend` names it for logs and metrics.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import activation, attention, native, norm, rotary, tiers
-
-log = logging.getLogger(__name__)
 
 
 class TorchOps:
@@ -111,12 +107,8 @@ def select_ops(device: torch.device, name: str = "auto") -> TorchOps:
         name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch":
         return TorchOps()
-    if name == "cpu" or name in tiers.TIERS:
-        if name == "cpu" and tiers.best() is None:
-            log.warning("this CPU runs no native tier (%s): the torch reference runs",
-                        ", ".join(tiers.TIERS))
-            return TorchOps()
-        lib = native.load(tiers.resolve(name))
+    if name == "cpu" or name in tiers.TIERS:     # load(None): the best tier, or None + warning
+        lib = native.load(None if name == "cpu" else tiers.resolve(name))
         return CpuOps(lib) if lib is not None else TorchOps()
     if name == "triton":
         from .triton_ops import TritonOps
