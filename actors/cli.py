@@ -15,7 +15,7 @@ import sys
 from pagewire.kernels import tiers
 
 from . import settings
-from .config import EngineConfig, parse_bytes
+from .config import ACTIVATIONS, EngineConfig, parse_bytes
 from .process import setup_logging
 from .settings import gib
 
@@ -65,7 +65,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
          help="steps of up to N tokens multiply a GGUF model's Q4_1/Q8_0 weights as stored "
               f"(CPU; bfloat16 or float32); larger ones use dequantized copies; 0: never (default "
               f"{d.quantized_matmul_tokens})")
-    flag("--quantized-activations", choices=["auto", "exact", "int8", "int8-all"],
+    flag("--quantized-activations", choices=list(ACTIVATIONS),
          help="what those weights multiply: exact float32/bfloat16 activations; int8: Q4_0/Q4_1 "
               "weights take activations rounded to int8 per 32 columns (~3x fewer instructions), "
               "Q8_0 ones stay exact; int8-all: Q8_0 too (llama.cpp's arithmetic); auto: exact "

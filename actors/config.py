@@ -49,7 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
                                              # stored (Q4_0, Q4_1, Q8_0); 0: always dequantized
-    quantized_activations: str = "auto"      # auto | exact | int8 (Q4 weights) | int8-all
+    quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
     actor_nice: int = 10                     # niceness of every actor but the executors
@@ -170,17 +170,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
 
 
 def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
-    """auto: exact. Rounding activations to int8 (int8: for Q4 weights; int8-all: Q8_0 too,
-    llama.cpp's arithmetic) is ~3x fewer instructions a weight, but it garbles the default
-    model's answers, in a prompt's tail as in its LM head, as llama.cpp's own do
-    (bench/NOTES.md): it is taken only by name."""
-    if activations not in ("auto", "exact", "int8", "int8-all"):
-        raise ValueError(f"quantized_activations must be auto, exact, int8 or int8-all, got "
+    """auto: int16 on tiers without a bfloat16 dot product (15 bits a 32-column block, finer
+    than bfloat16 activations: ~1.6x the exact kernels' single stream there, the same answers),
+    exact on those with one (their exact kernels are the fast ones). int8 (Q4 weights) and
+    int8-all (Q8_0 too: llama.cpp's arithmetic) are faster still but garble the default
+    model's answers, as llama.cpp's own do (bench/NOTES.md): they are taken only by name."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"quantized_activations must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{activations!r}")
-    return "exact" if activations == "auto" else activations
+    if activations == "auto":
+        return "exact" if tiers.has_bf16_dot(tier) else "int16"
+    return activations
 
 
 def _resolve_dtype(dtype: str, tier: str | None) -> str:

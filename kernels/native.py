@@ -46,7 +46,8 @@ _SIGNATURES = {
     "pw_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
     **{f"pw_q{q}_matmul_{t}": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
-       for q in ("4_1", "8_0", "4_1_i8", "8_0_i8") for t in ("f32", "bf16")},
+       for q in ("4_1", "8_0", "4_1_i8", "8_0_i8", "4_1_i16", "8_0_i16")
+       for t in ("f32", "bf16")},
     **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2
        for t in ("f32", "bf16")},
 }

@@ -18,10 +18,17 @@ from . import native
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8                   # GGML type ids
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}   # bytes of one 32-weight block in the file
-# A packed weight's kind: its GGML type, or that type's tiles times activations rounded to
-# int8 (the fused decode stack dispatches on these, csrc/decode_stack.cpp).
-Q4_1_I8, Q8_0_I8 = 103, 108
-KINDS = (Q4_1, Q8_0, Q4_1_I8, Q8_0_I8)
+# How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
+# or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
+ROUNDINGS = ("exact", "int16", "int8")
+# A packed weight's kind: its GGML type plus 100 for int8 or 200 for int16 activations (the
+# fused decode stack dispatches on these, csrc/decode_stack.cpp).
+Q4_1_I8, Q8_0_I8, Q4_1_I16, Q8_0_I16 = 103, 108, 203, 208
+KINDS = (Q4_1, Q8_0, Q4_1_I8, Q8_0_I8, Q4_1_I16, Q8_0_I16)
+_KIND_OFFSET = {"exact": 0, "int8": 100, "int16": 200}
+_KERNELS = {Q4_1: "pw_q4_1_matmul", Q8_0: "pw_q8_0_matmul", Q4_1_I8: "pw_q4_1_i8_matmul",
+            Q8_0_I8: "pw_q8_0_i8_matmul", Q4_1_I16: "pw_q4_1_i16_matmul",
+            Q8_0_I16: "pw_q8_0_i16_matmul"}
 _ROWS = 16                                   # output rows per tile
 
 
@@ -31,14 +38,13 @@ class QuantWeight:
     __slots__ = ("ggml_type", "kind", "tiles", "rows", "cols", "kernels")
 
     def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int,
-                 lib: native.Library, int8: bool = False):
+                 lib: native.Library, rounding: str = "exact"):
         if not available(lib):
             raise ValueError(f"{lib} has no quantized matmuls")
         self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
-        self.kind = {Q4_1: Q4_1_I8, Q8_0: Q8_0_I8}[ggml_type] if int8 else ggml_type
-        name = {Q4_1: "pw_q4_1_matmul", Q8_0: "pw_q8_0_matmul", Q4_1_I8: "pw_q4_1_i8_matmul",
-                Q8_0_I8: "pw_q8_0_i8_matmul"}[self.kind]
-        self.kernels = {dtype: lib.typed(name, dtype) for dtype in (torch.bfloat16, torch.float32)}
+        self.kind = ggml_type + _KIND_OFFSET[rounding]
+        self.kernels = {dtype: lib.typed(_KERNELS[self.kind], dtype)
+                        for dtype in (torch.bfloat16, torch.float32)}
 
     @property
     def nbytes(self) -> int:
@@ -55,14 +61,16 @@ def available(lib: native.Library | None) -> bool:
 
 
 def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
-         int8: bool = False) -> QuantWeight:
+         rounding: str = "exact") -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], the file's blocks row by row; the weight
-    multiplies with `lib`'s kernels. Q4_0 blocks become Q4_1 ones (below). int8: the weights
-    multiply activations rounded to int8 per 32-column block, as llama.cpp does
-    (csrc/quant_avx2.h); Q8_0 tiles then hold a row's four adjacent columns together."""
+    multiplies with `lib`'s kernels. Q4_0 blocks become Q4_1 ones (below). rounding (one of
+    ROUNDINGS): int16 and int8 round the activations per 32-column block and multiply in
+    integers (csrc/quant_avx2.h); Q8_0 tiles then hold a row's four adjacent columns together."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if ggml_type == Q4_0:
         ggml_type, raw = Q4_1, q4_0_as_q4_1(raw)
     nb = cols // 32
@@ -72,7 +80,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         d, m = blocks[..., 0:2], blocks[..., 2:4]             # fp16 scale and minimum
         qs = blocks[..., 4:].reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)   # [G,nb,8,16,2]
         parts = [qs, d, m]
-    elif int8:
+    elif rounding != "exact":
         d = blocks[..., 0:2]
         qs = blocks[..., 2:].reshape(groups, nb, _ROWS, 8, 4).transpose(2, 3)   # [G,nb,8,16,4]
         parts = [qs, d]
@@ -81,7 +89,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         qs = blocks[..., 2:].transpose(2, 3)                  # [G, nb, 32 columns, 16 rows]
         parts = [qs, d]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in parts], dim=2).contiguous()
-    return QuantWeight(ggml_type, tiles, rows, cols, lib, int8)
+    return QuantWeight(ggml_type, tiles, rows, cols, lib, rounding)
 
 
 def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
@@ -100,7 +108,7 @@ def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """x: [T, cols] bfloat16 or float32, rows contiguous -> [T, rows] in x's dtype. The exact
-    kernels keep float32 activations' precision; int8 weights round them (pack()).
+    kernels keep float32 activations' precision; int16 and int8 ones round them (pack()).
     Called per linear per step: the checks are the few the kernel's memory safety needs."""
     fn = weight.kernels.get(x.dtype)
     if fn is None or x.dim() != 2 or x.shape[1] != weight.cols or x.stride(1) != 1:

@@ -57,14 +57,14 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
-                   int8_types: frozenset[int] = frozenset()) -> int:
+                   roundings: dict[int, str] | None = None) -> int:
     """Give each Linear whose GGUF tensors are all Q4_0, all Q4_1 or all Q8_0 a quantized copy
     of its weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes
     kept.
     Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
     float32, the activation dtypes the kernels take. `lib`: the backend's native library;
-    `int8_types`: the GGML types whose weights multiply activations rounded to int8
-    (kernels/quant.py)."""
+    `roundings`: GGML type -> how its weights meet the activations (kernels/quant.py
+    ROUNDINGS; a type not named: exact)."""
     if info.format != "gguf" or max_tokens <= 0 or not quant.available(lib) \
             or model.tp.size != 1 or model.embed.weight.dtype not in (torch.bfloat16,
                                                                       torch.float32):
@@ -86,7 +86,7 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
             rows = torch.cat([blocks.pop(n)[1] for n in names])   # fused as fuse_weights does
             if quant.packable(ggml_type, rows.shape[0], linear.in_features):
                 weight = quant.pack(ggml_type, rows, linear.in_features, lib,
-                                    ggml_type in int8_types)
+                                    (roundings or {}).get(ggml_type, "exact"))
                 linear.use_quantized(weight, max_tokens)
                 kept += weight.nbytes
     return kept

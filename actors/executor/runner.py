@@ -31,9 +31,11 @@ from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
-# The GGML types whose weights multiply int8-rounded activations, by --quantized-activations.
-INT8_TYPES = {"exact": frozenset(), "int8": frozenset({quant.Q4_0, quant.Q4_1}),
-              "int8-all": frozenset({quant.Q4_0, quant.Q4_1, quant.Q8_0})}
+# How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
+# --quantized-activations; a type not named multiplies them exactly.
+_Q4 = (quant.Q4_0, quant.Q4_1)
+ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, quant.Q8_0), "int16"),
+             "int8": dict.fromkeys(_Q4, "int8"), "int8-all": dict.fromkeys((*_Q4, quant.Q8_0), "int8")}
 
 
 @dataclass
@@ -88,7 +90,7 @@ class ModelRunner:
         if ops.name == "cpu":
             pack_linears(self.model, upcast=not ops.lib.bf16_dot)
             keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
-                           ops.lib, INT8_TYPES[config.quantized_activations])
+                           ops.lib, ROUNDINGS[config.quantized_activations])
         cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks

@@ -46,6 +46,14 @@ void pw_q8_0_i8_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, cons
                            int64_t, int64_t);
 void pw_q8_0_i8_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
                             int64_t, int64_t);
+void pw_q4_1_i16_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
+                            int64_t, int64_t);
+void pw_q4_1_i16_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
+                             int64_t, int64_t);
+void pw_q8_0_i16_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
+                            int64_t, int64_t);
+void pw_q8_0_i16_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
+                             int64_t, int64_t);
 }
 
 namespace {
@@ -71,8 +79,10 @@ int64_t arity(int64_t op) {
   }
 }
 
-// A linear's kernel: GGML type ids, and Q4_1 times int8 activations (kernels/quant.py KINDS).
-constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kQ4_1_I8 = 103, kQ8_0_I8 = 108;
+// A linear's kernel: GGML type ids, and those tiles times activations rounded to int8 or
+// int16 (kernels/quant.py KINDS).
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kQ4_1_I8 = 103, kQ8_0_I8 = 108, kQ4_1_I16 = 203,
+                  kQ8_0_I16 = 208;
 
 // The kernels for one activation type, by name suffix (f32, bf16).
 template <typename T> struct Kernels;
@@ -86,6 +96,8 @@ template <typename T> struct Kernels;
     static constexpr auto q8_0 = pw_q8_0_matmul_##sfx;                                       \
     static constexpr auto q4_1_i8 = pw_q4_1_i8_matmul_##sfx;                                 \
     static constexpr auto q8_0_i8 = pw_q8_0_i8_matmul_##sfx;                                 \
+    static constexpr auto q4_1_i16 = pw_q4_1_i16_matmul_##sfx;                               \
+    static constexpr auto q8_0_i16 = pw_q8_0_i16_matmul_##sfx;                               \
   };
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
@@ -130,14 +142,10 @@ struct Machine {
     T* out = next();
     const auto* tiles = ptr<uint8_t>(o[0]);
     const int64_t n = o[2], k = o[3];
-    if (o[1] == kQ4_1)
-      Kernels<T>::q4_1(out, n, cur, k, tokens, tiles, n, k);
-    else if (o[1] == kQ4_1_I8)
-      Kernels<T>::q4_1_i8(out, n, cur, k, tokens, tiles, n, k);
-    else if (o[1] == kQ8_0_I8)
-      Kernels<T>::q8_0_i8(out, n, cur, k, tokens, tiles, n, k);
-    else
-      Kernels<T>::q8_0(out, n, cur, k, tokens, tiles, n, k);
+    auto* kernel = o[1] == kQ4_1 ? Kernels<T>::q4_1 : o[1] == kQ4_1_I8 ? Kernels<T>::q4_1_i8
+                 : o[1] == kQ8_0_I8 ? Kernels<T>::q8_0_i8 : o[1] == kQ4_1_I16 ? Kernels<T>::q4_1_i16
+                 : o[1] == kQ8_0_I16 ? Kernels<T>::q8_0_i16 : Kernels<T>::q8_0;
+    kernel(out, n, cur, k, tokens, tiles, n, k);
     if (o[4]) add_bias(out, ptr<T>(o[4]), n);
     cur = out, width = n;
   }

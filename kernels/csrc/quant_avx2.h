@@ -194,25 +194,33 @@ void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t to
   }
 }
 
-// -- Q4_1 and Q8_0 tiles times int8 activations (--quantized-activations int8) --------------
+// -- Q4_1 and Q8_0 tiles times activations rounded to integers -----------------------------
 //
-// llama.cpp's arithmetic: each token's activations are rounded to int8 per 32-column block
-// (scale max|x| / 127), so products are integer: vpmaddubsw multiplies a row's two adjacent
-// nibble columns (bytes [j][l][0..1] of a tile, unsigned) by the broadcast pair of int8
-// activations and adds them, one int16 lane per row; eight steps of <= 2 * 15 * 127 each
-// stay within int16. The block's integer sums, times d and the activation scale, plus
-// m * sum(x) (the float sum of the unrounded activations) make the output. About three
-// times fewer instructions per weight than the exact kernels; the error is that of the
-// rounded activations (at most max|x| / 254 per activation of a block).
+// Each token's activations are rounded per 32-column block to P int8 planes: P = 1 is int8
+// (scale max|x| / 127: llama.cpp's arithmetic, --quantized-activations int8); P = 2 is
+// int16 split as q = 128 hi + lo, hi in [-127, 127] and lo in [-64, 63] (scale
+// max|x| / 16256: 15 bits a block, finer than bfloat16's 8-bit mantissa). Products are then
+// integer: vpmaddubsw multiplies a row's two adjacent nibble columns (bytes [j][l][0..1] of a
+// tile, unsigned) by a plane's broadcast pair and adds them, one int16 lane per row; eight
+// steps of <= 2 * 15 * 127 each stay within int16. A block's plane sums combine exactly in
+// int32 (128 s_hi + s_lo), times d and the activation scale, plus m * sum(x) (the float sum
+// of the unrounded activations). A plane costs about a third of the exact kernels'
+// instructions a weight; the error is the rounding's, at most half a scale an activation.
 
-struct Int8Activations {
+template <int P>
+struct IntActivations {
+  static constexpr float kTop = P == 1 ? 127.f : 127.f * 128.f;
   int64_t T, K;
-  std::vector<int8_t> q;        // [T][K]
-  std::vector<float> scale, sum;   // [T][K / 32]
+  std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
+  std::vector<int16_t> whole;      // [T][K] the rounded value itself (P = 2 only)
+  std::vector<float> scale, sum;   // [T][K / 32]: the last plane's unit; the sum of x
+
+  const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
 
   template <typename In>
-  Int8Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_)
-      : T(T_), K(K_), q(T_ * K_), scale(T_ * (K_ / 32)), sum(T_ * (K_ / 32)) {
+  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_)
+      : T(T_), K(K_), q(T_ * P * K_), whole(P == 2 ? T_ * K_ : 0), scale(T_ * (K_ / 32)),
+        sum(T_ * (K_ / 32)) {
     float v[32];
     for (int64_t t = 0; t < T; ++t)
       for (int64_t b = 0; b < K / 32; ++b) {
@@ -222,10 +230,16 @@ struct Int8Activations {
           top = std::max(top, std::fabs(v[k]));
           total += v[k];
         }
-        const float d = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
-        for (int k = 0; k < 32; ++k)
-          q[t * K + b * 32 + k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
-        scale[t * (K / 32) + b] = d;
+        const float inv = top > 0.f ? kTop / top : 0.f;
+        for (int k = 0; k < 32; ++k) {
+          const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+          const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
+          q[(t * P) * K + b * 32 + k] = static_cast<int8_t>(hi);
+          if (P == 1) continue;
+          q[(t * P + 1) * K + b * 32 + k] = static_cast<int8_t>(r - 128 * hi);
+          whole[t * K + b * 32 + k] = static_cast<int16_t>(r);
+        }
+        scale[t * (K / 32) + b] = top / kTop;
         sum[t * (K / 32) + b] = total;
       }
   }
@@ -237,10 +251,22 @@ inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lan
   return _mm256_set1_epi16(v);
 }
 
+// The P planes' int32 sums of one row lane, combined: plane 0 the most significant.
+template <int P>
+inline __m256i combine(const __m256i* planes) {
+  __m256i total = planes[0];
+  for (int p = 1; p < P; ++p) total = _mm256_add_epi32(_mm256_slli_epi32(total, 7), planes[p]);
+  return total;
+}
+
+inline __m256i widen_half(__m256i v, int half) {   // int16 lanes 8 half .. 8 half + 7 as int32
+  return _mm256_cvtepi16_epi32(half ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
+}
+
 // Tile groups [g0, g1) (16 rows each) for M tokens starting at token t.
-template <int M, typename Out>
-void q4_1_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
-                    const uint8_t* packed, int64_t g0, int64_t g1) {
+template <int M, int P, typename Out>
+void q4_1_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
+                     const uint8_t* packed, int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
@@ -248,26 +274,28 @@ void q4_1_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, tile += kQ4Tile) {
-      __m256i lo[M], hi[M];           // int16 sums of columns < 16 and >= 16, a lane per row
-      for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+      __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
+      for (int m = 0; m < M; ++m)
+        for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
         const __m256i w_lo = _mm256_and_si256(w, low);
         const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-        for (int m = 0; m < M; ++m) {
-          const int8_t* xq = a.q.data() + (t + m) * a.K + b * 32 + 2 * j;
-          lo[m] = _mm256_add_epi16(lo[m], _mm256_maddubs_epi16(w_lo, pair_of(xq)));
-          hi[m] = _mm256_add_epi16(hi[m], _mm256_maddubs_epi16(w_hi, pair_of(xq + 16)));
-        }
+        for (int m = 0; m < M; ++m)
+          for (int p = 0; p < P; ++p) {
+            const int8_t* xq = a.plane(t + m, p) + b * 32 + 2 * j;
+            lo[m][p] = _mm256_add_epi16(lo[m][p], _mm256_maddubs_epi16(w_lo, pair_of(xq)));
+            hi[m][p] = _mm256_add_epi16(hi[m][p], _mm256_maddubs_epi16(w_hi, pair_of(xq + 16)));
+          }
       }
       for (int half = 0; half < 2; ++half) {
         const __m256 d = fp16x8(tile + 256 + 16 * half), mn = fp16x8(tile + 288 + 16 * half);
         for (int m = 0; m < M; ++m) {
-          const __m128i l = half ? _mm256_extracti128_si256(lo[m], 1) : _mm256_castsi256_si128(lo[m]);
-          const __m128i h = half ? _mm256_extracti128_si256(hi[m], 1) : _mm256_castsi256_si128(hi[m]);
-          const __m256 qx = _mm256_cvtepi32_ps(
-              _mm256_add_epi32(_mm256_cvtepi16_epi32(l), _mm256_cvtepi16_epi32(h)));
+          __m256i planes[P];
+          for (int p = 0; p < P; ++p)
+            planes[p] = _mm256_add_epi32(widen_half(lo[m][p], half), widen_half(hi[m][p], half));
+          const __m256 qx = _mm256_cvtepi32_ps(combine<P>(planes));
           const int64_t s = (t + m) * nb + b;
           acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, _mm256_set1_ps(a.scale[s])), d,
                                          acc[m][half]);
@@ -281,15 +309,60 @@ void q4_1_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
   }
 }
 
-// Q8_0 tiles for int8 activations (kernels/quant.py packs them so when asked): byte
+// Q8_0 tiles for integer activations (kernels/quant.py packs them so when asked): byte
 // [j][l][c] is column 4j + c of row l (a row's four columns adjacent), then d[16] fp16.
-// vpmaddubsw wants unsigned times signed: |w| times x with w's sign, two products a lane
-// (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an int32 lane per row.
 constexpr int64_t kQ8QuadTile = 544;
 
+// Q8_0 times int16 activations, the same quad tiles: a half's 32 bytes (8 rows x 4 columns)
+// widen to int16 as two registers of 4 rows, two 32-bit lanes a row (columns 4j, 4j + 1 and
+// 4j + 2, 4j + 3), and vpmaddwd multiplies them by the token's four activations (a broadcast
+// 64-bit word): 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a
+// row's two lanes at the block's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
 template <int M, typename Out>
-void q8_0_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
-                    const uint8_t* packed, int64_t g0, int64_t g1) {
+void q8_0_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
+                     const uint8_t* packed, int64_t g0, int64_t g1) {
+  const int64_t nb = a.K / 32;
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  for (int64_t g = g0; g < g1; ++g)
+    for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
+      const uint8_t* tile = packed + g * nb * kQ8QuadTile + 32 * h;
+      __m256 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b, tile += kQ8QuadTile) {
+        __m256i sum[M][2];            // [token][rows 0-3, rows 4-7]
+        for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w0 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 64 * j)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 64 * j + 16)));
+          for (int m = 0; m < M; ++m) {
+            int64_t quad;
+            std::memcpy(&quad, a.whole.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
+            const __m256i xq = _mm256_set1_epi64x(quad);
+            sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
+            sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
+          }
+        }
+        const __m256 d = fp16x8(tile - 32 * h + 512 + 16 * h);
+        for (int m = 0; m < M; ++m) {
+          const __m256i rows = _mm256_permutevar8x32_epi32(
+              _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
+          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d, acc[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) store8(out + m * os + g * kRows + 8 * h, acc[m]);
+    }
+}
+
+// Q8_0 times int8 activations: vpmaddubsw wants unsigned times signed: |w| times x with w's
+// sign, two products a lane (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an
+// int32 lane per row.
+template <int M, typename Out>
+void q8_0_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
+                     const uint8_t* packed, int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = g0; g < g1; ++g) {
@@ -307,7 +380,7 @@ void q8_0_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
           const __m256i w_abs = _mm256_abs_epi8(w);
           for (int m = 0; m < M; ++m) {
             int32_t quad;
-            std::memcpy(&quad, a.q.data() + (t + m) * a.K + b * 32 + 4 * j, 4);
+            std::memcpy(&quad, a.plane(t + m, 0) + b * 32 + 4 * j, 4);
             const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w);
             sum[m][half] = _mm256_add_epi32(
                 sum[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
@@ -317,8 +390,8 @@ void q8_0_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
         const __m256 d = fp16x8(tile + 512 + 16 * half);
         for (int m = 0; m < M; ++m) {
           const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-          acc[m][half] = _mm256_fmadd_ps(
-              _mm256_mul_ps(_mm256_cvtepi32_ps(sum[m][half]), dx), d, acc[m][half]);
+          const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);
+          acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[m][half]);
         }
       }
     }
@@ -328,32 +401,41 @@ void q8_0_i8_groups(Out* out, int64_t os, const Int8Activations& a, int64_t t,
   }
 }
 
-// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (N a multiple of 16, K of 32).
-template <template <int, typename> class Groups, typename T>
-void matmul_i8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
-               const uint8_t* packed, int64_t N, int64_t K) {
-  const Int8Activations a(x, x_stride, tokens, K);
-  for (int64_t t = 0; t < tokens; t += kMaxBatch) {
+// out [T, N] = x [T, K] @ W^T with x rounded to P int8 planes per block (N a multiple of 16,
+// K of 32), Groups::kBatch tokens a pass (as many as keep the sums in registers).
+template <int P, template <int, int, typename> class Groups, typename T>
+void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
+                const uint8_t* packed, int64_t N, int64_t K) {
+  constexpr int kBatch = Groups<1, P, T>::kBatch;
+  const IntActivations<P> a(x, x_stride, tokens, K);
+  for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
-    const int64_t m = std::min<int64_t>(kMaxBatch, tokens - t);
+    const int64_t m = std::min<int64_t>(kBatch, tokens - t);
     at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
       switch (m) {
-        case 1: Groups<1, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 2: Groups<2, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 3: Groups<3, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        default: Groups<4, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 1: Groups<1, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 2: Groups<2, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 3: Groups<3, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        default: Groups<4, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
       }
     });
   }
 }
 
-template <int M, typename T> struct Q4_1_I8 {
-  static void run(T* o, int64_t os, const Int8Activations& a, int64_t t, const uint8_t* p,
-                  int64_t g0, int64_t g1) { q4_1_i8_groups<M>(o, os, a, t, p, g0, g1); }
+template <int M, int P, typename T> struct Q4_1_Int {
+  static constexpr int kBatch = kMaxBatch / P;
+  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
+                  int64_t g0, int64_t g1) { q4_1_int_groups<M>(o, os, a, t, p, g0, g1); }
 };
-template <int M, typename T> struct Q8_0_I8 {
-  static void run(T* o, int64_t os, const Int8Activations& a, int64_t t, const uint8_t* p,
-                  int64_t g0, int64_t g1) { q8_0_i8_groups<M>(o, os, a, t, p, g0, g1); }
+template <int M, int P, typename T> struct Q8_0_Int {
+  static constexpr int kBatch = kMaxBatch;
+  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
+                  int64_t g0, int64_t g1) {
+    if constexpr (P == 2)
+      q8_0_i16_groups<M>(o, os, a, t, p, g0, g1);
+    else
+      q8_0_i8_groups<M>(o, os, a, t, p, g0, g1);
+  }
 };
 
 }  // namespace pw::avx2

@@ -250,21 +250,27 @@ PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, kParts, true)
 PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, kFloat, false)
 PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, kFloat, false)
 
-// Q4_1 and Q8_0 tiles times activations rounded to int8 (quant_avx2.h), on every tier.
+// Q4_1 and Q8_0 tiles times activations rounded to P int8 planes (quant_avx2.h): int8
+// (P = 1) and int16 (P = 2), on every tier.
 #if defined(__AVX2__)
-#define PW_I8_MATMUL(name, kernel, type)                                                   \
+#define PW_INT_MATMUL(name, kernel, planes, type)                                          \
   void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,       \
             const uint8_t* packed, int64_t N, int64_t K) {                                   \
-    pw::avx2::matmul_i8<pw::avx2::kernel>(out, out_stride, x, x_stride, T, packed, N, K);    \
+    pw::avx2::matmul_int<planes, pw::avx2::kernel>(out, out_stride, x, x_stride, T, packed,  \
+                                                   N, K);                                    \
   }
 #else
-#define PW_I8_MATMUL(name, kernel, type)                                                   \
+#define PW_INT_MATMUL(name, kernel, planes, type)                                          \
   void name(type*, int64_t, const type*, int64_t, int64_t, const uint8_t*, int64_t, int64_t) {}
 #endif
-PW_I8_MATMUL(pw_q4_1_i8_matmul_bf16, Q4_1_I8, bf16)
-PW_I8_MATMUL(pw_q4_1_i8_matmul_f32, Q4_1_I8, float)
-PW_I8_MATMUL(pw_q8_0_i8_matmul_bf16, Q8_0_I8, bf16)
-PW_I8_MATMUL(pw_q8_0_i8_matmul_f32, Q8_0_I8, float)
+PW_INT_MATMUL(pw_q4_1_i8_matmul_bf16, Q4_1_Int, 1, bf16)
+PW_INT_MATMUL(pw_q4_1_i8_matmul_f32, Q4_1_Int, 1, float)
+PW_INT_MATMUL(pw_q8_0_i8_matmul_bf16, Q8_0_Int, 1, bf16)
+PW_INT_MATMUL(pw_q8_0_i8_matmul_f32, Q8_0_Int, 1, float)
+PW_INT_MATMUL(pw_q4_1_i16_matmul_bf16, Q4_1_Int, 2, bf16)
+PW_INT_MATMUL(pw_q4_1_i16_matmul_f32, Q4_1_Int, 2, float)
+PW_INT_MATMUL(pw_q8_0_i16_matmul_bf16, Q8_0_Int, 2, bf16)
+PW_INT_MATMUL(pw_q8_0_i16_matmul_f32, Q8_0_Int, 2, float)
 
 // Whether this build has the quantized matmuls (every tier from AVX2 up).
 int64_t pw_quant_matmuls() {

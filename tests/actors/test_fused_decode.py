@@ -18,19 +18,22 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=[(tier, dtype, acts) for tier in tiers.TIERS
                                         for dtype, acts in (("bfloat16", "exact"),
                                                             ("float32", "exact"),
+                                                            ("float32", "int16"),
                                                             ("float32", "int8"))], ids=str)
 def runner(request):
     """The default model on each tier this CPU runs (the stack calls that tier's kernels),
-    with exact and int8-rounded activations for its Q4_1 weights."""
+    with exact activations, int16-rounded ones for every quantized weight and int8-rounded
+    ones for its Q4_1 weights."""
     tier, dtype, acts = request.param
     if tier not in tiers.runnable():
         pytest.skip(f"needs the {tier} tier: this CPU runs {', '.join(tiers.runnable())}")
     llm = LLM(dtype=dtype, kernels=tier, quantized_activations=acts, max_model_len=512,
               num_kv_blocks=128)
     model = llm.runner.model
-    assert model.layers[0].attn.qkv.quantized.kind == \
-        (quant.Q4_1_I8 if acts == "int8" else quant.Q4_1)
-    assert model.lm_head.quantized.kind == quant.Q8_0        # int8 rounds Q4 weights' only
+    offset = {"exact": 0, "int16": 200, "int8": 100}[acts]
+    assert model.layers[0].attn.qkv.quantized.kind == quant.Q4_1 + offset
+    assert model.lm_head.quantized.kind == \
+        quant.Q8_0 + (200 if acts == "int16" else 0)        # int8 rounds Q4 weights' only
     return llm.runner
 
 

@@ -118,28 +118,34 @@ def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_activation_products_are_within_their_rounding(native_lib, qtype, tokens, dtype):
-    """Activations rounded to int8 per 32-column block (scale max|x| / 127) move each by at
-    most max|x_block| / 254: the output stays within sum over blocks of that times sum|w|
-    (plus the output's own rounding), and the weights are the file's exact values."""
+@pytest.mark.parametrize("rounding, top", [("int8", 127), ("int16", 127 * 128)])
+def test_integer_activation_products_are_within_their_rounding(native_lib, qtype, tokens, dtype,
+                                                               rounding, top):
+    """Activations rounded per 32-column block to int8 (scale max|x| / 127) or int16 (max|x| /
+    16256) move each by at most max|x_block| / (2 top): the output stays within sum over
+    blocks of that times sum|w| (plus the output's own rounding), and the weights are the
+    file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass."""
     rng = np.random.default_rng(tokens)
     raw, w = blocks_of(rng.standard_normal((48, 96)) * 0.1, qtype)
-    weight = quant.pack(TYPES[qtype], raw, 96, native_lib, int8=True)
-    assert weight.kind == (quant.Q8_0_I8 if qtype == "Q8_0" else quant.Q4_1_I8)
+    weight = quant.pack(TYPES[qtype], raw, 96, native_lib, rounding)
+    offset = {"int8": 100, "int16": 200}[rounding]
+    assert weight.kind == (quant.Q8_0 if qtype == "Q8_0" else quant.Q4_1) + offset
     x = torch.from_numpy(rng.standard_normal((tokens, 96)).astype(np.float32)).to(dtype)
     out = quant.matmul(x, weight).double()
     ref = x.double() @ w.T
-    rounding = x.double().abs().reshape(tokens, 3, 32).amax(-1) @ \
-        w.abs().reshape(48, 3, 32).sum(-1).T / 254
+    bound = x.double().abs().reshape(tokens, 3, 32).amax(-1) @ \
+        w.abs().reshape(48, 3, 32).sum(-1).T / (2 * top)
     output_rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6)
-    assert ((out - ref).abs() <= rounding * 1.001 + output_rounding + 1e-6).all()
-    assert ((out - ref).abs() > 0).any()                    # rounded indeed, not exact
+    assert ((out - ref).abs() <= bound * 1.001 + output_rounding + 1e-6).all()
+    if dtype == torch.float32:
+        assert ((out - ref).abs() > 0).any()                # rounded indeed, not exact
 
 
-def test_q8_0_tile_layout_for_int8_activations(native_lib):
+@pytest.mark.parametrize("rounding", ["int8", "int16"])
+def test_q8_0_tile_layout_for_integer_activations(native_lib, rounding):
     """A row's four adjacent columns together: byte [j][l][c] is column 4j + c of row l."""
     raw = torch.arange(16 * 34, dtype=torch.int64).remainder(253).to(torch.uint8).reshape(16, 34)
-    tile = quant.pack(quant.Q8_0, raw, 32, native_lib, int8=True).tiles[0, 0]
+    tile = quant.pack(quant.Q8_0, raw, 32, native_lib, rounding).tiles[0, 0]
     for row in (0, 9, 15):
         assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
         assert [int(tile[64 * (k // 4) + 4 * row + k % 4]) for k in range(32)] == \

@@ -67,10 +67,13 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
     assert EngineConfig(kernels="avx512").resolve().dtype == "float32"
 
 
-def test_quantized_activations_are_exact_unless_int8_is_asked_for():
-    assert _resolve_activations("auto", "auto", "avx2") == "exact"
+def test_quantized_activations_int16_below_a_bf16_dot_product_and_int8_only_by_name():
+    assert _resolve_activations("auto", "auto", "avx2") == "int16"
+    assert _resolve_activations("auto", "float32", "avx512") == "int16"
     assert _resolve_activations("auto", "auto", "avx512_bf16") == "exact"
+    assert _resolve_activations("auto", "auto", "amx") == "exact"
+    assert _resolve_activations("exact", "auto", "avx2") == "exact"
     assert _resolve_activations("int8", "float32", "amx") == "int8"
     assert _resolve_activations("int8-all", "auto", "avx2") == "int8-all"
-    with pytest.raises(ValueError, match="must be auto, exact, int8 or int8-all"):
+    with pytest.raises(ValueError, match="must be one of auto, exact, int16, int8, int8-all"):
         _resolve_activations("fp8", "auto", "avx2")
