@@ -107,6 +107,15 @@ CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "add_generation
                                   "reasoning_effort"})
 
 
+# Caps on what one request may list (a 400 names the field): each entry costs work in every
+# step the request runs (stop strings are searched in each new text, logit_bias entries
+# applied to each row of logits), so a client may not ask for unbounded amounts. vLLM caps
+# none of these; OpenAI documents up to 4 stop strings. README "Request limits" lists them.
+LIST_CAPS = {"stop": 64, "stop_token_ids": 1024, "bad_words": 256, "logit_bias": 1024,
+             "allowed_token_ids": 262144, "messages": 4096, "content": 256, "prompt": 1024}
+MAX_STOP_CHARS = 1024          # one stop string or bad word, in characters
+
+
 def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
     try:
         return msgspec.json.decode(raw, type=body_type)
@@ -114,6 +123,16 @@ def decode_body(raw: bytes, body_type: type) -> msgspec.Struct:
         raise ApiError(400, f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except UnicodeDecodeError as e:      # a JSON string's bytes are not UTF-8
+        raise ApiError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}") \
+            from None
+
+
+def check_count(name: str, items, param: str | None = None) -> None:
+    """A 400 if the list (or mapping) `items` holds more than LIST_CAPS[name] entries."""
+    if items is not None and not isinstance(items, str) and len(items) > LIST_CAPS[name]:
+        raise ApiError(400, f"{name} may hold at most {LIST_CAPS[name]} entries, got "
+                       f"{len(items)}", param or name)
 
 
 def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
@@ -153,6 +172,14 @@ def _check_caps(body: _Common, logprobs: int | None, prompt_logprobs: int | None
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise ApiError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
+    for name in ("stop", "stop_token_ids", "bad_words", "logit_bias", "allowed_token_ids"):
+        check_count(name, getattr(body, name))
+    for name in ("stop", "bad_words"):
+        value = getattr(body, name)
+        strings = [value] if isinstance(value, str) else value or []
+        if any(len(text) > MAX_STOP_CHARS for text in strings):
+            raise ApiError(400, f"each of {name} may be at most {MAX_STOP_CHARS} characters",
+                           name)
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet "
                        "(only 'text')", "response_format")
@@ -182,6 +209,7 @@ def completion_prompts(body: CompletionBody) -> list[dict]:
         raise ApiError(400, "prompt must not be empty", "prompt")
     if all(isinstance(x, int) for x in p):
         return [{"prompt_token_ids": list(p)}]
+    check_count("prompt", p)
     if all(isinstance(x, str) for x in p):
         return [{"prompt": x} for x in p]
     if all(isinstance(x, list) for x in p):
@@ -193,10 +221,12 @@ def completion_prompts(body: CompletionBody) -> list[dict]:
 def chat_messages(body: ChatBody) -> list[ChatMessage]:
     if not body.messages:
         raise ApiError(400, "messages must not be empty", "messages")
+    check_count("messages", body.messages)
     out = []
     for m in body.messages:
         content = m.content
         if isinstance(content, list):
+            check_count("content", content, "messages")
             if any(part.type != "text" for part in content):
                 raise ApiError(400, "only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)

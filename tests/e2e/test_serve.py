@@ -106,6 +106,15 @@ def test_concurrent_requests(client):
     ({"model": MODEL, "prompt": [[1, 2], [99999999]]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL}, 400, None),
+    # hostile: bytes that are not UTF-8, wrong types deep down, lists past the caps
+    (b'{"prompt": "caf\xe9"}', 400, None),
+    ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, 400, None),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(5000)]}, 400, "stop"),
+    ({"prompt": "hi", "stop": "x" * 2000}, 400, "stop"),
+    ({"prompt": "hi", "stop_token_ids": list(range(5000))}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(5000)}}, 400, "logit_bias"),
+    ({"prompt": "hi", "bad_words": ["w"] * 300}, 400, "bad_words"),
+    ({"prompt": ["hi"] * 1100, "max_tokens": 1}, 400, "prompt"),
 ])
 def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, body, status, param):
     code, reply, _ = server.request("POST", "/v1/completions", body)
@@ -114,6 +123,20 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, bo
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
     assert err["param"] == param and err["message"]
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, None),
+    ({"messages": [{"role": "user", "content": "hi"}] * 5000}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 300}]},
+     "messages"),
+])
+def test_hostile_chat_bodies_get_400_and_the_server_keeps_serving(server, client, body, param):
+    code, reply, _ = server.request("POST", "/v1/chat/completions", body)
+    assert code == 400 and reply["error"]["param"] == param and reply["error"]["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2)
     assert ok.usage.completion_tokens == 2
 
 
