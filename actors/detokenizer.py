@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 from tokenizers.decoders import DecodeStream
 
+from pagewire.wire.channels import Sends
 from pagewire.wire.sampling import LogprobsChunk, output_ids
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
@@ -110,6 +111,13 @@ class Detokenizer:
         self.stopped: set[str] = set()
         self.ended: OrderedDict[str, None] = OrderedDict()   # aborted while not live
 
+    def handle(self, msg: DetokStart | TokenDeltas) -> Sends:
+        """The detokenizer core: text deltas for the gateway, and an Abort for the scheduler
+        when stop strings finished requests."""
+        texts, aborts = (self.start if isinstance(msg, DetokStart) else self.on_deltas)(msg)
+        sends: Sends = [("gateway", TextDeltas(texts))] if texts else []
+        return sends + ([("scheduler", Abort(aborts))] if aborts else [])
+
     def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[str]]:
         texts, aborts = [], []
         for out_id in output_ids(msg.req_id, msg.num_outputs):
@@ -154,13 +162,8 @@ class Detokenizer:
 def run(env) -> None:
     detok = Detokenizer(load_tokenizer(env.config.model_info))
     inbox = env.pull("detokenizer", DetokenizerInbox)
-    gateway = env.push("gateway")
-    scheduler = env.push("scheduler")
-    handlers = {DetokStart: detok.start, TokenDeltas: detok.on_deltas}
+    pushes = {name: env.push(name) for name in ("gateway", "scheduler")}
     env.ready()
     for msg in env.messages(inbox):
-        texts, aborts = handlers[type(msg)](msg)
-        if texts:
-            gateway.send(TextDeltas(texts))
-        if aborts:
-            scheduler.send(Abort(aborts))
+        for channel, out in detok.handle(msg):
+            pushes[channel].send(out)

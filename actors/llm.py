@@ -1,24 +1,27 @@
 """The offline API: LLM(model).generate(prompts, SamplingParams(...)).
 
-Runs the same tokenizer, scheduler, executor and detokenizer code as the server, in this
+Runs the same tokenizer, scheduler, executor and detokenizer cores as the server, in this
 process and without sockets: a batch job pays no IPC and needs no run directory.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from pagewire.wire.sampling import SamplingParams, output_ids
+from pagewire.wire.channels import Sends
+from pagewire.wire.sampling import SamplingParams, best_of, output_ids
 from pagewire.wire.to_detokenizer import TokenDeltas
-from pagewire.wire.to_gateway import RequestFailed
+from pagewire.wire.to_gateway import RequestFailed, TextDeltas
+from pagewire.wire.to_scheduler import Abort, NewRequest
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest
 
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .executor.runner import ModelRunner
 from .hf_tokenizer import load_tokenizer
-from .scheduler.scheduler import Scheduler
+from .scheduler.core import SchedulerCore
 from .tokenizer import RequestTokenizer
 
 Prompt = str | list[int] | dict
@@ -46,19 +49,27 @@ class RequestOutput:
 
 class LLM:
     """An engine in this process. Keyword options are EngineConfig's (dtype, max_model_len,
-    max_num_seqs, block_size, kv_cache_memory, ...)."""
+    max_num_seqs, block_size, kv_cache_memory, ...).
+
+    A driver over the same cores the server's actors run (tokenizer, scheduler core,
+    detokenizer): messages move between them through an in-process queue instead of sockets,
+    so stop strings, n / best_of, beams and aborts behave exactly as served."""
 
     def __init__(self, model: str | None = None, **options):
         self.config = EngineConfig(model=model, **options).resolve()
         self.tokenizer = load_tokenizer(self.config.model_info)
-        self.request_tokenizer = RequestTokenizer(self.config, self.tokenizer)
-        self.scheduler = Scheduler(self.config)
+        core, self.detokenizer = SchedulerCore(self.config), Detokenizer(self.tokenizer)
+        self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
+                      "scheduler": core, "detokenizer": self.detokenizer}
+        self.scheduler, self.plan = core.sched, core.plan
         self.runner = ModelRunner(self.config)
-        self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        self._prompts: dict[str, str | None] = {}     # prompt text, until the request starts
         self._live: dict[str, RequestOutput] = {}
         self._outputs: dict[str, tuple[RequestOutput, CompletionOutput]] = {}   # by output id
         self._n: dict[str, int] = {}           # requests generating more sequences than n
+        self._failed: dict[str, RequestFailed] = {}
+        self._finished: list[RequestOutput] = []
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -94,20 +105,11 @@ class LLM:
         else:
             req.prompt_token_ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict)
                                         else prompt)
-        result = self.request_tokenizer.process(req)
-        if isinstance(result, RequestFailed):
-            raise ValueError(result.message)
-        start, new = result
-        sampling = new.sampling
-        out = RequestOutput(req_id, req.prompt, new.prompt_token_ids,
-                            [CompletionOutput(j) for j in range(sampling.num_outputs)])
-        self._live[req_id] = out
-        if sampling.num_outputs > sampling.n:
-            self._n[req_id] = sampling.n
-        for j, out_id in enumerate(output_ids(req_id, sampling.num_outputs)):
-            self._outputs[out_id] = (out, out.outputs[j])
-        self.detokenizer.start(start)
-        self.scheduler.add(new)
+        self._prompts[req_id] = req.prompt
+        self._deliver([("tokenizer", req)])
+        self._prompts.pop(req_id, None)
+        if req_id in self._failed:
+            raise ValueError(self._failed.pop(req_id).message)
         return req_id
 
     def abort(self, req_id: str) -> None:
@@ -119,24 +121,54 @@ class LLM:
         for out_id in ids:
             self._outputs.pop(out_id, None)
         self._n.pop(req_id, None)
-        self.detokenizer.on_deltas(TokenDeltas(self.scheduler.abort(ids)))
+        self._deliver([("scheduler", Abort(ids))])
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it."""
-        plan = self.scheduler.schedule()
+        plan = self.plan()
         if plan is None:
             raise RuntimeError("scheduler has unfinished requests but nothing to run")
-        deltas = self.scheduler.update(self.runner.execute(plan))
-        for d in deltas:
-            self._outputs[d.req_id][1].token_ids += d.token_ids
-        texts, aborts = self.detokenizer.on_deltas(TokenDeltas(deltas))
-        if aborts:
-            self.detokenizer.on_deltas(TokenDeltas(self.scheduler.abort(aborts)))
-        finished = []
-        for t in texts:
+        self._deliver([("scheduler", self.runner.execute(plan))])
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _deliver(self, sends: Sends) -> None:
+        """Move messages between the cores, in order, as the actors' sockets would, until
+        none is left; what the server's gateway would get comes to _on_gateway()."""
+        queue = deque(sends)
+        while queue:
+            channel, msg = queue.popleft()
+            if channel == "gateway":
+                self._on_gateway(msg)
+                continue
+            if isinstance(msg, NewRequest):
+                self._start(msg)
+            elif isinstance(msg, TokenDeltas):
+                for d in msg.deltas:
+                    if d.req_id in self._outputs:
+                        self._outputs[d.req_id][1].token_ids += d.token_ids
+            queue.extend(self.cores[channel].handle(msg))
+
+    def _start(self, new: NewRequest) -> None:
+        sampling = new.sampling
+        out = RequestOutput(new.req_id, self._prompts.get(new.req_id), new.prompt_token_ids,
+                            [CompletionOutput(j) for j in range(sampling.num_outputs)])
+        self._live[new.req_id] = out
+        if sampling.num_outputs > sampling.n:
+            self._n[new.req_id] = sampling.n
+        for j, out_id in enumerate(output_ids(new.req_id, sampling.num_outputs)):
+            self._outputs[out_id] = (out, out.outputs[j])
+
+    def _on_gateway(self, msg: TextDeltas | RequestFailed) -> None:
+        if isinstance(msg, RequestFailed):
+            self._failed[msg.req_id] = msg
+            return
+        for t in msg.deltas:
+            if t.req_id not in self._outputs:       # aborted here
+                continue
             out, completion = self._outputs[t.req_id]
             completion.text += t.text
             if t.logprobs is not None:
@@ -149,19 +181,17 @@ class LLM:
                 completion.cumulative_logprob = t.cumulative_logprob
                 del completion.token_ids[t.num_output_tokens:]
                 if all(c.finish_reason for c in out.outputs):
-                    finished.append(self._finalize(out))
-        return finished
+                    self._finished.append(self._finalize(out))
 
     def _finalize(self, out: RequestOutput) -> RequestOutput:
         """All sequences are done: keep the n best of best_of (by cumulative logprob)."""
         del self._live[out.request_id]
         out.finished = True
-        n = self._n[out.request_id] if out.request_id in self._n else len(out.outputs)
-        if n < len(out.outputs):
-            out.outputs = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
-            for j, c in enumerate(out.outputs):
-                c.index = j
-        self._n.pop(out.request_id, None)
+        n = self._n.pop(out.request_id, len(out.outputs))
+        out.outputs = [out.outputs[j] for j in best_of(
+            [c.cumulative_logprob or 0.0 for c in out.outputs], n)]
+        for j, c in enumerate(out.outputs):
+            c.index = j
         return out
 
     def _run(self, req_ids: list[str]) -> list[RequestOutput]:

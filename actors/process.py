@@ -156,7 +156,7 @@ def main(argv: list[str]) -> None:
         if env.tracer is not None:
             env.tracer.close()
         logging.getLogger(env.name).error("fatal: %s", traceback.format_exc())
-        send_last_words(config, Fatal(env.name, f"{type(e).__name__}: {e}"))
+        send_last_words(config, Fatal(env.name, f"{type(e).__name__}: {e}", os.getpid()))
         logging.shutdown()
         # Not ctx.term(): it waits for every socket to close, and the failure may have left
         # some open (or a thread using them, like a CURVE authenticator).

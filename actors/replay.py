@@ -16,11 +16,8 @@ import msgspec
 
 from pagewire.wire.replay import (CannotReplay, Divergence, Replay, decode, differing_ids,
                                   recorded)
-from pagewire.wire.to_detokenizer import DetokStart, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
-from pagewire.wire.to_gateway import TextDeltas
-from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
-from pagewire.wire.to_tokenizer import DetokenizeOnly, TokenizeOnly, TokenizeRequest
+from pagewire.wire.to_scheduler import StepResult
 from pagewire.wire.trace import TraceHeader
 
 from .config import EngineConfig
@@ -30,41 +27,35 @@ __all__ = ["replay", "differing_ids", "CannotReplay"]
 
 
 class SchedulerReplay(Replay):
+    """Drives the scheduler core (scheduler/core.py) as the actor loop did, with a fresh
+    executor running each plan."""
+
     def __init__(self, config: EngineConfig):
         super().__init__()
         from .executor.runner import ModelRunner
-        from .scheduler.scheduler import Scheduler
-        self.sched, self.runner = Scheduler(config), ModelRunner(config)
+        from .scheduler.core import SchedulerCore
+        self.core, self.runner = SchedulerCore(config), ModelRunner(config)
         self.results: deque[StepResult] = deque()
 
     def receive(self, msg) -> None:
-        if isinstance(msg, NewRequest):
-            self.emit(self.sched.add(msg))
-        elif isinstance(msg, Abort):
-            self.emit(self.sched.abort(msg.req_ids))
-        elif isinstance(msg, AbortAll):
-            self.emit(self.sched.abort_all())
-        elif isinstance(msg, StepResult):
+        if isinstance(msg, StepResult):
             if not self.results:
                 raise CannotReplay("the recording holds a step result for a plan it does not "
                                    "hold: it starts mid-run")
             ours = self.results.popleft()
             if ours != msg:
                 raise Divergence(self.index, "the executor's step result", msg, ours)
-            self.emit(self.sched.update(ours))
+            msg = ours
+        self.route(self.core.handle(msg))
 
     def expect(self, channel: str, recorded) -> None:
         if isinstance(recorded, StepPlan):         # the recorded loop planned here: so do we
-            plan = self.sched.schedule()
+            plan = self.core.plan()
             if plan != recorded:
                 raise Divergence(self.index, f"plan sent to {channel}", recorded, plan)
             self.results.append(self.runner.execute(plan))
         elif channel != "gateway":                 # scheduler statistics carry timings
             super().expect(channel, recorded)
-
-    def emit(self, deltas) -> None:
-        if deltas:
-            self.send("detokenizer", TokenDeltas(deltas))
 
 
 class DetokenizerReplay(Replay):
@@ -72,15 +63,10 @@ class DetokenizerReplay(Replay):
         super().__init__()
         from .detokenizer import Detokenizer
         from .hf_tokenizer import load_tokenizer
-        self.detok = Detokenizer(load_tokenizer(config.model_info))
+        self.core = Detokenizer(load_tokenizer(config.model_info))
 
     def receive(self, msg) -> None:
-        texts, aborts = (self.detok.start if isinstance(msg, DetokStart)
-                         else self.detok.on_deltas)(msg)
-        if texts:
-            self.send("gateway", TextDeltas(texts))
-        if aborts:
-            self.send("scheduler", Abort(aborts))
+        self.route(self.core.handle(msg))
 
 
 class TokenizerReplay(Replay):
@@ -88,20 +74,10 @@ class TokenizerReplay(Replay):
         super().__init__()
         from .hf_tokenizer import load_tokenizer
         from .tokenizer import RequestTokenizer
-        self.tokenizer = RequestTokenizer(config, load_tokenizer(config.model_info))
+        self.core = RequestTokenizer(config, load_tokenizer(config.model_info))
 
     def receive(self, msg) -> None:
-        if isinstance(msg, TokenizeOnly):
-            self.send("gateway", self.tokenizer.tokenize_only(msg))
-        elif isinstance(msg, DetokenizeOnly):
-            self.send("gateway", self.tokenizer.detokenize_only(msg))
-        elif isinstance(msg, TokenizeRequest):
-            result = self.tokenizer.process(msg)
-            if isinstance(result, tuple):
-                self.send("detokenizer", result[0])
-                self.send("scheduler", result[1])
-            else:
-                self.send("gateway", result)
+        self.route(self.core.handle(msg))
 
 
 DRIVERS = {"scheduler": SchedulerReplay, "detokenizer": DetokenizerReplay,

@@ -52,7 +52,15 @@ CORE = ("executor", "scheduler", "detokenizer")
 
 
 class ActorFailed(RuntimeError):
-    pass
+    """The server cannot go on: it stops and exits 1."""
+
+
+class RestartFailed(RuntimeError):
+    """An actor failed while a restart waited for Ready: one more restart, within the budget."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
 
 
 def actor_name(role: str, index: int) -> str:
@@ -74,7 +82,10 @@ class Supervisor:
         self.config_path = ""
         self.watchdog_period = watchdog_period()
         self.next_ping = 0.0
-        self.serving = False           # READY=1 sent; the watchdog runs from then on
+        # starting -> serving <-> recovering. Starting: any failure stops the server (exit 1).
+        # Recovering: a failure is one more restart, charged to the budget. The watchdog is
+        # pinged from the first READY=1 on.
+        self.state = "starting"
 
     def run(self) -> int:
         """Serve until a signal, or until actors die past the restart budget. Returns the
@@ -86,7 +97,7 @@ class Supervisor:
             log.info("serving %s on http://%s:%d", self.config.served_model_name,
                      self.config.host, self.config.port)
             notify(f"READY=1\nSTATUS=serving {self.config.served_model_name}")
-            self.serving = True
+            self.state = "serving"
             self.watch()
             return 0
         except (ActorFailed, ValueError, OSError) as e:
@@ -148,14 +159,21 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise ActorFailed(f"actors not ready after {START_TIMEOUT:.0f}s: "
                                   f"{sorted(set(self.children) - self.ready)}")
-            self._handle(self.inbox.recv(200), starting=True)
-            if self.serving:                 # a core restart reloads the model: stay alive
+            self._handle(self.inbox.recv(200))
+            if self.state != "starting":     # a core restart reloads the model: stay alive
                 self._ping_watchdog()
+            for name in [n for n in self.fatal if n in self.children and n not in self.ready]:
+                raise self._start_failure(name, self.fatal.pop(name))
             for name, proc in self.children.items():
                 if proc.poll() is not None:
-                    raise ActorFailed(f"{name} exited with code {proc.returncode} while starting")
+                    raise self._start_failure(name, f"exited with code {proc.returncode}")
 
-    def _handle(self, msg, starting: bool = False) -> None:
+    def _start_failure(self, name: str, why: str) -> Exception:
+        if self.state == "recovering":
+            return RestartFailed(name, why)
+        return ActorFailed(f"{name} failed to start: {why}")
+
+    def _handle(self, msg) -> None:
         if isinstance(msg, Ready):
             self.ready.add(msg.actor)
             self.last_beat[msg.actor] = time.monotonic()
@@ -169,9 +187,9 @@ class Supervisor:
                 self.step_running_for = msg.step_running_for
         elif isinstance(msg, Fatal):
             log.error("%s failed: %s", msg.actor, msg.message)
-            self.fatal[msg.actor] = msg.message
-            if starting:
-                raise ActorFailed(f"{msg.actor} failed to start: {msg.message}")
+            child = self.children.get(msg.actor)
+            if child is not None and msg.pid in (0, child.pid):   # not a replaced instance's
+                self.fatal[msg.actor] = msg.message
 
     # -- watching ------------------------------------------------------------------------------
 
@@ -202,19 +220,34 @@ class Supervisor:
         return True
 
     def recover(self, name: str, code: int) -> None:
-        """Restart a dead actor (and what depends on it), within the restart budget."""
+        """Restart a dead actor (and what depends on it), each restart charged to the budget;
+        an actor that fails while a restart waits for Ready is the next one to restart."""
+        self.state = "recovering"
+        why = self._last_words(name, FATAL_WAIT if code == FATAL_EXIT_CODE else 0.05)
+        reason = f"{name} exited with code {code}" + (f": {why}" if why else "")
+        while True:
+            self._charge_restart(reason)
+            try:
+                self._restart(name, reason)
+                break
+            except RestartFailed as e:
+                name, reason = e.name, f"{e.name} failed while restarting: {e.why}"
+        self.state = "serving"
+
+    def _charge_restart(self, reason: str) -> None:
         now = time.monotonic()
         self.restarts.append(now)
         while self.restarts and now - self.restarts[0] > self.config.restart_window:
             self.restarts.popleft()
         if len(self.restarts) > self.config.restart_budget:
-            raise ActorFailed(f"{name} exited with code {code}; over the restart budget "
+            raise ActorFailed(f"{reason}; over the restart budget "
                               f"({self.config.restart_budget} in {self.config.restart_window:.0f}s)")
+        log.error("%s; restarting", reason)
+
+    def _restart(self, name: str, reason: str) -> None:
         role = name.split()[0]
-        log.error("%s exited with code %s; restarting", name, code)
-        why = self._last_words(name, FATAL_WAIT if code == FATAL_EXIT_CODE else 0.05)
         if role in ("scheduler", "executor"):
-            self._restart_core(f"{name} exited with code {code}" + (f": {why}" if why else ""))
+            self._restart_core(reason)
         elif role == "gateway":
             self.scheduler_channel.send(AbortAll(f"{name} died"))
             self._respawn(name)

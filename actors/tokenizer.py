@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagewire.wire.channels import Sends
 from pagewire.wire.sampling import InvalidParam, SamplingParams
 from pagewire.wire.to_detokenizer import DetokStart
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
@@ -23,12 +24,24 @@ _NO_SAMPLING = SamplingParams()
 
 
 class RequestTokenizer:
-    """Turns a TokenizeRequest into (DetokStart, NewRequest), or a RequestFailed."""
+    """The tokenizer core: turns a TokenizeRequest into (DetokStart, NewRequest), or a
+    RequestFailed; handle() takes any inbox message and returns what to send where."""
 
     def __init__(self, config: EngineConfig, tokenizer):
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_info.vocab_size
+
+    def handle(self, msg: TokenizeRequest | TokenizeOnly | DetokenizeOnly) -> Sends:
+        if isinstance(msg, TokenizeOnly):
+            return [("gateway", self.tokenize_only(msg))]
+        if isinstance(msg, DetokenizeOnly):
+            return [("gateway", self.detokenize_only(msg))]
+        result = self.process(msg)
+        if isinstance(result, RequestFailed):
+            return [("gateway", result)]
+        start, new = result        # the detokenizer first: it then rarely sees tokens before it
+        return [("detokenizer", start), ("scheduler", new)]
 
     def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
         try:
@@ -140,22 +153,8 @@ class RequestTokenizer:
 def run(env) -> None:
     tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info))
     inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
-    scheduler = env.push("scheduler")
-    detokenizer = env.push("detokenizer")
-    gateway = env.push("gateway")
-
-    def generate(msg: TokenizeRequest) -> None:
-        result = tokenizer.process(msg)
-        if isinstance(result, RequestFailed):
-            gateway.send(result)
-        else:
-            start, new = result
-            detokenizer.send(start)   # first, so the detokenizer rarely sees tokens before it
-            scheduler.send(new)
-
-    handlers = {TokenizeRequest: generate,
-                TokenizeOnly: lambda msg: gateway.send(tokenizer.tokenize_only(msg)),
-                DetokenizeOnly: lambda msg: gateway.send(tokenizer.detokenize_only(msg))}
+    pushes = {name: env.push(name) for name in ("scheduler", "detokenizer", "gateway")}
     env.ready()
     for msg in env.messages(inbox):
-        handlers[type(msg)](msg)
+        for channel, out in tokenizer.handle(msg):
+            pushes[channel].send(out)

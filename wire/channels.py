@@ -19,6 +19,10 @@ from .trace import TraceWriter
 
 _encoder = msgspec.msgpack.Encoder()
 
+# What an engine core returns for a message it handled: (destination actor, message) pairs,
+# in the order they must be sent. The actor loop, the replayer and the offline LLM route them.
+Sends = list[tuple[str, msgspec.Struct]]
+
 
 def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)

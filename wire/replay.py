@@ -90,6 +90,11 @@ class Replay:
     def send(self, channel: str, msg) -> None:
         self.sent[inbox_of(channel)].append(msg)
 
+    def route(self, sends) -> None:
+        """What a core returned for one message (wire.channels.Sends), as the actor sends it."""
+        for channel, msg in sends:
+            self.send(channel, msg)
+
     def feed(self, direction: str, channel: str, msg) -> None:
         if direction == "in":
             self.receive(msg)

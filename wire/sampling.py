@@ -112,6 +112,15 @@ def output_ids(req_id: str, count: int) -> list[str]:
     return [req_id] if count == 1 else [f"{req_id}.{j}" for j in range(count)]
 
 
+def best_of(cumulative_logprobs: list[float], n: int) -> list[int]:
+    """Which of a request's sequences it returns, in order: all of them when it generated n;
+    else (best_of) the n with the highest cumulative logprob, best first, ties in order."""
+    indices = list(range(len(cumulative_logprobs)))
+    if len(indices) <= n:
+        return indices
+    return sorted(indices, key=lambda i: -cumulative_logprobs[i])[:n]
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidParam(param, message)

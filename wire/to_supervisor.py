@@ -14,6 +14,7 @@ class Fatal(msgspec.Struct, tag=True):
     """An actor hit an error it cannot recover from; it exits right after sending this."""
     actor: str
     message: str
+    pid: int = 0        # which instance of the actor (a late Fatal of a replaced one is stale)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

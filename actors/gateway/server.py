@@ -21,7 +21,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
-from pagewire.wire.sampling import output_ids
+from pagewire.wire.sampling import best_of, output_ids
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
@@ -352,11 +352,10 @@ class _Run:
         when it generated more (best_of)."""
         out = {}
         for i in range(len(self.prompt_ids)):
-            slots = [(i, j) for j in range(self.num_outputs)]
-            if self.num_outputs > self.n:
-                slots = sorted(slots, key=lambda s: -self.choices[s].cumulative_logprob)[: self.n]
-            for j, slot in enumerate(slots):
-                out[i * self.n + j] = self.choices[slot]
+            picked = best_of([self.choices[(i, j)].cumulative_logprob
+                              for j in range(self.num_outputs)], self.n)
+            for k, j in enumerate(picked):
+                out[i * self.n + k] = self.choices[(i, j)]
         return out
 
     def usage(self) -> dict:

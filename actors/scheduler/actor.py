@@ -1,9 +1,9 @@
 """The scheduler actor: the step loop.
 
-    drain inbox (NewRequest, Abort, StepResult) -> schedule() -> plan to every executor
-    -> ... StepResult -> update() -> TokenDeltas to the detokenizer
+    drain inbox (NewRequest, Abort, StepResult) -> core.plan() -> plan to every executor
+    -> ... StepResult -> core.handle() -> TokenDeltas to the detokenizer
 
-One plan is in flight at a time. The inbox is drained without blocking while there is work to
+One plan is in flight at a time (core.py). The inbox is drained without blocking while there is work to
 plan, and blocks when waiting for a result or when idle (with a timeout while a metrics report
 or log line is due).
 
@@ -18,11 +18,11 @@ import logging
 import time
 from typing import Callable
 
-from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import SchedulerStats
-from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, SchedulerInbox, StepResult
+from pagewire.wire.to_scheduler import AbortAll, SchedulerInbox, StepResult
 
+from .core import SchedulerCore
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -135,61 +135,39 @@ class StatsReporter:
 
 
 class SchedulerLoop:
+    """Moves messages between the inbox, the scheduler core and the executors; the behaviour
+    is the core's (core.py)."""
+
     def __init__(self, env):
         self.env = env
-        self.sched = Scheduler(env.config)
+        self.core = SchedulerCore(env.config)
         self.inbox = env.pull("scheduler", SchedulerInbox)
         self.executors = [env.push("executor-0")]
-        self.detokenizer = env.push("detokenizer")
-        self.gateway = env.push("gateway")
-        self.stats = StatsReporter(self.sched, self.gateway.send)
-        self.in_flight: int | None = None     # step id of the plan being run
-        self.handlers = {NewRequest: self.on_new, Abort: self.on_abort, StepResult: self.on_result,
-                         AbortAll: self.on_abort_all}
+        self.pushes = {"detokenizer": env.push("detokenizer")}
+        self.stats = StatsReporter(self.core.sched, env.push("gateway").send)
 
     def run(self) -> None:
         wait: float | None = 0.0       # tick() at once: heartbeats and reports start now
         while True:
-            can_plan = self.in_flight is None and self.sched.has_work()
+            can_plan = self.core.can_plan()
             msg = self.inbox.recv(0 if can_plan else None if wait is None else int(wait * 1000) + 1)
             while msg is not None:
                 self.stats.on_message(msg)
-                self.handlers[type(msg)](msg)
+                if isinstance(msg, StepResult):
+                    self.stats.on_result()
+                elif isinstance(msg, AbortAll):
+                    log.warning("aborting every request: %s", msg.reason)
+                for channel, out in self.core.handle(msg):
+                    self.pushes[channel].send(out)
                 msg = self.inbox.recv(0)
-            if self.in_flight is None:
-                self.plan()
-            wait = self.stats.tick(self.in_flight is not None or self.sched.has_work())
+            plan = self.core.plan()
+            if plan is not None:
+                for executor in self.executors:
+                    executor.send(plan)
+                self.stats.on_plan(plan)
+            busy = self.core.in_flight is not None or self.core.sched.has_work()
+            wait = self.stats.tick(busy)
             self.env.heartbeat(self.stats.step_running_for())
-
-    def plan(self) -> None:
-        plan = self.sched.schedule()
-        if plan is None:
-            return
-        self.in_flight = plan.step_id
-        for executor in self.executors:
-            executor.send(plan)
-        self.stats.on_plan(plan)
-
-    def on_new(self, msg: NewRequest) -> None:
-        self.emit(self.sched.add(msg))
-
-    def on_abort(self, msg: Abort) -> None:
-        self.emit(self.sched.abort(msg.req_ids))
-
-    def on_abort_all(self, msg: AbortAll) -> None:
-        log.warning("aborting every request: %s", msg.reason)
-        self.emit(self.sched.abort_all())
-
-    def on_result(self, msg: StepResult) -> None:
-        if msg.step_id != self.in_flight:
-            raise RuntimeError(f"result for step {msg.step_id}, expected {self.in_flight}")
-        self.stats.on_result()
-        self.in_flight = None
-        self.emit(self.sched.update(msg))
-
-    def emit(self, deltas: list[TokenDelta]) -> None:
-        if deltas:
-            self.detokenizer.send(TokenDeltas(deltas))
 
 
 def run(env) -> None:

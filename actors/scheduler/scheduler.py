@@ -15,9 +15,9 @@ tokens included, as vLLM counts), num_generation_tokens (tokens sampled), num_pr
 tables.prefix_queries / prefix_hits, and first_scheduled (the arrival times of the requests the
 latest schedule() ran for the first time).
 
-Calls alternate: schedule() -> (executor runs the plan) -> update(). add() and abort() may come
-at any time, including between schedule() and update(); update() skips sequences that ended
-meanwhile.
+Calls alternate: schedule() -> (executor runs the plan) -> update(plan, result). add() and
+abort() may come at any time, including between schedule() and update(); update() skips
+sequences that ended meanwhile.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Scheduler:
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
-        self.scheduled: list[Request] = []       # the plan in flight, in plan order
+        self.in_flight: dict[int, list[Request]] = {}   # step id -> its plan's sequences
         self.to_drop: list[str] = []             # executor state to drop with the next plan
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.step_id = 0
@@ -150,16 +150,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.first_scheduled = []
         self._make_room_for_priority()
-        self.scheduled, budget, preempted = self._schedule_running(budget)
+        scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
-            self._admit_waiting(budget)
-        if not self.scheduled:
+            scheduled += self._admit_waiting(budget)
+        if not scheduled:
             return None
         self.step_id += 1
+        self.in_flight[self.step_id] = scheduled
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in)
         self.to_drop = []
-        for req in self.scheduled:
+        for req in scheduled:
             if req.on_executor:
                 offset = req.num_blocks_sent
                 plan.running.append(RunSeq(req.req_id, req.num_scheduled, offset,
@@ -191,7 +192,9 @@ class Scheduler:
                 preempted = True
         return scheduled, budget, preempted
 
-    def _admit_waiting(self, budget: int) -> None:
+    def _admit_waiting(self, budget: int) -> list[Request]:
+        """Waiting sequences that start (or resume) in this step, in admission order."""
+        admitted = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.status is Status.SWAPPED:
@@ -216,8 +219,9 @@ class Scheduler:
                 req.scheduled_before = True
                 self.first_scheduled.append(req.arrival_time)
             bisect.insort(self.running, req, key=lambda r: r.key)
-            self.scheduled.append(req)
+            admitted.append(req)
             budget -= n
+        return admitted
 
     def _make_room_for_priority(self) -> None:
         """Under the priority policy, preempt running sequences of lower priority than the
@@ -266,13 +270,16 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(self, result: StepResult) -> list[TokenDelta]:
-        """Apply the executor's result for the plan in flight; returns the token deltas."""
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """Apply the executor's result for `plan`; returns the token deltas."""
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
+        scheduled = self.in_flight.pop(plan.step_id)
         if result.error is not None:
-            return self._fail_step(result.error)
+            return self._fail_step(scheduled, result.error)
         rows = {rid: i for i, rid in enumerate(result.req_ids)}
         deltas, groups = [], []
-        for req in self.scheduled:
+        for req in scheduled:
             if req.status is not Status.RUNNING:   # aborted or preempted meanwhile
                 continue
             if result.prompt_logprobs and req.req_id in result.prompt_logprobs:
@@ -295,7 +302,6 @@ class Scheduler:
         for group in groups:
             if group.ready():
                 deltas += self._advance_beams(group)
-        self.scheduled = []
         return deltas
 
     def _count_prompt(self, req: Request) -> None:
@@ -379,10 +385,10 @@ class Scheduler:
         return [TokenDelta(out_id, tokens, reason)
                 for out_id, (tokens, reason) in zip(group.output_ids, group.results())]
 
-    def _fail_step(self, error: str) -> list[TokenDelta]:
+    def _fail_step(self, scheduled: list[Request], error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
         deltas = []
-        for req in self.scheduled:
+        for req in scheduled:
             if req.status is not Status.RUNNING:
                 continue
             ids = self._output_ids(req)
@@ -391,5 +397,4 @@ class Scheduler:
             else:
                 self._finish(req)
             deltas += [TokenDelta(i, [], "error", error) for i in ids]
-        self.scheduled = []
         return deltas

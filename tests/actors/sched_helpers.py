@@ -34,7 +34,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None, default=5):
     """schedule() then update() with `default` sampled for every request that samples."""
     plan = sched.schedule()
     assert plan is not None
-    samplers = [r for r in sched.scheduled if r.num_computed + r.num_scheduled == len(r.token_ids)]
+    samplers = [r for r in sched.in_flight[plan.step_id] if r.num_computed + r.num_scheduled == len(r.token_ids)]
     ids = [r.req_id for r in samplers]
     toks = [(tokens or {}).get(rid, default) for rid in ids]
     result = StepResult(plan.step_id, ids, toks)
@@ -43,7 +43,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None, default=5):
         result.top_ids = [[t + i for i in range(n)] for t, n in zip(toks, k)]
         result.top_logprobs = [[-1.0 - i for i in range(n)] for n in k]
         result.logprobs = [0.0] * len(ids)
-    return plan, sched.update(result)
+    return plan, sched.update(plan, result)
 
 
 def assert_pool_whole(sched: Scheduler) -> None:

@@ -200,11 +200,11 @@ def test_scheduler_preemption_does_not_recount_prompt_or_queue_time():
     step(sched, default=6)
     plan = sched.schedule()                     # a needs a block: b is preempted
     assert sched.num_preemptions == 1 and sched.first_scheduled == []
-    sched.update(StepResult(plan.step_id, ["a"], [7]))
+    sched.update(plan, StepResult(plan.step_id, ["a"], [7]))
     sched.abort(["a"])
     plan = sched.schedule()                     # b recomputes its prompt and outputs
     assert [s.req_id for s in plan.new] == ["b"] and sched.first_scheduled == []
-    sched.update(StepResult(plan.step_id, ["b"], [7]))
+    sched.update(plan, StepResult(plan.step_id, ["b"], [7]))
     assert (sched.num_prompt_tokens, sched.num_generation_tokens) == (14, 6)
     sched.abort(["b"])
 
@@ -236,8 +236,8 @@ def test_reports_once_a_second_while_busy_and_once_on_idle(caplog):
         clock.t += seconds
         rep.on_result()
         rep.on_message(StepResult(plan.step_id, [], []))
-        step_ids = [r.req_id for r in sched.scheduled]
-        sched.update(StepResult(plan.step_id, step_ids, [5] * len(step_ids)))
+        step_ids = [r.req_id for r in sched.in_flight[plan.step_id]]
+        sched.update(plan, StepResult(plan.step_id, step_ids, [5] * len(step_ids)))
         steps += 1
         return rep.tick(sched.has_work())
 

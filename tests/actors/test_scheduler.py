@@ -74,7 +74,7 @@ def test_out_of_blocks_preempts_the_latest_arrival(request):
     assert [(r.req_id, r.block_ids) for r in plan.running] == [("a", [3])]  # b's last block
     assert sched.num_preemptions == 1
     assert sched.waiting[0].req_id == "b" and sched.waiting[0].num_computed == 0
-    sched.update(StepResult(plan.step_id, ["a"], [7]))
+    sched.update(plan, StepResult(plan.step_id, ["a"], [7]))
     sched.abort(["a"])
     plan = sched.schedule()    # b comes back: prompt + its 2 outputs, its first block still cached
     assert plan.finished == ["a"]
@@ -106,7 +106,7 @@ def test_abort_while_step_in_flight_ignores_its_result(request):
     sched.add(new("b", 5))
     plan = sched.schedule()
     sched.abort(["a"])
-    deltas = sched.update(StepResult(plan.step_id, ["a", "b"], [9, 9]))
+    deltas = sched.update(plan, StepResult(plan.step_id, ["a", "b"], [9, 9]))
     assert [d.req_id for d in deltas] == ["b"]
     sched.abort(["b"])
 
@@ -155,7 +155,7 @@ def test_failed_step_fails_its_requests(request):
     sched = request.node.sched = make_scheduler()
     sched.add(new("a", 5))
     plan = sched.schedule()
-    deltas = sched.update(StepResult(plan.step_id, [], [], error="boom"))
+    deltas = sched.update(plan, StepResult(plan.step_id, [], [], error="boom"))
     assert [(d.req_id, d.finish_reason, d.error) for d in deltas] == [("a", "error", "boom")]
     assert sched.to_drop == ["a"] and not sched.has_work()   # the executor drops it next plan
 

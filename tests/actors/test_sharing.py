@@ -130,7 +130,7 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     # top-6 candidates of the only beam: the best three survive (q~0 kept, q~1 and q~2 forked)
     result = StepResult(plan.step_id, ["q~0"], [30], [0.0], [[30, 31, 32, 33, 34, 35]],
                         [[-0.1, -0.2, -0.3, -2.0, -3.0, -4.0]])
-    assert sched.update(result) == []
+    assert sched.update(plan, result) == []
     assert sorted(r.req_id for r in sched.groups["q"].live) == ["q~0", "q~1", "q~2"]
     plan = sched.schedule()
     assert [(r.req_id, r.new_token_ids) for r in plan.running] == [("q~0", [30])]
@@ -142,7 +142,7 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     ids = [s.req_id for s in plan.running] + [s.req_id for s in plan.new]
     result = StepResult(plan.step_id, ids, [0] * 3, [0.0] * 3,
                         [tops[i] + [1, 2, 3, 4] for i in ids], [lps[i] + [-9.0] * 4 for i in ids])
-    sched.update(result)
+    sched.update(plan, result)
     # q~1 is chosen twice (fork q~3), q~2 once, q~0 not at all: freed.
     live = sorted((b.req_id, b.token_ids[6:]) for b in sched.groups["q"].live)
     assert live == [("q~1", [31, 50]), ("q~2", [32, 60]), ("q~3", [31, 51])]
@@ -161,14 +161,14 @@ def test_swap_preemption_moves_blocks_to_the_host_tier(sched_factory):
     assert [(r.req_id, r.block_offset, r.block_ids) for r in plan.running] == [("a", 2, [3])]
     swapped = sched.waiting[0]
     assert (swapped.req_id, swapped.num_computed, swapped.host_block_ids) == ("b", 8, [0, 1])
-    sched.update(StepResult(plan.step_id, ["a"], [5]))
+    sched.update(plan, StepResult(plan.step_id, ["a"], [5]))
     sched.abort(["a"])
     plan = sched.schedule()                    # b comes back with its computed tokens
     assert plan.swap_in == [[0, 2], [1, 3]]
     assert [(s.req_id, s.num_computed, s.num_scheduled, s.block_ids) for s in plan.new] == \
         [("b", 8, 1, [2, 3, 1])]
     assert sched.tables.host.num_free == sched.tables.host.num_blocks
-    sched.update(StepResult(plan.step_id, ["b"], [5]))
+    sched.update(plan, StepResult(plan.step_id, ["b"], [5]))
 
 
 def test_priority_preempts_lower_priority_work(sched_factory):

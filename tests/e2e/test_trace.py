@@ -81,6 +81,42 @@ def test_every_actor_records_privately(traced):
         assert os.stat(path).st_mode & 0o777 == 0o600
 
 
+# One request of each kind the cores wire (greedy with stop strings and logprobs, seeded
+# n > 1, best_of, beams), as HTTP bodies; prompts share no prefix with run_workload's.
+SAME_EVERYWHERE = [
+    dict(prompt="The three primary colours are", max_tokens=24, temperature=0,
+         stop=[".", " and"], logprobs=2),
+    dict(prompt="My favourite fruit is", max_tokens=12, temperature=0.9, seed=5, n=2),
+    dict(prompt="Rivers flow to the", max_tokens=10, temperature=0.8, seed=3, n=1, best_of=3),
+    dict(prompt="A good name for a cat is", max_tokens=8, temperature=0, n=2,
+         use_beam_search=True),
+]
+
+
+def test_server_and_offline_llm_give_the_same_outputs(traced):
+    """The same requests, one at a time, through the server and through LLM (the same cores
+    driven in one process): the same texts, token for token, and the same logprobs. The
+    replays below cover these requests too (they run after this test)."""
+    from pagewire import LLM, SamplingParams
+    srv = traced[0]
+    served = []
+    for body in SAME_EVERYWHERE:
+        code, reply, _ = srv.request("POST", "/v1/completions", {"model": MODEL, **body}, KEY)
+        assert code == 200, reply
+        served.append(reply["choices"])
+    llm = LLM(max_model_len=512, kv_cache_memory=64 * 2**20)
+    for body, choices in zip(SAME_EVERYWHERE, served):
+        params = {k: v for k, v in body.items() if k != "prompt"}
+        logprobs = params.pop("logprobs", None)
+        (out,) = llm.generate(body["prompt"], SamplingParams(**params, logprobs=logprobs))
+        assert [c.text for c in out.outputs] == [c["text"] for c in choices]
+        assert [c.finish_reason for c in out.outputs] == [c["finish_reason"] for c in choices]
+        if logprobs:
+            assert [e.logprob for e in out.outputs[0].logprobs] == \
+                choices[0]["logprobs"]["token_logprobs"]
+    time.sleep(2.5)                        # the traces flushed for the replays
+
+
 @pytest.mark.parametrize("actor", ["scheduler", "detokenizer", "tokenizer"])
 def test_replay_matches_the_recording(traced, actor):
     result = pagewire("replay", traced[1], "--actor", actor)
@@ -115,7 +151,8 @@ def test_trace_show_and_stats(traced):
     _, directory, ids = traced
     stats = pagewire("trace", "stats", directory)
     assert stats.returncode == 0, stats.stderr
-    assert re.search(r"scheduler +in +NewRequest +8 ", stats.stdout)
+    count = 8 + len(SAME_EVERYWHERE)        # run_workload's, then the same-outputs test's
+    assert re.search(rf"scheduler +in +NewRequest +{count} ", stats.stdout)
     assert "tokenizer TokenizeRequest -> scheduler NewRequest" in stats.stdout
     show = pagewire("trace", "show", directory, "--request", ids[7], "--actor", "scheduler",
                     "--type", "NewRequest")
