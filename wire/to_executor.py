@@ -33,8 +33,9 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
 
 class StepPlan(msgspec.Struct, tag=True, gc=False):
     """Invariant: a request appears at most once in new + running. Before the step runs the
-    executor drops the `finished` ids' state, then copies blocks: `swap_out` [device, host]
-    pairs, then `swap_in` [host, device], then `copies` [src, dst] device pairs
+    executor drops the state of the `finished` ids (ended: done or aborted) and of the
+    `preempted` ones (they come back later as a NewSeq), then copies blocks: `swap_out`
+    [device, host] pairs, then `swap_in` [host, device], then `copies` [src, dst] device pairs
     (copy-on-write)."""
     step_id: int
     new: list[NewSeq]
@@ -43,6 +44,7 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
     copies: list[list[int]] = []
     swap_out: list[list[int]] = []
     swap_in: list[list[int]] = []
+    preempted: list[str] = []
 
 
 ExecutorInbox = StepPlan

@@ -144,7 +144,7 @@ class ModelRunner:
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
         """Update per-request state; return the scheduled requests, decodes first."""
-        for rid in plan.finished:
+        for rid in plan.finished + plan.preempted:
             self.seqs.pop(rid, None)
         order = []
         for new in plan.new:

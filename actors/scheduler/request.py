@@ -95,14 +95,23 @@ class Request:
             return "length"
         return None
 
+    # What a fork takes from its parent: every slot is named in exactly one of these (tested),
+    # so a new list slot cannot end up shared between two sequences by accident.
+    SHARED = ("num_prompt_tokens", "arrival_time", "max_tokens", "status", "num_computed",
+              "priority", "cache_salt", "order", "num_committed", "cum_logprob", "group",
+              "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped")
+    COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
+    FRESH = ("req_id", "sampling", "fork_leader", "host_block_ids", "candidates",
+             "on_executor", "num_blocks_sent", "num_scheduled")   # the fork's own
+
     def fork(self, req_id: str, sampling: SamplingParams) -> "Request":
         """A sequence with this one's tokens and blocks (the caller takes block references)."""
         child = Request.__new__(Request)
-        for name in self.__slots__:
+        for name in self.SHARED:                 # immutable values, or the shared beam group
             setattr(child, name, getattr(self, name))
+        for name in self.COPIED:
+            setattr(child, name, list(getattr(self, name)))
         child.req_id, child.sampling, child.fork_leader = req_id, sampling, False
-        child.token_ids, child.block_ids = list(self.token_ids), list(self.block_ids)
-        child.block_hashes, child.new_token_ids = list(self.block_hashes), list(self.new_token_ids)
-        child.host_block_ids, child.candidates = [], None
-        child.on_executor, child.num_blocks_sent, child.num_scheduled = False, 0, 0
+        child.host_block_ids, child.candidates, child.on_executor = [], None, False
+        child.num_blocks_sent = child.num_scheduled = 0
         return child

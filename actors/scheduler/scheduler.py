@@ -55,7 +55,8 @@ class Scheduler:
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
         self.in_flight: dict[int, list[Request]] = {}   # step id -> its plan's sequences
-        self.to_drop: list[str] = []             # executor state to drop with the next plan
+        self.to_drop: list[str] = []             # executor state to drop with the next plan:
+        self.preempted_ids: list[str] = []       # of ended sequences, and of preempted ones
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
@@ -158,8 +159,9 @@ class Scheduler:
         self.step_id += 1
         self.in_flight[self.step_id] = scheduled
         copies, swap_out, swap_in = self.tables.take_copies()
-        plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in)
-        self.to_drop = []
+        plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
+                        self.preempted_ids)
+        self.to_drop, self.preempted_ids = [], []
         for req in scheduled:
             if req.on_executor:
                 offset = req.num_blocks_sent
@@ -239,7 +241,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._drop_from_executor(req)
+        self._drop_from_executor(req, preempted=True)
         mode = self.config.preemption_mode
         if mode != "recompute" and self.tables.swap_out(req):
             req.status = Status.SWAPPED
@@ -249,9 +251,9 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.key)
         self.num_preemptions += 1
 
-    def _drop_from_executor(self, req: Request) -> None:
+    def _drop_from_executor(self, req: Request, preempted: bool = False) -> None:
         if req.on_executor:
-            self.to_drop.append(req.req_id)
+            (self.preempted_ids if preempted else self.to_drop).append(req.req_id)
             req.on_executor = False
             req.new_token_ids = []
 

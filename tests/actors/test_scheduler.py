@@ -70,14 +70,14 @@ def test_out_of_blocks_preempts_the_latest_arrival(request):
     assert [(s.req_id, s.block_ids) for s in plan.new] == [("a", [0, 1]), ("b", [2, 3])]
     plan, _ = step(sched, default=6)           # both reach 8 tokens, filling their blocks
     plan = sched.schedule()                    # a needs a 3rd block: b is preempted
-    assert plan.finished == ["b"]
+    assert plan.preempted == ["b"] and plan.finished == []
     assert [(r.req_id, r.block_ids) for r in plan.running] == [("a", [3])]  # b's last block
     assert sched.num_preemptions == 1
     assert sched.waiting[0].req_id == "b" and sched.waiting[0].num_computed == 0
     sched.update(plan, StepResult(plan.step_id, ["a"], [7]))
     sched.abort(["a"])
     plan = sched.schedule()    # b comes back: prompt + its 2 outputs, its first block still cached
-    assert plan.finished == ["a"]
+    assert plan.finished == ["a"] and plan.preempted == []
     (seq,) = plan.new
     assert (seq.req_id, seq.token_ids[7:], seq.num_computed, seq.num_scheduled) == ("b", [5, 6], 4, 5)
     assert seq.block_ids[0] == 2

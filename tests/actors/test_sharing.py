@@ -157,7 +157,7 @@ def test_swap_preemption_moves_blocks_to_the_host_tier(sched_factory):
     step(sched)
     step(sched)
     plan = sched.schedule()                    # a needs a 3rd block: b is swapped out
-    assert plan.finished == ["b"] and plan.swap_out == [[2, 0], [3, 1]]
+    assert plan.preempted == ["b"] and plan.swap_out == [[2, 0], [3, 1]]
     assert [(r.req_id, r.block_offset, r.block_ids) for r in plan.running] == [("a", 2, [3])]
     swapped = sched.waiting[0]
     assert (swapped.req_id, swapped.num_computed, swapped.host_block_ids) == ("b", 8, [0, 1])
@@ -181,7 +181,7 @@ def test_priority_preempts_lower_priority_work(sched_factory):
     high.priority = -1
     sched.add(high)
     plan, _ = step(sched)
-    assert plan.finished == ["low"] and [s.req_id for s in plan.new] == ["high"]
+    assert plan.preempted == ["low"] and [s.req_id for s in plan.new] == ["high"]
     assert sched.num_preemptions == 1
     run_to_end(sched)
 
@@ -237,3 +237,23 @@ def test_abort_all_ends_every_request_by_its_output_ids(sched_factory):
     assert sorted(d.req_id for d in deltas) == ["a", "p.0", "p.1", "q.0", "q.1"]
     assert all(d.finish_reason == "abort" for d in deltas)
     assert not sched.requests and not sched.groups and not sched.has_work()
+
+
+def test_a_fork_shares_no_mutable_slot_with_its_parent():
+    """Every slot of a sequence is either shared as an immutable value, copied, or the fork's
+    own (Request.SHARED / COPIED / FRESH): a slot added later must be placed, and no list of
+    the fork is its parent's."""
+    from pagewire.scheduler.request import Request
+    from pagewire.wire.sampling import SamplingParams
+    slots = Request.SHARED + Request.COPIED + Request.FRESH
+    assert sorted(slots) == sorted(Request.__slots__) and len(set(slots)) == len(slots)
+    parent = Request("p", [1, 2, 3], SamplingParams(n=2), 0.0, 64)
+    parent.block_ids, parent.block_hashes, parent.host_block_ids = [4], [b"h"], [7]
+    parent.candidates = ([1], [0.5])
+    child = parent.fork("p.1", SamplingParams(seed=1))
+    for name in Request.__slots__:
+        value = getattr(child, name)
+        if isinstance(value, (list, dict, tuple)) and value:
+            assert value is not getattr(parent, name), name
+    assert (child.token_ids, child.block_ids, child.host_block_ids) == ([1, 2, 3], [4], [])
+    assert child.req_id == "p.1" and not child.on_executor and child.candidates is None
