@@ -85,8 +85,9 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.model = load_model(config.model_info, config.dtype, self.tp).to(self.device)
         self.model.ops = ops = select_ops(self.device, config.kernels)
-        log.info("backend %s (dtype %s, quantized activations %s)", ops.backend, config.dtype,
-                 config.quantized_activations)
+        quantized = f", quantized activations {config.quantized_activations}" \
+            if ops.name == "cpu" else ""           # only the native backends multiply GGUF blocks
+        log.info("backend %s (dtype %s%s)", ops.backend, config.dtype, quantized)
         if ops.name == "cpu":
             pack_linears(self.model, upcast=not ops.lib.bf16_dot)
             keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
