@@ -66,10 +66,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
               f"(CPU; bfloat16 or float32); larger ones use dequantized copies; 0: never (default "
               f"{d.quantized_matmul_tokens})")
     flag("--quantized-activations", choices=list(ACTIVATIONS),
-         help="what those weights multiply: exact float32/bfloat16 activations; int8: Q4_0/Q4_1 "
+         help="what those weights multiply: exact float32/bfloat16 activations; int16: "
+              "activations rounded to 15 bits per 32 columns, integer products; int8: Q4_0/Q4_1 "
               "weights take activations rounded to int8 per 32 columns (~3x fewer instructions), "
-              "Q8_0 ones stay exact; int8-all: Q8_0 too (llama.cpp's arithmetic); auto: exact "
-              "(int8 degrades small models' answers: see the README)")
+              "Q8_0 ones stay exact; int8-all: Q8_0 too (llama.cpp's arithmetic); auto: int16 "
+              "without a bfloat16 dot product (avx2, avx512), else exact (int8 degrades small "
+              "models' answers: see the README)")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
