@@ -4,10 +4,10 @@
 //
 // A 16-row tile is read as two 8-row halves, a float32 lane per output row: the nibbles or
 // bytes of 8 rows widen to int32 lanes, convert exactly to float32 and multiply a broadcast
-// activation, so a block's sums need no horizontal adds. A work item takes several halves at
-// once, so enough independent FMA chains run to keep both FMA units busy. Per 32-column block a half keeps
-// sum(x q) per token in float32, then adds d * sum(x q) + m * sum(x) to the row's total, the
-// order the AVX512-BF16 kernels use.
+// activation, so a block's sums need no horizontal adds; a half is a work item (taking two or
+// four at once measured the same: the conversions, not the FMA chains, bound it). Per
+// 32-column block a half keeps sum(x q) per token in float32, then adds d * sum(x q) +
+// m * sum(x) to the row's total, the order the AVX512-BF16 kernels use.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -54,128 +54,91 @@ inline __m256 fp16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A run of R consecutive 8-row halves starting at half `first` (half i: rows 8i .. 8i + 7,
-// tile group i / 2): R * M independent sums per 32-column block (two chains each), so the
-// FMAs' latency is hidden at batch 1 too (one chain per half would wait on itself).
-template <int R>
-struct Halves {
-  const uint8_t* tile[R];     // each half's tile for the current block, at its half's offset
-  int64_t col[R];             // each half's first output row
-  Halves(const uint8_t* packed, int64_t tile_bytes, int64_t nb, int64_t first) {
-    for (int r = 0; r < R; ++r) {
-      const int64_t half = first + r;
-      tile[r] = packed + (half / 2) * nb * tile_bytes;
-      col[r] = half * 8;
-    }
-  }
-};
-
 // Q4_1. Byte [j][l][p] of a tile holds columns 2j + p (low nibble) and 2j + 16 + p (high) of
 // row l, so row l's 16-bit word at step j carries four columns: bits 0-3 (2j), 8-11 (2j + 1),
-// 4-7 (2j + 16), 12-15 (2j + 17).
-template <int M, int R, typename Out>
-void q4_1_halves(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
-                 int64_t K, int64_t first) {
+// 4-7 (2j + 16), 12-15 (2j + 17). Half `half` is rows 8 half .. 8 half + 7 (tile group
+// half / 2); each of the M tokens keeps two sums a block (columns < 16 and >= 16).
+template <int M, typename Out>
+void q4_1_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
+               int64_t K, int64_t half) {
   const int64_t nb = K / 32;
   const __m256i nibble = _mm256_set1_epi32(0xF);
-  Halves<R> hv(packed, kQ4Tile, nb, first);
-  __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const uint8_t* tiles = packed + (half / 2) * nb * kQ4Tile + 16 * (half % 2);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 lo[M][R], hi[M][R];        // columns < 16 and >= 16
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) lo[m][r] = hi[m][r] = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j)
-      for (int r = 0; r < R; ++r) {
-        const int h = static_cast<int>(hv.col[r] / 8 % 2);
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(hv.tile[r] + b * kQ4Tile + 32 * j + 16 * h)));
-        const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, nibble));
-        const __m256 c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), nibble));
-        const __m256 c16 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), nibble));
-        const __m256 c17 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 12));
-        for (int m = 0; m < M; ++m) {
-          const float* xb = x + m * K + b * 32 + 2 * j;
-          lo[m][r] = _mm256_fmadd_ps(c0, _mm256_broadcast_ss(xb), lo[m][r]);
-          hi[m][r] = _mm256_fmadd_ps(c16, _mm256_broadcast_ss(xb + 16), hi[m][r]);
-          lo[m][r] = _mm256_fmadd_ps(c1, _mm256_broadcast_ss(xb + 1), lo[m][r]);
-          hi[m][r] = _mm256_fmadd_ps(c17, _mm256_broadcast_ss(xb + 17), hi[m][r]);
-        }
-      }
-    for (int r = 0; r < R; ++r) {     // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
-      const int h = static_cast<int>(hv.col[r] / 8 % 2);
-      const uint8_t* tile = hv.tile[r] + b * kQ4Tile;
-      const __m256 d = fp16x8(tile + 256 + 16 * h), mn = fp16x8(tile + 288 + 16 * h);
+    const uint8_t* tile = tiles + b * kQ4Tile;
+    __m256 lo[M], hi[M];
+    for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j)));
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, nibble));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), nibble));
+      const __m256 c16 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), nibble));
+      const __m256 c17 = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 12));
       for (int m = 0; m < M; ++m) {
-        acc[m][r] = _mm256_fmadd_ps(_mm256_add_ps(lo[m][r], hi[m][r]), d, acc[m][r]);
-        acc[m][r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m][r]);
+        const float* xb = x + m * K + b * 32 + 2 * j;
+        lo[m] = _mm256_fmadd_ps(c0, _mm256_broadcast_ss(xb), lo[m]);
+        hi[m] = _mm256_fmadd_ps(c16, _mm256_broadcast_ss(xb + 16), hi[m]);
+        lo[m] = _mm256_fmadd_ps(c1, _mm256_broadcast_ss(xb + 1), lo[m]);
+        hi[m] = _mm256_fmadd_ps(c17, _mm256_broadcast_ss(xb + 17), hi[m]);
       }
     }
+    // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
+    const __m256 d = fp16x8(tile + 256), mn = fp16x8(tile + 288);   // this half's 8 rows
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
+      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
+    }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) store8(out + m * os + hv.col[r], acc[m][r]);
+  for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Q8_0: byte [k][l] of a tile is column k of row l.
-template <int M, int R, typename Out>
-void q8_0_halves(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_t K,
-                 int64_t first) {
+// Q8_0: byte [k][l] of a tile is column k of row l; even and odd columns sum apart.
+template <int M, typename Out>
+void q8_0_half(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_t K,
+               int64_t half) {
   const int64_t nb = K / 32;
-  Halves<R> hv(packed, kQ8Tile, nb, first);
-  __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const uint8_t* tiles = packed + (half / 2) * nb * kQ8Tile + 8 * (half % 2);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 even[M][R], odd[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) even[m][r] = odd[m][r] = _mm256_setzero_ps();
-    for (int k = 0; k < 32; k += 2)
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* q = hv.tile[r] + b * kQ8Tile + 16 * k + 8 * (hv.col[r] / 8 % 2);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16))));
-        for (int m = 0; m < M; ++m) {
-          const float* xb = x + m * K + b * 32 + k;
-          even[m][r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb), even[m][r]);
-          odd[m][r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + 1), odd[m][r]);
-        }
+    const uint8_t* tile = tiles + b * kQ8Tile;
+    __m256 even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+    for (int k = 0; k < 32; k += 2) {
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 16 * k))));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 16 * k + 16))));
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * 32 + k;
+        even[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb), even[m]);
+        odd[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + 1), odd[m]);
       }
-    for (int r = 0; r < R; ++r) {
-      const __m256 d = fp16x8(hv.tile[r] + b * kQ8Tile + 512 + 16 * (hv.col[r] / 8 % 2));
-      for (int m = 0; m < M; ++m)
-        acc[m][r] = _mm256_fmadd_ps(_mm256_add_ps(even[m][r], odd[m][r]), d, acc[m][r]);
     }
+    const __m256 d = fp16x8(tile + 512 + 8 * (half % 2));   // d[16] at 512 of the group's tile
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(even[m], odd[m]), d, acc[m]);
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) store8(out + m * os + hv.col[r], acc[m][r]);
+  for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Halves per work item for M tokens: about eight sums in flight whatever M.
-template <int M> constexpr int kRun = M == 1 ? 4 : (M == 2 ? 2 : 1);
-
-// M tokens over every half: work items of kRun<M> halves, a shorter run for the tail.
+// M tokens over every 8-row half, one half a work item.
 template <int M, typename Out>
 void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
           int64_t N, bool q4) {
-  constexpr int R = kRun<M>;
   const float* x = a.xf.data() + t * a.K;
   const float* sums = q4 ? a.sums.data() + t * (a.K / 32) : nullptr;
-  const int64_t halves = N / 8, runs = halves / R;
-  auto run = [&](auto r_const, int64_t first) {
-    constexpr int RR = decltype(r_const)::value;
-    if (q4)
-      q4_1_halves<M, RR>(out, os, x, sums, packed, a.K, first);
-    else
-      q8_0_halves<M, RR>(out, os, x, packed, a.K, first);
-  };
-  at::parallel_for(0, runs, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) run(std::integral_constant<int, R>(), i * R);
+  at::parallel_for(0, N / 8, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t half = h0; half < h1; ++half) {
+      if (q4)
+        q4_1_half<M>(out, os, x, sums, packed, a.K, half);
+      else
+        q8_0_half<M>(out, os, x, packed, a.K, half);
+    }
   });
-  for (int64_t half = runs * R; half < halves; ++half)
-    run(std::integral_constant<int, 1>(), half);
 }
 
 // out [T, N] = x [T, K] @ W^T from the packed tiles (N a multiple of 16, K of 32).
