@@ -112,6 +112,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="trace files kept per actor (default 8): the disk bound")
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """`pagewire serve`'s flags alone (the README's options table lists exactly these)."""
+    parser = argparse.ArgumentParser(prog="pagewire serve", argument_default=argparse.SUPPRESS)
+    _engine_args(parser)
+    _serve_args(parser)
+    return parser
+
+
 def _config(args: argparse.Namespace) -> EngineConfig:
     flags = {k: v for k, v in vars(args).items() if k in settings.SETTABLE}
     return settings.build(flags, config_file=getattr(args, "config_file", None))

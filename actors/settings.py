@@ -13,7 +13,7 @@ import msgspec
 from .config import EngineConfig, parse_bytes
 
 # Resolved by EngineConfig.resolve(), never set by hand.
-DERIVED = {"model_info", "num_host_blocks", "run_dir"}
+DERIVED = {"model_info", "num_host_blocks", "run_dir", "backend"}
 SETTABLE = [f for f in EngineConfig.__struct_fields__ if f not in DERIVED]
 
 

@@ -42,3 +42,22 @@ def test_effective_configuration_redacts_keys():
 def test_a_bad_option_exits_2_before_anything_starts(monkeypatch):
     monkeypatch.setenv("PAGEWIRE_BLOCK_SIZE", "3")
     assert main(["serve"]) == 2
+
+
+def test_readme_options_table_lists_exactly_the_serve_flags_and_every_option_has_one():
+    """The README's `pagewire serve` options table and the CLI cannot drift apart: a flag
+    added without a row (or a row left for a removed flag) fails here, as does an option
+    settable by file or environment that no flag sets."""
+    import os
+    import re
+
+    from pagewire.cli import serve_parser
+    actions = serve_parser()._actions
+    flags = {s for a in actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    section = readme[readme.index("### `pagewire serve [MODEL]` options"):]
+    section = section[:section.index("\n### ", 1)]
+    listed = {flag for cell in re.findall(r"^\| ([^|]+) \|", section, re.M)
+              for flag in re.findall(r"`(--[a-z0-9-]+)", cell)}
+    assert sorted(flags - listed) == [] and sorted(listed - flags) == []
+    assert set(settings.SETTABLE) <= {a.dest for a in actions}
