@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # --quantized-activations; a type not named multiplies them exactly.
 _Q4 = (quant.Q4_0, quant.Q4_1)
 ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, quant.Q8_0), "int16"),
-             "int8": dict.fromkeys(_Q4, "int8"), "int8-all": dict.fromkeys((*_Q4, quant.Q8_0), "int8")}
+             "int8": dict.fromkeys(_Q4, "int8"),
+             "int8-all": dict.fromkeys((*_Q4, quant.Q8_0), "int8")}
 
 
 @dataclass

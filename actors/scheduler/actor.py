@@ -3,9 +3,9 @@
     drain inbox (NewRequest, Abort, StepResult) -> core.plan() -> plan to every executor
     -> ... StepResult -> core.handle() -> TokenDeltas to the detokenizer
 
-One plan is in flight at a time (core.py). The inbox is drained without blocking while there is work to
-plan, and blocks when waiting for a result or when idle (with a timeout while a metrics report
-or log line is due).
+One plan is in flight at a time (core.py). The inbox is drained without blocking while there is
+work to plan, and blocks when waiting for a result or when idle (with a timeout while a metrics
+report or log line is due).
 
 Metrics: the loop times steps and queueing and sends a SchedulerStats to the gateway about once
 a second while busy, once on going idle, and every 2 seconds regardless (the gateway's /health

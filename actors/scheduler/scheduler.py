@@ -55,8 +55,10 @@ class Scheduler:
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
         self.in_flight: dict[int, list[Request]] = {}   # step id -> its plan's sequences
-        self.to_drop: list[str] = []             # executor state to drop with the next plan:
-        self.preempted_ids: list[str] = []       # of ended sequences, and of preempted ones
+        # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
+        # preempted ones (plan.preempted).
+        self.to_drop: list[str] = []
+        self.preempted_ids: list[str] = []
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0

@@ -142,12 +142,20 @@ struct Machine {
     T* out = next();
     const auto* tiles = ptr<uint8_t>(o[0]);
     const int64_t n = o[2], k = o[3];
-    auto* kernel = o[1] == kQ4_1 ? Kernels<T>::q4_1 : o[1] == kQ4_1_I8 ? Kernels<T>::q4_1_i8
-                 : o[1] == kQ8_0_I8 ? Kernels<T>::q8_0_i8 : o[1] == kQ4_1_I16 ? Kernels<T>::q4_1_i16
-                 : o[1] == kQ8_0_I16 ? Kernels<T>::q8_0_i16 : Kernels<T>::q8_0;
-    kernel(out, n, cur, k, tokens, tiles, n, k);
+    kernel_of(o[1])(out, n, cur, k, tokens, tiles, n, k);
     if (o[4]) add_bias(out, ptr<T>(o[4]), n);
     cur = out, width = n;
+  }
+
+  static auto kernel_of(int64_t kind) {
+    switch (kind) {
+      case kQ4_1: return Kernels<T>::q4_1;
+      case kQ4_1_I8: return Kernels<T>::q4_1_i8;
+      case kQ8_0_I8: return Kernels<T>::q8_0_i8;
+      case kQ4_1_I16: return Kernels<T>::q4_1_i16;
+      case kQ8_0_I16: return Kernels<T>::q8_0_i16;
+      default: return Kernels<T>::q8_0;     // kQ8_0: fused_decode.py encodes only KINDS
+    }
   }
 
   // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.

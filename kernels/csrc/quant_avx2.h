@@ -325,7 +325,7 @@ void q8_0_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t
 // int32 lane per row.
 template <int M, typename Out>
 void q8_0_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
-                     const uint8_t* packed, int64_t g0, int64_t g1) {
+                    const uint8_t* packed, int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = g0; g < g1; ++g) {

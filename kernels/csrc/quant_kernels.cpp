@@ -24,7 +24,7 @@
 
 #include "bf16.h"
 #if defined(__AVX2__)
-#include "quant_avx2.h"    // the exact kernels below AVX512-BF16; the int8 ones on every tier
+#include "quant_avx2.h"    // the exact kernels below AVX512-BF16; int8 and int16 on every tier
 #endif
 
 namespace {
