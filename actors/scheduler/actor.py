@@ -3,9 +3,10 @@
     drain inbox (NewRequest, Abort, StepResult) -> core.plan() -> plan to every executor
     -> ... StepResult -> core.handle() -> TokenDeltas to the detokenizer
 
-One plan is in flight at a time (core.py). The inbox is drained without blocking while there is
-work to plan, and blocks when waiting for a result or when idle (with a timeout while a metrics
-report or log line is due).
+With async scheduling two plans are in flight (core.py): the next step is planned and queued
+at the executor while the current one runs. The inbox is drained without blocking while there
+is work to plan, and blocks when waiting for a result or when idle (with a timeout while a
+metrics report or log line is due).
 
 Metrics: the loop times steps and queueing and sends a SchedulerStats to the gateway about once
 a second while busy, once on going idle, and every 2 seconds regardless (the gateway's /health
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Callable
 
 from pagewire.wire.to_executor import StepPlan
@@ -49,7 +51,10 @@ class StatsReporter:
         self.iteration_tokens: list[int] = []
         self.queue_times: list[float] = []
         self.step_durations: list[float] = []
-        self.plan_sent_at: float | None = None
+        # When each plan in flight was sent, oldest first; and when the latest result came: a
+        # step queued behind another starts when that one's result comes back.
+        self.plans_sent_at: deque[float] = deque()
+        self.result_at = 0.0
         now = clock()
         self.reported_at, self.dirty = now, False
         self.logged_at, self.logged_totals = now, self._totals()
@@ -65,7 +70,7 @@ class StatsReporter:
             self.logged_at, self.logged_totals, self.quiet = self.clock(), self._totals(), False
 
     def on_plan(self, plan: StepPlan) -> None:
-        self.plan_sent_at = self.clock()
+        self.plans_sent_at.append(self.clock())
         self.iteration_tokens.append(sum(s.num_scheduled for s in plan.new)
                                      + sum(r.num_scheduled for r in plan.running))
         if self.sched.first_scheduled:
@@ -74,9 +79,10 @@ class StatsReporter:
         self.dirty = True
 
     def on_result(self) -> None:
-        if self.plan_sent_at is not None:
-            self.step_durations.append(self.clock() - self.plan_sent_at)
-            self.plan_sent_at = None
+        if self.plans_sent_at:
+            now = self.clock()
+            self.step_durations.append(now - max(self.plans_sent_at.popleft(), self.result_at))
+            self.result_at = now
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -111,7 +117,11 @@ class StatsReporter:
             step_running_for=self.step_running_for())
 
     def step_running_for(self) -> float:
-        return 0.0 if self.plan_sent_at is None else self.clock() - self.plan_sent_at
+        """How long the executor has been on its current step (0.0: no step in flight)."""
+        if not self.plans_sent_at:
+            return 0.0
+        now = self.clock()
+        return now - max(self.plans_sent_at[0], self.result_at)
 
     def report(self, now: float) -> None:
         self.send(self.stats())
@@ -165,7 +175,7 @@ class SchedulerLoop:
                 for executor in self.executors:
                     executor.send(plan)
                 self.stats.on_plan(plan)
-            busy = self.core.in_flight is not None or self.core.sched.has_work()
+            busy = self.core.busy()
             wait = self.stats.tick(busy)
             self.env.heartbeat(self.stats.step_running_for())
 

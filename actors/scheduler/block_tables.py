@@ -26,12 +26,12 @@ class BlockTables:
         return out
 
     def grow(self, req: Request, n: int) -> bool:
-        """Give req room to write its next n tokens: new blocks, and a private copy of the
-        block it writes first if that one is shared. False, changing nothing, if too few
-        blocks are free."""
-        index = req.num_computed // self.block_size
+        """Give req room to write its next n tokens (after those already planned): new
+        blocks, and a private copy of the block it writes first if that one is shared. False,
+        changing nothing, if too few blocks are free."""
+        index = req.num_planned // self.block_size
         shared = index < len(req.block_ids) and self.device.refcount[req.block_ids[index]] > 1
-        need = self.device.blocks_needed(req.num_computed + n, len(req.block_ids))
+        need = self.device.blocks_needed(req.num_planned + n, len(req.block_ids))
         if need + shared > self.device.num_free:
             return False
         if shared:

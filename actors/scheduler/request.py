@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling import SamplingParams, stops_on
 
 _arrivals = itertools.count()
 
@@ -19,9 +19,13 @@ class Status(enum.Enum):
 class Request:
     """One sequence, mutated only by the scheduler.
 
-    `num_computed` counts tokens whose K/V are in the cache; tokens [num_computed, target_len)
-    are still to run. A fork leader (a prompt that will split into n sequences) targets all
-    but the last prompt token; every other request targets all its tokens. `on_executor` says
+    `num_computed` counts tokens whose K/V are in the cache (their step's result applied);
+    `num_in_flight` more are scheduled in plans whose results have not come back, and
+    `num_placeholders` of those plans' rows sample a token the executor appends itself (the
+    scheduler learns it from the result). Tokens [num_computed + num_in_flight, target_len +
+    num_placeholders) are still to plan. A fork leader (a prompt that will split into n
+    sequences) targets all but the last prompt token; every other request targets all its
+    tokens. `on_executor` says
     the executor holds this request's state; `num_blocks_sent` is how much of the block table
     it holds unchanged. `block_hashes` cover the full blocks of token_ids computed so far
     (prefix caching); the first `num_committed` are committed to the block manager. With a
@@ -34,7 +38,8 @@ class Request:
                  "num_blocks_sent", "on_executor", "priority", "cache_salt", "order",
                  "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
-                 "scheduled_before", "prompt_counted", "num_dropped")
+                 "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
+                 "num_placeholders")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -51,6 +56,8 @@ class Request:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_scheduled = 0
+        self.num_in_flight = 0
+        self.num_placeholders = 0
         self.block_ids: list[int] = []
         self.host_block_ids: list[int] = []   # where a swapped-out request's blocks are
         self.num_blocks_sent = 0
@@ -81,16 +88,34 @@ class Request:
         return self.num_prompt_tokens - 1 if self.fork_leader else len(self.token_ids)
 
     @property
+    def num_planned(self) -> int:
+        """Tokens whose K/V are computed or being computed: where the next plan writes."""
+        return self.num_computed + self.num_in_flight
+
+    @property
     def num_pending(self) -> int:
-        """Tokens still to compute before the next sample (or fork)."""
-        return self.target_len - self.num_computed
+        """Tokens still to plan before the next sample (or fork); 0 when the token an
+        in-flight step samples is the last one (max_tokens): nothing to plan ahead of it."""
+        if self.num_placeholders and \
+                self.num_output_tokens + self.num_placeholders >= self.max_tokens:
+            return 0
+        return self.target_len + self.num_placeholders - self.num_planned
+
+    @property
+    def samples_when_planned(self) -> bool:
+        """Whether its planned tokens reach the end of its tokens, so the executor samples and
+        appends the next one (beams are extended here; a fork leader forks instead)."""
+        return (self.num_planned == self.target_len + self.num_placeholders
+                and not self.fork_leader and self.group is None)
+
+    def reset_in_flight(self) -> None:
+        """Forget the steps in flight (preempted or ended: their results are ignored)."""
+        self.num_in_flight = self.num_placeholders = 0
 
     def stop_reason(self, token: int, eos_ids: frozenset[int]) -> str | None:
         """Why the sequence ends with `token` (just appended): "stop", "length" or None."""
-        s = self.sampling
-        if self.num_output_tokens > s.min_tokens:   # the executor masks them before that
-            if (token in eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
-                return "stop"
+        if stops_on(self.sampling, token, self.num_output_tokens, eos_ids):
+            return "stop"
         if self.num_output_tokens >= self.max_tokens:
             return "length"
         return None
@@ -102,7 +127,8 @@ class Request:
               "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped")
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
     FRESH = ("req_id", "sampling", "fork_leader", "host_block_ids", "candidates",
-             "on_executor", "num_blocks_sent", "num_scheduled")   # the fork's own
+             "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
+             "num_placeholders")   # the fork's own (forks happen with nothing in flight)
 
     def fork(self, req_id: str, sampling: SamplingParams) -> "Request":
         """A sequence with this one's tokens and blocks (the caller takes block references)."""
@@ -114,4 +140,5 @@ class Request:
         child.req_id, child.sampling, child.fork_leader = req_id, sampling, False
         child.host_block_ids, child.candidates, child.on_executor = [], None, False
         child.num_blocks_sent = child.num_scheduled = 0
+        child.num_in_flight = child.num_placeholders = 0
         return child

@@ -15,9 +15,12 @@ tokens included, as vLLM counts), num_generation_tokens (tokens sampled), num_pr
 tables.prefix_queries / prefix_hits, and first_scheduled (the arrival times of the requests the
 latest schedule() ran for the first time).
 
-Calls alternate: schedule() -> (executor runs the plan) -> update(plan, result). add() and
-abort() may come at any time, including between schedule() and update(); update() skips
-sequences that ended meanwhile.
+Each schedule() is answered by one update(plan, result), in plan order, and a plan may be made
+before the previous one's result is applied (pipelined steps, core.py): it then assumes that
+every running sequence whose planned tokens reach its end gets one more token (a placeholder
+the executor fills in itself, since it runs plans in order), and plans nothing past a token
+that ends the sequence by max_tokens. add() and abort() may come at any time; update() skips
+sequences that ended or were preempted meanwhile (their in-flight work is dropped).
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ class Scheduler:
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
-        self.in_flight: dict[int, list[Request]] = {}   # step id -> its plan's sequences
+        # step id -> its plan's sequences with the tokens each was scheduled for
+        self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[str] = []
@@ -159,7 +163,7 @@ class Scheduler:
         if not scheduled:
             return None
         self.step_id += 1
-        self.in_flight[self.step_id] = scheduled
+        self.in_flight[self.step_id] = [(req, req.num_scheduled) for req in scheduled]
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
                         self.preempted_ids)
@@ -175,6 +179,8 @@ class Scheduler:
                                        req.num_computed, req.num_scheduled, list(req.block_ids),
                                        req.sampling))
             req.num_blocks_sent, req.new_token_ids = len(req.block_ids), []
+            req.num_in_flight += req.num_scheduled
+            req.num_placeholders += req.samples_when_planned
         return plan
 
     def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
@@ -243,6 +249,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.reset_in_flight()
         self._drop_from_executor(req, preempted=True)
         mode = self.config.preemption_mode
         if mode != "recompute" and self.tables.swap_out(req):
@@ -267,6 +274,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.tables.release(req)
         self._drop_from_executor(req)
+        req.reset_in_flight()
         req.status = Status.FINISHED
         del self.requests[req.req_id]
         if req.group is not None and req in req.group.live:
@@ -283,25 +291,30 @@ class Scheduler:
             return self._fail_step(scheduled, result.error)
         rows = {rid: i for i, rid in enumerate(result.req_ids)}
         deltas, groups = [], []
-        for req in scheduled:
-            if req.status is not Status.RUNNING:   # aborted or preempted meanwhile
+        # A sequence preempted while in this step is RUNNING again only from a plan made after
+        # this result (at most two plans are in flight): the status check tells them apart.
+        for req, n in scheduled:
+            if req.status is not Status.RUNNING:   # ended or preempted meanwhile
                 continue
             if result.prompt_logprobs and req.req_id in result.prompt_logprobs:
                 deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.req_id])
-            req.num_computed += req.num_scheduled
+            req.num_in_flight -= n
+            req.num_computed += n
             self.tables.commit(req)
             self.tables.drop_behind_window(req)
-            if not req.prompt_counted and req.num_pending == 0:
+            reached_end = req.num_computed == req.target_len
+            if not req.prompt_counted and reached_end:
                 self._count_prompt(req)
             row = rows.get(req.req_id)
             if req.fork_leader:
-                if req.num_pending == 0:
+                if reached_end:
                     self._fork(req)
             elif row is not None and req.group is not None:
                 req.candidates = (result.top_ids[row], result.top_logprobs[row])
                 if req.group not in groups:
                     groups.append(req.group)
             elif row is not None:
+                req.num_placeholders -= 1
                 deltas.append(self._append(req, result, row))
         for group in groups:
             if group.ready():
@@ -392,7 +405,7 @@ class Scheduler:
     def _fail_step(self, scheduled: list[Request], error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
         deltas = []
-        for req in scheduled:
+        for req, _ in scheduled:
             if req.status is not Status.RUNNING:
                 continue
             ids = self._output_ids(req)

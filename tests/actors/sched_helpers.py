@@ -1,24 +1,99 @@
-"""Helpers for driving the scheduler by hand in tests."""
+"""Driving the scheduler core in tests as the scheduler actor drives it: messages in
+(NewRequest, Abort, StepResult), plans out, each plan run in order by the executor's own
+bookkeeping (executor/seq_table.py) with chosen tokens in place of a model."""
 from __future__ import annotations
 
+from collections import deque
+
 from pagewire.config import EngineConfig
+from pagewire.executor.seq_table import SeqTable
 from pagewire.model_info import ModelInfo
-from pagewire.scheduler.scheduler import Scheduler
+from pagewire.scheduler.core import SchedulerCore
 from pagewire.wire.sampling import SamplingParams
-from pagewire.wire.to_scheduler import NewRequest, StepResult
+from pagewire.wire.to_detokenizer import TokenDelta
+from pagewire.wire.to_executor import StepPlan
+from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
 
 EOS = 2
 
 
+class Driven:
+    """A scheduler core behind messages, and the executor's sequence table running its plans.
+
+    add / abort / abort_all / update send the core a message and return the TokenDeltas it
+    sends the detokenizer; schedule() is the core's plan(); run() executes the oldest plan not
+    yet run. The scheduler's state (running, waiting, kv, counters) reads through."""
+
+    def __init__(self, config: EngineConfig, depth: int = 1):
+        self.core = SchedulerCore(config, depth)
+        self.executor = SeqTable(list(config.model_info.eos_token_ids))
+        self.not_run: deque[StepPlan] = deque()
+
+    def __getattr__(self, name):
+        return getattr(self.core.sched, name)
+
+    def send(self, msg) -> list[TokenDelta]:
+        return [d for _, out in self.core.handle(msg) for d in out.deltas]
+
+    def add(self, msg: NewRequest) -> list[TokenDelta]:
+        return self.send(msg)
+
+    def abort(self, ids: list[str]) -> list[TokenDelta]:
+        return self.send(Abort(ids))
+
+    def abort_all(self) -> list[TokenDelta]:
+        return self.send(AbortAll("test"))
+
+    def schedule(self) -> StepPlan | None:
+        plan = self.core.plan()
+        if plan is not None:
+            self.not_run.append(plan)
+        return plan
+
+    def run(self, tokens: dict[str, int] | None = None, default: int = 5,
+            result: StepResult | None = None, model=None) -> StepResult:
+        """Execute the oldest plan not yet run: `result` as given, else every sequence that
+        samples gets model(its SeqState) when a model is given, else the token `tokens` names
+        for it, else `default`; beams get the candidates tok, tok + 1, ... with logprobs
+        -1, -2, ..."""
+        plan = self.not_run.popleft()
+        order = self.executor.apply(plan)
+        samplers = [(rid, seq) for rid, seq in order if seq.samples]
+        if result is None:
+            ids = [rid for rid, _ in samplers]
+            toks = [model(seq) if model else (tokens or {}).get(rid, default)
+                    for rid, seq in samplers]
+            result = StepResult(plan.step_id, ids, toks)
+            if any(seq.sampling.use_beam_search for _, seq in samplers):
+                k = [2 * s.sampling.num_sequences if s.sampling.use_beam_search else 0
+                     for _, s in samplers]
+                result.top_ids = [[t + i for i in range(n)] for t, n in zip(toks, k)]
+                result.top_logprobs = [[-1.0 - i for i in range(n)] for n in k]
+                result.logprobs = [0.0] * len(ids)
+        if result.error is not None:            # as the executor actor does on an error
+            self.executor.fail(plan)
+            return result
+        by_id = dict(zip(result.req_ids, result.token_ids))
+        self.executor.finish_step(order, [(s, by_id[r]) for r, s in samplers if r in by_id])
+        return result
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """Apply a result (the plan is run first if it has not been)."""
+        if plan in self.not_run:
+            assert self.not_run[0] is plan, "plans run in order"
+            self.run(result=result)
+        return self.send(result)
+
+
 def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=64, chunked=True,
-                   window=None, **options):
+                   window=None, depth=1, **options) -> Driven:
     info = ModelInfo(path="/dev/null", format="hf", name="m", architecture="LlamaForCausalLM",
                      max_model_len=max_len, vocab_size=100, num_layers=1, num_kv_heads=1,
                      head_dim=8, eos_token_ids=[EOS], digest="0", sliding_window=window)
     config = EngineConfig(model_info=info, num_kv_blocks=num_blocks, block_size=block_size,
                           max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           enable_chunked_prefill=chunked, **options).resolve()
-    return Scheduler(config)
+    return Driven(config, depth)
 
 
 def new(rid, n_prompt, first=None, **sampling) -> NewRequest:
@@ -30,23 +105,14 @@ def new(rid, n_prompt, first=None, **sampling) -> NewRequest:
                       sampling=SamplingParams(**sampling), arrival_time=0.0)
 
 
-def step(sched: Scheduler, tokens: dict[str, int] | None = None, default=5):
-    """schedule() then update() with `default` sampled for every request that samples."""
+def step(sched: Driven, tokens: dict[str, int] | None = None, default=5):
+    """Plan, run and apply one step; `default` sampled for every sequence that samples."""
     plan = sched.schedule()
     assert plan is not None
-    samplers = [r for r in sched.in_flight[plan.step_id] if r.num_computed + r.num_scheduled == len(r.token_ids)]
-    ids = [r.req_id for r in samplers]
-    toks = [(tokens or {}).get(rid, default) for rid in ids]
-    result = StepResult(plan.step_id, ids, toks)
-    if any(r.group is not None for r in samplers):   # beams get candidates tok, tok+1, ...
-        k = [2 * r.group.width if r.group else 0 for r in samplers]
-        result.top_ids = [[t + i for i in range(n)] for t, n in zip(toks, k)]
-        result.top_logprobs = [[-1.0 - i for i in range(n)] for n in k]
-        result.logprobs = [0.0] * len(ids)
-    return plan, sched.update(plan, result)
+    return plan, sched.update(plan, sched.run(tokens, default))
 
 
-def assert_pool_whole(sched: Scheduler) -> None:
+def assert_pool_whole(sched: Driven) -> None:
     kv = sched.kv
     assert kv.num_free == kv.num_blocks
     assert not any(kv.refcount)
@@ -54,5 +120,3 @@ def assert_pool_whole(sched: Scheduler) -> None:
     assert all(kv.hash_of[b] == h for h, b in kv.cached.items())
     host = sched.tables.host
     assert host is None or (host.num_free == host.num_blocks and not any(host.refcount))
-
-

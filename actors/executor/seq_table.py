@@ -1,0 +1,85 @@
+"""The executor's record of the sequences it has been sent, and how a StepPlan changes it.
+
+No model here: the runner (runner.py) computes and samples; this table says which tokens each
+step computes and which sequences sample, and keeps the tokens sampled. Plans apply in the
+order they come. A plan may have been made before the previous one's result reached the
+scheduler (pipelined steps): its decode rows then read the tokens appended here. A sequence
+whose last token stopped it (EOS, a stop token id: the scheduler's own rule,
+wire.sampling.stops_on) is left out of such a row, and so is one whose step failed; the
+scheduler has ended both and ignores them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagewire.wire.sampling import SamplingParams, stops_on
+from pagewire.wire.to_executor import StepPlan
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_scheduled: int = 0
+    stopped: bool = False           # its last sampled token ends it
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's tokens reach the end of its tokens: it samples the next one."""
+        return self.num_computed + self.num_scheduled == len(self.token_ids)
+
+
+class SeqTable:
+    def __init__(self, eos_ids: list[int]):
+        self.eos_ids = frozenset(eos_ids)
+        self.seqs: dict[str, SeqState] = {}
+        self.failed: set[str] = set()      # sequences of a failed step, until a plan drops them
+
+    def apply(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
+        """Drop, add and extend as the plan says; return the sequences it runs, decodes first."""
+        for rid in plan.finished + plan.preempted:
+            self.seqs.pop(rid, None)
+            self.failed.discard(rid)
+        order = []
+        for new in plan.new:
+            seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
+                           list(new.block_ids), new.sampling, new.num_scheduled)
+            self.seqs[new.req_id] = seq
+            order.append((new.req_id, seq))
+        for run in plan.running:
+            if run.req_id in self.failed:
+                continue
+            seq = self.seqs[run.req_id]
+            if seq.stopped:
+                continue
+            seq.block_ids[run.block_offset:] = run.block_ids
+            seq.token_ids += run.new_token_ids
+            seq.num_scheduled = run.num_scheduled
+            order.append((run.req_id, seq))
+        order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
+        return order
+
+    def finish_step(self, order: list[tuple[str, SeqState]],
+                    sampled: list[tuple[SeqState, int]]) -> None:
+        """The step ran: append each sampled token (a beam's next token is the scheduler's
+        pick, sent in a later plan) and advance what is computed."""
+        for seq, token in sampled:
+            if not seq.sampling.use_beam_search:
+                seq.token_ids.append(token)
+                seq.stopped = stops_on(seq.sampling, token, seq.num_output_tokens, self.eos_ids)
+        for _, seq in order:
+            seq.num_computed += seq.num_scheduled
+
+    def fail(self, plan: StepPlan) -> None:
+        """The plan raised: its sequences' state may be half-applied, so drop it. The scheduler
+        ends them on the error; a plan made before it knew may still name them."""
+        for rid in [s.req_id for s in plan.new] + [r.req_id for r in plan.running]:
+            self.seqs.pop(rid, None)
+            self.failed.add(rid)
