@@ -25,7 +25,7 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-class EngineConfig(msgspec.Struct, kw_only=True):
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None                 # path to a GGUF file or HF directory; None: default
     served_model_name: str | None = None
     host: str = "127.0.0.1"
@@ -147,14 +147,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                  "with `pagewire keys DIR`): executors are authenticated")
 
     def digest(self) -> str:
-        """What decides the engine's outputs, hashed: replays compare it. Operational settings
-        (addresses, keys, restarts, tracing) are left out."""
-        skip = {"host", "port", "api_keys", "run_dir", "drain_timeout", "actor_nice",
-                "restart_budget", "restart_window", "trace_dir", "trace_redact",
-                "trace_segment_bytes", "trace_max_segments", "num_tokenizers",
-                "cache_salt_per_api_key", "metrics_require_api_key", "threads", "executors",
-                "listen", "curve_keys", "attach_timeout", "tp_timeout", "backend"}
-        values = {k: v for k, v in msgspec.structs.asdict(self).items() if k not in skip}
+        """What decides the engine's outputs, hashed: replays compare it. Which fields count
+        is declared with the options (options.DIGESTED): addresses, keys, restarts, tracing
+        and the like are left out."""
+        from .options import DIGESTED
+        values = {k: v for k, v in msgspec.structs.asdict(self).items() if k in DIGESTED}
         return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 
     def public(self) -> "EngineConfig":

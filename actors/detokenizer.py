@@ -13,7 +13,8 @@ from collections import OrderedDict
 from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import Sends
-from pagewire.wire.sampling import LogprobsChunk, output_ids
+from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
 from pagewire.wire.to_scheduler import Abort
@@ -53,7 +54,7 @@ class IncrementalText:
                 break
         finish = "stop" if stopped else delta.finish_reason
         end = len(self.text) if finish else max(self.sent, len(self.text) - self.holdback)
-        out = TextDelta(req_id=delta.req_id, text=self.text[self.sent:end],
+        out = TextDelta(seq_id=delta.seq_id, text=self.text[self.sent:end],
                         num_prompt_tokens=self.start.num_prompt_tokens,
                         num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error,
                         cumulative_logprob=delta.cumulative_logprob,
@@ -106,10 +107,10 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.backend = tokenizer.backend_tokenizer
-        self.live: dict[str, IncrementalText] = {}
-        self.early: dict[str, list[TokenDelta]] = {}
-        self.stopped: set[str] = set()
-        self.ended: OrderedDict[str, None] = OrderedDict()   # aborted while not live
+        self.live: dict[SeqId, IncrementalText] = {}
+        self.early: dict[SeqId, list[TokenDelta]] = {}
+        self.stopped: set[SeqId] = set()
+        self.ended: OrderedDict[SeqId, None] = OrderedDict()   # aborted while not live
 
     def handle(self, msg: DetokStart | TokenDeltas) -> Sends:
         """The detokenizer core: text deltas for the gateway, and an Abort for the scheduler
@@ -118,7 +119,7 @@ class Detokenizer:
         sends: Sends = [("gateway", TextDeltas(texts))] if texts else []
         return sends + ([("scheduler", Abort(aborts))] if aborts else [])
 
-    def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[str]]:
+    def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[SeqId]]:
         texts, aborts = [], []
         for out_id in output_ids(msg.req_id, msg.num_outputs):
             if self.ended.pop(out_id, False) is None:   # its abort overtook it: over already
@@ -129,34 +130,34 @@ class Detokenizer:
             aborts += a
         return texts, aborts
 
-    def on_deltas(self, msg: TokenDeltas) -> tuple[list[TextDelta], list[str]]:
-        """Returns the text deltas for the gateway and the request ids to abort at the
+    def on_deltas(self, msg: TokenDeltas) -> tuple[list[TextDelta], list[SeqId]]:
+        """Returns the text deltas for the gateway and the sequences to abort at the
         scheduler (stop strings matched)."""
         out, aborts = [], []
         for delta in msg.deltas:
-            state = self.live.get(delta.req_id)
+            state = self.live.get(delta.seq_id)
             if state is None:
                 self._orphan(delta)
                 continue
             text_delta, stopped = state.add(delta)
             out.append(text_delta)
             if text_delta.finish_reason:
-                del self.live[delta.req_id]
+                del self.live[delta.seq_id]
             if stopped and not delta.finish_reason:
-                self.stopped.add(delta.req_id)
-                aborts.append(delta.req_id)
+                self.stopped.add(delta.seq_id)
+                aborts.append(delta.seq_id)
         return out, aborts
 
     def _orphan(self, delta: TokenDelta) -> None:
         """A delta for a request that is not live: stopped here, not started yet, or over."""
         if delta.finish_reason == "abort":
-            self.ended[delta.req_id] = None
+            self.ended[delta.seq_id] = None
             if len(self.ended) > _REMEMBER_ENDED:
                 self.ended.popitem(last=False)
-            self.stopped.discard(delta.req_id)
-            self.early.pop(delta.req_id, None)
-        elif delta.req_id not in self.stopped:
-            self.early.setdefault(delta.req_id, []).append(delta)
+            self.stopped.discard(delta.seq_id)
+            self.early.pop(delta.seq_id, None)
+        elif delta.seq_id not in self.stopped:
+            self.early.setdefault(delta.seq_id, []).append(delta)
 
 
 def run(env) -> None:

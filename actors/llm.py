@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagewire.wire.channels import Sends
-from pagewire.wire.sampling import SamplingParams, best_of, output_ids
+from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.sampling import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
 from pagewire.wire.to_scheduler import Abort, NewRequest
@@ -75,7 +76,7 @@ class LLM:
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}     # prompt text, until the request starts
         self._live: dict[str, RequestOutput] = {}
-        self._outputs: dict[str, tuple[RequestOutput, CompletionOutput]] = {}   # by output id
+        self._outputs: dict[SeqId, tuple[RequestOutput, CompletionOutput]] = {}   # by output
         self._n: dict[str, int] = {}           # requests generating more sequences than n
         self._failed: dict[str, RequestFailed] = {}
         self._finished: list[RequestOutput] = []
@@ -159,8 +160,8 @@ class LLM:
                 self._start(msg)
             elif isinstance(msg, TokenDeltas):
                 for d in msg.deltas:
-                    if d.req_id in self._outputs:
-                        self._outputs[d.req_id][1].token_ids += d.token_ids
+                    if d.seq_id in self._outputs:
+                        self._outputs[d.seq_id][1].token_ids += d.token_ids
             queue.extend(self.cores[channel].handle(msg))
 
     def _start(self, new: NewRequest) -> None:
@@ -178,16 +179,16 @@ class LLM:
             self._failed[msg.req_id] = msg
             return
         for t in msg.deltas:
-            if t.req_id not in self._outputs:       # aborted here
+            if t.seq_id not in self._outputs:       # aborted here
                 continue
-            out, completion = self._outputs[t.req_id]
+            out, completion = self._outputs[t.seq_id]
             completion.text += t.text
             if t.logprobs is not None:
                 completion.logprobs = (completion.logprobs or []) + t.logprobs
             if t.prompt_logprobs is not None and completion.index == 0:
                 out.prompt_logprobs = (out.prompt_logprobs or []) + t.prompt_logprobs
             if t.finish_reason:
-                del self._outputs[t.req_id]
+                del self._outputs[t.seq_id]
                 completion.finish_reason = t.finish_reason
                 completion.cumulative_logprob = t.cumulative_logprob
                 del completion.token_ids[t.num_output_tokens:]

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import zmq
 
 from pagewire.wire.channels import PullChannel, PushChannel, ipc_address, make_run_dir
@@ -114,7 +115,7 @@ class Supervisor:
 
     def start(self) -> None:
         run_dir = make_run_dir(os.environ.get("RUNTIME_DIRECTORY"))
-        self.config.run_dir = run_dir
+        self.config = msgspec.structs.replace(self.config, run_dir=run_dir)
         self.config_path = os.path.join(run_dir, "config.json")
         with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(self.config.to_json())
@@ -180,7 +181,7 @@ class Supervisor:
             log.info("%s ready (pid %d)%s", msg.actor, msg.pid,
                      f", backend {msg.backend}" if msg.backend else "")
             if msg.backend and msg.actor == "executor 0":
-                self.config.backend = msg.backend
+                self.config = msgspec.structs.replace(self.config, backend=msg.backend)
         elif isinstance(msg, Heartbeat):
             self.last_beat[msg.actor] = time.monotonic()
             if msg.actor == "scheduler":

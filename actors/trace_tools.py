@@ -44,11 +44,6 @@ def load(directory: str) -> tuple[list[TraceHeader], list[Event]]:
     return headers, events
 
 
-def base_id(rid: str) -> str:
-    """cmpl-..-0.1 (an output of prompt 0) -> cmpl-..-0; q~3 (a beam) -> q."""
-    return rid.split("~")[0].rsplit(".", 1)[0] if "." in rid or "~" in rid else rid
-
-
 def show(directory: str, request: str | None = None, actor: str | None = None,
          type_name: str | None = None, since: float | None = None,
          until: float | None = None) -> None:
@@ -107,7 +102,7 @@ def hop_latencies(events: list[Event]) -> dict[str, list[float]]:
         role = e.actor.split()[0]
         for i, (actor, direction, type_name) in enumerate(_PATH):
             if role == actor and e.direction == direction and e.type == type_name:
-                for rid in {base_id(r) for r in request_ids(e.msg)}:
+                for rid in request_ids(e.msg):
                     first[rid].setdefault(i, e.wall)
     hops: dict[str, list[float]] = {}
     for points in first.values():

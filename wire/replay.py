@@ -32,23 +32,26 @@ def decode(channel: str, frame: bytes) -> msgspec.Struct:
 
 
 def request_ids(msg) -> list[str]:
-    """The request (or sequence) ids a message concerns."""
+    """The ids of the requests a message concerns, in order of appearance."""
     if hasattr(msg, "req_id"):
         return [msg.req_id]
     if hasattr(msg, "deltas"):
-        return [d.req_id for d in msg.deltas]
-    if hasattr(msg, "new"):                                   # StepPlan
-        return [s.req_id for s in msg.new] + [r.req_id for r in msg.running]
-    return list(getattr(msg, "req_ids", []))
+        seqs = [d.seq_id for d in msg.deltas]
+    elif hasattr(msg, "new"):                                 # StepPlan
+        seqs = [s.seq_id for s in msg.new] + [r.seq_id for r in msg.running]
+    else:
+        seqs = getattr(msg, "seq_ids", [])
+    return list(dict.fromkeys(s.req for s in seqs))
 
 
 class Divergence(Exception):
     def __init__(self, index: int, where: str, recorded, replayed):
-        self.req_ids = differing_ids(recorded, replayed)
-        lines = [f"divergence at record {index} ({where}), requests {self.req_ids[:8]}"]
+        self.ids = differing_ids(recorded, replayed)
+        shown = ", ".join(map(str, self.ids[:8]))
+        lines = [f"divergence at record {index} ({where}), sequences or requests [{shown}]"]
         a, b = _parts(recorded) or {}, _parts(replayed) or {}
-        for rid in self.req_ids[:3] if a or b else []:
-            lines += [f"  {rid} recorded: {a.get(rid)!r}", f"  {rid} replayed: {b.get(rid)!r}"]
+        for sid in self.ids[:3] if a or b else []:
+            lines += [f"  {sid} recorded: {a.get(sid)!r}", f"  {sid} replayed: {b.get(sid)!r}"]
         lines += [f"  recorded message: {recorded!r}", f"  replayed message: {replayed!r}"]
         super().__init__("\n".join(lines))
 
@@ -61,17 +64,17 @@ def _parts(msg) -> dict | None:
     """A message's per-request parts, for messages that have them."""
     if isinstance(msg, StepResult):
         columns = [c for c in (msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs) if c]
-        return {rid: tuple(c[i] for c in columns) for i, rid in enumerate(msg.req_ids)}
+        return {sid: tuple(c[i] for c in columns) for i, sid in enumerate(msg.seq_ids)}
     if isinstance(msg, (TokenDeltas, TextDeltas)):
-        return {d.req_id: d for d in msg.deltas}
+        return {d.seq_id: d for d in msg.deltas}
     if isinstance(msg, StepPlan):
-        return {s.req_id: s for s in msg.new} | {r.req_id: r for r in msg.running}
+        return {s.seq_id: s for s in msg.new} | {r.seq_id: r for r in msg.running}
     return None
 
 
-def differing_ids(recorded, replayed) -> list[str]:
-    """The requests whose parts of two messages differ; every request they name when the
-    messages have no per-request parts or are of different kinds."""
+def differing_ids(recorded, replayed) -> list:
+    """The sequences (SeqId) whose parts of two messages differ; every request (id) they name
+    when the messages have no per-sequence parts or are of different kinds."""
     a, b = _parts(recorded), _parts(replayed)
     if a is not None and b is not None:
         return sorted(r for r in a.keys() | b.keys() if a.get(r) != b.get(r))

@@ -116,12 +116,6 @@ def stops_on(s: SamplingParams, token: int, num_output_tokens: int,
     return (token in eos_ids and not s.ignore_eos) or token in s.stop_token_ids
 
 
-def output_ids(req_id: str, count: int) -> list[str]:
-    """Ids of a request's output sequences, as the scheduler, detokenizer and gateway all
-    name them: the request id itself when there is one, else "<id>.<j>"."""
-    return [req_id] if count == 1 else [f"{req_id}.{j}" for j in range(count)]
-
-
 def best_of(cumulative_logprobs: list[float], n: int) -> list[int]:
     """Which of a request's sequences it returns, in order: all of them when it generated n;
     else (best_of) the n with the highest cumulative logprob, best first, ties in order."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .ids import SeqId
 from .sampling import LogprobsChunk
 
 
@@ -17,13 +18,13 @@ class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0              # stop strings are ignored before this many outputs
-    num_outputs: int = 1             # output sequences, named by output_ids(req_id, n)
+    num_outputs: int = 1             # output sequences: ids.output_ids(req_id, num_outputs)
     echo_prompt: str | None = None   # the prompt's text, sent ahead of the output (echo)
     first_prompt_token: int | None = None   # heads the prompt logprobs, when asked
 
 
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
-    req_id: str                        # an output sequence id (see output_ids)
+    seq_id: SeqId                      # an output sequence
     token_ids: list[int]
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | "rejected"
     error: str | None = None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import msgspec
 
+from .ids import SeqId
 from .sampling import SamplingParams
 
 
 class NewSeq(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
+    seq_id: SeqId
     token_ids: list[int]        # prompt, plus outputs when resuming after preemption
     num_prompt_tokens: int
     num_computed: int           # tokens whose K/V are already in the cache (prefix hits)
@@ -24,7 +25,7 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
 
 
 class RunSeq(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
+    seq_id: SeqId
     num_scheduled: int
     block_offset: int           # the block table from this index on is replaced by block_ids
     block_ids: list[int]        # (new blocks, and a block swapped in by copy-on-write)
@@ -32,7 +33,7 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepPlan(msgspec.Struct, tag=True, gc=False):
-    """Invariant: a request appears at most once in new + running. Before the step runs the
+    """Invariant: a sequence appears at most once in new + running. Before the step runs the
     executor drops the state of the `finished` ids (ended: done or aborted) and of the
     `preempted` ones (they come back later as a NewSeq), then copies blocks: `swap_out`
     [device, host] pairs, then `swap_in` [host, device], then `copies` [src, dst] device pairs
@@ -40,11 +41,11 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
     step_id: int
     new: list[NewSeq]
     running: list[RunSeq]
-    finished: list[str]
+    finished: list[SeqId]
     copies: list[list[int]] = []
     swap_out: list[list[int]] = []
     swap_in: list[list[int]] = []
-    preempted: list[str] = []
+    preempted: list[SeqId] = []
 
 
 ExecutorInbox = StepPlan

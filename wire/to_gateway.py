@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from .ids import SeqId
+
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     """One token's log-probability, with its text and the top alternatives' (None for the
@@ -15,7 +17,7 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
 
 
 class TextDelta(msgspec.Struct, array_like=True, gc=False):
-    req_id: str
+    seq_id: SeqId                       # an output sequence
     text: str
     num_prompt_tokens: int
     num_output_tokens: int              # outputs so far, this delta's included

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
+from .ids import SeqId
 from .sampling import LogprobsChunk, SamplingParams
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
-    """One prompt. With sampling.num_sequences > 1 the scheduler forks it into sequences
-    named by output_ids() once the prompt is computed."""
+    """One prompt. With sampling.num_sequences > 1 the scheduler forks it into its output
+    sequences (ids.output_ids) once the prompt is computed."""
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -19,25 +20,27 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
 
 
 class Abort(msgspec.Struct, tag=True):
-    """Stop these requests and free their blocks. Unknown ids are ignored (the request may have
-    finished already, or not reached the scheduler yet)."""
-    req_ids: list[str]
+    """Stop these output sequences and free their blocks; aborting one output of a beam search,
+    or of a prompt not yet forked, stops the whole request. Unknown ids are remembered a while
+    (the request may not have reached the scheduler yet) and otherwise ignored."""
+    seq_ids: list[SeqId]
 
 
 class StepResult(msgspec.Struct, tag=True, gc=False):
-    """What one step produced, one row per request whose computed tokens reached the end of
+    """What one step produced, one row per sequence whose computed tokens reached the end of
     its known tokens: the token sampled (the most likely one for beam search, which appends
     nothing itself). `logprobs` (the sampled token's log-probability) and `top_ids` /
-    `top_logprobs` (the k most likely tokens, k per request) are set only when some row asked;
-    rows that did not ask hold 0.0 and []. `error` is set when the step failed as a whole."""
+    `top_logprobs` (the k most likely tokens, k per sequence) are set only when some row asked;
+    rows that did not ask hold 0.0 and []. `prompt_logprobs`: this step's prompt positions
+    (token 1 onward), by sequence. `error` is set when the step failed as a whole."""
     step_id: int
-    req_ids: list[str]
+    seq_ids: list[SeqId]
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
-    prompt_logprobs: dict[str, LogprobsChunk] | None = None   # by request: this step's prompt
-    error: str | None = None                                  # positions (token 1 onward)
+    prompt_logprobs: dict[SeqId, LogprobsChunk] | None = None
+    error: str | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling import LogprobsChunk
 
 _CHUNK_ROWS = 256
 
 
 def prompt_logprobs(model, hidden: torch.Tensor,
-                    spans: list[tuple[str, int, list[int], int]]) -> dict[str, LogprobsChunk]:
-    """spans: (request id, first hidden row, target token ids, top k). Returns each request's
+                    spans: list[tuple[SeqId, int, list[int], int]]) -> dict[SeqId, LogprobsChunk]:
+    """spans: (sequence, first hidden row, target token ids, top k). Returns each sequence's
     chunk: targets[i] is predicted by hidden row first_row + i."""
     out = {}
-    for rid, first_row, targets, k in spans:
+    for sid, first_row, targets, k in spans:
         lps, top_ids, top_lps = [], [], []
         for i in range(0, len(targets), _CHUNK_ROWS):
             tgt = torch.tensor(targets[i:i + _CHUNK_ROWS], device=hidden.device)
@@ -33,19 +34,19 @@ def prompt_logprobs(model, hidden: torch.Tensor,
             else:
                 top_ids += [[] for _ in tgt]
                 top_lps += [[] for _ in tgt]
-        out[rid] = LogprobsChunk(list(targets), lps, top_ids, top_lps)
+        out[sid] = LogprobsChunk(list(targets), lps, top_ids, top_lps)
     return out
 
 
-def spans_of(rows: list[tuple[str, object, int]]) -> list[tuple[str, int, list[int], int]]:
-    """The prompt-logprob spans of a step, from (request id, SeqState, first row) of every
+def spans_of(rows: list[tuple[SeqId, object, int]]) -> list[tuple[SeqId, int, list[int], int]]:
+    """The prompt-logprob spans of a step, from (sequence, SeqState, first row) of every
     scheduled sequence; only sequences whose request asked and whose span covers prompt
     positions before the last one contribute."""
     spans = []
-    for rid, seq, row in rows:
+    for sid, seq, row in rows:
         k = seq.sampling.prompt_logprobs
         start, n = seq.num_computed, seq.num_scheduled
         end = min(start + n, seq.num_prompt_tokens - 1)
         if k is not None and end > start:
-            spans.append((rid, row, seq.token_ids[start + 1:end + 1], k))
+            spans.append((sid, row, seq.token_ids[start + 1:end + 1], k))
     return spans

@@ -17,6 +17,7 @@ from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
@@ -162,7 +163,7 @@ class ModelRunner:
                     dst_cache[:, dst.to(dst_cache.device)] = \
                         src_cache[:, src.to(src_cache.device)].to(dst_cache.device)
 
-    def _layout(self, order: list[tuple[str, SeqState]]):
+    def _layout(self, order: list[tuple[SeqId, SeqState]]):
         """Flatten the scheduled tokens: ids, positions, attention layout, and which rows of
         the hidden states to sample from (with their requests)."""
         bs = self.block_size
@@ -204,7 +205,7 @@ class ModelRunner:
         return {"decode_block_tables": torch.from_numpy(tables),
                 "decode_context_lens": torch.from_numpy(context)}
 
-    def _sampling_batch(self, sample_seqs: list[tuple[str, SeqState]]) -> SamplingBatch:
+    def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]]) -> SamplingBatch:
         params, index, banned = [], [], []
         for _, seq in sample_seqs:
             n_out = len(seq.token_ids) - seq.num_prompt_tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling import SamplingParams, stops_on
 from pagewire.wire.to_executor import StepPlan
 
@@ -39,34 +40,34 @@ class SeqState:
 class SeqTable:
     def __init__(self, eos_ids: list[int]):
         self.eos_ids = frozenset(eos_ids)
-        self.seqs: dict[str, SeqState] = {}
-        self.failed: set[str] = set()      # sequences of a failed step, until a plan drops them
+        self.seqs: dict[SeqId, SeqState] = {}
+        self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
-    def apply(self, plan: StepPlan) -> list[tuple[str, SeqState]]:
+    def apply(self, plan: StepPlan) -> list[tuple[SeqId, SeqState]]:
         """Drop, add and extend as the plan says; return the sequences it runs, decodes first."""
-        for rid in plan.finished + plan.preempted:
-            self.seqs.pop(rid, None)
-            self.failed.discard(rid)
+        for sid in plan.finished + plan.preempted:
+            self.seqs.pop(sid, None)
+            self.failed.discard(sid)
         order = []
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
                            list(new.block_ids), new.sampling, new.num_scheduled)
-            self.seqs[new.req_id] = seq
-            order.append((new.req_id, seq))
+            self.seqs[new.seq_id] = seq
+            order.append((new.seq_id, seq))
         for run in plan.running:
-            if run.req_id in self.failed:
+            if run.seq_id in self.failed:
                 continue
-            seq = self.seqs[run.req_id]
+            seq = self.seqs[run.seq_id]
             if seq.stopped:
                 continue
             seq.block_ids[run.block_offset:] = run.block_ids
             seq.token_ids += run.new_token_ids
             seq.num_scheduled = run.num_scheduled
-            order.append((run.req_id, seq))
+            order.append((run.seq_id, seq))
         order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
         return order
 
-    def finish_step(self, order: list[tuple[str, SeqState]],
+    def finish_step(self, order: list[tuple[SeqId, SeqState]],
                     sampled: list[tuple[SeqState, int]]) -> None:
         """The step ran: append each sampled token (a beam's next token is the scheduler's
         pick, sent in a later plan) and advance what is computed."""
@@ -80,6 +81,6 @@ class SeqTable:
     def fail(self, plan: StepPlan) -> None:
         """The plan raised: its sequences' state may be half-applied, so drop it. The scheduler
         ends them on the error; a plan made before it knew may still name them."""
-        for rid in [s.req_id for s in plan.new] + [r.req_id for r in plan.running]:
-            self.seqs.pop(rid, None)
-            self.failed.add(rid)
+        for sid in [s.seq_id for s in plan.new] + [r.seq_id for r in plan.running]:
+            self.seqs.pop(sid, None)
+            self.failed.add(sid)

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import exposition
 
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_gateway import SchedulerStats, TextDelta
 
 CONTENT_TYPE = getattr(exposition, "CONTENT_TYPE_PLAIN_0_0_4", exposition.CONTENT_TYPE_LATEST)
@@ -136,14 +137,14 @@ class GatewayMetrics:
         self.backend = Gauge("pagewire:backend_info",
                              "The executors' kernel backend (device and CPU tier) and dtype: 1.",
                              ["backend", "dtype"], registry=r)
-        self.seqs: dict[str, _Seq] = {}
+        self.seqs: dict[SeqId, _Seq] = {}
 
     def set_backend(self, backend: str, dtype: str) -> None:
         self.backend.labels(backend=backend, dtype=dtype).set(1)
 
     # -- per request, measured at the gateway --------------------------------------------------
 
-    def on_request_start(self, seq_ids: list[str], now: float | None = None) -> None:
+    def on_request_start(self, seq_ids: list[SeqId], now: float | None = None) -> None:
         """An HTTP request arrived that will produce these sequences."""
         now = time.monotonic() if now is None else now
         self.in_flight.inc()
@@ -152,11 +153,11 @@ class GatewayMetrics:
 
     def on_tokens(self, delta: TextDelta, now: float | None = None) -> None:
         """A TextDelta of a tracked sequence arrived: first token, later tokens, finish."""
-        seq = self.seqs.get(delta.req_id)
+        seq = self.seqs.get(delta.seq_id)
         if seq is None:
             return
         if delta.finish_reason == "rejected":    # refused before it ran: not a request served
-            del self.seqs[delta.req_id]
+            del self.seqs[delta.seq_id]
             return
         now = time.monotonic() if now is None else now
         seq.num_prompt = delta.num_prompt_tokens
@@ -167,13 +168,13 @@ class GatewayMetrics:
                 self.itl.observe(now - seq.last_token_at)
             seq.last_token_at, seq.num_output = now, delta.num_output_tokens
         if delta.finish_reason:
-            self.on_finish(delta.req_id, delta.finish_reason, now)
+            self.on_finish(delta.seq_id, delta.finish_reason, now)
 
     def on_first_token(self, seq: _Seq, now: float) -> None:
         seq.first_token_at = now
         self.ttft.observe(now - seq.start)
 
-    def on_finish(self, seq_id: str, reason: str, now: float | None = None) -> None:
+    def on_finish(self, seq_id: SeqId, reason: str, now: float | None = None) -> None:
         """A sequence ended (stop, length, abort, error)."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
@@ -185,7 +186,7 @@ class GatewayMetrics:
         self.output_len.observe(seq.num_output)
         self.success.labels(**self.labels, finished_reason=reason).inc()
 
-    def on_request_end(self, seq_ids: list[str], aborted: set[str] | frozenset = frozenset(),
+    def on_request_end(self, seq_ids: list[SeqId], aborted: set[SeqId] | frozenset = frozenset(),
                        now: float | None = None) -> None:
         """The HTTP handler ended. Sequences in `aborted` that had not finished count as
         aborts; others still tracked (refused before running) are forgotten."""

@@ -21,7 +21,8 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
-from pagewire.wire.sampling import best_of, output_ids
+from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.sampling import best_of
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
@@ -83,7 +84,8 @@ class Gateway:
                 continue
             items = msg.deltas if isinstance(msg, TextDeltas) else [msg]
             for item in items:
-                queue = self.routes.get(item.req_id)
+                key = item.seq_id if isinstance(item, TextDelta) else item.req_id
+                queue = self.routes.get(key)
                 if queue is not None:
                     queue.put_nowait(item)
                     if isinstance(item, TextDelta):   # timed on arrival, not when consumed
@@ -285,10 +287,11 @@ class Gateway:
 class _Run:
     """The sequences of one HTTP request, and their replies as they arrive on `queue`.
 
-    Prompt i's sequences are named output_ids("<id>-i", num_outputs); sequence j of prompt i
-    is choice i*n + j. Iterating yields (choice index, TextDelta) until every sequence has
-    finished, removing finished ids from `open_ids` (what is left is aborted when the
-    handler ends). A failed sequence raises ApiError.
+    Prompt i is request "<id>-i" (its refusals come by that id), its sequences
+    output_ids("<id>-i", num_outputs); sequence j of prompt i is choice i*n + j. Iterating
+    yields (choice index, TextDelta) until every sequence has finished, removing finished ids
+    from `open_ids` (what is left is aborted when the handler ends). A failed sequence raises
+    ApiError.
     """
 
     def __init__(self, prompts: list[TokenizeRequest]):
@@ -297,7 +300,7 @@ class _Run:
         sampling = prompts[0].sampling
         self.n, self.num_outputs = sampling.n, sampling.num_outputs
         self.num_choices = len(prompts) * self.n
-        self.slot: dict[str, tuple[int, int]] = {
+        self.slot: dict[SeqId, tuple[int, int]] = {
             out_id: (i, j) for i, p in enumerate(prompts)
             for j, out_id in enumerate(output_ids(p.req_id, self.num_outputs))}
         self.open_ids = set(self.slot)
@@ -306,7 +309,7 @@ class _Run:
         self.prompt_tokens: dict[int, int] = {}
         self.output_tokens: dict[tuple[int, int], int] = {}
 
-    def route_ids(self) -> list[str]:
+    def route_ids(self) -> list[str | SeqId]:
         return self.prompt_ids + list(self.slot)
 
     async def first_replies(self) -> None:
@@ -320,9 +323,9 @@ class _Run:
                                   if self.prompt_ids[i] == msg.req_id}
                 raise ApiError(msg.status, msg.message, msg.param, msg.error_type)
             if msg.finish_reason == "rejected":
-                self.open_ids.discard(msg.req_id)
+                self.open_ids.discard(msg.seq_id)
                 raise ApiError(503, msg.error or "the server is overloaded")
-            answered.add(self.slot[msg.req_id][0])
+            answered.add(self.slot[msg.seq_id][0])
             self.buffer.append(msg)
 
     def __aiter__(self):
@@ -334,11 +337,11 @@ class _Run:
         delta = self.buffer.pop(0) if self.buffer else await self.queue.get()
         if isinstance(delta, RequestFailed):       # the engine failed this request
             raise ApiError(delta.status, delta.message, delta.param, delta.error_type)
-        if delta.req_id not in self.slot:
+        if delta.seq_id not in self.slot:
             return await self.__anext__()
-        i, j = slot = self.slot[delta.req_id]
+        i, j = slot = self.slot[delta.seq_id]
         if delta.finish_reason:
-            self.open_ids.discard(delta.req_id)
+            self.open_ids.discard(delta.seq_id)
         if delta.finish_reason in ("error", "rejected"):
             raise ApiError(500 if delta.finish_reason == "error" else 503,
                            delta.error or "generation failed")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 
-from pagewire.wire.sampling import SamplingParams, output_ids
+from pagewire.wire.ids import SeqId, beam as beam_id, output_ids
+from pagewire.wire.sampling import SamplingParams
 
 from .request import Request
 
@@ -24,11 +25,11 @@ class BeamGroup:
         self.done: list[tuple[float, list[int], str]] = []     # (score, output ids, reason)
         self._ids = itertools.count()
 
-    def new_id(self) -> str:
-        return f"{self.req_id}~{next(self._ids)}"
+    def new_id(self) -> SeqId:
+        return beam_id(self.req_id, next(self._ids))
 
     @property
-    def output_ids(self) -> list[str]:
+    def output_ids(self) -> list[SeqId]:
         return output_ids(self.req_id, self.n)
 
     def ready(self) -> bool:

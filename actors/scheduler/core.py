@@ -32,7 +32,7 @@ class SchedulerCore:
         # Set when planning found nothing to run while a plan is in flight: only a message
         # (that plan's result, an arrival, an abort) can change that, so do not retry before.
         self.stalled = False
-        self.handlers = {NewRequest: self.sched.add, Abort: lambda m: self.sched.abort(m.req_ids),
+        self.handlers = {NewRequest: self.sched.add, Abort: lambda m: self.sched.abort(m.seq_ids),
                          AbortAll: lambda m: self.sched.abort_all(), StepResult: self._on_result}
 
     def can_plan(self) -> bool:

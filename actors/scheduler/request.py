@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling import SamplingParams, stops_on
 
 _arrivals = itertools.count()
@@ -33,7 +34,7 @@ class Request:
     (freed, maybe reused by others): positions keep their block index, nothing reads them.
     """
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling", "arrival_time",
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "sampling", "arrival_time",
                  "max_tokens", "status", "num_computed", "num_scheduled", "block_ids",
                  "num_blocks_sent", "on_executor", "priority", "cache_salt", "order",
                  "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
@@ -41,10 +42,10 @@ class Request:
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
                  "num_placeholders")
 
-    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+    def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
                  cache_salt: str | None = None):
-        self.req_id = req_id
+        self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
@@ -126,18 +127,18 @@ class Request:
               "priority", "cache_salt", "order", "num_committed", "cum_logprob", "group",
               "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped")
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
-    FRESH = ("req_id", "sampling", "fork_leader", "host_block_ids", "candidates",
+    FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
              "num_placeholders")   # the fork's own (forks happen with nothing in flight)
 
-    def fork(self, req_id: str, sampling: SamplingParams) -> "Request":
+    def fork(self, seq_id: SeqId, sampling: SamplingParams) -> "Request":
         """A sequence with this one's tokens and blocks (the caller takes block references)."""
         child = Request.__new__(Request)
         for name in self.SHARED:                 # immutable values, or the shared beam group
             setattr(child, name, getattr(self, name))
         for name in self.COPIED:
             setattr(child, name, list(getattr(self, name)))
-        child.req_id, child.sampling, child.fork_leader = req_id, sampling, False
+        child.seq_id, child.sampling, child.fork_leader = seq_id, sampling, False
         child.host_block_ids, child.candidates, child.on_executor = [], None, False
         child.num_blocks_sent = child.num_scheduled = 0
         child.num_in_flight = child.num_placeholders = 0

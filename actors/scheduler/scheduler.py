@@ -29,7 +29,8 @@ from collections import OrderedDict
 
 import msgspec
 
-from pagewire.wire.sampling import LogprobsChunk, output_ids
+from pagewire.wire.ids import PROMPT, SeqId, output_ids
+from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
@@ -53,7 +54,7 @@ class Scheduler:
         self.kv = device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
-        self.requests: dict[str, Request] = {}   # every live sequence, by its id
+        self.requests: dict[SeqId, Request] = {}   # every live sequence, by its id
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
@@ -61,9 +62,9 @@ class Scheduler:
         self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
-        self.to_drop: list[str] = []
-        self.preempted_ids: list[str] = []
-        self.aborted_early: OrderedDict[str, None] = OrderedDict()
+        self.to_drop: list[SeqId] = []
+        self.preempted_ids: list[SeqId] = []
+        self.aborted_early: OrderedDict[SeqId, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
@@ -83,23 +84,25 @@ class Scheduler:
         """Queue a request. Returns final deltas at once if it can never run or is refused."""
         s = msg.sampling
         outputs = output_ids(msg.req_id, s.num_outputs)
-        if msg.req_id in self.aborted_early or msg.req_id in self.requests:
-            self.aborted_early.pop(msg.req_id, None)
+        early = [o for o in outputs if o in self.aborted_early]
+        if early or any(sid.req == msg.req_id for sid in self.requests):   # or a duplicate
+            for o in early:
+                del self.aborted_early[o]
             return [TokenDelta(o, [], "abort") for o in outputs]
         refusal = self._refusal(msg)
         if refusal:
             reason, error = refusal
             return [TokenDelta(o, [], reason, error) for o in outputs]
         priority = msg.priority if self.by_priority else 0
-        req = Request(msg.req_id, msg.prompt_token_ids, s, msg.arrival_time,
+        req = Request(SeqId(msg.req_id), msg.prompt_token_ids, s, msg.arrival_time,
                       self.config.max_model_len, priority, msg.cache_salt)
         if s.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
-            req.req_id, req.group = group.new_id(), group
+            req.seq_id, req.group = group.new_id(), group
             group.live.append(req)
         elif s.num_sequences > 1:
-            req.fork_leader = True
-        self.requests[req.req_id] = req
+            req.seq_id, req.fork_leader = SeqId(msg.req_id, PROMPT), True
+        self.requests[req.seq_id] = req
         bisect.insort(self.waiting, req, key=lambda r: r.key)
         if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
             self._count_prompt(req)
@@ -120,23 +123,24 @@ class Scheduler:
                 return "rejected", f"the queue is full (over {max_tokens} prompt tokens waiting)"
         return None
 
-    def abort(self, req_ids: list[str]) -> list[TokenDelta]:
-        """End these sequences (or whole requests, by any of their output ids). Every id gets
-        a final "abort" delta, known or not, so the detokenizer can forget it."""
-        for rid in req_ids:
-            base = rid.rsplit(".", 1)[0]
-            if rid in self.requests:
-                self._finish(self.requests[rid])
-            elif base in self.groups:
-                for beam in list(self.groups.pop(base).live):
+    def abort(self, seq_ids: list[SeqId]) -> list[TokenDelta]:
+        """End these output sequences (a beam search's or an unforked prompt's whole request,
+        by any of its output ids). Every id gets a final "abort" delta, known or not, so the
+        detokenizer can forget it."""
+        for sid in seq_ids:
+            prompt = SeqId(sid.req, PROMPT)
+            if sid in self.requests:
+                self._finish(self.requests[sid])
+            elif sid.req in self.groups:
+                for beam in list(self.groups.pop(sid.req).live):
                     self._finish(beam)
-            elif base in self.requests and self.requests[base].fork_leader:
-                self._finish(self.requests[base])
-            elif rid not in self.aborted_early:
-                self.aborted_early[rid] = None
+            elif prompt in self.requests:
+                self._finish(self.requests[prompt])
+            elif sid not in self.aborted_early:
+                self.aborted_early[sid] = None
                 if len(self.aborted_early) > _FORGET_ABORTS:
                     self.aborted_early.popitem(last=False)
-        return [TokenDelta(rid, [], "abort") for rid in req_ids]
+        return [TokenDelta(sid, [], "abort") for sid in seq_ids]
 
     def abort_all(self) -> list[TokenDelta]:
         """End every request, by the output ids the detokenizer and gateway know."""
@@ -144,11 +148,11 @@ class Scheduler:
         return self.abort(list(ids))
 
     @staticmethod
-    def _output_ids(req: Request) -> list[str]:
+    def _output_ids(req: Request) -> list[SeqId]:
         if req.group is not None:
             return req.group.output_ids
-        return output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader \
-            else [req.req_id]
+        return output_ids(req.seq_id.req, req.sampling.num_outputs) if req.fork_leader \
+            else [req.seq_id]
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -171,11 +175,11 @@ class Scheduler:
         for req in scheduled:
             if req.on_executor:
                 offset = req.num_blocks_sent
-                plan.running.append(RunSeq(req.req_id, req.num_scheduled, offset,
+                plan.running.append(RunSeq(req.seq_id, req.num_scheduled, offset,
                                            req.block_ids[offset:], req.new_token_ids))
             else:
                 req.on_executor = True
-                plan.new.append(NewSeq(req.req_id, list(req.token_ids), req.num_prompt_tokens,
+                plan.new.append(NewSeq(req.seq_id, list(req.token_ids), req.num_prompt_tokens,
                                        req.num_computed, req.num_scheduled, list(req.block_ids),
                                        req.sampling))
             req.num_blocks_sent, req.new_token_ids = len(req.block_ids), []
@@ -262,7 +266,7 @@ class Scheduler:
 
     def _drop_from_executor(self, req: Request, preempted: bool = False) -> None:
         if req.on_executor:
-            (self.preempted_ids if preempted else self.to_drop).append(req.req_id)
+            (self.preempted_ids if preempted else self.to_drop).append(req.seq_id)
             req.on_executor = False
             req.new_token_ids = []
 
@@ -276,7 +280,7 @@ class Scheduler:
         self._drop_from_executor(req)
         req.reset_in_flight()
         req.status = Status.FINISHED
-        del self.requests[req.req_id]
+        del self.requests[req.seq_id]
         if req.group is not None and req in req.group.live:
             req.group.live.remove(req)
 
@@ -289,15 +293,15 @@ class Scheduler:
         scheduled = self.in_flight.pop(plan.step_id)
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
-        rows = {rid: i for i, rid in enumerate(result.req_ids)}
+        rows = {sid: i for i, sid in enumerate(result.seq_ids)}
         deltas, groups = [], []
         # A sequence preempted while in this step is RUNNING again only from a plan made after
         # this result (at most two plans are in flight): the status check tells them apart.
         for req, n in scheduled:
             if req.status is not Status.RUNNING:   # ended or preempted meanwhile
                 continue
-            if result.prompt_logprobs and req.req_id in result.prompt_logprobs:
-                deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.req_id])
+            if result.prompt_logprobs and req.seq_id in result.prompt_logprobs:
+                deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.seq_id])
             req.num_in_flight -= n
             req.num_computed += n
             self.tables.commit(req)
@@ -305,7 +309,7 @@ class Scheduler:
             reached_end = req.num_computed == req.target_len
             if not req.prompt_counted and reached_end:
                 self._count_prompt(req)
-            row = rows.get(req.req_id)
+            row = rows.get(req.seq_id)
             if req.fork_leader:
                 if reached_end:
                     self._fork(req)
@@ -339,7 +343,7 @@ class Scheduler:
         if reason:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
-        return TokenDelta(req.req_id, [token], reason, None, cum, logprobs)
+        return TokenDelta(req.seq_id, [token], reason, None, cum, logprobs)
 
     def _prompt_logprobs(self, req: Request, chunk: LogprobsChunk) -> list[TokenDelta]:
         """Forward prompt logprobs for positions not sent before (a recomputed request
@@ -351,14 +355,14 @@ class Scheduler:
         fresh = LogprobsChunk(chunk.token_ids[skip:], chunk.logprobs[skip:],
                               chunk.top_ids[skip:], chunk.top_logprobs[skip:])
         req.num_prompt_logprobs_sent = req.num_computed + 1 + len(chunk.token_ids)
-        ids = output_ids(req.req_id, req.sampling.num_outputs) if req.fork_leader else [req.req_id]
+        ids = self._output_ids(req)
         return [TokenDelta(i, [], prompt_logprobs=fresh) for i in ids]
 
     def _fork(self, leader: Request) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first
         write (the last prompt token) copies the shared partial block."""
         s = leader.sampling
-        for j, child_id in enumerate(output_ids(leader.req_id, s.num_sequences)):
+        for j, child_id in enumerate(output_ids(leader.seq_id.req, s.num_sequences)):
             seed = None if s.seed is None else (s.seed + j) % 2**63
             logprobs = s.logprobs if s.best_of is None else max(s.logprobs or 0, 0)
             child = leader.fork(child_id, msgspec.structs.replace(
@@ -370,7 +374,7 @@ class Scheduler:
     def _adopt(self, child: Request) -> None:
         """A forked sequence joins: it shares its parent's blocks and queues by its status."""
         self.tables.share(child)
-        self.requests[child.req_id] = child
+        self.requests[child.seq_id] = child
         bisect.insort(self.running if child.status is Status.RUNNING else self.waiting, child,
                       key=lambda r: r.key)
 

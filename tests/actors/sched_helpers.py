@@ -8,6 +8,7 @@ from collections import deque
 from pagewire.config import EngineConfig
 from pagewire.executor.seq_table import SeqTable
 from pagewire.model_info import ModelInfo
+from pagewire.wire.ids import PROMPT, SeqId, beam
 from pagewire.scheduler.core import SchedulerCore
 from pagewire.wire.sampling import SamplingParams
 from pagewire.wire.to_detokenizer import TokenDelta
@@ -15,6 +16,22 @@ from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
 
 EOS = 2
+
+
+def sid(name: str) -> SeqId:
+    """A sequence by the name it prints as: "a", "p#1", "p#prompt", "q#beam0"."""
+    req, _, index = name.partition("#")
+    if index.startswith("beam"):
+        return beam(req, int(index[4:]))
+    return SeqId(req, PROMPT if index == "prompt" else int(index or 0))
+
+
+def ids(*names: str) -> list[SeqId]:
+    return [sid(n) for n in names]
+
+
+def names(seq_ids) -> list[str]:
+    return [str(s) for s in seq_ids]
 
 
 class Driven:
@@ -38,8 +55,8 @@ class Driven:
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         return self.send(msg)
 
-    def abort(self, ids: list[str]) -> list[TokenDelta]:
-        return self.send(Abort(ids))
+    def abort(self, seqs: list[str | SeqId]) -> list[TokenDelta]:
+        return self.send(Abort([sid(s) if isinstance(s, str) else s for s in seqs]))
 
     def abort_all(self) -> list[TokenDelta]:
         return self.send(AbortAll("test"))
@@ -60,20 +77,19 @@ class Driven:
         order = self.executor.apply(plan)
         samplers = [(rid, seq) for rid, seq in order if seq.samples]
         if result is None:
-            ids = [rid for rid, _ in samplers]
-            toks = [model(seq) if model else (tokens or {}).get(rid, default)
-                    for rid, seq in samplers]
-            result = StepResult(plan.step_id, ids, toks)
+            toks = [model(seq) if model else (tokens or {}).get(str(s), default)
+                    for s, seq in samplers]
+            result = StepResult(plan.step_id, [s for s, _ in samplers], toks)
             if any(seq.sampling.use_beam_search for _, seq in samplers):
                 k = [2 * s.sampling.num_sequences if s.sampling.use_beam_search else 0
                      for _, s in samplers]
                 result.top_ids = [[t + i for i in range(n)] for t, n in zip(toks, k)]
                 result.top_logprobs = [[-1.0 - i for i in range(n)] for n in k]
-                result.logprobs = [0.0] * len(ids)
+                result.logprobs = [0.0] * len(toks)
         if result.error is not None:            # as the executor actor does on an error
             self.executor.fail(plan)
             return result
-        by_id = dict(zip(result.req_ids, result.token_ids))
+        by_id = dict(zip(result.seq_ids, result.token_ids))
         self.executor.finish_step(order, [(s, by_id[r]) for r, s in samplers if r in by_id])
         return result
 

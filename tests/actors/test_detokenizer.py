@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagewire.detokenizer import Detokenizer
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_detokenizer import DetokStart, TokenDelta, TokenDeltas
 
 PROMPT_TAIL = [504, 3458, 28, 260, 1345, 30]
@@ -35,7 +36,7 @@ def _feed(detok, ids, req_id="a", per_delta=1, final="length"):
     texts, aborts = [], []
     for i in range(0, len(ids), per_delta):
         last = i + per_delta >= len(ids)
-        out, ab = detok.on_deltas(TokenDeltas([TokenDelta(req_id, ids[i:i + per_delta],
+        out, ab = detok.on_deltas(TokenDeltas([TokenDelta(SeqId(req_id), ids[i:i + per_delta],
                                                           final if last else None)]))
         texts += out
         aborts += ab
@@ -59,7 +60,7 @@ def test_streamed_text_never_splits_characters_and_equals_decode(detok, tokenize
     assert [t.num_output_tokens for t in texts] == [
         min(len(ids), (i + 1) * per_delta) for i in range(len(texts))]
     assert {t.num_prompt_tokens for t in texts} == {11}
-    assert {t.req_id for t in texts} == {"a"}
+    assert {t.seq_id for t in texts} == {SeqId("a")}
 
 
 def test_multi_byte_token_split_gives_empty_deltas_until_complete(detok, tokenizer):
@@ -76,34 +77,34 @@ def test_stop_string_cuts_text_and_aborts_the_request(detok, tokenizer, include)
     detok.start(_start(stop=["STOP"], include_stop_str_in_output=include))
     texts, aborts = _feed(detok, ids)
     assert "".join(t.text for t in texts) == ("Hello world. STOP" if include else "Hello world. ")
-    assert texts[-1].finish_reason == "stop" and aborts == ["a"]
+    assert texts[-1].finish_reason == "stop" and aborts == [SeqId("a")]
     assert texts[-1].num_output_tokens == len(tokenizer.encode("Hello world. STOP"))
-    assert detok.stopped == {"a"} and "a" not in detok.live
+    assert detok.stopped == {SeqId("a")} and SeqId("a") not in detok.live
     # What the scheduler sent before it saw the Abort is dropped, then its "abort" confirms.
-    assert detok.on_deltas(TokenDeltas([TokenDelta("a", [1535, 323])])) == ([], [])
-    assert "a" not in detok.early
-    assert detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")])) == ([], [])
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [1535, 323])])) == ([], [])
+    assert SeqId("a") not in detok.early
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")])) == ([], [])
     assert detok.stopped == set()
 
 
 def test_stop_string_inside_a_token_cuts_mid_token(detok, tokenizer):
     detok.start(_start(stop=["orl", "zzz"]))
     texts, aborts = _feed(detok, tokenizer.encode("Hello world again"))
-    assert "".join(t.text for t in texts) == "Hello w" and aborts == ["a"]
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    assert "".join(t.text for t in texts) == "Hello w" and aborts == [SeqId("a")]
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
 
 
 def test_earliest_of_several_stop_strings_wins(detok, tokenizer):
     detok.start(_start(stop=["again", "world", "\n\n"]))
     texts, _ = _feed(detok, tokenizer.encode("Hello\n\nworld again"))
     assert "".join(t.text for t in texts) == "Hello"
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
 
 
 def test_stop_on_the_final_delta_does_not_ask_for_an_abort(detok, tokenizer):
     ids = tokenizer.encode("one two STOP")
     detok.start(_start(stop=["STOP"]))
-    out, aborts = detok.on_deltas(TokenDeltas([TokenDelta("a", ids, "length")]))
+    out, aborts = detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), ids, "length")]))
     assert [(t.text, t.finish_reason) for t in out] == [("one two ", "stop")]
     assert aborts == [] and not detok.stopped
 
@@ -115,7 +116,7 @@ def test_possible_stop_prefix_is_held_back_then_released(detok, tokenizer):
     detok.start(_start(stop=[stop]))
     sent = ""
     for i, tid in enumerate(ids):
-        out, aborts = detok.on_deltas(TokenDeltas([TokenDelta("a", [tid])]))
+        out, aborts = detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [tid])]))
         sent += "".join(t.text for t in out)
         if out[-1].finish_reason:
             break
@@ -127,8 +128,8 @@ def test_possible_stop_prefix_is_held_back_then_released(detok, tokenizer):
         assert len(held) >= could_start, (full, sent)
         # ... and no more than len(stop) - 1 characters are ever held.
         assert len(held) <= len(stop) - 1, (full, sent)
-    assert sent == "Hello world, hello wor " and aborts == ["a"]
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    assert sent == "Hello world, hello wor " and aborts == [SeqId("a")]
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
 
 
 def test_held_back_text_is_released_when_the_request_ends(detok, tokenizer):
@@ -144,23 +145,23 @@ def test_stop_strings_are_ignored_within_min_tokens(detok, tokenizer):
     detok.start(_start(stop=["STOP"], min_tokens=4))
     texts, aborts = _feed(detok, ids)
     assert "".join(t.text for t in texts) == "STOP one two three four "
-    assert texts[-1].finish_reason == "stop" and aborts == ["a"]
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    assert texts[-1].finish_reason == "stop" and aborts == [SeqId("a")]
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
 
 
 def test_stop_string_completed_by_the_first_counted_output_stops(detok, tokenizer):
     ids = tokenizer.encode("one STOP two")                   # ['one', ' ST', 'OP', ' two']
     detok.start(_start(stop=["STOP"], min_tokens=2))         # 'OP' is output 3
     texts, aborts = _feed(detok, ids)
-    assert "".join(t.text for t in texts) == "one " and aborts == ["a"]
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    assert "".join(t.text for t in texts) == "one " and aborts == [SeqId("a")]
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
 
 
 def test_stop_string_completed_within_min_tokens_stays_ignored(detok, tokenizer):
     ids = tokenizer.encode("STOP one STOP two")             # ['STOP', ' one', ' ST', 'OP', ...]
     detok.start(_start(stop=["STOP"], min_tokens=1))
     texts, aborts = _feed(detok, ids)
-    detok.on_deltas(TokenDeltas([TokenDelta("a", [], "abort")]))
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "abort")]))
     assert "".join(t.text for t in texts) == "STOP one "
     assert texts[-1].num_output_tokens == 4
 
@@ -168,9 +169,9 @@ def test_stop_string_completed_within_min_tokens_stays_ignored(detok, tokenizer)
 def test_deltas_before_detok_start_are_buffered_and_replayed(detok, tokenizer):
     ids = tokenizer.encode("early bird 🙂")
     first, rest = ids[:2], ids[2:]
-    assert detok.on_deltas(TokenDeltas([TokenDelta("b", first)])) == ([], [])
-    assert detok.on_deltas(TokenDeltas([TokenDelta("b", rest, "length")])) == ([], [])
-    assert [d.token_ids for d in detok.early["b"]] == [first, rest]
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("b"), first)])) == ([], [])
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("b"), rest, "length")])) == ([], [])
+    assert [d.token_ids for d in detok.early[SeqId("b")]] == [first, rest]
     texts, aborts = detok.start(_start("b", num_prompt_tokens=5))
     assert "".join(t.text for t in texts) == "early bird 🙂" and aborts == []
     assert [(t.num_output_tokens, t.finish_reason) for t in texts] == [(2, None),
@@ -180,14 +181,14 @@ def test_deltas_before_detok_start_are_buffered_and_replayed(detok, tokenizer):
 
 def test_detok_start_overtaken_by_its_abort_is_dropped(detok):
     """The scheduler aborted the request before the DetokStart arrived (different sockets)."""
-    assert detok.on_deltas(TokenDeltas([TokenDelta("late", [], "abort")])) == ([], [])
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("late"), [], "abort")])) == ([], [])
     assert detok.start(_start("late")) == ([], [])
     assert "late" not in detok.live
 
 
 def test_early_abort_discards_buffered_deltas(detok):
-    detok.on_deltas(TokenDeltas([TokenDelta("c", [5, 6])]))
-    assert detok.on_deltas(TokenDeltas([TokenDelta("c", [], "abort")])) == ([], [])
+    detok.on_deltas(TokenDeltas([TokenDelta(SeqId("c"), [5, 6])]))
+    assert detok.on_deltas(TokenDeltas([TokenDelta(SeqId("c"), [], "abort")])) == ([], [])
     assert "c" not in detok.early
 
 
@@ -197,18 +198,18 @@ def test_interleaved_requests_keep_separate_state(detok, tokenizer):
     detok.start(_start("b", num_prompt_tokens=4))
     got = {"a": "", "b": ""}
     for i in range(max(len(a), len(b))):
-        deltas = [TokenDelta(r, ids[i:i + 1], "length" if i == len(ids) - 1 else None)
+        deltas = [TokenDelta(SeqId(r), ids[i:i + 1], "length" if i == len(ids) - 1 else None)
                   for r, ids in (("a", a), ("b", b)) if i < len(ids)]
         out, _ = detok.on_deltas(TokenDeltas(deltas))
         for t in out:
-            got[t.req_id] += t.text
-            assert t.num_prompt_tokens == {"a": 3, "b": 4}[t.req_id]
+            got[t.seq_id.req] += t.text
+            assert t.num_prompt_tokens == {"a": 3, "b": 4}[t.seq_id.req]
     assert got == {"a": "alpha beta", "b": "日本 gamma"}
 
 
 def test_error_delta_finishes_with_its_message(detok, tokenizer):
     detok.start(_start())
-    out, aborts = detok.on_deltas(TokenDeltas([TokenDelta("a", [], "error", "executor died")]))
+    out, aborts = detok.on_deltas(TokenDeltas([TokenDelta(SeqId("a"), [], "error", "executor died")]))
     assert [(t.text, t.finish_reason, t.error, t.num_output_tokens) for t in out] == [
         ("", "error", "executor died", 0)]
     assert aborts == []

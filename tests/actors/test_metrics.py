@@ -20,7 +20,7 @@ from pagewire.scheduler.actor import StatsReporter
 from pagewire.wire.channels import PushChannel, ipc_address
 from pagewire.wire.to_gateway import SchedulerStats, TextDelta
 from pagewire.wire.to_scheduler import StepResult
-from tests.actors.sched_helpers import EOS, make_scheduler, new, step
+from tests.actors.sched_helpers import EOS, ids, make_scheduler, new, step
 
 
 def parse(text: str) -> dict[str, list[tuple[dict, float]]]:
@@ -200,11 +200,11 @@ def test_scheduler_preemption_does_not_recount_prompt_or_queue_time():
     step(sched, default=6)
     plan = sched.schedule()                     # a needs a block: b is preempted
     assert sched.num_preemptions == 1 and sched.first_scheduled == []
-    sched.update(plan, StepResult(plan.step_id, ["a"], [7]))
+    sched.update(plan, StepResult(plan.step_id, ids("a"), [7]))
     sched.abort(["a"])
     plan = sched.schedule()                     # b recomputes its prompt and outputs
-    assert [s.req_id for s in plan.new] == ["b"] and sched.first_scheduled == []
-    sched.update(plan, StepResult(plan.step_id, ["b"], [7]))
+    assert [str(s.seq_id) for s in plan.new] == ["b"] and sched.first_scheduled == []
+    sched.update(plan, StepResult(plan.step_id, ids("b"), [7]))
     assert (sched.num_prompt_tokens, sched.num_generation_tokens) == (14, 6)
     sched.abort(["b"])
 

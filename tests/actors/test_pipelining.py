@@ -7,7 +7,7 @@ import pytest
 
 from pagewire.wire.to_scheduler import StepResult
 
-from .sched_helpers import EOS, assert_pool_whole, make_scheduler, new
+from .sched_helpers import EOS, assert_pool_whole, make_scheduler, names, new, sid
 
 
 def test_a_decode_is_planned_before_the_previous_token_is_known():
@@ -16,11 +16,11 @@ def test_a_decode_is_planned_before_the_previous_token_is_known():
     first = sched.schedule()                  # the prompt: samples output 1
     second = sched.schedule()                 # output 1's row, planned before output 1 exists
     assert [s.num_scheduled for s in first.new] == [4] and first.new[0].block_ids == [0]
-    assert [(r.req_id, r.num_scheduled, r.block_offset, r.block_ids) for r in second.running] \
+    assert [(str(r.seq_id), r.num_scheduled, r.block_offset, r.block_ids) for r in second.running] \
         == [("a", 1, 1, [1])]                 # position 4 opens block 1
     assert sched.schedule() is None           # two in flight: no third plan
     results = [sched.run(default=7), sched.run(default=8)]
-    seq = sched.executor.seqs["a"]
+    seq = sched.executor.seqs[sid("a")]
     assert seq.token_ids[4:] == [7, 8] and seq.num_computed == 5   # step 2 read 7 itself
     deltas = [d for p, r in zip((first, second), results) for d in sched.update(p, r)]
     assert [(d.token_ids, d.finish_reason) for d in deltas] == [([7], None), ([8], None)]
@@ -48,15 +48,15 @@ def test_a_stop_token_ends_the_sequence_and_its_planned_ahead_row_is_skipped():
     sched.add(new("a", 4))
     sched.add(new("b", 4))
     first, second = sched.schedule(), sched.schedule()
-    assert {r.req_id for r in second.running} == {"a", "b"}
+    assert {str(r.seq_id) for r in second.running} == {"a", "b"}
     r1 = sched.run(tokens={"a": EOS})
     r2 = sched.run(default=6)
-    assert r2.req_ids == ["b"]                # the executor knew a had stopped
-    assert [(d.req_id, d.finish_reason) for d in sched.update(first, r1)] == \
+    assert names(r2.seq_ids) == ["b"]                # the executor knew a had stopped
+    assert [(str(d.seq_id), d.finish_reason) for d in sched.update(first, r1)] == \
         [("a", "stop"), ("b", None)]
-    assert [d.req_id for d in sched.update(second, r2)] == ["b"]
+    assert [str(d.seq_id) for d in sched.update(second, r2)] == ["b"]
     third = sched.schedule()
-    assert third.finished == ["a"] and [r.req_id for r in third.running] == ["b"]
+    assert names(third.finished) == ["a"] and [str(r.seq_id) for r in third.running] == ["b"]
     sched.abort(["b"])
     sched.update(third, sched.run())
     sched.schedule()
@@ -81,12 +81,12 @@ def test_a_failed_step_fails_its_requests_and_the_step_planned_behind_it_skips_t
     sched.add(new("b", 4))
     second = sched.schedule()                 # a's next token, and b's prompt
     failed = sched.update(first, StepResult(first.step_id, [], [], error="boom"))
-    assert [(d.req_id, d.finish_reason, d.error) for d in failed] == [("a", "error", "boom")]
+    assert [(str(d.seq_id), d.finish_reason, d.error) for d in failed] == [("a", "error", "boom")]
     result = sched.run()
-    assert result.req_ids == ["b"]            # a's row was left out: its state was dropped
-    assert [d.req_id for d in sched.update(second, result)] == ["b"]
+    assert names(result.seq_ids) == ["b"]            # a's row was left out: its state was dropped
+    assert [str(d.seq_id) for d in sched.update(second, result)] == ["b"]
     third = sched.schedule()
-    assert third.finished == ["a"]
+    assert names(third.finished) == ["a"]
     sched.abort(["b"])
     sched.update(third, sched.run())
     assert "a" not in sched.executor.failed | set(sched.executor.seqs)   # the plan dropped it
@@ -112,8 +112,8 @@ def run_to_end(sched, requests) -> tuple[dict, int]:
             ahead += len(sched.core.in_flight) > 1
         plan = sched.not_run[0]
         for d in sched.update(plan, sched.run(model=deterministic)):
-            tokens, _ = out.setdefault(d.req_id, [[], None])
-            out[d.req_id] = [tokens + d.token_ids, d.finish_reason]
+            tokens, _ = out.setdefault(str(d.seq_id), [[], None])
+            out[str(d.seq_id)] = [tokens + d.token_ids, d.finish_reason]
     sched.schedule()                      # the last plan's drops
     return out, ahead
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pagewire.replay import differing_ids, replay
+from pagewire.wire.ids import PROMPT, SeqId
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_scheduler import StepResult
 from tests.wire.test_trace import new_request, record, writer
@@ -31,12 +32,13 @@ def test_missing_actor_is_refused(tmp_path, capsys):
     assert "no trace of a scheduler" in capsys.readouterr().out
 
 
-def test_divergence_names_only_the_requests_that_differ():
-    a = StepResult(3, ["x", "y", "z"], [5, 6, 7])
-    assert differing_ids(a, StepResult(3, ["x", "y", "z"], [5, 9, 7])) == ["y"]
-    deltas = TokenDeltas([TokenDelta("x", [1]), TokenDelta("y", [2])])
-    assert differing_ids(deltas, TokenDeltas([TokenDelta("x", [1])])) == ["y"]
-    assert differing_ids(a, None) == ["x", "y", "z"]
+def test_divergence_names_only_the_sequences_that_differ():
+    x, y, z = SeqId("x"), SeqId("y", 1), SeqId("z", PROMPT)
+    a = StepResult(3, [x, y, z], [5, 6, 7])
+    assert differing_ids(a, StepResult(3, [x, y, z], [5, 9, 7])) == [y]
+    deltas = TokenDeltas([TokenDelta(x, [1]), TokenDelta(y, [2])])
+    assert differing_ids(deltas, TokenDeltas([TokenDelta(x, [1])])) == [y]
+    assert differing_ids(a, None) == ["x", "y", "z"]      # whole requests, by id
 
 
 def test_every_tokenizer_is_replayed_and_a_changed_reply_is_found(tmp_path, capsys):
@@ -68,4 +70,4 @@ def test_every_tokenizer_is_replayed_and_a_changed_reply_is_found(tmp_path, caps
     assert replay(str(tmp_path), "tokenizer") == 1
     out = capsys.readouterr().out
     assert "replayed 2 records of the tokenizer (tokenizer 0," in out
-    assert "tokenizer 1 (pid" in out and "requests ['t1']" in out
+    assert "tokenizer 1 (pid" in out and "sequences or requests [t1]" in out

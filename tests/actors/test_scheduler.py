@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagewire.wire.to_scheduler import StepResult
-from tests.actors.sched_helpers import EOS, assert_pool_whole, make_scheduler, new, step
+from tests.actors.sched_helpers import (EOS, assert_pool_whole, ids, make_scheduler, names, new,
+                                        step)
 
 
 @pytest.fixture(autouse=True)
@@ -20,11 +21,11 @@ def test_blocks_grow_as_tokens_are_appended(request):
     sched = request.node.sched = make_scheduler()
     sched.add(new("a", 6, max_tokens=4))
     plan, deltas = step(sched)
-    assert [(s.req_id, s.num_scheduled, s.block_ids, s.num_computed) for s in plan.new] == \
+    assert [(str(s.seq_id), s.num_scheduled, s.block_ids, s.num_computed) for s in plan.new] == \
         [("a", 6, [0, 1], 0)]
-    assert [(d.req_id, d.token_ids, d.finish_reason) for d in deltas] == [("a", [5], None)]
+    assert [(str(d.seq_id), d.token_ids, d.finish_reason) for d in deltas] == [("a", [5], None)]
     plan, _ = step(sched)                      # 7 tokens: still 2 blocks
-    assert [(r.req_id, r.num_scheduled, r.block_offset, r.block_ids) for r in plan.running] == \
+    assert [(str(r.seq_id), r.num_scheduled, r.block_offset, r.block_ids) for r in plan.running] == \
         [("a", 1, 2, [])]
     plan, _ = step(sched)                      # token 8 written at position 7: block 1 is full
     assert plan.running[0].block_ids == []
@@ -40,14 +41,14 @@ def test_long_prompt_is_chunked_and_decodes_go_first(request):
     step(sched)                                # a: prefill 3, samples
     sched.add(new("b", 20, max_tokens=2))
     plan, deltas = step(sched)
-    assert [(r.req_id, r.num_scheduled) for r in plan.running] == [("a", 1)]
-    assert [(s.req_id, s.num_scheduled) for s in plan.new] == [("b", 7)]
-    assert [d.req_id for d in deltas] == ["a"]  # b's chunk did not reach its end: no sample
+    assert [(str(r.seq_id), r.num_scheduled) for r in plan.running] == [("a", 1)]
+    assert [(str(s.seq_id), s.num_scheduled) for s in plan.new] == [("b", 7)]
+    assert [str(d.seq_id) for d in deltas] == ["a"]  # b's chunk did not reach its end: no sample
     plan, deltas = step(sched)
-    assert [(r.req_id, r.num_scheduled) for r in plan.running] == [("a", 1), ("b", 7)]
+    assert [(str(r.seq_id), r.num_scheduled) for r in plan.running] == [("a", 1), ("b", 7)]
     plan, deltas = step(sched)
-    assert [(r.req_id, r.num_scheduled) for r in plan.running] == [("a", 1), ("b", 6)]
-    assert sorted(d.req_id for d in deltas) == ["a", "b"]
+    assert [(str(r.seq_id), r.num_scheduled) for r in plan.running] == [("a", 1), ("b", 6)]
+    assert sorted(str(d.seq_id) for d in deltas) == ["a", "b"]
     for rid in ("a", "b"):
         sched.abort([rid])
 
@@ -57,9 +58,9 @@ def test_no_chunking_waits_for_a_whole_prompt_budget(request):
     sched.add(new("a", 40, max_tokens=1))
     sched.add(new("b", 40, max_tokens=1))
     plan, _ = step(sched)
-    assert [(s.req_id, s.num_scheduled) for s in plan.new] == [("a", 40)]
+    assert [(str(s.seq_id), s.num_scheduled) for s in plan.new] == [("a", 40)]
     plan, _ = step(sched)
-    assert [(s.req_id, s.num_scheduled) for s in plan.new] == [("b", 40)]
+    assert [(str(s.seq_id), s.num_scheduled) for s in plan.new] == [("b", 40)]
 
 
 def test_out_of_blocks_preempts_the_latest_arrival(request):
@@ -67,19 +68,19 @@ def test_out_of_blocks_preempts_the_latest_arrival(request):
     sched.add(new("a", 7, max_tokens=20))
     sched.add(new("b", 7, max_tokens=20))
     plan, _ = step(sched)
-    assert [(s.req_id, s.block_ids) for s in plan.new] == [("a", [0, 1]), ("b", [2, 3])]
+    assert [(str(s.seq_id), s.block_ids) for s in plan.new] == [("a", [0, 1]), ("b", [2, 3])]
     plan, _ = step(sched, default=6)           # both reach 8 tokens, filling their blocks
     plan = sched.schedule()                    # a needs a 3rd block: b is preempted
-    assert plan.preempted == ["b"] and plan.finished == []
-    assert [(r.req_id, r.block_ids) for r in plan.running] == [("a", [3])]  # b's last block
+    assert names(plan.preempted) == ["b"] and names(plan.finished) == []
+    assert [(str(r.seq_id), r.block_ids) for r in plan.running] == [("a", [3])]  # b's last block
     assert sched.num_preemptions == 1
-    assert sched.waiting[0].req_id == "b" and sched.waiting[0].num_computed == 0
-    sched.update(plan, StepResult(plan.step_id, ["a"], [7]))
+    assert str(sched.waiting[0].seq_id) == "b" and sched.waiting[0].num_computed == 0
+    sched.update(plan, StepResult(plan.step_id, ids("a"), [7]))
     sched.abort(["a"])
     plan = sched.schedule()    # b comes back: prompt + its 2 outputs, its first block still cached
-    assert plan.finished == ["a"] and plan.preempted == []
+    assert names(plan.finished) == ["a"] and names(plan.preempted) == []
     (seq,) = plan.new
-    assert (seq.req_id, seq.token_ids[7:], seq.num_computed, seq.num_scheduled) == ("b", [5, 6], 4, 5)
+    assert (str(seq.seq_id), seq.token_ids[7:], seq.num_computed, seq.num_scheduled) == ("b", [5, 6], 4, 5)
     assert seq.block_ids[0] == 2
     sched.abort(["b"])
 
@@ -89,13 +90,13 @@ def test_abort_frees_blocks_and_tells_the_executor(request):
     sched.add(new("a", 5))
     step(sched)
     deltas = sched.abort(["a", "never-seen"])
-    assert [(d.req_id, d.finish_reason) for d in deltas] == [("a", "abort"), ("never-seen", "abort")]
+    assert [(str(d.seq_id), d.finish_reason) for d in deltas] == [("a", "abort"), ("never-seen", "abort")]
     assert sched.kv.num_free == 16
     sched.add(new("b", 3, max_tokens=1))
     plan, _ = step(sched)
-    assert plan.finished == ["a"]
+    assert names(plan.finished) == ["a"]
     # A request aborted before it arrived is refused when it does.
-    assert [(d.req_id, d.finish_reason) for d in sched.add(new("never-seen", 3))] == \
+    assert [(str(d.seq_id), d.finish_reason) for d in sched.add(new("never-seen", 3))] == \
         [("never-seen", "abort")]
     assert not sched.has_work()
 
@@ -106,8 +107,8 @@ def test_abort_while_step_in_flight_ignores_its_result(request):
     sched.add(new("b", 5))
     plan = sched.schedule()
     sched.abort(["a"])
-    deltas = sched.update(plan, StepResult(plan.step_id, ["a", "b"], [9, 9]))
-    assert [d.req_id for d in deltas] == ["b"]
+    deltas = sched.update(plan, StepResult(plan.step_id, ids("a", "b"), [9, 9]))
+    assert [str(d.seq_id) for d in deltas] == ["b"]
     sched.abort(["b"])
 
 
@@ -144,10 +145,10 @@ def test_max_num_seqs_caps_the_running_set(request):
     for rid in "abc":
         sched.add(new(rid, 2, max_tokens=2))
     plan, _ = step(sched)
-    assert [s.req_id for s in plan.new] == ["a", "b"]
+    assert [str(s.seq_id) for s in plan.new] == ["a", "b"]
     plan, _ = step(sched)                      # a and b finish here
     plan, _ = step(sched)
-    assert [s.req_id for s in plan.new] == ["c"]
+    assert [str(s.seq_id) for s in plan.new] == ["c"]
     step(sched)
 
 
@@ -156,8 +157,8 @@ def test_failed_step_fails_its_requests(request):
     sched.add(new("a", 5))
     plan = sched.schedule()
     deltas = sched.update(plan, StepResult(plan.step_id, [], [], error="boom"))
-    assert [(d.req_id, d.finish_reason, d.error) for d in deltas] == [("a", "error", "boom")]
-    assert sched.to_drop == ["a"] and not sched.has_work()   # the executor drops it next plan
+    assert [(str(d.seq_id), d.finish_reason, d.error) for d in deltas] == [("a", "error", "boom")]
+    assert names(sched.to_drop) == ["a"] and not sched.has_work()   # the executor drops it next plan
 
 
 def test_prompt_over_context_is_refused(request):

@@ -44,20 +44,38 @@ def test_a_bad_option_exits_2_before_anything_starts(monkeypatch):
     assert main(["serve"]) == 2
 
 
-def test_readme_options_table_lists_exactly_the_serve_flags_and_every_option_has_one():
-    """The README's `pagewire serve` options table and the CLI cannot drift apart: a flag
-    added without a row (or a row left for a removed flag) fails here, as does an option
-    settable by file or environment that no flag sets."""
+def test_readme_options_tables_are_the_declared_options_and_every_field_has_one():
+    """The README's options tables are generated from options.py (a flag added, removed or
+    reworded without the README fails here); every settable EngineConfig field is declared
+    exactly once, and `pagewire serve` has exactly the declared flags."""
     import os
-    import re
 
     from pagewire.cli import serve_parser
-    actions = serve_parser()._actions
-    flags = {s for a in actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    from pagewire.config import EngineConfig
+    from pagewire.options import BY_FIELD, DERIVED, OPTIONS, readme_tables
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    section = readme[readme.index("### `pagewire serve [MODEL]` options"):]
-    section = section[:section.index("\n### ", 1)]
-    listed = {flag for cell in re.findall(r"^\| ([^|]+) \|", section, re.M)
-              for flag in re.findall(r"`(--[a-z0-9-]+)", cell)}
-    assert sorted(flags - listed) == [] and sorted(listed - flags) == []
-    assert set(settings.SETTABLE) <= {a.dest for a in actions}
+    assert readme_tables() in readme, (
+        "README options tables differ from actors/options.py; regenerate with: python -c "
+        "'from pagewire.options import readme_tables; print(readme_tables())'")
+    fields = [o.field for o in OPTIONS if o.field]
+    assert sorted(fields) == sorted(set(EngineConfig.__struct_fields__) - set(DERIVED))
+    assert len(fields) == len(set(fields)) == len(BY_FIELD)
+    flags = {s for a in serve_parser()._actions for s in a.option_strings} - {"-h", "--help"}
+    declared = {n for o in OPTIONS for n in o.names if n.startswith("-")}
+    assert flags == declared
+
+
+def test_digest_covers_what_decides_outputs():
+    from pagewire.options import DIGESTED
+    base = settings.build({}, {})
+    for field, value, counts in (("port", 1234, False), ("trace_dir", "/tmp/x", False),
+                                 ("threads", 3, False), ("max_num_seqs", 7, True),
+                                 ("async_scheduling", False, True), ("seed", 5, True)):
+        changed = settings.build({field: value}, {})
+        assert (changed.digest() != base.digest()) == counts == (field in DIGESTED), field
+
+
+def test_flags_carry_their_environment_names_in_the_help():
+    from pagewire.cli import serve_parser
+    text = serve_parser().format_help()
+    assert "$PAGEWIRE_MAX_NUM_SEQS" in text and "$PAGEWIRE_KV_CACHE_MEMORY" in text

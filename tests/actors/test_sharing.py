@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagewire.wire.to_scheduler import NewRequest, StepResult
-from tests.actors.sched_helpers import assert_pool_whole, make_scheduler, new, step
+from tests.actors.sched_helpers import (assert_pool_whole, ids, make_scheduler, names, new,
+                                        sid, step)
 
 
 @pytest.fixture
@@ -93,16 +94,16 @@ def test_n8_shares_the_prompt_and_copies_only_the_partial_block(sched_factory):
     sched = sched_factory(num_blocks=64, block_size=16, budget=512, max_len=256)
     sched.add(new("p", 100, first=100, n=8, temperature=1.0, max_tokens=10))
     plan, deltas = step(sched)                 # the leader computes 99 tokens, then forks
-    assert [(s.req_id, s.num_scheduled) for s in plan.new] == [("p", 99)]
+    assert [(str(s.seq_id), s.num_scheduled) for s in plan.new] == [("p#prompt", 99)]
     assert deltas == [] and sched.kv.num_blocks - sched.kv.num_free == 7
     plan, deltas = step(sched)                 # each child computes token 99 and samples
-    assert plan.finished == ["p"]
-    assert sorted(s.req_id for s in plan.new) == [f"p.{j}" for j in range(8)]
+    assert names(plan.finished) == ["p#prompt"]
+    assert sorted(str(s.seq_id) for s in plan.new) == names(ids(*(f"p#{j}" for j in range(8))))
     assert len(plan.copies) == 7               # the 8th writer holds the partial block alone
     assert {src for src, _ in plan.copies} == {6}
     assert {tuple(s.block_ids[:6]) for s in plan.new} == {(0, 1, 2, 3, 4, 5)}
     assert len({s.block_ids[6] for s in plan.new}) == 8
-    assert sorted(d.req_id for d in deltas) == [f"p.{j}" for j in range(8)]
+    assert sorted(str(d.seq_id) for d in deltas) == names(ids(*(f"p#{j}" for j in range(8))))
     for _ in range(8):
         step(sched)
     # One prompt (6 full blocks, shared) plus eight tails (one block each), not 8 prompts.
@@ -116,8 +117,8 @@ def test_children_get_consecutive_seeds(sched_factory):
     sched.add(new("p", 5, n=3, temperature=1.0, seed=41, max_tokens=2))
     step(sched)
     plan, _ = step(sched)
-    assert [(s.req_id, s.sampling.seed, s.sampling.n) for s in plan.new] == \
-        [("p.0", 41, 1), ("p.1", 42, 1), ("p.2", 43, 1)]
+    assert [(str(s.seq_id), s.sampling.seed, s.sampling.n) for s in plan.new] == \
+        [("p", 41, 1), ("p#1", 42, 1), ("p#2", 43, 1)]
     run_to_end(sched)
 
 
@@ -126,27 +127,30 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
     plan = sched.schedule()
     (beam0,) = plan.new
-    assert beam0.req_id == "q~0" and beam0.sampling.use_beam_search
-    # top-6 candidates of the only beam: the best three survive (q~0 kept, q~1 and q~2 forked)
-    result = StepResult(plan.step_id, ["q~0"], [30], [0.0], [[30, 31, 32, 33, 34, 35]],
+    assert str(beam0.seq_id) == "q#beam0" and beam0.sampling.use_beam_search
+    # top-6 candidates of the only beam: the best three survive (beam0 kept, beam1 and beam2 forked)
+    result = StepResult(plan.step_id, ids("q#beam0"), [30], [0.0], [[30, 31, 32, 33, 34, 35]],
                         [[-0.1, -0.2, -0.3, -2.0, -3.0, -4.0]])
     assert sched.update(plan, result) == []
-    assert sorted(r.req_id for r in sched.groups["q"].live) == ["q~0", "q~1", "q~2"]
+    assert sorted(names(r.seq_id for r in sched.groups["q"].live)) == \
+        ["q#beam0", "q#beam1", "q#beam2"]
     plan = sched.schedule()
-    assert [(r.req_id, r.new_token_ids) for r in plan.running] == [("q~0", [30])]
-    assert sorted((s.req_id, s.token_ids[-1]) for s in plan.new) == [("q~1", 31), ("q~2", 32)]
-    # Both forks share q~0's partial block (positions 4-6): the two first writers copy it.
+    assert [(str(r.seq_id), r.new_token_ids) for r in plan.running] == [("q#beam0", [30])]
+    assert sorted((str(s.seq_id), s.token_ids[-1]) for s in plan.new) == \
+        [("q#beam1", 31), ("q#beam2", 32)]
+    # Both forks share beam0's partial block (positions 4-6): the two first writers copy it.
     assert len(plan.copies) == 2
-    tops = {"q~0": [40, 41], "q~1": [50, 51], "q~2": [60, 61]}
-    lps = {"q~0": [-5.0, -6.0], "q~1": [-0.1, -0.2], "q~2": [-0.3, -7.0]}
-    ids = [s.req_id for s in plan.running] + [s.req_id for s in plan.new]
-    result = StepResult(plan.step_id, ids, [0] * 3, [0.0] * 3,
-                        [tops[i] + [1, 2, 3, 4] for i in ids], [lps[i] + [-9.0] * 4 for i in ids])
+    tops = {"q#beam0": [40, 41], "q#beam1": [50, 51], "q#beam2": [60, 61]}
+    lps = {"q#beam0": [-5.0, -6.0], "q#beam1": [-0.1, -0.2], "q#beam2": [-0.3, -7.0]}
+    seqs = [s.seq_id for s in plan.running] + [s.seq_id for s in plan.new]
+    result = StepResult(plan.step_id, seqs, [0] * 3, [0.0] * 3,
+                        [tops[str(s)] + [1, 2, 3, 4] for s in seqs],
+                        [lps[str(s)] + [-9.0] * 4 for s in seqs])
     sched.update(plan, result)
-    # q~1 is chosen twice (fork q~3), q~2 once, q~0 not at all: freed.
-    live = sorted((b.req_id, b.token_ids[6:]) for b in sched.groups["q"].live)
-    assert live == [("q~1", [31, 50]), ("q~2", [32, 60]), ("q~3", [31, 51])]
-    assert "q~0" not in sched.requests and sched.to_drop == ["q~0"]
+    # beam1 is chosen twice (fork beam3), beam2 once, beam0 not at all: freed.
+    live = sorted((str(b.seq_id), b.token_ids[6:]) for b in sched.groups["q"].live)
+    assert live == [("q#beam1", [31, 50]), ("q#beam2", [32, 60]), ("q#beam3", [31, 51])]
+    assert sid("q#beam0") not in sched.requests and names(sched.to_drop) == ["q#beam0"]
     run_to_end(sched)
 
 
@@ -157,18 +161,18 @@ def test_swap_preemption_moves_blocks_to_the_host_tier(sched_factory):
     step(sched)
     step(sched)
     plan = sched.schedule()                    # a needs a 3rd block: b is swapped out
-    assert plan.preempted == ["b"] and plan.swap_out == [[2, 0], [3, 1]]
-    assert [(r.req_id, r.block_offset, r.block_ids) for r in plan.running] == [("a", 2, [3])]
+    assert names(plan.preempted) == ["b"] and plan.swap_out == [[2, 0], [3, 1]]
+    assert [(str(r.seq_id), r.block_offset, r.block_ids) for r in plan.running] == [("a", 2, [3])]
     swapped = sched.waiting[0]
-    assert (swapped.req_id, swapped.num_computed, swapped.host_block_ids) == ("b", 8, [0, 1])
-    sched.update(plan, StepResult(plan.step_id, ["a"], [5]))
+    assert (str(swapped.seq_id), swapped.num_computed, swapped.host_block_ids) == ("b", 8, [0, 1])
+    sched.update(plan, StepResult(plan.step_id, ids("a"), [5]))
     sched.abort(["a"])
     plan = sched.schedule()                    # b comes back with its computed tokens
     assert plan.swap_in == [[0, 2], [1, 3]]
-    assert [(s.req_id, s.num_computed, s.num_scheduled, s.block_ids) for s in plan.new] == \
+    assert [(str(s.seq_id), s.num_computed, s.num_scheduled, s.block_ids) for s in plan.new] == \
         [("b", 8, 1, [2, 3, 1])]
     assert sched.tables.host.num_free == sched.tables.host.num_blocks
-    sched.update(plan, StepResult(plan.step_id, ["b"], [5]))
+    sched.update(plan, StepResult(plan.step_id, ids("b"), [5]))
 
 
 def test_priority_preempts_lower_priority_work(sched_factory):
@@ -181,7 +185,7 @@ def test_priority_preempts_lower_priority_work(sched_factory):
     high.priority = -1
     sched.add(high)
     plan, _ = step(sched)
-    assert plan.preempted == ["low"] and [s.req_id for s in plan.new] == ["high"]
+    assert names(plan.preempted) == ["low"] and [str(s.seq_id) for s in plan.new] == ["high"]
     assert sched.num_preemptions == 1
     run_to_end(sched)
 
@@ -192,7 +196,7 @@ def test_fcfs_ignores_priority(sched_factory):
     a.priority, b.priority = 9, -9
     sched.add(a)
     sched.add(b)
-    assert [r.req_id for r in sched.waiting] == ["a", "b"]
+    assert [str(r.seq_id) for r in sched.waiting] == ["a", "b"]
     run_to_end(sched)
 
 
@@ -201,9 +205,9 @@ def test_queue_limits_refuse_new_requests(sched_factory):
                           num_blocks=64)
     assert sched.add(new("a", 10)) == [] and sched.add(new("b", 10)) == []
     (d,) = sched.add(new("c", 10))
-    assert (d.req_id, d.finish_reason) == ("c", "rejected") and "2 requests" in d.error
+    assert (str(d.seq_id), d.finish_reason) == ("c", "rejected") and "2 requests" in d.error
     sched.waiting.pop()   # leave one waiting: now the token limit binds
-    sched.requests.pop("b")
+    sched.requests.pop(sid("b"))
     (d,) = sched.add(new("d", 95))
     assert d.finish_reason == "rejected" and "100 prompt tokens" in d.error
     ds = sched.add(new("e", 10, n=2))
@@ -217,10 +221,10 @@ def test_decodes_keep_flowing_while_a_long_prompt_is_chunked(sched_factory):
     step(sched)
     sched.add(new("long", 120, max_tokens=1))
     steps = 0
-    while "long" in sched.requests:
+    while sid("long") in sched.requests:
         plan, _ = step(sched)
-        counts = {r.req_id: r.num_scheduled for r in plan.running} | \
-                 {s.req_id: s.num_scheduled for s in plan.new}
+        counts = {str(r.seq_id): r.num_scheduled for r in plan.running} | \
+                 {str(s.seq_id): s.num_scheduled for s in plan.new}
         assert counts["d"] == 1 and sum(counts.values()) <= 16
         steps += 1
     assert steps == 8   # 120 tokens at 15 per step
@@ -234,7 +238,7 @@ def test_abort_all_ends_every_request_by_its_output_ids(sched_factory):
     sched.add(new("q", 6, n=2, use_beam_search=True, max_tokens=9))
     step(sched)
     deltas = sched.abort_all()
-    assert sorted(d.req_id for d in deltas) == ["a", "p.0", "p.1", "q.0", "q.1"]
+    assert sorted(str(d.seq_id) for d in deltas) == ["a", "p", "p#1", "q", "q#1"]
     assert all(d.finish_reason == "abort" for d in deltas)
     assert not sched.requests and not sched.groups and not sched.has_work()
 
@@ -247,13 +251,13 @@ def test_a_fork_shares_no_mutable_slot_with_its_parent():
     from pagewire.wire.sampling import SamplingParams
     slots = Request.SHARED + Request.COPIED + Request.FRESH
     assert sorted(slots) == sorted(Request.__slots__) and len(set(slots)) == len(slots)
-    parent = Request("p", [1, 2, 3], SamplingParams(n=2), 0.0, 64)
+    parent = Request(sid("p#prompt"), [1, 2, 3], SamplingParams(n=2), 0.0, 64)
     parent.block_ids, parent.block_hashes, parent.host_block_ids = [4], [b"h"], [7]
     parent.candidates = ([1], [0.5])
-    child = parent.fork("p.1", SamplingParams(seed=1))
+    child = parent.fork(sid("p#1"), SamplingParams(seed=1))
     for name in Request.__slots__:
         value = getattr(child, name)
         if isinstance(value, (list, dict, tuple)) and value:
             assert value is not getattr(parent, name), name
     assert (child.token_ids, child.block_ids, child.host_block_ids) == ([1, 2, 3], [4], [])
-    assert child.req_id == "p.1" and not child.on_executor and child.candidates is None
+    assert str(child.seq_id) == "p#1" and not child.on_executor and child.candidates is None

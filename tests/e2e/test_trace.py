@@ -144,7 +144,7 @@ def test_changed_seed_diverges_at_that_request(traced, tmp_path, capsys):
     writer.close()
     assert replay(edited, "scheduler") == 1
     out = capsys.readouterr().out
-    assert f"requests ['{target}']" in out and "recorded message:" in out
+    assert f"sequences or requests [{target}]" in out and "recorded message:" in out
 
 
 def test_trace_show_and_stats(traced):

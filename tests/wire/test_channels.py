@@ -10,6 +10,7 @@ import zmq
 
 from pagewire.wire import SamplingParams
 from pagewire.wire.channels import PullChannel, PushChannel, encode, ipc_address, make_run_dir
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_scheduler import Abort, NewRequest, SchedulerInbox, StepResult
 from pagewire.wire.to_supervisor import Fatal, Ready, SupervisorInbox
 
@@ -89,7 +90,7 @@ def test_messages_arrive_in_order_and_typed(ctx, run_dir):
     push = ctx.push(address)
     sent = [NewRequest(req_id=f"r{i}", prompt_token_ids=list(range(i + 1)),
                        sampling=SamplingParams(seed=i), arrival_time=float(i)) for i in range(20)]
-    sent += [Abort(["r3", "r7"]), StepResult(step_id=5, req_ids=["r1"], token_ids=[99])]
+    sent += [Abort([SeqId("r3"), SeqId("r7", 1)]), StepResult(step_id=5, seq_ids=[SeqId("r1")], token_ids=[99])]
     for msg in sent:
         push.send(msg)
     received = [inbox.recv(timeout_ms=2000) for _ in sent]
@@ -108,7 +109,7 @@ def test_recv_raises_on_a_foreign_message(ctx, run_dir):
     address = ipc_address(run_dir, "supervisor")
     inbox = ctx.pull(address, SupervisorInbox)
     push = ctx.push(address)
-    push.send(Abort(["x"]))
+    push.send(Abort([SeqId("x")]))
     push.sock.send(b"\xc1garbage")
     push.send(Ready("tokenizer 0", 17))
     with pytest.raises(msgspec.ValidationError):
@@ -161,7 +162,7 @@ def test_push_sends_exactly_the_encoded_frame(ctx, run_dir):
     raw.bind(address)
     push = ctx.push(address)
     try:
-        msg = Abort(["a", "b"])
+        msg = Abort([SeqId("a"), SeqId("b")])
         push.send(msg)
         assert raw.poll(2000)
         assert raw.recv() == encode(msg)

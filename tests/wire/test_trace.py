@@ -11,6 +11,7 @@ import pytest
 
 from pagewire.wire import SamplingParams
 from pagewire.wire.channels import encode
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
 from pagewire.wire.to_scheduler import NewRequest, SchedulerInbox
 from pagewire.wire.trace import (FORMAT_VERSION, TraceHeader, TraceWriter, read_trace,
@@ -78,7 +79,7 @@ def test_files_are_private(tmp_path):
 def test_redaction_keeps_counts_and_structure(tmp_path):
     w = writer(str(tmp_path), redacted=True)
     record(w, new_request(3))
-    delta = TextDelta("r3", "Paris!", 3, 2, logprobs=[
+    delta = TextDelta(SeqId("r3"), "Paris!", 3, 2, logprobs=[
         TokenLogprob(4521, "Paris", -0.1, [(4521, "Paris", -0.1), (77, "Lyon", -2.5)])])
     record(w, TextDeltas([delta]), channel="gateway")
     w.close()

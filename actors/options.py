@@ -1,0 +1,250 @@
+"""Every option of `pagewire serve`, declared once, in groups.
+
+Each Option names an EngineConfig field and says what it means; from these declarations come
+the command-line flags and their help (cli.py), the `PAGEWIRE_<FIELD>` environment variables
+and the config-file keys (settings.py), the README's options tables (readme_tables(); a test
+fails when the README differs) and what the configuration digest covers (`decides_outputs`).
+EngineConfig (config.py) holds the types and defaults; a test checks that every settable
+field has exactly one declaration here. Imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+
+from pagewire.kernels import tiers
+
+from .config import ACTIVATIONS, EngineConfig, parse_bytes
+
+
+def gib(text: str | int | float) -> int:
+    """vLLM's --swap-space is a number of GiB; a size with a unit is taken as it is."""
+    if isinstance(text, (int, float)):
+        return int(text * 2**30)
+    try:
+        return int(float(text) * 2**30)
+    except ValueError:
+        return parse_bytes(text)
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str                           # the EngineConfig field ("" for --config)
+    meaning: str                         # README markdown; the flag's help without backticks
+    default: str | None = None           # as the README shows it (None: from EngineConfig)
+    flags: tuple[str, ...] = ()          # () -> ("--field-name",); bools: see _bool_flag
+    choices: tuple[str, ...] = ()
+    parse: Callable | None = None        # text (flag, environment, file) -> value
+    decides_outputs: bool = True         # in the configuration digest (replays compare it)
+    serve_only: bool = False             # not a `pagewire bench` flag
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.flags or ("--" + self.field.replace("_", "-"),)
+
+    @property
+    def env(self) -> str:
+        return f"PAGEWIRE_{self.field.upper()}"
+
+
+_RUN = {"decides_outputs": False, "serve_only": True}     # how the server runs, not what it says
+
+GROUPS: dict[str, tuple[Option, ...]] = {
+    "model": (
+        Option("model", "a `.gguf` file or a Hugging Face directory (safetensors)",
+               "embedded SmolLM2", flags=("model",)),
+        Option("served_model_name", "the id clients pass as `model`", "model's name"),
+        Option("dtype", "`auto` (bfloat16 where the backend's CPU tier multiplies it in "
+               "hardware, AVX512-BF16 or AMX; else float32, faster there than emulated "
+               "bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to it as "
+               "they load",
+               choices=("auto", "bfloat16", "float16", "float32")),
+        Option("max_model_len", "longest prompt + output; the default and the upper bound are the "
+               "config's context (`max_position_embeddings` or GGUF `context_length`, times the "
+               "factor of a linear, dynamic or yarn rope scaling)", "model's context"),
+        Option("seed", "random state of unseeded sampling (a replay starts from it too)"),
+    ),
+    "cache": (
+        Option("block_size", "tokens per KV block"),
+        Option("kv_cache_memory", "KV cache size over all layers (`512MiB`, `4GiB`, ...)", "2GiB",
+               parse=parse_bytes),
+        Option("num_kv_blocks", "exact block count, overriding `--kv-cache-memory`"),
+        Option("enable_prefix_caching", "turn automatic prefix caching off",
+               flags=("--no-enable-prefix-caching",)),
+        Option("swap_space", "host-memory KV tier for preemption, GiB (or `512MiB`)", parse=gib),
+        Option("preemption_mode", "`auto` (swap when the host tier has room, else recompute), "
+               "`recompute`, `swap`", choices=("auto", "recompute", "swap")),
+    ),
+    "scheduler": (
+        Option("max_num_seqs", "most requests running at once"),
+        Option("max_num_batched_tokens", "token budget of one step, shared by decodes and prefill "
+               "chunks"),
+        Option("enable_chunked_prefill", "turn chunking off (a prompt then runs whole in one step)",
+               flags=("--no-enable-chunked-prefill",)),
+        Option("async_scheduling", "plan each step while the previous one runs (two plans in "
+               "flight; see \"Pipelined steps\"); `--no-async-scheduling`: one plan in flight",
+               flags=("--async-scheduling", "--no-async-scheduling")),
+        Option("scheduling_policy", "`fcfs` or `priority` (request field `priority`, lower first; "
+               "preempts lower-priority work when blocks run short)", choices=("fcfs", "priority")),
+        Option("max_num_queued_reqs", "beyond this many waiting requests, new ones get 503 at once",
+               "unlimited"),
+        Option("max_num_queued_tokens", "beyond this many waiting prompt tokens, new requests get "
+               "503 at once", "unlimited"),
+    ),
+    "kernels and devices": (
+        Option("kernels", "the backend: `auto` (the best native CPU tier, Triton on CUDA), "
+               "`cpu` (the best tier), a tier by name (`avx2`, `avx512`, `avx512_bf16`, `amx`: "
+               "any up to this CPU's own; a higher one is refused at start), `torch` (the "
+               "reference), `triton`",
+               choices=tuple(tiers.BACKENDS)),
+        Option("device", "`auto` (CUDA when present, else CPU), `cpu` or `cuda`",
+               choices=("auto", "cpu", "cuda")),
+        Option("threads", "torch threads of the executor", "all cores", decides_outputs=False),
+        Option("enforce_eager", "no CUDA graphs: every decode step runs eagerly"),
+        Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
+               "Q4_0, Q4_1 and Q8_0 weights as stored (CPU, every tier, bfloat16 or float32; see "
+               "\"Kernels and devices\"); larger steps use the dequantized copy; `0`: never"),
+        Option("quantized_activations", "what those stored weights multiply: `exact` activations "
+               "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
+               "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "
+               "AVX2; `int8`: Q4_0/Q4_1 weights take activations rounded to int8 per 32 columns "
+               "(about 3x fewer instructions a weight), Q8_0 ones stay exact; `int8-all`: Q8_0 "
+               "too, llama.cpp's own arithmetic; `auto`: `int16` on tiers without a bfloat16 dot "
+               "product (`avx2`, `avx512`), `exact` on `avx512_bf16` and `amx` (int8 rounding "
+               "garbles the default model's answers, as it does in llama.cpp: see \"Kernels and "
+               "devices\")",
+               choices=ACTIVATIONS),
+    ),
+    "tensor parallelism": (
+        Option("tensor_parallel_size", "executor ranks, each holding a share of the model (see "
+               "\"Tensor parallelism\")", flags=("--tensor-parallel-size", "-tp")),
+        Option("executors", "`local`: the engine starts every rank; `external`: ranks 1.. attach "
+               "with `pagewire executor --attach`", choices=("local", "external"), **_RUN),
+        Option("listen", "`tcp://HOST:PORT` where external executors attach (an explicit address; "
+               "torch.distributed uses PORT+1)", "none", **_RUN),
+        Option("curve_keys", "directory from `pagewire keys DIR`; required with `--listen`", "none",
+               **_RUN),
+        Option("attach_timeout", "seconds to wait for external ranks", **_RUN),
+        Option("tp_timeout", "seconds a collective may wait before the step fails", **_RUN),
+    ),
+    "server": (
+        Option("", "TOML or JSON file of options (flag names or field names as keys)", "none",
+               flags=("--config",)),
+        Option("host", "where the HTTP server listens", **_RUN),
+        Option("port", "the HTTP server's port", **_RUN),
+        Option("num_tokenizers", "tokenizer processes", **_RUN),
+        Option("drain_timeout", "seconds SIGTERM waits for in-flight requests", **_RUN),
+        Option("restart_budget", "actor restarts allowed within `--restart-window` before the "
+               "server exits 1", **_RUN),
+        Option("restart_window", "seconds over which `--restart-budget` counts", **_RUN),
+        Option("actor_nice", "niceness of every actor but the executors (they keep the cores)",
+               **_RUN),
+    ),
+    "security": (
+        Option("api_keys", "accepted bearer key, repeatable (also `$PAGEWIRE_API_KEY` or "
+               "`$VLLM_API_KEY`, comma-separated); guards `/v1/*`", "none", flags=("--api-key",),
+               **_RUN),
+        Option("cache_salt_per_api_key", "each API key's requests get their own prefix-cache salt "
+               "(tenants never share blocks)", **_RUN),
+        Option("metrics_require_api_key", "put `GET /metrics` behind the API key check too (open "
+               "by default)", **_RUN),
+    ),
+    "observability": (
+        Option("trace_dir", "record every actor's messages in DIR (see \"Debugging with traces\")",
+               "off", flags=("--trace",), **_RUN),
+        Option("trace_redact", "blank prompts, outputs and token ids in traces (counts and timing "
+               "kept)", **_RUN),
+        Option("trace_segment_bytes", "a trace file rotates past this size", "64MiB",
+               parse=parse_bytes, **_RUN),
+        Option("trace_max_segments", "trace files each actor keeps (the oldest is dropped): the "
+               "disk bound", **_RUN),
+    ),
+}
+
+OPTIONS: tuple[Option, ...] = tuple(o for group in GROUPS.values() for o in group)
+BY_FIELD = {o.field: o for o in OPTIONS if o.field}
+# Fields resolve() derives, never set by hand.
+DERIVED = ("model_info", "num_host_blocks", "run_dir", "backend")
+DIGESTED = frozenset(f for f in EngineConfig.__struct_fields__
+                     if f in DERIVED and f not in ("run_dir", "backend")
+                     or f in BY_FIELD and BY_FIELD[f].decides_outputs)
+_DEFAULTS = EngineConfig()
+
+
+def shown_default(o: Option) -> str:
+    if o.default is not None:
+        return o.default
+    value = getattr(_DEFAULTS, o.field)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "—" if value is None else str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
+    """The flags of `pagewire serve` (serve=True) or `pagewire bench`. Flags left unset stay
+    out of the namespace (argparse.SUPPRESS), so the file and environment can supply them."""
+    for o in OPTIONS:
+        if o.serve_only and not serve:
+            continue
+        kwargs: dict = {"default": argparse.SUPPRESS}
+        text = o.meaning.replace("`", "")
+        if o.field:
+            kwargs["dest"] = o.field
+            text += f" (default {shown_default(o)}; ${o.env})"
+        if o.names[0] == "model":
+            kwargs = {"nargs": "?", "default": argparse.SUPPRESS}
+        elif not o.field:
+            kwargs["dest"] = "config_file"
+        else:
+            kwargs.update(_value_kwargs(o))
+        names = o.names[:1] if kwargs.get("action") is argparse.BooleanOptionalAction \
+            else o.names                     # it adds the --no- form itself
+        parser.add_argument(*names, help=text, **kwargs)
+
+
+def _value_kwargs(o: Option) -> dict:
+    value = getattr(_DEFAULTS, o.field)
+    if isinstance(value, bool):
+        if len(o.names) == 2:
+            return {"action": argparse.BooleanOptionalAction}
+        return {"action": "store_false" if o.names[0].startswith("--no-") else "store_true"}
+    if isinstance(value, list):
+        return {"action": "append"}
+    kind = EngineConfig.__annotations__[o.field]
+    parse = o.parse or (int if "int" in kind else float if "float" in kind else str)
+    return {"type": parse, **({"choices": list(o.choices)} if o.choices else {})}
+
+
+def readme_tables() -> str:
+    """The README's options tables, one per group, as they must read."""
+    out = []
+    for name, group in GROUPS.items():
+        out += [f"**{name.capitalize()}**", "", "| option | default | meaning |", "|---|---|---|"]
+        for o in group:
+            flags = ", ".join(f"`{'MODEL' if f == 'model' else f}`" for f in o.names)
+            out.append(f"| {flags} | {shown_default(o)} | {o.meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def values_from_env(environ) -> dict:
+    """Options from PAGEWIRE_<FIELD> variables (API keys: comma-separated)."""
+    values = {}
+    for o in OPTIONS:
+        text = environ.get(o.env) if o.field else None
+        if text:
+            values[o.field] = text.split(",") if o.field == "api_keys" else text
+    return values
+
+
+def convert(values: dict) -> EngineConfig:
+    """An EngineConfig from option values given as text or typed. Raises ValueError."""
+    values = {k: BY_FIELD[k].parse(v) if isinstance(v, str) and BY_FIELD[k].parse else v
+              for k, v in values.items()}
+    try:
+        return msgspec.convert(values, EngineConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"bad option: {e}") from None
