@@ -52,7 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
-    async_scheduling: bool = True            # plan step N+1 while step N runs (scheduler/core.py)
+    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/core.py);
+                                             # None: on where a CUDA driver is present
     actor_nice: int = 10                     # niceness of every actor but the executors
     restart_budget: int = 5                  # actor restarts allowed within restart_window...
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
@@ -118,7 +119,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
-            quantized_activations=activations)
+            quantized_activations=activations,
+            async_scheduling=self._async_scheduling())
+
+    def _async_scheduling(self) -> bool:
+        """auto: pipelined steps where a GPU runs them (the GPU idles while the scheduler
+        plans); on a CPU the scheduler's work takes cores from the step and two plans in flight
+        measured no faster (bench/NOTES.md). The driver's /proc entry stands in for CUDA here,
+        which imports no torch."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device == "cuda" or (self.device == "auto"
+                                         and os.path.exists("/proc/driver/nvidia/version"))
 
     def _check_kernels(self) -> str | None:
         """The CPU tier the executors will run (None: none), checked before any actor

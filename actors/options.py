@@ -85,7 +85,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("enable_chunked_prefill", "turn chunking off (a prompt then runs whole in one step)",
                flags=("--no-enable-chunked-prefill",)),
         Option("async_scheduling", "plan each step while the previous one runs (two plans in "
-               "flight; see \"Pipelined steps\"); `--no-async-scheduling`: one plan in flight",
+               "flight; see \"Pipelined steps\"); `--no-async-scheduling`: one plan in flight; "
+               "auto: on where a CUDA driver is present, off on CPU (measured no faster there)",
+               "auto",
                flags=("--async-scheduling", "--no-async-scheduling")),
         Option("scheduling_policy", "`fcfs` or `priority` (request field `priority`, lower first; "
                "preempts lower-priority work when blocks run short)", choices=("fcfs", "priority")),
@@ -207,13 +209,13 @@ def add_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
 
 def _value_kwargs(o: Option) -> dict:
     value = getattr(_DEFAULTS, o.field)
-    if isinstance(value, bool):
+    kind = EngineConfig.__annotations__[o.field]
+    if kind.startswith("bool"):
         if len(o.names) == 2:
             return {"action": argparse.BooleanOptionalAction}
         return {"action": "store_false" if o.names[0].startswith("--no-") else "store_true"}
     if isinstance(value, list):
         return {"action": "append"}
-    kind = EngineConfig.__annotations__[o.field]
     parse = o.parse or (int if "int" in kind else float if "float" in kind else str)
     return {"type": parse, **({"choices": list(o.choices)} if o.choices else {})}
 

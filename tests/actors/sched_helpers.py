@@ -41,7 +41,7 @@ class Driven:
     sends the detokenizer; schedule() is the core's plan(); run() executes the oldest plan not
     yet run. The scheduler's state (running, waiting, kv, counters) reads through."""
 
-    def __init__(self, config: EngineConfig, depth: int = 1):
+    def __init__(self, config: EngineConfig, depth: int | None = 1):
         self.core = SchedulerCore(config, depth)
         self.executor = SeqTable(list(config.model_info.eos_token_ids))
         self.not_run: deque[StepPlan] = deque()
@@ -102,7 +102,7 @@ class Driven:
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=64, chunked=True,
-                   window=None, depth=1, **options) -> Driven:
+                   window=None, depth: int | None = 1, **options) -> Driven:
     info = ModelInfo(path="/dev/null", format="hf", name="m", architecture="LlamaForCausalLM",
                      max_model_len=max_len, vocab_size=100, num_layers=1, num_kv_heads=1,
                      head_dim=8, eos_token_ids=[EOS], digest="0", sliding_window=window)

@@ -66,8 +66,11 @@ def traced(tmp_path_factory):
     """(server, trace dir, seeded response ids); the traces flushed (actors flush each second)."""
     directory = str(tmp_path_factory.mktemp("traces") / "run")
     env = {"PAGEWIRE_API_KEY": None, "VLLM_API_KEY": None}
+    # Pipelined steps on (the CPU default is off): the replays reproduce two plans in flight,
+    # and the offline LLM below runs one plan in flight: outputs must not differ.
     with running_server(["--max-model-len", "512", "--kv-cache-memory", "64MiB",
-                         "--trace", directory, "--api-key", "k1"], env) as srv:
+                         "--trace", directory, "--api-key", "k1", "--async-scheduling"],
+                        env) as srv:
         ids = run_workload(openai_client(srv, "k1"))
         time.sleep(2.5)
         yield srv, directory, ids
@@ -94,9 +97,10 @@ SAME_EVERYWHERE = [
 
 
 def test_server_and_offline_llm_give_the_same_outputs(traced):
-    """The same requests, one at a time, through the server and through LLM (the same cores
-    driven in one process): the same texts, token for token, and the same logprobs. The
-    replays below cover these requests too (they run after this test)."""
+    """The same requests, one at a time, through the server (two plans in flight) and through
+    LLM (the same cores driven in one process, one plan in flight): the same texts, token for
+    token, and the same logprobs. The replays below cover these requests too (they run after
+    this test)."""
     from pagewire import LLM, SamplingParams
     srv = traced[0]
     served = []
