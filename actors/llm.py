@@ -143,9 +143,13 @@ class LLM:
             self._steps.append(self._executor.submit(self.runner.execute, plan))
         if not self._steps:
             raise RuntimeError("scheduler has unfinished requests but nothing to run")
-        self._deliver([("scheduler", self._steps.popleft().result())])
+        self._apply_oldest_step()
         finished, self._finished = self._finished, []
         return finished
+
+    def _apply_oldest_step(self) -> None:
+        """Wait for the oldest submitted step and hand its result to the scheduler core."""
+        self._deliver([("scheduler", self._steps.popleft().result())])
 
     def _deliver(self, sends: Sends) -> None:
         """Move messages between the cores, in order, as the actors' sockets would, until
@@ -211,7 +215,7 @@ class LLM:
         while any(r not in done for r in req_ids):
             done.update((o.request_id, o) for o in self.step())
         while self._steps:         # a step planned ahead of sequences that have ended
-            self._deliver([("scheduler", self._steps.popleft().result())])
+            self._apply_oldest_step()
         return [done[r] for r in req_ids]
 
 

@@ -191,33 +191,30 @@ def add_flags(parser: argparse.ArgumentParser, serve: bool) -> None:
     for o in OPTIONS:
         if o.serve_only and not serve:
             continue
-        kwargs: dict = {"default": argparse.SUPPRESS}
         text = o.meaning.replace("`", "")
         if o.field:
-            kwargs["dest"] = o.field
             text += f" (default {shown_default(o)}; ${o.env})"
-        if o.names[0] == "model":
-            kwargs = {"nargs": "?", "default": argparse.SUPPRESS}
-        elif not o.field:
-            kwargs["dest"] = "config_file"
-        else:
-            kwargs.update(_value_kwargs(o))
-        names = o.names[:1] if kwargs.get("action") is argparse.BooleanOptionalAction \
-            else o.names                     # it adds the --no- form itself
-        parser.add_argument(*names, help=text, **kwargs)
+        names, kwargs = _argument(o)
+        parser.add_argument(*names, help=text, default=argparse.SUPPRESS, **kwargs)
 
 
-def _value_kwargs(o: Option) -> dict:
-    value = getattr(_DEFAULTS, o.field)
+def _argument(o: Option) -> tuple[tuple[str, ...], dict]:
+    """The argparse names and keywords of an option's flag."""
+    if not o.field:
+        return o.names, {"dest": "config_file"}
+    if o.names == ("model",):                   # the positional MODEL (its name is its dest)
+        return o.names, {"nargs": "?"}
     kind = EngineConfig.__annotations__[o.field]
     if kind.startswith("bool"):
-        if len(o.names) == 2:
-            return {"action": argparse.BooleanOptionalAction}
-        return {"action": "store_false" if o.names[0].startswith("--no-") else "store_true"}
-    if isinstance(value, list):
-        return {"action": "append"}
+        if len(o.names) == 2:                   # --x / --no-x: argparse adds the --no- form
+            return o.names[:1], {"dest": o.field, "action": argparse.BooleanOptionalAction}
+        action = "store_false" if o.names[0].startswith("--no-") else "store_true"
+        return o.names, {"dest": o.field, "action": action}
+    if kind.startswith("list"):
+        return o.names, {"dest": o.field, "action": "append"}
     parse = o.parse or (int if "int" in kind else float if "float" in kind else str)
-    return {"type": parse, **({"choices": list(o.choices)} if o.choices else {})}
+    choices = {"choices": list(o.choices)} if o.choices else {}
+    return o.names, {"dest": o.field, "type": parse, **choices}
 
 
 def readme_tables() -> str:

@@ -81,8 +81,14 @@ class StatsReporter:
     def on_result(self) -> None:
         if self.plans_sent_at:
             now = self.clock()
-            self.step_durations.append(now - max(self.plans_sent_at.popleft(), self.result_at))
+            self.step_durations.append(now - self._step_started())
+            self.plans_sent_at.popleft()
             self.result_at = now
+
+    def _step_started(self) -> float:
+        """When the executor began the oldest plan in flight: when it was sent, or when the
+        step before it came back, whichever is later."""
+        return max(self.plans_sent_at[0], self.result_at)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -118,10 +124,7 @@ class StatsReporter:
 
     def step_running_for(self) -> float:
         """How long the executor has been on its current step (0.0: no step in flight)."""
-        if not self.plans_sent_at:
-            return 0.0
-        now = self.clock()
-        return now - max(self.plans_sent_at[0], self.result_at)
+        return self.clock() - self._step_started() if self.plans_sent_at else 0.0
 
     def report(self, now: float) -> None:
         self.send(self.stats())

@@ -253,7 +253,6 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        req.reset_in_flight()
         self._drop_from_executor(req, preempted=True)
         mode = self.config.preemption_mode
         if mode != "recompute" and self.tables.swap_out(req):
@@ -265,6 +264,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _drop_from_executor(self, req: Request, preempted: bool = False) -> None:
+        """The executor forgets req with the next plan; its steps in flight are ignored."""
+        req.reset_in_flight()
         if req.on_executor:
             (self.preempted_ids if preempted else self.to_drop).append(req.seq_id)
             req.on_executor = False
@@ -278,7 +279,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.tables.release(req)
         self._drop_from_executor(req)
-        req.reset_in_flight()
         req.status = Status.FINISHED
         del self.requests[req.seq_id]
         if req.group is not None and req in req.group.live:
