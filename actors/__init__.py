@@ -5,6 +5,7 @@
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 """
 from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.structured import InvalidConstraint, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "InvalidParam", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
+           "InvalidConstraint", "__version__"]

@@ -73,6 +73,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
     metrics_require_api_key: bool = False    # GET /metrics behind the API key check too
+    chat_template: str | None = None         # a Jinja file replacing the model's chat template
+    enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
+    tool_call_parser: str | None = None      # hermes | llama3_json | mistral
+    reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> blocks apart
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None
@@ -116,11 +120,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")
         self._check_parallel()
+        self._check_chat()
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling())
+
+    def _check_chat(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template}: no such file")
 
     def _async_scheduling(self) -> bool:
         """auto: pipelined steps where a GPU runs them (the GPU idles while the scheduler

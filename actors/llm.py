@@ -93,21 +93,22 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             ) -> list[RequestOutput]:
-        """Like generate(), for chat messages rendered with the model's chat template."""
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Like generate(), for chat messages rendered with the model's chat template (which
+        sees `tools`, OpenAI tool objects, when given)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = _per_prompt(sampling_params, len(conversations))
-        return self._run([self.add_request(None, sp, messages=conv)
+        return self._run([self.add_request(None, sp, messages=conv, tools=tools)
                           for conv, sp in zip(conversations, params)])
 
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
-                    messages: list[dict] | None = None) -> str:
+                    messages: list[dict] | None = None, tools: list[dict] | None = None) -> str:
         """Queue one request; it runs from the next step(). Raises ValueError if it cannot be
         served (too long, bad token ids, ...)."""
         req_id = str(next(self._ids))
         req = TokenizeRequest(req_id=req_id, arrival_time=time.time(),
-                              sampling=params or SamplingParams())
+                              sampling=params or SamplingParams(), tools=tools)
         if messages is not None:
             req.messages = [ChatMessage(**m) for m in messages]
         elif isinstance(prompt, str):

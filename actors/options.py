@@ -145,6 +145,21 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("actor_nice", "niceness of every actor but the executors (they keep the cores)",
                **_RUN),
     ),
+    "chat and tools": (
+        Option("chat_template", "a Jinja chat template file used instead of the model's",
+               "model's", serve_only=True),
+        Option("enable_auto_tool_choice", "let `tool_choice: auto` (the default with `tools`) "
+               "parse the model's own tool calls out of its text (needs `--tool-call-parser`)",
+               **_RUN),
+        Option("tool_call_parser", "the model's tool-call syntax: `hermes` (`<tool_call>` JSON "
+               "`</tool_call>`: Qwen, Hermes), `llama3_json` (a JSON object, Llama 3.x), "
+               "`mistral` (`[TOOL_CALLS]` and a JSON list)", "none",
+               choices=("hermes", "llama3_json", "mistral"), **_RUN),
+        Option("reasoning_parser", "return a reasoning model's `<think>` block as "
+               "`reasoning_content` apart from `content` (`deepseek_r1`: the output starts in "
+               "the block; `qwen3`: it opens with `<think>`); an output constraint applies from "
+               "the block's end", "none", choices=("deepseek_r1", "qwen3"), serve_only=True),
+    ),
     "security": (
         Option("api_keys", "accepted bearer key, repeatable (also `$PAGEWIRE_API_KEY` or "
                "`$VLLM_API_KEY`, comma-separated); guards `/v1/*`", "none", flags=("--api-key",),

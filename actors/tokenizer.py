@@ -2,14 +2,19 @@
 
 A request that cannot be served is answered from here (RequestFailed straight to the gateway)
 and never reaches the scheduler. Otherwise the detokenizer learns of the request first
-(DetokStart), then the scheduler gets it (NewRequest).
+(DetokStart), then the scheduler gets it (NewRequest). A request with structured outputs
+waits here for its grammar (actors/grammar.py): compiled on a thread pool while the actor
+goes on with other messages, and a bad or too slow constraint is a 400 from here.
 """
 from __future__ import annotations
+
+import time
 
 import msgspec
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.structured import InvalidConstraint
 from pagewire.wire.to_detokenizer import DetokStart
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
 from pagewire.wire.to_scheduler import NewRequest
@@ -17,6 +22,7 @@ from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizeRe
                                         TokenizerInbox)
 
 from .config import EngineConfig
+from .grammar import COMPILE_TIMEOUT_S, GrammarCompiler, result_of
 from .hf_tokenizer import load_tokenizer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
@@ -25,12 +31,24 @@ _NO_SAMPLING = SamplingParams()
 
 class RequestTokenizer:
     """The tokenizer core: turns a TokenizeRequest into (DetokStart, NewRequest), or a
-    RequestFailed; handle() takes any inbox message and returns what to send where."""
+    RequestFailed; handle() takes any inbox message and returns what to send where. With
+    `background`, a request whose grammar is still compiling is held and poll() returns it
+    once compiled; without, handle() waits for the compile."""
 
-    def __init__(self, config: EngineConfig, tokenizer):
+    def __init__(self, config: EngineConfig, tokenizer, background: bool = False):
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_info.vocab_size
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size,
+                                        config.model_info.eos_token_ids)
+        self.background = background
+        # With a reasoning parser, a constraint applies from the end of the <think> block.
+        self.reasoning_end = tokenizer.encode("</think>", add_special_tokens=False) \
+            if config.reasoning_parser else None
+        if config.chat_template is not None:       # --chat-template: in place of the model's
+            with open(config.chat_template) as f:
+                tokenizer.chat_template = f.read()
+        self.compiling: list[tuple] = []      # (future, DetokStart, NewRequest, deadline)
 
     def handle(self, msg: TokenizeRequest | TokenizeOnly | DetokenizeOnly) -> Sends:
         if isinstance(msg, TokenizeOnly):
@@ -40,8 +58,39 @@ class RequestTokenizer:
         result = self.process(msg)
         if isinstance(result, RequestFailed):
             return [("gateway", result)]
-        start, new = result        # the detokenizer first: it then rarely sees tokens before it
-        return [("detokenizer", start), ("scheduler", new)]
+        start, new = result
+        so = new.sampling.structured_outputs
+        if so is None:             # the detokenizer first: it then rarely sees tokens before it
+            return [("detokenizer", start), ("scheduler", new)]
+        future = self.grammars.submit(so)
+        if self.background and not future.done():
+            self.compiling.append((future, start, new, time.monotonic() + COMPILE_TIMEOUT_S))
+            return []
+        return self._with_grammar(future, start, new, COMPILE_TIMEOUT_S)
+
+    def poll(self) -> Sends:
+        """The held requests whose grammar compiled, failed or ran out of time."""
+        sends, held, now = [], [], time.monotonic()
+        for future, start, new, deadline in self.compiling:
+            if future.done() or now >= deadline:
+                sends += self._with_grammar(future, start, new)
+            else:
+                held.append((future, start, new, deadline))
+        self.compiling = held
+        return sends
+
+    def _with_grammar(self, future, start: DetokStart, new: NewRequest,
+                      timeout: float = 0.0) -> Sends:
+        so = new.sampling.structured_outputs
+        try:
+            grammar = result_of(future, so, timeout)
+        except InvalidConstraint as e:
+            return [("gateway", RequestFailed(req_id=new.req_id, status=400, message=str(e),
+                                              param="structured_outputs"))]
+        sampling = msgspec.structs.replace(new.sampling, structured_outputs=msgspec.structs.replace(
+            so, compiled=grammar, start_after=self.start_after(new.prompt_token_ids)))
+        return [("detokenizer", start),
+                ("scheduler", msgspec.structs.replace(new, sampling=sampling))]
 
     def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
         try:
@@ -68,6 +117,14 @@ class RequestTokenizer:
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority)
+
+    def start_after(self, prompt: list[int]) -> list[int] | None:
+        """Where a constraint starts: after the reasoning block, unless the prompt closed it
+        already (a template with thinking switched off writes an empty block)."""
+        end = self.reasoning_end
+        if not end or _contains(prompt[-len(end) - 8:], end):
+            return None
+        return end
 
     def check_token_ids(self, s) -> None:
         """Token ids in the sampling fields must exist: the executor indexes logits by them."""
@@ -129,8 +186,12 @@ class RequestTokenizer:
     def encode_chat(self, req: TokenizeRequest) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidParam("messages", "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        messages = [msgspec.structs.asdict(m) | {"content": m.content or ""}
+                    for m in req.messages]
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         kwargs = dict(req.chat_template_kwargs)
+        if req.tools:
+            kwargs["tools"] = req.tools
         add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -150,11 +211,19 @@ class RequestTokenizer:
                                f"({len(ids)} in the prompt, {max_tokens} for the completion).")
 
 
+def _contains(tokens: list[int], needle: list[int]) -> bool:
+    return any(tokens[i:i + len(needle)] == needle for i in range(len(tokens) - len(needle) + 1))
+
+
 def run(env) -> None:
-    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info))
+    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info),
+                                 background=True)
     inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
     pushes = {name: env.push(name) for name in ("scheduler", "detokenizer", "gateway")}
     env.ready()
-    for msg in env.messages(inbox):
-        for channel, out in tokenizer.handle(msg):
+    while True:
+        msg = inbox.recv(timeout_ms=5 if tokenizer.compiling else 1000)
+        env.heartbeat()
+        sends = tokenizer.handle(msg) if msg is not None else []
+        for channel, out in sends + tokenizer.poll():
             pushes[channel].send(out)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from .structured import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -47,6 +49,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words: list[str] = []        # never completed (the tokenizer fills bad_words_ids)
     bad_words_ids: list[list[int]] = []
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
+    structured_outputs: StructuredOutputsParams | None = None   # what the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                "truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)")
+        if self.structured_outputs is not None:
+            self._check_constrained()
+
+    def _check_constrained(self) -> None:
+        """A constrained output ends where its grammar does: EOS is allowed exactly where
+        the grammar accepts, so nothing may ban it or ignore it."""
+        for name, clash in (("use_beam_search", self.use_beam_search),
+                            ("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+            _check(not clash, name, f"{name} cannot be combined with structured outputs "
+                   "(the grammar decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -32,7 +32,9 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     nothing itself). `logprobs` (the sampled token's log-probability) and `top_ids` /
     `top_logprobs` (the k most likely tokens, k per sequence) are set only when some row asked;
     rows that did not ask hold 0.0 and []. `prompt_logprobs`: this step's prompt positions
-    (token 1 onward), by sequence. `error` is set when the step failed as a whole."""
+    (token 1 onward), by sequence. `error` is set when the step failed as a whole; `errors`
+    names sequences that failed alone (a token their grammar refused): their rows' tokens are
+    not theirs to append."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -41,6 +43,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: dict[SeqId, LogprobsChunk] | None = None
     error: str | None = None
+    errors: dict[SeqId, str] | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

@@ -10,6 +10,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None     # an assistant's calls: {id, type, function}
+    tool_call_id: str | None = None          # a tool message: the call it answers
 
 
 class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -27,6 +29,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     priority: int = 0                    # lower runs first under the priority policy
     echo: bool = False                   # send the prompt's text ahead of the output
     chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
+    tools: list[dict] | None = None      # OpenAI tool objects, for the chat template
 
 
 class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

@@ -23,6 +23,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
+from .grammar import Matchers
 from .loader import _DTYPES, keep_quantized, load_model
 from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
@@ -95,7 +96,10 @@ class ModelRunner:
                                              self.block_size, kv_heads, cfg.head_dim,
                                              dtype) if config.num_host_blocks else []
         self.eos_ids = list(config.model_info.eos_token_ids)
-        self.table = SeqTable(self.eos_ids)
+        # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
+        self.matchers = Matchers(config.model_info, config.model_info.vocab_size,
+                                 self.eos_ids) if self.tp.rank == 0 else None
+        self.table = SeqTable(self.eos_ids, self.matchers)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -113,6 +117,7 @@ class ModelRunner:
         if not order:             # every row was of sequences that stopped (pipelined steps)
             return StepResult(plan.step_id, [], [])
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
+        masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
         spans = spans_of(rows)
@@ -124,15 +129,23 @@ class ModelRunner:
             logprobs = wanted.log_softmax(logits)          # before sampling edits the logits
             # Every rank samples (they keep the tokens for the next step); rank 0's choice is
             # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
-            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs),
+            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs, masks),
                                               self.model.ops.lib))
             result.token_ids = tokens.tolist()
             if logprobs is not None:
                 result.logprobs, result.top_ids, result.top_logprobs = \
                     wanted.gather(logprobs, tokens)
-        self.table.finish_step(order, [(seq, token) for (_, seq), token
-                                       in zip(sample_seqs, result.token_ids)])
+        errors = self.table.finish_step(order, [(sid, seq, token) for (sid, seq), token
+                                                in zip(sample_seqs, result.token_ids)])
+        result.errors = errors or None
         return result
+
+    def _grammar_masks(self, sample_seqs: list[tuple[SeqId, SeqState]]):
+        """(rows of the constrained sequences, a future of their bitmasks), or None."""
+        rows = [r for r, (_, seq) in enumerate(sample_seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        return rows, self.matchers.fill_async([sample_seqs[r][1].matcher for r in rows])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch) -> torch.Tensor:
@@ -205,7 +218,8 @@ class ModelRunner:
         return {"decode_block_tables": torch.from_numpy(tables),
                 "decode_context_lens": torch.from_numpy(context)}
 
-    def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]]) -> SamplingBatch:
+    def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]],
+                        masks=None) -> SamplingBatch:
         params, index, banned = [], [], []
         for _, seq in sample_seqs:
             n_out = len(seq.token_ids) - seq.num_prompt_tokens
@@ -217,4 +231,7 @@ class ModelRunner:
         histories = None
         if any(p.has_logits_processors for p in params):
             histories = [(seq.token_ids, seq.num_prompt_tokens) for _, seq in sample_seqs]
-        return SamplingBatch(params, index, banned, histories)
+        batch = SamplingBatch(params, index, banned, histories)
+        if masks is not None:
+            batch.grammar_rows, batch.grammar_masks = masks[0], masks[1].result()
+        return batch

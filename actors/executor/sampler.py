@@ -2,7 +2,8 @@
 kernels' sampler (pagewire.kernels.sampling) takes, and the log-probabilities rows ask for.
 
 Before the kernels see the logits, the logits processors (penalties, logit bias, allowed ids,
-bad words) and the bans (EOS before min_tokens) apply here. Random rows draw with one uniform
+bad words), the bans (EOS before min_tokens) and the grammar bitmasks of constrained rows
+(executor/grammar.py) apply here. Random rows draw with one uniform
 per row: a seeded row's comes from a generator seeded by (seed, output index), so the same seed
 gives the same tokens whatever else shares the batch, and a request resumed after preemption
 draws exactly what it would have drawn. Unseeded rows take theirs from one call on torch's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagewire.kernels import sampling
@@ -30,6 +32,8 @@ class SamplingBatch:
     output_index: list[int]             # how many tokens each row has generated before this one
     banned: list[list[int]]             # token ids masked per row (EOS before min_tokens)
     histories: list[tuple[list[int], int]] | None = None   # (tokens, prompt length) per row
+    grammar_rows: list[int] | None = None   # constrained rows, and their bitmasks:
+    grammar_masks: np.ndarray | None = None  # [len(grammar_rows), ceil(V / 32)] int32
 
     @property
     def all_greedy(self) -> bool:
@@ -42,6 +46,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None) -> torch.Tensor
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
+    if batch.grammar_rows:
+        apply_bitmasks(logits, batch.grammar_rows, batch.grammar_masks)
     if batch.all_greedy:                # no parameters to build, no uniforms drawn
         return logits.argmax(dim=-1)
     return sampling.sample(logits, sampling_tensors(batch.params),
@@ -64,6 +70,17 @@ def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
     if rows:
         cols = [t for ids in banned for t in ids]
         logits[rows, cols] = float("-inf")
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmasks(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
+    """-inf where a row's bitmask bit is clear. logits [S, V]; masks [R, ceil(V / 32)]."""
+    bits = torch.from_numpy(masks).unsqueeze(-1) >> _BITS                   # [R, W, 32]
+    allowed = (bits & 1).bool().flatten(1)[:, :logits.shape[1]]           # [R, V]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:

@@ -6,7 +6,9 @@ order they come. A plan may have been made before the previous one's result reac
 scheduler (pipelined steps): its decode rows then read the tokens appended here. A sequence
 whose last token stopped it (EOS, a stop token id: the scheduler's own rule,
 wire.sampling.stops_on) is left out of such a row, and so is one whose step failed; the
-scheduler has ended both and ignores them.
+scheduler has ended both and ignores them. A constrained sequence carries its grammar matcher
+(executor/grammar.py), advanced by each token appended; a token its grammar refuses fails
+that sequence alone.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class SeqState:
     sampling: SamplingParams
     num_scheduled: int = 0
     stopped: bool = False           # its last sampled token ends it
+    matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
 
     @property
     def num_output_tokens(self) -> int:
@@ -38,8 +41,9 @@ class SeqState:
 
 
 class SeqTable:
-    def __init__(self, eos_ids: list[int]):
+    def __init__(self, eos_ids: list[int], matchers=None):
         self.eos_ids = frozenset(eos_ids)
+        self.matchers = matchers            # executor/grammar.py Matchers; None: unconstrained
         self.seqs: dict[SeqId, SeqState] = {}
         self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
@@ -52,6 +56,9 @@ class SeqTable:
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
                            list(new.block_ids), new.sampling, new.num_scheduled)
+            so = new.sampling.structured_outputs
+            if so is not None and self.matchers is not None:
+                seq.matcher = self.matchers.start(so, seq.token_ids[seq.num_prompt_tokens:])
             self.seqs[new.seq_id] = seq
             order.append((new.seq_id, seq))
         for run in plan.running:
@@ -68,15 +75,31 @@ class SeqTable:
         return order
 
     def finish_step(self, order: list[tuple[SeqId, SeqState]],
-                    sampled: list[tuple[SeqState, int]]) -> None:
+                    sampled: list[tuple[SeqId, SeqState, int]]) -> dict[SeqId, str]:
         """The step ran: append each sampled token (a beam's next token is the scheduler's
-        pick, sent in a later plan) and advance what is computed."""
-        for seq, token in sampled:
-            if not seq.sampling.use_beam_search:
-                seq.token_ids.append(token)
-                seq.stopped = stops_on(seq.sampling, token, seq.num_output_tokens, self.eos_ids)
+        pick, sent in a later plan) and advance what is computed. Returns the sequences whose
+        grammar refused their token, with why."""
+        errors = {}
+        for sid, seq, token in sampled:
+            if seq.sampling.use_beam_search:
+                continue
+            seq.token_ids.append(token)
+            seq.stopped = stops_on(seq.sampling, token, seq.num_output_tokens, self.eos_ids)
+            if seq.matcher is None:
+                self._start_after_reasoning(seq)
+            elif not seq.matcher.consume_token(token):
+                errors[sid] = "the output left its grammar: " + \
+                    seq.matcher.get_error().split("\n<state>")[0][:300]
+                seq.stopped = True
         for _, seq in order:
             seq.num_computed += seq.num_scheduled
+        return errors
+
+    def _start_after_reasoning(self, seq: SeqState) -> None:
+        """A constraint waiting for the end of reasoning starts when its last token comes."""
+        so = seq.sampling.structured_outputs
+        if so is not None and so.start_after and self.matchers is not None:
+            seq.matcher = self.matchers.start(so, seq.token_ids[-len(so.start_after):])
 
     def fail(self, plan: StepPlan) -> None:
         """The plan raised: its sequences' state may be half-applied, so drop it. The scheduler

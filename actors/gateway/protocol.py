@@ -1,12 +1,16 @@
-"""The OpenAI protocol: request bodies as typed structs, their validation into SamplingParams,
-and the response and stream-chunk shapes. No I/O here."""
+"""The OpenAI protocol's requests: bodies as typed structs and their validation into
+SamplingParams (responses.py shapes the answers). No I/O here."""
 from __future__ import annotations
+
+import json
 
 import msgspec
 
 from pagewire.wire.sampling import InvalidParam, SamplingParams
-from pagewire.wire.to_gateway import TextDelta, TokenLogprob
 from pagewire.wire.to_tokenizer import ChatMessage
+
+from .constraints import ConstraintFields, constraint, requested_constraints
+from .tools import NamedToolChoice, Tool
 
 MAX_N = 16
 
@@ -33,11 +37,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"
-
-
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(ConstraintFields, kw_only=True):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI clients send extras."""
     model: str | None = None
     n: int = 1
@@ -69,7 +69,6 @@ class _Common(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
-    response_format: ResponseFormat | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
 
 
@@ -84,10 +83,23 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallBody(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str                 # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                  # a tool message answers this call
 
 
 class ChatBody(_Common, kw_only=True):
@@ -98,6 +110,9 @@ class ChatBody(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 MAX_LOGPROBS = 20
@@ -136,8 +151,9 @@ def check_count(name: str, items, param: str | None = None) -> None:
 
 
 def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
-                prompt_logprobs: int | None) -> SamplingParams:
-    """The request's SamplingParams (shared by each of its prompts)."""
+                prompt_logprobs: int | None, extra_constraints=()) -> SamplingParams:
+    """The request's SamplingParams (shared by each of its prompts). `extra_constraints`:
+    what else asks for one (tool choice), as requested_constraints() lists them."""
     _check_caps(body, logprobs, prompt_logprobs)
     optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                     min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
@@ -148,6 +164,7 @@ def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
     except ValueError:
         raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
     try:
+        structured = constraint(requested_constraints(body) + list(extra_constraints))
         return SamplingParams(
             **{k: v for k, v in optional.items() if v is not None},
             n=body.n, best_of=body.best_of, use_beam_search=body.use_beam_search,
@@ -158,7 +175,7 @@ def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=bias,
             allowed_token_ids=body.allowed_token_ids, bad_words=list(body.bad_words or []),
-            truncate_prompt_tokens=body.truncate_prompt_tokens)
+            truncate_prompt_tokens=body.truncate_prompt_tokens, structured_outputs=structured)
     except InvalidParam as e:
         raise ApiError(400, str(e), e.param) from None
 
@@ -180,9 +197,6 @@ def _check_caps(body: _Common, logprobs: int | None, prompt_logprobs: int | None
         if any(len(text) > MAX_STOP_CHARS for text in strings):
             raise ApiError(400, f"each of {name} may be at most {MAX_STOP_CHARS} characters",
                            name)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported yet "
-                       "(only 'text')", "response_format")
 
 
 def chat_logprobs(body: ChatBody) -> int | None:
@@ -230,137 +244,23 @@ def chat_messages(body: ChatBody) -> list[ChatMessage]:
             if any(part.type != "text" for part in content):
                 raise ApiError(400, "only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
-        out.append(ChatMessage(role=m.role, content=content, name=m.name))
+        out.append(ChatMessage(role=m.role, content=content, name=m.name,
+                               tool_calls=_template_calls(m.tool_calls),
+                               tool_call_id=m.tool_call_id))
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class Choice:
-    """One output sequence's response so far, as its TextDeltas arrive."""
-
-    def __init__(self):
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob] = []
-        self.echo = ""
-        self.cumulative_logprob = 0.0
-
-    def add(self, delta: TextDelta) -> None:
-        self.text += delta.text
-        self.logprobs += delta.logprobs or []
-        self.prompt_logprobs += delta.prompt_logprobs or []
-        self.echo += delta.echo_prompt or ""
-        if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
-            self.cumulative_logprob = delta.cumulative_logprob or 0.0
-
-
-def as_token_ids(entries: list[TokenLogprob]) -> list[TokenLogprob]:
-    """vLLM's return_tokens_as_token_ids: each token, sampled or alternative, named
-    "token_id:N" (text that does not decode alone stays unambiguous)."""
-    return [msgspec.structs.replace(e, token=f"token_id:{e.token_id}",
-                                    top=[(t, f"token_id:{t}", lp) for t, _, lp in e.top])
-            for e in entries]
-
-
-def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
-    """OpenAI's completions logprobs: parallel lists, text_offset counted from `offset`."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
-        out["tokens"].append(e.token)
-        out["token_logprobs"].append(e.logprob)
-        top = {text: lp for _, text, lp in e.top}
-        if e.logprob is not None:
-            top.setdefault(e.token, e.logprob)
-        out["top_logprobs"].append(top if e.logprob is not None else None)
-        out["text_offset"].append(offset)
-        offset += len(e.token)
-    return out
-
-
-def chat_logprobs_content(entries: list[TokenLogprob]) -> dict:
-    """OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def item(text: str, lp: float) -> dict:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-    return {"content": [dict(item(e.token, e.logprob),
-                             top_logprobs=[item(t, lp) for _, t, lp in e.top])
-                        for e in entries], "refusal": None}
-
-
-def prompt_logprobs_list(entries: list[TokenLogprob]) -> list:
-    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob,
-    decoded_token}} with the actual token and the top alternatives."""
+def _template_calls(calls: list[ToolCallBody] | None) -> list[dict] | None:
+    """Earlier tool calls as chat templates read them: arguments as an object (Hermes, Qwen
+    and Llama templates render them with tojson), the text kept where it is not JSON."""
+    if not calls:
+        return None
     out = []
-    for e in entries:
-        if e.logprob is None:
-            out.append(None)
-            continue
-        d = {str(tid): {"logprob": lp, "decoded_token": text} for tid, text, lp in e.top}
-        d.setdefault(str(e.token_id), {"logprob": e.logprob, "decoded_token": e.token})
-        out.append(d)
+    for c in calls:
+        try:
+            args = json.loads(c.function.arguments)
+        except ValueError:
+            args = c.function.arguments
+        out.append({"id": c.id, "type": c.type,
+                    "function": {"name": c.function.name, "arguments": args}})
     return out
-
-
-class Formatter:
-    """Response shapes for one endpoint. `chat` picks chat.completion vs text_completion;
-    `logprobs` whether choices carry them."""
-
-    def __init__(self, chat: bool, req_id: str, created: int, model: str,
-                 logprobs: bool = False, prompt_logprobs: bool = False, echo: bool = False,
-                 token_ids: bool = False):
-        self.chat, self.id, self.created, self.model = chat, req_id, created, model
-        self.logprobs, self.prompt_logprobs, self.echo = logprobs, prompt_logprobs, echo
-        self.view = as_token_ids if token_ids else list
-
-    def _envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def full(self, choices: dict[int, Choice], use: dict) -> dict:
-        out = self._envelope("chat.completion" if self.chat else "text_completion",
-                             [self._full_choice(i, choices[i]) for i in sorted(choices)])
-        out["usage"] = use
-        return out
-
-    def _full_choice(self, index: int, c: Choice) -> dict:
-        choice = {"index": index, "logprobs": None, "finish_reason": c.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": c.text}
-            if self.logprobs:
-                choice["logprobs"] = chat_logprobs_content(self.view(c.logprobs))
-        else:
-            choice["text"] = c.echo + c.text
-            if self.logprobs:
-                entries = (c.prompt_logprobs if c.echo else []) + c.logprobs
-                choice["logprobs"] = completion_logprobs(self.view(entries))
-        if self.prompt_logprobs:
-            choice["prompt_logprobs"] = prompt_logprobs_list(c.prompt_logprobs)
-        return choice
-
-    def chunk(self, index: int, delta: TextDelta | None, finish_reason: str | None,
-              role: bool = False) -> dict:
-        text = delta.text if delta is not None else ""
-        entries = self.view((delta.logprobs or []) if delta is not None else [])
-        if self.chat:
-            delta_obj = {"role": "assistant", "content": ""} if role else \
-                ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta_obj, "finish_reason": finish_reason,
-                      "logprobs": chat_logprobs_content(entries) if self.logprobs and entries
-                      else None}
-            return self._envelope("chat.completion.chunk", [choice])
-        echo = (delta.echo_prompt or "") if delta is not None else ""
-        if self.echo and delta is not None:
-            entries = self.view(delta.prompt_logprobs or []) + entries
-        choice = {"index": index, "text": echo + text, "finish_reason": finish_reason,
-                  "logprobs": completion_logprobs(entries) if self.logprobs and entries else None}
-        return self._envelope("text_completion", [choice])
-
-    def usage_chunk(self, use: dict) -> dict:
-        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        out["usage"] = use
-        return out

@@ -22,16 +22,17 @@ from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.ids import SeqId, output_ids
-from pagewire.wire.sampling import best_of
+from pagewire.wire.sampling import InvalidParam, best_of
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from .metrics import GatewayMetrics
-from .protocol import (ApiError, ChatBody, Choice, CompletionBody, Formatter, chat_messages,
-                       chat_logprobs, completion_prompts, decode_body, template_kwargs,
-                       to_sampling, usage)
+from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
+                       completion_prompts, decode_body, template_kwargs, to_sampling)
+from .responses import Choice, Formatter, usage
+from .tools import plan_tools
 from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class Gateway:
             response = await handler(request)
         except ApiError as e:
             response = web.json_response(e.body(), status=e.status)
+        except InvalidParam as e:
+            response = web.json_response(ApiError(400, str(e), e.param).body(), status=400)
         except web.HTTPRequestEntityTooLarge:
             e = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
             response = web.json_response(e.body(), status=413)
@@ -169,17 +172,19 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatBody)
         self.check_model(body.model)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
-                               chat_logprobs(body), body.prompt_logprobs)
+                               chat_logprobs(body), body.prompt_logprobs, tools.constraint)
         sub = TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
-                              messages=chat_messages(body),
+                              messages=chat_messages(body), tools=tools.template_tools,
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
                               cache_salt=self.salt(request, body), priority=body.priority,
                               chat_template_kwargs=template_kwargs(body))
         fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                         logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
-                        token_ids=body.return_tokens_as_token_ids)
+                        token_ids=body.return_tokens_as_token_ids, tools=tools,
+                        reasoning_parser=self.config.reasoning_parser)
         return await self.serve(request, body, fmt, [sub])
 
     def api_key(self, request: web.Request) -> str | None:
@@ -259,15 +264,11 @@ class Gateway:
         await response.prepare(request)
         if fmt.chat:
             for index in range(run.num_choices):
-                await _send_event(response, fmt.chunk(index, None, None, role=True))
+                await _send_event(response, fmt.role_chunk(index))
         try:
             async for index, delta in run:
-                if delta.text or delta.logprobs or delta.echo_prompt or \
-                        (delta.finish_reason and not fmt.chat):
-                    await _send_event(response, fmt.chunk(index, delta, None if fmt.chat
-                                                          else delta.finish_reason))
-                if delta.finish_reason and fmt.chat:
-                    await _send_event(response, fmt.chunk(index, None, delta.finish_reason))
+                for chunk in fmt.chunks(index, delta):
+                    await _send_event(response, chunk)
             if include_usage:
                 await _send_event(response, fmt.usage_chunk(run.usage()))
         except ApiError as e:   # the engine failed mid-stream: an error event, then [DONE]

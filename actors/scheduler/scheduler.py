@@ -317,6 +317,9 @@ class Scheduler:
                 req.candidates = (result.top_ids[row], result.top_logprobs[row])
                 if req.group not in groups:
                     groups.append(req.group)
+            elif row is not None and result.errors and req.seq_id in result.errors:
+                self._finish(req)
+                deltas.append(TokenDelta(req.seq_id, [], "error", result.errors[req.seq_id]))
             elif row is not None:
                 req.num_placeholders -= 1
                 deltas.append(self._append(req, result, row))

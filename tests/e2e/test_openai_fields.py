@@ -109,7 +109,7 @@ def test_response_format_and_template_kwargs(client, server):
                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert ok.choices[0].finish_reason in ("stop", "length")
     for body, param in (
-            ({"messages": ASK, "response_format": {"type": "json_object"}}, "response_format"),
+            ({"messages": ASK, "response_format": {"type": "xml"}}, "response_format"),
             ({"messages": ASK, "chat_template_kwargs": {"tools": "x"}}, "chat_template_kwargs"),
             ({"messages": ASK, "logprobs": True, "top_logprobs": 21}, "logprobs"),
             ({"messages": ASK, "top_logprobs": 2}, "top_logprobs"),

@@ -1,0 +1,151 @@
+"""One chat choice's message, from its text: a reasoning model's <think> block apart as
+`reasoning_content` (--reasoning-parser), and tool calls read from what follows (tools.py).
+
+message() shapes a finished text at once; feed() and finish() shape the same text as it
+streams into OpenAI delta objects, holding back only what may still turn out to be a marker
+(the end of reasoning, the start of a tool call) or a call. Both give the same message.
+"""
+from __future__ import annotations
+
+from .tools import CALL_MARKERS, ToolPlan, calls_of, call_id, tool_call_dicts
+
+THINK, END_THINK = "<think>", "</think>"
+
+
+def split_reasoning(parser: str | None, text: str) -> tuple[str | None, str]:
+    """(reasoning, content). deepseek_r1: the output starts inside the block, so a text with
+    no end is all reasoning; qwen3: a block exists only where the output opens one."""
+    if parser is None:
+        return None, text
+    if END_THINK not in text:
+        return (text.replace(THINK, "", 1), "") if parser == "deepseek_r1" else (None, text)
+    before, _, after = text.partition(END_THINK)
+    if parser == "qwen3" and not before.lstrip().startswith(THINK):
+        return None, text
+    return before.replace(THINK, "", 1), after.lstrip("\n")
+
+
+def _safe_prefix(text: str, marker: str) -> int:
+    """How much of `text` cannot be the start of `marker` cut off at its end."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class ChatOutput:
+    def __init__(self, tools: ToolPlan, reasoning_parser: str | None):
+        self.tools, self.parser = tools, reasoning_parser
+        # phase: "open" (qwen3: is there a block?), "reasoning", "content"
+        self.phase = {"deepseek_r1": "reasoning", "qwen3": "open"}.get(reasoning_parser,
+                                                                       "content")
+        self.pending = ""          # text received, not yet sent or decided
+        self.held = ""             # content held back as (possible) tool calls
+        self.in_calls = False      # auto: a call's marker was seen; the rest is held
+        self.trim = False          # drop newlines opening the content (after </think>)
+        self.named_id: str | None = None
+
+    # -- whole ---------------------------------------------------------------------------------
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        reasoning, content = split_reasoning(self.parser, text)
+        msg = {"role": "assistant", "content": content}
+        if self.parser is not None:
+            msg["reasoning_content"] = reasoning
+        if self.tools.mode != "text":
+            content, calls = calls_of(self.tools, content)
+            msg["content"] = content
+            if calls:
+                msg["tool_calls"] = tool_call_dicts(calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return msg, finish_reason
+
+    # -- streamed ------------------------------------------------------------------------------
+
+    def feed(self, text: str) -> list[dict]:
+        self.pending += text
+        out = []
+        if self.phase == "open":
+            head = self.pending.lstrip()
+            if head.startswith(THINK):
+                self.phase, self.pending = "reasoning", head[len(THINK):]
+            elif not THINK.startswith(head):
+                self.phase = "content"
+        if self.phase == "reasoning":
+            before, found, after = self.pending.partition(END_THINK)
+            if found:
+                out += _delta("reasoning_content", before.replace(THINK, "", 1))
+                self.phase, self.pending, self.trim = "content", after, True
+            else:
+                cut = _safe_prefix(self.pending, END_THINK)
+                out += _delta("reasoning_content", self.pending[:cut].replace(THINK, "", 1))
+                self.pending = self.pending[cut:]
+        if self.phase == "content":
+            if self.trim:              # the newlines after </think> belong to neither part
+                self.pending = self.pending.lstrip("\n")
+                self.trim = not self.pending
+            out += self._content(self.pending)
+            self.pending = ""
+        return out
+
+    def _content(self, text: str) -> list[dict]:
+        mode = self.tools.mode
+        if mode == "text":
+            return _delta("content", text)
+        if mode == "named":
+            return self._named_arguments(text)
+        if mode == "required" or self.in_calls:
+            self.held += text
+            return []
+        text, self.held = self.held + text, ""
+        marker = CALL_MARKERS[self.tools.parser]
+        if marker == "{":               # llama3_json: a call is the whole output
+            head = text.lstrip()
+            if head.startswith(("{", "<|python_tag|>")):
+                self.in_calls, self.held = True, text
+                return []
+            if not head:
+                self.held = text
+                return []
+            self.tools = ToolPlan(mode="text")           # plain text after all
+            return _delta("content", text)
+        before, found, after = text.partition(marker)
+        if found:
+            self.in_calls, self.held = True, marker + after
+            return _delta("content", before)
+        cut = _safe_prefix(text, marker)
+        self.held = text[cut:]          # a marker's beginning, maybe
+        return _delta("content", text[:cut])
+
+    def _named_arguments(self, text: str) -> list[dict]:
+        if not text:
+            return []
+        call = {"index": 0, "function": {"arguments": text}}
+        if self.named_id is None:
+            self.named_id = call_id()
+            call = {"index": 0, "id": self.named_id, "type": "function",
+                    "function": {"name": self.tools.function, "arguments": text}}
+        return [{"tool_calls": [call]}]
+
+    def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """The deltas still held, and the choice's finish_reason."""
+        if self.phase == "open":
+            self.phase = "content"
+        if self.phase == "reasoning":
+            return _delta("reasoning_content", self.pending.replace(THINK, "", 1)), \
+                finish_reason
+        held, self.held = self.held + self.pending, ""
+        if self.tools.mode in ("text", "named"):
+            return self._content(held) if held else [], \
+                "tool_calls" if self.named_id and finish_reason == "stop" else finish_reason
+        content, calls = calls_of(self.tools, held)
+        out = _delta("content", content or "")
+        if calls:
+            out.append({"tool_calls": [dict(d, index=i) for i, d in
+                                       enumerate(tool_call_dicts(calls))]})
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return out, finish_reason
+
+
+def _delta(field: str, text: str) -> list[dict]:
+    return [{field: text}] if text else []

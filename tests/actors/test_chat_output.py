@@ -1,0 +1,117 @@
+"""A chat choice's message from its text (gateway/chat_output.py, gateway/tools.py): tool
+choice planning, the three tool-call parsers, the reasoning parsers, and streaming giving the
+same message as the whole text however the text is cut."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pagewire.gateway.chat_output import ChatOutput, split_reasoning
+from pagewire.gateway.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool,
+                                    ToolPlan, calls_of, plan_tools)
+from pagewire.wire.sampling import InvalidParam
+
+TOOLS = [Tool(function=FunctionDef(name="f", parameters={"type": "object", "properties": {
+    "x": {"type": "integer"}}})), Tool(function=FunctionDef(name="g"))]
+AUTO = SimpleNamespace(enable_auto_tool_choice=True, tool_call_parser="hermes")
+OFF = SimpleNamespace(enable_auto_tool_choice=False, tool_call_parser=None)
+
+
+def test_tool_choice_plans():
+    assert plan_tools(None, None, True, OFF) == ToolPlan()
+    assert plan_tools(TOOLS, "none", True, OFF) == ToolPlan()          # tools kept out
+    named = plan_tools(TOOLS, NamedToolChoice(function=NamedFunction(name="g")), True, OFF)
+    assert (named.mode, named.function) == ("named", "g")
+    assert named.constraint == [("tool_choice", {"json": {"type": "object", "properties": {}}})]
+    required = plan_tools(TOOLS, "required", False, OFF)
+    schema = required.constraint[0][1]["json"]
+    assert (schema["minItems"], schema["maxItems"]) == (1, 1)
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["f"], ["g"]]
+    assert [t["function"]["name"] for t in required.template_tools] == ["f", "g"]
+    assert plan_tools(TOOLS, "auto", True, AUTO).parser == "hermes"
+
+
+@pytest.mark.parametrize("tools, choice, config, words", [
+    (TOOLS, "auto", OFF, "requires --enable-auto-tool-choice"),
+    (TOOLS, None, OFF, "requires --enable-auto-tool-choice"),
+    (None, "required", OFF, "tool_choice needs tools"),
+    (TOOLS, "sometimes", AUTO, "must be none, auto, required"),
+])
+def test_tool_choice_refusals(tools, choice, config, words):
+    with pytest.raises(InvalidParam, match=words) as e:
+        plan_tools(tools, choice, True, config)
+    assert e.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', "Let me check.\n",
+     [("f", {"x": 1}), ("g", {})]),
+    ("hermes", "No call here.", "No call here.", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": </tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": </tool_call>', []),       # broken: text
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": 2}}; '
+     '{"name": "g", "parameters": {}}', None, [("f", {"x": 2}), ("g", {})]),
+    ("llama3_json", "It is sunny.", "It is sunny.", []),
+    ("mistral", 'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": 3}}]', "ok", [("f", {"x": 3})]),
+])
+def test_tool_call_parsers(parser, text, content, calls):
+    got_content, got = calls_of(ToolPlan(mode="auto", parser=parser), text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    ("deepseek_r1", "think hard</think>\n\nThe answer.", "think hard", "The answer."),
+    ("deepseek_r1", "<think>still thinking", "still thinking", ""),
+    ("qwen3", "<think>hmm</think>Yes.", "hmm", "Yes."),
+    ("qwen3", "Just an answer.", None, "Just an answer."),
+    (None, "<think>x</think>y", None, "<think>x</think>y"),
+])
+def test_reasoning_split(parser, text, reasoning, content):
+    assert split_reasoning(parser, text) == (reasoning, content)
+
+
+def _stream(out: ChatOutput, text: str, cut: int, reason: str = "stop"):
+    deltas = []
+    for i in range(0, len(text), cut):
+        deltas += out.feed(text[i:i + cut])
+    rest, reason = out.finish(reason)
+    deltas += rest
+    fields = {"content": "", "reasoning_content": ""}
+    calls = {}
+    for d in deltas:
+        for key in fields:
+            fields[key] += d.get(key, "")
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c["function"].get("name", "")
+            call["arguments"] += c["function"]["arguments"]
+    return fields, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tools, parser, text", [
+    (ToolPlan(), "deepseek_r1", "a b</think>\n\nc d"),
+    (ToolPlan(), "qwen3", "<think>deep</think>plain"),
+    (ToolPlan(), "qwen3", "<thin is not a tag"),
+    (ToolPlan(mode="auto", parser="hermes"), None,
+     'Sure <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'),
+    (ToolPlan(mode="auto", parser="hermes"), None, "a <tool but no call"),
+    (ToolPlan(mode="auto", parser="llama3_json"), None, ' {"name": "g", "parameters": {}}'),
+    (ToolPlan(mode="auto", parser="llama3_json"), None, "words {not a call}"),
+    (ToolPlan(mode="auto", parser="mistral"), "qwen3",
+     '<think>plan</think>[TOOL_CALLS][{"name": "f", "arguments": {"x": 5}}]'),
+    (ToolPlan(mode="required"), None, '[{"name": "f", "parameters": {"x": 1}}]'),
+    (ToolPlan(mode="named", function="f"), None, '{"x": 7}'),
+])
+@pytest.mark.parametrize("cut", [1, 3, 1000])
+def test_streaming_gives_the_whole_texts_message(tools, parser, text, cut):
+    whole, whole_reason = ChatOutput(tools, parser).message(text, "stop")
+    fields, calls, reason = _stream(ChatOutput(tools, parser), text, cut)
+    assert fields["content"] == (whole["content"] or "")
+    assert fields["reasoning_content"] == (whole.get("reasoning_content") or "")
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+    assert reason == whole_reason == ("tool_calls" if calls else "stop")
