@@ -72,15 +72,17 @@ def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
         logits[rows, cols] = float("-inf")
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
-    """-inf where a row's bitmask bit is clear. logits [S, V]; masks [R, ceil(V / 32)]."""
-    bits = torch.from_numpy(masks).unsqueeze(-1) >> _BITS                   # [R, W, 32]
-    allowed = (bits & 1).bool().flatten(1)[:, :logits.shape[1]]           # [R, V]
+    """-inf where a row's bitmask bit is clear. logits [S, V]; masks [R, ceil(V / 32)] int32,
+    bit t of word w for token 32 w + t (little-endian, as numpy unpacks it)."""
+    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")     # [R, >= V]
+    banned = ~torch.from_numpy(bits[:, :logits.shape[1]]).view(torch.bool)     # [R, V]
+    banned = banned.to(logits.device)
+    if rows == list(range(logits.shape[0])):       # every row: no gather
+        logits.copy_(torch.where(banned, float("-inf"), logits))
+        return
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[index] = torch.where(banned, float("-inf"), logits[index])
 
 
 def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
