@@ -238,8 +238,7 @@ def test_fuzz_every_finished_output_matches_its_constraint(fuzz_llm):
     assert fuzz_llm.scheduler.kv.num_free == fuzz_llm.scheduler.kv.num_blocks
 
 
-def test_constrained_greedy_outputs_survive_preemption(fuzz_llm, tmp_path_factory,
-                                                       smol_tokenizer_dir):
+def test_constrained_greedy_outputs_survive_preemption_and_pipelining(fuzz_llm):
     from pagewire import LLM
     so = S(json={"type": "object", "properties": {"k": {"type": "array", "items": {
         "type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 6}}, "required": ["k"]},
@@ -247,8 +246,8 @@ def test_constrained_greedy_outputs_survive_preemption(fuzz_llm, tmp_path_factor
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
     prompts = [[5 + i, 9, 9, 9, 9, 9, 9, 9] for i in range(6)]
     roomy = [o.outputs[0].token_ids for o in fuzz_llm.generate(prompts, params)]
-    tight = LLM(fuzz_llm.config.model_info.path, dtype="float32", num_kv_blocks=16, max_model_len=48,
-                block_size=4, max_num_seqs=6)
+    tight = LLM(fuzz_llm.config.model_info.path, dtype="float32", num_kv_blocks=16,
+                max_model_len=48, block_size=4, max_num_seqs=6, async_scheduling=True)
     outs = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy
