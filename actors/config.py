@@ -3,6 +3,7 @@ offline LLM) and handed to each actor as JSON. Imports no torch."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 
@@ -23,6 +24,35 @@ def parse_bytes(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a size: {text!r} (try 2GiB or 512MiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """--speculative-config, as vLLM spells it (JSON). Drafts are proposed by the executor
+    after each step (executor/speculation.py) and verified by the target in the next."""
+    method: str = "ngram"                  # ngram | suffix
+    num_speculative_tokens: int = 3        # drafts verified per step, at most
+    prompt_lookup_min: int = 2             # n-gram lengths matched (ngram, suffix)
+    prompt_lookup_max: int = 4
+    max_batch: int = 8                     # more sequences running than this: no drafts
+    min_acceptance: float = 0.2            # a sequence accepting fewer drafts drafts rarely
+
+    def check(self) -> None:
+        if self.method not in ("ngram", "suffix"):
+            raise ValueError(f"speculative method must be ngram or suffix, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 1..16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -77,6 +107,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
     tool_call_parser: str | None = None      # hermes | llama3_json | mistral
     reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> blocks apart
+    speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None
@@ -121,11 +152,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"max_model_len ({max_len})")
         self._check_parallel()
         self._check_chat()
+        self._check_speculation()
         return msgspec.structs.replace(
             self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling())
+
+    def _check_speculation(self) -> None:
+        if self.speculative_config is None:
+            return
+        self.speculative_config.check()
+        if self.async_scheduling:
+            raise ValueError("--speculative-config and --async-scheduling do not combine: a "
+                             "step's token count is known only from the previous result")
 
     def _check_chat(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -140,6 +180,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         which imports no torch."""
         if self.async_scheduling is not None:
             return self.async_scheduling
+        if self.speculative_config is not None:     # drafts are planned from the last result
+            return False
         return self.device == "cuda" or (self.device == "auto"
                                          and os.path.exists("/proc/driver/nvidia/version"))
 

@@ -13,6 +13,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
+
 import torch
 
 from pagewire.wire.channels import Sends
@@ -62,7 +64,7 @@ class LLM:
     so stop strings, n / best_of, beams and aborts behave exactly as served."""
 
     def __init__(self, model: str | None = None, **options):
-        self.config = EngineConfig(model=model, **options).resolve()
+        self.config = msgspec.convert(dict(options, model=model), EngineConfig).resolve()
         self.tokenizer = load_tokenizer(self.config.model_info)
         core, self.detokenizer = SchedulerCore(self.config), Detokenizer(self.tokenizer)
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),

@@ -17,7 +17,7 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from .config import ACTIVATIONS, EngineConfig, parse_bytes
+from .config import ACTIVATIONS, EngineConfig, parse_bytes, parse_json_object
 
 
 def gib(text: str | int | float) -> int:
@@ -84,6 +84,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "chunks"),
         Option("enable_chunked_prefill", "turn chunking off (a prompt then runs whole in one step)",
                flags=("--no-enable-chunked-prefill",)),
+        Option("speculative_config", "speculative decoding, as JSON: `{\"method\": \"ngram\", "
+               "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 2, "
+               "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs; "
+               "`max_batch`, `min_acceptance`: when it turns itself off (see \"Speculative "
+               "decoding\")", "off", parse=parse_json_object),
         Option("async_scheduling", "plan each step while the previous one runs (two plans in "
                "flight; see \"Pipelined steps\"); `--no-async-scheduling`: one plan in flight; "
                "auto: on where a CUDA driver is present, off on CPU (measured no faster there)",

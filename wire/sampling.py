@@ -107,6 +107,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     or self.allowed_token_ids is not None or self.bad_words_ids)
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether its decodes may verify draft tokens (speculative decoding): not for beams,
+        logprobs, logits processors or structured outputs, which drafts do not carry yet."""
+        return not (self.use_beam_search or self.logprobs is not None
+                    or self.has_logits_processors or self.structured_outputs is not None)
+
+    @property
     def num_sequences(self) -> int:
         """Sequences the engine generates for one prompt: the beam width for beam search,
         else best_of (or n)."""

@@ -79,6 +79,10 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     queue_times: list[float] = []         # seconds from arrival to first scheduled
     step_durations: list[float] = []      # seconds from plan sent to result received
     step_running_for: float = 0.0         # seconds the step now in flight has run (0: none)
+    spec_drafts: int = 0                  # speculative decoding: steps of a sequence that
+    spec_draft_tokens: int = 0            # verified drafts, the drafts verified, and of those
+    spec_accepted_tokens: int = 0         # the ones accepted (cumulative);
+    spec_accepted_per_pos: list[int] = []  # accepted at draft position i (cumulative)
 
 
 GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply | EngineEvent

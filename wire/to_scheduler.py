@@ -34,7 +34,9 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     rows that did not ask hold 0.0 and []. `prompt_logprobs`: this step's prompt positions
     (token 1 onward), by sequence. `error` is set when the step failed as a whole; `errors`
     names sequences that failed alone (a token their grammar refused): their rows' tokens are
-    not theirs to append."""
+    not theirs to append. Speculative decoding: `extra_token_ids` holds the tokens a row
+    produced after its first (drafts verified, then the first token that differed), and
+    `num_drafts` how many draft tokens the executor now holds for a sequence."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -44,6 +46,8 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     prompt_logprobs: dict[SeqId, LogprobsChunk] | None = None
     error: str | None = None
     errors: dict[SeqId, str] | None = None
+    extra_token_ids: dict[SeqId, list[int]] | None = None
+    num_drafts: dict[SeqId, int] | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

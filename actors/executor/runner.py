@@ -30,6 +30,7 @@ from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
+from .speculation import Proposer, accepted
 
 log = logging.getLogger(__name__)
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
@@ -99,7 +100,8 @@ class ModelRunner:
         # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
         self.matchers = Matchers(config.model_info, config.model_info.vocab_size,
                                  self.eos_ids) if self.tp.rank == 0 else None
-        self.table = SeqTable(self.eos_ids, self.matchers)
+        spec = config.speculative_config
+        self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -123,29 +125,55 @@ class ModelRunner:
         spans = spans_of(rows)
         if spans:
             result.prompt_logprobs = prompt_logprobs(self.model, hidden, spans)
+        produced = []
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])            # [S, V]
-            wanted = LogprobRequest.of([seq.sampling for _, seq in sample_seqs])
-            logprobs = wanted.log_softmax(logits)          # before sampling edits the logits
-            # Every rank samples (they keep the tokens for the next step); rank 0's choice is
-            # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
-            tokens = self.tp.broadcast(sample(logits, self._sampling_batch(sample_seqs, masks),
-                                              self.model.ops.lib))
-            result.token_ids = tokens.tolist()
-            if logprobs is not None:
-                result.logprobs, result.top_ids, result.top_logprobs = \
-                    wanted.gather(logprobs, tokens)
-        errors = self.table.finish_step(order, [(sid, seq, token) for (sid, seq), token
-                                                in zip(sample_seqs, result.token_ids)])
-        result.errors = errors or None
+            logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
+            produced = self._sample(logits, sample_seqs, masks, result)
+        result.errors = self.table.finish_step(order, [
+            (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None
+        drafts = {sid: len(seq.drafts) for sid, seq in sample_seqs if seq.drafts}
+        result.num_drafts = drafts or None
         return result
+
+    def _sample(self, logits: torch.Tensor, sample_seqs: list[tuple[SeqId, SeqState]], masks,
+                result: StepResult) -> list[list[int]]:
+        """Sample every row (a speculative sequence has one per position: its last token's
+        and each draft's), fill the result's tokens and logprobs; returns each sequence's
+        tokens: one, or the drafts verified and the first token that differed."""
+        batch = self._sampling_batch(sample_seqs, masks)
+        wanted = LogprobRequest.of(batch.params)
+        logprobs = wanted.log_softmax(logits)              # before sampling edits the logits
+        # Every rank samples (they keep the tokens for the next step); rank 0's choice is
+        # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
+        tokens = self.tp.broadcast(sample(logits, batch, self.model.ops.lib))
+        flat, first, produced, extra, r = tokens.tolist(), [], [], {}, 0
+        for sid, seq in sample_seqs:
+            k = len(seq.verifying)
+            first.append(r)
+            out = flat[r:r + accepted(seq.verifying, flat[r:r + k]) + 1]
+            produced.append(out)
+            if len(out) > 1:
+                extra[sid] = out[1:]
+            r += k + 1
+        result.token_ids = [out[0] for out in produced]
+        result.extra_token_ids = extra or None
+        if logprobs is not None:              # drafting rows never ask: one row a sequence
+            lps, ids, tops = wanted.gather(logprobs, tokens)
+            result.logprobs, result.top_ids, result.top_logprobs = \
+                [lps[r] for r in first], [ids[r] for r in first], [tops[r] for r in first]
+        return produced
 
     def _grammar_masks(self, sample_seqs: list[tuple[SeqId, SeqState]]):
         """(rows of the constrained sequences, a future of their bitmasks), or None."""
-        rows = [r for r, (_, seq) in enumerate(sample_seqs) if seq.matcher is not None]
+        rows, matchers, r = [], [], 0          # a drafting sequence has several rows
+        for _, seq in sample_seqs:
+            if seq.matcher is not None:
+                rows.append(r)
+                matchers.append(seq.matcher)
+            r += 1 + len(seq.verifying)
         if not rows:
             return None
-        return rows, self.matchers.fill_async([sample_seqs[r][1].matcher for r in rows])
+        return rows, self.matchers.fill_async(matchers)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch) -> torch.Tensor:
@@ -189,14 +217,15 @@ class ModelRunner:
             blocks = np.asarray(seq.block_ids)
             row = len(ids)
             rows.append((rid, seq, row))
-            ids.extend(seq.token_ids[start:start + n])
+            known = seq.token_ids + seq.verifying if seq.verifying else seq.token_ids
+            ids.extend(known[start:start + n])
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
             if n > 1:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
-            if seq.samples:
-                sample_rows.append(row + n - 1)
+            if seq.samples:               # the last position; every drafted one too
+                sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
@@ -222,12 +251,13 @@ class ModelRunner:
                         masks=None) -> SamplingBatch:
         params, index, banned = [], [], []
         for _, seq in sample_seqs:
-            n_out = len(seq.token_ids) - seq.num_prompt_tokens
-            params.append(seq.sampling)
-            index.append(n_out)
             s = seq.sampling
-            banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
-                          if n_out < s.min_tokens else [])
+            for n_out in range(seq.num_output_tokens, seq.num_output_tokens + 1 +
+                               len(seq.verifying)):    # one row per position (drafts)
+                params.append(s)
+                index.append(n_out)
+                banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
+                              if n_out < s.min_tokens else [])
         histories = None
         if any(p.has_logits_processors for p in params):
             histories = [(seq.token_ids, seq.num_prompt_tokens) for _, seq in sample_seqs]

@@ -8,11 +8,14 @@ whose last token stopped it (EOS, a stop token id: the scheduler's own rule,
 wire.sampling.stops_on) is left out of such a row, and so is one whose step failed; the
 scheduler has ended both and ignores them. A constrained sequence carries its grammar matcher
 (executor/grammar.py), advanced by each token appended; a token its grammar refuses fails
-that sequence alone.
+that sequence alone. Speculative decoding: after a sequence samples, the proposer
+(executor/speculation.py) leaves drafts in it; a plan that schedules a sequence past its
+known tokens verifies that many of them (`verifying`), and the step appends the tokens
+verified, computed positions advancing only over accepted drafts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling import SamplingParams, stops_on
@@ -29,6 +32,8 @@ class SeqState:
     num_scheduled: int = 0
     stopped: bool = False           # its last sampled token ends it
     matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
+    drafts: list[int] = field(default_factory=list)      # proposed after its last sample
+    verifying: list[int] = field(default_factory=list)   # the drafts this step computes
 
     @property
     def num_output_tokens(self) -> int:
@@ -36,22 +41,26 @@ class SeqState:
 
     @property
     def samples(self) -> bool:
-        """Whether this step's tokens reach the end of its tokens: it samples the next one."""
-        return self.num_computed + self.num_scheduled == len(self.token_ids)
+        """Whether this step's tokens reach the end of its tokens (drafts included): it
+        samples the next one (at each draft's position too)."""
+        return self.num_computed + self.num_scheduled == len(self.token_ids) + len(self.verifying)
 
 
 class SeqTable:
-    def __init__(self, eos_ids: list[int], matchers=None):
+    def __init__(self, eos_ids: list[int], matchers=None, proposer=None):
         self.eos_ids = frozenset(eos_ids)
         self.matchers = matchers            # executor/grammar.py Matchers; None: unconstrained
+        self.proposer = proposer            # executor/speculation.py Proposer; None: no drafts
         self.seqs: dict[SeqId, SeqState] = {}
         self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
     def apply(self, plan: StepPlan) -> list[tuple[SeqId, SeqState]]:
         """Drop, add and extend as the plan says; return the sequences it runs, decodes first."""
         for sid in plan.finished + plan.preempted:
-            self.seqs.pop(sid, None)
+            seq = self.seqs.pop(sid, None)
             self.failed.discard(sid)
+            if seq is not None and self.proposer is not None and sid in plan.finished:
+                self.proposer.remember(seq.token_ids)
         order = []
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
@@ -70,30 +79,48 @@ class SeqTable:
             seq.block_ids[run.block_offset:] = run.block_ids
             seq.token_ids += run.new_token_ids
             seq.num_scheduled = run.num_scheduled
+            excess = seq.num_computed + run.num_scheduled - len(seq.token_ids)
+            seq.verifying = seq.drafts[:excess] if excess > 0 else []
+            if len(seq.verifying) != max(excess, 0):
+                raise ValueError(f"{run.seq_id}: {excess} drafts planned, "
+                                 f"{len(seq.drafts)} held")
             order.append((run.seq_id, seq))
         order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
         return order
 
     def finish_step(self, order: list[tuple[SeqId, SeqState]],
-                    sampled: list[tuple[SeqId, SeqState, int]]) -> dict[SeqId, str]:
-        """The step ran: append each sampled token (a beam's next token is the scheduler's
-        pick, sent in a later plan) and advance what is computed. Returns the sequences whose
-        grammar refused their token, with why."""
-        errors = {}
-        for sid, seq, token in sampled:
-            if seq.sampling.use_beam_search:
-                continue
-            seq.token_ids.append(token)
-            seq.stopped = stops_on(seq.sampling, token, seq.num_output_tokens, self.eos_ids)
-            if seq.matcher is None:
-                self._start_after_reasoning(seq)
-            elif not seq.matcher.consume_token(token):
-                errors[sid] = "the output left its grammar: " + \
-                    seq.matcher.get_error().split("\n<state>")[0][:300]
-                seq.stopped = True
+                    sampled: list[tuple[SeqId, SeqState, list[int]]]) -> dict[SeqId, str]:
+        """The step ran: append each sequence's tokens (a beam's next token is the
+        scheduler's pick, sent in a later plan), advance what is computed, propose drafts.
+        Returns the sequences whose grammar refused their token, with why."""
         for _, seq in order:
             seq.num_computed += seq.num_scheduled
+        errors = {}
+        for sid, seq, tokens in sampled:
+            if seq.sampling.use_beam_search:
+                continue
+            seq.num_computed -= len(seq.verifying) - (len(tokens) - 1)   # rejected drafts
+            seq.verifying = []
+            for token in tokens:
+                error = self._append(seq, token)
+                if error:
+                    errors[sid] = error
+                if seq.stopped:
+                    break
+            if self.proposer is not None and not seq.stopped and seq.sampling.can_speculate:
+                seq.drafts = self.proposer.propose(seq.token_ids)
         return errors
+
+    def _append(self, seq: SeqState, token: int) -> str | None:
+        seq.token_ids.append(token)
+        seq.stopped = stops_on(seq.sampling, token, seq.num_output_tokens, self.eos_ids)
+        if seq.matcher is None:
+            self._start_after_reasoning(seq)
+        elif not seq.matcher.consume_token(token):
+            seq.stopped = True
+            return "the output left its grammar: " + \
+                seq.matcher.get_error().split("\n<state>")[0][:300]
+        return None
 
     def _start_after_reasoning(self, seq: SeqState) -> None:
         """A constraint waiting for the end of reasoning starts when its last token comes."""

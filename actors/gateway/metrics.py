@@ -70,7 +70,7 @@ class GatewayMetrics:
     sequence (first token, later tokens, finish), on_scheduler_stats; `handler` serves them."""
 
     def __init__(self, model_name: str, max_model_len: int = 2048,
-                 max_num_batched_tokens: int = 2048):
+                 max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 1):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -99,7 +99,19 @@ class GatewayMetrics:
                                             "Prefix cache queries, in tokens."),
             "prefix_cache_hits": counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in tokens."),
+            "spec_drafts": counter("vllm:spec_decode_num_drafts",
+                                   "Number of spec decoding drafts."),
+            "spec_draft_tokens": counter("vllm:spec_decode_num_draft_tokens",
+                                         "Number of draft tokens."),
+            "spec_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Number of accepted tokens."),
         }
+        self.accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", names + ["position"], registry=r)
+        for pos in range(num_speculative_tokens):         # present from the start, as vLLM
+            self.accepted_per_pos.labels(**labels, position=str(pos))
+        self.last_per_pos: list[int] = []
         self.last_counts = {name: 0 for name in self.counters}
         self.iteration_tokens = histogram("vllm:iteration_tokens_total",
                                           "Histogram of number of tokens per engine step.",
@@ -211,6 +223,12 @@ class GatewayMetrics:
             last = self.last_inbox.get(kind, 0)
             self.inbox_messages.labels(type=kind).inc(max(0, value - last))
             self.last_inbox[kind] = max(value, last)
+        for pos, value in enumerate(msg.spec_accepted_per_pos):
+            last = self.last_per_pos[pos] if pos < len(self.last_per_pos) else 0
+            self.accepted_per_pos.labels(**self.labels, position=str(pos)).inc(
+                max(0, value - last))
+        if msg.spec_accepted_per_pos:
+            self.last_per_pos = list(msg.spec_accepted_per_pos)
         for n in msg.iteration_tokens:
             self.iteration_tokens.observe(n)
         for t in msg.queue_times:

@@ -61,8 +61,10 @@ class Gateway:
         self.heard_from_engine = time.monotonic()   # it was ready when the gateway started
         self.engine_down: str | None = None         # why the engine core is restarting
         self.step_running_for = 0.0
+        spec = config.speculative_config
         self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
-                                      config.max_num_batched_tokens)
+                                      config.max_num_batched_tokens,
+                                      spec.num_speculative_tokens if spec else 1)
         self.metrics.set_backend(config.backend or "unknown", config.dtype)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([

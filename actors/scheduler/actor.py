@@ -58,6 +58,7 @@ class StatsReporter:
         now = clock()
         self.reported_at, self.dirty = now, False
         self.logged_at, self.logged_totals = now, self._totals()
+        self.logged_drafts = (0, 0, 0)            # drafts, draft tokens, accepted: last logged
         self.quiet = True        # idle with nothing left to log: the log interval restarts
 
     # -- events --------------------------------------------------------------------------------
@@ -120,7 +121,10 @@ class StatsReporter:
             prefix_cache_queries=tables.prefix_queries, prefix_cache_hits=tables.prefix_hits,
             inbox_messages=dict(self.inbox_messages), iteration_tokens=self.iteration_tokens,
             queue_times=self.queue_times, step_durations=self.step_durations,
-            step_running_for=self.step_running_for())
+            step_running_for=self.step_running_for(), spec_drafts=s.drafts.num_drafts,
+            spec_draft_tokens=s.drafts.num_draft_tokens,
+            spec_accepted_tokens=s.drafts.num_accepted_tokens,
+            spec_accepted_per_pos=list(s.drafts.accepted_per_pos))
 
     def step_running_for(self) -> float:
         """How long the executor has been on its current step (0.0: no step in flight)."""
@@ -139,7 +143,19 @@ class StatsReporter:
                  "Prefix cache hit rate: %.1f%%", prompt / elapsed, gen / elapsed,
                  len(self.sched.running), len(self.sched.waiting),
                  100 * self.sched.kv_cache_usage(), 100 * hits / queries if queries else 0.0)
+        self.log_drafts()
         self.logged_at, self.logged_totals = now, totals
+
+    def log_drafts(self) -> None:
+        """vLLM's speculative decoding line, over the drafts verified since the last one."""
+        d = self.sched.drafts
+        now = (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens)
+        drafts, tokens, accepted = (a - b for a, b in zip(now, self.logged_drafts))
+        self.logged_drafts = now
+        if drafts:
+            log.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                     "Drafted: %d tokens, Draft acceptance rate: %.1f%%",
+                     1 + accepted / drafts, accepted, tokens, 100 * accepted / tokens)
 
     def _totals(self) -> tuple[int, int, int, int]:
         s = self.sched

@@ -40,7 +40,8 @@ class Request:
                  "block_hashes", "num_committed", "fork_leader", "cum_logprob", "group",
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
-                 "num_placeholders")
+                 "num_placeholders", "num_drafts", "num_draft_slots", "draft_acceptance",
+                 "draft_skips")
 
     def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -74,6 +75,10 @@ class Request:
         self.prompt_counted = False           # prefill completed once (metrics: prompt tokens)
         self.num_prompt_logprobs_sent = 1     # prompt positions whose logprobs went out
         self.num_dropped = 0                  # leading blocks freed: behind the sliding window
+        self.num_drafts = 0                   # draft tokens the executor holds for it
+        self.num_draft_slots = 0              # of which the plan in flight verifies
+        self.draft_acceptance = 1.0           # moving average of drafts accepted (0..1)
+        self.draft_skips = 0                  # steps it did not draft (low acceptance)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -105,13 +110,14 @@ class Request:
     @property
     def samples_when_planned(self) -> bool:
         """Whether its planned tokens reach the end of its tokens, so the executor samples and
-        appends the next one (beams are extended here; a fork leader forks instead)."""
-        return (self.num_planned == self.target_len + self.num_placeholders
+        appends the next one (beams are extended here; a fork leader forks instead). Draft
+        slots (speculative decoding) are planned past the end: they do not count."""
+        return (self.num_planned - self.num_draft_slots == self.target_len + self.num_placeholders
                 and not self.fork_leader and self.group is None)
 
     def reset_in_flight(self) -> None:
         """Forget the steps in flight (preempted or ended: their results are ignored)."""
-        self.num_in_flight = self.num_placeholders = 0
+        self.num_in_flight = self.num_placeholders = self.num_draft_slots = 0
 
     def stop_reason(self, token: int, eos_ids: frozenset[int]) -> str | None:
         """Why the sequence ends with `token` (just appended): "stop", "length" or None."""
@@ -129,6 +135,7 @@ class Request:
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
     FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
+             "num_drafts", "num_draft_slots", "draft_acceptance", "draft_skips",
              "num_placeholders")   # the fork's own (forks happen with nothing in flight)
 
     def fork(self, seq_id: SeqId, sampling: SamplingParams) -> "Request":
@@ -142,4 +149,6 @@ class Request:
         child.host_block_ids, child.candidates, child.on_executor = [], None, False
         child.num_blocks_sent = child.num_scheduled = 0
         child.num_in_flight = child.num_placeholders = 0
+        child.num_drafts = child.num_draft_slots = child.draft_skips = 0
+        child.draft_acceptance = 1.0
         return child

@@ -40,6 +40,7 @@ from .beam import BeamGroup, extend_beam
 from .block_tables import BlockTables
 from .kv_manager import BlockManager
 from .request import Request, Status
+from .speculation import DraftPolicy
 
 _FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
         self.num_generation_tokens = 0
+        self.drafts = DraftPolicy(config.speculative_config)   # speculation.py; its counters
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:
@@ -192,12 +194,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
+            k = self.drafts.grant(req, budget - 1, len(self.running)) if n == 1 else 0
+            grown = n > 0 and self.tables.grow(req, n + k)
+            if not grown and k:        # no room for the drafts' slots: a plain decode
+                k, grown = 0, self.tables.grow(req, n)
             if n == 0:                 # a beam waiting for its siblings' candidates
                 i += 1
-            elif self.tables.grow(req, n):
-                req.num_scheduled = n
+            elif grown:
+                req.num_scheduled, req.num_draft_slots = n + k, k
                 scheduled.append(req)
-                budget -= n
+                budget -= n + k
                 i += 1
             else:
                 # Out of blocks: preempt from the back (lowest priority, latest arrival; never
@@ -269,7 +275,7 @@ class Scheduler:
         if req.on_executor:
             (self.preempted_ids if preempted else self.to_drop).append(req.seq_id)
             req.on_executor = False
-            req.new_token_ids = []
+            req.new_token_ids, req.num_drafts = [], 0    # its drafts went with its state
 
     def _finish(self, req: Request) -> None:
         """Remove a sequence wherever it is and free its blocks."""
@@ -303,7 +309,7 @@ class Scheduler:
             if result.prompt_logprobs and req.seq_id in result.prompt_logprobs:
                 deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.seq_id])
             req.num_in_flight -= n
-            req.num_computed += n
+            req.num_computed += n - req.num_draft_slots    # drafts count once accepted
             self.tables.commit(req)
             self.tables.drop_behind_window(req)
             reached_end = req.num_computed == req.target_len
@@ -333,20 +339,32 @@ class Scheduler:
         self.num_prompt_tokens += req.num_prompt_tokens
 
     def _append(self, req: Request, result: StepResult, row: int) -> TokenDelta:
-        token = result.token_ids[row]
-        req.token_ids.append(token)
-        self.num_generation_tokens += 1
+        """Append the row's token (and the drafts it verified, speculative decoding); the
+        sequence ends at the first token that ends it."""
+        tokens = self.drafts.tokens_of(req, result, row)
+        reason, appended = None, []
+        for i, token in enumerate(tokens):
+            if i:                      # the token before it was an accepted draft: computed
+                req.num_computed += 1
+            req.token_ids.append(token)
+            appended.append(token)
+            reason = req.stop_reason(token, self.eos_ids)
+            if reason:
+                break
+        self.num_generation_tokens += len(appended)
+        if len(tokens) > 1:
+            self.tables.commit(req)
+        token = tokens[0]
         logprobs = None
         if result.logprobs is not None:
             req.cum_logprob += result.logprobs[row]
             if req.sampling.logprobs is not None:
                 logprobs = LogprobsChunk([token], [result.logprobs[row]], [result.top_ids[row]],
                                          [result.top_logprobs[row]])
-        reason = req.stop_reason(token, self.eos_ids)
         if reason:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
-        return TokenDelta(req.seq_id, [token], reason, None, cum, logprobs)
+        return TokenDelta(req.seq_id, appended, reason, None, cum, logprobs)
 
     def _prompt_logprobs(self, req: Request, chunk: LogprobsChunk) -> list[TokenDelta]:
         """Forward prompt logprobs for positions not sent before (a recomputed request

@@ -90,7 +90,8 @@ class Driven:
             self.executor.fail(plan)
             return result
         by_id = dict(zip(result.seq_ids, result.token_ids))
-        self.executor.finish_step(order, [(r, s, by_id[r]) for r, s in samplers if r in by_id])
+        self.executor.finish_step(order, [(r, s, [by_id[r]]) for r, s in samplers
+                                          if r in by_id])
         return result
 
     def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:

@@ -65,3 +65,17 @@ def test_eos_ends_the_answer(llm):
                       SamplingParams(temperature=0, max_tokens=64))
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].text == "The capital of France is Paris."
+
+
+def test_ngram_speculation_keeps_the_greedy_answers(oracle):
+    spec = LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    text = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
+    asks = [f"Repeat this sentence exactly, twice: {text}", QUESTIONS[2]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for ask, out in zip(asks, spec.chat([[{"role": "user", "content": a}] for a in asks],
+                                        params)):
+        theirs, logits = oracle.greedy(out.prompt_token_ids, 40)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, ask)
+    drafts = spec.scheduler.drafts
+    assert drafts.num_accepted_tokens > 10            # the repeated sentence is drafted

@@ -79,3 +79,26 @@ def test_flags_carry_their_environment_names_in_the_help():
     from pagewire.cli import serve_parser
     text = serve_parser().format_help()
     assert "$PAGEWIRE_MAX_NUM_SEQS" in text and "$PAGEWIRE_KV_CACHE_MEMORY" in text
+
+
+def test_speculative_config_from_a_flag_the_environment_or_a_file(tmp_path):
+    import argparse
+    from pagewire.options import add_flags
+    parser = argparse.ArgumentParser()
+    add_flags(parser, serve=True)
+    flags = vars(parser.parse_args(["--speculative-config",
+                                    '{"method": "suffix", "num_speculative_tokens": 5}']))
+    spec = settings.build(flags, {}).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("suffix", 5, 2)
+    env = {"PAGEWIRE_SPECULATIVE_CONFIG": '{"num_speculative_tokens": 2}'}
+    assert settings.build({}, env).speculative_config.num_speculative_tokens == 2
+    path = tmp_path / "c.toml"
+    path.write_text('[speculative-config]\nmethod = "ngram"\nprompt_lookup_max = 6\n')
+    assert settings.build({}, {}, str(path)).speculative_config.prompt_lookup_max == 6
+    for bad, words in (('{"method": "eagle"}', "ngram or suffix"), ("[1]", "JSON object"),
+                       ('{"num_speculative_tokens": 0}', "1..16"), ('{"typo": 1}', "typo")):
+        with pytest.raises(ValueError, match=words):
+            settings.build({}, {"PAGEWIRE_SPECULATIVE_CONFIG": bad}).resolve()
+    with pytest.raises(ValueError, match="do not combine"):
+        settings.build({"async_scheduling": True,
+                        "speculative_config": '{"method": "ngram"}'}, {}).resolve()

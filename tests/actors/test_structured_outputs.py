@@ -122,7 +122,7 @@ def test_a_refused_token_fails_its_sequence_alone():
     table = SeqTable([EOS])
     a = SeqState([1, 2], 2, 2, [0], SamplingParams(), matcher=_Refusing())
     b = SeqState([1, 2], 2, 2, [1], SamplingParams(), matcher=_Refusing())
-    errors = table.finish_step([], [(sid("a"), a, 9), (sid("b"), b, 4)])
+    errors = table.finish_step([], [(sid("a"), a, [9]), (sid("b"), b, [4])])
     assert errors == {sid("a"): "the output left its grammar: token 9 refused"}
     assert a.stopped and not b.stopped
 
@@ -275,9 +275,9 @@ def test_a_constraint_after_reasoning_starts_at_the_end_of_the_block(config, rt)
                                       [], []))
     assert seq.matcher is None                          # reasoning: unconstrained
     for token in (10, 7, 10):
-        table.finish_step([], [(sid("a"), seq, token)])
+        table.finish_step([], [(sid("a"), seq, [token])])
         assert seq.matcher is None
-    table.finish_step([], [(sid("a"), seq, 11)])        # the block's end: constrained now
+    table.finish_step([], [(sid("a"), seq, [11])])        # the block's end: constrained now
     yes = rt.tokenizer.encode("yes", add_special_tokens=False)
     assert _allowed(matchers, seq.matcher) == yes[:1]
     # Back after preemption with its outputs: the matcher replays what followed the block.

@@ -1,0 +1,190 @@
+"""Speculative decoding: the n-gram lookup, the scheduler's grants, and verification on a tiny
+random model: outputs (greedy, and seeded sampling) identical with and without drafts whether
+every draft, none or some are right; stops, max_tokens, preemption and the block pool."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagewire import LLM, SamplingParams
+from pagewire.config import SpeculativeConfig
+from pagewire.executor.speculation import Proposer, accepted, lookup
+from pagewire.scheduler.speculation import PROBE_EVERY, DraftPolicy
+
+
+def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup(tokens, tokens, 1, 4, 3) == [7, 8, 5]      # "2 3": latest earlier match
+    assert lookup(tokens + [7], tokens + [7], 1, 4, 2) == [8, 5]   # "2 3 7" beats "7"
+    assert lookup([4, 5, 6], [4, 5, 6], 1, 3, 3) == []       # nothing repeats
+    assert lookup([1, 2, 1, 2], [1, 2, 1, 2], 3, 3, 2) == []  # min_n 3 not met
+    assert lookup([5, 6], [0, 5, 6, 1, 2], 2, 2, 4, own=False) == [1, 2]
+
+
+def test_suffix_also_drafts_from_outputs_that_finished():
+    cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=2, prompt_lookup_min=2)
+    proposer = Proposer(cfg)
+    assert proposer.propose([7, 8, 9]) == []
+    proposer.remember([1, 8, 9, 4, 5, 6])
+    assert proposer.propose([7, 8, 9]) == [4, 5]
+    assert Proposer(SpeculativeConfig(prompt_lookup_min=2)).recent is None   # ngram: own only
+
+
+def test_accepted_counts_the_leading_matches():
+    assert accepted([4, 5, 6], [4, 5, 9, 1]) == 2
+    assert accepted([4, 5, 6], [4, 5, 6, 1]) == 3
+    assert accepted([], [3]) == 0
+
+
+def _req(**kw):
+    base = dict(num_drafts=3, draft_acceptance=1.0, draft_skips=0, max_tokens=100,
+                num_output_tokens=0, num_draft_slots=0)
+    return SimpleNamespace(**(base | kw))
+
+
+def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
+    policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=3, max_batch=4))
+    assert policy.grant(_req(), budget=10, num_running=4) == 3
+    assert policy.grant(_req(), budget=2, num_running=1) == 2
+    assert policy.grant(_req(max_tokens=10, num_output_tokens=8), 10, 1) == 1
+    assert policy.grant(_req(), budget=10, num_running=5) == 0     # above max_batch
+    assert policy.grant(_req(num_drafts=0), budget=10, num_running=1) == 0
+    assert DraftPolicy(None).grant(_req(), 10, 1) == 0
+
+
+def test_a_sequence_that_rarely_accepts_drafts_only_every_probe_steps():
+    policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=2, min_acceptance=0.5))
+    req = _req(num_draft_slots=2, num_drafts=2)
+    for _ in range(4):
+        req.num_draft_slots = 2
+        policy.verified(req, 0)
+    assert req.draft_acceptance < 0.5
+    grants = [policy.grant(req, 10, 1) for _ in range(2 * PROBE_EVERY)]
+    assert grants.count(0) == 2 * PROBE_EVERY - 2 and grants.count(2) == 2
+    assert (policy.num_drafts, policy.num_draft_tokens, policy.num_accepted_tokens) == (4, 8, 0)
+
+
+class _Oracle:
+    """Proposes the reference continuation, with every `wrong`-th draft spoiled."""
+
+    def __init__(self, references: list[list[int]], k: int, wrong: int = 0):
+        self.references, self.k, self.wrong = references, k, wrong
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        for ref in self.references:
+            if ref[:len(tokens)] == tokens:
+                drafts = ref[len(tokens):len(tokens) + self.k]
+                if self.wrong:
+                    drafts = [t if (len(tokens) + i) % self.wrong else t + 1
+                              for i, t in enumerate(drafts)]
+                return drafts
+        return []
+
+    def remember(self, tokens):
+        pass
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, smol_tokenizer_dir):
+    from tests.helpers import make_tiny_llama
+    return make_tiny_llama(str(tmp_path_factory.mktemp("spec") / "m"), smol_tokenizer_dir,
+                           vocab_size=512, seed=4)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(20, 45)), [100, 101, 100, 101]]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+
+
+def _run(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def _with_oracle(model, reference, wrong=0, **options) -> LLM:
+    llm = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4, speculative_config=SPEC,
+              **options)
+    refs = [p + r for p, r in zip(PROMPTS, reference)]
+    llm.runner.table.proposer = _Oracle(refs, 4, wrong)
+    return llm
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=30),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=11, max_tokens=30),
+], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("wrong", [0, 3, 1], ids=["all-right", "some-wrong", "all-wrong"])
+def test_outputs_are_the_same_with_drafts_right_or_wrong(model, params, wrong):
+    plain = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    reference = _run(plain, params)
+    llm = _with_oracle(model, reference, wrong)
+    assert _run(llm, params) == reference
+    d = llm.scheduler.drafts
+    assert d.num_draft_tokens > 0
+    if wrong == 0:
+        assert d.num_accepted_tokens == d.num_draft_tokens          # every draft right
+    elif wrong == 1:
+        assert d.num_accepted_tokens == 0
+    else:
+        assert 0 < d.num_accepted_tokens < d.num_draft_tokens
+    assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks   # nothing leaked
+    steps = llm.scheduler.step_id
+    assert (steps < plain.scheduler.step_id) == (d.num_accepted_tokens > 0)
+
+
+def test_ngram_drafts_keep_greedy_outputs(model):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    reference = _run(LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128), params)
+    llm = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, speculative_config=SPEC)
+    assert _run(llm, params) == reference
+    assert llm.scheduler.drafts.num_drafts > 0
+
+
+def test_a_stop_inside_the_verified_drafts_ends_the_output_there(model):
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    reference = _run(LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128), greedy)
+    stop = reference[0][9]                       # somewhere inside a run of accepted drafts
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+    llm = _with_oracle(model, reference)
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert out.token_ids == reference[0][:reference[0].index(stop) + 1]
+    assert out.finish_reason == "stop"
+    short = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=7))[0]
+    assert short.outputs[0].token_ids == reference[1][:7]           # max_tokens kept exactly
+    assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
+
+
+def test_drafts_survive_preemption_and_n(model):
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24)
+    roomy = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    reference = [[c.token_ids for c in o.outputs] for o in roomy.generate(PROMPTS, params)]
+    tight = LLM(model, dtype="float32", num_kv_blocks=20, block_size=4, max_model_len=64,
+                speculative_config=SPEC)
+    tight.runner.table.proposer = _Oracle([p + c for p, cs in zip(PROMPTS, reference)
+                                           for c in cs], 4)
+    outs = [[c.token_ids for c in o.outputs] for o in tight.generate(PROMPTS, params)]
+    assert outs == reference
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.scheduler.drafts.num_accepted_tokens > 0
+    assert tight.scheduler.kv.num_free == tight.scheduler.kv.num_blocks
+
+
+def test_draft_counters_reach_prometheus_with_vllms_names():
+    from pagewire.gateway.metrics import GatewayMetrics
+    from pagewire.wire.to_gateway import SchedulerStats
+    metrics = GatewayMetrics("m")
+    base = dict(num_running=1, num_waiting=0, kv_cache_usage=0.0, prompt_tokens=0,
+                generation_tokens=0, preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
+    metrics.on_scheduler_stats(SchedulerStats(**base, spec_drafts=2, spec_draft_tokens=6,
+                                              spec_accepted_tokens=4,
+                                              spec_accepted_per_pos=[2, 1, 1]))
+    metrics.on_scheduler_stats(SchedulerStats(**base, spec_drafts=3, spec_draft_tokens=9,
+                                              spec_accepted_tokens=5,
+                                              spec_accepted_per_pos=[3, 1, 1]))
+    text = metrics.exposition().decode()
+    labels = '{engine="0",model_name="m"'
+    for line in (f"vllm:spec_decode_num_drafts_total{labels}}} 3.0",
+                 f"vllm:spec_decode_num_draft_tokens_total{labels}}} 9.0",
+                 f"vllm:spec_decode_num_accepted_tokens_total{labels}}} 5.0",
+                 f'vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="0"}} 3.0',
+                 f'vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="2"}} 1.0'):
+        assert line in text, line
