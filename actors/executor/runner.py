@@ -62,6 +62,11 @@ def _release_freed_memory() -> None:
         pass
 
 
+def is_decode(seq: SeqState) -> bool:
+    """Whether its rows run as decode rows: one token, or a last token and its drafts."""
+    return seq.num_scheduled == 1 or bool(seq.verifying)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -210,7 +215,12 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, sample_rows, sample_seqs, prefills = [], [], [], [], [], []
         rows = []
-        decodes = [seq for _, seq in order if seq.num_scheduled == 1]
+        # Decode rows: (sequence, context length). A sequence verifying drafts is one decode
+        # row per position: every row's K/V is written before any row attends, and each row
+        # sees up to its own position, so the span is causal without a prefill kernel (and
+        # small speculative steps take the fused decode path).
+        decodes = [(seq, seq.num_computed + i + 1) for _, seq in order if is_decode(seq)
+                   for i in range(seq.num_scheduled)]
         for rid, seq in order:
             start, n = seq.num_computed, seq.num_scheduled
             p = np.arange(start, start + n)
@@ -221,7 +231,7 @@ class ModelRunner:
             ids.extend(known[start:start + n])
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
-            if n > 1:
+            if n > 1 and not seq.verifying:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
             if seq.samples:               # the last position; every drafted one too
@@ -234,14 +244,14 @@ class ModelRunner:
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
                 sample_rows, sample_seqs, rows)
 
-    def _decode_layout(self, decodes: list[SeqState]) -> dict:
+    def _decode_layout(self, decodes: list[tuple[SeqState, int]]) -> dict:
         if not decodes:
             return {"decode_block_tables": None, "decode_context_lens": None}
         bs = self.block_size
-        context = np.array([s.num_computed + 1 for s in decodes], dtype=np.int64)
+        context = np.array([c for _, c in decodes], dtype=np.int64)
         width = int(-(-context.max() // bs))
         tables = np.zeros((len(decodes), width), dtype=np.int64)
-        for i, seq in enumerate(decodes):
+        for i, (seq, _) in enumerate(decodes):
             blocks = seq.block_ids[:width]
             tables[i, :len(blocks)] = blocks
         return {"decode_block_tables": torch.from_numpy(tables),

@@ -85,7 +85,8 @@ class SeqTable:
                 raise ValueError(f"{run.seq_id}: {excess} drafts planned, "
                                  f"{len(seq.drafts)} held")
             order.append((run.seq_id, seq))
-        order.sort(key=lambda item: item[1].num_scheduled != 1)   # stable: decodes first
+        # stable: decodes first (a sequence verifying drafts is one decode row a position)
+        order.sort(key=lambda item: item[1].num_scheduled != 1 and not item[1].verifying)
         return order
 
     def finish_step(self, order: list[tuple[SeqId, SeqState]],
