@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--only", default="copy,free,batch", help="workloads to run")
     args = p.parse_args()
     common = dict(dtype=args.dtype, max_model_len=2048)
     engines = {"plain": LLM(**common), "spec": LLM(**common,
@@ -76,6 +77,8 @@ def main() -> None:
             "free": lambda e: single_streams(e, FREE, 128),
             "batch": lambda e: batch(e, args.batch, 64)}
     for name, run in work.items():
+        if name not in args.only.split(","):
+            continue
         rates = {k: [] for k in engines}
         for _ in range(args.rounds):
             for key, llm in engines.items():

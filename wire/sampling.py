@@ -109,9 +109,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def can_speculate(self) -> bool:
         """Whether its decodes may verify draft tokens (speculative decoding): not for beams,
-        logprobs, logits processors or structured outputs, which drafts do not carry yet."""
+        logprobs or logits processors, which drafts do not carry yet."""
         return not (self.use_beam_search or self.logprobs is not None
-                    or self.has_logits_processors or self.structured_outputs is not None)
+                    or self.has_logits_processors)
 
     @property
     def num_sequences(self) -> int:

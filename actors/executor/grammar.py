@@ -63,6 +63,19 @@ class Matchers:
             matcher.consume_tokens(outputs)
         return matcher
 
+    @staticmethod
+    def at_positions(matcher: llguidance.LLMatcher,
+                     drafts: list[int]) -> list[llguidance.LLMatcher]:
+        """The matcher's state at each position of a row verifying `drafts`: as it is, then
+        after each draft (copies; the sequence's own matcher advances only over the tokens
+        the step keeps)."""
+        states = [matcher]
+        for token in drafts:
+            state = states[-1].deep_copy()
+            state.consume_token(token)
+            states.append(state)
+        return states
+
     def fill_async(self, matchers: list[llguidance.LLMatcher]) -> concurrent.futures.Future:
         """A future of the bitmasks [len(matchers), ceil(V / 32)] int32 (V: the llguidance
         tokenizer's width, at least the logits'): bit t of row r set where matchers[r]

@@ -173,8 +173,9 @@ class ModelRunner:
         rows, matchers, r = [], [], 0          # a drafting sequence has several rows
         for _, seq in sample_seqs:
             if seq.matcher is not None:
-                rows.append(r)
-                matchers.append(seq.matcher)
+                at = self.matchers.at_positions(seq.matcher, seq.verifying)
+                rows.extend(range(r, r + len(at)))
+                matchers.extend(at)
             r += 1 + len(seq.verifying)
         if not rows:
             return None

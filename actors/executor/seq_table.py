@@ -109,8 +109,19 @@ class SeqTable:
                 if seq.stopped:
                     break
             if self.proposer is not None and not seq.stopped and seq.sampling.can_speculate:
-                seq.drafts = self.proposer.propose(seq.token_ids)
+                seq.drafts = self._drafts(seq)
         return errors
+
+    def _drafts(self, seq: SeqState) -> list[int]:
+        """A constrained sequence drafts what its grammar forces (jump-forward: those tokens
+        are certain), else the proposer's drafts as far as the grammar allows them."""
+        if seq.matcher is None:
+            return [] if seq.sampling.structured_outputs else self.proposer.propose(seq.token_ids)
+        forced = seq.matcher.compute_ff_tokens()[:self.proposer.k]
+        if forced:
+            return forced
+        drafts = self.proposer.propose(seq.token_ids)
+        return drafts[:seq.matcher.validate_tokens(drafts)] if drafts else []
 
     def _append(self, seq: SeqState, token: int) -> str | None:
         seq.token_ids.append(token)

@@ -10,7 +10,8 @@ accepted, so rejected positions never reach num_computed or the prefix cache (th
 written again by the next step). Speculation turns itself off per step: above `max_batch`
 running sequences (a batch is no longer bound by reading the weights, so drafts cost what
 they save), and per sequence while its acceptance (a moving average) stays below
-`min_acceptance`, retrying every PROBE_EVERY steps.
+`min_acceptance`, retrying every PROBE_EVERY steps; above it a sequence verifies about
+k * acceptance of its drafts.
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ class DraftPolicy:
             if req.draft_skips % PROBE_EVERY:
                 return 0
         room = req.max_tokens - req.num_output_tokens - 1     # the step samples one more
-        return max(0, min(req.num_drafts, budget, room))
+        # Each draft costs a row whether or not it is accepted: verify as many as the
+        # sequence's acceptance says are likely to be right (at least one).
+        likely = max(1, round(cfg.num_speculative_tokens * req.draft_acceptance))
+        return max(0, min(req.num_drafts, budget, room, likely))
 
     def tokens_of(self, req: Request, result: StepResult, row: int) -> list[int]:
         """req's tokens in the result (one, or the drafts it verified and the next), with the

@@ -284,3 +284,25 @@ def test_a_constraint_after_reasoning_starts_at_the_end_of_the_block(config, rt)
     resumed = NewSeq(sid("b"), [1, 2, 3, 10, 11] + yes, 3, 0, 7, [0], params)
     [(_, again)] = table.apply(StepPlan(1, [resumed], [], []))
     assert _allowed(matchers, again.matcher) == list(info.eos_token_ids)
+
+
+def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_llm):
+    from pagewire import LLM
+    schema = {"type": "object", "properties": {
+        "a_rather_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
+        "another_quite_long_fixed_key": {"enum": ["first choice", "second choice"]}},
+        "required": ["a_rather_long_property_name", "another_quite_long_fixed_key"],
+        "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=S(
+        json=schema, disable_any_whitespace=True))
+    prompts = [[5 + i, 6, 7] for i in range(3)]
+    plain = [o.outputs[0].token_ids for o in fuzz_llm.generate(prompts, params)]
+    spec = LLM(fuzz_llm.config.model_info.path, dtype="float32", num_kv_blocks=512,
+               block_size=16, speculative_config={"num_speculative_tokens": 8})
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    drafts = spec.scheduler.drafts
+    assert drafts.num_accepted_tokens >= 3 * 8          # the keys came as forced drafts
+    assert spec.scheduler.step_id < max(len(t) for t in plain)
