@@ -51,6 +51,8 @@ def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
     assert policy.grant(_req(), budget=10, num_running=5) == 0     # above max_batch
     assert policy.grant(_req(num_drafts=0), budget=10, num_running=1) == 0
     assert DraftPolicy(None).grant(_req(), 10, 1) == 0
+    half = DraftPolicy(SpeculativeConfig(num_speculative_tokens=4))
+    assert half.grant(_req(num_drafts=4, draft_acceptance=0.5), 10, 1) == 2   # likely right
 
 
 def test_a_sequence_that_rarely_accepts_drafts_only_every_probe_steps():
@@ -61,7 +63,7 @@ def test_a_sequence_that_rarely_accepts_drafts_only_every_probe_steps():
         policy.verified(req, 0)
     assert req.draft_acceptance < 0.5
     grants = [policy.grant(req, 10, 1) for _ in range(2 * PROBE_EVERY)]
-    assert grants.count(0) == 2 * PROBE_EVERY - 2 and grants.count(2) == 2
+    assert grants.count(0) == 2 * PROBE_EVERY - 2 and grants.count(1) == 2   # probes: one
     assert (policy.num_drafts, policy.num_draft_tokens, policy.num_accepted_tokens) == (4, 8, 0)
 
 
