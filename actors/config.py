@@ -31,10 +31,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     after each step (executor/speculation.py) and verified by the target in the next."""
     method: str = "ngram"                  # ngram | suffix
     num_speculative_tokens: int = 3        # drafts verified per step, at most
-    prompt_lookup_min: int = 2             # n-gram lengths matched (ngram, suffix)
+    prompt_lookup_min: int = 3             # n-gram lengths matched (ngram, suffix)
     prompt_lookup_max: int = 4
     max_batch: int = 8                     # more sequences running than this: no drafts
-    min_acceptance: float = 0.2            # a sequence accepting fewer drafts drafts rarely
+    min_acceptance: float = 0.35           # a sequence accepting fewer drafts drafts rarely
 
     def check(self) -> None:
         if self.method not in ("ngram", "suffix"):

@@ -85,7 +85,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("enable_chunked_prefill", "turn chunking off (a prompt then runs whole in one step)",
                flags=("--no-enable-chunked-prefill",)),
         Option("speculative_config", "speculative decoding, as JSON: `{\"method\": \"ngram\", "
-               "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 2, "
+               "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 3, "
                "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs; "
                "`max_batch`, `min_acceptance`: when it turns itself off (see \"Speculative "
                "decoding\")", "off", parse=parse_json_object),

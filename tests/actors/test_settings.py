@@ -89,7 +89,7 @@ def test_speculative_config_from_a_flag_the_environment_or_a_file(tmp_path):
     flags = vars(parser.parse_args(["--speculative-config",
                                     '{"method": "suffix", "num_speculative_tokens": 5}']))
     spec = settings.build(flags, {}).speculative_config
-    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("suffix", 5, 2)
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min) == ("suffix", 5, 3)
     env = {"PAGEWIRE_SPECULATIVE_CONFIG": '{"num_speculative_tokens": 2}'}
     assert settings.build({}, env).speculative_config.num_speculative_tokens == 2
     path = tmp_path / "c.toml"
