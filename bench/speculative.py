@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--only", default="copy,free,batch", help="workloads to run")
+    p.add_argument("--only", default="copy,free,batch,json", help="workloads to run")
     args = p.parse_args()
     common = dict(dtype=args.dtype, max_model_len=2048)
     engines = {"plain": LLM(**common), "spec": LLM(**common,
