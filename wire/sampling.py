@@ -108,10 +108,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def can_speculate(self) -> bool:
-        """Whether its decodes may verify draft tokens (speculative decoding): not for beams,
-        logprobs or logits processors, which drafts do not carry yet."""
-        return not (self.use_beam_search or self.logprobs is not None
-                    or self.has_logits_processors)
+        """Whether its decodes may verify draft tokens (speculative decoding): not for beam
+        search, whose next tokens the scheduler picks."""
+        return not self.use_beam_search
 
     @property
     def num_sequences(self) -> int:

@@ -36,7 +36,8 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     names sequences that failed alone (a token their grammar refused): their rows' tokens are
     not theirs to append. Speculative decoding: `extra_token_ids` holds the tokens a row
     produced after its first (drafts verified, then the first token that differed), and
-    `num_drafts` how many draft tokens the executor now holds for a sequence."""
+    `num_drafts` how many draft tokens the executor now holds for a sequence;
+    `extra_logprobs` the extra tokens' log-probabilities where logprobs were asked."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -47,6 +48,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     error: str | None = None
     errors: dict[SeqId, str] | None = None
     extra_token_ids: dict[SeqId, list[int]] | None = None
+    extra_logprobs: dict[SeqId, LogprobsChunk] | None = None   # theirs, when rows asked
     num_drafts: dict[SeqId, int] | None = None
 
 

@@ -18,6 +18,7 @@ from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
 from pagewire.wire.ids import SeqId
+from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
@@ -162,10 +163,14 @@ class ModelRunner:
             r += k + 1
         result.token_ids = [out[0] for out in produced]
         result.extra_token_ids = extra or None
-        if logprobs is not None:              # drafting rows never ask: one row a sequence
+        if logprobs is not None:      # row r + i holds the logprobs of a sequence's i-th token
             lps, ids, tops = wanted.gather(logprobs, tokens)
             result.logprobs, result.top_ids, result.top_logprobs = \
                 [lps[r] for r in first], [ids[r] for r in first], [tops[r] for r in first]
+            chunks = {sid: LogprobsChunk(out[1:], lps[r + 1:r + len(out)],
+                                         ids[r + 1:r + len(out)], tops[r + 1:r + len(out)])
+                      for (sid, _), r, out in zip(sample_seqs, first, produced) if len(out) > 1}
+            result.extra_logprobs = chunks or None
         return produced
 
     def _grammar_masks(self, sample_seqs: list[tuple[SeqId, SeqState]]):
@@ -269,9 +274,10 @@ class ModelRunner:
                 index.append(n_out)
                 banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
                               if n_out < s.min_tokens else [])
-        histories = None
+        histories = None             # a draft's row sees the drafts before it as history
         if any(p.has_logits_processors for p in params):
-            histories = [(seq.token_ids, seq.num_prompt_tokens) for _, seq in sample_seqs]
+            histories = [(seq.token_ids + seq.verifying[:i], seq.num_prompt_tokens)
+                         for _, seq in sample_seqs for i in range(1 + len(seq.verifying))]
         batch = SamplingBatch(params, index, banned, histories)
         if masks is not None:
             batch.grammar_rows, batch.grammar_masks = masks[0], masks[1].result()

@@ -354,13 +354,12 @@ class Scheduler:
         self.num_generation_tokens += len(appended)
         if len(tokens) > 1:
             self.tables.commit(req)
-        token = tokens[0]
         logprobs = None
         if result.logprobs is not None:
-            req.cum_logprob += result.logprobs[row]
-            if req.sampling.logprobs is not None:
-                logprobs = LogprobsChunk([token], [result.logprobs[row]], [result.top_ids[row]],
-                                         [result.top_logprobs[row]])
+            logprobs = self.drafts.logprobs_of(req, result, row, len(appended))
+            req.cum_logprob += sum(logprobs.logprobs)
+            if req.sampling.logprobs is None:
+                logprobs = None
         if reason:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None

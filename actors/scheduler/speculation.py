@@ -15,6 +15,7 @@ k * acceptance of its drafts.
 """
 from __future__ import annotations
 
+from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_scheduler import StepResult
 
 from .request import Request
@@ -56,6 +57,20 @@ class DraftPolicy:
             req.num_draft_slots = 0
         req.num_drafts = (result.num_drafts or {}).get(req.seq_id, 0)
         return [result.token_ids[row]] + extra
+
+    @staticmethod
+    def logprobs_of(req: Request, result: StepResult, row: int, count: int) -> LogprobsChunk:
+        """The log-probabilities of req's first `count` tokens in the result."""
+        chunk = LogprobsChunk([result.token_ids[row]], [result.logprobs[row]],
+                              [result.top_ids[row]], [result.top_logprobs[row]])
+        extra = (result.extra_logprobs or {}).get(req.seq_id)
+        if extra is not None and count > 1:
+            n = count - 1
+            chunk = LogprobsChunk(chunk.token_ids + extra.token_ids[:n],
+                                  chunk.logprobs + extra.logprobs[:n],
+                                  chunk.top_ids + extra.top_ids[:n],
+                                  chunk.top_logprobs + extra.top_logprobs[:n])
+        return chunk
 
     def verified(self, req: Request, accepted: int) -> None:
         """The step verified req.num_draft_slots drafts and accepted the first `accepted`."""

@@ -113,7 +113,9 @@ def _with_oracle(model, reference, wrong=0, **options) -> LLM:
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=30),
     SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=11, max_tokens=30),
-], ids=["greedy", "seeded"])
+    SamplingParams(temperature=0.7, seed=5, max_tokens=30, presence_penalty=0.5,
+                   frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={7: 2.0}),
+], ids=["greedy", "seeded", "penalties"])
 @pytest.mark.parametrize("wrong", [0, 3, 1], ids=["all-right", "some-wrong", "all-wrong"])
 def test_outputs_are_the_same_with_drafts_right_or_wrong(model, params, wrong):
     plain = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
@@ -190,3 +192,20 @@ def test_draft_counters_reach_prometheus_with_vllms_names():
                  f'vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="0"}} 3.0',
                  f'vllm:spec_decode_num_accepted_tokens_per_pos_total{labels},position="2"}} 1.0'):
         assert line in text, line
+
+
+def test_logprobs_of_accepted_drafts_equal_plain_decodings(model):
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=20, logprobs=2)
+    plain = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    ref = plain.generate(PROMPTS, params)
+    llm = _with_oracle(model, [o.outputs[0].token_ids for o in ref], wrong=4)
+    outs = llm.generate(PROMPTS, params)
+    assert llm.scheduler.drafts.num_accepted_tokens > 0
+    for ours, theirs in zip(outs, ref):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert [(e.token_id, [t for t, _, _ in e.top]) for e in a.logprobs] == \
+            [(e.token_id, [t for t, _, _ in e.top]) for e in b.logprobs]
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs],
+                                                                abs=1e-4)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
