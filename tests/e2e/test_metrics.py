@@ -1,5 +1,6 @@
-"""GET /metrics on a real `pagewire serve`: vLLM's counters agree with the usage the openai
-client got back, and a stream cancelled mid-way leaves nothing running and no KV blocks held."""
+"""GET /metrics on a real `pagewire serve` (with n-gram speculation on): vLLM's counters agree
+with the usage the openai client got back, a stream cancelled mid-way leaves nothing running
+and no KV blocks held, and the drafts' counters move when the answer copies the prompt."""
 from __future__ import annotations
 
 import tempfile
@@ -20,7 +21,9 @@ LABELS = {"model_name": MODEL}
 @pytest.fixture(scope="module")
 def server():
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
-        srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB"], run_parent)
+        srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                     run_parent)
         try:
             yield srv
         finally:
@@ -148,3 +151,22 @@ def test_backend_is_the_one_executor_0_runs(server):
     assert get(samples, "pagewire:backend_info", backend=backend, dtype=dtype) == 1
     assert [k for k in samples if k[0] == "pagewire:backend_info"] == \
         [("pagewire:backend_info", frozenset({"backend": backend, "dtype": dtype}.items()))]
+
+
+def test_speculative_decoding_counters(server, client):
+    before = scrape(server)
+    text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    r = client.completions.create(model=MODEL, prompt=f"{text}\n{text}\n{text}\n",
+                                  max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 24
+
+    def delta(samples, name):
+        return get(samples, name) - get(before, name)
+
+    after = poll(server, lambda s: delta(s, "vllm:spec_decode_num_accepted_tokens_total") > 0)
+    drafts = delta(after, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = delta(after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= drafts
+    assert delta(after, "vllm:spec_decode_num_drafts_total") > 0
+    assert get(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") >= \
+        get(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="2")
