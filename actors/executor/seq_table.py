@@ -33,6 +33,7 @@ class SeqState:
     stopped: bool = False           # its last sampled token ends it
     matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
     drafts: list[int] = field(default_factory=list)      # proposed after its last sample
+    ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
 
     @property
@@ -115,12 +116,15 @@ class SeqTable:
     def _drafts(self, seq: SeqState) -> list[int]:
         """A constrained sequence drafts what its grammar forces (jump-forward: those tokens
         are certain), else the proposer's drafts as far as the grammar allows them."""
+        if seq.ngrams is None:
+            seq.ngrams = self.proposer.index()
         if seq.matcher is None:
-            return [] if seq.sampling.structured_outputs else self.proposer.propose(seq.token_ids)
+            return [] if seq.sampling.structured_outputs else \
+                self.proposer.propose(seq.token_ids, seq.ngrams)
         forced = seq.matcher.compute_ff_tokens()[:self.proposer.k]
         if forced:
             return forced
-        drafts = self.proposer.propose(seq.token_ids)
+        drafts = self.proposer.propose(seq.token_ids, seq.ngrams)
         return drafts[:seq.matcher.validate_tokens(drafts)] if drafts else []
 
     def _append(self, seq: SeqState, token: int) -> str | None:

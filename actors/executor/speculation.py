@@ -16,49 +16,70 @@ gives; the first sampled token that differs from its draft is kept, the rest dro
 """
 from __future__ import annotations
 
-from collections import deque
-
 _RECENT_OUTPUTS = 64          # finished sequences whose tokens `suffix` also searches
+
+
+class NgramIndex:
+    """Where each n-gram (min_n..max_n tokens) of a token list was last followed by a token:
+    n-gram -> that token's index. Extended as tokens are appended (max_n entries a token), so
+    a lookup costs the same at any length. A sequence's own index never holds its current
+    suffix (nothing follows it yet), so a match is always an earlier occurrence."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.lengths = range(max_n, min_n - 1, -1)       # longest first
+        self.after: dict[tuple[int, ...], int] = {}
+        self.size = 0
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index tokens[self.size:] (tokens only ever grow)."""
+        for t in range(max(self.size, 1), len(tokens)):
+            for n in self.lengths:
+                if t >= n:
+                    self.after[tuple(tokens[t - n:t])] = t
+        self.size = len(tokens)
+
+    def follow(self, suffix_of: list[int], corpus: list[int], limit: int) -> list[int]:
+        """What followed, in `corpus` (the indexed list), the latest occurrence of the longest
+        indexed suffix of `suffix_of`, at most `limit` tokens."""
+        for n in self.lengths:
+            if len(suffix_of) >= n:
+                t = self.after.get(tuple(suffix_of[-n:]))
+                if t is not None:
+                    return corpus[t:t + limit]
+        return []
 
 
 class Proposer:
     def __init__(self, config):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.recent: deque[list[int]] | None = \
-            deque(maxlen=_RECENT_OUTPUTS) if config.method == "suffix" else None
+        # suffix: the last _RECENT_OUTPUTS finished sequences' (index, tokens); ngram: None
+        self.recent: list[tuple[NgramIndex, list[int]]] | None = \
+            [] if config.method == "suffix" else None
 
-    def propose(self, tokens: list[int]) -> list[int]:
-        """Up to k tokens likely to follow `tokens` ([] when nothing matches)."""
-        limit = self.k
-        drafts = lookup(tokens, tokens, self.min_n, self.max_n, limit)
-        if not drafts and self.recent:
-            for corpus in reversed(self.recent):
-                drafts = lookup(tokens, corpus, self.min_n, self.max_n, limit, own=False)
-                if drafts:
-                    break
+    def index(self) -> NgramIndex:
+        """A fresh index for a sequence's own tokens."""
+        return NgramIndex(self.min_n, self.max_n)
+
+    def propose(self, tokens: list[int], own: NgramIndex) -> list[int]:
+        """Up to k tokens likely to follow `tokens` ([] when nothing matches); `own` is the
+        sequence's index, brought up to date here."""
+        own.extend(tokens)
+        drafts = own.follow(tokens, tokens, self.k)
+        for index, corpus in reversed(self.recent or []):
+            if drafts:
+                break
+            drafts = index.follow(tokens, corpus, self.k)
         return drafts
 
     def remember(self, tokens: list[int]) -> None:
-        """A sequence ended: `suffix` keeps its tokens to draft from."""
-        if self.recent is not None:
-            self.recent.append(tokens[-4096:])
-
-
-def lookup(tokens: list[int], corpus: list[int], min_n: int, max_n: int, limit: int,
-           own: bool = True) -> list[int]:
-    """The tokens that followed the latest earlier occurrence in `corpus` of the longest
-    suffix of `tokens` (of min_n..max_n tokens), at most `limit`. With `own`, corpus is
-    tokens itself and the suffix's own position does not count."""
-    for n in range(min(max_n, len(tokens) - (1 if own else 0)), min_n - 1, -1):
-        suffix = tokens[-n:]
-        end = len(corpus) - (1 if own else 0)
-        for start in range(end - n, -1, -1):
-            if corpus[start:start + n] == suffix:
-                follow = corpus[start + n:start + n + limit]
-                if follow:
-                    return follow
-    return []
+        """A sequence ended: `suffix` keeps its tokens (and their index) to draft from."""
+        if self.recent is None:
+            return
+        corpus = tokens[-4096:]
+        index = NgramIndex(self.min_n, self.max_n)
+        index.extend(corpus)
+        self.recent = self.recent[-(_RECENT_OUTPUTS - 1):] + [(index, corpus)]
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:

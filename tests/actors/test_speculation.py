@@ -9,25 +9,49 @@ import pytest
 
 from pagewire import LLM, SamplingParams
 from pagewire.config import SpeculativeConfig
-from pagewire.executor.speculation import Proposer, accepted, lookup
+from pagewire.executor.speculation import Proposer, accepted
 from pagewire.scheduler.speculation import PROBE_EVERY, DraftPolicy
+
+
+def _propose(tokens, min_n=1, max_n=4, k=3):
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=min_n,
+                                          prompt_lookup_max=max_n))
+    return proposer.propose(tokens, proposer.index())
 
 
 def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert lookup(tokens, tokens, 1, 4, 3) == [7, 8, 5]      # "2 3": latest earlier match
-    assert lookup(tokens + [7], tokens + [7], 1, 4, 2) == [8, 5]   # "2 3 7" beats "7"
-    assert lookup([4, 5, 6], [4, 5, 6], 1, 3, 3) == []       # nothing repeats
-    assert lookup([1, 2, 1, 2], [1, 2, 1, 2], 3, 3, 2) == []  # min_n 3 not met
-    assert lookup([5, 6], [0, 5, 6, 1, 2], 2, 2, 4, own=False) == [1, 2]
+    assert _propose(tokens) == [7, 8, 5]                  # "2 3": latest earlier match
+    assert _propose(tokens + [7], k=2) == [8, 5]          # "2 3 7" beats "7"
+    assert _propose([4, 5, 6]) == []                      # nothing repeats
+    assert _propose([1, 2, 1, 2], min_n=3, max_n=3) == []  # min_n 3 not met
+
+
+def _naive(tokens, min_n, max_n, k):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_the_index_proposes_what_a_scan_finds_as_tokens_grow():
+    import random
+    rng = random.Random(0)
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
+                                          prompt_lookup_max=4))
+    index, tokens = proposer.index(), []
+    for _ in range(400):                   # incremental: the index only ever extends
+        tokens.append(rng.randrange(6))
+        assert proposer.propose(tokens, index) == _naive(tokens, 2, 4, 4)
 
 
 def test_suffix_also_drafts_from_outputs_that_finished():
     cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=2, prompt_lookup_min=2)
     proposer = Proposer(cfg)
-    assert proposer.propose([7, 8, 9]) == []
+    assert proposer.propose([7, 8, 9], proposer.index()) == []
     proposer.remember([1, 8, 9, 4, 5, 6])
-    assert proposer.propose([7, 8, 9]) == [4, 5]
+    assert proposer.propose([7, 8, 9], proposer.index()) == [4, 5]
     assert Proposer(SpeculativeConfig(prompt_lookup_min=2)).recent is None   # ngram: own only
 
 
@@ -73,7 +97,10 @@ class _Oracle:
     def __init__(self, references: list[list[int]], k: int, wrong: int = 0):
         self.references, self.k, self.wrong = references, k, wrong
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def index(self):
+        return None
+
+    def propose(self, tokens: list[int], own=None) -> list[int]:
         for ref in self.references:
             if ref[:len(tokens)] == tokens:
                 drafts = ref[len(tokens):len(tokens) + self.k]
