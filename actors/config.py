@@ -29,16 +29,21 @@ def parse_bytes(text: str | int) -> int:
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """--speculative-config, as vLLM spells it (JSON). Drafts are proposed by the executor
     after each step (executor/speculation.py) and verified by the target in the next."""
-    method: str = "ngram"                  # ngram | suffix
+    method: str = "ngram"                  # ngram | suffix | self
     num_speculative_tokens: int = 3        # drafts verified per step, at most
     prompt_lookup_min: int = 3             # n-gram lengths matched (ngram, suffix)
     prompt_lookup_max: int = 4
     max_batch: int = 8                     # more sequences running than this: no drafts
     min_acceptance: float = 0.35           # a sequence accepting fewer drafts drafts rarely
+    draft_layers: int | None = None        # self: the target's first layers that draft
+                                           # (None: a quarter of them)
 
     def check(self) -> None:
-        if self.method not in ("ngram", "suffix"):
-            raise ValueError(f"speculative method must be ngram or suffix, got {self.method!r}")
+        if self.method not in ("ngram", "suffix", "self"):
+            raise ValueError(f"speculative method must be ngram, suffix or self, got "
+                             f"{self.method!r}")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError("draft_layers must be at least 1")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

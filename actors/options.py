@@ -86,7 +86,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                flags=("--no-enable-chunked-prefill",)),
         Option("speculative_config", "speculative decoding, as JSON: `{\"method\": \"ngram\", "
                "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 3, "
-               "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs; "
+               "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs, `self` "
+               "drafts with the target's first `draft_layers` layers; "
                "`max_batch`, `min_acceptance`: when it turns itself off (see \"Speculative "
                "decoding\")", "off", parse=parse_json_object),
         Option("async_scheduling", "plan each step while the previous one runs (two plans in "

@@ -31,7 +31,7 @@ from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
-from .speculation import Proposer, accepted
+from .speculation import Proposer, SelfDraft, accepted
 
 log = logging.getLogger(__name__)
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
@@ -61,6 +61,40 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
+
+
+def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int) -> dict:
+    """Block tables and context lengths of decode rows: (sequence, context length) each."""
+    if not decodes:
+        return {"decode_block_tables": None, "decode_context_lens": None}
+    context = np.array([c for _, c in decodes], dtype=np.int64)
+    width = int(-(-context.max() // block_size))
+    tables = np.zeros((len(decodes), width), dtype=np.int64)
+    for i, (seq, _) in enumerate(decodes):
+        blocks = seq.block_ids[:width]
+        tables[i, :len(blocks)] = blocks
+    return {"decode_block_tables": torch.from_numpy(tables),
+            "decode_context_lens": torch.from_numpy(context)}
+
+
+def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) -> AttentionBatch:
+    """One decode row a sequence, at the given positions (their slots already granted)."""
+    slots = [seq.block_ids[p // block_size] * block_size + p % block_size
+             for seq, p in zip(seqs, positions)]
+    return AttentionBatch(slot_mapping=torch.tensor(slots), num_decode_tokens=len(seqs),
+                          prefills=[], **decode_tables(list(zip(seqs, [p + 1 for p in positions])),
+                                                       block_size))
+
+
+def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
+    if dev.type == "cpu":
+        return batch
+    return AttentionBatch(
+        batch.slot_mapping.to(dev), batch.num_decode_tokens,
+        *(t.to(dev) if t is not None else None
+          for t in (batch.decode_block_tables, batch.decode_context_lens)),
+        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
+         for p in batch.prefills])
 
 
 def is_decode(seq: SeqState) -> bool:
@@ -108,6 +142,8 @@ class ModelRunner:
                                  self.eos_ids) if self.tp.rank == 0 else None
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
+        self.self_draft = SelfDraft(self.model, self.kv_caches, spec.draft_layers,
+                                    self.block_size) if spec and spec.method == "self" else None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -124,6 +160,9 @@ class ModelRunner:
         self._copy_blocks(plan)
         if not order:             # every row was of sequences that stopped (pipelined steps)
             return StepResult(plan.step_id, [], [])
+        to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
+        if to_draft:              # method self: the first layers draft now
+            self.self_draft.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
@@ -137,9 +176,18 @@ class ModelRunner:
             produced = self._sample(logits, sample_seqs, masks, result)
         result.errors = self.table.finish_step(order, [
             (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None
-        drafts = {sid: len(seq.drafts) for sid, seq in sample_seqs if seq.drafts}
-        result.num_drafts = drafts or None
+        result.num_drafts = self._drafts_held(sample_seqs) or None
         return result
+
+    def _drafts_held(self, sample_seqs: list[tuple[SeqId, SeqState]]) -> dict[SeqId, int]:
+        """Drafts each sequence can verify next step: those proposed, or (method self, drafted
+        in that step) num_speculative_tokens for every sequence that may draft."""
+        if self.self_draft is None:
+            return {sid: len(seq.drafts) for sid, seq in sample_seqs if seq.drafts}
+        k = self.config.speculative_config.num_speculative_tokens
+        return {sid: len(seq.drafts) or k for sid, seq in sample_seqs
+                if not seq.stopped and seq.sampling.can_speculate
+                and (seq.drafts or seq.sampling.structured_outputs is None)}
 
     def _sample(self, logits: torch.Tensor, sample_seqs: list[tuple[SeqId, SeqState]], masks,
                 result: StepResult) -> list[list[int]]:
@@ -195,12 +243,7 @@ class ModelRunner:
                                    batch.decode_block_tables, batch.decode_context_lens)
         dev = self.device
         if dev.type != "cpu":
-            batch = AttentionBatch(
-                batch.slot_mapping.to(dev), batch.num_decode_tokens,
-                *(t.to(dev) if t is not None else None
-                  for t in (batch.decode_block_tables, batch.decode_context_lens)),
-                [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
-                 for p in batch.prefills])
+            batch = batch_to(batch, dev)
             input_ids, positions = input_ids.to(dev), positions.to(dev)
         return self.model(input_ids, positions, self.kv_caches, batch)
 
@@ -246,22 +289,9 @@ class ModelRunner:
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
             num_decode_tokens=len(decodes), prefills=prefills,
-            **self._decode_layout(decodes))
+            **decode_tables(decodes, bs))
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
                 sample_rows, sample_seqs, rows)
-
-    def _decode_layout(self, decodes: list[tuple[SeqState, int]]) -> dict:
-        if not decodes:
-            return {"decode_block_tables": None, "decode_context_lens": None}
-        bs = self.block_size
-        context = np.array([c for _, c in decodes], dtype=np.int64)
-        width = int(-(-context.max() // bs))
-        tables = np.zeros((len(decodes), width), dtype=np.int64)
-        for i, (seq, _) in enumerate(decodes):
-            blocks = seq.block_ids[:width]
-            tables[i, :len(blocks)] = blocks
-        return {"decode_block_tables": torch.from_numpy(tables),
-                "decode_context_lens": torch.from_numpy(context)}
 
     def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]],
                         masks=None) -> SamplingBatch:

@@ -34,6 +34,7 @@ class SeqState:
     matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
     drafts: list[int] = field(default_factory=list)      # proposed after its last sample
     ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
+    num_draft_slots: int = 0        # drafts this step verifies (self-drafts: filled in it)
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
 
     @property
@@ -52,6 +53,9 @@ class SeqTable:
         self.eos_ids = frozenset(eos_ids)
         self.matchers = matchers            # executor/grammar.py Matchers; None: unconstrained
         self.proposer = proposer            # executor/speculation.py Proposer; None: no drafts
+        # method self: drafts come from the target's first layers during the step that
+        # verifies them (the runner fills `verifying`), not from a proposal after a step
+        self.drafts_in_step = proposer is not None and proposer.self_drafting
         self.seqs: dict[SeqId, SeqState] = {}
         self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
@@ -82,7 +86,8 @@ class SeqTable:
             seq.num_scheduled = run.num_scheduled
             excess = seq.num_computed + run.num_scheduled - len(seq.token_ids)
             seq.verifying = seq.drafts[:excess] if excess > 0 else []
-            if len(seq.verifying) != max(excess, 0):
+            seq.num_draft_slots = max(excess, 0)
+            if len(seq.verifying) != seq.num_draft_slots and not self.drafts_in_step:
                 raise ValueError(f"{run.seq_id}: {excess} drafts planned, "
                                  f"{len(seq.drafts)} held")
             order.append((run.seq_id, seq))
@@ -118,6 +123,8 @@ class SeqTable:
         are certain), else the proposer's drafts as far as the grammar allows them."""
         if seq.ngrams is None:
             seq.ngrams = self.proposer.index()
+        if self.drafts_in_step and seq.matcher is None:
+            return []
         if seq.matcher is None:
             return [] if seq.sampling.structured_outputs else \
                 self.proposer.propose(seq.token_ids, seq.ngrams)

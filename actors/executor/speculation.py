@@ -16,6 +16,8 @@ gives; the first sampled token that differs from its draft is kept, the rest dro
 """
 from __future__ import annotations
 
+import torch
+
 _RECENT_OUTPUTS = 64          # finished sequences whose tokens `suffix` also searches
 
 
@@ -53,6 +55,7 @@ class Proposer:
     def __init__(self, config):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.self_drafting = config.method == "self"   # drafts: the runner's SelfDraft
         # suffix: the last _RECENT_OUTPUTS finished sequences' (index, tokens); ngram: None
         self.recent: list[tuple[NgramIndex, list[int]]] | None = \
             [] if config.method == "suffix" else None
@@ -80,6 +83,33 @@ class Proposer:
         index = NgramIndex(self.min_n, self.max_n)
         index.extend(corpus)
         self.recent = self.recent[-(_RECENT_OUTPUTS - 1):] + [(index, corpus)]
+
+
+class SelfDraft:
+    """method self: the target's first `layers` layers, final norm and LM head propose, greedy,
+    in the step that verifies (one pass a draft, every drafting sequence a decode row). The
+    passes write those layers' K/V at the sequence's own slots (the scheduler granted them);
+    the verification that follows writes the same positions in every layer, so nothing a
+    draft wrote outlives the step."""
+
+    def __init__(self, model, kv_caches: list, layers: int | None, block_size: int):
+        self.model, self.block_size = model, block_size
+        self.caches = kv_caches[:layers or max(1, len(kv_caches) // 4)]
+
+    def fill(self, seqs: list) -> None:
+        """Append to each SeqState's `verifying` until it holds num_draft_slots drafts."""
+        from .runner import batch_to, decode_batch     # the runner's decode layout
+        for i in range(max(s.num_draft_slots for s in seqs)):
+            rows = [s for s in seqs if len(s.verifying) < s.num_draft_slots]
+            positions = [s.num_computed + i for s in rows]
+            ids = [(s.token_ids + s.verifying)[p] for s, p in zip(rows, positions)]
+            dev = self.caches[0].device
+            batch = batch_to(decode_batch(rows, positions, self.block_size), dev)
+            hidden = self.model(torch.tensor(ids, device=dev),
+                                torch.tensor(positions, device=dev), self.caches, batch)
+            drafts = self.model.compute_logits(hidden).argmax(dim=-1).tolist()   # [A]
+            for s, token in zip(rows, drafts):
+                s.verifying.append(token)
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:

@@ -236,3 +236,26 @@ def test_logprobs_of_accepted_drafts_equal_plain_decodings(model):
         assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs],
                                                                 abs=1e-4)
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=30),
+                                    SamplingParams(temperature=0.8, seed=2, max_tokens=30)],
+                         ids=["greedy", "seeded"])
+def test_self_drafts_keep_outputs_and_the_whole_model_as_its_draft_is_always_right(model, params):
+    plain = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    reference = _run(plain, params)
+    accepted = {}
+    for layers in (1, 2):                               # the tiny model has 2 layers
+        llm = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4,
+                  speculative_config={"method": "self", "draft_layers": layers,
+                                      "num_speculative_tokens": 3, "min_acceptance": 0.0})
+        assert _run(llm, params) == reference
+        d = llm.scheduler.drafts
+        accepted[layers] = (d.num_accepted_tokens, d.num_draft_tokens)
+        assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
+    whole_accepted, whole_drafted = accepted[2]
+    if params.greedy:                                   # its own argmax: every draft right
+        assert whole_accepted == whole_drafted > 0
+    else:                                               # right as often as the draw agrees
+        assert 0 < whole_accepted < whole_drafted
+    assert accepted[1][1] > 0
