@@ -18,7 +18,7 @@ from pagewire import StructuredOutputsParams as S
 from pagewire.config import EngineConfig
 from pagewire.executor.sampler import apply_bitmasks
 from pagewire.executor.seq_table import SeqState, SeqTable
-from pagewire.grammar import GrammarCompiler, result_of
+from pagewire.grammar import result_of
 from pagewire.tokenizer import RequestTokenizer
 from pagewire.wire.structured import MAX_CHOICES, MAX_CONSTRAINT_CHARS
 from pagewire.wire.to_gateway import RequestFailed
