@@ -176,4 +176,4 @@ def attached(address: str, rank: int, info: ModelInfo, keys: str | None, timeout
             if dist.is_initialized():
                 dist.destroy_process_group()
             client.close()
-            ctx.term()
+            ctx.destroy(linger=0)

@@ -237,6 +237,8 @@ class RankClient:
         self.heard = time.monotonic()
 
     def close(self) -> None:
+        # linger 0 on both: a handshake refused under load can leave monitor events queued,
+        # and a socket that lingers on them keeps the context's term() waiting for ever
         self.sock.disable_monitor()
-        self.monitor.close()
-        self.sock.close()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
