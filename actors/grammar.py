@@ -86,6 +86,16 @@ def _closed(node):
     return node
 
 
+def find(tokens: list[int], needle: list[int]) -> int:
+    """Where `needle` first occurs in `tokens`, or -1 (a reasoning block's end in a prompt or
+    an output)."""
+    n = len(needle)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i:i + n] == needle:
+            return i
+    return -1
+
+
 class GrammarCompiler:
     """Compiles constraints on a small thread pool (llguidance releases the GIL), so a slow
     one delays only its own request; results and refusals are cached by digest. The

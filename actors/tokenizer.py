@@ -22,7 +22,7 @@ from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizeRe
                                         TokenizerInbox)
 
 from .config import EngineConfig
-from .grammar import COMPILE_TIMEOUT_S, GrammarCompiler, result_of
+from .grammar import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
 from .hf_tokenizer import load_tokenizer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
@@ -122,7 +122,7 @@ class RequestTokenizer:
         """Where a constraint starts: after the reasoning block, unless the prompt closed it
         already (a template with thinking switched off writes an empty block)."""
         end = self.reasoning_end
-        if not end or _contains(prompt[-len(end) - 8:], end):
+        if not end or find(prompt[-len(end) - 8:], end) >= 0:
             return None
         return end
 
@@ -209,10 +209,6 @@ class RequestTokenizer:
             raise InvalidParam("max_tokens", f"This model's maximum context length is {limit} "
                                f"tokens. However, you requested {len(ids) + max_tokens} tokens "
                                f"({len(ids)} in the prompt, {max_tokens} for the completion).")
-
-
-def _contains(tokens: list[int], needle: list[int]) -> bool:
-    return any(tokens[i:i + len(needle)] == needle for i in range(len(tokens) - len(needle) + 1))
 
 
 def run(env) -> None:

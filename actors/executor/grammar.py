@@ -19,7 +19,7 @@ import numpy as np
 
 from pagewire.wire.structured import StructuredOutputsParams
 
-from ..grammar import llg_tokenizer
+from ..grammar import find, llg_tokenizer
 from ..hf_tokenizer import load_tokenizer
 
 _PRISTINE_ENTRIES = 256      # unstarted matchers kept by grammar digest (copied per sequence)
@@ -42,7 +42,7 @@ class Matchers:
         they do not match: the caller reads is_error()); those after so.start_after when that
         is set, and None while the outputs have not reached it (still reasoning)."""
         if so.start_after:
-            at = _find(outputs, so.start_after)
+            at = find(outputs, so.start_after)
             if at < 0:
                 return None
             outputs = outputs[at + len(so.start_after):]
@@ -92,11 +92,3 @@ class Matchers:
                 masks[r] = -1
         return masks
 
-
-def _find(tokens: list[int], needle: list[int]) -> int:
-    """Where `needle` first occurs in `tokens`, or -1."""
-    n = len(needle)
-    for i in range(len(tokens) - n + 1):
-        if tokens[i:i + n] == needle:
-            return i
-    return -1

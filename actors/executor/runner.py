@@ -276,8 +276,8 @@ class ModelRunner:
             blocks = np.asarray(seq.block_ids)
             row = len(ids)
             rows.append((rid, seq, row))
-            known = seq.token_ids + seq.verifying if seq.verifying else seq.token_ids
-            ids.extend(known[start:start + n])
+            ids.extend(seq.token_ids[start:start + n])    # drafts run after its last token
+            ids.extend(seq.verifying)
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
             if n > 1 and not seq.verifying:

@@ -121,17 +121,17 @@ class SeqTable:
     def _drafts(self, seq: SeqState) -> list[int]:
         """A constrained sequence drafts what its grammar forces (jump-forward: those tokens
         are certain), else the proposer's drafts as far as the grammar allows them."""
+        if seq.matcher is not None:
+            forced = seq.matcher.compute_ff_tokens()[:self.proposer.k]
+            if forced:
+                return forced
+        elif self.drafts_in_step or seq.sampling.structured_outputs:
+            return []          # self: drafted in the verifying step; or reasoning goes on
         if seq.ngrams is None:
             seq.ngrams = self.proposer.index()
-        if self.drafts_in_step and seq.matcher is None:
-            return []
-        if seq.matcher is None:
-            return [] if seq.sampling.structured_outputs else \
-                self.proposer.propose(seq.token_ids, seq.ngrams)
-        forced = seq.matcher.compute_ff_tokens()[:self.proposer.k]
-        if forced:
-            return forced
         drafts = self.proposer.propose(seq.token_ids, seq.ngrams)
+        if seq.matcher is None:
+            return drafts
         return drafts[:seq.matcher.validate_tokens(drafts)] if drafts else []
 
     def _append(self, seq: SeqState, token: int) -> str | None:

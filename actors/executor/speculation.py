@@ -102,7 +102,8 @@ class SelfDraft:
         for i in range(max(s.num_draft_slots for s in seqs)):
             rows = [s for s in seqs if len(s.verifying) < s.num_draft_slots]
             positions = [s.num_computed + i for s in rows]
-            ids = [(s.token_ids + s.verifying)[p] for s, p in zip(rows, positions)]
+            ids = [s.token_ids[p] if p < len(s.token_ids) else s.verifying[p - len(s.token_ids)]
+                   for s, p in zip(rows, positions)]
             dev = self.caches[0].device
             batch = batch_to(decode_batch(rows, positions, self.block_size), dev)
             hidden = self.model(torch.tensor(ids, device=dev),
