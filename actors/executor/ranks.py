@@ -117,6 +117,14 @@ class RankServer:
         for identity in self.peers.values():
             self.sock.send_multipart([identity, frame])
 
+    def _send(self, msg) -> bool:
+        """Without blocking: False where rank 0's pipe is gone (PEER_TIMEOUT then tells)."""
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
     def step_done(self) -> None:
         """A step's collectives completed: every rank was alive."""
         now = time.monotonic()
@@ -191,11 +199,11 @@ class RankClient:
         self.heard = self.pinged = time.monotonic()
 
     def attach(self, hello: AttachHello, timeout: float) -> AttachWelcome:
-        """Say hello; the welcome, or AttachFailed with the reason."""
-        self.sock.send(encode(hello))
+        """Say hello; the welcome, or AttachFailed with the reason. A DEALER's send blocks
+        while it has no pipe (a refused handshake drops it), so hello waits for POLLOUT."""
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN | zmq.POLLOUT)
         poller.register(self.monitor, zmq.POLLIN)
         while time.monotonic() < deadline:
             ready = dict(poller.poll(200))
@@ -203,7 +211,9 @@ class RankClient:
                 recv_monitor_message(self.monitor)
                 raise AttachFailed(f"{self.address} refused this executor's CURVE key (is "
                                    "executor.key_secret from the engine's `pagewire keys`?)")
-            if self.sock in ready:
+            if ready.get(self.sock, 0) & zmq.POLLOUT and self._send(hello):
+                poller.modify(self.sock, zmq.POLLIN)
+            elif ready.get(self.sock, 0) & zmq.POLLIN:
                 msg = self.decoder.decode(self.sock.recv())
                 if isinstance(msg, AttachRefused):
                     raise AttachFailed(f"{self.address} refused rank {self.rank}: {msg.reason}")
@@ -221,7 +231,7 @@ class RankClient:
             now = time.monotonic()
             if now - self.pinged >= PING_INTERVAL:
                 self.pinged = now
-                self.sock.send(encode(RankPing(self.rank)))
+                self._send(RankPing(self.rank))
             if now - self.heard > PEER_TIMEOUT:
                 raise RankFailure(f"rank 0 at {self.address} stopped answering")
             wait = min(deadline, self.pinged + PING_INTERVAL) - now
@@ -232,6 +242,14 @@ class RankClient:
                     return msg
             elif time.monotonic() >= deadline:
                 return None
+
+    def _send(self, msg) -> bool:
+        """Without blocking: False where rank 0's pipe is gone (PEER_TIMEOUT then tells)."""
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def step_done(self) -> None:
         self.heard = time.monotonic()
