@@ -55,7 +55,7 @@ def _llm(args):
     from .cli import _config
     from .llm import LLM
     fields = {k: v for k, v in msgspec.structs.asdict(_config(args)).items()
-              if v is not None and k not in ("model", "model_info", "run_dir")}
+              if v is not None and k not in ("model", "model_info", "draft_model_info", "run_dir")}
     return LLM(getattr(args, "model", None), **fields)
 
 

@@ -29,7 +29,9 @@ def parse_bytes(text: str | int) -> int:
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """--speculative-config, as vLLM spells it (JSON). Drafts are proposed by the executor
     after each step (executor/speculation.py) and verified by the target in the next."""
-    method: str = "ngram"                  # ngram | suffix | self
+    method: str = "ngram"                  # ngram | suffix | self | draft_model
+    model: str | None = None               # draft_model: a GGUF or HF directory sharing the
+                                           # target's tokenizer
     num_speculative_tokens: int = 3        # drafts verified per step, at most
     prompt_lookup_min: int = 3             # n-gram lengths matched (ngram, suffix)
     prompt_lookup_max: int = 4
@@ -39,9 +41,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
                                            # (None: a quarter of them)
 
     def check(self) -> None:
-        if self.method not in ("ngram", "suffix", "self"):
-            raise ValueError(f"speculative method must be ngram, suffix or self, got "
-                             f"{self.method!r}")
+        if self.method not in ("ngram", "suffix", "self", "draft_model"):
+            raise ValueError(f"speculative method must be ngram, suffix, self or draft_model, "
+                             f"got {self.method!r}")
+        if (self.model is None) == (self.method == "draft_model"):
+            raise ValueError("speculative `model` goes with method draft_model (and it needs one)")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError("draft_layers must be at least 1")
         if not 1 <= self.num_speculative_tokens <= 16:
@@ -116,6 +120,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None
+    draft_model_info: ModelInfo | None = None    # speculative method draft_model's
     num_host_blocks: int = 0
     backend: str = ""                        # executor 0's, as it reported it (gateway metric)
 
@@ -134,9 +139,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"max_model_len must be positive, got {max_len}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        draft = self._check_speculation(info, max_len)
+        # A draft model's K/V sits beside the target's in every block (the same block ids).
+        per_block = self.block_size * sum(m.kv_bytes_per_token(_DTYPE_BYTES[dtype])
+                                          for m in (info, draft) if m is not None)
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
-            per_block = self.block_size * info.kv_bytes_per_token(_DTYPE_BYTES[dtype])
             num_blocks = self.kv_cache_memory // per_block
         if num_blocks * self.block_size < max_len:
             raise ValueError(
@@ -147,7 +155,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
-        host_blocks = self.swap_space // (self.block_size * info.kv_bytes_per_token(_DTYPE_BYTES[dtype]))
+        host_blocks = self.swap_space // per_block
         if self.preemption_mode == "swap" and host_blocks == 0:
             raise ValueError("preemption_mode swap needs --swap-space")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -157,20 +165,33 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"max_model_len ({max_len})")
         self._check_parallel()
         self._check_chat()
-        self._check_speculation()
         return msgspec.structs.replace(
-            self, model_info=info, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
+            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling())
 
-    def _check_speculation(self) -> None:
-        if self.speculative_config is None:
-            return
-        self.speculative_config.check()
+    def _check_speculation(self, target: ModelInfo, max_len: int) -> ModelInfo | None:
+        """The draft model's description (method draft_model), or None."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        spec.check()
         if self.async_scheduling:
             raise ValueError("--speculative-config and --async-scheduling do not combine: a "
                              "step's token count is known only from the previous result")
+        if spec.model is None:
+            return None
+        draft = self.draft_model_info or resolve_model(spec.model)
+        # It reads the target's block tables: blocks the target's window frees must be ones
+        # the draft no longer reads, and every position the target reaches must be one it has.
+        if draft.sliding_window != target.sliding_window:
+            raise ValueError(f"the draft model's sliding window ({draft.sliding_window}) must "
+                             f"be the target's ({target.sliding_window})")
+        if draft.max_model_len < max_len:
+            raise ValueError(f"the draft model's context ({draft.max_model_len} tokens) is "
+                             f"shorter than max_model_len={max_len}")
+        return draft
 
     def _check_chat(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -87,7 +87,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("speculative_config", "speculative decoding, as JSON: `{\"method\": \"ngram\", "
                "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 3, "
                "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs, `self` "
-               "drafts with the target's first `draft_layers` layers; "
+               "drafts with the target's first `draft_layers` layers, `draft_model` with a "
+               "smaller checkpoint (`model`); "
                "`max_batch`, `min_acceptance`: when it turns itself off (see \"Speculative "
                "decoding\")", "off", parse=parse_json_object),
         Option("async_scheduling", "plan each step while the previous one runs (two plans in "
@@ -190,7 +191,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
 OPTIONS: tuple[Option, ...] = tuple(o for group in GROUPS.values() for o in group)
 BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 # Fields resolve() derives, never set by hand.
-DERIVED = ("model_info", "num_host_blocks", "run_dir", "backend")
+DERIVED = ("model_info", "draft_model_info", "num_host_blocks", "run_dir", "backend")
 DIGESTED = frozenset(f for f in EngineConfig.__struct_fields__
                      if f in DERIVED and f not in ("run_dir", "backend")
                      or f in BY_FIELD and BY_FIELD[f].decides_outputs)

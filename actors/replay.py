@@ -96,6 +96,8 @@ def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, l
     changed = [f"{k}: {getattr(config, k)!r} -> {v!r}" for k, v in overrides.items()
                if getattr(config, k) != v]
     fresh = {"model_info": None} if "model" in overrides else {}     # re-read a new path
+    if "speculative_config" in overrides:
+        fresh["draft_model_info"] = None
     config = msgspec.structs.replace(config, **overrides, **fresh).resolve()
     return config, changed
 

@@ -188,7 +188,7 @@ class RankClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         if address.startswith("tcp://"):
             if not keys:
-                raise AttachFailed(f"attaching over TCP needs --curve-keys DIR (with "
+                raise AttachFailed("attaching over TCP needs --curve-keys DIR (with "
                                    "executor.key_secret and engine.key from `pagewire keys`)")
             public, secret = _load(keys, "executor", True)
             self.sock.curve_secretkey, self.sock.curve_publickey = secret, public

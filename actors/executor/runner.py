@@ -31,7 +31,7 @@ from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
-from .speculation import Proposer, SelfDraft, accepted
+from .speculation import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
@@ -97,11 +97,6 @@ def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
          for p in batch.prefills])
 
 
-def is_decode(seq: SeqState) -> bool:
-    """Whether its rows run as decode rows: one token, or a last token and its drafts."""
-    return seq.num_scheduled == 1 or bool(seq.verifying)
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,38 +111,65 @@ class ModelRunner:
         self.config, self.tp = config, tp or TensorParallel()
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
-        self.model = load_model(config.model_info, config.dtype, self.tp).to(self.device)
-        self.model.ops = ops = select_ops(self.device, config.kernels)
+        self.model = self._prepare(config.model_info)
+        ops = self.model.ops
         quantized = f", quantized activations {config.quantized_activations}" \
             if ops.name == "cpu" else ""           # only the native backends multiply GGUF blocks
         log.info("backend %s (dtype %s%s)", ops.backend, config.dtype, quantized)
-        if ops.name == "cpu":
-            pack_linears(self.model, upcast=not ops.lib.bf16_dot)
-            keep_quantized(self.model, config.model_info, config.quantized_matmul_tokens,
-                           ops.lib, ROUNDINGS[config.quantized_activations])
-        cfg, dtype = self.model.cfg, _DTYPES[config.dtype]
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
-        kv_heads = self.model.num_kv_heads                 # this rank's share
-        self.kv_caches = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1,
-                                           self.block_size, kv_heads, cfg.head_dim,
-                                           dtype, self.device)
-        self.model.fused_decode = FusedDecode.build(self.model, self.kv_caches)
-        self.host_caches = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
-                                             self.block_size, kv_heads, cfg.head_dim,
-                                             dtype) if config.num_host_blocks else []
+        self.kv_caches, self.host_caches = self._caches(self.model)
+        self.kv_caches_of_all, self.host_caches_of_all = self.kv_caches, self.host_caches
         self.eos_ids = list(config.model_info.eos_token_ids)
         # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
         self.matchers = Matchers(config.model_info, config.model_info.vocab_size,
                                  self.eos_ids) if self.tp.rank == 0 else None
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
-        self.self_draft = SelfDraft(self.model, self.kv_caches, spec.draft_layers,
-                                    self.block_size) if spec and spec.method == "self" else None
+        self.drafter = self._drafter(spec)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
         _release_freed_memory()
+
+    def _prepare(self, info) -> torch.nn.Module:
+        """A model loaded on the device, its kernels chosen and its weights laid out for them."""
+        config = self.config
+        model = load_model(info, config.dtype, self.tp).to(self.device)
+        model.ops = ops = select_ops(self.device, config.kernels)
+        if ops.name == "cpu":
+            pack_linears(model, upcast=not ops.lib.bf16_dot)
+            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
+                           ROUNDINGS[config.quantized_activations])
+        return model
+
+    def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A model's K/V caches on the device (the pool and the scratch block) and on the host
+        (the swap tier, if any); its fused decode path is built over the former."""
+        config, cfg, dtype = self.config, model.cfg, _DTYPES[self.config.dtype]
+        layout = (self.block_size, model.num_kv_heads, cfg.head_dim, dtype)   # this rank's heads
+        on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
+                                      self.device)
+        model.fused_decode = FusedDecode.build(model, on_device)
+        host = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
+                                 *layout) if config.num_host_blocks else []
+        return on_device, host
+
+    def _drafter(self, spec) -> InStepDraft | None:
+        """Methods self and draft_model draft with a model during the verifying step."""
+        if spec is None or spec.method not in ("self", "draft_model"):
+            return None
+        if spec.method == "self":
+            return InStepDraft.of_target(self.model, self.kv_caches, spec.draft_layers,
+                                         self.block_size)
+        draft = self._prepare(self.config.draft_model_info)
+        caches, host = self._caches(draft)
+        self.kv_caches_of_all, self.host_caches_of_all = \
+            self.kv_caches + caches, self.host_caches + host
+        log.info("draft model %s (%d layers)", self.config.draft_model_info.path,
+                 draft.cfg.num_layers)
+        return InStepDraft(draft, caches, self.block_size, self.model.cfg.vocab_size,
+                           mirrors=True)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         width = -(-self.config.max_model_len // self.block_size)
@@ -161,11 +183,13 @@ class ModelRunner:
         if not order:             # every row was of sequences that stopped (pipelined steps)
             return StepResult(plan.step_id, [], [])
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
-        if to_draft:              # method self: the first layers draft now
-            self.self_draft.fill(to_draft)
+        if to_draft:              # methods self, draft_model: a model drafts now
+            self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
+        if self.drafter is not None:
+            self.drafter.mirror(input_ids, positions, batch)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
         spans = spans_of(rows)
         if spans:
@@ -180,9 +204,9 @@ class ModelRunner:
         return result
 
     def _drafts_held(self, sample_seqs: list[tuple[SeqId, SeqState]]) -> dict[SeqId, int]:
-        """Drafts each sequence can verify next step: those proposed, or (method self, drafted
-        in that step) num_speculative_tokens for every sequence that may draft."""
-        if self.self_draft is None:
+        """Drafts each sequence can verify next step: those proposed, or (a model drafting in
+        that step) num_speculative_tokens for every sequence that may draft."""
+        if self.drafter is None:
             return {sid: len(seq.drafts) for sid, seq in sample_seqs if seq.drafts}
         k = self.config.speculative_config.num_speculative_tokens
         return {sid: len(seq.drafts) or k for sid, seq in sample_seqs
@@ -249,9 +273,10 @@ class ModelRunner:
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""
-        for pairs, src_caches, dst_caches in ((plan.swap_out, self.kv_caches, self.host_caches),
-                                              (plan.swap_in, self.host_caches, self.kv_caches),
-                                              (plan.copies, self.kv_caches, self.kv_caches)):
+        device, host = self.kv_caches_of_all, self.host_caches_of_all    # a draft model's too
+        for pairs, src_caches, dst_caches in ((plan.swap_out, device, host),
+                                              (plan.swap_in, host, device),
+                                              (plan.copies, device, device)):
             if pairs:
                 src, dst = torch.tensor(pairs).T
                 for src_cache, dst_cache in zip(src_caches, dst_caches):
@@ -268,7 +293,7 @@ class ModelRunner:
         # row per position: every row's K/V is written before any row attends, and each row
         # sees up to its own position, so the span is causal without a prefill kernel (and
         # small speculative steps take the fused decode path).
-        decodes = [(seq, seq.num_computed + i + 1) for _, seq in order if is_decode(seq)
+        decodes = [(seq, seq.num_computed + i + 1) for _, seq in order if seq.runs_as_decode
                    for i in range(seq.num_scheduled)]
         for rid, seq in order:
             start, n = seq.num_computed, seq.num_scheduled
@@ -280,7 +305,7 @@ class ModelRunner:
             ids.extend(seq.verifying)
             pos.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
-            if n > 1 and not seq.verifying:
+            if not seq.runs_as_decode:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
             if seq.samples:               # the last position; every drafted one too

@@ -34,12 +34,18 @@ class SeqState:
     matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
     drafts: list[int] = field(default_factory=list)      # proposed after its last sample
     ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
-    num_draft_slots: int = 0        # drafts this step verifies (self-drafts: filled in it)
+    num_draft_slots: int = 0        # drafts this step verifies (model drafts: filled in it)
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def runs_as_decode(self) -> bool:
+        """Its rows are decode rows: one token, or a last token and its draft slots (known
+        from the plan; a model fills the drafts later in the step)."""
+        return self.num_scheduled == 1 or self.num_draft_slots > 0
 
     @property
     def samples(self) -> bool:
@@ -53,9 +59,9 @@ class SeqTable:
         self.eos_ids = frozenset(eos_ids)
         self.matchers = matchers            # executor/grammar.py Matchers; None: unconstrained
         self.proposer = proposer            # executor/speculation.py Proposer; None: no drafts
-        # method self: drafts come from the target's first layers during the step that
-        # verifies them (the runner fills `verifying`), not from a proposal after a step
-        self.drafts_in_step = proposer is not None and proposer.self_drafting
+        # methods self, draft_model: drafts come from a model during the step that verifies
+        # them (the runner fills `verifying`), not from a proposal after a step
+        self.drafts_in_step = proposer is not None and proposer.model_drafting
         self.seqs: dict[SeqId, SeqState] = {}
         self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
@@ -92,7 +98,7 @@ class SeqTable:
                                  f"{len(seq.drafts)} held")
             order.append((run.seq_id, seq))
         # stable: decodes first (a sequence verifying drafts is one decode row a position)
-        order.sort(key=lambda item: item[1].num_scheduled != 1 and not item[1].verifying)
+        order.sort(key=lambda item: not item[1].runs_as_decode)
         return order
 
     def finish_step(self, order: list[tuple[SeqId, SeqState]],
@@ -126,7 +132,7 @@ class SeqTable:
             if forced:
                 return forced
         elif self.drafts_in_step or seq.sampling.structured_outputs:
-            return []          # self: drafted in the verifying step; or reasoning goes on
+            return []          # a model drafts in the verifying step; or reasoning goes on
         if seq.ngrams is None:
             seq.ngrams = self.proposer.index()
         drafts = self.proposer.propose(seq.token_ids, seq.ngrams)

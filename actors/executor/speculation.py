@@ -1,7 +1,8 @@
 """Speculative decoding, the executor's side: draft tokens proposed after each step, and a
 step's speculative rows verified.
 
-Proposers look tokens up, they run no model: `ngram` finds the sequence's last n tokens
+Proposers look tokens up, they run no model (InStepDraft below does, for methods self and
+draft_model): `ngram` finds the sequence's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) earlier in its own tokens and proposes
 what followed; `suffix` also searches the outputs of sequences that finished recently here.
 The scheduler learns how many drafts a sequence holds from the step's result and grants up
@@ -12,7 +13,9 @@ draft): every position of the row is sampled as a plain decode would sample it (
 processing, same seeded uniform for the same output index), and the draft is accepted while
 each sampled token equals it. A position's token then follows the target's distribution
 whatever was proposed, so greedy and seeded outputs are the tokens decoding without drafts
-gives; the first sampled token that differs from its draft is kept, the rest dropped.
+gives; the first sampled token that differs from its draft is kept, the rest dropped. The
+model drafts are one-hot too (the draft's argmax): exact, though a sampled request accepts
+less often than rejection sampling against the draft's probabilities would let it.
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ class Proposer:
     def __init__(self, config):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self.self_drafting = config.method == "self"   # drafts: the runner's SelfDraft
+        # self, draft_model: drafted by a model in the verifying step (InStepDraft)
+        self.model_drafting = config.method in ("self", "draft_model")
         # suffix: the last _RECENT_OUTPUTS finished sequences' (index, tokens); ngram: None
         self.recent: list[tuple[NgramIndex, list[int]]] | None = \
             [] if config.method == "suffix" else None
@@ -85,32 +89,50 @@ class Proposer:
         self.recent = self.recent[-(_RECENT_OUTPUTS - 1):] + [(index, corpus)]
 
 
-class SelfDraft:
-    """method self: the target's first `layers` layers, final norm and LM head propose, greedy,
-    in the step that verifies (one pass a draft, every drafting sequence a decode row). The
-    passes write those layers' K/V at the sequence's own slots (the scheduler granted them);
-    the verification that follows writes the same positions in every layer, so nothing a
-    draft wrote outlives the step."""
+class InStepDraft:
+    """Drafts proposed in the step that verifies them: greedy, one pass a draft, every drafting
+    sequence a decode row, writing K/V at the sequence's own slots (the scheduler granted them).
 
-    def __init__(self, model, kv_caches: list, layers: int | None, block_size: int):
-        self.model, self.block_size = model, block_size
-        self.caches = kv_caches[:layers or max(1, len(kv_caches) // 4)]
+    - method self: the target's first `layers` layers, final norm and LM head over those
+      layers' caches. The verification that follows writes the same positions in every layer,
+      so nothing a draft wrote outlives the step.
+    - method draft_model: a second model over caches of its own, indexed by the same block ids.
+      It also runs every token the target runs (mirror()), so its K/V at a block holds what
+      the target's holds there: prefix-cache hits, copy-on-write and swaps carry over."""
+
+    def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool):
+        self.model, self.caches, self.block_size = model, caches, block_size
+        self.vocab_size, self.mirrors = vocab_size, mirrors     # the target's vocabulary
+
+    @classmethod
+    def of_target(cls, model, kv_caches: list, layers: int | None, block_size: int):
+        return cls(model, kv_caches[:layers or max(1, len(kv_caches) // 4)], block_size,
+                   model.cfg.vocab_size, mirrors=False)
 
     def fill(self, seqs: list) -> None:
         """Append to each SeqState's `verifying` until it holds num_draft_slots drafts."""
-        from .runner import batch_to, decode_batch     # the runner's decode layout
+        from .runner import decode_batch     # the runner's decode layout
         for i in range(max(s.num_draft_slots for s in seqs)):
             rows = [s for s in seqs if len(s.verifying) < s.num_draft_slots]
             positions = [s.num_computed + i for s in rows]
             ids = [s.token_ids[p] if p < len(s.token_ids) else s.verifying[p - len(s.token_ids)]
                    for s, p in zip(rows, positions)]
-            dev = self.caches[0].device
-            batch = batch_to(decode_batch(rows, positions, self.block_size), dev)
-            hidden = self.model(torch.tensor(ids, device=dev),
-                                torch.tensor(positions, device=dev), self.caches, batch)
-            drafts = self.model.compute_logits(hidden).argmax(dim=-1).tolist()   # [A]
-            for s, token in zip(rows, drafts):
+            hidden = self._forward(torch.tensor(ids), torch.tensor(positions),
+                                   decode_batch(rows, positions, self.block_size))
+            logits = self.model.compute_logits(hidden)[:, :self.vocab_size]     # [A, V]
+            for s, token in zip(rows, logits.argmax(dim=-1).tolist()):
                 s.verifying.append(token)
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> None:
+        """Run the step's tokens (the target's layout) to keep this model's K/V in step."""
+        if self.mirrors:
+            self._forward(input_ids, positions, batch)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        from .runner import batch_to
+        dev = self.caches[0].device
+        ids = ids.clamp(max=self.model.cfg.vocab_size - 1)    # a token it lacks: a poor draft
+        return self.model(ids.to(dev), positions.to(dev), self.caches, batch_to(batch, dev))
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:

@@ -95,8 +95,11 @@ def test_speculative_config_from_a_flag_the_environment_or_a_file(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[speculative-config]\nmethod = "ngram"\nprompt_lookup_max = 6\n')
     assert settings.build({}, {}, str(path)).speculative_config.prompt_lookup_max == 6
-    for bad, words in (('{"method": "eagle"}', "ngram, suffix or self"), ("[1]", "JSON object"),
-                       ('{"num_speculative_tokens": 0}', "1..16"), ('{"typo": 1}', "typo")):
+    for bad, words in (('{"method": "eagle"}', "ngram, suffix, self or draft_model"),
+                       ("[1]", "JSON object"), ('{"num_speculative_tokens": 0}', "1..16"),
+                       ('{"typo": 1}', "typo"), ('{"method": "draft_model"}', "needs one"),
+                       ('{"model": "/m"}', "goes with method draft_model"),
+                       ('{"method": "draft_model", "model": "/nowhere"}', "/nowhere")):
         with pytest.raises(ValueError, match=words):
             settings.build({}, {"PAGEWIRE_SPECULATIVE_CONFIG": bad}).resolve()
     with pytest.raises(ValueError, match="do not combine"):

@@ -259,3 +259,70 @@ def test_self_drafts_keep_outputs_and_the_whole_model_as_its_draft_is_always_rig
     else:                                               # right as often as the draw agrees
         assert 0 < whole_accepted < whole_drafted
     assert accepted[1][1] > 0
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory, smol_tokenizer_dir):
+    """A smaller random model with the target's vocabulary: one layer, other head shapes."""
+    from tests.helpers import make_tiny_llama
+    return make_tiny_llama(str(tmp_path_factory.mktemp("draft") / "d"), smol_tokenizer_dir,
+                           "gqa3-odd", vocab_size=512, num_layers=1, seed=9)
+
+
+def _draft_model(path: str) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+            "min_acceptance": 0.0}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=30),
+                                    SamplingParams(temperature=0.8, seed=2, max_tokens=30)],
+                         ids=["greedy", "seeded"])
+def test_a_draft_model_keeps_outputs_and_the_target_as_its_own_draft_is_always_right(
+        model, draft, params):
+    reference = _run(LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128,
+                         block_size=4), params)
+    counts = {}
+    for name, path in (("other", draft), ("target", model)):
+        llm = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4,
+                  speculative_config=_draft_model(path))
+        assert _run(llm, params) == reference
+        d = llm.scheduler.drafts
+        counts[name] = (d.num_accepted_tokens, d.num_draft_tokens)
+        assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
+    accepted_, drafted = counts["target"]
+    if params.greedy:                                   # its own argmax: every draft right
+        assert accepted_ == drafted > 0
+    else:
+        assert 0 < accepted_ < drafted
+    assert counts["other"][1] > 0 and counts["other"][0] < counts["other"][1]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_draft_models_cache_follows_preemption_swaps_and_shared_prefixes(model, mode):
+    """The target as its own draft, greedy: any K/V the draft cache lost or misplaced (a
+    swap, a prefix-cache hit, a copy-on-write) would show as a rejected draft."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompts = PROMPTS + [PROMPTS[1] + [60, 61, 62], PROMPTS[1][:17]]    # shared prefixes
+    roomy = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4)
+    reference = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    tight = LLM(model, dtype="float32", num_kv_blocks=24, block_size=4, max_model_len=64,
+                preemption_mode=mode, swap_space=2**20 if mode == "swap" else 0,
+                speculative_config=_draft_model(model))
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == reference
+    s = tight.scheduler
+    assert s.num_preemptions > 0
+    assert s.drafts.num_accepted_tokens == s.drafts.num_draft_tokens > 0
+    assert s.kv.num_free == s.kv.num_blocks
+
+
+def test_a_draft_models_cache_comes_out_of_the_kv_budget(model, draft):
+    from pagewire.config import EngineConfig
+    spec = SpeculativeConfig(method="draft_model", model=draft)
+    # per token: target 2 layers x 2 KV heads x 64 x (K, V) x 4 B = 2048; draft 1 x 1 x 64 x 2
+    # x 4 = 512; blocks of 16 tokens
+    plain = EngineConfig(model=model, dtype="float32", kv_cache_memory=2**22).resolve()
+    both = EngineConfig(model=model, dtype="float32", kv_cache_memory=2**22,
+                        speculative_config=spec).resolve()
+    assert (plain.num_kv_blocks, both.num_kv_blocks) == (2**22 // (16 * 2048),
+                                                         2**22 // (16 * 2560))
+    assert both.draft_model_info.path == draft and plain.draft_model_info is None
