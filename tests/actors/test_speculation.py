@@ -3,9 +3,11 @@ random model: outputs (greedy, and seeded sampling) identical with and without d
 every draft, none or some are right; stops, max_tokens, preemption and the block pool."""
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pagewire import LLM, SamplingParams
 from pagewire.config import SpeculativeConfig
@@ -326,3 +328,50 @@ def test_a_draft_models_cache_comes_out_of_the_kv_budget(model, draft):
     assert (plain.num_kv_blocks, both.num_kv_blocks) == (2**22 // (16 * 2048),
                                                          2**22 // (16 * 2560))
     assert both.draft_model_info.path == draft and plain.draft_model_info is None
+
+
+def _exact_joint(path: str, prompt: list[int], length: int, top_k: int) -> dict:
+    """{token tuple: probability} of the first `length` tokens at temperature 1 and top_k,
+    from transformers' logits: the distribution speculation must keep."""
+    from tests.helpers import HFOracle
+    model = HFOracle.from_dir(path).model
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1]
+        top = logits.topk(top_k, dim=-1)
+        probs = top.values.softmax(dim=-1)
+        joint = {p + (int(t),): joint[p] * float(q) for p, ts, qs in
+                 zip(prefixes, top.indices, probs) for t, q in zip(ts, qs)}
+    return joint
+
+
+@pytest.mark.parametrize("method", ["draft_model", "self", "ngram"])
+def test_sampled_tokens_follow_the_target_distribution(model, draft, method):
+    """Thousands of unseeded draws of 3 tokens (the second step verifies a draft for the
+    third): a chi-square test of their joint frequencies against transformers' exact joint."""
+    # Every token once (bar the special 0..2): ngram finds any first token and drafts its
+    # successor; the model drafts do not care.
+    prompt, k, draws = list(range(3, 512)), 3, 3000
+    spec = {"method": method, "num_speculative_tokens": 1, "prompt_lookup_min": 1,
+            "min_acceptance": 0.0, "max_batch": draws,
+            **({"model": draft} if method == "draft_model" else {}),
+            **({"draft_layers": 1} if method == "self" else {})}
+    llm = LLM(model, dtype="float32", max_model_len=1024, num_kv_blocks=4096, block_size=4,
+              max_num_seqs=draws, max_num_batched_tokens=draws * 2, speculative_config=spec)
+    params = SamplingParams(temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True)
+    counts = collections.Counter(tuple(o.outputs[0].token_ids)
+                                 for o in llm.generate([prompt] * draws, params))
+    assert llm.scheduler.drafts.num_draft_tokens > draws // 2          # the third token verified
+    joint = _exact_joint(model, prompt, 3, k)
+    assert set(counts) <= set(joint)
+    expected = torch.tensor([p * draws for p in joint.values()], dtype=torch.float64)
+    seen = torch.tensor([counts[t] for t in joint], dtype=torch.float64)
+    big = expected >= 5                  # sparse cells pooled into one
+    exp_ = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    obs = torch.cat([seen[big], seen[~big].sum().reshape(1)])
+    chi2 = float(((obs - exp_) ** 2 / exp_.clamp(min=1e-9)).sum())
+    dof = len(exp_) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-4, (chi2, dof)
