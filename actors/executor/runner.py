@@ -188,8 +188,8 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         hidden = self._forward(input_ids, positions, batch)                    # [T, H]
-        if self.drafter is not None:
-            self.drafter.mirror(input_ids, positions, batch)
+        if self.drafter is not None and self.drafter.mirrors:
+            self._mirror(order, to_draft)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
         spans = spans_of(rows)
         if spans:
@@ -202,6 +202,13 @@ class ModelRunner:
             (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None
         result.num_drafts = self._drafts_held(sample_seqs) or None
         return result
+
+    def _mirror(self, order: list[tuple[SeqId, SeqState]], drafted: list[SeqState]) -> None:
+        """draft_model: the step's tokens its draft passes did not run, through the draft."""
+        passed = {id(seq) for seq in drafted}
+        rest = [(sid, seq) for sid, seq in order if id(seq) not in passed]
+        if rest:
+            self.drafter.mirror(*self._layout(rest)[:3])
 
     def _drafts_held(self, sample_seqs: list[tuple[SeqId, SeqState]]) -> dict[SeqId, int]:
         """Drafts each sequence can verify next step: those proposed, or (a model drafting in

@@ -97,8 +97,8 @@ class InStepDraft:
       layers' caches. The verification that follows writes the same positions in every layer,
       so nothing a draft wrote outlives the step.
     - method draft_model: a second model over caches of its own, indexed by the same block ids.
-      It also runs every token the target runs (mirror()), so its K/V at a block holds what
-      the target's holds there: prefix-cache hits, copy-on-write and swaps carry over."""
+      It also runs every token the target runs (its draft passes, and mirror() for the
+      rest), so its K/V at a block holds what the target's holds there: prefix-cache hits, copy-on-write and swaps carry over."""
 
     def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool):
         self.model, self.caches, self.block_size = model, caches, block_size
@@ -110,23 +110,27 @@ class InStepDraft:
                    model.cfg.vocab_size, mirrors=False)
 
     def fill(self, seqs: list) -> None:
-        """Append to each SeqState's `verifying` until it holds num_draft_slots drafts."""
+        """Append to each SeqState's `verifying` until it holds num_draft_slots drafts. A
+        mirroring draft model runs one pass more, over the last draft, so its K/V holds every
+        position the target's step writes for these sequences."""
         from .runner import decode_batch     # the runner's decode layout
-        for i in range(max(s.num_draft_slots for s in seqs)):
-            rows = [s for s in seqs if len(s.verifying) < s.num_draft_slots]
+        for i in range(max(s.num_draft_slots for s in seqs) + self.mirrors):
+            rows = [s for s in seqs if i < s.num_draft_slots + self.mirrors]
             positions = [s.num_computed + i for s in rows]
             ids = [s.token_ids[p] if p < len(s.token_ids) else s.verifying[p - len(s.token_ids)]
                    for s, p in zip(rows, positions)]
             hidden = self._forward(torch.tensor(ids), torch.tensor(positions),
                                    decode_batch(rows, positions, self.block_size))
-            logits = self.model.compute_logits(hidden)[:, :self.vocab_size]     # [A, V]
-            for s, token in zip(rows, logits.argmax(dim=-1).tolist()):
-                s.verifying.append(token)
+            drafting = [r for r, s in enumerate(rows) if len(s.verifying) < s.num_draft_slots]
+            if drafting:
+                logits = self.model.compute_logits(hidden[drafting])[:, :self.vocab_size]
+                for r, token in zip(drafting, logits.argmax(dim=-1).tolist()):   # [A]
+                    rows[r].verifying.append(token)
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> None:
-        """Run the step's tokens (the target's layout) to keep this model's K/V in step."""
-        if self.mirrors:
-            self._forward(input_ids, positions, batch)
+        """Run tokens of the step that fill() did not (prefills, plain decodes, drafts a
+        grammar forced), to keep this model's K/V in step with the target's."""
+        self._forward(input_ids, positions, batch)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         from .runner import batch_to

@@ -286,7 +286,8 @@ def test_a_constraint_after_reasoning_starts_at_the_end_of_the_block(config, rt)
     assert _allowed(matchers, again.matcher) == list(info.eos_token_ids)
 
 
-def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_llm):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_llm, method):
     from pagewire import LLM
     schema = {"type": "object", "properties": {
         "a_rather_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -297,8 +298,10 @@ def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_l
         json=schema, disable_any_whitespace=True))
     prompts = [[5 + i, 6, 7] for i in range(3)]
     plain = [o.outputs[0].token_ids for o in fuzz_llm.generate(prompts, params)]
-    spec = LLM(fuzz_llm.config.model_info.path, dtype="float32", num_kv_blocks=512,
-               block_size=16, speculative_config={"num_speculative_tokens": 8})
+    path = fuzz_llm.config.model_info.path
+    draft = {"method": "draft_model", "model": path} if method == "draft_model" else {}
+    spec = LLM(path, dtype="float32", num_kv_blocks=512, block_size=16,
+               speculative_config={"num_speculative_tokens": 8, **draft})
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     for out in outs:
