@@ -66,6 +66,32 @@ def test_local_ranks_match_transformers(models, shape):
         assert_matches_transformers(srv, models[shape])
 
 
+def spec_counters(srv: Server) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) from /metrics, once the scheduler has reported."""
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        values = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "{"))
+                  for name in ("vllm:spec_decode_num_draft_tokens_total",
+                               "vllm:spec_decode_num_accepted_tokens_total")]
+        if values[0] > 0 or time.monotonic() > deadline:
+            return values[0], values[1]
+        time.sleep(0.2)
+
+
+def test_local_ranks_draft_with_a_draft_model(models):
+    """The target as its own draft model, both split over two ranks: transformers' greedy
+    tokens, and every draft accepted."""
+    path = models["kv3-of-6-heads"]
+    spec = json.dumps({"method": "draft_model", "model": path})
+    with running_server([path, *F32, "-tp", "2", "--speculative-config", spec]) as srv:
+        assert_matches_transformers(srv, path)
+        drafted, accepted = spec_counters(srv)
+        assert accepted == drafted > 0
+
+
 def test_default_model_matches_transformers():
     from transformers import AutoModelForCausalLM
     import torch
