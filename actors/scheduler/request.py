@@ -127,6 +127,22 @@ class Request:
             return "length"
         return None
 
+    def append_verified(self, tokens: list[int], eos_ids: frozenset[int]) -> tuple[list[int],
+                                                                                   str | None]:
+        """Append a step's tokens (its sample, or the drafts it verified and the next) up to
+        the first that ends the sequence: (those appended, why it ended or None). A token after
+        the first follows an accepted draft, whose position is now computed."""
+        appended, reason = [], None
+        for i, token in enumerate(tokens):
+            if i:                  # the token before it was an accepted draft: computed
+                self.num_computed += 1
+            self.token_ids.append(token)
+            appended.append(token)
+            reason = self.stop_reason(token, eos_ids)
+            if reason:
+                break
+        return appended, reason
+
     # What a fork takes from its parent: every slot is named in exactly one of these (tested),
     # so a new list slot cannot end up shared between two sequences by accident.
     SHARED = ("num_prompt_tokens", "arrival_time", "max_tokens", "status", "num_computed",

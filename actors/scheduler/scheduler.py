@@ -342,15 +342,7 @@ class Scheduler:
         """Append the row's token (and the drafts it verified, speculative decoding); the
         sequence ends at the first token that ends it."""
         tokens = self.drafts.tokens_of(req, result, row)
-        reason, appended = None, []
-        for i, token in enumerate(tokens):
-            if i:                      # the token before it was an accepted draft: computed
-                req.num_computed += 1
-            req.token_ids.append(token)
-            appended.append(token)
-            reason = req.stop_reason(token, self.eos_ids)
-            if reason:
-                break
+        appended, reason = req.append_verified(tokens, self.eos_ids)
         self.num_generation_tokens += len(appended)
         if len(tokens) > 1:
             self.tables.commit(req)
