@@ -16,8 +16,11 @@ def __getattr__(name: str):
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from . import llm
         return getattr(llm, name)
+    if name == "LoRARequest":
+        from .lora_files import LoRARequest
+        return LoRARequest
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
            "InvalidConstraint", "__version__"]

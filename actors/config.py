@@ -11,6 +11,7 @@ import msgspec
 
 from pagewire.kernels import tiers
 
+from . import lora_files
 from .model_info import ModelInfo, resolve_model
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -117,6 +118,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_parser: str | None = None      # hermes | llama3_json | mistral
     reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> blocks apart
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
+    enable_lora: bool = False                # serve LoRA adapters beside the base model
+    lora_modules: list[str] = []             # name=path (or JSON) adapters served from start
+    max_loras: int = 1                       # distinct adapters in one step
+    max_lora_rank: int = 16                  # adapters of higher rank are refused
+    max_cpu_loras: int | None = None         # adapters kept loaded (LRU); None: max_loras
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None
@@ -165,6 +171,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"max_model_len ({max_len})")
         self._check_parallel()
         self._check_chat()
+        lora_files.check_options(self, info)
         return msgspec.structs.replace(
             self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,

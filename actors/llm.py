@@ -19,6 +19,7 @@ import torch
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
@@ -29,6 +30,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .executor.runner import ModelRunner
 from .hf_tokenizer import load_tokenizer
+from .lora_files import LoRARequest, read_adapter
 from .scheduler.core import SchedulerCore
 from .tokenizer import RequestTokenizer
 
@@ -82,16 +84,23 @@ class LLM:
         self._n: dict[str, int] = {}           # requests generating more sequences than n
         self._failed: dict[str, RequestFailed] = {}
         self._finished: list[RequestOutput] = []
+        self._loras: dict[tuple[str, int, str], LoraRef] = {}
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt (greedy by default); outputs in prompt order. A prompt is
-        text, a list of token ids, or {"prompt_token_ids": [...]}."""
+        text, a list of token ids, or {"prompt_token_ids": [...]}; `lora_request`: the
+        adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        return self._run([self.add_request(p, sp) for p, sp in zip(prompts, params)])
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        return self._run([self.add_request(p, sp, lora_request=lr)
+                          for p, sp, lr in zip(prompts, params, loras)])
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -105,12 +114,14 @@ class LLM:
                           for conv, sp in zip(conversations, params)])
 
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
-                    messages: list[dict] | None = None, tools: list[dict] | None = None) -> str:
+                    messages: list[dict] | None = None, tools: list[dict] | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one request; it runs from the next step(). Raises ValueError if it cannot be
-        served (too long, bad token ids, ...)."""
+        served (too long, bad token ids, an adapter that cannot be served, ...)."""
         req_id = str(next(self._ids))
         req = TokenizeRequest(req_id=req_id, arrival_time=time.time(),
-                              sampling=params or SamplingParams(), tools=tools)
+                              sampling=params or SamplingParams(), tools=tools,
+                              lora=self._lora(lora_request))
         if messages is not None:
             req.messages = [ChatMessage(**m) for m in messages]
         elif isinstance(prompt, str):
@@ -124,6 +135,20 @@ class LLM:
         if req_id in self._failed:
             raise ValueError(self._failed.pop(req_id).message)
         return req_id
+
+    def _lora(self, request: LoRARequest | None) -> LoraRef | None:
+        """The adapter's reference, checked the first time it is named: each distinct (name,
+        int id, path) is one load of its own."""
+        if request is None:
+            return None
+        if not self.config.enable_lora:
+            raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
+        key = (request.lora_name, request.lora_int_id, request.lora_path)
+        if key not in self._loras:
+            read_adapter(request.lora_path, self.config.model_info, self.config.max_lora_rank)
+            self._loras[key] = LoraRef(request.lora_name, len(self._loras) + 1,
+                                       request.lora_path)
+        return self._loras[key]
 
     def abort(self, req_id: str) -> None:
         """Stop a request added with add_request(); it frees its blocks and is never returned."""

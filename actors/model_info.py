@@ -56,6 +56,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     rope_scaling: dict | None = None   # Hugging Face form: {"rope_type": "yarn", ...}
     sliding_window: int | None = None  # when every layer slides (Mistral, Phi3): the KV
                                        # blocks behind it are freed
+    hidden_size: int = 0               # the linears' shapes (LoRA adapters are checked
+    num_heads: int = 0                 # against them)
+    intermediate_size: int = 0
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -120,7 +123,9 @@ def _gguf_info(path: str) -> ModelInfo:
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])],
-        digest=file_digest(path), rope_scaling=gguf_rope_scaling(meta, arch))
+        digest=file_digest(path), rope_scaling=gguf_rope_scaling(meta, arch),
+        hidden_size=int(hidden), num_heads=int(heads),
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)))
 
 
 def _hf_info(path: str) -> ModelInfo:
@@ -156,7 +161,9 @@ def _hf_info(path: str) -> ModelInfo:
         head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
         eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],
         rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
-        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") else None)
+        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") else None,
+        hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
+        intermediate_size=int(text_cfg.get("intermediate_size") or 0))
 
 
 def _eos_ids(path: str, text_cfg: dict) -> list[int]:

@@ -40,6 +40,7 @@ class Option:
     parse: Callable | None = None        # text (flag, environment, file) -> value
     decides_outputs: bool = True         # in the configuration digest (replays compare it)
     serve_only: bool = False             # not a `pagewire bench` flag
+    many: bool = False                   # a list flag taking several values (vLLM's nargs=+)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -167,6 +168,17 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "the block; `qwen3`: it opens with `<think>`); an output constraint applies from "
                "the block's end", "none", choices=("deepseek_r1", "qwen3"), serve_only=True),
     ),
+    "LoRA adapters": (
+        Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "
+               "(see \"LoRA adapters\")"),
+        Option("lora_modules", "adapters served from the start: `name=path` (several after one "
+               "flag), or JSON `{\"name\": ..., \"path\": ...}`; a request picks one by "
+               "`model`", "none", many=True),
+        Option("max_loras", "distinct adapters in one step (requests of others wait)"),
+        Option("max_lora_rank", "adapters of a higher rank are refused"),
+        Option("max_cpu_loras", "adapters an executor keeps loaded (least recently used "
+               "unloaded first)", "max_loras"),
+    ),
     "security": (
         Option("api_keys", "accepted bearer key, repeatable (also `$PAGEWIRE_API_KEY` or "
                "`$VLLM_API_KEY`, comma-separated); guards `/v1/*`", "none", flags=("--api-key",),
@@ -233,7 +245,8 @@ def _argument(o: Option) -> tuple[tuple[str, ...], dict]:
         action = "store_false" if o.names[0].startswith("--no-") else "store_true"
         return o.names, {"dest": o.field, "action": action}
     if kind.startswith("list"):
-        return o.names, {"dest": o.field, "action": "append"}
+        many = {"nargs": "+", "action": "extend"} if o.many else {"action": "append"}
+        return o.names, {"dest": o.field, **many}
     parse = o.parse or (int if "int" in kind else float if "float" in kind else str)
     choices = {"choices": list(o.choices)} if o.choices else {}
     return o.names, {"dest": o.field, "type": parse, **choices}
@@ -243,7 +256,7 @@ def readme_tables() -> str:
     """The README's options tables, one per group, as they must read."""
     out = []
     for name, group in GROUPS.items():
-        out += [f"**{name.capitalize()}**", "", "| option | default | meaning |", "|---|---|---|"]
+        out += [f"**{name[0].upper()}{name[1:]}**", "", "| option | default | meaning |", "|---|---|---|"]
         for o in group:
             flags = ", ".join(f"`{'MODEL' if f == 'model' else f}`" for f in o.names)
             out.append(f"| {flags} | {shown_default(o)} | {o.meaning} |")
@@ -257,7 +270,8 @@ def values_from_env(environ) -> dict:
     for o in OPTIONS:
         text = environ.get(o.env) if o.field else None
         if text:
-            values[o.field] = text.split(",") if o.field == "api_keys" else text
+            values[o.field] = text.split(",") if o.field == "api_keys" else \
+                text.split() if o.many else text
     return values
 
 

@@ -116,7 +116,7 @@ class RequestTokenizer:
                            first_prompt_token=ids[0] if s.prompt_logprobs is not None else None)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
-                                 priority=req.priority)
+                                 priority=req.priority, lora=req.lora)
 
     def start_after(self, prompt: list[int]) -> list[int] | None:
         """Where a constraint starts: after the reasoning block, unless the prompt closed it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
+from .lora import LoraRef
 from .sampling import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
     num_scheduled: int          # tokens to compute this step
     block_ids: list[int]        # the whole block table so far
     sampling: SamplingParams
+    lora: LoraRef | None = None     # its adapter; None: the base model
 
 
 class RunSeq(msgspec.Struct, array_like=True, gc=False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
+from .lora import LoraRef
 from .sampling import LogprobsChunk, SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     arrival_time: float
     cache_salt: str | None = None
     priority: int = 0
+    lora: LoraRef | None = None
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .lora import LoraRef
 from .sampling import SamplingParams
 
 
@@ -30,6 +31,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     echo: bool = False                   # send the prompt's text ahead of the output
     chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
     tools: list[dict] | None = None      # OpenAI tool objects, for the chat template
+    lora: LoraRef | None = None          # the adapter it runs with; None: the base model
 
 
 class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

@@ -26,6 +26,7 @@ from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .grammar import Matchers
 from .loader import _DTYPES, keep_quantized, load_model
+from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
@@ -127,6 +128,9 @@ class ModelRunner:
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
         self.drafter = self._drafter(spec)
+        self.adapters = Adapters(self.model, config.model_info, config.max_lora_rank,
+                                 config.max_cpu_loras or config.max_loras) \
+            if config.enable_lora else None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -187,7 +191,7 @@ class ModelRunner:
             self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
-        hidden = self._forward(input_ids, positions, batch)                    # [T, H]
+        hidden = self._forward(input_ids, positions, batch, self._lora_batch(rows))  # [T, H]
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
@@ -265,10 +269,22 @@ class ModelRunner:
             return None
         return rows, self.matchers.fill_async(matchers)
 
+    def _lora_batch(self, rows: list[tuple[SeqId, SeqState, int]]) -> LoraBatch | None:
+        """The step's rows by adapter (None: every row is the base model's)."""
+        if self.adapters is None or all(seq.lora is None for _, seq, _ in rows):
+            return None
+        groups: dict[int, list[int]] = {}
+        for _, seq, row in rows:
+            if seq.lora is not None:
+                groups.setdefault(seq.lora.id, []).extend(range(row, row + seq.num_scheduled))
+        refs = {seq.lora.id: seq.lora for _, seq, _ in rows if seq.lora is not None}
+        return LoraBatch([(self.adapters.get(refs[i]), torch.tensor(r, device=self.device))
+                          for i, r in groups.items()])
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 batch: AttentionBatch) -> torch.Tensor:
+                 batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:
         decode_only = not batch.prefills
-        if decode_only and self.graphs is not None and \
+        if decode_only and lora is None and self.graphs is not None and \
                 self.graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, batch.slot_mapping,
                                    batch.decode_block_tables, batch.decode_context_lens)
@@ -276,7 +292,7 @@ class ModelRunner:
         if dev.type != "cpu":
             batch = batch_to(batch, dev)
             input_ids, positions = input_ids.to(dev), positions.to(dev)
-        return self.model(input_ids, positions, self.kv_caches, batch)
+        return self.model(input_ids, positions, self.kv_caches, batch, lora)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""

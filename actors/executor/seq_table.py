@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagewire.wire.ids import SeqId
+from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import SamplingParams, stops_on
 from pagewire.wire.to_executor import StepPlan
 
@@ -36,6 +37,7 @@ class SeqState:
     ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
     num_draft_slots: int = 0        # drafts this step verifies (model drafts: filled in it)
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
+    lora: LoraRef | None = None     # its adapter; None: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -75,7 +77,8 @@ class SeqTable:
         order = []
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
-                           list(new.block_ids), new.sampling, new.num_scheduled)
+                           list(new.block_ids), new.sampling, new.num_scheduled,
+                           lora=new.lora)
             so = new.sampling.structured_outputs
             if so is not None and self.matchers is not None:
                 seq.matcher = self.matchers.start(so, seq.token_ids[seq.num_prompt_tokens:])

@@ -5,6 +5,7 @@ import enum
 import itertools
 
 from pagewire.wire.ids import SeqId
+from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import SamplingParams, stops_on
 
 _arrivals = itertools.count()
@@ -41,11 +42,11 @@ class Request:
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
                  "num_placeholders", "num_drafts", "num_draft_slots", "draft_acceptance",
-                 "draft_skips")
+                 "draft_skips", "lora")
 
     def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, lora: LoraRef | None = None):
         self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -53,7 +54,9 @@ class Request:
         self.arrival_time = arrival_time
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
-        self.priority, self.cache_salt = priority, cache_salt
+        self.priority, self.lora = priority, lora
+        # An adapter's blocks are its own: its load id (a reload gets a new one) salts them.
+        self.cache_salt = cache_salt if lora is None else f"{cache_salt or ''}\x00lora{lora.id}"
         self.order = next(_arrivals)          # ties in (priority, order) break by arrival
         self.status = Status.WAITING
         self.num_computed = 0
@@ -147,7 +150,8 @@ class Request:
     # so a new list slot cannot end up shared between two sequences by accident.
     SHARED = ("num_prompt_tokens", "arrival_time", "max_tokens", "status", "num_computed",
               "priority", "cache_salt", "order", "num_committed", "cum_logprob", "group",
-              "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped")
+              "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped",
+              "lora")
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
     FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",

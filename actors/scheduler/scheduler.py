@@ -97,7 +97,7 @@ class Scheduler:
             return [TokenDelta(o, [], reason, error) for o in outputs]
         priority = msg.priority if self.by_priority else 0
         req = Request(SeqId(msg.req_id), msg.prompt_token_ids, s, msg.arrival_time,
-                      self.config.max_model_len, priority, msg.cache_salt)
+                      self.config.max_model_len, priority, msg.cache_salt, msg.lora)
         if s.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
             req.seq_id, req.group = group.new_id(), group
@@ -183,7 +183,7 @@ class Scheduler:
                 req.on_executor = True
                 plan.new.append(NewSeq(req.seq_id, list(req.token_ids), req.num_prompt_tokens,
                                        req.num_computed, req.num_scheduled, list(req.block_ids),
-                                       req.sampling))
+                                       req.sampling, req.lora))
             req.num_blocks_sent, req.new_token_ids = len(req.block_ids), []
             req.num_in_flight += req.num_scheduled
             req.num_placeholders += req.samples_when_planned
@@ -213,10 +213,18 @@ class Scheduler:
         return scheduled, budget, preempted
 
     def _admit_waiting(self, budget: int) -> list[Request]:
-        """Waiting sequences that start (or resume) in this step, in admission order."""
-        admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        """Waiting sequences that start (or resume) in this step, in admission order. One whose
+        adapter would make the running sequences' adapters more than max_loras waits, and
+        those behind it go ahead."""
+        admitted, i = [], 0
+        loras = {r.lora.id for r in self.running if r.lora is not None}
+        while i < len(self.waiting) and budget > 0 and \
+                len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            lora = req.lora.id if req.lora is not None else None
+            if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
+                i += 1
+                continue
             if req.status is Status.SWAPPED:
                 if not self.tables.swap_in(req):
                     break
@@ -233,7 +241,9 @@ class Scheduler:
                     self.tables.release(req)
                     req.num_computed = 0
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if lora is not None:
+                loras.add(lora)
             req.status, req.num_scheduled = Status.RUNNING, n
             if not req.scheduled_before:
                 req.scheduled_before = True

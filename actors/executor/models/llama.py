@@ -81,9 +81,10 @@ class DecoderLayer(nn.Module):
         self.program = program.layer_program(cfg, tp.size)   # what runs, on every path
         self._bound = program.bind(self, self.program)
 
-    def forward(self, ops, x, residual, rope, kv_cache, batch):
+    def forward(self, ops, x, residual, rope, kv_cache, batch, lora=None):
         """The layer's program (program.py), op by op through the backend."""
-        return program.run(self._bound, ops, program.State(x, residual, rope, kv_cache, batch))
+        return program.run(self._bound, ops,
+                           program.State(x, residual, rope, kv_cache, batch, lora))
 
 
 # The forward passes call submodules' .forward directly: nn.Module.__call__ (hooks machinery)
@@ -128,20 +129,23 @@ class LlamaForCausalLM(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], batch: AttentionBatch) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, H]."""
+                kv_caches: list[torch.Tensor], batch: AttentionBatch,
+                lora=None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H]. `lora`: the rows'
+        adapters (executor/lora.py LoraBatch; the fused decode path has no LoRA op)."""
         cfg = self.cfg
         x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         fused = self.fused_decode
-        if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
+        if fused is not None and lora is None and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch)        # the same kernels, one call
         else:
             residual = None
             ropes = [(table, positions) for table in self.rope_tables]  # [P, D] table, [T]
             for layer, kv_cache, which in zip(self.layers, kv_caches, cfg.layer_rope):
-                x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch)
+                x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch,
+                                            lora)
         x, _ = self.norm.forward(self.ops, x, residual)
         return x
 

@@ -21,7 +21,7 @@ class Op(IntEnum):
     """The opcodes. The values are the native interpreter's too (csrc/decode_stack.cpp)."""
     ADD_NORM = 1     # residual += x (x alone in the first layer), x = rms_norm(residual)
     NORM = 2         # x = rms_norm(x), the residual untouched (sandwich norms)
-    LINEAR = 3       # x = x @ W^T (+ bias)
+    LINEAR = 3       # x = x @ W^T (+ bias) (+ the rows' LoRA deltas)
     QK_NORM = 4      # rms_norm of each query and key head of qkv, in place
     ROPE = 5         # rotate q and k of qkv by position; x becomes (q, k, v)
     ATTEND = 6       # write k, v to the paged cache, x = paged attention of q
@@ -57,11 +57,12 @@ def layer_program(cfg, tp_size: int = 1) -> tuple[Step, ...]:
 
 class State:
     """What flows between ops: the current value, the residual stream, and the step's inputs."""
-    __slots__ = ("x", "residual", "rope", "kv_cache", "batch")
+    __slots__ = ("x", "residual", "rope", "kv_cache", "batch", "lora")
 
-    def __init__(self, x, residual, rope, kv_cache, batch):
+    def __init__(self, x, residual, rope, kv_cache, batch, lora=None):
         self.x, self.residual, self.rope = x, residual, rope
         self.kv_cache, self.batch = kv_cache, batch
+        self.lora = lora            # executor/lora.py LoraBatch of the step's adapters, or None
 
 
 def _add_norm(ops, norm, s: State) -> None:
@@ -73,7 +74,10 @@ def _norm(ops, norm, s: State) -> None:
 
 
 def _linear(ops, linear, s: State) -> None:
-    s.x = linear.forward(s.x)
+    y = linear.forward(s.x)
+    if s.lora is not None:
+        s.lora.apply(linear, s.x, y)
+    s.x = y
 
 
 def _qk_norm(ops, attn, s: State) -> None:

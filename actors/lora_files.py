@@ -1,0 +1,171 @@
+"""LoRA adapters on disk, read and checked without torch (the gateway and the offline API
+refuse a bad adapter before any request runs with it; the executor loads only what passed).
+
+An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensors holding
+`base_model.model.model.layers.N.{self_attn,mlp}.P.lora_{A,B}.weight` for projections P among
+q/k/v/o and gate/up/down: A [r, in], B [out, r]. Its delta to P's output is
+scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+from .model_info import ModelInfo
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The offline API's adapter choice, as vLLM spells it: LLM.generate(..., lora_request=
+    LoRARequest("name", 1, "/path/to/adapter"))."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class InvalidAdapter(ValueError):
+    """An adapter this engine cannot serve, with the reason."""
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    path: str
+    rank: int
+    scale: float
+    # (layer, projection) -> (A's shape, B's shape), every pair complete
+    shapes: dict[tuple[int, str], tuple[tuple[int, int], tuple[int, int]]]
+
+
+def projection_shapes(info: ModelInfo) -> dict[str, tuple[int, int]]:
+    """Each projection's weight shape (out, in) in the base model."""
+    h, q, kv, i = info.hidden_size, info.num_heads * info.head_dim, \
+        info.num_kv_heads * info.head_dim, info.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
+    """The adapter at `path`, checked against the base model; InvalidAdapter says why not."""
+    if not os.path.isdir(path):
+        raise InvalidAdapter(f"{path}: no such adapter directory")
+    config = _config(path)
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise InvalidAdapter(f"{path}: adapter_config.json needs a positive integer r and "
+                             "lora_alpha")
+    if rank > max_rank:
+        raise InvalidAdapter(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    shapes = _tensor_shapes(path, info, rank)
+    return AdapterFile(path, rank, float(scale), shapes)
+
+
+def _config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise InvalidAdapter(f"{path}: no {CONFIG}") from None
+    except ValueError as e:
+        raise InvalidAdapter(f"{path}: {CONFIG} is not JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InvalidAdapter(f"{path}: peft_type {config['peft_type']} is not LORA")
+    unsupported = [(config.get("use_dora"), "DoRA"),
+                   (config.get("modules_to_save"), "modules_to_save"),
+                   (config.get("bias", "none") != "none", f"bias {config.get('bias')!r}"),
+                   (config.get("fan_in_fan_out"), "fan_in_fan_out"),
+                   (config.get("rank_pattern") or config.get("alpha_pattern"),
+                    "per-module ranks (rank_pattern / alpha_pattern)")]
+    for present, what in unsupported:
+        if present:
+            raise InvalidAdapter(f"{path}: {what} is not supported")
+    return config
+
+
+def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> dict:
+    header = _safetensors_header(path)
+    expected = projection_shapes(info)
+    found: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        match = TENSOR.fullmatch(name)
+        if match is None:
+            raise InvalidAdapter(f"{path}: tensor {name} is not a LoRA A or B of q/k/v/o or "
+                                 "gate/up/down (embeddings, LM head, biases: not supported)")
+        layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= info.num_layers:
+            raise InvalidAdapter(f"{path}: {name}: the base model has {info.num_layers} layers")
+        out, inp = expected[proj]
+        want = (rank, inp) if which == "A" else (out, rank)
+        if tuple(meta["shape"]) != want:
+            raise InvalidAdapter(f"{path}: {name} has shape {meta['shape']}, the base model "
+                                 f"needs {list(want)}")
+        found.setdefault((layer, proj), {})[which] = want
+    if not found:
+        raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
+    half = [f"layer {k[0]} {k[1]}" for k, v in found.items() if len(v) != 2]
+    if half:
+        raise InvalidAdapter(f"{path}: only one of lora_A / lora_B for {', '.join(half)}")
+    return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}
+
+
+def _safetensors_header(path: str) -> dict:
+    file = os.path.join(path, WEIGHTS)
+    if not os.path.isfile(file):
+        pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
+        raise InvalidAdapter(f"{path}: no {WEIGHTS}" + (
+            " (adapter_model.bin is pickled and is refused: convert it to safetensors)"
+            if pickled else ""))
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2**20:
+                raise ValueError("header too large")
+            return json.loads(f.read(size))
+    except (ValueError, struct.error) as e:
+        raise InvalidAdapter(f"{file}: not a safetensors file ({e})") from None
+
+
+def parse_module(text: str) -> tuple[str, str]:
+    """--lora-modules: `name=path`, or JSON {"name", "path"[, "base_model_name"]}."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--lora-modules {text}: expected JSON with name and path") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text}: expected name=path")
+    return name, path
+
+
+def check_options(config, info: ModelInfo) -> None:
+    """The LoRA options fit together, and every --lora-modules adapter can be served."""
+    if config.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if not config.enable_lora:
+        return
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--enable-lora with tensor parallelism is not supported yet")
+    if config.max_loras < 1 or config.max_lora_rank < 1:
+        raise ValueError("--max-loras and --max-lora-rank must be positive")
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ValueError("--max-cpu-loras must be at least --max-loras")
+    names = [parse_module(m)[0] for m in config.lora_modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    for name, path in map(parse_module, config.lora_modules):
+        try:
+            read_adapter(path, info, config.max_lora_rank)
+        except InvalidAdapter as e:
+            raise ValueError(f"--lora-modules {name}: {e}") from None

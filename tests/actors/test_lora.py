@@ -1,0 +1,193 @@
+"""LoRA adapters: a batch mixing the base model and several adapters gives every request the
+greedy tokens of transformers on its merged weights; adapters never share prefix-cache blocks
+(nor two loads of one); unsupported adapters are refused with the reason; max_loras holds."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pagewire import LLM, LoRARequest, SamplingParams
+from pagewire.lora_files import InvalidAdapter, read_adapter
+from pagewire.model_info import resolve_model
+from tests.helpers import HFOracle, assert_greedy_equal, make_tiny_llama
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 45)), [100, 101, 100, 101, 7]]
+
+
+def shapes_of(base: str) -> dict[str, tuple[int, int]]:
+    """Each projection's (out, in) in the tiny base model."""
+    cfg = json.load(open(os.path.join(base, "config.json")))
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def make_adapter(path: str, base: str, targets=ATTN + MLP, rank: int = 4, alpha: float = 8.0,
+                 seed: int = 0, layers=(0, 1), extra_config: dict | None = None,
+                 tensors: dict | None = None) -> str:
+    """A PEFT LoRA adapter with random, non-trivial A and B (PEFT starts B at zero)."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
+              "target_modules": list(targets), "base_model_name_or_path": base,
+              **(extra_config or {})}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in layers:
+        for proj in targets:
+            out, inp = shapes_of(base)[proj]
+            kind = "self_attn" if proj in ATTN else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{kind}.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.2
+            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
+    weights.update(tensors or {})
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def merged_oracle(base: str, adapter: str | None) -> HFOracle:
+    """transformers on the base weights plus scale * B @ A for every adapted projection."""
+    oracle = HFOracle.from_dir(base)
+    if adapter is None:
+        return oracle
+    from safetensors.torch import load_file
+    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    rank = cfg["r"]
+    scale = cfg["lora_alpha"] / (rank ** 0.5 if cfg.get("use_rslora") else rank)
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    params = dict(oracle.model.named_parameters())
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if ".lora_A." in name:
+                b = tensors[name.replace("lora_A", "lora_B")]
+                target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
+                                                                         ".weight")
+                params[target] += scale * (b @ a)
+    return oracle
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, smol_tokenizer_dir):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("lora-base") / "m"), smol_tokenizer_dir,
+                           vocab_size=512, seed=6)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, base) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"attn-qv": make_adapter(str(root / "qv"), base, ("q_proj", "v_proj"), rank=8,
+                                    alpha=16, seed=1),
+            "all-rslora": make_adapter(str(root / "all"), base, rank=4, alpha=4, seed=2,
+                                       extra_config={"use_rslora": True}),
+            "mlp-layer1": make_adapter(str(root / "mlp"), base, MLP, rank=2, alpha=4, seed=3,
+                                       layers=(1,))}
+
+
+def _greedy(llm: LLM, prompts, loras, n: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+
+
+def test_a_mixed_batch_gives_each_request_its_merged_models_tokens(base, adapters):
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True, max_loras=3)
+    names = [None, *adapters]
+    requests = {name: LoRARequest(name, i, adapters[name]) for i, name in enumerate(names)
+                if name}
+    cases = [(p, name) for p in PROMPTS for name in names]        # every adapter in every step
+    ours = _greedy(llm, [p for p, _ in cases], [requests.get(n) for _, n in cases])
+    oracles = {name: merged_oracle(base, adapters.get(name)) for name in names}
+    seen = {}
+    for (prompt, name), tokens in zip(cases, ours):
+        theirs, logits = oracles[name].greedy(prompt, len(tokens))
+        assert_greedy_equal(tokens, theirs, logits, f"{name} on a prompt of {len(prompt)}")
+        seen.setdefault(tuple(prompt), set()).add(tuple(tokens))
+    assert all(len(outs) == len(names) for outs in seen.values())   # the adapters matter
+    assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
+
+
+def test_adapters_and_reloads_share_no_prefix_blocks(base, adapters, tmp_path):
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True)
+    prompt = list(range(30, 62))                          # 8 full blocks
+    tables = llm.scheduler.tables
+
+    def hits(lora) -> int:
+        before = tables.prefix_hits
+        _greedy(llm, [prompt], lora, n=2)
+        return tables.prefix_hits - before
+
+    first = LoRARequest("qv", 1, adapters["attn-qv"])
+    assert hits(first) == 0 and hits(first) == 28         # its own blocks, found again
+    assert hits(LoRARequest("all", 2, adapters["all-rslora"])) == 0
+    assert hits(None) == 0                                # the base model's are apart too
+    reloaded = make_adapter(str(tmp_path / "qv2"), base, ("q_proj", "v_proj"), rank=8,
+                            alpha=16, seed=5)
+    assert hits(LoRARequest("qv", 1, reloaded)) == 0      # same name, a new version
+
+
+def _refused(tmp_path, base, **kw) -> str:
+    with pytest.raises(InvalidAdapter) as e:
+        read_adapter(make_adapter(str(tmp_path / "bad"), base, **kw), resolve_model(base), 16)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"rank": 32}, "rank 32 is above --max-lora-rank 16"),
+    ({"extra_config": {"use_dora": True}}, "DoRA is not supported"),
+    ({"extra_config": {"modules_to_save": ["lm_head"]}}, "modules_to_save"),
+    ({"extra_config": {"bias": "all"}}, "bias 'all'"),
+    ({"extra_config": {"rank_pattern": {"q_proj": 2}}}, "per-module ranks"),
+    ({"tensors": {"base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(4, 512)}},
+     "embeddings, LM head"),
+    ({"tensors": {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                  torch.zeros(7, 4)}}, "has shape [7, 4], the base model needs [256, 4]"),
+    ({"layers": (0, 5)}, "the base model has 2 layers"),
+], ids=["rank", "dora", "modules_to_save", "bias", "rank_pattern", "embedding", "shape",
+        "layer"])
+def test_unsupported_adapters_are_refused_with_the_reason(tmp_path, base, kw, words):
+    assert words in _refused(tmp_path, base, **kw)
+
+
+def test_a_refused_adapter_leaves_the_engine_serving(tmp_path, base, adapters):
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (pickled / "adapter_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(InvalidAdapter, match="pickled and is refused"):
+        _greedy(llm, PROMPTS[:1], LoRARequest("p", 1, str(pickled)))
+    with pytest.raises(InvalidAdapter, match="no such adapter directory"):
+        _greedy(llm, PROMPTS[:1], LoRARequest("gone", 2, str(tmp_path / "nowhere")))
+    good = _greedy(llm, PROMPTS[:1], LoRARequest("qv", 3, adapters["attn-qv"]))
+    theirs, logits = merged_oracle(base, adapters["attn-qv"]).greedy(PROMPTS[0], 12)
+    assert_greedy_equal(good[0], theirs, logits)
+
+
+def test_max_loras_caps_the_adapters_of_a_step(base, adapters):
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True, max_loras=1, max_cpu_loras=2)
+    widths, lora_batch = [], llm.runner._lora_batch
+
+    def recording(rows):
+        batch = lora_batch(rows)
+        widths.append(0 if batch is None else len(batch.groups))
+        return batch
+    llm.runner._lora_batch = recording
+    names = list(adapters)
+    loras = [LoRARequest(n, i + 1, adapters[n]) for i, n in enumerate(names)] + [None]
+    ours = _greedy(llm, [PROMPTS[1]] * 4, loras)
+    assert max(widths) == 1 and len(llm.runner.adapters.loaded) <= 2
+    for lora, tokens in zip(loras, ours):
+        oracle = merged_oracle(base, lora and lora.lora_path)
+        theirs, logits = oracle.greedy(PROMPTS[1], len(tokens))
+        assert_greedy_equal(tokens, theirs, logits)
