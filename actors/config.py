@@ -123,6 +123,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_loras: int = 1                       # distinct adapters in one step
     max_lora_rank: int = 16                  # adapters of higher rank are refused
     max_cpu_loras: int | None = None         # adapters kept loaded (LRU); None: max_loras
+    allow_runtime_lora_updating: bool = False   # POST /v1/load_lora_adapter, unload_...
+    lora_root: str | None = None             # run-time loads only from under this directory
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
     # Filled in by resolve():
     model_info: ModelInfo | None = None

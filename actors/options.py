@@ -178,6 +178,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("max_lora_rank", "adapters of a higher rank are refused"),
         Option("max_cpu_loras", "adapters an executor keeps loaded (least recently used "
                "unloaded first)", "max_loras"),
+        Option("allow_runtime_lora_updating", "serve `POST /v1/load_lora_adapter` and "
+               "`/v1/unload_lora_adapter` (also `$VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`)",
+               **_RUN),
+        Option("lora_root", "adapters loaded at run time must lie under this directory",
+               "anywhere", **_RUN),
     ),
     "security": (
         Option("api_keys", "accepted bearer key, repeatable (also `$PAGEWIRE_API_KEY` or "

@@ -38,6 +38,8 @@ def build(flags: dict, environ: Mapping[str, str] | None = None,
     environ = os.environ if environ is None else environ
     file_values = from_file(config_file) if config_file else {}
     values = {**file_values, **values_from_env(environ), **flags}
+    if environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1"):
+        values.setdefault("allow_runtime_lora_updating", True)    # vLLM's switch
     values["api_keys"] = list(dict.fromkeys(
         list(file_values.get("api_keys", [])) + env_api_keys(environ)
         + list(flags.get("api_keys", []))))

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import InvalidParam, best_of
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
@@ -33,6 +34,7 @@ from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_l
                        completion_prompts, decode_body, template_kwargs, to_sampling)
 from .responses import Choice, Formatter, usage
 from .tools import plan_tools
+from .lora_routes import LoraRoutes
 from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
@@ -66,12 +68,13 @@ class Gateway:
                                       config.max_num_batched_tokens,
                                       spec.num_speculative_tokens if spec else 1)
         self.metrics.set_backend(config.backend or "unknown", config.dtype)
+        self.loras = LoraRoutes(self)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            *TokenizeRoutes(self).routes()])
+            *TokenizeRoutes(self).routes(), *self.loras.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -150,11 +153,12 @@ class Gateway:
         entry = {"id": self.model_name, "object": "model", "created": self.created,
                  "owned_by": "pagewire", "root": self.config.model_info.path, "parent": None,
                  "max_model_len": self.config.max_model_len}
-        return web.json_response({"object": "list", "data": [entry]})
+        return web.json_response({"object": "list",
+                                  "data": [entry, *self.loras.model_entries(self.created)]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionBody)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         # echo with logprobs reports the prompt's tokens too: their logprobs are computed.
         prompt_lps = body.prompt_logprobs if body.prompt_logprobs is not None or not body.echo \
             else body.logprobs
@@ -163,9 +167,10 @@ class Gateway:
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                                 prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
                                 cache_salt=self.salt(request, body), priority=body.priority,
-                                echo=body.echo)
+                                echo=body.echo, lora=lora)
                 for p in completion_prompts(body)]
-        fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+        fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()),
+                        lora.name if lora else self.model_name,
                         logprobs=body.logprobs is not None,
                         prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo,
                         token_ids=body.return_tokens_as_token_ids)
@@ -173,7 +178,7 @@ class Gateway:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatBody)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
                                chat_logprobs(body), body.prompt_logprobs, tools.constraint)
@@ -182,8 +187,9 @@ class Gateway:
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
                               cache_salt=self.salt(request, body), priority=body.priority,
-                              chat_template_kwargs=template_kwargs(body))
-        fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                              chat_template_kwargs=template_kwargs(body), lora=lora)
+        fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
+                        lora.name if lora else self.model_name,
                         logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
                         token_ids=body.return_tokens_as_token_ids, tools=tools,
                         reasoning_parser=self.config.reasoning_parser)
@@ -214,14 +220,15 @@ class Gateway:
         tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]
         return f"{tenant}:{body.cache_salt or ''}"
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model",
-                           "NotFoundError")
+    def check_model(self, model: str | None) -> LoraRef | None:
+        """The adapter `model` names (None: the base model); 404 for an unknown model, 503
+        while the engine cannot take requests."""
+        lora = self.loras.lookup(model)
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         if self.engine_down:
             raise ApiError(503, f"the engine is restarting ({self.engine_down})")
+        return lora
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
                     prompts: list[TokenizeRequest]) -> web.StreamResponse:
