@@ -83,6 +83,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_draft_tokens: int = 0            # verified drafts, the drafts verified, and of those
     spec_accepted_tokens: int = 0         # the ones accepted (cumulative);
     spec_accepted_per_pos: list[int] = []  # accepted at draft position i (cumulative)
+    running_loras: list[str] = []         # the adapters of running / waiting sequences
+    waiting_loras: list[str] = []
 
 
 GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply | EngineEvent

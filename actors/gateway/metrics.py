@@ -70,7 +70,8 @@ class GatewayMetrics:
     sequence (first token, later tokens, finish), on_scheduler_stats; `handler` serves them."""
 
     def __init__(self, model_name: str, max_model_len: int = 2048,
-                 max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 1):
+                 max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 1,
+                 max_loras: int | None = None):
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -150,6 +151,11 @@ class GatewayMetrics:
                              "The executors' kernel backend (device and CPU tier) and dtype: 1.",
                              ["backend", "dtype"], registry=r)
         self.seqs: dict[SeqId, _Seq] = {}
+        self.max_loras, self.lora_labels = max_loras, None
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r) if max_loras else None
 
     def set_backend(self, backend: str, dtype: str) -> None:
         self.backend.labels(backend=backend, dtype=dtype).set(1)
@@ -235,6 +241,18 @@ class GatewayMetrics:
             self.queue_time.observe(t)
         for t in msg.step_durations:
             self.step_duration.observe(t)
+        self.on_loras(msg.running_loras, msg.waiting_loras)
+
+    def on_loras(self, running: list[str], waiting: list[str]) -> None:
+        """vLLM's form: one sample, its labels the adapters (comma-separated), its value when
+        they were last reported."""
+        if self.lora_info is None:
+            return
+        labels = (str(self.max_loras), ",".join(waiting), ",".join(running))
+        if labels != self.lora_labels and self.lora_labels is not None:
+            self.lora_info.remove(*self.lora_labels)
+        self.lora_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     # -- exposition ----------------------------------------------------------------------------
 

@@ -66,7 +66,8 @@ class Gateway:
         spec = config.speculative_config
         self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
                                       config.max_num_batched_tokens,
-                                      spec.num_speculative_tokens if spec else 1)
+                                      spec.num_speculative_tokens if spec else 1,
+                                      config.max_loras if config.enable_lora else None)
         self.metrics.set_backend(config.backend or "unknown", config.dtype)
         self.loras = LoraRoutes(self)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])

@@ -124,7 +124,8 @@ class StatsReporter:
             step_running_for=self.step_running_for(), spec_drafts=s.drafts.num_drafts,
             spec_draft_tokens=s.drafts.num_draft_tokens,
             spec_accepted_tokens=s.drafts.num_accepted_tokens,
-            spec_accepted_per_pos=list(s.drafts.accepted_per_pos))
+            spec_accepted_per_pos=list(s.drafts.accepted_per_pos),
+            running_loras=_adapters(s.running), waiting_loras=_adapters(s.waiting))
 
     def step_running_for(self) -> float:
         """How long the executor has been on its current step (0.0: no step in flight)."""
@@ -203,3 +204,7 @@ def run(env) -> None:
     loop = SchedulerLoop(env)
     env.ready()
     loop.run()
+
+
+def _adapters(requests) -> list[str]:
+    return sorted({r.lora.name for r in requests if r.lora is not None})

@@ -191,3 +191,17 @@ def test_max_loras_caps_the_adapters_of_a_step(base, adapters):
         oracle = merged_oracle(base, lora and lora.lora_path)
         theirs, logits = oracle.greedy(PROMPTS[1], len(tokens))
         assert_greedy_equal(tokens, theirs, logits)
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    from prometheus_client import generate_latest
+    from pagewire.gateway.metrics import GatewayMetrics
+    m = GatewayMetrics("tiny", max_loras=2)
+    m.on_loras(["a", "b"], ["c"])
+    m.on_loras(["c"], [])
+    text = generate_latest(m.registry).decode()
+    samples = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info")]
+    assert len(samples) == 1 and samples[0].startswith(
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="c",'
+        'waiting_lora_adapters=""}')
+    assert "lora_requests_info" not in generate_latest(GatewayMetrics("tiny").registry).decode()

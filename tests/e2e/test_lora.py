@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import urllib.request
 
 import pytest
 
@@ -59,6 +60,8 @@ def test_adapters_are_served_loaded_and_refused_at_run_time(files):
             outs = list(pool.map(lambda m: greedy(srv, m), names))
         for name, tokens in zip(names, outs):
             assert_merged(tokens, base, files.get(name))
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            assert 'vllm:lora_requests_info{max_lora="2"' in r.read().decode()
 
         def load(name: str, path: str, **extra) -> tuple[int, dict]:
             code, reply, _ = srv.request("POST", "/v1/load_lora_adapter",
