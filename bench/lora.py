@@ -1,0 +1,77 @@
+"""LoRA adapters against the base model alone, side by side in one engine (alternating).
+
+    python bench/lora.py [--rank 16] [--rounds 2]
+
+On the default model, with random rank-r adapters on all seven projections of every layer
+(written to a temporary directory), greedy, ignore_eos:
+- single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter;
+- mixed: 64 requests of 128 / 128 at once, all base vs four adapters mixed uniformly
+  (--max-loras 4).
+Prints output tokens per second and the ratio adapter / base.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from pagewire import LLM, LoRARequest, SamplingParams
+from pagewire.lora_files import projection_shapes
+from pagewire.model_info import resolve_model
+
+
+def make_adapter(path: str, rank: int, seed: int) -> str:
+    info = resolve_model(None)
+    os.makedirs(path)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none"}, f)
+    g, weights = torch.Generator().manual_seed(seed), {}
+    for layer in range(info.num_layers):
+        for proj, (out, inp) in projection_shapes(info).items():
+            kind = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{kind}.{proj}"
+            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
+            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+    save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def run(llm: LLM, prompts: list[list[int]], loras: list) -> float:
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_request=loras)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(64)]
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(f"{tmp}/a{i}", args.rank, i))
+                    for i in range(4)]
+        llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=args.rank,
+                  enable_prefix_caching=False)
+        run(llm, prompts[:2], [None, adapters[0]])                       # warm up
+        for r in range(args.rounds):
+            base = run(llm, prompts[:1], [None])
+            lora = run(llm, prompts[:1], [adapters[0]])
+            print(f"round {r} single: base {base:.1f} tok/s, adapter {lora:.1f} tok/s, "
+                  f"{lora / base:.2f}x", flush=True)
+            base = run(llm, prompts, [None] * 64)
+            mixed = run(llm, prompts, [adapters[i % 4] for i in range(64)])
+            print(f"round {r} mixed: base {base:.1f} tok/s, 4 adapters {mixed:.1f} tok/s, "
+                  f"{mixed / base:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
