@@ -96,22 +96,24 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = _per_prompt_lora(lora_request, len(prompts))
         return self._run([self.add_request(p, sp, lora_request=lr)
                           for p, sp, lr in zip(prompts, params, loras)])
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Like generate(), for chat messages rendered with the model's chat template (which
         sees `tools`, OpenAI tool objects, when given)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = _per_prompt(sampling_params, len(conversations))
-        return self._run([self.add_request(None, sp, messages=conv, tools=tools)
-                          for conv, sp in zip(conversations, params)])
+        loras = _per_prompt_lora(lora_request, len(conversations))
+        return self._run([self.add_request(None, sp, messages=conv, tools=tools,
+                                           lora_request=lr)
+                          for conv, sp, lr in zip(conversations, params, loras)])
 
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
@@ -252,3 +254,10 @@ def _per_prompt(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"{n} prompts but {len(params)} sampling params")
     return params
+
+
+def _per_prompt_lora(lora_request, n: int) -> list:
+    loras = lora_request if isinstance(lora_request, list) else [lora_request] * n
+    if len(loras) != n:
+        raise ValueError(f"{n} prompts but {len(loras)} LoRA requests")
+    return loras

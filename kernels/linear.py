@@ -29,6 +29,7 @@ class Linear(nn.Linear):
     packed_bias: torch.Tensor | None = None
     quantized: quant.QuantWeight | None = None
     quantized_max_tokens: int = 0
+    lora_slot: int = -1         # its index in a step's LoRA table (executor/lora.py); -1: none
 
     def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
         """upcast: multiply in float32 whatever the weight's dtype."""

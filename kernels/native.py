@@ -1,5 +1,5 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-sampling, quant_kernels, decode_stack), compiled once per instruction-set tier
+sampling, quant_kernels, decode_stack, lora), compiled once per instruction-set tier
 (kernels/tiers.py) on first use and called via ctypes.
 
 Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
@@ -26,7 +26,7 @@ from . import tiers
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
-                         "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp")]
+                         "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp", "lora.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("bf16.h", "attention_tiles.h", "quant_avx2.h")]
 _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
@@ -49,6 +49,8 @@ _SIGNATURES = {
        for q in ("4_1", "8_0", "4_1_i8", "8_0_i8", "4_1_i16", "8_0_i16")
        for t in ("f32", "bf16")},
     **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2
+       + [_ptr, _ptr, _i64] for t in ("f32", "bf16")},
+    **{f"pw_lora_delta_{t}": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]
        for t in ("f32", "bf16")},
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -271,3 +273,19 @@ class Library:
         self.typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens,
                                                      inter)
         return out
+
+    def lora_delta(self, y: torch.Tensor, x: torch.Tensor, adapter_of_row: torch.Tensor,
+                   table: torch.Tensor, slot: int) -> None:
+        """y [T, N] += each row's adapter delta of x [T, K] for linear `slot` (rows of
+        adapter -1 untouched). table: [adapters, slots, 3] int64 (A [R, K], Bt [R, N] float32
+        pointers, R; A null where that adapter leaves the linear alone)."""
+        _check_cpu(y, x, adapter_of_row, table)
+        tokens, n = y.shape
+        if y.stride(1) != 1 or x.stride(1) != 1 or x.shape[0] != tokens or x.dtype != y.dtype \
+                or adapter_of_row.dtype != torch.int64 or adapter_of_row.shape != (tokens,) \
+                or table.dtype != torch.int64 or not table.is_contiguous() \
+                or table.dim() != 3 or not 0 <= slot < table.shape[1]:
+            raise ValueError("lora_delta: bad shapes, strides or dtypes")
+        self.typed("pw_lora_delta", y.dtype)(
+            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), tokens, n, x.shape[1],
+            adapter_of_row.data_ptr(), table.data_ptr(), slot, table.shape[1])

@@ -53,6 +53,17 @@ class TorchOps:
         kernels and the native CPU decode implement them; Triton falls back to these."""
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, variant=variant)
 
+    def lora_delta(self, y, x, lora, slot):
+        """y [T, N] += the LoRA delta of x [T, K] through linear `slot`, each row with its
+        adapter. `lora` (executor/lora.py LoraBatch): per adapter its {slot: (A [R, K],
+        Bt [R, N])} float32 and its rows; `adapter_of_row` and `table` for native kernels."""
+        for weights, rows in zip(lora.weights, lora.rows):
+            ab = weights.get(slot)
+            if ab is not None and rows.numel():
+                a, bt = ab
+                delta = (x.index_select(0, rows).float() @ a.T) @ bt              # [n, N]
+                y.index_add_(0, rows, delta.to(y.dtype))
+
 
 class CpuOps(TorchOps):
     name = "cpu"
@@ -74,6 +85,9 @@ class CpuOps(TorchOps):
 
     def silu_and_mul(self, gate_up):
         return self.lib.silu_and_mul(gate_up)
+
+    def lora_delta(self, y, x, lora, slot):
+        self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self._write_kv,

@@ -3,10 +3,11 @@ recently used unloaded first) and applied to a step's rows, each row with its se
 adapter, base rows untouched.
 
 An adapter's weights are laid out as the base weights are fused (weights.py): for each Linear,
-A stacks the A matrices of the projections it fuses ([R, in], R the sum of their ranks) and B
-is block-diagonal ([out, R]: projection j's B in its output rows and its own rank columns,
-zeros elsewhere), the scale folded in. One linear's delta for a row is then x A^T B^T, two
-small matmuls per adapter however many projections the linear fuses.
+A stacks the A matrices of the projections it fuses ([R, in], R the sum of their ranks) and Bt
+is B transposed and block-diagonal ([R, out]: projection j's B^T in its own rank rows and its
+output columns, zeros elsewhere), the scale folded in. One linear's delta for a row is then
+(x A^T) Bt, two small products per adapter however many projections the linear fuses: the
+backend's lora_delta op (kernels/ops.py), in the per-op path and the fused decode alike.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..lora_files import WEIGHTS, read_adapter
 PARTS = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o_proj": ("o_proj",),
          "mlp.gate_up": ("gate_proj", "up_proj"), "mlp.down": ("down_proj",)}
 
-Weights = dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]   # Linear -> (A, B)
+Weights = dict[int, tuple[torch.Tensor, torch.Tensor]]   # linear slot -> (A [R, in], Bt [R, out])
 
 
 def _part_sizes(layer, name: str) -> list[int]:
@@ -31,6 +32,14 @@ def _part_sizes(layer, name: str) -> list[int]:
         return [layer.attn.q_size, layer.attn.kv_size, layer.attn.kv_size]
     out = layer.get_submodule(name).out_features
     return [out // 2] * 2 if name == "mlp.gate_up" else [out]
+
+
+def assign_slots(model) -> int:
+    """Number every adapted linear (Linear.lora_slot): its row in an adapter's table."""
+    for i, layer in enumerate(model.layers):
+        for j, name in enumerate(PARTS):
+            layer.get_submodule(name).lora_slot = i * len(PARTS) + j
+    return len(model.layers) * len(PARTS)
 
 
 def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
@@ -44,19 +53,29 @@ def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
             if not present:
                 continue
             sizes = _part_sizes(layer, name)
-            key = f"base_model.model.model.layers.{i}.%s.{{}}.lora_%s.weight"
             kind = "self_attn" if name.startswith("attn") else "mlp"
-            a = [tensors[(key % (kind, "A")).format(p)].float() for _, p in present]
-            b = torch.zeros(sum(sizes), sum(t.shape[0] for t in a))              # [out, R]
-            col = 0
+            key = f"base_model.model.model.layers.{i}.{kind}.{{}}.lora_{{}}.weight"
+            a = [tensors[key.format(p, "A")].float() for _, p in present]
+            bt = torch.zeros(sum(t.shape[0] for t in a), sum(sizes))             # [R, out]
+            r = 0
             for (j, p), a_j in zip(present, a):
-                row = sum(sizes[:j])
-                b[row:row + sizes[j], col:col + a_j.shape[0]] = \
-                    tensors[(key % (kind, "B")).format(p)].float() * scale
-                col += a_j.shape[0]
+                col = sum(sizes[:j])
+                bt[r:r + a_j.shape[0], col:col + sizes[j]] = \
+                    tensors[key.format(p, "B")].float().T * scale
+                r += a_j.shape[0]
             dev = model.embed.weight.device
-            out[layer.get_submodule(name)] = (torch.cat(a).to(dev), b.to(dev))   # [R, in]
+            out[layer.get_submodule(name).lora_slot] = (torch.cat(a).to(dev), bt.to(dev))
     return out
+
+
+class Loaded:
+    """One load of an adapter: its weights and their table row for the native kernels."""
+
+    def __init__(self, weights: Weights, num_slots: int):
+        self.weights = weights
+        self.table = torch.zeros(num_slots, 3, dtype=torch.int64)     # (A, Bt, R) per slot
+        for slot, (a, bt) in weights.items():
+            self.table[slot] = torch.tensor([a.data_ptr(), bt.data_ptr(), a.shape[0]])
 
 
 class Adapters:
@@ -64,34 +83,31 @@ class Adapters:
 
     def __init__(self, model, info, max_rank: int, capacity: int):
         self.model, self.info, self.max_rank, self.capacity = model, info, max_rank, capacity
-        self.loaded: OrderedDict[int, Weights] = OrderedDict()
+        self.num_slots = assign_slots(model)
+        self.loaded: OrderedDict[int, Loaded] = OrderedDict()
 
-    def get(self, ref: LoraRef) -> Weights:
-        """The adapter's weights, loaded now if need be. A step uses at most max_loras <=
-        capacity adapters, each touched as its rows are laid out, so none it uses is evicted."""
-        weights = self.loaded.pop(ref.id, None)
-        if weights is None:
+    def get(self, ref: LoraRef) -> Loaded:
+        """The adapter, loaded now if need be. A step uses at most max_loras <= capacity
+        adapters, each touched as its rows are laid out, so none it uses is evicted."""
+        adapter = self.loaded.pop(ref.id, None)
+        if adapter is None:
             file = read_adapter(ref.path, self.info, self.max_rank)
-            weights = load_weights(ref.path, file.shapes, file.scale, self.model)
+            adapter = Loaded(load_weights(ref.path, file.shapes, file.scale, self.model),
+                             self.num_slots)
             while len(self.loaded) >= self.capacity:
                 self.loaded.popitem(last=False)
-        self.loaded[ref.id] = weights
-        return weights
+        self.loaded[ref.id] = adapter
+        return adapter
 
 
 class LoraBatch:
-    """A step's rows grouped by adapter: (weights, row indices) each. The program's LINEAR op
-    adds every group's delta to the rows it owns."""
+    """A step's rows and their adapters, as every backend's lora_delta op takes them:
+    adapter_of_row [T] (an index into the step's adapters, -1: the base model), their tables
+    stacked [A, slots, 3], their weights, and (the torch reference's) each adapter's rows."""
 
-    def __init__(self, groups: list[tuple[Weights, torch.Tensor]]):
-        self.groups = groups
-
-    def apply(self, linear, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y [T, out] += the delta of x [T, in] through `linear`'s adapters, row by row."""
-        for weights, rows in self.groups:
-            ab = weights.get(linear)
-            if ab is None:
-                continue
-            a, b = ab
-            delta = (x.index_select(0, rows).float() @ a.T) @ b.T      # [n, R] -> [n, out]
-            y.index_add_(0, rows, delta.to(y.dtype))
+    def __init__(self, adapter_of_row: torch.Tensor, adapters: list[Loaded]):
+        self.adapter_of_row = adapter_of_row
+        self.adapters = adapters                     # kept alive while the tables point at them
+        self.table = torch.stack([a.table for a in adapters])
+        self.weights = [a.weights for a in adapters]
+        self.rows = [(adapter_of_row == i).nonzero().squeeze(1) for i in range(len(adapters))]

@@ -117,6 +117,10 @@ class ModelRunner:
         quantized = f", quantized activations {config.quantized_activations}" \
             if ops.name == "cpu" else ""           # only the native backends multiply GGUF blocks
         log.info("backend %s (dtype %s%s)", ops.backend, config.dtype, quantized)
+        # Before the fused decode program is encoded: it names each linear's LoRA slot.
+        self.adapters = Adapters(self.model, config.model_info, config.max_lora_rank,
+                                 config.max_cpu_loras or config.max_loras) \
+            if config.enable_lora else None
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
         self.kv_caches, self.host_caches = self._caches(self.model)
@@ -128,9 +132,6 @@ class ModelRunner:
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
         self.drafter = self._drafter(spec)
-        self.adapters = Adapters(self.model, config.model_info, config.max_lora_rank,
-                                 config.max_cpu_loras or config.max_loras) \
-            if config.enable_lora else None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -191,7 +192,8 @@ class ModelRunner:
             self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
-        hidden = self._forward(input_ids, positions, batch, self._lora_batch(rows))  # [T, H]
+        lora = self._lora_batch(rows, len(input_ids))
+        hidden = self._forward(input_ids, positions, batch, lora)              # [T, H]
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
@@ -269,17 +271,20 @@ class ModelRunner:
             return None
         return rows, self.matchers.fill_async(matchers)
 
-    def _lora_batch(self, rows: list[tuple[SeqId, SeqState, int]]) -> LoraBatch | None:
-        """The step's rows by adapter (None: every row is the base model's)."""
+    def _lora_batch(self, rows: list[tuple[SeqId, SeqState, int]],
+                    num_rows: int) -> LoraBatch | None:
+        """The step's rows and their adapters (None: every row is the base model's)."""
         if self.adapters is None or all(seq.lora is None for _, seq, _ in rows):
             return None
-        groups: dict[int, list[int]] = {}
+        index: dict[int, int] = {}                   # load id -> index in the step's adapters
+        adapters, of_row = [], np.full(num_rows, -1, dtype=np.int64)
         for _, seq, row in rows:
             if seq.lora is not None:
-                groups.setdefault(seq.lora.id, []).extend(range(row, row + seq.num_scheduled))
-        refs = {seq.lora.id: seq.lora for _, seq, _ in rows if seq.lora is not None}
-        return LoraBatch([(self.adapters.get(refs[i]), torch.tensor(r, device=self.device))
-                          for i, r in groups.items()])
+                if seq.lora.id not in index:
+                    index[seq.lora.id] = len(adapters)
+                    adapters.append(self.adapters.get(seq.lora))
+                of_row[row:row + seq.num_scheduled] = index[seq.lora.id]
+        return LoraBatch(torch.from_numpy(of_row).to(self.device), adapters)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:

@@ -54,6 +54,10 @@ void pw_q8_0_i16_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, con
                             int64_t, int64_t);
 void pw_q8_0_i16_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
                              int64_t, int64_t);
+void pw_lora_delta_f32(float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
+                       const int64_t*, const int64_t*, int64_t, int64_t);
+void pw_lora_delta_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t,
+                        const int64_t*, const int64_t*, int64_t, int64_t);
 }
 
 namespace {
@@ -62,7 +66,7 @@ namespace {
 enum Op : int64_t {
   kAddNorm = 1,   // weight, eps bits
   kNorm = 2,      // weight, eps bits
-  kLinear = 3,    // tiles, ggml type, N, K, bias (0: none)
+  kLinear = 3,    // tiles, ggml type, N, K, bias (0: none), LoRA slot (-1: none)
   kRope = 5,      // cos|sin table, rotated heads, head dim
   kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits
   kSiluMul = 7,   // (none)
@@ -71,7 +75,7 @@ enum Op : int64_t {
 int64_t arity(int64_t op) {
   switch (op) {
     case kAddNorm: case kNorm: return 2;
-    case kLinear: return 5;
+    case kLinear: return 6;
     case kRope: return 3;
     case kAttend: return 9;
     case kSiluMul: return 0;
@@ -98,6 +102,7 @@ template <typename T> struct Kernels;
     static constexpr auto q8_0_i8 = pw_q8_0_i8_matmul_##sfx;                                 \
     static constexpr auto q4_1_i16 = pw_q4_1_i16_matmul_##sfx;                               \
     static constexpr auto q8_0_i16 = pw_q8_0_i16_matmul_##sfx;                               \
+    static constexpr auto lora = pw_lora_delta_##sfx;                                        \
   };
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
@@ -118,6 +123,8 @@ struct Machine {
   const int64_t *positions, *slots, *tables, *lens;
   int64_t tokens, table_stride, hidden;
   T* residual;
+  const int64_t *lora_rows, *lora_table;   // the step's adapters (lora.cpp); null: none
+  int64_t lora_slots;
   bool residual_started = false;   // the first ADD_NORM starts it as x itself
   T* cur;
   int64_t width;
@@ -144,6 +151,8 @@ struct Machine {
     const int64_t n = o[2], k = o[3];
     kernel_of(o[1])(out, n, cur, k, tokens, tiles, n, k);
     if (o[4]) add_bias(out, ptr<T>(o[4]), n);
+    if (lora_table && o[5] >= 0)
+      Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[5], lora_slots);
     cur = out, width = n;
   }
 
@@ -204,8 +213,10 @@ template <typename T>
 void decode_stack(T* x, T* residual, const int64_t* program, int64_t length, int64_t hidden,
                   int64_t scratch, const int64_t* positions, const int64_t* slots,
                   const int64_t* tables, const int64_t* lens, int64_t tokens,
-                  int64_t table_stride) {
-  Machine<T> m{positions, slots, tables, lens, tokens, table_stride, hidden, residual};
+                  int64_t table_stride, const int64_t* lora_rows, const int64_t* lora_table,
+                  int64_t lora_slots) {
+  Machine<T> m{positions, slots, tables, lens, tokens, table_stride, hidden, residual,
+               lora_rows, lora_table, lora_slots};
   m.cur = x, m.width = hidden;
   m.a.resize(tokens * scratch), m.b.resize(tokens * scratch);
   // The Python side encodes only ops with an arity here; an unknown one still must not loop.
@@ -222,13 +233,15 @@ extern "C" {
 // residual stream out (the final norm adds x to it). program: `length` int64 words, every
 // layer's ops in turn (opcode, operands). scratch: the widest value an op makes (elements a
 // token). One decode token per sequence: positions, slots, lens [T]; tables [T, table_stride].
+// lora_rows [T], lora_table [adapters, lora_slots, 3]: each row's adapter (lora.cpp), or null.
 #define PW_DECODE_STACK(name, type)                                                          \
   void name(type* x, type* residual, const int64_t* program, int64_t length, int64_t hidden, \
             int64_t scratch, const int64_t* positions, const int64_t* slots,                 \
             const int64_t* tables, const int64_t* lens, int64_t tokens,                      \
-            int64_t table_stride) {                                                          \
+            int64_t table_stride, const int64_t* lora_rows, const int64_t* lora_table,       \
+            int64_t lora_slots) {                                                            \
     decode_stack(x, residual, program, length, hidden, scratch, positions, slots, tables,   \
-                 lens, tokens, table_stride);                                                \
+                 lens, tokens, table_stride, lora_rows, lora_table, lora_slots);             \
   }
 PW_DECODE_STACK(pw_decode_stack_f32, float)
 PW_DECODE_STACK(pw_decode_stack_bf16, bf16)

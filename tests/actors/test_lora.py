@@ -3,6 +3,7 @@ greedy tokens of transformers on its merged weights; adapters never share prefix
 (nor two loads of one); unsupported adapters are refused with the reason; max_loras holds."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -56,14 +57,18 @@ def make_adapter(path: str, base: str, targets=ATTN + MLP, rank: int = 4, alpha:
 def merged_oracle(base: str, adapter: str | None) -> HFOracle:
     """transformers on the base weights plus scale * B @ A for every adapted projection."""
     oracle = HFOracle.from_dir(base)
-    if adapter is None:
-        return oracle
+    if adapter is not None:
+        merge(oracle.model, adapter)
+    return oracle
+
+
+def merge(model, adapter: str) -> None:
     from safetensors.torch import load_file
     cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
     rank = cfg["r"]
     scale = cfg["lora_alpha"] / (rank ** 0.5 if cfg.get("use_rslora") else rank)
     tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    params = dict(oracle.model.named_parameters())
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, a in tensors.items():
             if ".lora_A." in name:
@@ -71,7 +76,6 @@ def merged_oracle(base: str, adapter: str | None) -> HFOracle:
                 target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
                                                                          ".weight")
                 params[target] += scale * (b @ a)
-    return oracle
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +100,10 @@ def _greedy(llm: LLM, prompts, loras, n: int = 12) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
 
 
-def test_a_mixed_batch_gives_each_request_its_merged_models_tokens(base, adapters):
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_mixed_batch_gives_each_request_its_merged_models_tokens(base, adapters, kernels):
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
-              enable_lora=True, max_loras=3)
+              enable_lora=True, max_loras=3, kernels=kernels)
     names = [None, *adapters]
     requests = {name: LoRARequest(name, i, adapters[name]) for i, name in enumerate(names)
                 if name}
@@ -178,9 +183,9 @@ def test_max_loras_caps_the_adapters_of_a_step(base, adapters):
               enable_lora=True, max_loras=1, max_cpu_loras=2)
     widths, lora_batch = [], llm.runner._lora_batch
 
-    def recording(rows):
-        batch = lora_batch(rows)
-        widths.append(0 if batch is None else len(batch.groups))
+    def recording(*args):
+        batch = lora_batch(*args)
+        widths.append(0 if batch is None else len(batch.adapters))
         return batch
     llm.runner._lora_batch = recording
     names = list(adapters)
@@ -205,3 +210,46 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
         'vllm:lora_requests_info{max_lora="2",running_lora_adapters="c",'
         'waiting_lora_adapters=""}')
     assert "lora_requests_info" not in generate_latest(GatewayMetrics("tiny").registry).decode()
+
+
+@pytest.mark.slow
+def test_the_default_model_with_adapters_matches_transformers(tmp_path):
+    """The GGUF's quantized linears: decode steps take the fused native path, the adapters'
+    deltas inside it; prefill takes the per-op path."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from pagewire.lora_files import projection_shapes
+    from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
+    info = resolve_model(None)
+    paths = []
+    for seed, targets in ((1, ATTN + MLP), (2, ("q_proj", "v_proj", "down_proj"))):
+        path = tmp_path / f"a{seed}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"r": 8, "lora_alpha": 16, "target_modules": list(targets)}))
+        g, weights = torch.Generator().manual_seed(seed), {}
+        for layer in range(info.num_layers):
+            for proj in targets:
+                out, inp = projection_shapes(info)[proj]
+                key = f"base_model.model.model.layers.{layer}." \
+                      f"{'self_attn' if proj in ATTN else 'mlp'}.{proj}"
+                weights[f"{key}.lora_A.weight"] = torch.randn(8, inp, generator=g) * 0.05
+                weights[f"{key}.lora_B.weight"] = torch.randn(out, 8, generator=g) * 0.05
+        save_file(weights, str(path / "adapter_model.safetensors"))
+        paths.append(str(path))
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20,
+              enable_lora=True, max_loras=2)
+    assert llm.runner.model.fused_decode is not None
+    loras = [None, LoRARequest("a1", 1, paths[0]), LoRARequest("a2", 2, paths[1])]
+    prompt = [{"role": "user", "content": "Write a haiku about the sea."}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = [llm.chat([prompt], params, lora_request=lora)[0] for lora in loras]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
+    base = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path()), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+    for lora, out in zip(loras, outs):
+        model = copy.deepcopy(base)
+        if lora is not None:
+            merge(model, lora.lora_path)
+        theirs, logits = HFOracle(model).greedy(out.prompt_token_ids, 16)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, str(lora))

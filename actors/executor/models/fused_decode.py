@@ -58,9 +58,10 @@ class FusedDecode:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
                 and batch.num_decode_tokens == tokens)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor,
-            batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] embeddings (overwritten) -> (last layer's output, residual stream)."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+            lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] embeddings (overwritten) -> (last layer's output, residual stream).
+        `lora`: the rows' adapters (executor/lora.py LoraBatch), or None."""
         tables, lens, slots = batch.decode_block_tables, batch.decode_context_lens, \
             batch.slot_mapping
         t = x.shape[0]
@@ -73,8 +74,13 @@ class FusedDecode:
         residual = torch.empty_like(x)
         self._fn(x.data_ptr(), residual.data_ptr(), self.program.data_ptr(), len(self.program),
                  self.hidden, self.scratch, positions.data_ptr(), slots.data_ptr(),
-                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[1])
+                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[1],
+                 *(_NO_LORA if lora is None else (lora.adapter_of_row.data_ptr(),
+                                                  lora.table.data_ptr(), lora.table.shape[1])))
         return x, residual
+
+
+_NO_LORA = (None, None, 0)
 
 
 def _real(value: float) -> int:
@@ -116,7 +122,7 @@ class _Encoder:
         self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
         return [q.tiles.data_ptr(), q.kind, linear.out_features, linear.in_features,
-                0 if bias is None else bias.data_ptr()]
+                0 if bias is None else bias.data_ptr(), linear.lora_slot]
 
     def rope(self, attn) -> list[int] | None:
         table = self.rope_table

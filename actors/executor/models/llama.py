@@ -132,14 +132,14 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], batch: AttentionBatch,
                 lora=None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]. `lora`: the rows'
-        adapters (executor/lora.py LoraBatch; the fused decode path has no LoRA op)."""
+        adapters (executor/lora.py LoraBatch), or None."""
         cfg = self.cfg
         x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         fused = self.fused_decode
-        if fused is not None and lora is None and fused.serves(x.shape[0], batch, kv_caches):
-            x, residual = fused.run(x, positions, batch)        # the same kernels, one call
+        if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
+            x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call
         else:
             residual = None
             ropes = [(table, positions) for table in self.rope_tables]  # [P, D] table, [T]

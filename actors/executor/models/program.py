@@ -75,8 +75,8 @@ def _norm(ops, norm, s: State) -> None:
 
 def _linear(ops, linear, s: State) -> None:
     y = linear.forward(s.x)
-    if s.lora is not None:
-        s.lora.apply(linear, s.x, y)
+    if s.lora is not None and linear.lora_slot >= 0:
+        ops.lora_delta(y, s.x, s.lora, linear.lora_slot)
     s.x = y
 
 
