@@ -15,37 +15,57 @@ using bf16 = uint16_t;
 
 namespace {
 
+constexpr int64_t kSerialMacs = 1 << 18;
+
 // table: [adapters][num_slots][3] int64: (A, Bt, R) of each adapter for each linear slot; A
-// null where the adapter leaves that linear alone.
+// null where the adapter leaves that linear alone. Two passes, each split over the threads
+// (a single stream's one row still uses every core): mid = A x for every (row, rank), then
+// y += mid Bt over chunks of columns.
 template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
                 int64_t slot, int64_t num_slots) {
-  at::parallel_for(0, tokens, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> xf(k), acc(n), mid;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t a = adapter_of_row[t];
-      if (a < 0) continue;
-      const int64_t* w = table + (a * num_slots + slot) * 3;
-      if (!w[0]) continue;
-      const auto* A = reinterpret_cast<const float*>(w[0]);
-      const auto* Bt = reinterpret_cast<const float*>(w[1]);
-      const int64_t r = w[2];
-      for (int64_t j = 0; j < k; ++j) xf[j] = pw::to_float(x[t * x_stride + j]);
-      mid.assign(r, 0.f);
-      for (int64_t i = 0; i < r; ++i) {
-        float s = 0.f;
-        for (int64_t j = 0; j < k; ++j) s += A[i * k + j] * xf[j];
-        mid[i] = s;
+  auto weights = [&](int64_t t) -> const int64_t* {   // (A, Bt, R) of row t, or null
+    const int64_t a = adapter_of_row[t];
+    const int64_t* w = a < 0 ? nullptr : table + (a * num_slots + slot) * 3;
+    return w && w[0] ? w : nullptr;
+  };
+  int64_t rank = 0;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (const int64_t* w = weights(t)) rank = std::max(rank, w[2]);
+  if (rank == 0) return;
+  // Small work runs on the calling thread: waking the pool costs more than a single stream's
+  // products (parallel_for runs inline when the range is within the grain).
+  const bool small = tokens * rank * (n + k) < kSerialMacs;
+  std::vector<float> mid(tokens * rank, 0.f);
+  at::parallel_for(0, tokens * rank, small ? tokens * rank : 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / rank, r = i % rank;
+      const int64_t* w = weights(t);
+      if (!w || r >= w[2]) continue;
+      const auto* a = reinterpret_cast<const float*>(w[0]) + r * k;
+      const T* xt = x + t * x_stride;
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += a[j] * pw::to_float(xt[j]);
+      mid[i] = s;
+    }
+  });
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  at::parallel_for(0, tokens * chunks, small ? tokens * chunks : 1, [&](int64_t i0, int64_t i1) {
+    float acc[kChunk];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / chunks, j0 = (i % chunks) * kChunk, m = std::min(kChunk, n - j0);
+      const int64_t* w = weights(t);
+      if (!w) continue;
+      std::fill(acc, acc + m, 0.f);
+      for (int64_t r = 0; r < w[2]; ++r) {
+        const float v = mid[t * rank + r];
+        const float* b = reinterpret_cast<const float*>(w[1]) + r * n + j0;
+        for (int64_t j = 0; j < m; ++j) acc[j] += v * b[j];
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < r; ++i) {
-        const float m = mid[i];
-        const float* b = Bt + i * n;
-        for (int64_t j = 0; j < n; ++j) acc[j] += m * b[j];
-      }
-      T* out = y + t * y_stride;
-      for (int64_t j = 0; j < n; ++j) pw::from_float(pw::to_float(out[j]) + acc[j], &out[j]);
+      T* out = y + t * y_stride + j0;
+      for (int64_t j = 0; j < m; ++j) pw::from_float(pw::to_float(out[j]) + acc[j], &out[j]);
     }
   });
 }
