@@ -105,3 +105,29 @@ def test_speculative_config_from_a_flag_the_environment_or_a_file(tmp_path):
     with pytest.raises(ValueError, match="do not combine"):
         settings.build({"async_scheduling": True,
                         "speculative_config": '{"method": "ngram"}'}, {}).resolve()
+
+
+def test_lora_options_as_vllm_spells_them(tmp_path):
+    import argparse
+    from pagewire.options import add_flags
+    parser = argparse.ArgumentParser()
+    add_flags(parser, serve=True)
+    flags = vars(parser.parse_args(["m", "--enable-lora", "--lora-modules", "a=/x",
+                                    '{"name": "b", "path": "/y", "base_model_name": "m"}',
+                                    "--max-loras", "2"]))
+    config = settings.build(flags, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    assert config.model == "m" and config.max_loras == 2 and config.allow_runtime_lora_updating
+    from pagewire.lora_files import parse_module
+    assert [parse_module(m) for m in config.lora_modules] == [("a", "/x"), ("b", "/y")]
+    env = settings.build({}, {"PAGEWIRE_LORA_MODULES": "a=/x c=/z"})
+    assert env.lora_modules == ["a=/x", "c=/z"] and not env.allow_runtime_lora_updating
+    for options, words in (({"lora_modules": ["a=/x"]}, "needs --enable-lora"),
+                           ({"enable_lora": True, "lora_modules": ["nopath"]}, "name=path"),
+                           ({"enable_lora": True, "lora_modules": ["a=/nowhere"]},
+                            "a: /nowhere: no such adapter directory"),
+                           ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1},
+                            "at least --max-loras"),
+                           ({"enable_lora": True, "tensor_parallel_size": 2},
+                            "tensor parallelism")):
+        with pytest.raises(ValueError, match=words):
+            settings.build({**options, "dtype": "float32"}, {}).resolve()
