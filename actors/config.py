@@ -175,7 +175,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self._check_chat()
         lora_files.check_options(self, info)
         return msgspec.structs.replace(
-            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len, num_kv_blocks=num_blocks,
+            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
+            num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling())

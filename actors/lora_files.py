@@ -19,7 +19,8 @@ from .model_info import ModelInfo
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-                    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight")
+                    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+                    r"\.lora_([AB])\.weight")
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,6 @@ def check_options(config, info: ModelInfo) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     if not config.enable_lora:
         return
-    if config.tensor_parallel_size > 1:
-        raise ValueError("--enable-lora with tensor parallelism is not supported yet")
     if config.max_loras < 1 or config.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be positive")
     if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:

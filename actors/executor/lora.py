@@ -19,6 +19,7 @@ import torch
 from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, read_adapter
+from .parallel import split_range
 
 # Each fused Linear of a layer -> the projections it holds, in its output order.
 PARTS = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o_proj": ("o_proj",),
@@ -32,6 +33,21 @@ def _part_sizes(layer, name: str) -> list[int]:
         return [layer.attn.q_size, layer.attn.kv_size, layer.attn.kv_size]
     out = layer.get_submodule(name).out_features
     return [out // 2] * 2 if name == "mlp.gate_up" else [out]
+
+
+def _rank_share(layer, cfg, proj: str) -> tuple[str, slice]:
+    """The slice of a projection's LoRA this rank holds, as it holds the base weight's: B's
+    rows ("out") of a column-parallel projection (its heads, its intermediate rows), A's
+    columns ("in") of a row-parallel one (its partial delta joins the all-reduce that sums the
+    base outputs). All of it without tensor parallelism."""
+    tp, d = layer.attn.tp, cfg.head_dim
+    share = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+    q = slice(share.q_start * d, (share.q_start + share.num_q) * d)
+    kv = slice(share.kv_start * d, (share.kv_start + share.num_kv) * d)
+    mlp = slice(*split_range(cfg.intermediate_size, tp.size, tp.rank))
+    return {"q_proj": ("out", q), "k_proj": ("out", kv), "v_proj": ("out", kv),
+            "o_proj": ("in", q), "gate_proj": ("out", mlp), "up_proj": ("out", mlp),
+            "down_proj": ("in", mlp)}[proj]
 
 
 def assign_slots(model) -> int:
@@ -55,13 +71,16 @@ def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
             sizes = _part_sizes(layer, name)
             kind = "self_attn" if name.startswith("attn") else "mlp"
             key = f"base_model.model.model.layers.{i}.{kind}.{{}}.lora_{{}}.weight"
-            a = [tensors[key.format(p, "A")].float() for _, p in present]
+            shares = [_rank_share(layer, model.cfg, p) for _, p in present]
+            a = [tensors[key.format(p, "A")].float()[:, sl if side == "in" else slice(None)]
+                 for (_, p), (side, sl) in zip(present, shares)]
             bt = torch.zeros(sum(t.shape[0] for t in a), sum(sizes))             # [R, out]
             r = 0
-            for (j, p), a_j in zip(present, a):
+            for (j, p), a_j, (side, sl) in zip(present, a, shares):
                 col = sum(sizes[:j])
+                b = tensors[key.format(p, "B")].float()
                 bt[r:r + a_j.shape[0], col:col + sizes[j]] = \
-                    tensors[key.format(p, "B")].float().T * scale
+                    (b[sl] if side == "out" else b).T * scale
                 r += a_j.shape[0]
             dev = model.embed.weight.device
             out[layer.get_submodule(name).lora_slot] = (torch.cat(a).to(dev), bt.to(dev))

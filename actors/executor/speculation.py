@@ -98,7 +98,8 @@ class InStepDraft:
       so nothing a draft wrote outlives the step.
     - method draft_model: a second model over caches of its own, indexed by the same block ids.
       It also runs every token the target runs (its draft passes, and mirror() for the
-      rest), so its K/V at a block holds what the target's holds there: prefix-cache hits, copy-on-write and swaps carry over."""
+      rest), so its K/V at a block holds what the target's holds there: prefix-cache hits,
+      copy-on-write and swaps carry over."""
 
     def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool):
         self.model, self.caches, self.block_size = model, caches, block_size

@@ -126,8 +126,6 @@ def test_lora_options_as_vllm_spells_them(tmp_path):
                            ({"enable_lora": True, "lora_modules": ["a=/nowhere"]},
                             "a: /nowhere: no such adapter directory"),
                            ({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1},
-                            "at least --max-loras"),
-                           ({"enable_lora": True, "tensor_parallel_size": 2},
-                            "tensor parallelism")):
+                            "at least --max-loras")):
         with pytest.raises(ValueError, match=words):
             settings.build({**options, "dtype": "float32"}, {}).resolve()

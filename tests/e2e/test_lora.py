@@ -86,3 +86,21 @@ def test_adapters_are_served_loaded_and_refused_at_run_time(files):
         code, reply, _ = srv.request("POST", "/v1/completions", {"model": "c", "prompt": "hi"})
         assert code == 404 and reply["error"]["type"] == "NotFoundError"
         assert_merged(greedy(srv, "tiny"), base, None)
+
+
+def test_adapters_split_over_tensor_parallel_ranks(tmp_path, smol_tokenizer_dir):
+    """Uneven shares (3 KV heads over 2 ranks): each rank holds its heads' and intermediate
+    rows' slice of every adapter, as of the base weights."""
+    base = make_tiny_llama(str(tmp_path / "base"), smol_tokenizer_dir, (96, 6, 3, 32),
+                           vocab_size=511, seed=9)
+    a = make_adapter(str(tmp_path / "a"), base, seed=21)
+    b = make_adapter(str(tmp_path / "b"), base, ("k_proj", "o_proj", "down_proj"), seed=22)
+    args = [base, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+            "--served-model-name", "tiny", "-tp", "2", "--enable-lora", "--max-loras", "2",
+            "--lora-modules", f"a={a}", f"b={b}"]
+    with running_server(args) as srv:
+        names = ["a", "tiny", "b"]
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            outs = list(pool.map(lambda m: greedy(srv, m), names))
+    for name, tokens in zip(names, outs):
+        assert_merged(tokens, base, {"a": a, "b": b}.get(name))
