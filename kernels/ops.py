@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import activation, attention, native, norm, rotary, tiers
+from . import lora as lora_kernels
 
 
 class TorchOps:
@@ -57,12 +58,7 @@ class TorchOps:
         """y [T, N] += the LoRA delta of x [T, K] through linear `slot`, each row with its
         adapter. `lora` (executor/lora.py LoraBatch): per adapter its {slot: (A [R, K],
         Bt [R, N])} float32 and its rows; `adapter_of_row` and `table` for native kernels."""
-        for weights, rows in zip(lora.weights, lora.rows):
-            ab = weights.get(slot)
-            if ab is not None and rows.numel():
-                a, bt = ab
-                delta = (x.index_select(0, rows).float() @ a.T) @ bt              # [n, N]
-                y.index_add_(0, rows, delta.to(y.dtype))
+        lora_kernels.lora_delta(y, x, zip(lora.weights, lora.rows), slot)
 
 
 class CpuOps(TorchOps):

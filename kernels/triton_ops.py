@@ -6,6 +6,7 @@ from __future__ import annotations
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
 from .attention_triton import triton_paged_attention
+from .lora import triton_lora_delta
 from .norm import triton_add_rms_norm
 from .ops import TorchOps
 from .rotary import triton_rope_table_
@@ -29,6 +30,9 @@ class TritonOps(TorchOps):
 
     def silu_and_mul(self, gate_up):
         return triton_silu_and_mul(gate_up)
+
+    def lora_delta(self, y, x, lora, slot):
+        triton_lora_delta(y, x, zip(lora.weights, lora.rows), slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
         if not variant.plain:        # sliding windows and soft-capping: torch kernels for now

@@ -84,3 +84,18 @@ def assert_greedy_equal(ours: list[int], theirs: list[int], logits: list[torch.T
                 f"(transformers' logit gap {gap:.4g}); ours={ours} theirs={theirs}")
             return
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs {len(theirs)}"
+
+
+def lora_case(tokens: int, n: int, k: int, ranks: tuple[int, ...], seed: int = 0):
+    """A step's LoRA inputs for one linear (slot 0): x [T, K] and random adapters of the given
+    ranks over interleaved rows (every third row the base model's). Returns x, adapter_of_row
+    [T], [({0: (A, Bt)}, rows)] per adapter, and the native table [adapters, 1, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k + 5, generator=g)[:, :k]                  # strided rows
+    of_row = torch.tensor([-1 if t % 3 == 2 else t % len(ranks) for t in range(tokens)])
+    adapters, table = [], torch.zeros(len(ranks), 1, 3, dtype=torch.int64)
+    for i, r in enumerate(ranks):
+        a, bt = torch.randn(r, k, generator=g) * 0.1, torch.randn(r, n, generator=g) * 0.1
+        adapters.append(({0: (a, bt)}, (of_row == i).nonzero().squeeze(1)))
+        table[i, 0] = torch.tensor([a.data_ptr(), bt.data_ptr(), r])
+    return x, of_row, adapters, table

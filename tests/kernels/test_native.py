@@ -152,3 +152,18 @@ def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama, ti
         outs[kernels] = [o.outputs[0].token_ids for o in
                          llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert outs[tier] == outs["torch"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_lora_delta(native_lib, dtype, tokens):
+    from pagewire.kernels.lora import lora_delta
+    from tests.helpers import lora_case
+    x, of_row, adapters, table = lora_case(tokens, 300, 200, (4, 16), seed=tokens)
+    x = x.to(dtype)
+    base = torch.randn(tokens, 300).to(dtype)
+    ours, ref = base.clone(), base.clone()
+    native_lib.lora_delta(ours, x, of_row, table, 0)
+    lora_delta(ref, x, adapters, 0)
+    torch.testing.assert_close(ours, ref, **tol(dtype))
+    assert torch.equal(ours[2::3], base[2::3])            # base rows untouched

@@ -303,6 +303,22 @@ def test_silu_and_mul(inter):
         triton_silu_and_mul(x[:, :-1])
 
 
+@on_cpu
+@pytest.mark.parametrize("tokens, n, k", [(1, 300, 200), (10, 64, 576), (5, 1000, 33)])
+def test_lora_delta(tokens, n, k):
+    from pagewire.kernels.lora import lora_delta, triton_lora_delta
+    from tests.helpers import lora_case
+    x, _, adapters, _ = lora_case(tokens, n, k, (4, 16, 1), seed=n)
+    base = torch.randn(tokens, n, generator=torch.Generator().manual_seed(1))
+    ours, ref = base.clone(), base.clone()
+    triton_lora_delta(ours, x, adapters, 0)
+    lora_delta(ref, x, adapters, 0)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert torch.equal(ours[2::3], base[2::3])
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_lora_delta(ours, x.T, adapters, 0)
+
+
 # ---- sampling ------------------------------------------------------------------------------
 
 @on_cpu
