@@ -17,6 +17,9 @@ from . import activation, attention, native, norm, rotary, tiers
 from . import lora as lora_kernels
 
 
+LORA_GEMM_ROWS = 192     # CpuOps: LoRA deltas of this many rows or more as per-adapter GEMMs
+
+
 class TorchOps:
     name = backend = "torch"
     lib = None                          # the native library, for backends that have one
@@ -83,6 +86,10 @@ class CpuOps(TorchOps):
         return self.lib.silu_and_mul(gate_up)
 
     def lora_delta(self, y, x, lora, slot):
+        # Many rows (a prefill chunk): oneDNN's GEMMs per adapter beat the row-wise kernel
+        # (the crossover is near 200 rows on an AVX2 machine, bench/NOTES.md).
+        if y.shape[0] >= LORA_GEMM_ROWS:
+            return TorchOps.lora_delta(self, y, x, lora, slot)
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
