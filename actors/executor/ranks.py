@@ -117,14 +117,6 @@ class RankServer:
         for identity in self.peers.values():
             self.sock.send_multipart([identity, frame])
 
-    def _send(self, msg) -> bool:
-        """Without blocking: False where rank 0's pipe is gone (PEER_TIMEOUT then tells)."""
-        try:
-            self.sock.send(encode(msg), zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
-
     def step_done(self) -> None:
         """A step's collectives completed: every rank was alive."""
         now = time.monotonic()
