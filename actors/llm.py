@@ -95,8 +95,8 @@ class LLM:
         adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
-        loras = _per_prompt_lora(lora_request, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), "sampling params", SamplingParams())
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
         return self._run([self.add_request(p, sp, lora_request=lr)
                           for p, sp, lr in zip(prompts, params, loras)])
 
@@ -109,8 +109,9 @@ class LLM:
         sees `tools`, OpenAI tool objects, when given)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        params = _per_prompt(sampling_params, len(conversations))
-        loras = _per_prompt_lora(lora_request, len(conversations))
+        params = _per_prompt(sampling_params, len(conversations), "sampling params",
+                             SamplingParams())
+        loras = _per_prompt(lora_request, len(conversations), "LoRA requests")
         return self._run([self.add_request(None, sp, messages=conv, tools=tools,
                                            lora_request=lr)
                           for conv, sp, lr in zip(conversations, params, loras)])
@@ -249,15 +250,10 @@ class LLM:
         return [done[r] for r in req_ids]
 
 
-def _per_prompt(params, n: int) -> list[SamplingParams]:
-    params = params if isinstance(params, list) else [params or SamplingParams()] * n
-    if len(params) != n:
-        raise ValueError(f"{n} prompts but {len(params)} sampling params")
-    return params
-
-
-def _per_prompt_lora(lora_request, n: int) -> list:
-    loras = lora_request if isinstance(lora_request, list) else [lora_request] * n
-    if len(loras) != n:
-        raise ValueError(f"{n} prompts but {len(loras)} LoRA requests")
-    return loras
+def _per_prompt(value, n: int, what: str, default=None) -> list:
+    """One value for each of n prompts: a list as given (of length n), else value (or the
+    default) for every prompt."""
+    values = value if isinstance(value, list) else [value or default] * n
+    if len(values) != n:
+        raise ValueError(f"{n} prompts but {len(values)} {what}")
+    return values

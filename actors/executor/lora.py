@@ -11,6 +11,7 @@ backend's lora_delta op (kernels/ops.py), in the per-op path and the fused decod
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 
@@ -129,4 +130,9 @@ class LoraBatch:
         self.adapters = adapters                     # kept alive while the tables point at them
         self.table = torch.stack([a.table for a in adapters])
         self.weights = [a.weights for a in adapters]
-        self.rows = [(adapter_of_row == i).nonzero().squeeze(1) for i in range(len(adapters))]
+
+    @functools.cached_property
+    def rows(self) -> list[torch.Tensor]:
+        """Each adapter's rows: only the paths that gather rows per adapter ask."""
+        return [(self.adapter_of_row == i).nonzero().squeeze(1)
+                for i in range(len(self.adapters))]

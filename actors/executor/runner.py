@@ -24,6 +24,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
+from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
@@ -64,40 +65,6 @@ def _release_freed_memory() -> None:
         pass
 
 
-def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int) -> dict:
-    """Block tables and context lengths of decode rows: (sequence, context length) each."""
-    if not decodes:
-        return {"decode_block_tables": None, "decode_context_lens": None}
-    context = np.array([c for _, c in decodes], dtype=np.int64)
-    width = int(-(-context.max() // block_size))
-    tables = np.zeros((len(decodes), width), dtype=np.int64)
-    for i, (seq, _) in enumerate(decodes):
-        blocks = seq.block_ids[:width]
-        tables[i, :len(blocks)] = blocks
-    return {"decode_block_tables": torch.from_numpy(tables),
-            "decode_context_lens": torch.from_numpy(context)}
-
-
-def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) -> AttentionBatch:
-    """One decode row a sequence, at the given positions (their slots already granted)."""
-    slots = [seq.block_ids[p // block_size] * block_size + p % block_size
-             for seq, p in zip(seqs, positions)]
-    return AttentionBatch(slot_mapping=torch.tensor(slots), num_decode_tokens=len(seqs),
-                          prefills=[], **decode_tables(list(zip(seqs, [p + 1 for p in positions])),
-                                                       block_size))
-
-
-def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
-    if dev.type == "cpu":
-        return batch
-    return AttentionBatch(
-        batch.slot_mapping.to(dev), batch.num_decode_tokens,
-        *(t.to(dev) if t is not None else None
-          for t in (batch.decode_block_tables, batch.decode_context_lens)),
-        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
-         for p in batch.prefills])
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -124,7 +91,6 @@ class ModelRunner:
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
         self.kv_caches, self.host_caches = self._caches(self.model)
-        self.kv_caches_of_all, self.host_caches_of_all = self.kv_caches, self.host_caches
         self.eos_ids = list(config.model_info.eos_token_ids)
         # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
         self.matchers = Matchers(config.model_info, config.model_info.vocab_size,
@@ -132,6 +98,9 @@ class ModelRunner:
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
         self.drafter = self._drafter(spec)
+        # What swaps and copy-on-write move: every layer's cache, a draft model's too.
+        draft_device, draft_host = self.drafter.own_caches() if self.drafter else ([], [])
+        self.all_caches = (self.kv_caches + draft_device, self.host_caches + draft_host)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -169,12 +138,10 @@ class ModelRunner:
                                          self.block_size)
         draft = self._prepare(self.config.draft_model_info)
         caches, host = self._caches(draft)
-        self.kv_caches_of_all, self.host_caches_of_all = \
-            self.kv_caches + caches, self.host_caches + host
         log.info("draft model %s (%d layers)", self.config.draft_model_info.path,
                  draft.cfg.num_layers)
         return InStepDraft(draft, caches, self.block_size, self.model.cfg.vocab_size,
-                           mirrors=True)
+                           mirrors=True, host_caches=host)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         width = -(-self.config.max_model_len // self.block_size)
@@ -301,7 +268,7 @@ class ModelRunner:
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""
-        device, host = self.kv_caches_of_all, self.host_caches_of_all    # a draft model's too
+        device, host = self.all_caches
         for pairs, src_caches, dst_caches in ((plan.swap_out, device, host),
                                               (plan.swap_in, host, device),
                                               (plan.copies, device, device)):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .decode_layout import batch_to, decode_batch
+
 _RECENT_OUTPUTS = 64          # finished sequences whose tokens `suffix` also searches
 
 
@@ -101,9 +103,16 @@ class InStepDraft:
       rest), so its K/V at a block holds what the target's holds there: prefix-cache hits,
       copy-on-write and swaps carry over."""
 
-    def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool):
+    def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool,
+                 host_caches: list | None = None):
         self.model, self.caches, self.block_size = model, caches, block_size
         self.vocab_size, self.mirrors = vocab_size, mirrors     # the target's vocabulary
+        self.host_caches = host_caches or []
+
+    def own_caches(self) -> tuple[list, list]:
+        """(device, host) caches that are this drafter's alone (a draft model's; method self
+        drafts over the target's own)."""
+        return (self.caches, self.host_caches) if self.mirrors else ([], [])
 
     @classmethod
     def of_target(cls, model, kv_caches: list, layers: int | None, block_size: int):
@@ -114,7 +123,6 @@ class InStepDraft:
         """Append to each SeqState's `verifying` until it holds num_draft_slots drafts. A
         mirroring draft model runs one pass more, over the last draft, so its K/V holds every
         position the target's step writes for these sequences."""
-        from .runner import decode_batch     # the runner's decode layout
         for i in range(max(s.num_draft_slots for s in seqs) + self.mirrors):
             rows = [s for s in seqs if i < s.num_draft_slots + self.mirrors]
             positions = [s.num_computed + i for s in rows]
@@ -134,7 +142,6 @@ class InStepDraft:
         self._forward(input_ids, positions, batch)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        from .runner import batch_to
         dev = self.caches[0].device
         ids = ids.clamp(max=self.model.cfg.vocab_size - 1)    # a token it lacks: a poor draft
         return self.model(ids.to(dev), positions.to(dev), self.caches, batch_to(batch, dev))

@@ -1,0 +1,45 @@
+"""Decode rows laid out for attention: block tables and context lengths, a batch of one decode
+row a sequence at given positions (the runner's speculative rows, a model's draft passes), and
+a batch moved to the model's device."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+
+from .seq_table import SeqState
+
+
+def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int) -> dict:
+    """Block tables and context lengths of decode rows: (sequence, context length) each."""
+    if not decodes:
+        return {"decode_block_tables": None, "decode_context_lens": None}
+    context = np.array([c for _, c in decodes], dtype=np.int64)
+    width = int(-(-context.max() // block_size))
+    tables = np.zeros((len(decodes), width), dtype=np.int64)
+    for i, (seq, _) in enumerate(decodes):
+        blocks = seq.block_ids[:width]
+        tables[i, :len(blocks)] = blocks
+    return {"decode_block_tables": torch.from_numpy(tables),
+            "decode_context_lens": torch.from_numpy(context)}
+
+
+def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) -> AttentionBatch:
+    """One decode row a sequence, at the given positions (their slots already granted)."""
+    slots = [seq.block_ids[p // block_size] * block_size + p % block_size
+             for seq, p in zip(seqs, positions)]
+    return AttentionBatch(slot_mapping=torch.tensor(slots), num_decode_tokens=len(seqs),
+                          prefills=[], **decode_tables(list(zip(seqs, [p + 1 for p in positions])),
+                                                       block_size))
+
+
+def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
+    if dev.type == "cpu":
+        return batch
+    return AttentionBatch(
+        batch.slot_mapping.to(dev), batch.num_decode_tokens,
+        *(t.to(dev) if t is not None else None
+          for t in (batch.decode_block_tables, batch.decode_context_lens)),
+        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
+         for p in batch.prefills])
