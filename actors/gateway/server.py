@@ -31,7 +31,8 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
-                       completion_prompts, decode_body, template_kwargs, to_sampling)
+                       check_count, completion_prompts, decode_body, template_kwargs,
+                       to_sampling)
 from .responses import Choice, Formatter, usage
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
@@ -180,6 +181,7 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatBody)
         lora = self.check_model(body.model)
+        check_count("tools", body.tools)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
                                chat_logprobs(body), body.prompt_logprobs, tools.constraint)

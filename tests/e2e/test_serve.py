@@ -132,6 +132,9 @@ def test_bad_input_gets_an_error_and_the_server_keeps_serving(server, client, bo
     ({"messages": [{"role": "user", "content": "hi"}] * 5000}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 300}]},
      "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "tools"),
 ])
 def test_hostile_chat_bodies_get_400_and_the_server_keeps_serving(server, client, body, param):
     code, reply, _ = server.request("POST", "/v1/chat/completions", body)
