@@ -1,9 +1,9 @@
 """LoRA adapters against the base model alone, side by side in one engine (alternating).
 
-    python bench/lora.py [--rank 16] [--rounds 2]
+    python bench/lora.py [--rank 16] [--rounds 2] [--adapter-dtype float32|bfloat16|float16]
 
 On the default model, with random rank-r adapters on all seven projections of every layer
-(written to a temporary directory), greedy, ignore_eos:
+stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
 - single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter;
 - mixed: 64 requests of 128 / 128 at once, all base vs four adapters mixed uniformly
   (--max-loras 4).
@@ -26,7 +26,7 @@ from pagewire.lora_files import projection_shapes
 from pagewire.model_info import resolve_model
 
 
-def make_adapter(path: str, rank: int, seed: int) -> str:
+def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype) -> str:
     info = resolve_model(None)
     os.makedirs(path)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
@@ -36,8 +36,8 @@ def make_adapter(path: str, rank: int, seed: int) -> str:
         for proj, (out, inp) in projection_shapes(info).items():
             kind = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{kind}.{proj}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.02
-            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+            weights[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.02).to(dtype)
+            weights[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.02).to(dtype)
     save_file(weights, os.path.join(path, "adapter_model.safetensors"))
     return path
 
@@ -53,11 +53,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--adapter-dtype", default="float32",
+                    choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.adapter_dtype)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(64)]
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(f"{tmp}/a{i}", args.rank, i))
+        adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(f"{tmp}/a{i}", args.rank, i,
+                                                                dtype))
                     for i in range(4)]
         llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=args.rank,
                   enable_prefix_caching=False)

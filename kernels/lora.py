@@ -1,24 +1,70 @@
 """LoRA deltas of one linear over a step's rows, each row with its adapter (or none): the
-torch reference and the Triton kernel. The native CPU kernel is csrc/lora.cpp.
+weights' layout, the torch reference and the Triton kernel. The native CPU kernel is
+csrc/lora.cpp.
 
-An adapter's weights for the linear are A [R, K] and Bt [R, N] (B transposed, its scale
-folded in), float32; `adapters` pairs each adapter's {slot: (A, Bt)} with its rows (an int64
-index tensor into y and x). y [T, N] += (x[rows] A^T) Bt for every adapter holding the slot.
+`adapters` pairs each adapter's {slot: LoraWeights} with its rows (an int64 index tensor into
+y and x): y [T, N] += scale (x[rows] A^T) Bt for every adapter holding the slot.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ._triton import HAS_TRITON, check, check_same_device, next_pow2, require_triton, tl, triton
 
+# The weight dtypes csrc/lora.cpp reads, by its Kind codes.
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ENTRY = 6                      # int64 per (adapter, slot) in the native table
+
+
+class LoraWeights:
+    """One adapter's weights for one (fused) linear of N outputs, as the adapter file stores
+    them (float32, bfloat16 or float16; never rounded). A [R, K] stacks the A matrices of the
+    projections the linear fuses. B^T of such a linear is block-diagonal (projection j's rank
+    rows reach only its own output columns), so only its blocks are kept: `parts`
+    [(r0, r1, col, Bt_j [r1 - r0, w_j])], views into one packed array `bt`, and `spans`
+    [R, 3] int64 (col, width, offset into `bt`) per rank row, for the native kernel."""
+
+    def __init__(self, a: torch.Tensor, blocks: list[tuple[int, torch.Tensor]], scale: float,
+                 n: int):
+        """blocks: (col, Bt_j [r_j, w_j]) in A's rank order; Bt_j = B_j^T, unscaled."""
+        check(a.dtype in KINDS, f"LoRA weights of dtype {a.dtype} are not supported")
+        self.a, self.scale, self.n = a.contiguous(), float(scale), n
+        self.bt = torch.cat([b.to(a.dtype).reshape(-1) for _, b in blocks])
+        self.parts, spans, r0, offset = [], [], 0, 0
+        for col, b in blocks:
+            r, w = b.shape
+            self.parts.append((r0, r0 + r, col, self.bt[offset:offset + r * w].view(r, w)))
+            spans += [(col, w, offset + i * w) for i in range(r)]
+            r0, offset = r0 + r, offset + r * w
+        check(r0 == a.shape[0], "LoRA weights: the blocks' ranks must sum to A's rows")
+        self.spans = torch.tensor(spans, dtype=torch.int64)
+
+    def entry(self) -> list[int]:
+        """The native table's row: (A, Bt, spans pointers, R, Kind, scale as float64 bits)."""
+        scale_bits = torch.tensor([self.scale], dtype=torch.float64).view(torch.int64).item()
+        return [self.a.data_ptr(), self.bt.data_ptr(), self.spans.data_ptr(), self.a.shape[0],
+                KINDS[self.a.dtype], scale_bits]
+
+    @functools.cached_property
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [R, K], Bt [R, N] with the scale folded in) in float32: the Triton kernel's."""
+        bt = torch.zeros(self.a.shape[0], self.n, device=self.a.device)
+        for r0, r1, col, b in self.parts:
+            bt[r0:r1, col:col + b.shape[1]] = b.float() * self.scale
+        return self.a.float(), bt
+
 
 def lora_delta(y: torch.Tensor, x: torch.Tensor, adapters, slot: int) -> None:
     for weights, rows in adapters:
-        ab = weights.get(slot)
-        if ab is not None and rows.numel():
-            a, bt = ab
-            delta = (x.index_select(0, rows).float() @ a.T) @ bt                  # [n, N]
-            y.index_add_(0, rows, delta.to(y.dtype))
+        lw = weights.get(slot)
+        if lw is None or not rows.numel():
+            continue
+        mid = (x.index_select(0, rows).float() @ lw.a.float().T) * lw.scale       # [n, R]
+        for r0, r1, col, b in lw.parts:
+            y[:, col:col + b.shape[1]].index_add_(
+                0, rows, (mid[:, r0:r1] @ b.float()).to(y.dtype))
 
 
 if HAS_TRITON:
@@ -54,10 +100,10 @@ def triton_lora_delta(y: torch.Tensor, x: torch.Tensor, adapters, slot: int) -> 
     tokens, n = y.shape
     k = x.shape[1]
     for weights, rows in adapters:
-        ab = weights.get(slot)
-        if ab is None or not rows.numel():
+        lw = weights.get(slot)
+        if lw is None or not rows.numel():
             continue
-        a, bt = ab
+        a, bt = lw.dense
         check(a.is_contiguous() and bt.is_contiguous() and a.shape[1] == k and
               bt.shape == (a.shape[0], n), "lora_delta: A [R, K] and Bt [R, N] contiguous")
         check_same_device(y=y, x=x, rows=rows, a=a, bt=bt)

@@ -277,14 +277,14 @@ class Library:
     def lora_delta(self, y: torch.Tensor, x: torch.Tensor, adapter_of_row: torch.Tensor,
                    table: torch.Tensor, slot: int) -> None:
         """y [T, N] += each row's adapter delta of x [T, K] for linear `slot` (rows of
-        adapter -1 untouched). table: [adapters, slots, 3] int64 (A [R, K], Bt [R, N] float32
-        pointers, R; A null where that adapter leaves the linear alone)."""
+        adapter -1 untouched). table: [adapters, slots, 6] int64, LoraWeights.entry() of
+        each (kernels/lora.py); A null where that adapter leaves the linear alone."""
         _check_cpu(y, x, adapter_of_row, table)
         tokens, n = y.shape
         if y.stride(1) != 1 or x.stride(1) != 1 or x.shape[0] != tokens or x.dtype != y.dtype \
                 or adapter_of_row.dtype != torch.int64 or adapter_of_row.shape != (tokens,) \
                 or table.dtype != torch.int64 or not table.is_contiguous() \
-                or table.dim() != 3 or not 0 <= slot < table.shape[1]:
+                or table.dim() != 3 or table.shape[2] != 6 or not 0 <= slot < table.shape[1]:
             raise ValueError("lora_delta: bad shapes, strides or dtypes")
         self.typed("pw_lora_delta", y.dtype)(
             y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), tokens, n, x.shape[1],

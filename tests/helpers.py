@@ -86,16 +86,24 @@ def assert_greedy_equal(ours: list[int], theirs: list[int], logits: list[torch.T
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs {len(theirs)}"
 
 
-def lora_case(tokens: int, n: int, k: int, ranks: tuple[int, ...], seed: int = 0):
+def lora_case(tokens: int, n: int, k: int, ranks: tuple[int, ...], seed: int = 0,
+              dtype: torch.dtype = torch.float32):
     """A step's LoRA inputs for one linear (slot 0): x [T, K] and random adapters of the given
-    ranks over interleaved rows (every third row the base model's). Returns x, adapter_of_row
-    [T], [({0: (A, Bt)}, rows)] per adapter, and the native table [adapters, 1, 3]."""
+    ranks (weights of `dtype`; B^T in two blocks, the first rank rows at columns [3, 3 + N/3),
+    the rest at [N/2, N), as a fused linear's projections) over interleaved rows (every third
+    row the base model's). Returns x, adapter_of_row [T], [({0: LoraWeights}, rows)] per
+    adapter, and the native table [adapters, 1, ENTRY]."""
+    from pagewire.kernels.lora import ENTRY, LoraWeights
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, k + 5, generator=g)[:, :k]                  # strided rows
     of_row = torch.tensor([-1 if t % 3 == 2 else t % len(ranks) for t in range(tokens)])
-    adapters, table = [], torch.zeros(len(ranks), 1, 3, dtype=torch.int64)
+    adapters, table = [], torch.zeros(len(ranks), 1, ENTRY, dtype=torch.int64)
     for i, r in enumerate(ranks):
-        a, bt = torch.randn(r, k, generator=g) * 0.1, torch.randn(r, n, generator=g) * 0.1
-        adapters.append(({0: (a, bt)}, (of_row == i).nonzero().squeeze(1)))
-        table[i, 0] = torch.tensor([a.data_ptr(), bt.data_ptr(), r])
+        a = (torch.randn(r, k, generator=g) * 0.1).to(dtype)
+        half = r // 2
+        blocks = [(3, torch.randn(half, n // 3, generator=g).to(dtype)),
+                  (n // 2, torch.randn(r - half, n - n // 2, generator=g).to(dtype))]
+        lw = LoraWeights(a, blocks, 0.5 + i, n)
+        adapters.append(({0: lw}, (of_row == i).nonzero().squeeze(1)))
+        table[i, 0] = torch.tensor(lw.entry())
     return x, of_row, adapters, table

@@ -3,11 +3,11 @@ recently used unloaded first) and applied to a step's rows, each row with its se
 adapter, base rows untouched.
 
 An adapter's weights are laid out as the base weights are fused (weights.py): for each Linear,
-A stacks the A matrices of the projections it fuses ([R, in], R the sum of their ranks) and Bt
-is B transposed and block-diagonal ([R, out]: projection j's B^T in its own rank rows and its
-output columns, zeros elsewhere), the scale folded in. One linear's delta for a row is then
-(x A^T) Bt, two small products per adapter however many projections the linear fuses: the
-backend's lora_delta op (kernels/ops.py), in the per-op path and the fused decode alike.
+A stacks the A matrices of the projections it fuses ([R, in], R the sum of their ranks) and
+B^T is block-diagonal (projection j's B^T in its own rank rows and output columns), of which
+only the blocks are kept (kernels/lora.py LoraWeights). One linear's delta for a row is then
+scale (x A^T) B^T, two small products per adapter however many projections the linear fuses:
+the backend's lora_delta op (kernels/ops.py), in the per-op path and the fused decode alike.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import torch
 
+from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights
 from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, read_adapter
@@ -26,7 +27,7 @@ from .parallel import split_range
 PARTS = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o_proj": ("o_proj",),
          "mlp.gate_up": ("gate_proj", "up_proj"), "mlp.down": ("down_proj",)}
 
-Weights = dict[int, tuple[torch.Tensor, torch.Tensor]]   # linear slot -> (A [R, in], Bt [R, out])
+Weights = dict[int, LoraWeights]           # linear slot -> its weights (kernels/lora.py)
 
 
 def _part_sizes(layer, name: str) -> list[int]:
@@ -60,42 +61,48 @@ def assign_slots(model) -> int:
 
 
 def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
-    """An adapter's checked tensors (lora_files.read_adapter) in the fused layout, float32."""
+    """An adapter's checked tensors (lora_files.read_adapter) in the fused layout, in the
+    file's dtype where every tensor of a linear shares one the kernels read, else float32."""
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(path, WEIGHTS))
     out: Weights = {}
     for i, layer in enumerate(model.layers):
         for name, parts in PARTS.items():
             present = [(j, p) for j, p in enumerate(parts) if (i, p) in shapes]
-            if not present:
-                continue
-            sizes = _part_sizes(layer, name)
-            kind = "self_attn" if name.startswith("attn") else "mlp"
-            key = f"base_model.model.model.layers.{i}.{kind}.{{}}.lora_{{}}.weight"
-            shares = [_rank_share(layer, model.cfg, p) for _, p in present]
-            a = [tensors[key.format(p, "A")].float()[:, sl if side == "in" else slice(None)]
-                 for (_, p), (side, sl) in zip(present, shares)]
-            bt = torch.zeros(sum(t.shape[0] for t in a), sum(sizes))             # [R, out]
-            r = 0
-            for (j, p), a_j, (side, sl) in zip(present, a, shares):
-                col = sum(sizes[:j])
-                b = tensors[key.format(p, "B")].float()
-                bt[r:r + a_j.shape[0], col:col + sizes[j]] = \
-                    (b[sl] if side == "out" else b).T * scale
-                r += a_j.shape[0]
-            dev = model.embed.weight.device
-            out[layer.get_submodule(name).lora_slot] = (torch.cat(a).to(dev), bt.to(dev))
+            if present:
+                linear = layer.get_submodule(name)
+                out[linear.lora_slot] = _fused(layer, model.cfg, name, i, present, tensors,
+                                               scale, model.embed.weight.device)
     return out
 
 
+def _fused(layer, cfg, name: str, i: int, present, tensors, scale: float,
+           dev: torch.device) -> LoraWeights:
+    """The LoraWeights of one fused linear: each present projection's A rows (this rank's
+    share) and its B^T block at the projection's output columns."""
+    sizes = _part_sizes(layer, name)
+    kind = "self_attn" if name.startswith("attn") else "mlp"
+    key = f"base_model.model.model.layers.{i}.{kind}.{{}}.lora_{{}}.weight"
+    a_parts, blocks = [], []
+    for j, p in present:
+        side, sl = _rank_share(layer, cfg, p)
+        a, b = tensors[key.format(p, "A")], tensors[key.format(p, "B")]
+        a_parts.append(a[:, sl] if side == "in" else a)
+        blocks.append((sum(sizes[:j]), (b[sl] if side == "out" else b).T))
+    dtypes = {t.dtype for t in a_parts} | {b.dtype for _, b in blocks}
+    dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in KINDS else torch.float32
+    return LoraWeights(torch.cat(a_parts).to(dev, dtype),
+                       [(col, b.to(dev, dtype)) for col, b in blocks], scale, sum(sizes))
+
+
 class Loaded:
-    """One load of an adapter: its weights and their table row for the native kernels."""
+    """One load of an adapter: its weights and their table for the native kernels."""
 
     def __init__(self, weights: Weights, num_slots: int):
         self.weights = weights
-        self.table = torch.zeros(num_slots, 3, dtype=torch.int64)     # (A, Bt, R) per slot
-        for slot, (a, bt) in weights.items():
-            self.table[slot] = torch.tensor([a.data_ptr(), bt.data_ptr(), a.shape[0]])
+        self.table = torch.zeros(num_slots, ENTRY, dtype=torch.int64)    # kernels/lora.py
+        for slot, lw in weights.items():
+            self.table[slot] = torch.tensor(lw.entry())
 
 
 class Adapters:

@@ -1,12 +1,19 @@
 // LoRA deltas of one linear for a step's rows, each row with its own adapter (or none):
-// y[t] += Bt_a^T (A_a x[t]) for a = adapter_of_row[t] >= 0. The per-op path (kernels/ops.py
-// CpuOps.lora_delta) and the fused decode interpreter (decode_stack.cpp) both call it.
-// An adapter's weights are float32 whatever the activations' type: A [R, K] and Bt [R, N]
-// (B transposed, the scale folded in), so both products run along contiguous rows.
+// y[t] += scale * Bt_a^T (A_a x[t]) for a = adapter_of_row[t] >= 0. The per-op path
+// (kernels/ops.py CpuOps.lora_delta) and the fused decode interpreter (decode_stack.cpp) both
+// call it.
+//
+// A decode step reads every adapter weight once per row, so the weights are kept as the
+// adapter file stores them (float32, bfloat16 or float16: never rounded) and Bt holds only
+// its nonzero spans: a fused linear's B^T is block-diagonal (projection j's rank rows reach
+// only its own output columns), so rank row r of Bt is `width` values from column `col`, at
+// `offset` in one packed array. Products accumulate in float32.
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "bf16.h"
@@ -16,38 +23,147 @@ using bf16 = uint16_t;
 namespace {
 
 constexpr int64_t kSerialMacs = 1 << 18;
+constexpr int64_t kEntry = 6;     // int64 per (adapter, slot) in the table; see Entry
+enum Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-// table: [adapters][num_slots][3] int64: (A, Bt, R) of each adapter for each linear slot; A
-// null where the adapter leaves that linear alone. Two passes, each split over the threads
-// (a single stream's one row still uses every core): mid = A x for every (row, rank), then
-// y += mid Bt over chunks of columns.
+// One adapter's weights for one linear: A [R, K], Bt's packed spans, spans [R, 3] int64
+// (col, width, offset), R, the weights' Kind, and alpha / r as float64 bits.
+struct Entry {
+  const void* a;
+  const void* bt;
+  const int64_t* spans;
+  int64_t rank;
+  Kind kind;
+  float scale;
+
+  explicit Entry(const int64_t* w)
+      : a(reinterpret_cast<const void*>(w[0])), bt(reinterpret_cast<const void*>(w[1])),
+        spans(reinterpret_cast<const int64_t*>(w[2])), rank(w[3]), kind(Kind(w[4])) {
+    double s;
+    std::memcpy(&s, &w[5], 8);
+    scale = static_cast<float>(s);
+  }
+};
+
+// Eight consecutive values as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// The weights of Kind K: their vector and scalar loads.
+template <Kind K> struct W;
+template <> struct W<kF32> {
+  using T = float;
+  static __m256 load(const T* p) { return load8(p); }
+  static float at(const T* p) { return *p; }
+};
+template <> struct W<kBF16> {
+  using T = uint16_t;
+  static __m256 load(const T* p) { return load8_bf16(p); }
+  static float at(const T* p) { return pw::to_float(*p); }
+};
+template <> struct W<kF16> {
+  using T = uint16_t;
+  static __m256 load(const T* p) { return load8_f16(p); }
+  static float at(const T* p) { return f16_to_float(*p); }
+};
+
+// sum_j a[j] * x[j] over k values; x already float32.
+template <Kind K>
+float dot(const void* a_row, const float* x, int64_t k) {
+  const auto* a = static_cast<const typename W<K>::T*>(a_row);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    acc0 = _mm256_fmadd_ps(W<K>::load(a + j), _mm256_loadu_ps(x + j), acc0);
+    acc1 = _mm256_fmadd_ps(W<K>::load(a + j + 8), _mm256_loadu_ps(x + j + 8), acc1);
+  }
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; j < k; ++j) s += W<K>::at(a + j) * x[j];
+  return s;
+}
+
+// acc[0, m) += v * b[0, m).
+template <Kind K>
+void axpy(float* acc, float v, const void* b_row, int64_t m) {
+  const auto* b = static_cast<const typename W<K>::T*>(b_row);
+  const __m256 vv = _mm256_set1_ps(v);
+  int64_t j = 0;
+  for (; j + 8 <= m; j += 8)
+    _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vv, W<K>::load(b + j), _mm256_loadu_ps(acc + j)));
+  for (; j < m; ++j) acc[j] += v * W<K>::at(b + j);
+}
+
+size_t kind_bytes(Kind kind) { return kind == kF32 ? 4 : 2; }
+
+float dot_any(const Entry& e, int64_t r, const float* x, int64_t k) {
+  const char* row = static_cast<const char*>(e.a) + r * k * kind_bytes(e.kind);
+  switch (e.kind) {
+    case kBF16: return dot<kBF16>(row, x, k);
+    case kF16: return dot<kF16>(row, x, k);
+    default: return dot<kF32>(row, x, k);
+  }
+}
+
+// acc [j0, j0 + m) += v * (rank row r of Bt) where its span meets those columns.
+void add_span(float* acc, float v, const Entry& e, int64_t r, int64_t j0, int64_t m) {
+  const int64_t col = e.spans[r * 3], width = e.spans[r * 3 + 1], offset = e.spans[r * 3 + 2];
+  const int64_t lo = std::max(col, j0), hi = std::min(col + width, j0 + m);
+  if (lo >= hi) return;
+  const char* b = static_cast<const char*>(e.bt) + (offset + lo - col) * kind_bytes(e.kind);
+  switch (e.kind) {
+    case kBF16: return axpy<kBF16>(acc + lo - j0, v, b, hi - lo);
+    case kF16: return axpy<kF16>(acc + lo - j0, v, b, hi - lo);
+    default: return axpy<kF32>(acc + lo - j0, v, b, hi - lo);
+  }
+}
+
+// table: [adapters][num_slots][kEntry] int64 (Entry), A null where the adapter leaves that
+// linear alone. Two passes, each split over the threads (a single stream's one row still
+// uses every core): mid = scale * A x for every (row, rank), then y += mid Bt over chunks of
+// columns.
 template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
                 int64_t slot, int64_t num_slots) {
-  auto weights = [&](int64_t t) -> const int64_t* {   // (A, Bt, R) of row t, or null
-    const int64_t a = adapter_of_row[t];
-    const int64_t* w = a < 0 ? nullptr : table + (a * num_slots + slot) * 3;
-    return w && w[0] ? w : nullptr;
-  };
+  std::vector<Entry> entries;
+  std::vector<int64_t> entry_of_row(tokens, -1);    // index into entries, -1: base row
   int64_t rank = 0;
-  for (int64_t t = 0; t < tokens; ++t)
-    if (const int64_t* w = weights(t)) rank = std::max(rank, w[2]);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t a = adapter_of_row[t];
+    const int64_t* w = a < 0 ? nullptr : table + (a * num_slots + slot) * kEntry;
+    if (!w || !w[0]) continue;
+    entries.emplace_back(w);
+    entry_of_row[t] = static_cast<int64_t>(entries.size()) - 1;
+    rank = std::max(rank, w[3]);
+  }
   if (rank == 0) return;
   // Small work runs on the calling thread: waking the pool costs more than a single stream's
   // products (parallel_for runs inline when the range is within the grain).
   const bool small = tokens * rank * (n + k) < kSerialMacs;
-  std::vector<float> mid(tokens * rank, 0.f);
+  std::vector<float> xf(tokens * k), mid(tokens * rank, 0.f);
+  at::parallel_for(0, tokens, small ? tokens : 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      if (entry_of_row[t] >= 0)
+        for (int64_t j = 0; j < k; ++j) xf[t * k + j] = pw::to_float(x[t * x_stride + j]);
+  });
   at::parallel_for(0, tokens * rank, small ? tokens * rank : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / rank, r = i % rank;
-      const int64_t* w = weights(t);
-      if (!w || r >= w[2]) continue;
-      const auto* a = reinterpret_cast<const float*>(w[0]) + r * k;
-      const T* xt = x + t * x_stride;
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j) s += a[j] * pw::to_float(xt[j]);
-      mid[i] = s;
+      if (entry_of_row[t] < 0) continue;
+      const Entry& e = entries[entry_of_row[t]];
+      if (r < e.rank) mid[i] = e.scale * dot_any(e, r, xf.data() + t * k, k);
     }
   });
   constexpr int64_t kChunk = 256;
@@ -56,14 +172,10 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
     float acc[kChunk];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, j0 = (i % chunks) * kChunk, m = std::min(kChunk, n - j0);
-      const int64_t* w = weights(t);
-      if (!w) continue;
+      if (entry_of_row[t] < 0) continue;
+      const Entry& e = entries[entry_of_row[t]];
       std::fill(acc, acc + m, 0.f);
-      for (int64_t r = 0; r < w[2]; ++r) {
-        const float v = mid[t * rank + r];
-        const float* b = reinterpret_cast<const float*>(w[1]) + r * n + j0;
-        for (int64_t j = 0; j < m; ++j) acc[j] += v * b[j];
-      }
+      for (int64_t r = 0; r < e.rank; ++r) add_span(acc, mid[t * rank + r], e, r, j0, m);
       T* out = y + t * y_stride + j0;
       for (int64_t j = 0; j < m; ++j) pw::from_float(pw::to_float(out[j]) + acc[j], &out[j]);
     }

@@ -31,8 +31,9 @@ def shapes_of(base: str) -> dict[str, tuple[int, int]]:
 
 def make_adapter(path: str, base: str, targets=ATTN + MLP, rank: int = 4, alpha: float = 8.0,
                  seed: int = 0, layers=(0, 1), extra_config: dict | None = None,
-                 tensors: dict | None = None) -> str:
-    """A PEFT LoRA adapter with random, non-trivial A and B (PEFT starts B at zero)."""
+                 tensors: dict | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """A PEFT LoRA adapter with random, non-trivial A and B (PEFT starts B at zero), stored
+    as `dtype`."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
@@ -47,8 +48,8 @@ def make_adapter(path: str, base: str, targets=ATTN + MLP, rank: int = 4, alpha:
             out, inp = shapes_of(base)[proj]
             kind = "self_attn" if proj in ATTN else "mlp"
             key = f"base_model.model.model.layers.{layer}.{kind}.{proj}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.2
-            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
+            weights[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.2).to(dtype)
+            weights[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.2).to(dtype)
     weights.update(tensors or {})
     save_file(weights, os.path.join(path, "adapter_model.safetensors"))
     return path
@@ -75,7 +76,7 @@ def merge(model, adapter: str) -> None:
                 b = tensors[name.replace("lora_A", "lora_B")]
                 target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
                                                                          ".weight")
-                params[target] += scale * (b @ a)
+                params[target] += scale * (b.float() @ a.float())
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +91,9 @@ def adapters(tmp_path_factory, base) -> dict[str, str]:
     return {"attn-qv": make_adapter(str(root / "qv"), base, ("q_proj", "v_proj"), rank=8,
                                     alpha=16, seed=1),
             "all-rslora": make_adapter(str(root / "all"), base, rank=4, alpha=4, seed=2,
-                                       extra_config={"use_rslora": True}),
+                                       extra_config={"use_rslora": True}, dtype=torch.bfloat16),
             "mlp-layer1": make_adapter(str(root / "mlp"), base, MLP, rank=2, alpha=4, seed=3,
-                                       layers=(1,))}
+                                       layers=(1,), dtype=torch.float16)}
 
 
 def _greedy(llm: LLM, prompts, loras, n: int = 12) -> list[list[int]]:
