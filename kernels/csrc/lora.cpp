@@ -79,53 +79,100 @@ template <> struct W<kF16> {
   static float at(const T* p) { return f16_to_float(*p); }
 };
 
-// sum_j a[j] * x[j] over k values; x already float32.
+// out[i] = sum_j a[i][j] * x[j] for `rows` consecutive rows of a (row stride k), x float32.
+// Four rows at a time share each load of x and give four independent FMA chains.
 template <Kind K>
-float dot(const void* a_row, const float* x, int64_t k) {
-  const auto* a = static_cast<const typename W<K>::T*>(a_row);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= k; j += 16) {
-    acc0 = _mm256_fmadd_ps(W<K>::load(a + j), _mm256_loadu_ps(x + j), acc0);
-    acc1 = _mm256_fmadd_ps(W<K>::load(a + j + 8), _mm256_loadu_ps(x + j + 8), acc1);
+void dots(float* out, const void* a_rows, int64_t rows, const float* x, int64_t k) {
+  const auto* a = static_cast<const typename W<K>::T*>(a_rows);
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    const auto *a0 = a + i * k, *a1 = a0 + k, *a2 = a1 + k, *a3 = a2 + k;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + j);
+      s0 = _mm256_fmadd_ps(W<K>::load(a0 + j), xv, s0);
+      s1 = _mm256_fmadd_ps(W<K>::load(a1 + j), xv, s1);
+      s2 = _mm256_fmadd_ps(W<K>::load(a2 + j), xv, s2);
+      s3 = _mm256_fmadd_ps(W<K>::load(a3 + j), xv, s3);
+    }
+    float r0 = hsum(s0), r1 = hsum(s1), r2 = hsum(s2), r3 = hsum(s3);
+    for (; j < k; ++j) {
+      r0 += W<K>::at(a0 + j) * x[j];
+      r1 += W<K>::at(a1 + j) * x[j];
+      r2 += W<K>::at(a2 + j) * x[j];
+      r3 += W<K>::at(a3 + j) * x[j];
+    }
+    out[i] = r0, out[i + 1] = r1, out[i + 2] = r2, out[i + 3] = r3;
   }
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; j < k; ++j) s += W<K>::at(a + j) * x[j];
-  return s;
+  for (; i < rows; ++i) {
+    const auto* ai = a + i * k;
+    __m256 s = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) s = _mm256_fmadd_ps(W<K>::load(ai + j), _mm256_loadu_ps(x + j), s);
+    float r = hsum(s);
+    for (; j < k; ++j) r += W<K>::at(ai + j) * x[j];
+    out[i] = r;
+  }
 }
 
-// acc[0, m) += v * b[0, m).
+// acc[0, m) += sum_r v[r] * b[r][0, m) over `rows` rows of b (row stride ld): the
+// accumulators stay in registers across the rows, 32 columns at a time.
 template <Kind K>
-void axpy(float* acc, float v, const void* b_row, int64_t m) {
-  const auto* b = static_cast<const typename W<K>::T*>(b_row);
-  const __m256 vv = _mm256_set1_ps(v);
+void axpys(float* acc, const float* v, const void* b_rows, int64_t rows, int64_t ld,
+           int64_t m) {
+  const auto* b = static_cast<const typename W<K>::T*>(b_rows);
   int64_t j = 0;
-  for (; j + 8 <= m; j += 8)
-    _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(vv, W<K>::load(b + j), _mm256_loadu_ps(acc + j)));
-  for (; j < m; ++j) acc[j] += v * W<K>::at(b + j);
+  for (; j + 32 <= m; j += 32) {
+    __m256 c0 = _mm256_loadu_ps(acc + j), c1 = _mm256_loadu_ps(acc + j + 8);
+    __m256 c2 = _mm256_loadu_ps(acc + j + 16), c3 = _mm256_loadu_ps(acc + j + 24);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 vv = _mm256_set1_ps(v[r]);
+      const auto* br = b + r * ld + j;
+      c0 = _mm256_fmadd_ps(vv, W<K>::load(br), c0);
+      c1 = _mm256_fmadd_ps(vv, W<K>::load(br + 8), c1);
+      c2 = _mm256_fmadd_ps(vv, W<K>::load(br + 16), c2);
+      c3 = _mm256_fmadd_ps(vv, W<K>::load(br + 24), c3);
+    }
+    _mm256_storeu_ps(acc + j, c0), _mm256_storeu_ps(acc + j + 8, c1);
+    _mm256_storeu_ps(acc + j + 16, c2), _mm256_storeu_ps(acc + j + 24, c3);
+  }
+  for (; j < m; ++j)
+    for (int64_t r = 0; r < rows; ++r) acc[j] += v[r] * W<K>::at(b + r * ld + j);
 }
 
 size_t kind_bytes(Kind kind) { return kind == kF32 ? 4 : 2; }
 
-float dot_any(const Entry& e, int64_t r, const float* x, int64_t k) {
-  const char* row = static_cast<const char*>(e.a) + r * k * kind_bytes(e.kind);
+void dots_any(float* out, const Entry& e, int64_t r0, int64_t rows, const float* x, int64_t k) {
+  const char* a = static_cast<const char*>(e.a) + r0 * k * kind_bytes(e.kind);
   switch (e.kind) {
-    case kBF16: return dot<kBF16>(row, x, k);
-    case kF16: return dot<kF16>(row, x, k);
-    default: return dot<kF32>(row, x, k);
+    case kBF16: return dots<kBF16>(out, a, rows, x, k);
+    case kF16: return dots<kF16>(out, a, rows, x, k);
+    default: return dots<kF32>(out, a, rows, x, k);
   }
 }
 
-// acc [j0, j0 + m) += v * (rank row r of Bt) where its span meets those columns.
-void add_span(float* acc, float v, const Entry& e, int64_t r, int64_t j0, int64_t m) {
-  const int64_t col = e.spans[r * 3], width = e.spans[r * 3 + 1], offset = e.spans[r * 3 + 2];
-  const int64_t lo = std::max(col, j0), hi = std::min(col + width, j0 + m);
-  if (lo >= hi) return;
-  const char* b = static_cast<const char*>(e.bt) + (offset + lo - col) * kind_bytes(e.kind);
-  switch (e.kind) {
-    case kBF16: return axpy<kBF16>(acc + lo - j0, v, b, hi - lo);
-    case kF16: return axpy<kF16>(acc + lo - j0, v, b, hi - lo);
-    default: return axpy<kF32>(acc + lo - j0, v, b, hi - lo);
+// acc [j0, j0 + m) += mid[r] * (rank row r of Bt) over each run of rank rows that share one
+// span (a projection's block: its rows lie `width` apart), where the span meets the columns.
+void add_spans(float* acc, const float* mid, const Entry& e, int64_t j0, int64_t m) {
+  const int64_t* sp = e.spans;
+  for (int64_t r = 0; r < e.rank;) {
+    const int64_t col = sp[r * 3], width = sp[r * 3 + 1], offset = sp[r * 3 + 2];
+    int64_t rows = 1;
+    while (r + rows < e.rank && sp[(r + rows) * 3] == col && sp[(r + rows) * 3 + 1] == width &&
+           sp[(r + rows) * 3 + 2] == offset + rows * width)
+      ++rows;
+    const int64_t lo = std::max(col, j0), hi = std::min(col + width, j0 + m);
+    if (lo < hi) {
+      const char* b = static_cast<const char*>(e.bt) + (offset + lo - col) * kind_bytes(e.kind);
+      float* dst = acc + lo - j0;
+      switch (e.kind) {
+        case kBF16: axpys<kBF16>(dst, mid + r, b, rows, width, hi - lo); break;
+        case kF16: axpys<kF16>(dst, mid + r, b, rows, width, hi - lo); break;
+        default: axpys<kF32>(dst, mid + r, b, rows, width, hi - lo);
+      }
+    }
+    r += rows;
   }
 }
 
@@ -158,12 +205,18 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
       if (entry_of_row[t] >= 0)
         for (int64_t j = 0; j < k; ++j) xf[t * k + j] = pw::to_float(x[t * x_stride + j]);
   });
-  at::parallel_for(0, tokens * rank, small ? tokens * rank : 1, [&](int64_t i0, int64_t i1) {
+  // mid = scale * A x per row, in runs of four rank rows (a work item).
+  const int64_t runs = (rank + 3) / 4;
+  at::parallel_for(0, tokens * runs, small ? tokens * runs : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / rank, r = i % rank;
+      const int64_t t = i / runs, r0 = (i % runs) * 4;
       if (entry_of_row[t] < 0) continue;
       const Entry& e = entries[entry_of_row[t]];
-      if (r < e.rank) mid[i] = e.scale * dot_any(e, r, xf.data() + t * k, k);
+      const int64_t rows = std::min<int64_t>(4, e.rank - r0);
+      if (rows <= 0) continue;
+      float* out = mid.data() + t * rank + r0;
+      dots_any(out, e, r0, rows, xf.data() + t * k, k);
+      for (int64_t r = 0; r < rows; ++r) out[r] *= e.scale;
     }
   });
   constexpr int64_t kChunk = 256;
@@ -175,7 +228,7 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
       if (entry_of_row[t] < 0) continue;
       const Entry& e = entries[entry_of_row[t]];
       std::fill(acc, acc + m, 0.f);
-      for (int64_t r = 0; r < e.rank; ++r) add_span(acc, mid[t * rank + r], e, r, j0, m);
+      add_spans(acc, mid.data() + t * rank, e, j0, m);
       T* out = y + t * y_stride + j0;
       for (int64_t j = 0; j < m; ++j) pw::from_float(pw::to_float(out[j]) + acc[j], &out[j]);
     }
