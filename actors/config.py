@@ -77,6 +77,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int = 16
     kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
     num_kv_blocks: int | None = None         # overrides kv_cache_memory
+    kv_cache_dtype: str = "auto"             # auto | int8 | fp8 | fp8_e4m3 | fp8_e5m2
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     swap_space: int = 0                      # bytes of host-memory KV tier for preemption
@@ -149,8 +150,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         draft = self._check_speculation(info, max_len)
         # A draft model's K/V sits beside the target's in every block (the same block ids).
-        per_block = self.block_size * sum(m.kv_bytes_per_token(_DTYPE_BYTES[dtype])
-                                          for m in (info, draft) if m is not None)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        per_block = self.block_size * sum(
+            m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.kv_cache_dtype != "auto")
+            for m in (info, draft) if m is not None)
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
             num_blocks = self.kv_cache_memory // per_block
@@ -269,6 +274,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")    # kernels/kv_quant.py
 ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
 
 

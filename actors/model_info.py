@@ -60,8 +60,11 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_heads: int = 0                 # against them)
     intermediate_size: int = 0
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, quantized: bool = False) -> int:
+        """Keys and values of one token over all layers: D values of `dtype_bytes` per head,
+        or (a quantized cache, kernels/kv_quant.py) D bytes and a float32 scale."""
+        per_head = self.head_dim + 4 if quantized else self.head_dim * dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 class ModelNotFound(ValueError):

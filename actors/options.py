@@ -17,7 +17,8 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from .config import ACTIVATIONS, EngineConfig, parse_bytes, parse_json_object
+from .config import (ACTIVATIONS, KV_CACHE_DTYPES, EngineConfig, parse_bytes,
+                     parse_json_object)
 
 
 def gib(text: str | int | float) -> int:
@@ -73,6 +74,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("kv_cache_memory", "KV cache size over all layers (`512MiB`, `4GiB`, ...)", "2GiB",
                parse=parse_bytes),
         Option("num_kv_blocks", "exact block count, overriding `--kv-cache-memory`"),
+        Option("kv_cache_dtype", "`auto` (the model's dtype), `int8`, `fp8` (= `fp8_e4m3`), "
+               "`fp8_e5m2`: keys and values stored in one byte each with a float32 scale per "
+               "token and head (see \"Quantized KV cache\")",
+               choices=KV_CACHE_DTYPES),
         Option("enable_prefix_caching", "turn automatic prefix caching off",
                flags=("--no-enable-prefix-caching",)),
         Option("swap_space", "host-memory KV tier for preemption, GiB (or `512MiB`)", parse=gib),

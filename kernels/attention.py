@@ -2,6 +2,9 @@
 
 Cache layout, one tensor per layer: kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 keys, 1 values). Slot s of the pool is block s // block_size, offset s % block_size.
+A quantized cache (kv_quant.py) is read dequantized, and always read: a prompt attends its own
+keys and values as stored, so an output does not depend on whether its prefix was cached or
+how its prompt was chunked.
 
 The batch is ordered decodes first: tokens [0, num_decode_tokens) are one token each of a
 distinct sequence; the rest are prefill spans (a whole prompt, or one chunk of it).
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kv_quant
 from .cache import triton_write_kv, write_kv  # noqa: F401  (the cache write lives in cache.py)
 
 
@@ -90,7 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return out
     fresh: dict[int, list[PrefillSpan]] = {}
     for span in batch.prefills:
-        if span.context_len == span.num_tokens and variant.plain:
+        if _reads_fresh(span, kv_cache, variant):
             fresh.setdefault(span.num_tokens, []).append(span)
             continue
         end = span.start + span.num_tokens
@@ -129,8 +133,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     bias = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
     bias = bias[:, None, None, :]                                                     # [B,1,1,L]
     group = num_heads // num_kv_heads
-    keys = kv_cache[0][block_tables].flatten(1, 2).transpose(1, 2)     # [B, Hkv, L, D]
-    values = kv_cache[1][block_tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
+    keys = kv_quant.readable(kv_cache[0][block_tables], q.dtype) \
+        .flatten(1, 2).transpose(1, 2)                                  # [B, Hkv, L, D]
+    values = kv_quant.readable(kv_cache[1][block_tables], q.dtype) \
+        .flatten(1, 2).transpose(1, 2)                                  # [B, Hkv, L, D]
     qg = q.view(batch, num_kv_heads, group, head_dim)                  # [B, Hkv, G, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
     if variant.softcap is not None:
@@ -144,12 +150,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     """Causal attention of one sequence's new tokens. q: [n, Hq, D]; k, v: [n, Hkv, D] (the
     same tokens, already in the cache). Earlier context, if any, is read from the cache."""
     n = span.num_tokens
-    if span.context_len == n and variant.plain:   # nothing cached: the fresh k, v directly
+    if _reads_fresh(span, kv_cache, variant):      # nothing cached: the fresh k, v directly
         mask, causal = None, True
     else:
-        if span.context_len != n:
-            k = _gather(kv_cache[0], span.block_table, span.context_len)   # [ctx, Hkv, D]
-            v = _gather(kv_cache[1], span.block_table, span.context_len)
+        if span.context_len != n or kv_quant.is_quantized(kv_cache):
+            k = _gather(kv_cache[0], span.block_table, span.context_len, q.dtype)  # [ctx,Hkv,D]
+            v = _gather(kv_cache[1], span.block_table, span.context_len, q.dtype)
         mask, causal = causal_mask(n, span.context_len, q.device, variant.window), False
     if variant.softcap is not None:
         return _softcapped(q, k, v, mask, scale, variant.softcap)
@@ -182,9 +188,18 @@ def _softcapped(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", probs, vq)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache: [num_blocks, bs, Hkv, D] -> this sequence's first `length` slots: [length, Hkv, D]."""
-    return cache[block_table].flatten(0, 1)[:length]
+def _reads_fresh(span: PrefillSpan, kv_cache: torch.Tensor, variant: Variant) -> bool:
+    """Whether a span attends this step's k, v as computed: a whole prompt, plain attention,
+    a cache that stores them exactly."""
+    return (span.context_len == span.num_tokens and variant.plain
+            and not kv_quant.is_quantized(kv_cache))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """cache: [num_blocks, bs, Hkv, D] -> this sequence's first `length` slots as `dtype`:
+    [length, Hkv, D]."""
+    return kv_quant.readable(cache[block_table].flatten(0, 1)[:length], dtype)
 
 
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

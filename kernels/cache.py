@@ -1,21 +1,27 @@
 """Writing this step's keys and values into the paged KV cache.
 
 Cache layout, one tensor per layer: kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 keys, 1 values). Slot s of the pool is block s // block_size, offset s % block_size.
+(index 0 keys, 1 values), head_dim + 4 bytes per head for a quantized cache (kv_quant.py).
+Slot s of the pool is block s // block_size, offset s % block_size.
 """
 from __future__ import annotations
 
 import torch
 
+from . import kv_quant
 from ._triton import HAS_TRITON, check, check_same_device, next_pow2, require_triton, tl, triton
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store k, v ([T, Hkv, D]) at their slots. Mutates kv_cache."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store k, v ([T, Hkv, D]) at their slots, quantized if the cache is. Mutates kv_cache."""
+    _, _, _, num_kv_heads, width = kv_cache.shape
+    if kv_quant.is_quantized(kv_cache):        # copied as bytes (no float8 index_copy_)
+        k = kv_quant.quantize(k, kv_cache.dtype).view(torch.uint8)
+        v = kv_quant.quantize(v, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, width).index_copy_(0, slot_mapping, v)
 
 
 if HAS_TRITON:

@@ -1,5 +1,5 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-sampling, quant_kernels, decode_stack, lora), compiled once per instruction-set tier
+kv_cache, sampling, quant_kernels, decode_stack, lora), compiled once per instruction-set tier
 (kernels/tiers.py) on first use and called via ctypes.
 
 Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
@@ -21,14 +21,16 @@ import subprocess
 
 import torch
 
-from . import tiers
+from . import kv_quant, tiers
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
-                         "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp", "lora.cpp")]
+                         "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp",
+                         "lora.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("bf16.h", "attention_tiles.h", "quant_avx2.h")]
+            for name in ("bf16.h", "attention_tiles.h", "quant_avx2.h", "kv_quant.h",
+                         "paged_decode.h")]
 _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -39,6 +41,9 @@ _SIGNATURES = {
     "pw_prefill_attention_bf16": [_ptr] * 6 + [_i64] * 7 + [_f32, _i64],
     "pw_sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
     "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
+    **{f"pw_write_kv_q8_{t}": [_ptr] * 5 + [_i64] * 6 for t in ("f32", "bf16")},
+    **{f"pw_decode_attention_q8_{t}": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _i64]
+       for t in ("f32", "bf16")},
     "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_rope_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
@@ -151,9 +156,13 @@ class Library:
         attention.Variant). Returns [B, Hq, D] in q's dtype."""
         _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
         batch, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        if q.dtype not in (torch.float32, torch.bfloat16) or k_cache.dtype != q.dtype:
+        _, block_size, num_kv_heads, width = k_cache.shape
+        kind = kv_quant.KINDS.get(k_cache.dtype)            # a quantized cache (kv_quant.py)
+        if q.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype \
+                or (kind is None and k_cache.dtype != q.dtype):
             raise ValueError(f"unsupported dtypes q={q.dtype} cache={k_cache.dtype}")
+        if width != head_dim + (0 if kind is None else kv_quant.SCALE_BYTES):
+            raise ValueError(f"decode_attention: cache rows of {width} for head dim {head_dim}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
                 or q.stride(1) != head_dim or num_heads % num_kv_heads:
             raise ValueError("decode_attention: bad strides or head counts")
@@ -162,11 +171,12 @@ class Library:
             raise ValueError("decode_attention: block_tables/context_lens must be int64 "
                              "[B, W], [B]")
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
-        fn = self.typed("pw_decode_attention", q.dtype)
+        fn = self.typed("pw_decode_attention" if kind is None else "pw_decode_attention_q8",
+                        q.dtype)
         fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
            block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
            head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
-           window or 0, softcap or 0.0)
+           window or 0, softcap or 0.0, *(() if kind is None else (kind,)))
         return out
 
     def prefill_attention_serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -219,14 +229,24 @@ class Library:
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, slots: torch.Tensor) -> None:
         """k, v: [T, Hkv, D] with each token's row contiguous; caches [num_blocks, bs, Hkv, D]
-        contiguous; slots: [T] int64, distinct. Mutates the caches."""
+        contiguous, or quantized ([..., D + 4], kv_quant.py: k, v float32 or bfloat16 are
+        quantized as they are written); slots: [T] int64, distinct. Mutates the caches."""
         _check_cpu(k_cache, v_cache, k, v, slots)
         row = k.shape[1] * k.shape[2]
+        kind = kv_quant.KINDS.get(k_cache.dtype)
         for t in (k, v):
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != k_cache.dtype:
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != (
+                    k.dtype if kind is not None else k_cache.dtype):
                 raise ValueError("write_kv: each token's row must be contiguous, cache dtype")
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             raise ValueError("write_kv: slots must be contiguous int64")
+        if kind is not None:
+            if k_cache.shape[-1] != k.shape[2] + kv_quant.SCALE_BYTES:
+                raise ValueError("write_kv: quantized cache rows must be D + 4 bytes")
+            return self.typed("pw_write_kv_q8", k.dtype)(
+                k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                slots.data_ptr(), k.shape[0], k.shape[1], k.shape[2], k.stride(0), v.stride(0),
+                kind)
         size = k.element_size()
         self.cdll.pw_write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                               slots.data_ptr(), k.shape[0], row * size, k.stride(0) * size,

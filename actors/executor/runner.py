@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-from pagewire.kernels import quant
+from pagewire.kernels import kv_quant, quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
@@ -45,13 +45,14 @@ ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, quant.Q8_0), "int16"),
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype,
+                      width: int, dtype: torch.dtype,
                       device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer. Zeroing touches every
+    """One zeroed [2, num_blocks, block_size, Hkv, width] tensor per layer (width: D, or D + 4
+    for a quantized cache, kernels/kv_quant.py). Zeroing touches every
     page now: a first write into an untouched page later would fault mid-step (measured: a
     64-token cache write went from 0.03 ms to 6.5 ms), and never-written slots must read as
     zeros, not NaN garbage that a masked score times a value would spread."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_blocks, block_size, num_kv_heads, width)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
@@ -120,8 +121,10 @@ class ModelRunner:
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
         (the swap tier, if any); its fused decode path is built over the former."""
-        config, cfg, dtype = self.config, model.cfg, _DTYPES[self.config.dtype]
-        layout = (self.block_size, model.num_kv_heads, cfg.head_dim, dtype)   # this rank's heads
+        config, cfg = self.config, model.cfg
+        dtype = kv_quant.DTYPES.get(config.kv_cache_dtype, _DTYPES[config.dtype])
+        width = cfg.head_dim + (kv_quant.SCALE_BYTES if dtype in kv_quant.QMAX else 0)
+        layout = (self.block_size, model.num_kv_heads, width, dtype)        # this rank's heads
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
                                       self.device)
         model.fused_decode = FusedDecode.build(model, on_device)

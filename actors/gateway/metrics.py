@@ -73,7 +73,7 @@ class GatewayMetrics:
                  max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 1,
                  max_loras: int | None = None):
         self.registry = r = CollectorRegistry()
-        labels = {"model_name": model_name, "engine": "0"}
+        self.labels = labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
 
         def gauge(name, doc):
@@ -159,6 +159,20 @@ class GatewayMetrics:
 
     def set_backend(self, backend: str, dtype: str) -> None:
         self.backend.labels(backend=backend, dtype=dtype).set(1)
+
+    def set_cache_config(self, config) -> None:
+        """vllm:cache_config_info: the KV cache's settings as labels (vLLM's names; the
+        "gpu" blocks are the device pool's, "cpu" the swap tier's), value 1."""
+        labels = {**self.labels, "block_size": config.block_size,
+                  "cache_dtype": config.kv_cache_dtype,
+                  "enable_prefix_caching": config.enable_prefix_caching,
+                  "num_gpu_blocks": config.num_kv_blocks,
+                  "num_cpu_blocks": config.num_host_blocks,
+                  "swap_space": config.swap_space / 2**30,
+                  "sliding_window": config.model_info.sliding_window}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(labels), registry=self.registry).labels(
+                  **{k: str(v) for k, v in labels.items()}).set(1)
 
     # -- per request, measured at the gateway --------------------------------------------------
 

@@ -70,6 +70,7 @@ class Gateway:
                                       spec.num_speculative_tokens if spec else 1,
                                       config.max_loras if config.enable_lora else None)
         self.metrics.set_backend(config.backend or "unknown", config.dtype)
+        self.metrics.set_cache_config(config)
         self.loras = LoraRoutes(self)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([

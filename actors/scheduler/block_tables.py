@@ -10,8 +10,11 @@ from .request import Request
 
 class BlockTables:
     def __init__(self, device: BlockManager, host: BlockManager | None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto"):
         self.device, self.host = device, host
+        # What the blocks hold (its K/V storage) roots every hash chain: blocks of another
+        # KV dtype (a disk tier's, another engine's) never match.
+        self.root = f"kv={kv_cache_dtype}"
         self.window = sliding_window           # every layer's, when they all slide
         self.block_size = device.block_size
         self.copies: list[list[int]] = []      # [src, dst] on the device
@@ -64,7 +67,8 @@ class BlockTables:
     def update_hashes(self, req: Request) -> None:
         full = len(req.token_ids) // self.block_size
         if self.device.enable_caching and len(req.block_hashes) < full:
-            req.block_hashes = block_hashes(req.token_ids, self.block_size, req.cache_salt,
+            req.block_hashes = block_hashes(req.token_ids, self.block_size,
+                                            f"{self.root}\x00{req.cache_salt or ''}",
                                             req.block_hashes)
 
     def commit(self, req: Request) -> None:

@@ -51,7 +51,8 @@ class Scheduler:
         device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
             if config.num_host_blocks else None
-        self.tables = BlockTables(device, host, config.model_info.sliding_window)
+        self.tables = BlockTables(device, host, config.model_info.sliding_window,
+                                  config.kv_cache_dtype)
         self.kv = device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"

@@ -30,6 +30,18 @@ void pw_decode_attention_bf16(bf16*, const bf16*, const bf16*, const bf16*, cons
                               int64_t, int64_t, int64_t, float, int64_t, float);
 void pw_write_kv(char*, char*, const char*, const char*, const int64_t*, int64_t, int64_t,
                  int64_t, int64_t);
+void pw_write_kv_q8_f32(uint8_t*, uint8_t*, const float*, const float*, const int64_t*, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t);
+void pw_write_kv_q8_bf16(uint8_t*, uint8_t*, const bf16*, const bf16*, const int64_t*, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t);
+void pw_decode_attention_q8_f32(float*, const float*, const uint8_t*, const uint8_t*,
+                                const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
+                                int64_t);
+void pw_decode_attention_q8_bf16(bf16*, const bf16*, const uint8_t*, const uint8_t*,
+                                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
+                                 float, int64_t);
 void pw_q4_1_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
                         int64_t, int64_t);
 void pw_q4_1_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
@@ -68,7 +80,8 @@ enum Op : int64_t {
   kNorm = 2,      // weight, eps bits
   kLinear = 3,    // tiles, ggml type, N, K, bias (0: none), LoRA slot (-1: none)
   kRope = 5,      // cos|sin table, rotated heads, head dim
-  kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits
+  kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits,
+                  // cache kind (-1: of the activations' type; else kv_quant.h's Kind)
   kSiluMul = 7,   // (none)
 };
 
@@ -77,7 +90,7 @@ int64_t arity(int64_t op) {
     case kAddNorm: case kNorm: return 2;
     case kLinear: return 6;
     case kRope: return 3;
-    case kAttend: return 9;
+    case kAttend: return 10;
     case kSiluMul: return 0;
     default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
   }
@@ -96,6 +109,8 @@ template <typename T> struct Kernels;
     static constexpr auto rope = pw_rope_##sfx;                                              \
     static constexpr auto silu = pw_silu_and_mul_##sfx;                                      \
     static constexpr auto attend = pw_decode_attention_##sfx;                                \
+    static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
+    static constexpr auto write_q8 = pw_write_kv_q8_##sfx;                                   \
     static constexpr auto q4_1 = pw_q4_1_matmul_##sfx;                                       \
     static constexpr auto q8_0 = pw_q8_0_matmul_##sfx;                                       \
     static constexpr auto q4_1_i8 = pw_q4_1_i8_matmul_##sfx;                                 \
@@ -180,14 +195,23 @@ struct Machine {
 
   // cur: qkv [tokens, (Hq + 2 Hkv) D]; k and v go to the cache, then q attends.
   void attend(const int64_t* o) {
-    const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d;
-    const int64_t kv_row = hkv * d * sizeof(T), qkv_row = width * sizeof(T);
-    char* k = reinterpret_cast<char*>(cur + q_width);
-    pw_write_kv(reinterpret_cast<char*>(o[0]), reinterpret_cast<char*>(o[1]), k, k + kv_row,
-                slots, tokens, kv_row, qkv_row, qkv_row);
+    const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d, kind = o[9];
     T* out = next();
-    Kernels<T>::attend(out, cur, ptr<T>(o[0]), ptr<T>(o[1]), tables, lens, tokens, hq, hkv, d,
-                       o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]));
+    if (kind >= 0) {          // quantized as written (kv_cache.cpp)
+      auto* kc = reinterpret_cast<uint8_t*>(o[0]);
+      auto* vc = reinterpret_cast<uint8_t*>(o[1]);
+      Kernels<T>::write_q8(kc, vc, cur + q_width, cur + q_width + hkv * d, slots, tokens, hkv, d,
+                           width, width, kind);
+      Kernels<T>::attend_q8(out, cur, kc, vc, tables, lens, tokens, hq, hkv, d, o[5],
+                            table_stride, width, q_width, real(o[7]), o[6], real(o[8]), kind);
+    } else {
+      const int64_t kv_row = hkv * d * sizeof(T), qkv_row = width * sizeof(T);
+      char* k = reinterpret_cast<char*>(cur + q_width);
+      pw_write_kv(reinterpret_cast<char*>(o[0]), reinterpret_cast<char*>(o[1]), k, k + kv_row,
+                  slots, tokens, kv_row, qkv_row, qkv_row);
+      Kernels<T>::attend(out, cur, ptr<T>(o[0]), ptr<T>(o[1]), tables, lens, tokens, hq, hkv, d,
+                         o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]));
+    }
     cur = out, width = q_width;
   }
 

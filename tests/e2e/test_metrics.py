@@ -22,6 +22,7 @@ LABELS = {"model_name": MODEL}
 def server():
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
         srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+                      "--kv-cache-dtype", "int8",
                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                      run_parent)
         try:
@@ -151,6 +152,17 @@ def test_backend_is_the_one_executor_0_runs(server):
     assert get(samples, "pagewire:backend_info", backend=backend, dtype=dtype) == 1
     assert [k for k in samples if k[0] == "pagewire:backend_info"] == \
         [("pagewire:backend_info", frozenset({"backend": backend, "dtype": dtype}.items()))]
+
+
+def test_cache_config_info_shows_the_kv_cache(server):
+    """vLLM's cache_config_info: the default model's 30 layers x 3 kv heads x (keys, values)
+    of 64 int8 codes and a 4-byte scale, 16 tokens a block, in 256 MiB."""
+    keys = [k for k in scrape(server) if k[0] == "vllm:cache_config_info"]
+    assert len(keys) == 1
+    labels = dict(keys[0][1])
+    assert labels["cache_dtype"] == "int8" and labels["block_size"] == "16"
+    assert labels["num_gpu_blocks"] == str(256 * 2**20 // (16 * 2 * 30 * 3 * 68)) == "1370"
+    assert labels["enable_prefix_caching"] == "True" and labels["num_cpu_blocks"] == "0"
 
 
 def test_speculative_decoding_counters(server, client):

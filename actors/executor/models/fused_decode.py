@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from pagewire.kernels import quant
+from pagewire.kernels import kv_quant, quant
 from pagewire.kernels.attention import AttentionBatch
 
 from .program import Op
@@ -33,16 +33,16 @@ class FusedDecode:
     and `kv_caches` (referenced here) live."""
 
     def __init__(self, program: list[int], kv_caches: list[torch.Tensor], hidden: int,
-                 scratch: int, max_tokens: int, fn):
+                 scratch: int, max_tokens: int, dtype: torch.dtype, fn):
         self.kv_caches, self._fn, self.hidden, self.scratch = kv_caches, fn, hidden, scratch
-        self.max_tokens, self.dtype = max_tokens, kv_caches[0].dtype
+        self.max_tokens, self.dtype = max_tokens, dtype
         self.program = torch.tensor(program, dtype=torch.int64)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> "FusedDecode | None":
         """The fused path for this model and these caches, or None where it does not apply."""
         lib = model.ops.lib.cdll if model.ops.name == "cpu" else None
-        dtype = kv_caches[0].dtype if kv_caches else None
+        dtype = model.embed.weight.dtype                   # the activations'
         if lib is None or dtype not in _TYPES or not all(c.is_contiguous() for c in kv_caches):
             return None
         enc = _Encoder(model, dtype, lib.pw_decode_stack_arity)
@@ -52,7 +52,7 @@ class FusedDecode:
         if len(enc.max_tokens) != 1:     # the per-op path would switch weights part-way
             return None
         return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch,
-                   enc.max_tokens.pop(), getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
+                   enc.max_tokens.pop(), dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
@@ -131,12 +131,14 @@ class _Encoder:
         return [table.data_ptr(), attn.num_heads + attn.num_kv_heads, attn.head_dim]
 
     def attend(self, attn) -> list[int] | None:
-        cache = self.kv_cache                      # [2, num_blocks, bs, Hkv, D]
-        if cache.dtype != self.dtype:
+        cache = self.kv_cache                      # [2, num_blocks, bs, Hkv, D (+ 4)]
+        # kv_quant's Kind of a quantized cache; -1: a cache of the activations' dtype.
+        kind = kv_quant.KINDS.get(cache.dtype, -1 if cache.dtype == self.dtype else None)
+        if kind is None:
             return None
         return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,
                 attn.head_dim, cache.shape[2], attn.variant.window or 0, _real(attn.scale),
-                _real(attn.variant.softcap or 0.0)]
+                _real(attn.variant.softcap or 0.0), kind]
 
 
 _ENCODERS = {Op.ADD_NORM: _Encoder.norm, Op.NORM: _Encoder.norm, Op.LINEAR: _Encoder.linear,
