@@ -5,7 +5,8 @@ are in kernels/attention.py, which re-exports these launchers.
 Keys and values are read straight from the paged cache through the block tables, one token
 position at a time within a tile, so any block size works (1 included) and a tile needs
 neither block alignment nor a contiguous copy of the context. Softmax is online, in base 2
-(scores pre-multiplied by scale * log2(e)), accumulated in float32.
+(scores pre-multiplied by scale * log2(e)), accumulated in float32. A quantized cache
+(kv_quant.py) is read as its codes times each row's scale, in float32.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import math
 
 import torch
 
+from . import kv_quant
 from ._triton import (HAS_TRITON, check, check_float, check_same_device, next_pow2,
                       out_or_new, require_triton, tl, triton)
 from .cache import triton_write_kv
@@ -22,9 +24,20 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     @triton.jit
+    def _load_rows(ptr, slot, dims, kv_mask, valid, head_dim, QUANT: tl.constexpr):
+        """Rows [N, D] of keys or values at `slot` (element offsets of their heads); a
+        quantized cache's codes times the float32 scale after each head's D codes."""
+        if QUANT:        # no `other`: float8 codes take none; masked lanes zeroed after
+            codes = tl.load(ptr + slot[:, None] + dims[None, :], mask=kv_mask)
+            scales = tl.load((ptr + slot + head_dim).to(tl.pointer_type(tl.float32),
+                                                        bitcast=True), mask=valid, other=0.0)
+            return tl.where(kv_mask, codes.to(tl.float32) * scales[:, None], 0.0)
+        return tl.load(ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+    @triton.jit
     def _attend_tile(q, cache_ptr, table, pos, end, q_pos, kvh, dims, d_mask, m_i, l_i, acc,
-                     qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
-                     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
+                     qk_scale, head_dim, stride_c, stride_cb, stride_cs, stride_ch,
+                     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr):
         """One online-softmax step of the query rows q [R, D] over the cached keys and values
         at positions `pos` (those < end; with CAUSAL, only those <= each row's q_pos).
         Returns the updated running max m_i [R], sum-exp l_i [R] and output acc [R, D]."""
@@ -32,8 +45,8 @@ if HAS_TRITON:
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
         slot = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch)
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale          # [R, N]
+        k = _load_rows(cache_ptr, slot, dims, kv_mask, valid, head_dim, QUANT)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee") * qk_scale  # [R, N]
         if CAUSAL:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         else:
@@ -43,8 +56,7 @@ if HAS_TRITON:
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + stride_c + slot[:, None] + dims[None, :], mask=kv_mask,
-                    other=0.0)
+        v = _load_rows(cache_ptr + stride_c, slot, dims, kv_mask, valid, head_dim, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         return m_new, l_i, acc
 
@@ -54,7 +66,7 @@ if HAS_TRITON:
             qk_scale, num_heads, group, head_dim, split_len, num_splits, head_tiles,
             stride_qb, stride_qh, stride_c, stride_cb, stride_cs, stride_ch, stride_tb,
             BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
         """Program (b, kv head x head tile, split): the query heads of one KV head (a GQA
         group, padded to BLOCK_H rows for tl.dot) over tokens [split * split_len, ...) of
         sequence b. Writes each head's normalized partial output, max and sum-exp."""
@@ -79,8 +91,8 @@ if HAS_TRITON:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, cache_ptr, table, n0 + tl.arange(0, BLOCK_N), end, end, kvh, dims,
-                    d_mask, m_i, l_i, acc, qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
-                    BLOCK_SIZE, False)
+                    d_mask, m_i, l_i, acc, qk_scale, head_dim, stride_c, stride_cb, stride_cs,
+                    stride_ch, BLOCK_SIZE, False, QUANT)
             # mid buffers: [B, Hq, num_splits, (D)] contiguous
             row = (b * num_heads + heads) * num_splits + split
             tl.store(mid_o_ptr + row[:, None] * head_dim + dims[None, :],
@@ -118,7 +130,7 @@ if HAS_TRITON:
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_c, stride_cb, stride_cs, stride_ch, stride_tb,
             BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
         """Program (span, query head, query tile): BLOCK_M of the span's n query tokens, which
         sit at positions ctx - n ... ctx - 1 of its sequence, against the cached keys at
         positions <= their own (causal, queries at the end of the context)."""
@@ -146,8 +158,8 @@ if HAS_TRITON:
             for n0 in range(0, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, cache_ptr, table, n0 + tl.arange(0, BLOCK_N), end, q_pos, kvh, dims,
-                    d_mask, m_i, l_i, acc, qk_scale, stride_c, stride_cb, stride_cs, stride_ch,
-                    BLOCK_SIZE, True)
+                    d_mask, m_i, l_i, acc, qk_scale, head_dim, stride_c, stride_cb, stride_cs,
+                    stride_ch, BLOCK_SIZE, True, QUANT)
             tl.store(out_ptr + tokens[:, None] * stride_ot + h * stride_oh + dims[None, :],
                      acc / l_i[:, None], mask=r_mask[:, None] & d_mask[None, :])
 
@@ -155,17 +167,18 @@ if HAS_TRITON:
 def _check_cache(kv_cache: torch.Tensor) -> None:
     check(kv_cache.dim() == 5 and kv_cache.shape[0] == 2,
           f"kv_cache must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
-    check_float("kv_cache", kv_cache)
+    if not kv_quant.is_quantized(kv_cache):
+        check_float("kv_cache", kv_cache)
     check(kv_cache.stride(-1) == 1, "kv_cache: last dimension must be contiguous")
 
 
 def _check_query(q: torch.Tensor, kv_cache: torch.Tensor, name: str = "q") -> None:
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_quant.head_dim(kv_cache)
     check(q.dim() == 3 and q.shape[2] == head_dim,
           f"{name} must be [tokens, Hq, {head_dim}], got {tuple(q.shape)}")
     check(q.shape[1] % num_kv_heads == 0,
           f"{name}: {q.shape[1]} query heads is not a multiple of {num_kv_heads} KV heads")
-    check_float(name, q, kv_cache.dtype)
+    check_float(name, q, None if kv_quant.is_quantized(kv_cache) else kv_cache.dtype)
     check(q.stride(-1) == 1, f"{name}: last dimension must be contiguous")
 
 
@@ -226,7 +239,8 @@ def triton_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         scale * _LOG2E, num_heads, group, head_dim, split_len, num_splits, head_tiles,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d)
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        QUANT=kv_quant.is_quantized(kv_cache))
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_m, mid_l, context_lens, out, num_heads, head_dim, split_len, num_splits,
         out.stride(0), out.stride(1), BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d)
@@ -277,7 +291,8 @@ def triton_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_star
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim))
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+        QUANT=kv_quant.is_quantized(kv_cache))
     return out
 
 

@@ -3,7 +3,6 @@ write, then one decode and one varlen prefill launch). Runs on CUDA; on CPU only
 Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
 from __future__ import annotations
 
-from . import kv_quant
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
 from .attention_triton import triton_paged_attention
@@ -36,7 +35,6 @@ class TritonOps(TorchOps):
         triton_lora_delta(y, x, zip(lora.weights, lora.rows), slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
-        # Sliding windows, soft-capping and quantized caches: torch kernels for now.
-        if not variant.plain or kv_quant.is_quantized(kv_cache):
+        if not variant.plain:        # sliding windows and soft-capping: torch kernels for now
             return TorchOps.attention(self, q, k, v, kv_cache, batch, scale, variant)
         return triton_paged_attention(q, k, v, kv_cache, batch, scale)

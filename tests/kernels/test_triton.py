@@ -239,6 +239,26 @@ def test_paged_attention_mixed_batch(block_size, hq, hkv, d):
     torch.testing.assert_close(out2, expected, **TOL)
 
 
+@on_cpu
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_paged_attention_over_a_quantized_cache(dtype):
+    """The write quantizes, decode and prefill read codes times scales (kv_quant.py): against
+    the torch path on the same cache. Codes may differ by a rounding tie (Triton rounds ties
+    away from zero, torch to even), so values agree to a step and outputs to ~1e-2."""
+    from pagewire.kernels import kv_quant
+    g = torch.Generator().manual_seed(3)
+    plain, q, k, v, batch = _mixed_batch(16, 4, 2, 64, g)
+    cache = kv_quant.quantize(torch.nan_to_num(plain), dtype)    # the step's slots: zeros
+    expected_cache = cache.clone()
+    expected = paged_attention(q, k, v, expected_cache, batch, 0.125)
+    out = triton_paged_attention(q, k, v, cache, batch, 0.125, out=nan(*q.shape))
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    ours, theirs = kv_quant.dequantize(cache), kv_quant.dequantize(expected_cache)
+    step = theirs.abs().amax(-1, keepdim=True) / kv_quant.QMAX[dtype] * (
+        1 if dtype == torch.int8 else 32)                        # float8: 2^-4 .. 2^-3 of max
+    assert ((ours - theirs).abs() <= step * 1.001).all()
+
+
 def test_varlen_prefills_needs_consecutive_spans():
     t = torch.arange(2)
     with pytest.raises(ValueError, match="consecutive"):
