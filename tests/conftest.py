@@ -57,6 +57,20 @@ def smol_tokenizer_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def default_hf_model():
+    """transformers' own reading of the default model's GGUF (its dequantization, its Q/K
+    un-permutation), float32, loaded once a session: parsing the GGUF's 49k-token metadata
+    alone takes ~15 s. Shared: a test that changes weights changes a copy.deepcopy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_path()),
+                                                gguf_file=DEFAULT_MODEL_FILE,
+                                                dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def tiny_llama(tmp_path, smol_tokenizer_dir):
     """Factory: tiny_llama(shape=..., **kw) -> path of a fresh tiny model directory."""

@@ -4,10 +4,8 @@ alone. Decode steps multiply the file's Q4_1/Q8_0 blocks as stored (kernels/quan
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagewire import LLM, SamplingParams
-from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
 from tests.helpers import HFOracle, assert_greedy_equal
 
 pytestmark = pytest.mark.slow
@@ -30,13 +28,8 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    from transformers import AutoModelForCausalLM
-    import os
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=DEFAULT_MODEL_FILE,
-                                                 dtype=torch.float32)
-    return HFOracle(model)
+def oracle(default_hf_model):
+    return HFOracle(default_hf_model)
 
 
 def test_chat_answers_match_transformers(llm, oracle):

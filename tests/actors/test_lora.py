@@ -214,13 +214,11 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters():
 
 
 @pytest.mark.slow
-def test_the_default_model_with_adapters_matches_transformers(tmp_path):
+def test_the_default_model_with_adapters_matches_transformers(tmp_path, default_hf_model):
     """The GGUF's quantized linears: decode steps take the fused native path, the adapters'
     deltas inside it; prefill takes the per-op path."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
     from pagewire.lora_files import projection_shapes
-    from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
     info = resolve_model(None)
     paths = []
     for seed, targets in ((1, ATTN + MLP), (2, ("q_proj", "v_proj", "down_proj"))):
@@ -247,10 +245,8 @@ def test_the_default_model_with_adapters_matches_transformers(tmp_path):
     outs = [llm.chat([prompt], params, lora_request=lora)[0] for lora in loras]
     base_out = llm.chat([prompt], params)[0].outputs[0].token_ids
     assert len({tuple(o.outputs[0].token_ids) for o in outs} | {tuple(base_out)}) == 3
-    base = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_model_path()), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
     for lora, out in zip(loras, outs):
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(default_hf_model)
         merge(model, lora.lora_path)
         theirs, logits = HFOracle(model).greedy(out.prompt_token_ids, 12)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, str(lora))

@@ -92,15 +92,10 @@ def test_local_ranks_draft_with_a_draft_model(models):
         assert accepted == drafted > 0
 
 
-def test_default_model_matches_transformers():
-    from transformers import AutoModelForCausalLM
-    import torch
-    from pagewire.model_info import DEFAULT_MODEL_FILE, default_model_path
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_model_path()),
-                                              gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
+def test_default_model_matches_transformers(default_hf_model):
     with running_server([*F32, "-tp", "2"]) as srv:
         prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47], [504, 3458, 282] * 5]
-        assert_matches_transformers(srv, HFOracle(hf), prompts)
+        assert_matches_transformers(srv, HFOracle(default_hf_model), prompts)
 
 
 def stream_until_error(srv: Server, kill) -> dict:
