@@ -78,6 +78,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
     num_kv_blocks: int | None = None         # overrides kv_cache_memory
     kv_cache_dtype: str = "auto"             # auto | int8 | fp8 | fp8_e4m3 | fp8_e5m2
+    quantization: str = "none"               # none | int8 | int4: linears rounded at load
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     swap_space: int = 0                      # bytes of host-memory KV tier for preemption
@@ -150,6 +151,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         draft = self._check_speculation(info, max_len)
         # A draft model's K/V sits beside the target's in every block (the same block ids).
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
+        if self.quantization != "none" and info.format == "gguf":
+            raise ValueError("--quantization rounds a float checkpoint as it loads; a GGUF "
+                             "file's weights are already quantized (its blocks are used)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -275,6 +282,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")    # kernels/kv_quant.py
+QUANTIZATIONS = ("none", "int8", "int4")          # executor/load_quantization.py
 ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
 
 

@@ -143,6 +143,11 @@ def _hf_info(path: str) -> ModelInfo:
         raise ValueError(f"{config_path}: no \"architectures\" entry")
     check_architecture(architecture, path)
     text_cfg = cfg.get("text_config", cfg)
+    method = (text_cfg.get("quantization_config") or {}).get("quant_method")
+    if method is not None:     # their packed tensors have names and layouts we do not read
+        raise ValueError(f"{config_path}: quantized checkpoints (quant_method {method!r}) are "
+                         "not supported yet; use the float checkpoint with --quantization "
+                         "int8 or int4, or a GGUF file")
     missing = [k for k in _HF_REQUIRED if k not in text_cfg]
     if missing:
         raise ValueError(f"{config_path} is missing {', '.join(missing)}")

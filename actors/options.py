@@ -17,7 +17,7 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from .config import (ACTIVATIONS, KV_CACHE_DTYPES, EngineConfig, parse_bytes,
+from .config import (ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes,
                      parse_json_object)
 
 
@@ -68,6 +68,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "config's context (`max_position_embeddings` or GGUF `context_length`, times the "
                "factor of a linear, dynamic or yarn rope scaling)", "model's context"),
         Option("seed", "random state of unseeded sampling (a replay starts from it too)"),
+        Option("quantization", "`int8` or `int4`: a float checkpoint's linears rounded as "
+               "they load to the quantized kernels' blocks (Q8_0; Q4_1 with a Q8_0 LM head); "
+               "see \"Quantize at load\"", "none", choices=QUANTIZATIONS),
     ),
     "cache": (
         Option("block_size", "tokens per KV block"),

@@ -26,6 +26,7 @@ from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
+from .load_quantization import quantize_linears
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
@@ -112,10 +113,13 @@ class ModelRunner:
         config = self.config
         model = load_model(info, config.dtype, self.tp).to(self.device)
         model.ops = ops = select_ops(self.device, config.kernels)
+        roundings = ROUNDINGS[config.quantized_activations]
+        if config.quantization != "none":          # before packing: it rounds the weights
+            quantize_linears(model, config.quantization, config.quantized_matmul_tokens,
+                             ops.lib if ops.name == "cpu" else None, roundings)
         if ops.name == "cpu":
             pack_linears(model, upcast=not ops.lib.bf16_dot)
-            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
-                           ROUNDINGS[config.quantized_activations])
+            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib, roundings)
         return model
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

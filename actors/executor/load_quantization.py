@@ -1,0 +1,76 @@
+"""--quantization int8|int4: a float checkpoint's linears rounded, as they load, to the GGML
+blocks the quantized kernels multiply (kernels/quant.py): int8 -> Q8_0 (32 columns of a row
+share a float16 scale: round to nearest), int4 -> Q4_1 (a float16 scale and minimum per 32
+columns: 16 levels), the LM head Q8_0 in both (as llama.cpp's 4-bit files keep their output
+layer wider). The model's float weights become those blocks' exact values, so a prefill (the
+float GEMMs) and a decode step (the blocks, where the backend has the kernels) compute with
+the same weights, as for a GGUF file.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagewire.kernels import quant
+from pagewire.kernels.linear import Linear
+
+from .gguf_weights import _q4_1, _q8_0
+
+MODES = ("none", "int8", "int4")
+_BYTES = {quant.Q8_0: 34, quant.Q4_1: 20}
+_DEQUANT = {quant.Q8_0: _q8_0, quant.Q4_1: _q4_1}
+
+
+def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (K a multiple of 32) -> GGML Q8_0 blocks, uint8 [N, K / 32 * 34]."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 32, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).to(torch.float16)                  # [N, nb, 1]
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = (b * inv).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], -1).reshape(n, -1)
+
+
+def q4_1_blocks(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> GGML Q4_1 blocks, uint8 [N, K / 32 * 20]: scale d and minimum m (float16),
+    then 16 bytes holding values 0-15 in their low nibbles and 16-31 in their high ones."""
+    n, k = w.shape
+    b = w.float().reshape(n, k // 32, 32)
+    lo = b.amin(-1, keepdim=True)
+    d = ((b.amax(-1, keepdim=True) - lo) / 15).to(torch.float16)
+    m = lo.to(torch.float16)
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = ((b - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), qs], -1).reshape(n, -1)
+
+
+_BLOCKS = {quant.Q8_0: q8_0_blocks, quant.Q4_1: q4_1_blocks}
+
+
+def round_weight(w: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks, the weight they hold as w's dtype)."""
+    raw = _BLOCKS[ggml_type](w)
+    values = _DEQUANT[ggml_type](raw.reshape(-1, _BYTES[ggml_type]))
+    return raw, values.reshape(w.shape).to(w.dtype)
+
+
+def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict) -> int:
+    """Round every Linear of `model` whose shape the blocks take (in_features a multiple of
+    32, out_features of 16); give it the packed blocks for steps of up to `max_tokens` tokens
+    where the backend multiplies them (no tensor parallelism, as for GGUF files). Returns how
+    many were rounded. Runs before the linears are packed for the float GEMMs."""
+    count = 0
+    with torch.no_grad():
+        for name, linear in model.named_modules():
+            if not isinstance(linear, Linear) or linear.weight is None \
+                    or not quant.packable(quant.Q8_0, linear.out_features, linear.in_features):
+                continue
+            ggml = quant.Q8_0 if mode == "int8" or name == "lm_head" else quant.Q4_1
+            raw, values = round_weight(linear.weight, ggml)
+            linear.weight.copy_(values)
+            if quant.available(lib) and max_tokens > 0 and model.tp.size == 1 \
+                    and values.dtype in (torch.float32, torch.bfloat16):
+                linear.use_quantized(quant.pack(ggml, raw, linear.in_features, lib,
+                                                roundings.get(ggml, "exact")), max_tokens)
+            count += 1
+    return count
