@@ -29,8 +29,14 @@ def float_checkpoint() -> str:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         src = os.path.dirname(default_model_path())
-        AutoModelForCausalLM.from_pretrained(src, gguf_file=DEFAULT_MODEL_FILE,
-                                             dtype=torch.float32).save_pretrained(HF_DIR)
+        read = AutoModelForCausalLM.from_pretrained(src, gguf_file=DEFAULT_MODEL_FILE,
+                                                    dtype=torch.float32)
+        config = read.config                # a GGUF-read model will not save itself
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(read.state_dict())
+        plain.save_pretrained(HF_DIR)
         AutoTokenizer.from_pretrained(src, gguf_file=DEFAULT_MODEL_FILE).save_pretrained(HF_DIR)
     return HF_DIR
 
