@@ -83,3 +83,22 @@ def test_prequantized_checkpoints_are_refused_naming_the_method(tiny_llama, meth
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=f"quant_method '{method}'"):
         LLM(path, dtype="float32", max_model_len=256)
+
+
+def test_the_encoders_reproduce_the_default_ggufs_own_blocks():
+    """Re-rounding a GGUF's dequantized Q4_1 and Q8_0 tensors gives back the file's bytes: the
+    block layouts (scale, minimum, nibble order) are GGML's, and each block's scale (and
+    minimum) comes back from its own values."""
+    from pagewire.executor.gguf_weights import read_blocks
+    from pagewire.executor.load_quantization import _BLOCKS, _BYTES, _DEQUANT
+    from pagewire.gguf_header import read_gguf_header
+    from pagewire.model_info import resolve_model
+    info = resolve_model(None)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.5.mlp.down_proj.weight",
+             "model.embed_tokens.weight", "lm_head.weight"]
+    blocks = read_blocks(info.path, read_gguf_header(info.path), names,
+                         {quant.Q4_1, quant.Q8_0}, info.num_heads, info.num_kv_heads)
+    assert {t for t, _ in blocks.values()} == {quant.Q4_1, quant.Q8_0}
+    for name, (ggml, raw) in blocks.items():
+        values = _DEQUANT[ggml](raw.reshape(-1, _BYTES[ggml])).reshape(raw.shape[0], -1)
+        assert torch.equal(_BLOCKS[ggml](values), raw), name
