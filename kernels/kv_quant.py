@@ -20,6 +20,14 @@ KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}   # csrc/k
 SCALE_BYTES = 4
 
 
+def cache_layout(kv_cache_dtype: str, model_dtype: torch.dtype,
+                 head_dim: int) -> tuple[torch.dtype, int]:
+    """(the cache tensor's dtype, its last dimension) for --kv-cache-dtype: the model's dtype
+    and D for "auto", else the 1-byte dtype and D + 4."""
+    dtype = DTYPES.get(kv_cache_dtype, model_dtype)
+    return dtype, head_dim + (SCALE_BYTES if dtype in QMAX else 0)
+
+
 def is_quantized(cache: torch.Tensor) -> bool:
     return cache.dtype in QMAX
 

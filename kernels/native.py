@@ -234,9 +234,9 @@ class Library:
         _check_cpu(k_cache, v_cache, k, v, slots)
         row = k.shape[1] * k.shape[2]
         kind = kv_quant.KINDS.get(k_cache.dtype)
+        values = k.dtype if kind is not None else k_cache.dtype    # a quantized cache: any
         for t in (k, v):
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != (
-                    k.dtype if kind is not None else k_cache.dtype):
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.dtype != values:
                 raise ValueError("write_kv: each token's row must be contiguous, cache dtype")
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             raise ValueError("write_kv: slots must be contiguous int64")

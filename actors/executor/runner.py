@@ -126,8 +126,8 @@ class ModelRunner:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
         (the swap tier, if any); its fused decode path is built over the former."""
         config, cfg = self.config, model.cfg
-        dtype = kv_quant.DTYPES.get(config.kv_cache_dtype, _DTYPES[config.dtype])
-        width = cfg.head_dim + (kv_quant.SCALE_BYTES if dtype in kv_quant.QMAX else 0)
+        dtype, width = kv_quant.cache_layout(config.kv_cache_dtype, _DTYPES[config.dtype],
+                                             cfg.head_dim)
         layout = (self.block_size, model.num_kv_heads, width, dtype)        # this rank's heads
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
                                       self.device)
