@@ -30,9 +30,9 @@ def record_steps() -> list[dict]:
     steps: list[dict] = []
     forward, execute = runner_module.ModelRunner._forward, runner_module.ModelRunner.execute
 
-    def timed_forward(self, input_ids, positions, batch):
+    def timed_forward(self, input_ids, positions, batch, *rest):
         start = time.perf_counter()
-        out = forward(self, input_ids, positions, batch)
+        out = forward(self, input_ids, positions, batch, *rest)
         nd = batch.num_decode_tokens
         steps.append(dict(fwd=time.perf_counter() - start, dec=nd,
                           dctx=int(batch.decode_context_lens.sum()) if nd else 0,

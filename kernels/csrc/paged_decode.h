@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "paged_decode_avx2.h"
 
 namespace pw::paged {
 
@@ -20,6 +21,13 @@ namespace pw::paged {
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
 constexpr int64_t kPrefetchAhead = 1;
+
+template <typename E>
+inline void prefetch_rows(const E* rows, int64_t n, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t off = 0; off < row_bytes; off += 128)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + t * row_stride) + off);
+}
 
 template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
@@ -134,6 +142,92 @@ inline void accumulate_pv(float* acc, const float* scores, const typename C::E* 
   }
 }
 
+// The block's n rows (kv heads from the one at `rows`, nh of them) as float32 rows of
+// `stride` floats, head j at j * D: a float32 cache as it is, any other widened into buf.
+template <typename C>
+inline const float* rows_f32(const typename C::E* rows, int64_t n, int64_t row_stride,
+                             int64_t nh, int64_t D, float* buf, int64_t& stride) {
+  if constexpr (std::is_same_v<C, PlainCache<float>>) {
+    stride = row_stride;
+    return rows;
+  } else {
+    for (int64_t t = 0; t < n; ++t) C::load(rows + t * row_stride, buf + t * nh * D, nh, D);
+    stride = nh * D;
+    return buf;
+  }
+}
+
+// Whether a block goes through paged_decode_avx2.h: float32 rows of a head dim the kernels
+// unroll, unless AVX512-BF16 multiplies a bfloat16 cache directly.
+template <typename T, typename C, int64_t kD>
+constexpr bool kRowKernels = kD > 0 && kD % 32 == 0 && !(std::is_same_v<C, PlainCache<T>> &&
+                                                          kDirectQK<T, kD>);
+
+// Scores of one block: scores[h * bs + t] = scale * q_h . k_t for the H = nh * G query heads.
+template <typename T, typename C, int64_t kD>
+inline void block_scores(float* scores, const T* q, const float* qf, const typename C::E* krows,
+                         float* buf, float* row, int64_t n, int64_t row_stride, int64_t nh,
+                         int64_t G, int64_t bs, int64_t D, float scale) {
+  const int64_t H = nh * G;
+  if constexpr (kRowKernels<T, C, kD>) {
+    if (bs % 8 == 0) {
+      int64_t stride;
+      const float* k = rows_f32<C>(krows, n, row_stride, nh, D, buf, stride);
+      for (int64_t j = 0; j < nh; ++j)
+        qk_f32_group<kD>(scores + j * G * bs, bs, qf + j * G * kD, G, k + j * kD, stride, n,
+                         scale);
+      return;
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const typename C::E* krow = krows + t * row_stride;
+    if constexpr (std::is_same_v<C, PlainCache<T>> && kDirectQK<T, kD>) {
+      for (int64_t h = 0; h < H; ++h)
+        scores[h * bs + t] = scale * qk_dot<T, kD>(q + h * D, nullptr, krow + (h / G) * D,
+                                                   nullptr, D);
+    } else {
+      C::load(krow, row, nh, D);
+      for (int64_t h = 0; h < H; ++h)
+        scores[h * bs + t] = scale * dot(qf + h * D, row + (h / G) * D, D);
+    }
+  }
+}
+
+// acc[h] += sum_t p[h][t] * V[t][kv head of h] over one block.
+template <typename T, typename C, int64_t kD>
+inline void block_values(float* acc, const float* p, const typename C::E* vrows, float* buf,
+                         float* row, int64_t n, int64_t row_stride, int64_t nh, int64_t G,
+                         int64_t bs, int64_t D) {
+  if constexpr (kRowKernels<T, C, kD>) {
+    if (bs % 8 == 0) {
+      int64_t stride;
+      const float* v = rows_f32<C>(vrows, n, row_stride, nh, D, buf, stride);
+      for (int64_t j = 0; j < nh; ++j)
+        pv_f32_group<kD>(acc + j * G * kD, p + j * G * bs, bs, G, v + j * kD, stride, n);
+      return;
+    }
+  }
+  accumulate_pv<C, kD>(acc, p, vrows, row, n, row_stride, nh, G, bs, D);
+}
+
+// Folds a block's raw scores into the online softmax: scores become exp(s - m) in place, and
+// m, l and the accumulators are rescaled to the new running maximum.
+inline void online_softmax(float* scores, float* m, float* l, float* acc, int64_t H, int64_t n,
+                           int64_t bs, int64_t D) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores + h * bs;
+    const float new_m = std::max(m[h], *std::max_element(sh, sh + n));
+    const float alpha = std::exp(m[h] - new_m);
+    float sum = 0.f;
+#pragma omp simd simdlen(8) reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - new_m); sum += sh[t]; }
+    l[h] = l[h] * alpha + sum;
+    m[h] = new_m;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= alpha;
+  }
+}
+
 // window > 0: only the last `window` positions are attended (sliding-window layers);
 // softcap > 0: each score becomes softcap * tanh(score / softcap) (Gemma2).
 template <typename T, typename C, int64_t kD>
@@ -142,63 +236,38 @@ void decode_seq(T* out, const T* q, const typename C::E* k_cache, const typename
                 int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
                 int64_t bs, float scale, int64_t window, float softcap) {
   const int64_t D = kD ? kD : D_;   // a compile-time head dim unrolls the inner loops
-  const int64_t H = (h1 - h0) * G;          // query heads handled here
-  std::vector<float> qf(H * D), acc(H * D, 0.f), row((h1 - h0) * D), scores(H * bs);
+  const int64_t nh = h1 - h0, H = nh * G;          // kv heads and query heads handled here
+  constexpr bool widens = !std::is_same_v<C, PlainCache<float>>;   // rows_f32 needs a buffer
+  std::vector<float> qf(H * D), acc(H * D, 0.f), row(nh * D), scores(H * bs),
+      buf(widens ? bs * nh * D : 0);
   std::vector<float> m(H, kNoScore), l(H, 0.f);
   const T* qh0 = q + h0 * G * D;
   load_row(qh0, qf.data(), H * D);
   const int64_t head = D + C::kExtra, row_stride = Hkv * head;     // in cache elements
-  const int64_t row_bytes = (h1 - h0) * head * static_cast<int64_t>(sizeof(typename C::E));
-  constexpr bool direct = std::is_same_v<C, PlainCache<T>> && kDirectQK<T, kD>;
+  const int64_t row_bytes = nh * head * static_cast<int64_t>(sizeof(typename C::E));
   const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
   for (int64_t start = first / bs * bs; start < context; start += bs) {
     const int64_t n = std::min(bs, context - start);
     const int64_t base = table[start / bs] * bs * row_stride + h0 * head;
-    // Blocks are scattered, so the hardware cannot guess the next one: prefetch the rows of
-    // the block kPrefetchAhead blocks ahead while this one is computed.
+    // Blocks are scattered, so the hardware cannot guess the next one: prefetch the keys of
+    // the block kPrefetchAhead blocks ahead while this one's scores are computed, and its
+    // values during this one's value pass.
     const bool has_next = start + kPrefetchAhead * bs < context;
     const int64_t next =
         has_next ? table[start / bs + kPrefetchAhead] * bs * row_stride + h0 * head : 0;
-    for (int64_t t = 0; t < n; ++t) {
-      if (has_next) {
-        const char* nk = reinterpret_cast<const char*>(k_cache + next + t * row_stride);
-        const char* nv = reinterpret_cast<const char*>(v_cache + next + t * row_stride);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(nk + off);
-          __builtin_prefetch(nv + off);
-        }
-      }
-      const typename C::E* krow = k_cache + base + t * row_stride;
-      if constexpr (direct) {
-        for (int64_t h = 0; h < H; ++h)
-          scores[h * bs + t] = scale * qk_dot<T, kD>(qh0 + h * D, qf.data() + h * D,
-                                                     krow + (h / G) * D, nullptr, D);
-      } else {
-        C::load(krow, row.data(), h1 - h0, D);
-        for (int64_t h = 0; h < H; ++h)
-          scores[h * bs + t] = scale * dot(qf.data() + h * D, row.data() + (h / G) * D, D);
-      }
-    }
+    if (has_next) prefetch_rows(k_cache + next, n, row_stride, row_bytes);
+    block_scores<T, C, kD>(scores.data(), qh0, qf.data(), k_cache + base, buf.data(), row.data(),
+                           n, row_stride, nh, G, bs, D, scale);
     if (softcap > 0.f)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t = 0; t < n; ++t)
           scores[h * bs + t] = softcap * std::tanh(scores[h * bs + t] / softcap);
     for (int64_t t = 0; start + t < first; ++t)      // before the window: never attended
       for (int64_t h = 0; h < H; ++h) scores[h * bs + t] = -INFINITY;
-    for (int64_t h = 0; h < H; ++h) {
-      float* sh = scores.data() + h * bs;
-      const float new_m = std::max(m[h], *std::max_element(sh, sh + n));
-      const float alpha = std::exp(m[h] - new_m);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - new_m); sum += sh[t]; }
-      l[h] = l[h] * alpha + sum;
-      m[h] = new_m;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) acc[h * D + d] *= alpha;
-    }
-    accumulate_pv<C, kD>(acc.data(), scores.data(), v_cache + base, row.data(), n, row_stride,
-                         h1 - h0, G, bs, D);
+    online_softmax(scores.data(), m.data(), l.data(), acc.data(), H, n, bs, D);
+    if (has_next) prefetch_rows(v_cache + next, n, row_stride, row_bytes);
+    block_values<T, C, kD>(acc.data(), scores.data(), v_cache + base, buf.data(), row.data(), n,
+                           row_stride, nh, G, bs, D);
   }
   for (int64_t h = 0; h < H; ++h) {
     T* oh = out + (h0 * G + h) * D;

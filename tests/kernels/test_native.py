@@ -62,20 +62,24 @@ def test_silu_and_mul(native_lib, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (16, None), (20, 3.0),
                                              (None, 1.5)])
-@pytest.mark.parametrize("hq, hkv, d", [(6, 2, 64), (8, 1, 128), (4, 4, 64)])
+@pytest.mark.parametrize("hq, hkv, d, bs", [(6, 2, 64, 16), (8, 1, 128, 16), (4, 4, 64, 16),
+                                            (6, 2, 64, 12), (9, 3, 96, 16)])
 def test_decode_attention_handles_every_context_length(native_lib, dtype, window, softcap, hq,
-                                                       hkv, d):
+                                                       hkv, d, bs):
     """Context lengths 1 .. 3 blocks + 1, against the torch path, small and large batches
     (a small batch is split by kv head); sliding windows (shorter than, equal to and across
-    a block) and soft-capping; 3, 8 (two passes of query heads) and 1 query head per kv
-    head."""
+    a block) and soft-capping; 3, 8 (three passes of query heads) and 1 query head per kv
+    head; blocks of 16 (the AVX2 row kernels, eight tokens at a time) and 12 tokens, head
+    dims the kernels unroll (64, 128) and one they do not (96). The rows past each context
+    hold 1e4: the row kernels score them in lanes of their own, never read."""
     from pagewire.kernels.attention import Variant, decode_attention
     g = torch.Generator().manual_seed(3)
-    bs = 16
     lens = list(range(1, 3 * bs + 2))
     width = -(-max(lens) // bs)
     cache = torch.randn(2, len(lens) * width + 1, bs, hkv, d, generator=g).to(dtype)
     tables = torch.randperm(cache.shape[1], generator=g)[:len(lens) * width].view(len(lens), width)
+    for table, n in zip(tables, lens):
+        cache[:, table[(n - 1) // bs], (n - 1) % bs + 1:] = 1e4
     q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
     ctx = torch.tensor(lens)
     for rows in (slice(0, 2), slice(None)):
