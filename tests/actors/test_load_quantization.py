@@ -71,20 +71,6 @@ def test_a_gguf_file_is_not_quantized_again():
         LLM(quantization="int8", max_model_len=256)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8"])
-def test_prequantized_checkpoints_are_refused_naming_the_method(tiny_llama, method):
-    import json
-    import os
-    path = tiny_llama()
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match=f"quant_method '{method}'"):
-        LLM(path, dtype="float32", max_model_len=256)
-
-
 def test_the_encoders_reproduce_the_default_ggufs_own_blocks():
     """Re-rounding a GGUF's dequantized Q4_1 and Q8_0 tensors gives back the file's bytes: the
     block layouts (scale, minimum, nibble order) are GGML's, and each block's scale (and

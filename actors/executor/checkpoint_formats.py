@@ -1,0 +1,195 @@
+"""The linears of a quantized Hugging Face checkpoint (GPTQ, AWQ, compressed-tensors, FP8;
+actors/quant_config.py reads which), unpacked to their integer codes and then:
+
+- to GGML blocks the quantized kernels multiply (kernels/quant.py), the codes kept as they
+  are: 4-bit -> Q4_1 (nibble = code, d = scale, m = -scale * zero), symmetric 8-bit -> Q8_0
+  (code - zero, d = scale). A block's d and m are float16: a scale is kept exactly where
+  float16 holds it (GPTQ and AWQ store float16), m = -scale * zero is rounded to it.
+- to float weights equal to those blocks' values, so a prefill (the float GEMMs) and a decode
+  step (the blocks) compute with the same weights, as for a GGUF file.
+
+A linear the blocks cannot hold — act-order groups (GPTQ desc_act with a g_idx that is not
+k // group_size), a row length not a multiple of 32, a code of -128 after the zero, FP8 —
+keeps only its float weights, exact; the float GEMMs multiply it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagewire.kernels import quant
+from pagewire.quant_config import Scheme
+
+from .gguf_weights import _q4_1, _q8_0
+
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]     # AWQ's nibble i holds column _AWQ_ORDER[i] of 8
+
+
+@dataclass
+class IntLinear:
+    """One linear as integers: value[n, k] = scales[n, g] * (codes[n, k] - zeros[n, g]) with
+    g = groups[k]."""
+    codes: torch.Tensor      # [N, K] int16, 0 .. 2^bits - 1
+    scales: torch.Tensor     # [N, G] float32
+    zeros: torch.Tensor      # [N, G] int16
+    groups: torch.Tensor     # [K] int64
+    bits: int
+
+    def values(self) -> torch.Tensor:
+        g = self.groups
+        return self.scales[:, g] * (self.codes - self.zeros[:, g]).float()
+
+    def contiguous_groups(self) -> bool:
+        """Each 32 columns in one group, groups in column order."""
+        k = self.codes.shape[1]
+        if k % 32:
+            return False
+        return bool((self.groups.view(-1, 32) == self.groups.view(-1, 32)[:, :1]).all()
+                    and (self.groups.diff() >= 0).all())
+
+
+def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words of 32 / bits codes (the first in the low bits), spread along `dim`."""
+    per = 32 // bits
+    parts = [(packed >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    out = torch.stack(parts, dim + 1)
+    shape = list(packed.shape)
+    shape[dim] *= per
+    return out.reshape(shape).to(torch.int16)
+
+
+def _groups(k: int, size: int) -> torch.Tensor:
+    return torch.arange(k) // (k if size == -1 else size)
+
+
+def _gptq(t: dict, s: Scheme) -> IntLinear:
+    codes = _unpack(t["qweight"].int(), s.bits, 0).T.contiguous()                 # [N, K]
+    zeros = _unpack(t["qzeros"].int(), s.bits, 1) + s.zero_offset                 # [G, N]
+    k = codes.shape[1]
+    groups = t["g_idx"].long() if "g_idx" in t else _groups(k, s.group_size)
+    return IntLinear(codes, t["scales"].float().T.contiguous(), zeros.T.contiguous(), groups,
+                     s.bits)
+
+
+def _awq(t: dict, s: Scheme) -> IntLinear:
+    undo = torch.tensor(_AWQ_ORDER).argsort()
+
+    def columns(packed):                       # [R, N / 8] -> [R, N] in column order
+        nib = _unpack(packed.int(), 4, 1).view(packed.shape[0], -1, 8)
+        return nib[..., undo].reshape(packed.shape[0], -1)
+
+    codes = columns(t["qweight"]).T.contiguous()                                  # [N, K]
+    return IntLinear(codes, t["scales"].float().T.contiguous(),
+                     columns(t["qzeros"]).T.contiguous(), _groups(codes.shape[1], s.group_size),
+                     4)
+
+
+def _pack_quantized(t: dict, s: Scheme) -> IntLinear:
+    n, k = (int(x) for x in t["weight_shape"].tolist())
+    codes = _unpack(t["weight_packed"].int(), 4, 1)[:, :k].contiguous()          # [N, K]
+    scales = t["weight_scale"].float().reshape(n, -1)
+    return IntLinear(codes, scales, torch.full(scales.shape, 8, dtype=torch.int16),
+                     _groups(k, s.group_size), 4)
+
+
+def _int_quantized(t: dict, s: Scheme) -> IntLinear:
+    w = t["weight"]
+    scales = t["weight_scale"].float().reshape(w.shape[0], 1)
+    return IntLinear(w.to(torch.int16) + 128, scales,
+                     torch.full(scales.shape, 128, dtype=torch.int16),
+                     torch.zeros(w.shape[1], dtype=torch.int64), 8)
+
+
+def _fp8_values(t: dict) -> torch.Tensor:
+    w = t["weight"].float()
+    scale = t.get("weight_scale", t.get("weight_scale_inv"))
+    scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+    return w * scale
+
+
+# packing -> (the tensor that marks a quantized linear, the reader of its tensors)
+_READERS = {"gptq": ("qweight", _gptq), "awq": ("qweight", _awq),
+            "pack-quantized": ("weight_packed", _pack_quantized),
+            "int-quantized": ("weight_scale", _int_quantized)}
+_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+             "weight_shape", "weight_zero_point", "weight_scale_inv", "input_scale", "weight")
+
+
+def quantized_linears(weights: dict, s: Scheme) -> dict[str, dict[str, torch.Tensor]]:
+    """{linear prefix: {tensor suffix: tensor}} for each linear the checkpoint quantized."""
+    marker = "weight_scale" if s.packing == "fp8" else _READERS[s.packing][0]
+    prefixes = [name[: -len(marker) - 1] for name in weights if name.endswith("." + marker)]
+    if s.packing == "fp8" and not prefixes:
+        prefixes = [n[: -len(".weight_scale_inv")] for n in weights
+                    if n.endswith(".weight_scale_inv")]
+    out = {}
+    for p in prefixes:
+        if any(p == ign or p.endswith("." + ign) for ign in s.ignore):
+            continue
+        out[p] = {sfx: weights[f"{p}.{sfx}"] for sfx in _SUFFIXES if f"{p}.{sfx}" in weights}
+    return out
+
+
+def blocks_of(linear: IntLinear) -> tuple[int, torch.Tensor] | None:
+    """(GGML type, raw blocks [N, K / 32 * bytes]) holding exactly these codes, or None."""
+    if not linear.contiguous_groups():
+        return None
+    n, k = linear.codes.shape
+    g = linear.groups[::32]                                                        # [K/32]
+    d = linear.scales[:, g].to(torch.float16)                                      # [N, K/32]
+    zero = linear.zeros[:, g]
+    codes = linear.codes.view(n, k // 32, 32)
+    if linear.bits == 4:
+        m = (-linear.scales[:, g] * zero.float()).to(torch.float16)
+        q = codes.to(torch.uint8)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)
+        raw = torch.cat([d[..., None].view(torch.uint8), m[..., None].view(torch.uint8),
+                         nibbles], -1)
+        return quant.Q4_1, raw.reshape(n, -1)
+    signed = codes - zero[..., None]
+    if int(signed.min()) < -127 or int(signed.max()) > 127:
+        return None
+    raw = torch.cat([d[..., None].view(torch.uint8), signed.to(torch.int8).view(torch.uint8)], -1)
+    return quant.Q8_0, raw.reshape(n, -1)
+
+
+_BLOCK_BYTES = {quant.Q4_1: (20, _q4_1), quant.Q8_0: (34, _q8_0)}
+
+
+def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+    """One quantized linear's (float32 weight [N, K], its blocks or None); the weight is the
+    blocks' values where there are blocks."""
+    if s.packing == "fp8":
+        return _fp8_values(tensors), None
+    linear = _READERS[s.packing][1](tensors, s)
+    blocks = blocks_of(linear)
+    if blocks is None:
+        return linear.values(), None
+    size, dequantize = _BLOCK_BYTES[blocks[0]]
+    values = dequantize(blocks[1].reshape(-1, size)).reshape(linear.codes.shape)
+    return values.float(), blocks
+
+
+def float_weights(weights: dict, s: Scheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint with each quantized linear's tensors replaced by `prefix.weight` (its
+    values in `dtype`), every other tensor cast to `dtype`."""
+    linears = quantized_linears(weights, s)
+    out = {}
+    for prefix, tensors in linears.items():
+        out[f"{prefix}.weight"] = convert(tensors, s)[0].to(dtype)
+    taken = {f"{p}.{sfx}" for p, t in linears.items() for sfx in t}
+    for name, tensor in weights.items():
+        if name not in taken:
+            out[name] = tensor.to(dtype)
+    return out
+
+
+def blocks_by_name(weights: dict, s: Scheme) -> dict[str, tuple[int, torch.Tensor]]:
+    """{`prefix.weight`: (GGML type, raw blocks)} for each linear the blocks hold."""
+    out = {}
+    for prefix, tensors in quantized_linears(weights, s).items():
+        blocks = convert(tensors, s)[1]
+        if blocks is not None:
+            out[f"{prefix}.weight"] = blocks
+    return out
