@@ -70,6 +70,37 @@ def sampling_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The distributions random rows draw from: softmax of sampling_logits (logits [S, V]
+    float32 are scaled in place) -> [S, V]."""
+    return torch.softmax(sampling_logits(logits, params), dim=-1)
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
+                     accept_u: list[float], draw_u: list[float]) -> list[int]:
+    """Speculative sampling of one sequence (Leviathan et al. 2023, Chen et al. 2023): p
+    [k + 1, V] the target's distributions at the k drafts' positions and the one after, q
+    [k, V] those the drafts were drawn from, accept_u [k] and draw_u [k + 1] independent
+    uniforms in (0, 1]. Draft i is kept while accept_u[i] * q[i, x] <= p[i, x]; at the first
+    refused one a token is drawn from max(p - q, 0) renormalized (it is never the refused
+    draft), and after k kept ones one from p[k]. Every token follows p exactly, whatever q
+    is. Returns the kept drafts and that token."""
+    for i, x in enumerate(drafts):
+        if accept_u[i] * float(q[i, x]) <= float(p[i, x]):
+            continue
+        residual = (p[i] - q[i]).clamp_(min=0)
+        if float(residual.sum()) <= 0:       # p <= q everywhere: only rounding refused x
+            residual = p[i]
+        return drafts[:i] + [_draw_weights(residual, draw_u[i])]
+    return drafts + [_draw_weights(p[len(drafts)], draw_u[len(drafts)])]
+
+
+def _draw_weights(weights: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative weight reaches u of the total."""
+    cdf = weights.double().cumsum(0)
+    return int(torch.searchsorted(cdf, cdf[-1:] * u).clamp_(max=len(cdf) - 1))
+
+
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor) -> torch.Tensor:
     """logits [S, V]; top_k [S] int; top_p [S] float. Returns a masked copy (the module

@@ -32,7 +32,7 @@ from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel
 from .prompt_logprobs import prompt_logprobs, spans_of
-from .sampler import LogprobRequest, SamplingBatch, sample
+from .sampler import DraftedSpan, LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
 from .speculation import InStepDraft, Proposer, accepted
 
@@ -142,13 +142,13 @@ class ModelRunner:
             return None
         if spec.method == "self":
             return InStepDraft.of_target(self.model, self.kv_caches, spec.draft_layers,
-                                         self.block_size)
+                                         self.block_size, self.tp)
         draft = self._prepare(self.config.draft_model_info)
         caches, host = self._caches(draft)
         log.info("draft model %s (%d layers)", self.config.draft_model_info.path,
                  draft.cfg.num_layers)
         return InStepDraft(draft, caches, self.block_size, self.model.cfg.vocab_size,
-                           mirrors=True, host_caches=host)
+                           mirrors=True, host_caches=host, tp=self.tp)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
         width = -(-self.config.max_model_len // self.block_size)
@@ -210,7 +210,12 @@ class ModelRunner:
         logprobs = wanted.log_softmax(logits)              # before sampling edits the logits
         # Every rank samples (they keep the tokens for the next step); rank 0's choice is
         # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
-        tokens = self.tp.broadcast(sample(logits, batch, self.model.ops.lib))
+        spans, r = [], 0
+        for _, seq in sample_seqs:               # model drafts of random requests
+            if seq.draft_probs:
+                spans.append(DraftedSpan(r, list(seq.verifying), torch.stack(seq.draft_probs)))
+            r += 1 + len(seq.verifying)
+        tokens = self.tp.broadcast(sample(logits, batch, self.model.ops.lib, spans))
         flat, first, produced, extra, r = tokens.tolist(), [], [], {}, 0
         for sid, seq in sample_seqs:
             k = len(seq.verifying)

@@ -23,6 +23,7 @@ from pagewire.wire.sampling import SamplingParams
 from .logits_processors import apply_logits_processors
 
 _MIX = 0x9E3779B97F4A7C15
+_SALT = 0xBF58476D1CE4E5B9
 
 
 @dataclass
@@ -40,9 +41,20 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None) -> torch.Tensor:
+@dataclass
+class DraftedSpan:
+    """A sequence whose drafts a model drew from distributions q (a random request's drafts,
+    executor/speculation.py): its rows from `row` on are judged by rejection sampling."""
+    row: int
+    drafts: list[int]
+    q: torch.Tensor                     # [k, V] float32
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None,
+           spans: list[DraftedSpan] = ()) -> torch.Tensor:
     """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `lib`: the backend's
-    native library (kernels/native.py), or None."""
+    native library (kernels/native.py), or None. A span's rows get its kept drafts then the
+    token rejection sampling drew (kernels/sampling.py), the rows after that as sampled."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
@@ -50,8 +62,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None) -> torch.Tensor
         apply_bitmasks(logits, batch.grammar_rows, batch.grammar_masks)
     if batch.all_greedy:                # no parameters to build, no uniforms drawn
         return logits.argmax(dim=-1)
-    return sampling.sample(logits, sampling_tensors(batch.params),
-                           _uniforms(batch, logits.device), lib)
+    rows = [s.row + i for s in spans for i in range(len(s.drafts) + 1)]
+    p = sampling.probabilities(logits[rows], sampling_tensors([batch.params[r] for r in rows])) \
+        if rows else None
+    tokens = sampling.sample(logits, sampling_tensors(batch.params),
+                             _uniforms(batch, logits.device), lib)
+    if rows:
+        _judge(tokens, p.cpu(), spans, rows, batch)
+    return tokens
+
+
+def _judge(tokens: torch.Tensor, p: torch.Tensor, spans: list[DraftedSpan], rows: list[int],
+           batch: SamplingBatch) -> None:
+    """Overwrite each span's rows with its rejection-sampled tokens. The uniforms are drawn
+    apart from the rows' sampling ones (other salts), so each test and draw is independent."""
+    params = [batch.params[r] for r in rows]
+    index = [batch.output_index[r] for r in rows]
+    accept_u = uniforms(params, index, torch.device("cpu"), salt=1).flatten().tolist()
+    draw_u = uniforms(params, index, torch.device("cpu"), salt=2).flatten().tolist()
+    at = 0
+    for span in spans:
+        k = len(span.drafts)
+        out = sampling.rejection_sample(p[at:at + k + 1], span.q.cpu(), span.drafts,
+                                        accept_u[at:at + k], draw_u[at:at + k + 1])
+        tokens[span.row:span.row + len(out)] = torch.tensor(out, device=tokens.device)
+        at += k + 1
 
 
 def sampling_tensors(params: list[SamplingParams]) -> sampling.SamplingTensors:
@@ -86,12 +121,19 @@ def apply_bitmasks(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> 
 
 
 def _uniforms(batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-    """[S, 1] uniforms in (0, 1]: never 0, so a token of zero probability is never drawn."""
-    u = 1.0 - torch.rand((len(batch.params), 1), device=device)
-    for row, (p, index) in enumerate(zip(batch.params, batch.output_index)):
+    return uniforms(batch.params, batch.output_index, device)
+
+
+def uniforms(params: list[SamplingParams], output_index: list[int], device: torch.device,
+             salt: int = 0) -> torch.Tensor:
+    """[S, 1] uniforms in (0, 1]: never 0, so a token of zero probability is never drawn. A
+    seeded row's comes from (seed, output index, salt): salt 0 samples, others serve
+    speculative sampling (1: acceptance tests, 2: its draws, 3: the draft's draws)."""
+    u = 1.0 - torch.rand((len(params), 1), device=device)
+    for row, (p, index) in enumerate(zip(params, output_index)):
         if p.seed is not None and not p.greedy:
             gen = torch.Generator(device=device).manual_seed(
-                (p.seed ^ ((index + 1) * _MIX)) & (2**63 - 1))
+                (p.seed ^ ((index + 1) * _MIX) ^ (salt * _SALT)) & (2**63 - 1))
             u[row] = 1.0 - torch.rand(1, generator=gen, device=device)
     return u
 

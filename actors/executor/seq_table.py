@@ -37,6 +37,9 @@ class SeqState:
     ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
     num_draft_slots: int = 0        # drafts this step verifies (model drafts: filled in it)
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
+    # A random request's model drafts: the distributions each was drawn from ([V] each), for
+    # rejection sampling. Empty: the drafts are proposals, judged as one-hot ones.
+    draft_probs: list = field(default_factory=list)
     lora: LoraRef | None = None     # its adapter; None: the base model
 
     @property
@@ -95,6 +98,7 @@ class SeqTable:
             seq.num_scheduled = run.num_scheduled
             excess = seq.num_computed + run.num_scheduled - len(seq.token_ids)
             seq.verifying = seq.drafts[:excess] if excess > 0 else []
+            seq.draft_probs = []
             seq.num_draft_slots = max(excess, 0)
             if len(seq.verifying) != seq.num_draft_slots and not self.drafts_in_step:
                 raise ValueError(f"{run.seq_id}: {excess} drafts planned, "
@@ -116,7 +120,7 @@ class SeqTable:
             if seq.sampling.use_beam_search:
                 continue
             seq.num_computed -= len(seq.verifying) - (len(tokens) - 1)   # rejected drafts
-            seq.verifying = []
+            seq.verifying, seq.draft_probs = [], []
             for token in tokens:
                 error = self._append(seq, token)
                 if error:

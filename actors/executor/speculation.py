@@ -13,15 +13,25 @@ draft): every position of the row is sampled as a plain decode would sample it (
 processing, same seeded uniform for the same output index), and the draft is accepted while
 each sampled token equals it. A position's token then follows the target's distribution
 whatever was proposed, so greedy and seeded outputs are the tokens decoding without drafts
-gives; the first sampled token that differs from its draft is kept, the rest dropped. The
-model drafts are one-hot too (the draft's argmax): exact, though a sampled request accepts
-less often than rejection sampling against the draft's probabilities would let it.
+gives; the first sampled token that differs from its draft is kept, the rest dropped.
+
+A model drafts a greedy request's tokens as its argmax (one-hot, as above). For a random
+request it draws each draft from its own distribution q after the request's temperature,
+top-k, top-p and min-p, keeps q, and the step judges those drafts by rejection sampling
+against the target's distribution p (executor/sampler.py, kernels/sampling.py): draft x kept
+with probability min(1, p(x) / q(x)), else a token from max(p - q, 0). Outputs follow the
+target's distribution exactly and a seed reproduces them, but a seeded request's tokens are
+not those of decoding without drafts (other uniforms decide them); it accepts 1 - TV(p, q)
+of its drafts where one-hot ones accept p(argmax q).
 """
 from __future__ import annotations
 
 import torch
 
+from pagewire.kernels import sampling
+
 from .decode_layout import batch_to, decode_batch
+from .sampler import sampling_tensors, uniforms
 
 _RECENT_OUTPUTS = 64          # finished sequences whose tokens `suffix` also searches
 
@@ -104,10 +114,11 @@ class InStepDraft:
       copy-on-write and swaps carry over."""
 
     def __init__(self, model, caches: list, block_size: int, vocab_size: int, mirrors: bool,
-                 host_caches: list | None = None):
+                 host_caches: list | None = None, tp=None):
         self.model, self.caches, self.block_size = model, caches, block_size
         self.vocab_size, self.mirrors = vocab_size, mirrors     # the target's vocabulary
         self.host_caches = host_caches or []
+        self.tp = tp              # drafts are rank 0's: every rank's forward takes the same
 
     def own_caches(self) -> tuple[list, list]:
         """(device, host) caches that are this drafter's alone (a draft model's; method self
@@ -115,9 +126,9 @@ class InStepDraft:
         return (self.caches, self.host_caches) if self.mirrors else ([], [])
 
     @classmethod
-    def of_target(cls, model, kv_caches: list, layers: int | None, block_size: int):
+    def of_target(cls, model, kv_caches: list, layers: int | None, block_size: int, tp=None):
         return cls(model, kv_caches[:layers or max(1, len(kv_caches) // 4)], block_size,
-                   model.cfg.vocab_size, mirrors=False)
+                   model.cfg.vocab_size, mirrors=False, tp=tp)
 
     def fill(self, seqs: list) -> None:
         """Append to each SeqState's `verifying` until it holds num_draft_slots drafts. A
@@ -133,8 +144,27 @@ class InStepDraft:
             drafting = [r for r, s in enumerate(rows) if len(s.verifying) < s.num_draft_slots]
             if drafting:
                 logits = self.model.compute_logits(hidden[drafting])[:, :self.vocab_size]
-                for r, token in zip(drafting, logits.argmax(dim=-1).tolist()):   # [A]
-                    rows[r].verifying.append(token)
+                self._pick(logits.float(), [rows[r] for r in drafting])
+
+    def _pick(self, logits: torch.Tensor, seqs: list) -> None:
+        """Each sequence's next draft from its logits [A, V']: the argmax for a greedy request;
+        for a random one a draw from its distribution q, kept in draft_probs ([V], zero past
+        the draft's vocabulary)."""
+        tokens = logits.argmax(dim=-1)                                            # [A]
+        rand = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        if rand:
+            params = [seqs[i].sampling for i in rand]
+            q = sampling.probabilities(logits[rand], sampling_tensors(params))   # [R, V']
+            index = [seqs[i].num_output_tokens + len(seqs[i].verifying) for i in rand]
+            u = uniforms(params, index, q.device, salt=3)
+            tokens[rand] = sampling.draw_by_search(q.log(), u).to(tokens.device)
+            q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
+            for i, row in zip(rand, q):
+                seqs[i].draft_probs.append(row)
+        if self.tp is not None:
+            tokens = self.tp.broadcast(tokens)
+        for seq, token in zip(seqs, tokens.tolist()):
+            seq.verifying.append(token)
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> None:
         """Run tokens of the step that fill() did not (prefills, plain decodes, drafts a

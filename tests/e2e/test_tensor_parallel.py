@@ -66,8 +66,9 @@ def test_local_ranks_match_transformers(models, shape):
         assert_matches_transformers(srv, models[shape])
 
 
-def spec_counters(srv: Server) -> tuple[float, float]:
-    """(draft tokens, accepted tokens) from /metrics, once the scheduler has reported."""
+def spec_counters(srv: Server, above: float = 0.0) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) from /metrics, once the scheduler has reported more
+    than `above` draft tokens."""
     deadline = time.monotonic() + 10
     while True:
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
@@ -76,20 +77,28 @@ def spec_counters(srv: Server) -> tuple[float, float]:
                       if line.startswith(name + "{"))
                   for name in ("vllm:spec_decode_num_draft_tokens_total",
                                "vllm:spec_decode_num_accepted_tokens_total")]
-        if values[0] > 0 or time.monotonic() > deadline:
+        if values[0] > above or time.monotonic() > deadline:
             return values[0], values[1]
         time.sleep(0.2)
 
 
 def test_local_ranks_draft_with_a_draft_model(models):
     """The target as its own draft model, both split over two ranks: transformers' greedy
-    tokens, and every draft accepted."""
+    tokens, and every draft accepted; sampled drafts too (drawn from the target's own
+    distribution: kept), which every rank must take as rank 0 drew them."""
     path = models["kv3-of-6-heads"]
     spec = json.dumps({"method": "draft_model", "model": path})
     with running_server([path, *F32, "-tp", "2", "--speculative-config", spec]) as srv:
         assert_matches_transformers(srv, path)
         drafted, accepted = spec_counters(srv)
         assert accepted == drafted > 0
+        code, reply, _ = srv.request("POST", "/v1/completions", {
+            "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 1.0, "n": 3,
+            "ignore_eos": True})
+        assert code == 200, reply
+        assert [c["finish_reason"] for c in reply["choices"]] == ["length"] * 3
+        more, kept = spec_counters(srv, above=drafted)
+        assert kept - accepted == more - drafted > 0
 
 
 def test_default_model_matches_transformers(default_hf_model):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewire.kernels.sampling import (SamplingTensors, draw, draw_by_search, sample,
-                                       sampling_logits)
+from pagewire.kernels.sampling import (SamplingTensors, draw, draw_by_search,
+                                       rejection_sample, sample, sampling_logits)
 
 # A fixed, clearly ordered distribution over 8 tokens (descending in a shuffled order).
 LOGITS = torch.tensor([0.3, 2.0, -1.0, 1.1, 0.0, -0.4, 1.6, 0.7])
@@ -218,3 +218,26 @@ def test_native_draw_matches_the_cumulative_search(native_lib):
         assert cdf[row, ours[row]] > 1 - 1e-6
     mid = midpoints(torch.softmax(LOGITS.double(), -1))
     assert draw(rows_of(LOGITS, V), mid).tolist() == list(range(V))
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A draft drawn from q, judged against p: the first token follows p (chi-square over
+    20,000 draws), a draft equal in both is always kept, one p gives no weight never."""
+    g = torch.Generator().manual_seed(4)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0]])
+    q = torch.tensor([[0.1, 0.1, 0.3, 0.2, 0.3]])
+    draws = 20000
+    counts = torch.zeros(5)
+    for _ in range(draws):
+        x = int(torch.multinomial(q[0], 1, generator=g))
+        u = torch.rand(3, generator=g).clamp_(min=1e-9).tolist()
+        out = rejection_sample(p, q, [x], u[:1], u[1:])
+        assert out[:1] == [x] or out[0] != x            # a refused draft is never redrawn
+        counts[out[0]] += 1
+    expected = p[0] * draws
+    live = expected > 0
+    chi2 = float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+    assert counts[4] == 0 and chi2 < 18.5                # 3 degrees of freedom, p ~ 3e-4
+    assert rejection_sample(p, p[:1], [2], [1.0], [0.5, 0.5]) == [2, 2]   # kept, then p[1]
+    assert rejection_sample(p, torch.tensor([[0, 0, 0, 0, 1.0]]), [4], [0.01], [0.6, 0.5]) \
+        == [1]                             # p(4) = 0: refused; the residual is p itself
