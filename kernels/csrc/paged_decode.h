@@ -20,7 +20,6 @@ namespace pw::paged {
 // Built with -ffast-math (vectorized exp, reassociated sums), which assumes finite values:
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
-constexpr int64_t kPrefetchAhead = 1;
 
 template <typename E>
 inline void prefetch_rows(const E* rows, int64_t n, int64_t row_stride, int64_t row_bytes) {
@@ -228,33 +227,51 @@ inline void online_softmax(float* scores, float* m, float* l, float* acc, int64_
   }
 }
 
-// window > 0: only the last `window` positions are attended (sliding-window layers);
+// out [H, D] from `parts` softmax states (m [H], l [H], acc [H, D], `width` floats apart):
+// each part's sums rescaled to the largest maximum, then normalized.
+template <typename T>
+void merge_parts(T* out, const float* state, int64_t parts, int64_t width, int64_t H,
+                 int64_t D) {
+  for (int64_t h = 0; h < H; ++h) {
+    float top = kNoScore;
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, state[p * width + h]);
+    float total = 0.f;
+    std::vector<float> acc(D, 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* part = state + p * width;
+      const float w = std::exp(part[h] - top);
+      total += part[H + h] * w;
+      axpy(acc.data(), w, part + 2 * H + h * D, D);
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < D; ++d) from_float(acc[d] * inv, out + h * D + d);
+  }
+}
+
+// The online softmax over tokens [lo, hi) of one sequence (lo, hi multiples of bs or the
+// ends of its context), for the G query heads of each kv head in [h0, h1): m [H] running
+// maxima, l [H] sums and acc [H, D] unnormalized outputs, which start as kNoScore, 0 and 0.
 // softcap > 0: each score becomes softcap * tanh(score / softcap) (Gemma2).
 template <typename T, typename C, int64_t kD>
-void decode_seq(T* out, const T* q, const typename C::E* k_cache, const typename C::E* v_cache,
-                const int64_t* table,
-                int64_t context, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_,
-                int64_t bs, float scale, int64_t window, float softcap) {
+void attend_range(float* m, float* l, float* acc, const T* q, const typename C::E* k_cache,
+                  const typename C::E* v_cache, const int64_t* table, int64_t lo, int64_t hi,
+                  int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t D_, int64_t bs,
+                  float scale, float softcap) {
   const int64_t D = kD ? kD : D_;   // a compile-time head dim unrolls the inner loops
   const int64_t nh = h1 - h0, H = nh * G;          // kv heads and query heads handled here
   constexpr bool widens = !std::is_same_v<C, PlainCache<float>>;   // rows_f32 needs a buffer
-  std::vector<float> qf(H * D), acc(H * D, 0.f), row(nh * D), scores(H * bs),
-      buf(widens ? bs * nh * D : 0);
-  std::vector<float> m(H, kNoScore), l(H, 0.f);
+  std::vector<float> qf(H * D), row(nh * D), scores(H * bs), buf(widens ? bs * nh * D : 0);
   const T* qh0 = q + h0 * G * D;
   load_row(qh0, qf.data(), H * D);
   const int64_t head = D + C::kExtra, row_stride = Hkv * head;     // in cache elements
   const int64_t row_bytes = nh * head * static_cast<int64_t>(sizeof(typename C::E));
-  const int64_t first = window > 0 ? std::max<int64_t>(0, context - window) : 0;
-  for (int64_t start = first / bs * bs; start < context; start += bs) {
-    const int64_t n = std::min(bs, context - start);
+  for (int64_t start = lo / bs * bs; start < hi; start += bs) {
+    const int64_t n = std::min(bs, hi - start);
     const int64_t base = table[start / bs] * bs * row_stride + h0 * head;
     // Blocks are scattered, so the hardware cannot guess the next one: prefetch the keys of
-    // the block kPrefetchAhead blocks ahead while this one's scores are computed, and its
-    // values during this one's value pass.
-    const bool has_next = start + kPrefetchAhead * bs < context;
-    const int64_t next =
-        has_next ? table[start / bs + kPrefetchAhead] * bs * row_stride + h0 * head : 0;
+    // the next block while this one's scores are computed, its values during the value pass.
+    const bool has_next = start + bs < hi;
+    const int64_t next = has_next ? table[start / bs + 1] * bs * row_stride + h0 * head : 0;
     if (has_next) prefetch_rows(k_cache + next, n, row_stride, row_bytes);
     block_scores<T, C, kD>(scores.data(), qh0, qf.data(), k_cache + base, buf.data(), row.data(),
                            n, row_stride, nh, G, bs, D, scale);
@@ -262,21 +279,34 @@ void decode_seq(T* out, const T* q, const typename C::E* k_cache, const typename
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t = 0; t < n; ++t)
           scores[h * bs + t] = softcap * std::tanh(scores[h * bs + t] / softcap);
-    for (int64_t t = 0; start + t < first; ++t)      // before the window: never attended
+    for (int64_t t = 0; start + t < lo; ++t)      // before the range (a window's start)
       for (int64_t h = 0; h < H; ++h) scores[h * bs + t] = -INFINITY;
-    online_softmax(scores.data(), m.data(), l.data(), acc.data(), H, n, bs, D);
+    online_softmax(scores.data(), m, l, acc, H, n, bs, D);
     if (has_next) prefetch_rows(v_cache + next, n, row_stride, row_bytes);
-    block_values<T, C, kD>(acc.data(), scores.data(), v_cache + base, buf.data(), row.data(), n,
+    block_values<T, C, kD>(acc, scores.data(), v_cache + base, buf.data(), row.data(), n,
                            row_stride, nh, G, bs, D);
-  }
-  for (int64_t h = 0; h < H; ++h) {
-    T* oh = out + (h0 * G + h) * D;
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    for (int64_t d = 0; d < D; ++d) from_float(acc[h * D + d] * inv, oh + d);
   }
 }
 
-// The cache's elements are C::E: T itself (PlainCache<T>) or one-byte codes (kv_quant.h).
+// Work items of a decode batch: (sequence, kv heads [h0, h1), blocks of its attended range).
+// Whole sequences when there are enough of them (each token row is then read once); a small
+// batch is split by kv head, and where that still leaves a thread short of two items, long
+// contexts are split into parts of at least kPartBlocks blocks, their softmax states merged.
+constexpr int64_t kPartBlocks = 8;
+
+struct DecodeItems {
+  int64_t splits, parts;
+  DecodeItems(int64_t B, int64_t Hkv, int64_t max_blocks) {
+    const int64_t want = 2 * at::get_num_threads();
+    splits = B < want ? Hkv : 1;
+    parts = B * splits >= want ? 1
+            : std::clamp<int64_t>((want + B * splits - 1) / (B * splits), 1,
+                                  std::max<int64_t>(1, max_blocks / kPartBlocks));
+  }
+  int64_t count(int64_t B) const { return B * splits * parts; }
+};
+
+// window > 0: only the last `window` positions are attended (sliding-window layers).
 template <typename T, typename C>
 void decode_attention(T* out, const T* q, const typename C::E* k_cache,
                       const typename C::E* v_cache,
@@ -285,22 +315,43 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
                       int64_t q_stride, int64_t out_stride, float scale, int64_t window,
                       float softcap) {
   const int64_t G = Hq / Hkv;
-  // Whole sequences per work item when there are enough of them (each token row is then read
-  // once); split a small batch by kv head so every thread has work.
-  const int64_t splits = B < 2 * at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  auto first = [&](int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : int64_t{0};
+  };
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < B; ++b)
+    max_blocks = std::max(max_blocks, (context_lens[b] + bs - 1) / bs - first(b) / bs);
+  const DecodeItems items(B, Hkv, max_blocks);
+  const int64_t width = Hq * (D + 2);          // an item's m [H], l [H], acc [H, D]
+  std::vector<float> state(items.count(B) * width);
+  auto fn = D == 64 ? attend_range<T, C, 64> : D == 128 ? attend_range<T, C, 128>
+                                                        : attend_range<T, C, 0>;
+  at::parallel_for(0, items.count(B), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / splits, part = item % splits;
-      const int64_t h0 = part * Hkv / splits, h1 = (part + 1) * Hkv / splits;
-      auto fn = D == 64    ? decode_seq<T, C, 64>
-                : D == 128 ? decode_seq<T, C, 128>
-                           : decode_seq<T, C, 0>;
-      fn(out + b * out_stride, q + b * q_stride, k_cache, v_cache,
-         block_tables + b * table_stride, context_lens[b], h0, h1, Hkv, G, D, bs, scale,
-         window, softcap);
+      const int64_t b = item / (items.splits * items.parts);
+      const int64_t split = item / items.parts % items.splits, p = item % items.parts;
+      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
+      const int64_t H = (h1 - h0) * G, b0 = first(b) / bs;
+      const int64_t nblk = (context_lens[b] + bs - 1) / bs - b0;
+      const int64_t lo = std::max(first(b), (b0 + p * nblk / items.parts) * bs);
+      const int64_t hi = std::min(context_lens[b], (b0 + (p + 1) * nblk / items.parts) * bs);
+      float* m = state.data() + item * width;
+      std::fill(m, m + H, kNoScore);
+      std::fill(m + H, m + 2 * H + H * D, 0.f);
+      if (lo < hi)
+        fn(m, m + H, m + 2 * H, q + b * q_stride, k_cache, v_cache,
+           block_tables + b * table_stride, lo, hi, h0, h1, Hkv, G, D, bs, scale, softcap);
+    }
+  });
+  at::parallel_for(0, B * items.splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bs_item = begin; bs_item < end; ++bs_item) {
+      const int64_t split = bs_item % items.splits, b = bs_item / items.splits;
+      const int64_t h0 = split * Hkv / items.splits;
+      const int64_t H = ((split + 1) * Hkv / items.splits - h0) * G;
+      merge_parts(out + b * out_stride + h0 * G * D, state.data() + bs_item * items.parts * width,
+                  items.parts, width, H, D);
     }
   });
 }
-
 
 }  // namespace pw::paged

@@ -90,6 +90,28 @@ def test_decode_attention_handles_every_context_length(native_lib, dtype, window
         torch.testing.assert_close(out.float(), ref, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens, window, softcap", [([700], None, None), ([300, 517], None, 2.0),
+                                                   ([900], 333, None), ([130], None, None)])
+def test_decode_attention_splits_long_contexts_of_small_batches(native_lib, dtype, lens, window,
+                                                                softcap):
+    """One or two sequences leave a thread short of work even split by kv head: contexts of
+    8 blocks or more are split into parts whose softmax states are merged (a window's range
+    too); the result is the torch path's."""
+    from pagewire.kernels.attention import Variant, decode_attention
+    g = torch.Generator().manual_seed(8)
+    bs, hq, hkv, d = 16, 6, 2, 64
+    width = -(-max(lens) // bs)
+    cache = torch.randn(2, len(lens) * width + 1, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(cache.shape[1], generator=g)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    ctx = torch.tensor(lens)
+    out = native_lib.decode_attention(q, cache[0], cache[1], tables.contiguous(), ctx, 0.125,
+                                      window, softcap)
+    ref = decode_attention(q.float(), cache.float(), tables, ctx, 0.125, Variant(window, softcap))
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
 PREFILL_CHUNKS = [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100), (40, 7), (70, 33), (33, 1),
                   (130, 64)]          # (context once written, queries): fresh and continued
 
