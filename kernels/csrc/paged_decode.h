@@ -1,7 +1,10 @@
 // Decode attention over the paged KV cache for any head dim and cache type: float32 or
 // bfloat16 caches (PlainCache) and quantized ones (kv_quant.h Cache), sliding windows and
-// soft-capped scores. (decode_attention.cpp has the tiled AVX512-BF16 kernel for bfloat16
-// caches of head dim 64 or 128.) Included by cpu_kernels.cpp and kv_cache.cpp.
+// soft-capped scores. Each work item (a sequence, some of its kv heads, a range of its
+// context) runs an online softmax block by block, all G query heads of a kv head together;
+// head dims 64 and 128 take the row kernels of paged_decode_avx2.h. (decode_attention.cpp
+// has the tiled AVX512-BF16 kernel for bfloat16 caches of head dim 64 or 128.) Included by
+// cpu_kernels.cpp and kv_cache.cpp.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,6 +24,8 @@ namespace pw::paged {
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
 
+// A hint every other 64-byte line: the line beside each comes with it, and a hint per line
+// cost more instructions than it saved (bench/NOTES.md).
 template <typename E>
 inline void prefetch_rows(const E* rows, int64_t n, int64_t row_stride, int64_t row_bytes) {
   for (int64_t t = 0; t < n; ++t)
@@ -55,9 +60,6 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// One sequence and a range of its kv heads [h0, h1): each kv head's G query heads attend over
-// the sequence's context, block by block, with an online softmax (scores never leave this
-// function). Token rows hold all kv heads contiguously, so a row is read once for all heads.
 // q . k for one query head and one cached token. bf16 inputs on AVX512-BF16 multiply in
 // pairs straight from memory (vdpbf16ps: exact products, float32 sums); elsewhere both are
 // widened to float32 first (`qf` holds the query pre-widened, `row` the token's keys).
