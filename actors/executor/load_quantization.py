@@ -13,6 +13,7 @@ import torch
 from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 
+from . import weight_cache
 from .gguf_weights import _q4_1, _q8_0
 
 MODES = ("none", "int8", "int4")
@@ -54,23 +55,36 @@ def round_weight(w: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.T
     return raw, values.reshape(w.shape).to(w.dtype)
 
 
-def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict) -> int:
+def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict,
+                     digest: str | None = None) -> int:
     """Round every Linear of `model` whose shape the blocks take (in_features a multiple of
     32, out_features of 16); give it the packed blocks for steps of up to `max_tokens` tokens
     where the backend multiplies them (no tensor parallelism, as for GGUF files). Returns how
-    many were rounded. Runs before the linears are packed for the float GEMMs."""
-    count = 0
+    many were rounded. Runs before the linears are packed for the float GEMMs. With the
+    model's `digest`, the blocks are cached (weight_cache.py): a restart reads them and only
+    dequantizes."""
+    dtype = model.embed.weight.dtype
+    cached = weight_cache.load(digest, dtype, mode) if digest else None
+    blocks, count = {}, 0
     with torch.no_grad():
         for name, linear in model.named_modules():
             if not isinstance(linear, Linear) or linear.weight is None \
                     or not quant.packable(quant.Q8_0, linear.out_features, linear.in_features):
                 continue
             ggml = quant.Q8_0 if mode == "int8" or name == "lm_head" else quant.Q4_1
-            raw, values = round_weight(linear.weight, ggml)
+            if cached is not None and name in cached:
+                raw = cached[name]
+                values = _DEQUANT[ggml](raw.reshape(-1, _BYTES[ggml])).reshape(
+                    linear.weight.shape).to(linear.weight.dtype)
+            else:
+                raw, values = round_weight(linear.weight, ggml)
+            blocks[name] = raw
             linear.weight.copy_(values)
             if quant.available(lib) and max_tokens > 0 and model.tp.size == 1 \
                     and values.dtype in (torch.float32, torch.bfloat16):
                 linear.use_quantized(quant.pack(ggml, raw, linear.in_features, lib,
                                                 roundings.get(ggml, "exact")), max_tokens)
             count += 1
+    if digest and (cached is None or set(cached) != set(blocks)):
+        weight_cache.store(digest, dtype, blocks, mode)
     return count

@@ -116,7 +116,7 @@ class ModelRunner:
         roundings = ROUNDINGS[config.quantized_activations]
         if config.quantization != "none":          # before packing: it rounds the weights
             quantize_linears(model, config.quantization, config.quantized_matmul_tokens,
-                             ops.lib if ops.name == "cpu" else None, roundings)
+                             ops.lib if ops.name == "cpu" else None, roundings, info.digest)
         if ops.name == "cpu":
             pack_linears(model, upcast=not ops.lib.bf16_dot)
             keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib, roundings)

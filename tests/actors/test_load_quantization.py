@@ -3,6 +3,7 @@ GGML's dequantization reads them, and a tiny float checkpoint rounded at load gi
 transformers' greedy tokens on the same rounded weights, its decode steps on the blocks."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -13,6 +14,12 @@ from pagewire.executor.load_quantization import round_weight
 from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 from tests.helpers import HFOracle, assert_greedy_equal
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """The blocks these throwaway models round are cached out of ~/.cache."""
+    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("ggml, levels", [(quant.Q8_0, 255), (quant.Q4_1, 16)])
@@ -88,3 +95,28 @@ def test_the_encoders_reproduce_the_default_ggufs_own_blocks():
     for name, (ggml, raw) in blocks.items():
         values = _DEQUANT[ggml](raw.reshape(-1, _BYTES[ggml])).reshape(raw.shape[0], -1)
         assert torch.equal(_BLOCKS[ggml](values), raw), name
+
+
+def test_the_rounded_blocks_are_cached_by_digest(tiny_llama, monkeypatch):
+    """A second start reads the blocks the first rounded (nothing is rounded again) and
+    decodes the same tokens; a change of dtype or mode is another cache file."""
+    from pagewire.executor import load_quantization, weight_cache
+    from pagewire.model_info import resolve_model
+    path = tiny_llama()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 9, 33, 2, 71]}]
+
+    def run():
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128,
+                  quantization="int4")
+        return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+    first = run()
+    digest = resolve_model(path).digest
+    assert os.path.isfile(weight_cache.cache_path(digest, torch.float32, "int4"))
+    assert not os.path.exists(weight_cache.cache_path(digest, torch.float32, "int8"))
+
+    def refuse(*args):
+        raise AssertionError("rounded again")
+    monkeypatch.setattr(load_quantization, "round_weight", refuse)
+    assert run() == first
