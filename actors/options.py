@@ -123,8 +123,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("threads", "torch threads of the executor", "all cores", decides_outputs=False),
         Option("enforce_eager", "no CUDA graphs: every decode step runs eagerly"),
         Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
-               "Q4_0, Q4_1 and Q8_0 weights as stored (CPU, every tier, bfloat16 or float32; see "
-               "\"Kernels and devices\"); larger steps use the dequantized copy; `0`: never"),
+               "Q4_0, Q4_1, Q5_0, Q8_0 and IQ4_NL weights as stored (Q5_0 and IQ4_NL as Q8_0 "
+               "blocks of the same values), a quantized checkpoint's and --quantization's blocks "
+               "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
+               "steps use the dequantized copy; `0`: never"),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "

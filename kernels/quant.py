@@ -16,8 +16,11 @@ import torch
 
 from . import native
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8                   # GGML type ids
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}   # bytes of one 32-weight block in the file
+Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL = 2, 3, 6, 8, 20            # GGML type ids
+# bytes of one 32-weight block in the file
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34, IQ4_NL: 18}
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a weight is d * level[nibble]
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
 ROUNDINGS = ("exact", "int16", "int8")
@@ -71,8 +74,8 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if ggml_type == Q4_0:
-        ggml_type, raw = Q4_1, q4_0_as_q4_1(raw)
+    if ggml_type in _AS_STORED:
+        ggml_type, raw = _AS_STORED[ggml_type](raw)
     nb = cols // 32
     blocks = raw.reshape(rows // _ROWS, _ROWS, nb, _BLOCK_BYTES[ggml_type]).transpose(1, 2)
     groups = blocks.shape[0]                                  # blocks: [G, nb, 16, bytes]
@@ -104,6 +107,38 @@ def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
         raise ValueError("Q4_0 scale too large for fp16 minimum (|d| > 8188)")
     out = torch.cat([blocks[..., 0:2], m.view(torch.uint8), blocks[..., 2:]], dim=2)
     return out.reshape(raw.shape[0], -1)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values: low nibbles (weights 0-15), then high (16-31)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [rows, nb * 22] (d, 4 bytes of fifth bits, 16 bytes of nibbles; a weight
+    is d * (q - 16), q in 0..31) as Q8_0 blocks [rows, nb * 34] (d, q - 16 as int8): the
+    same values, 34 bytes a block instead of 22."""
+    blocks = raw.reshape(raw.shape[0], -1, 22)
+    high = blocks[..., 2:6].contiguous().view(torch.int32)                   # [rows, nb, 1]
+    fifth = (high >> torch.arange(32, dtype=torch.int32)) & 1                 # [rows, nb, 32]
+    q = _nibbles(blocks[..., 6:]).to(torch.int32) | (fifth << 4)
+    codes = (q - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([blocks[..., 0:2], codes], dim=2).reshape(raw.shape[0], -1)
+
+
+def iq4_nl_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL blocks [rows, nb * 18] (d, 16 bytes of nibbles indexing IQ4_NL_LEVELS) as Q8_0
+    blocks (d, the levels as int8): the same values."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int8)
+    codes = levels[_nibbles(blocks[..., 2:]).long()].view(torch.uint8)
+    return torch.cat([blocks[..., 0:2], codes], dim=2).reshape(raw.shape[0], -1)
+
+
+# Types the kernels multiply as blocks of another type that holds the same values.
+_AS_STORED = {Q4_0: lambda raw: (Q4_1, q4_0_as_q4_1(raw)),
+              Q5_0: lambda raw: (Q8_0, q5_0_as_q8_0(raw)),
+              IQ4_NL: lambda raw: (Q8_0, iq4_nl_as_q8_0(raw))}
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

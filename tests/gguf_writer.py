@@ -72,11 +72,26 @@ def _to_gguf_tensor(name: str, w: torch.Tensor, arch: str, cfg: dict) -> np.ndar
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def quantize_iq4_nl(a: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 -> IQ4_NL blocks uint8 [rows, cols / 32 * 18] (gguf-py has no
+    quantizer for it): d = max |w| / 127 per 32 values (float16), each value the nearest of
+    d * level. Nibbles in GGML's order: values 0-15 low, 16-31 high."""
+    from pagewire.kernels.quant import IQ4_NL_LEVELS
+    levels = np.array(IQ4_NL_LEVELS, dtype=np.float32)
+    b = a.reshape(a.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(b).max(axis=-1, keepdims=True) / 127).astype(np.float16)
+    scaled = b / np.where(d == 0, 1, d.astype(np.float32))
+    idx = np.abs(scaled[..., None] - levels).argmin(axis=-1).astype(np.uint8)   # [r, nb, 32]
+    qs = idx[..., :16] | (idx[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(a.shape[0], -1)
+
+
 def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
                tokenizer_meta: dict, qtype: str = "F32",
                raw: dict[str, np.ndarray] | None = None) -> str:
     """Write `state` (Hugging Face names, a model config dict) as GGUF arch `arch`, with 2-D
-    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1) and 1-D ones as F32; `raw`
+    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL) and 1-D ones as
+    F32; `raw`
     adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
     import gguf
     from gguf.quants import quantize
@@ -96,7 +111,8 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
         elif kind in (gguf.GGMLQuantizationType.F16,):
             writer.add_tensor(gguf_name, a.astype(np.float16))
         else:
-            writer.add_tensor(gguf_name, quantize(a, kind), raw_dtype=kind)
+            blocks = quantize_iq4_nl(a) if qtype == "IQ4_NL" else quantize(a, kind)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
     for gguf_name, a in (raw or {}).items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
     writer.write_header_to_file()

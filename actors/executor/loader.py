@@ -59,10 +59,10 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                    roundings: dict[int, str] | None = None) -> int:
-    """Give each Linear whose stored tensors are all Q4_0, all Q4_1 or all Q8_0 blocks (a
-    GGUF file's, or those a quantized Hugging Face checkpoint's codes make:
-    checkpoint_formats.py) a quantized copy of its weight (kernels/quant.py) for steps of up
-    to `max_tokens` tokens; returns the bytes kept.
+    """Give each Linear whose stored tensors are blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0
+    or IQ4_NL; a GGUF file's, or those a quantized Hugging Face checkpoint's codes make
+    (checkpoint_formats.py) — a quantized copy of its weight (kernels/quant.py) for steps of
+    up to `max_tokens` tokens; returns the bytes kept.
     Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
     float32, the activation dtypes the kernels take. `lib`: the backend's native library;
     `roundings`: GGML type -> how its weights meet the activations (kernels/quant.py
@@ -94,7 +94,8 @@ def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, tuple[in
     """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
     if info.format == "gguf":
         return read_blocks(info.path, _gguf_header(info.path), names,
-                           {quant.Q4_0, quant.Q4_1, quant.Q8_0}, cfg.num_heads,
+                           {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.IQ4_NL},
+                           cfg.num_heads,
                            cfg.num_kv_heads)
     scheme = _hf_scheme(info.path)
     if scheme is None:

@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
 # --quantized-activations; a type not named multiplies them exactly.
 _Q4 = (quant.Q4_0, quant.Q4_1)
-ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, quant.Q8_0), "int16"),
+_Q8 = (quant.Q5_0, quant.Q8_0, quant.IQ4_NL)         # multiplied as Q8_0 blocks
+ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
              "int8": dict.fromkeys(_Q4, "int8"),
-             "int8-all": dict.fromkeys((*_Q4, quant.Q8_0), "int8")}
+             "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8")}
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -56,12 +56,13 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
     return write_gguf(out, "llama", state, cfg, meta, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL"])
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
     a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
-    file's blocks as stored (kernels/quant.py), prefill their dequantized copies."""
+    file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0 and IQ4_NL as
+    Q8_0 blocks of the same values; prefill their dequantized copies."""
     from transformers import AutoModelForCausalLM
     path = _gguf_from_hf_dir(tiny_llama("gqa2-d128"), str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256)

@@ -45,6 +45,27 @@ def test_q8_0_tile_layout(native_lib):
         assert [int(tile[16 * k + row]) for k in range(32)] == raw[row, 2:].tolist()
 
 
+def test_q5_0_and_iq4_nl_blocks_become_q8_0_blocks_of_the_same_values():
+    """Q5_0's d * (q - 16) and IQ4_NL's d * level are d times an int8: Q8_0 holds them
+    exactly, as gguf-py dequantizes both (IQ4_NL from random bytes: every nibble)."""
+    from tests.gguf_writer import quantize_iq4_nl
+    rng = np.random.default_rng(5)
+    raw, values = blocks_of(rng.standard_normal((4, 96)), "Q5_0")
+    iq = torch.from_numpy(rng.integers(0, 256, (4, 3 * 18), dtype=np.uint8))
+    iq.view(4, 3, 18)[..., 0:2] = torch.tensor([0x00, 0x2C], dtype=torch.uint8)  # d = 0.0625
+    kind = gguf.GGMLQuantizationType
+    for blocks, as_q8, q_kind in ((raw, quant.q5_0_as_q8_0(raw), kind.Q5_0),
+                                  (iq, quant.iq4_nl_as_q8_0(iq), kind.IQ4_NL)):
+        assert as_q8.shape == (4, 3 * 34)
+        again = gguf.quants.dequantize(as_q8.numpy(), kind.Q8_0)
+        theirs = gguf.quants.dequantize(blocks.numpy(), q_kind)
+        assert np.array_equal(again, theirs)
+    w = rng.standard_normal((2, 64)).astype(np.float32)
+    mine = quantize_iq4_nl(w)                    # the test writer's IQ4_NL: near the weights
+    back = gguf.quants.dequantize(mine, kind.IQ4_NL)
+    assert np.abs(back - w).max() <= np.abs(w).max() / 127 * 12
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])   # 13: a chunk of 8, then one of 5
 def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
