@@ -1,12 +1,13 @@
-"""The scheduler's record of one sequence."""
+"""The scheduler's record of one sequence, and whether a new request may queue."""
 from __future__ import annotations
 
 import enum
 import itertools
 
-from pagewire.wire.ids import SeqId
+from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import SamplingParams, stops_on
+from pagewire.wire.sampling import LogprobsChunk, SamplingParams, stops_on
+from pagewire.wire.to_scheduler import NewRequest
 
 _arrivals = itertools.count()
 
@@ -118,6 +119,26 @@ class Request:
         return (self.num_planned - self.num_draft_slots == self.target_len + self.num_placeholders
                 and not self.fork_leader and self.group is None)
 
+    @property
+    def output_ids(self) -> list[SeqId]:
+        """The ids the detokenizer and gateway know it by: its own, its beam group's, or a
+        fork leader's n outputs."""
+        if self.group is not None:
+            return self.group.output_ids
+        return output_ids(self.seq_id.req, self.sampling.num_outputs) if self.fork_leader \
+            else [self.seq_id]
+
+    def fresh_prompt_logprobs(self, chunk: LogprobsChunk) -> LogprobsChunk | None:
+        """The part of a step's prompt logprobs not sent before (a recomputed request computes
+        them again), marked sent; None if none. Called before num_computed advances: the chunk
+        covers prompt tokens num_computed + 1 onward."""
+        skip = max(0, self.num_prompt_logprobs_sent - (self.num_computed + 1))
+        if skip >= len(chunk.token_ids):
+            return None
+        self.num_prompt_logprobs_sent = self.num_computed + 1 + len(chunk.token_ids)
+        return LogprobsChunk(chunk.token_ids[skip:], chunk.logprobs[skip:],
+                             chunk.top_ids[skip:], chunk.top_logprobs[skip:])
+
     def reset_in_flight(self) -> None:
         """Forget the steps in flight (preempted or ended: their results are ignored)."""
         self.num_in_flight = self.num_placeholders = self.num_draft_slots = 0
@@ -172,3 +193,21 @@ class Request:
         child.num_drafts = child.num_draft_slots = child.draft_skips = 0
         child.draft_acceptance = 1.0
         return child
+
+
+def queue_refusal(msg: NewRequest, config,
+                  waiting: list[Request]) -> tuple[str, str] | None:
+    """(finish reason, error) for a request that can never run or finds the queue full;
+    `config`: the EngineConfig (max_model_len and the queue limits)."""
+    limit = config.max_model_len
+    if len(msg.prompt_token_ids) >= limit:
+        return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
+                         f"max_model_len={limit}")
+    max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+    if max_reqs is not None and len(waiting) >= max_reqs:
+        return "rejected", f"the queue is full ({max_reqs} requests waiting)"
+    if max_tokens is not None:
+        queued = sum(r.num_pending for r in waiting) + len(msg.prompt_token_ids)
+        if queued > max_tokens:
+            return "rejected", f"the queue is full (over {max_tokens} prompt tokens waiting)"
+    return None

@@ -30,7 +30,6 @@ from collections import OrderedDict
 import msgspec
 
 from pagewire.wire.ids import PROMPT, SeqId, output_ids
-from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
@@ -39,10 +38,11 @@ from ..config import EngineConfig
 from .beam import BeamGroup, extend_beam
 from .block_tables import BlockTables
 from .kv_manager import BlockManager
-from .request import Request, Status
+from .request import Request, Status, queue_refusal
 from .speculation import DraftPolicy
 
 _FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
+
 
 
 class Scheduler:
@@ -92,7 +92,7 @@ class Scheduler:
             for o in early:
                 del self.aborted_early[o]
             return [TokenDelta(o, [], "abort") for o in outputs]
-        refusal = self._refusal(msg)
+        refusal = queue_refusal(msg, self.config, self.waiting)
         if refusal:
             reason, error = refusal
             return [TokenDelta(o, [], reason, error) for o in outputs]
@@ -111,20 +111,6 @@ class Scheduler:
             self._count_prompt(req)
             self._fork(req)                            # (_finish takes it out of waiting)
         return []
-
-    def _refusal(self, msg: NewRequest) -> tuple[str, str] | None:
-        limit = self.config.max_model_len
-        if len(msg.prompt_token_ids) >= limit:
-            return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
-                             f"max_model_len={limit}")
-        max_reqs, max_tokens = self.config.max_num_queued_reqs, self.config.max_num_queued_tokens
-        if max_reqs is not None and len(self.waiting) >= max_reqs:
-            return "rejected", f"the queue is full ({max_reqs} requests waiting)"
-        if max_tokens is not None:
-            queued = sum(r.num_pending for r in self.waiting) + len(msg.prompt_token_ids)
-            if queued > max_tokens:
-                return "rejected", f"the queue is full (over {max_tokens} prompt tokens waiting)"
-        return None
 
     def abort(self, seq_ids: list[SeqId]) -> list[TokenDelta]:
         """End these output sequences (a beam search's or an unforked prompt's whole request,
@@ -147,15 +133,8 @@ class Scheduler:
 
     def abort_all(self) -> list[TokenDelta]:
         """End every request, by the output ids the detokenizer and gateway know."""
-        ids = dict.fromkeys(i for req in self.requests.values() for i in self._output_ids(req))
+        ids = dict.fromkeys(i for req in self.requests.values() for i in req.output_ids)
         return self.abort(list(ids))
-
-    @staticmethod
-    def _output_ids(req: Request) -> list[SeqId]:
-        if req.group is not None:
-            return req.group.output_ids
-        return output_ids(req.seq_id.req, req.sampling.num_outputs) if req.fork_leader \
-            else [req.seq_id]
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -318,7 +297,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:   # ended or preempted meanwhile
                 continue
             if result.prompt_logprobs and req.seq_id in result.prompt_logprobs:
-                deltas += self._prompt_logprobs(req, result.prompt_logprobs[req.seq_id])
+                fresh = req.fresh_prompt_logprobs(result.prompt_logprobs[req.seq_id])
+                if fresh is not None:
+                    deltas += [TokenDelta(i, [], prompt_logprobs=fresh) for i in req.output_ids]
             req.num_in_flight -= n
             req.num_computed += n - req.num_draft_slots    # drafts count once accepted
             self.tables.commit(req)
@@ -367,19 +348,6 @@ class Scheduler:
             self._finish(req)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
         return TokenDelta(req.seq_id, appended, reason, None, cum, logprobs)
-
-    def _prompt_logprobs(self, req: Request, chunk: LogprobsChunk) -> list[TokenDelta]:
-        """Forward prompt logprobs for positions not sent before (a recomputed request
-        computes them again), to every output sequence of the request. Called before
-        num_computed advances: the chunk covers prompt tokens num_computed + 1 onward."""
-        skip = max(0, req.num_prompt_logprobs_sent - (req.num_computed + 1))
-        if skip >= len(chunk.token_ids):
-            return []
-        fresh = LogprobsChunk(chunk.token_ids[skip:], chunk.logprobs[skip:],
-                              chunk.top_ids[skip:], chunk.top_logprobs[skip:])
-        req.num_prompt_logprobs_sent = req.num_computed + 1 + len(chunk.token_ids)
-        ids = self._output_ids(req)
-        return [TokenDelta(i, [], prompt_logprobs=fresh) for i in ids]
 
     def _fork(self, leader: Request) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first
@@ -435,7 +403,7 @@ class Scheduler:
         for req, _ in scheduled:
             if req.status is not Status.RUNNING:
                 continue
-            ids = self._output_ids(req)
+            ids = req.output_ids
             if req.group is not None:
                 self.abort(ids)
             else:
