@@ -21,7 +21,7 @@ import torch
 from pagewire.kernels import quant
 from pagewire.quant_config import Scheme
 
-from .gguf_weights import _q4_1, _q8_0
+from .gguf_weights import dequantize_rows
 
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]     # AWQ's nibble i holds column _AWQ_ORDER[i] of 8
 
@@ -154,9 +154,6 @@ def blocks_of(linear: IntLinear) -> tuple[int, torch.Tensor] | None:
     return quant.Q8_0, raw.reshape(n, -1)
 
 
-_BLOCK_BYTES = {quant.Q4_1: (20, _q4_1), quant.Q8_0: (34, _q8_0)}
-
-
 def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
     """One quantized linear's (float32 weight [N, K], its blocks or None); the weight is the
     blocks' values where there are blocks."""
@@ -166,9 +163,7 @@ def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Te
     blocks = blocks_of(linear)
     if blocks is None:
         return linear.values(), None
-    size, dequantize = _BLOCK_BYTES[blocks[0]]
-    values = dequantize(blocks[1].reshape(-1, size)).reshape(linear.codes.shape)
-    return values.float(), blocks
+    return dequantize_rows(*blocks), blocks
 
 
 def float_weights(weights: dict, s: Scheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -129,6 +129,14 @@ def read_tensor(data: np.ndarray, info: TensorInfo,
     return out.reshape(info.shape)
 
 
+def dequantize_rows(ggml_type: int, raw: torch.Tensor) -> torch.Tensor:
+    """Rows of GGML blocks, uint8 [rows, blocks x bytes] (a type this module dequantizes)
+    -> float32 [rows, blocks x block values]."""
+    _, block, type_size = GGML_TYPES[ggml_type]
+    values = _DEQUANT[ggml_type](raw.reshape(-1, type_size))
+    return values.reshape(raw.shape[0], raw.shape[1] // type_size * block)
+
+
 def _read_with_gguf(data: np.ndarray, info: TensorInfo) -> torch.Tensor:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize

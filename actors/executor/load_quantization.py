@@ -14,11 +14,9 @@ from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 
 from . import weight_cache
-from .gguf_weights import _q4_1, _q8_0
+from .gguf_weights import dequantize_rows
 
 MODES = ("none", "int8", "int4")
-_BYTES = {quant.Q8_0: 34, quant.Q4_1: 20}
-_DEQUANT = {quant.Q8_0: _q8_0, quant.Q4_1: _q4_1}
 
 
 def q8_0_blocks(w: torch.Tensor) -> torch.Tensor:
@@ -51,8 +49,7 @@ _BLOCKS = {quant.Q8_0: q8_0_blocks, quant.Q4_1: q4_1_blocks}
 def round_weight(w: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the blocks, the weight they hold as w's dtype)."""
     raw = _BLOCKS[ggml_type](w)
-    values = _DEQUANT[ggml_type](raw.reshape(-1, _BYTES[ggml_type]))
-    return raw, values.reshape(w.shape).to(w.dtype)
+    return raw, dequantize_rows(ggml_type, raw).to(w.dtype)
 
 
 def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict,
@@ -74,8 +71,7 @@ def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict,
             ggml = quant.Q8_0 if mode == "int8" or name == "lm_head" else quant.Q4_1
             if cached is not None and name in cached:
                 raw = cached[name]
-                values = _DEQUANT[ggml](raw.reshape(-1, _BYTES[ggml])).reshape(
-                    linear.weight.shape).to(linear.weight.dtype)
+                values = dequantize_rows(ggml, raw).to(linear.weight.dtype)
             else:
                 raw, values = round_weight(linear.weight, ggml)
             blocks[name] = raw

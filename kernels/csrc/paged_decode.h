@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -230,23 +231,28 @@ inline void online_softmax(float* scores, float* m, float* l, float* acc, int64_
 }
 
 // out [H, D] from `parts` softmax states (m [H], l [H], acc [H, D], `width` floats apart):
-// each part's sums rescaled to the largest maximum, then normalized.
+// each part's sums rescaled to the largest maximum, then normalized. acc: D floats of room.
 template <typename T>
 void merge_parts(T* out, const float* state, int64_t parts, int64_t width, int64_t H,
-                 int64_t D) {
+                 int64_t D, float* acc) {
   for (int64_t h = 0; h < H; ++h) {
-    float top = kNoScore;
-    for (int64_t p = 0; p < parts; ++p) top = std::max(top, state[p * width + h]);
-    float total = 0.f;
-    std::vector<float> acc(D, 0.f);
-    for (int64_t p = 0; p < parts; ++p) {
-      const float* part = state + p * width;
-      const float w = std::exp(part[h] - top);
-      total += part[H + h] * w;
-      axpy(acc.data(), w, part + 2 * H + h * D, D);
+    const float* sum = state + 2 * H + h * D;   // one part (the usual case): its own sums
+    float total = state[H + h];
+    if (parts > 1) {
+      float top = kNoScore;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, state[p * width + h]);
+      std::fill(acc, acc + D, 0.f);
+      total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* part = state + p * width;
+        const float w = std::exp(part[h] - top);
+        total += part[H + h] * w;
+        axpy(acc, w, part + 2 * H + h * D, D);
+      }
+      sum = acc;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
-    for (int64_t d = 0; d < D; ++d) from_float(acc[d] * inv, out + h * D + d);
+    for (int64_t d = 0; d < D; ++d) from_float(sum[d] * inv, out + h * D + d);
   }
 }
 
@@ -325,7 +331,8 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
     max_blocks = std::max(max_blocks, (context_lens[b] + bs - 1) / bs - first(b) / bs);
   const DecodeItems items(B, Hkv, max_blocks);
   const int64_t width = Hq * (D + 2);          // an item's m [H], l [H], acc [H, D]
-  std::vector<float> state(items.count(B) * width);
+  // Each item sets its own state first: left uninitialized here.
+  const std::unique_ptr<float[]> state(new float[items.count(B) * width]);
   auto fn = D == 64 ? attend_range<T, C, 64> : D == 128 ? attend_range<T, C, 128>
                                                         : attend_range<T, C, 0>;
   at::parallel_for(0, items.count(B), 1, [&](int64_t begin, int64_t end) {
@@ -337,7 +344,7 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
       const int64_t nblk = (context_lens[b] + bs - 1) / bs - b0;
       const int64_t lo = std::max(first(b), (b0 + p * nblk / items.parts) * bs);
       const int64_t hi = std::min(context_lens[b], (b0 + (p + 1) * nblk / items.parts) * bs);
-      float* m = state.data() + item * width;
+      float* m = state.get() + item * width;
       std::fill(m, m + H, kNoScore);
       std::fill(m + H, m + 2 * H + H * D, 0.f);
       if (lo < hi)
@@ -346,12 +353,13 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
     }
   });
   at::parallel_for(0, B * items.splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
     for (int64_t bs_item = begin; bs_item < end; ++bs_item) {
       const int64_t split = bs_item % items.splits, b = bs_item / items.splits;
       const int64_t h0 = split * Hkv / items.splits;
       const int64_t H = ((split + 1) * Hkv / items.splits - h0) * G;
-      merge_parts(out + b * out_stride + h0 * G * D, state.data() + bs_item * items.parts * width,
-                  items.parts, width, H, D);
+      merge_parts(out + b * out_stride + h0 * G * D, state.get() + bs_item * items.parts * width,
+                  items.parts, width, H, D, acc.data());
     }
   });
 }

@@ -83,7 +83,8 @@ def test_the_encoders_reproduce_the_default_ggufs_own_blocks():
     block layouts (scale, minimum, nibble order) are GGML's, and each block's scale (and
     minimum) comes back from its own values."""
     from pagewire.executor.gguf_weights import read_blocks
-    from pagewire.executor.load_quantization import _BLOCKS, _BYTES, _DEQUANT
+    from pagewire.executor.gguf_weights import dequantize_rows
+    from pagewire.executor.load_quantization import _BLOCKS
     from pagewire.gguf_header import read_gguf_header
     from pagewire.model_info import resolve_model
     info = resolve_model(None)
@@ -93,7 +94,7 @@ def test_the_encoders_reproduce_the_default_ggufs_own_blocks():
                          {quant.Q4_1, quant.Q8_0}, info.num_heads, info.num_kv_heads)
     assert {t for t, _ in blocks.values()} == {quant.Q4_1, quant.Q8_0}
     for name, (ggml, raw) in blocks.items():
-        values = _DEQUANT[ggml](raw.reshape(-1, _BYTES[ggml])).reshape(raw.shape[0], -1)
+        values = dequantize_rows(ggml, raw)
         assert torch.equal(_BLOCKS[ggml](values), raw), name
 
 
