@@ -83,6 +83,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_prefix_caching: bool = True
     swap_space: int = 0                      # bytes of host-memory KV tier for preemption
     preemption_mode: str = "auto"            # auto (swap if it fits, else recompute) | recompute | swap
+    kv_offload_dir: str | None = None        # the disk KV tier's directory; None: no tier
+    kv_offload_size: int = 4 * 2**30         # its bound in bytes (all ranks' files together)
     scheduling_policy: str = "fcfs"          # fcfs | priority (lower `priority` first)
     max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
@@ -132,6 +134,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model_info: ModelInfo | None = None
     draft_model_info: ModelInfo | None = None    # speculative method draft_model's
     num_host_blocks: int = 0
+    num_tier_blocks: int = 0                 # blocks the disk tier holds at most
+    kv_block_bytes: int = 0                  # one block's K/V over all layers and ranks
     backend: str = ""                        # executor 0's, as it reported it (gateway metric)
 
     def resolve(self) -> "EngineConfig":
@@ -178,6 +182,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         host_blocks = self.swap_space // per_block
         if self.preemption_mode == "swap" and host_blocks == 0:
             raise ValueError("preemption_mode swap needs --swap-space")
+        tier_blocks = self._check_tier(per_block)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
@@ -189,7 +194,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         return msgspec.structs.replace(
             self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
             num_kv_blocks=num_blocks,
-            num_host_blocks=host_blocks, served_model_name=self.served_model_name or info.name,
+            num_host_blocks=host_blocks, num_tier_blocks=tier_blocks, kv_block_bytes=per_block, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling())
 
@@ -214,6 +219,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"the draft model's context ({draft.max_model_len} tokens) is "
                              f"shorter than max_model_len={max_len}")
         return draft
+
+    def _check_tier(self, per_block: int) -> int:
+        """Blocks the disk tier may hold (0: no tier)."""
+        if self.kv_offload_dir is None:
+            return 0
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offload-dir keeps prefix-cache blocks: it needs prefix caching")
+        blocks = self.kv_offload_size // per_block
+        if blocks < 1:
+            raise ValueError(f"--kv-offload-size {self.kv_offload_size} bytes holds no block "
+                             f"({per_block} bytes each)")
+        return blocks
 
     def _check_chat(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -26,11 +26,12 @@ from pagewire.wire.to_gateway import RequestFailed, TextDeltas
 from pagewire.wire.to_scheduler import Abort, NewRequest
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest
 
+from . import kv_tier_files
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .executor.runner import ModelRunner
 from .hf_tokenizer import load_tokenizer
-from .lora_files import LoRARequest, read_adapter
+from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
 from .tokenizer import RequestTokenizer
 
@@ -68,7 +69,8 @@ class LLM:
     def __init__(self, model: str | None = None, **options):
         self.config = msgspec.convert(dict(options, model=model), EngineConfig).resolve()
         self.tokenizer = load_tokenizer(self.config.model_info)
-        core, self.detokenizer = SchedulerCore(self.config), Detokenizer(self.tokenizer)
+        core = SchedulerCore(self.config, tier_present=kv_tier_files.present(self.config))
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
                       "scheduler": core, "detokenizer": self.detokenizer}
         self.core, self.scheduler = core, core.sched
@@ -150,7 +152,7 @@ class LLM:
         if key not in self._loras:
             read_adapter(request.lora_path, self.config.model_info, self.config.max_lora_rank)
             self._loras[key] = LoraRef(request.lora_name, len(self._loras) + 1,
-                                       request.lora_path)
+                                       request.lora_path, adapter_digest(request.lora_path))
         return self._loras[key]
 
     def abort(self, req_id: str) -> None:
@@ -170,9 +172,12 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it. With async
         scheduling the step after it is already submitted when this one's result is applied."""
-        while (plan := self.core.plan()) is not None:
-            self._steps.append(self._executor.submit(self.runner.execute, plan))
-        if not self._steps:
+        for _ in range(2):     # a schedule that only preempted plans nothing: plan again
+            while (plan := self.core.plan()) is not None:
+                self._steps.append(self._executor.submit(self.runner.execute, plan))
+            if self._steps:
+                break
+        else:
             raise RuntimeError("scheduler has unfinished requests but nothing to run")
         self._apply_oldest_step()
         finished, self._finished = self._finished, []

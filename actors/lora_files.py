@@ -8,6 +8,7 @@ scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -67,6 +68,18 @@ def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     shapes = _tensor_shapes(path, info, rank)
     return AdapterFile(path, rank, float(scale), shapes)
+
+
+def adapter_digest(path: str) -> str:
+    """The adapter's content, hashed: what its prefix-cache blocks are salted with, so blocks
+    kept past a restart (the disk KV tier) are found again by the same adapter only."""
+    digest = hashlib.sha256()
+    for name in (CONFIG, WEIGHTS):
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
 
 
 def _config(path: str) -> dict:

@@ -86,6 +86,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("swap_space", "host-memory KV tier for preemption, GiB (or `512MiB`)", parse=gib),
         Option("preemption_mode", "`auto` (swap when the host tier has room, else recompute), "
                "`recompute`, `swap`", choices=("auto", "recompute", "swap")),
+        Option("kv_offload_dir", "a disk KV tier in DIR: every computed block is stored there, "
+               "a prefix missing from the pool is loaded from it, and it outlives restarts "
+               "(see \"KV tier on disk\")", "off", decides_outputs=False),
+        Option("kv_offload_size", "the disk tier's bound (`20GiB`, ...); least recently used "
+               "blocks go first", "4GiB", parse=parse_bytes, decides_outputs=False),
     ),
     "scheduler": (
         Option("max_num_seqs", "most requests running at once"),
@@ -218,9 +223,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
 OPTIONS: tuple[Option, ...] = tuple(o for group in GROUPS.values() for o in group)
 BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 # Fields resolve() derives, never set by hand.
-DERIVED = ("model_info", "draft_model_info", "num_host_blocks", "run_dir", "backend")
+DERIVED = ("model_info", "draft_model_info", "num_host_blocks", "num_tier_blocks", "kv_block_bytes",
+           "run_dir", "backend")
 DIGESTED = frozenset(f for f in EngineConfig.__struct_fields__
-                     if f in DERIVED and f not in ("run_dir", "backend")
+                     if f in DERIVED and f not in ("run_dir", "backend", "num_tier_blocks",
+                                                   "kv_block_bytes")
                      or f in BY_FIELD and BY_FIELD[f].decides_outputs)
 _DEFAULTS = EngineConfig()
 

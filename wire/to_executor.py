@@ -34,12 +34,29 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
     new_token_ids: list[int] = []   # tokens the scheduler chose (beam search) to append first
 
 
+class KvLoad(msgspec.Struct, array_like=True, gc=False):
+    """Blocks of one waiting sequence to fill from the disk tier, in table order."""
+    seq_id: SeqId
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+class TierWork(msgspec.Struct, array_like=True, gc=False):
+    """The disk KV tier's part of a step, in this order: store the content of `store_ids`
+    (committed blocks: no step changes their bytes again) under `store_hashes`, fill the
+    `loads`' blocks, delete the files of `drops` (beyond the tier's size)."""
+    store_ids: list[int] = []
+    store_hashes: list[bytes] = []
+    loads: list[KvLoad] = []
+    drops: list[bytes] = []
+
+
 class StepPlan(msgspec.Struct, tag=True, gc=False):
     """Invariant: a sequence appears at most once in new + running. Before the step runs the
     executor drops the state of the `finished` ids (ended: done or aborted) and of the
-    `preempted` ones (they come back later as a NewSeq), then copies blocks: `swap_out`
-    [device, host] pairs, then `swap_in` [host, device], then `copies` [src, dst] device pairs
-    (copy-on-write)."""
+    `preempted` ones (they come back later as a NewSeq), does the `tier` work (before any
+    block is written), then copies blocks: `swap_out` [device, host] pairs, then `swap_in`
+    [host, device], then `copies` [src, dst] device pairs (copy-on-write)."""
     step_id: int
     new: list[NewSeq]
     running: list[RunSeq]
@@ -48,6 +65,7 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
     swap_out: list[list[int]] = []
     swap_in: list[list[int]] = []
     preempted: list[SeqId] = []
+    tier: TierWork | None = None
 
 
 ExecutorInbox = StepPlan

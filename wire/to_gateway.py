@@ -85,6 +85,14 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     spec_accepted_per_pos: list[int] = []  # accepted at draft position i (cumulative)
     running_loras: list[str] = []         # the adapters of running / waiting sequences
     waiting_loras: list[str] = []
+    external_prefix_cache_queries: int = 0   # disk tier: tokens looked up there (cumulative)
+    external_prefix_cache_hits: int = 0      # of which loaded
+    kv_offload_stores: int = 0               # blocks written, read back, failed to read back
+    kv_offload_loads: int = 0
+    kv_offload_load_failures: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_blocks: int = 0               # blocks it holds now
 
 
 GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply | EngineEvent

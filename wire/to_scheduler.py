@@ -39,7 +39,9 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     not theirs to append. Speculative decoding: `extra_token_ids` holds the tokens a row
     produced after its first (drafts verified, then the first token that differed), and
     `num_drafts` how many draft tokens the executor now holds for a sequence;
-    `extra_logprobs` the extra tokens' log-probabilities where logprobs were asked."""
+    `extra_logprobs` the extra tokens' log-probabilities where logprobs were asked.
+    `kv_loaded`: of each KvLoad in the plan's tier work, how many leading blocks arrived
+    whole (on every rank); the rest are to be computed."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -52,6 +54,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     extra_token_ids: dict[SeqId, list[int]] | None = None
     extra_logprobs: dict[SeqId, LogprobsChunk] | None = None   # theirs, when rows asked
     num_drafts: dict[SeqId, int] | None = None
+    kv_loaded: dict[SeqId, int] | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

@@ -72,6 +72,12 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def smallest(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise minimum of every rank's x, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return x
+
     def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Vocab-parallel lookup: weight [V_local, H], ids [T] -> [T, H] on every rank."""
         if self.size == 1:

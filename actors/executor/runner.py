@@ -22,10 +22,12 @@ from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
+from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
+from .kv_tier import DiskTier
 from .load_quantization import quantize_linears
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
@@ -104,6 +106,8 @@ class ModelRunner:
         # What swaps and copy-on-write move: every layer's cache, a draft model's too.
         draft_device, draft_host = self.drafter.own_caches() if self.drafter else ([], [])
         self.all_caches = (self.kv_caches + draft_device, self.host_caches + draft_host)
+        self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
+                             self.all_caches[0], self.tp) if config.kv_offload_dir else None
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -159,9 +163,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         order = self.table.apply(plan)
+        loaded = self.tier.run(plan.tier) if plan.tier is not None else None
         self._copy_blocks(plan)
-        if not order:             # every row was of sequences that stopped (pipelined steps)
-            return StepResult(plan.step_id, [], [])
+        if not order:             # only disk-tier work, or every row's sequence stopped
+            return StepResult(plan.step_id, [], [], kv_loaded=loaded)
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
         if to_draft:              # methods self, draft_model: a model drafts now
             self.drafter.fill(to_draft)
@@ -171,7 +176,8 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, batch, lora)              # [T, H]
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
-        result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [])
+        result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [],
+                            kv_loaded=loaded)
         spans = spans_of(rows)
         if spans:
             result.prompt_logprobs = prompt_logprobs(self.model, hidden, spans)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from pagewire.wire.lora import LoraRef
 
-from ..lora_files import InvalidAdapter, parse_module, read_adapter
+from ..lora_files import InvalidAdapter, adapter_digest, parse_module, read_adapter
 from .protocol import ApiError, decode_body
 
 
@@ -39,7 +39,7 @@ class LoraRoutes:
         self.ids = itertools.count(1)
         self.adapters: dict[str, LoraRef] = {}
         for name, path in map(parse_module, self.config.lora_modules):   # checked at start
-            self.adapters[name] = LoraRef(name, next(self.ids), path)
+            self.adapters[name] = LoraRef(name, next(self.ids), path, adapter_digest(path))
 
     def routes(self) -> list:
         return [web.post("/v1/load_lora_adapter", self.load),
@@ -83,7 +83,8 @@ class LoraRoutes:
             read_adapter(path, self.config.model_info, self.config.max_lora_rank)
         except InvalidAdapter as e:
             raise ApiError(400, str(e), "lora_path") from None
-        self.adapters[body.lora_name] = LoraRef(body.lora_name, next(self.ids), path)
+        self.adapters[body.lora_name] = LoraRef(body.lora_name, next(self.ids), path,
+                                                adapter_digest(path))
         return web.json_response({"message": f"Success: LoRA adapter '{body.lora_name}' "
                                              "added successfully."})
 

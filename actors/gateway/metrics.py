@@ -106,7 +106,25 @@ class GatewayMetrics:
                                          "Number of draft tokens."),
             "spec_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
                                             "Number of accepted tokens."),
+            "external_prefix_cache_queries": counter(
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache (the disk KV tier) queries, in tokens."),
+            "external_prefix_cache_hits": counter(
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache (the disk KV tier) hits, in tokens."),
+            "kv_offload_stores": counter("pagewire:kv_offload_stores",
+                                         "KV blocks written to the disk tier."),
+            "kv_offload_loads": counter("pagewire:kv_offload_loads",
+                                        "KV blocks planned to load from the disk tier."),
+            "kv_offload_load_failures": counter(
+                "pagewire:kv_offload_load_failures",
+                "Disk tier loads that found a block missing or damaged (recomputed)."),
+            "kv_offload_bytes_stored": counter("pagewire:kv_offload_stored_bytes",
+                                               "Bytes of K/V written to the disk tier."),
+            "kv_offload_bytes_loaded": counter("pagewire:kv_offload_loaded_bytes",
+                                               "Bytes of K/V loaded from the disk tier."),
         }
+        self.tier_blocks = gauge("pagewire:kv_offload_blocks", "KV blocks in the disk tier.")
         self.accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", names + ["position"], registry=r)
@@ -235,6 +253,7 @@ class GatewayMetrics:
         self.num_running.set(msg.num_running)
         self.num_waiting.set(msg.num_waiting)
         self.kv_usage.set(msg.kv_cache_usage)
+        self.tier_blocks.set(msg.kv_offload_blocks)
         for name, counter in self.counters.items():
             value = getattr(msg, name)
             counter.inc(max(0, value - self.last_counts[name]))

@@ -24,6 +24,7 @@ from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import SchedulerStats
 from pagewire.wire.to_scheduler import AbortAll, SchedulerInbox, StepResult
 
+from .. import kv_tier_files
 from .core import SchedulerCore
 from .scheduler import Scheduler
 
@@ -125,7 +126,8 @@ class StatsReporter:
             spec_draft_tokens=s.drafts.num_draft_tokens,
             spec_accepted_tokens=s.drafts.num_accepted_tokens,
             spec_accepted_per_pos=list(s.drafts.accepted_per_pos),
-            running_loras=_adapters(s.running), waiting_loras=_adapters(s.waiting))
+            running_loras=_adapters(s.running), waiting_loras=_adapters(s.waiting),
+            **_tier_stats(tables, s.config))
 
     def step_running_for(self) -> float:
         """How long the executor has been on its current step (0.0: no step in flight)."""
@@ -170,7 +172,7 @@ class SchedulerLoop:
 
     def __init__(self, env):
         self.env = env
-        self.core = SchedulerCore(env.config)
+        self.core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
         self.inbox = env.pull("scheduler", SchedulerInbox)
         self.executors = [env.push("executor-0")]
         self.pushes = {"detokenizer": env.push("detokenizer")}
@@ -204,6 +206,18 @@ def run(env) -> None:
     loop = SchedulerLoop(env)
     env.ready()
     loop.run()
+
+
+def _tier_stats(tables, config) -> dict[str, int]:
+    tier = tables.tier
+    if tier is None:
+        return {}
+    size, bs = config.kv_block_bytes, config.block_size
+    return dict(external_prefix_cache_queries=tables.tier_queries,
+                external_prefix_cache_hits=tier.hits * bs, kv_offload_stores=tier.stores,
+                kv_offload_loads=tier.loads, kv_offload_load_failures=tier.failures,
+                kv_offload_bytes_stored=tier.stores * size,
+                kv_offload_bytes_loaded=tier.hits * size, kv_offload_blocks=len(tier))
 
 
 def _adapters(requests) -> list[str]:

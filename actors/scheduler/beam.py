@@ -2,8 +2,8 @@
 
 A BeamGroup holds the live beams of one request (each a scheduler Request sharing blocks with
 its siblings) and the finished hypotheses. The scheduler calls choose() once every live beam
-has its candidates (the executor's top 2*width tokens), then forks, extends and frees beams
-accordingly.
+has its candidates (the executor's top 2*width tokens): advance() extends, forks and drops
+beams, and the scheduler adopts the forks and ends the dropped.
 """
 from __future__ import annotations
 
@@ -56,6 +56,26 @@ class BeamGroup:
                 continue
             chosen.append((beam, token, cum))
         return chosen
+
+    def advance(self, stop_ids: frozenset[int]) -> tuple[list[Request], list[Request]]:
+        """Keep the best `width` continuations: a beam chosen once is extended, one chosen
+        more often forks (the forks extended too), one not chosen drops out. Returns (the
+        forks, for the caller to adopt; the beams dropped, for it to end); `live` becomes
+        the extended beams."""
+        chosen = self.choose(stop_ids)
+        live, forks, dropped = [], [], []
+        for beam in self.live:
+            picks = [(tok, cum) for b, tok, cum in chosen if b is beam]
+            if not picks:
+                dropped.append(beam)
+                continue
+            for token, cum in picks[1:]:
+                child = beam.fork(self.new_id(), beam.sampling)
+                forks.append(child)
+                live.append(extend_beam(child, token, cum))
+            live.append(extend_beam(beam, *picks[0]))
+        self.live = live
+        return forks, dropped
 
     def retire_full_length(self) -> list[Request]:
         """Live beams that reached max_tokens become finished hypotheses; returns them."""

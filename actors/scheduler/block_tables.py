@@ -1,17 +1,20 @@
 """Request-level KV memory operations on top of the block managers: grow a table (with
-copy-on-write of a shared block), map a cached prefix, commit full blocks, fork, release, and
-swap to and from the host tier. The device copies these imply are collected here and handed
-to the next StepPlan by take_copies()."""
+copy-on-write of a shared block), map a cached prefix (from the pool, then the disk tier),
+commit full blocks (and store them in the disk tier), fork, release, and swap to and from the
+host tier. The device copies these imply are collected here and handed to the next StepPlan by
+take_copies(), the disk tier's work by tier.take_work()."""
 from __future__ import annotations
 
 from .kv_manager import BlockManager, block_hashes
+from .kv_tier import TierIndex
 from .request import Request
 
 
 class BlockTables:
     def __init__(self, device: BlockManager, host: BlockManager | None,
-                 sliding_window: int | None = None, kv_cache_dtype: str = "auto"):
-        self.device, self.host = device, host
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 tier: TierIndex | None = None):
+        self.device, self.host, self.tier = device, host, tier
         # What the blocks hold (its K/V storage) roots every hash chain: blocks of another
         # KV dtype (a disk tier's, another engine's) never match.
         self.root = f"kv={kv_cache_dtype}"
@@ -22,6 +25,17 @@ class BlockTables:
         self.swaps_in: list[list[int]] = []    # [host, device]
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
+        self.tier_queries = 0                  # tokens then looked up in the disk tier
+
+    @classmethod
+    def of(cls, config, tier_present: list[bytes] | None = None) -> "BlockTables":
+        """The device pool, host tier and disk tier index an EngineConfig asks for."""
+        device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
+            if config.num_host_blocks else None
+        tier = TierIndex(config.num_tier_blocks, tier_present or []) \
+            if config.kv_offload_dir else None
+        return cls(device, host, config.model_info.sliding_window, config.kv_cache_dtype, tier)
 
     def take_copies(self) -> tuple[list, list, list]:
         out = (self.copies, self.swaps_out, self.swaps_in)
@@ -46,13 +60,14 @@ class BlockTables:
         req.block_ids += self.device.allocate(need)
         return True
 
-    def map_cached_prefix(self, req: Request) -> None:
+    def map_cached_prefix(self, req: Request) -> bool:
         """For a request holding no blocks: map the longest cached prefix of its tokens. At
         least one token is always left to compute (the step that samples needs it), so a
         block holding the last token is never mapped. Undo with release() if the request
-        cannot be admitted after all."""
+        cannot be admitted after all. True when blocks after those were found in the disk
+        tier: fresh blocks are allocated for them and a load planned; req waits for it."""
         if req.sampling.prompt_logprobs is not None:
-            return        # every prompt position must be computed for its logprobs
+            return False  # every prompt position must be computed for its logprobs
         self.update_hashes(req)
         limit = (req.target_len - 1) // self.block_size
         hits = self.device.lookup(req.block_hashes[:limit])
@@ -63,6 +78,29 @@ class BlockTables:
             self.device.acquire(hits)
             req.block_ids, req.num_committed = hits, len(hits)
             req.num_computed = len(hits) * self.block_size
+        return self._load_from_tier(req, req.block_hashes[len(hits):limit])
+
+    def _load_from_tier(self, req: Request, wanted: list[bytes]) -> bool:
+        """Plan loading the blocks of `wanted` the tier holds, with the rest of req's table
+        allocated at once: a sequence that waited for its prefix must not then wait for
+        room (nor hold blocks others need while it does). No load if that does not fit."""
+        if self.tier is None or not wanted:
+            return False
+        self.tier_queries += len(wanted) * self.block_size
+        found = self.tier.lookup(wanted)
+        rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + len(found))
+        if not found or len(found) + rest > self.device.num_free:
+            return False
+        fresh = self.device.allocate(len(found) + rest)
+        req.block_ids = req.block_ids + fresh
+        self.tier.load(req.seq_id, fresh[:len(found)], found)
+        return True
+
+    def loaded(self, req: Request, num_ok: int) -> None:
+        """req's tier load filled the first num_ok of the blocks after its computed ones:
+        count them computed and register them in the pool."""
+        req.num_computed += num_ok * self.block_size
+        self.commit(req)
 
     def update_hashes(self, req: Request) -> None:
         full = len(req.token_ids) // self.block_size
@@ -79,6 +117,8 @@ class BlockTables:
         self.update_hashes(req)
         for i in range(req.num_committed, full):
             self.device.commit(req.block_ids[i], req.block_hashes[i])
+            if self.tier is not None:
+                self.tier.store(req.block_ids[i], req.block_hashes[i])
         req.num_committed = full
 
     def share(self, child: Request) -> None:

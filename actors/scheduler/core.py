@@ -25,8 +25,9 @@ from .scheduler import Scheduler
 
 
 class SchedulerCore:
-    def __init__(self, config: EngineConfig, depth: int | None = None):
-        self.sched = Scheduler(config)
+    def __init__(self, config: EngineConfig, depth: int | None = None,
+                 tier_present: list[bytes] | None = None):
+        self.sched = Scheduler(config, tier_present)
         self.depth = depth or (2 if config.async_scheduling else 1)   # plans in flight, at most
         self.in_flight: deque[StepPlan] = deque()
         # Set when planning found nothing to run while a plan is in flight: only a message

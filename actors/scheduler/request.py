@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import itertools
 
+import msgspec
+
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import LogprobsChunk, SamplingParams, stops_on
+from pagewire.wire.to_executor import NewSeq, RunSeq
 from pagewire.wire.to_scheduler import NewRequest
 
 _arrivals = itertools.count()
@@ -16,6 +19,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"      # preempted to the host tier: blocks held there, not on the device
+    LOADING = "loading"      # waiting for blocks of its prefix from the disk tier
     FINISHED = "finished"
 
 
@@ -56,8 +60,10 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         self.priority, self.lora = priority, lora
-        # An adapter's blocks are its own: its load id (a reload gets a new one) salts them.
-        self.cache_salt = cache_salt if lora is None else f"{cache_salt or ''}\x00lora{lora.id}"
+        # An adapter's blocks are its own: its content digest salts them (its load id where
+        # no digest was taken).
+        self.cache_salt = cache_salt if lora is None else \
+            f"{cache_salt or ''}\x00lora{lora.digest or lora.id}"
         self.order = next(_arrivals)          # ties in (priority, order) break by arrival
         self.status = Status.WAITING
         self.num_computed = 0
@@ -139,6 +145,24 @@ class Request:
         return LogprobsChunk(chunk.token_ids[skip:], chunk.logprobs[skip:],
                              chunk.top_ids[skip:], chunk.top_logprobs[skip:])
 
+    def send_planned(self) -> NewSeq | RunSeq:
+        """What a plan carries for this scheduled sequence: all of it the first time (and after
+        a preemption), else only the blocks added since; its scheduled tokens are then in
+        flight."""
+        if self.on_executor:
+            offset = self.num_blocks_sent
+            entry = RunSeq(self.seq_id, self.num_scheduled, offset, self.block_ids[offset:],
+                           self.new_token_ids)
+        else:
+            self.on_executor = True
+            entry = NewSeq(self.seq_id, list(self.token_ids), self.num_prompt_tokens,
+                           self.num_computed, self.num_scheduled, list(self.block_ids),
+                           self.sampling, self.lora)
+        self.num_blocks_sent, self.new_token_ids = len(self.block_ids), []
+        self.num_in_flight += self.num_scheduled
+        self.num_placeholders += self.samples_when_planned
+        return entry
+
     def reset_in_flight(self) -> None:
         """Forget the steps in flight (preempted or ended: their results are ignored)."""
         self.num_in_flight = self.num_placeholders = self.num_draft_slots = 0
@@ -178,6 +202,17 @@ class Request:
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
              "num_drafts", "num_draft_slots", "draft_acceptance", "draft_skips",
              "num_placeholders")   # the fork's own (forks happen with nothing in flight)
+
+    def output_forks(self) -> list["Request"]:
+        """A computed prompt's sequences (n, or best_of to choose from), each with its own
+        seed (seed + j: seeded outputs are reproducible one by one)."""
+        s, forks = self.sampling, []
+        for j, child_id in enumerate(output_ids(self.seq_id.req, s.num_sequences)):
+            seed = None if s.seed is None else (s.seed + j) % 2**63
+            logprobs = s.logprobs if s.best_of is None else max(s.logprobs or 0, 0)
+            forks.append(self.fork(child_id, msgspec.structs.replace(
+                s, n=1, best_of=None, seed=seed, logprobs=logprobs)))
+        return forks
 
     def fork(self, seq_id: SeqId, sampling: SamplingParams) -> "Request":
         """A sequence with this one's tokens and blocks (the caller takes block references)."""

@@ -2,7 +2,9 @@
 
 Each step, schedule() picks which tokens of which sequences run under one token budget shared
 by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
-arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached.
+arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
+in the pool, then in the disk tier (blocks found there are loaded by the next step while the
+request waits, LOADING, with its whole table allocated; block_tables.py).
 When blocks run out, the last running sequence in that order is preempted: swapped to the host
 tier when the policy allows and it fits, else recomputed (freed, requeued, prefilled again,
 cheaply when its blocks are still cached). update() applies a StepResult: appends sampled
@@ -27,39 +29,33 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 
-import msgspec
-
 from pagewire.wire.ids import PROMPT, SeqId, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
-from pagewire.wire.to_executor import NewSeq, RunSeq, StepPlan
+from pagewire.wire.to_executor import KvLoad, NewSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 
 from ..config import EngineConfig
-from .beam import BeamGroup, extend_beam
+from .beam import BeamGroup
 from .block_tables import BlockTables
-from .kv_manager import BlockManager
 from .request import Request, Status, queue_refusal
 from .speculation import DraftPolicy
 
 _FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 
 
-
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tier_present: list[bytes] | None = None):
+        """tier_present: the block hashes the disk tier held at start (kv_tier_files.scan)."""
         self.config = config
-        device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
-            if config.num_host_blocks else None
-        self.tables = BlockTables(device, host, config.model_info.sliding_window,
-                                  config.kv_cache_dtype)
-        self.kv = device
+        self.tables = BlockTables.of(config, tier_present)
+        self.kv = self.tables.device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
         self.requests: dict[SeqId, Request] = {}   # every live sequence, by its id
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
+        self.loading: dict[SeqId, Request] = {}  # waiting for blocks from the disk tier
         # step id -> its plan's sequences with the tokens each was scheduled for
         self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
@@ -75,7 +71,11 @@ class Scheduler:
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to plan: sequences, or disk-tier work (the last blocks a finished
+        request committed are stored by a plan of their own)."""
+        tier = self.tables.tier
+        return bool(self.waiting or self.running or self.loading
+                    or tier is not None and tier.has_work())
 
     def kv_cache_usage(self) -> float:
         """Fraction of device KV blocks held by sequences (free cached blocks count as free)."""
@@ -146,27 +146,20 @@ class Scheduler:
         scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
             scheduled += self._admit_waiting(budget)
-        if not scheduled:
+            if not scheduled and self._release_waiting_blocks():
+                scheduled += self._admit_waiting(budget)
+        tier = self.tables.tier.take_work() if self.tables.tier is not None else None
+        if not scheduled and tier is None:
             return None
         self.step_id += 1
         self.in_flight[self.step_id] = [(req, req.num_scheduled) for req in scheduled]
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
-                        self.preempted_ids)
+                        self.preempted_ids, tier)
         self.to_drop, self.preempted_ids = [], []
         for req in scheduled:
-            if req.on_executor:
-                offset = req.num_blocks_sent
-                plan.running.append(RunSeq(req.seq_id, req.num_scheduled, offset,
-                                           req.block_ids[offset:], req.new_token_ids))
-            else:
-                req.on_executor = True
-                plan.new.append(NewSeq(req.seq_id, list(req.token_ids), req.num_prompt_tokens,
-                                       req.num_computed, req.num_scheduled, list(req.block_ids),
-                                       req.sampling, req.lora))
-            req.num_blocks_sent, req.new_token_ids = len(req.block_ids), []
-            req.num_in_flight += req.num_scheduled
-            req.num_placeholders += req.samples_when_planned
+            entry = req.send_planned()
+            (plan.new if isinstance(entry, NewSeq) else plan.running).append(entry)
         return plan
 
     def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
@@ -210,8 +203,10 @@ class Scheduler:
                     break
                 req.status = Status.WAITING    # blocks back on the device; first in line
             fresh = not req.block_ids
-            if fresh:
-                self.tables.map_cached_prefix(req)
+            if fresh and self.tables.map_cached_prefix(req):   # it waits for the disk tier
+                self.waiting.pop(i)
+                req.status, self.loading[req.seq_id] = Status.LOADING, req
+                continue
             n = req.num_pending
             if n > budget and not self.config.enable_chunked_prefill:
                 n = 0
@@ -232,6 +227,18 @@ class Scheduler:
             admitted.append(req)
             budget -= n
         return admitted
+
+    def _release_waiting_blocks(self) -> bool:
+        """Nothing runs or will: if waiting sequences hold device blocks (loaded from the disk
+        tier, swapped in) that the first in line needs, they give them back (and recompute
+        from the prefix cache) rather than wait on each other forever."""
+        if self.running or self.in_flight or self.loading:
+            return False
+        holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
+        for req in holders:
+            self.tables.release(req)
+            req.num_computed = 0
+        return bool(holders)
 
     def _make_room_for_priority(self) -> None:
         """Under the priority policy, preempt running sequences of lower priority than the
@@ -273,6 +280,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (Status.WAITING, Status.SWAPPED):
             self.waiting.remove(req)
+        elif req.status is Status.LOADING:
+            del self.loading[req.seq_id]
         self.tables.release(req)
         self._drop_from_executor(req)
         req.status = Status.FINISHED
@@ -287,6 +296,8 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         scheduled = self.in_flight.pop(plan.step_id)
+        if plan.tier is not None:
+            self._apply_loads(plan.tier.loads, result)
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
@@ -326,6 +337,22 @@ class Scheduler:
                 deltas += self._advance_beams(group)
         return deltas
 
+    def _apply_loads(self, loads: list[KvLoad], result: StepResult) -> None:
+        """Sequences whose disk-tier loads this step did wait in line again, their loaded
+        blocks computed (the rest they compute). A failed step loaded nothing, but its hashes
+        are kept: the files were not found wanting."""
+        loaded = result.kv_loaded or {}
+        for load in loads:
+            num_ok = loaded.get(load.seq_id, 0)
+            if result.error is None:
+                self.tables.tier.loaded(load.hashes, num_ok)
+            req = self.loading.pop(load.seq_id, None)
+            if req is None:                      # ended meanwhile; its blocks are freed
+                continue
+            self.tables.loaded(req, num_ok)
+            req.status = Status.WAITING
+            bisect.insort(self.waiting, req, key=lambda r: r.key)
+
     def _count_prompt(self, req: Request) -> None:
         req.prompt_counted = True       # forks and beams copy the flag: one count per prompt
         self.num_prompt_tokens += req.num_prompt_tokens
@@ -352,12 +379,7 @@ class Scheduler:
     def _fork(self, leader: Request) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first
         write (the last prompt token) copies the shared partial block."""
-        s = leader.sampling
-        for j, child_id in enumerate(output_ids(leader.seq_id.req, s.num_sequences)):
-            seed = None if s.seed is None else (s.seed + j) % 2**63
-            logprobs = s.logprobs if s.best_of is None else max(s.logprobs or 0, 0)
-            child = leader.fork(child_id, msgspec.structs.replace(
-                s, n=1, best_of=None, seed=seed, logprobs=logprobs))
+        for child in leader.output_forks():
             child.status = Status.RUNNING
             self._adopt(child)
         self._finish(leader)
@@ -373,20 +395,12 @@ class Scheduler:
         """Every live beam has its candidates: keep the best `width` continuations (forking a
         beam chosen more than once, freeing one not chosen), then finish the group if done."""
         stop_ids = frozenset() if group.live[0].sampling.ignore_eos else self.eos_ids
-        chosen = group.choose(stop_ids)
-        new_live = []
-        for beam in list(group.live):
-            picks = [(tok, cum) for b, tok, cum in chosen if b is beam]
-            if not picks:
-                self._finish(beam)
-                continue
-            for token, cum in picks[1:]:
-                child = beam.fork(group.new_id(), beam.sampling)
-                self._adopt(child)
-                new_live.append(extend_beam(child, token, cum))
-            new_live.append(extend_beam(beam, picks[0][0], picks[0][1]))
-        group.live = new_live
-        self.num_generation_tokens += len(new_live)   # one token appended to each
+        forks, dropped = group.advance(stop_ids)
+        for child in forks:          # before the drops: a fork shares blocks they may free
+            self._adopt(child)
+        for beam in dropped:
+            self._finish(beam)
+        self.num_generation_tokens += len(group.live)   # one token appended to each
         for beam in group.retire_full_length():
             self._finish(beam)
         if not group.is_finished():

@@ -80,6 +80,8 @@ class Driven:
             toks = [model(seq) if model else (tokens or {}).get(str(s), default)
                     for s, seq in samplers]
             result = StepResult(plan.step_id, [s for s, _ in samplers], toks)
+            if plan.tier is not None and plan.tier.loads:     # every tier block arrives
+                result.kv_loaded = {load.seq_id: len(load.block_ids) for load in plan.tier.loads}
             if any(seq.sampling.use_beam_search for _, seq in samplers):
                 k = [2 * s.sampling.num_sequences if s.sampling.use_beam_search else 0
                      for _, s in samplers]

@@ -120,7 +120,7 @@ def test_a_mixed_batch_gives_each_request_its_merged_models_tokens(base, adapter
     assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
 
 
-def test_adapters_and_reloads_share_no_prefix_blocks(base, adapters, tmp_path):
+def test_prefix_blocks_are_shared_by_equal_adapter_content_only(base, adapters, tmp_path):
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
               enable_lora=True)
     prompt = list(range(30, 62))                          # 8 full blocks
@@ -138,6 +138,9 @@ def test_adapters_and_reloads_share_no_prefix_blocks(base, adapters, tmp_path):
     reloaded = make_adapter(str(tmp_path / "qv2"), base, ("q_proj", "v_proj"), rank=8,
                             alpha=16, seed=5)
     assert hits(LoRARequest("qv", 1, reloaded)) == 0      # same name, a new version
+    # The same files under another name and id: their content digest salts the blocks, so
+    # they are found (as they are by a restarted engine through the disk tier).
+    assert hits(LoRARequest("qv-copy", 7, adapters["attn-qv"])) == 28
 
 
 def _refused(tmp_path, base, **kw) -> str:
