@@ -5,6 +5,7 @@ attaching an executor, making keys.
     pagewire replay DIR --actor NAME [--set OPTION=VALUE ...]
     pagewire executor --attach tcp://HOST:PORT --rank R [MODEL] [--curve-keys DIR] ...
     pagewire keys DIR
+    pagewire router --prefill URL ... --decode URL ...   (see router.py)
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import logging
 
 from .config import EngineConfig
 
-COMMANDS = ("trace", "replay", "executor", "keys")
+COMMANDS = ("trace", "replay", "executor", "keys", "router")
 
 
 def _override(text: str) -> tuple[str, object]:
@@ -60,11 +61,16 @@ def add_commands(sub) -> None:
     ex.add_argument("--attach-timeout", type=float, default=300.0)
     keys = sub.add_parser("keys", help="make CURVE keys for attaching executors over TCP")
     keys.add_argument("directory")
+    from . import router
+    router.add_command(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "executor":
         return _executor(args)
+    if args.command == "router":
+        from . import router
+        return router.run(args)
     logging.basicConfig(level="WARNING")
     if args.command == "keys":
         from .executor.ranks import make_keys

@@ -55,6 +55,46 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
+class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """--kv-transfer-config, as vLLM spells it (JSON): this engine's part in disaggregated
+    prefill and decode (wire/kv_transfer.py has the flow)."""
+    kv_connector: str = "PagewireConnector"
+    kv_role: str = "kv_both"               # kv_producer (prefills) | kv_consumer | kv_both
+    kv_ip: str = "127.0.0.1"               # where the KV server listens (producer)...
+    kv_port: int = 14579                   # ...and the address it gives in its answers
+    engine_id: str | None = None
+    kv_load_failure_policy: str = "recompute"   # or "fail": a pull that fails ends the request
+    kv_connector_extra_config: dict = {}   # lease_seconds (120), pull_timeout (10 s)
+
+    def check(self) -> None:
+        if self.kv_connector != "PagewireConnector":
+            raise ValueError(f"kv_connector must be PagewireConnector, got {self.kv_connector!r}")
+        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got "
+                             f"{self.kv_role!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be recompute or fail")
+        unknown = set(self.kv_connector_extra_config) - {"lease_seconds", "pull_timeout"}
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def lease_seconds(self) -> float:
+        return float(self.kv_connector_extra_config.get("lease_seconds", 120.0))
+
+    @property
+    def pull_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("pull_timeout", 10.0))
+
+
 def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -122,6 +162,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tool_call_parser: str | None = None      # hermes | llama3_json | mistral
     reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> blocks apart
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
+    kv_transfer_config: KVTransferConfig | None = None    # disaggregated prefill/decode
     enable_lora: bool = False                # serve LoRA adapters beside the base model
     lora_modules: list[str] = []             # name=path (or JSON) adapters served from start
     max_loras: int = 1                       # distinct adapters in one step
@@ -183,6 +224,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.preemption_mode == "swap" and host_blocks == 0:
             raise ValueError("preemption_mode swap needs --swap-space")
         tier_blocks = self._check_tier(per_block)
+        self._check_transfer(info)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
@@ -231,6 +273,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"--kv-offload-size {self.kv_offload_size} bytes holds no block "
                              f"({per_block} bytes each)")
         return blocks
+
+    def _check_transfer(self, info: ModelInfo) -> None:
+        transfer = self.kv_transfer_config
+        if transfer is None:
+            return
+        transfer.check()
+        if info.sliding_window is not None:
+            raise ValueError("--kv-transfer-config with a sliding-window model is not built yet")
+        if transfer.produces and not self.curve_keys and not transfer.kv_ip.startswith("127."):
+            raise ValueError(f"a KV server on {transfer.kv_ip} needs --curve-keys DIR (the same "
+                             "`pagewire keys` directory on both engines): blocks are authenticated")
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-transfer-config names blocks by their prefix-cache hashes: "
+                             "it needs prefix caching")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("--kv-transfer-config with tensor parallelism is not built yet")
 
     def _check_chat(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -27,15 +27,21 @@ SUFFIX = ".kv"
 LAYOUT_VERSION = 1                           # bump when the payload's layout changes
 
 
-def tier_directory(config, rank: int) -> str:
-    """The directory of one rank's files under --kv-offload-dir."""
+def layout_key(config, rank: int) -> str:
+    """Everything besides a block's hash that decides its bytes on this rank, as a name: the
+    disk tier's directory, and what two engines compare before a KV transfer."""
     info, draft = config.model_info, config.draft_model_info
     what = {"layout": LAYOUT_VERSION, "weights": info.digest,
             "draft": draft.digest if draft is not None else None, "dtype": config.dtype,
             "kv": config.kv_cache_dtype, "quantization": config.quantization,
             "activations": config.quantized_activations, "block_size": config.block_size}
     name = hashlib.sha256(msgspec.json.encode(what)).hexdigest()[:16]
-    return os.path.join(config.kv_offload_dir, f"{name}-tp{rank}of{config.tensor_parallel_size}")
+    return f"{name}-tp{rank}of{config.tensor_parallel_size}"
+
+
+def tier_directory(config, rank: int) -> str:
+    """The directory of one rank's files under --kv-offload-dir."""
+    return os.path.join(config.kv_offload_dir, layout_key(config, rank))
 
 
 def present(config) -> list[bytes] | None:

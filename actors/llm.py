@@ -28,6 +28,7 @@ from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest
 
 from . import kv_tier_files
 from .config import EngineConfig
+from .disagg import answer_params, request_transfer
 from .detokenizer import Detokenizer
 from .executor.runner import ModelRunner
 from .hf_tokenizer import load_tokenizer
@@ -56,6 +57,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first: logprob None)
+    kv_transfer_params: dict | None = None   # a prefill engine's answer (disagg.py)
 
 
 class LLM:
@@ -74,7 +76,9 @@ class LLM:
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
                       "scheduler": core, "detokenizer": self.detokenizer}
         self.core, self.scheduler = core, core.sched
-        self.runner = ModelRunner(self.config)
+        # Leases a KV server's thread ended, for the scheduler (kv_transfer.py).
+        self._lease_notices: deque = deque()
+        self.runner = ModelRunner(self.config, notify=self._lease_notices.append)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
         self._executor = ThreadPoolExecutor(1, "pagewire-executor",
                                             initializer=lambda: torch.set_num_threads(threads))
@@ -91,16 +95,19 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 kv_transfer_params: dict | list[dict | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt (greedy by default); outputs in prompt order. A prompt is
         text, a list of token ids, or {"prompt_token_ids": [...]}; `lora_request`: the
-        adapter of every prompt, or one per prompt (None: the base model)."""
+        adapter of every prompt, or one per prompt (None: the base model);
+        `kv_transfer_params`: disaggregated prefill/decode, as the HTTP field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts), "sampling params", SamplingParams())
         loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
-        return self._run([self.add_request(p, sp, lora_request=lr)
-                          for p, sp, lr in zip(prompts, params, loras)])
+        transfers = _per_prompt(kv_transfer_params, len(prompts), "kv_transfer_params")
+        return self._run([self.add_request(p, sp, lora_request=lr, kv_transfer_params=kt)
+                          for p, sp, lr, kt in zip(prompts, params, loras, transfers)])
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -120,13 +127,16 @@ class LLM:
 
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None,
+                    kv_transfer_params: dict | None = None) -> str:
         """Queue one request; it runs from the next step(). Raises ValueError if it cannot be
         served (too long, bad token ids, an adapter that cannot be served, ...)."""
         req_id = str(next(self._ids))
-        req = TokenizeRequest(req_id=req_id, arrival_time=time.time(),
-                              sampling=params or SamplingParams(), tools=tools,
-                              lora=self._lora(lora_request))
+        sampling = params or SamplingParams()
+        req = TokenizeRequest(req_id=req_id, arrival_time=time.time(), sampling=sampling,
+                              tools=tools, lora=self._lora(lora_request),
+                              kv_transfer=request_transfer(self.config, kv_transfer_params,
+                                                           sampling))
         if messages is not None:
             req.messages = [ChatMessage(**m) for m in messages]
         elif isinstance(prompt, str):
@@ -172,6 +182,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it. With async
         scheduling the step after it is already submitted when this one's result is applied."""
+        self._take_lease_notices()
         for _ in range(2):     # a schedule that only preempted plans nothing: plan again
             while (plan := self.core.plan()) is not None:
                 self._steps.append(self._executor.submit(self.runner.execute, plan))
@@ -182,6 +193,11 @@ class LLM:
         self._apply_oldest_step()
         finished, self._finished = self._finished, []
         return finished
+
+    def _take_lease_notices(self) -> None:
+        """Leases the KV server ended reach the scheduler (it frees their blocks)."""
+        while self._lease_notices:
+            self._deliver([("scheduler", self._lease_notices.popleft())])
 
     def _apply_oldest_step(self) -> None:
         """Wait for the oldest submitted step and hand its result to the scheduler core."""
@@ -208,6 +224,8 @@ class LLM:
         sampling = new.sampling
         out = RequestOutput(new.req_id, self._prompts.get(new.req_id), new.prompt_token_ids,
                             [CompletionOutput(j) for j in range(sampling.num_outputs)])
+        if new.kv_transfer is not None and new.kv_transfer.remote_decode:
+            out.kv_transfer_params = answer_params(self.config, new.req_id)
         self._live[new.req_id] = out
         if sampling.num_outputs > sampling.n:
             self._n[new.req_id] = sampling.n
@@ -239,6 +257,8 @@ class LLM:
         """All sequences are done: keep the n best of best_of (by cumulative logprob)."""
         del self._live[out.request_id]
         out.finished = True
+        if out.outputs[0].finish_reason not in ("stop", "length"):
+            out.kv_transfer_params = None          # no lease was made
         n = self._n.pop(out.request_id, len(out.outputs))
         out.outputs = [out.outputs[j] for j in best_of(
             [c.cumulative_logprob or 0.0 for c in out.outputs], n)]
@@ -247,11 +267,14 @@ class LLM:
         return out
 
     def _run(self, req_ids: list[str]) -> list[RequestOutput]:
+        self._take_lease_notices()
         done: dict[str, RequestOutput] = {}
         while any(r not in done for r in req_ids):
             done.update((o.request_id, o) for o in self.step())
         while self._steps:         # a step planned ahead of sequences that have ended
             self._apply_oldest_step()
+        while not self._live and self.scheduler.has_work():   # plans of their own: leases
+            self.step()                                       # to serve, blocks to store
         return [done[r] for r in req_ids]
 
 

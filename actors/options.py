@@ -86,6 +86,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("swap_space", "host-memory KV tier for preemption, GiB (or `512MiB`)", parse=gib),
         Option("preemption_mode", "`auto` (swap when the host tier has room, else recompute), "
                "`recompute`, `swap`", choices=("auto", "recompute", "swap")),
+        Option("kv_transfer_config", "disaggregated prefill and decode, as JSON: `{\"kv_role\": "
+               "\"kv_producer\", \"kv_ip\": \"10.0.0.5\", \"kv_port\": 14579}` on a prefill "
+               "engine, `\"kv_consumer\"` on a decode engine; `kv_load_failure_policy` "
+               "`recompute` or `fail` (see \"Disaggregated prefill and decode\")", "off",
+               parse=parse_json_object, decides_outputs=False),
         Option("kv_offload_dir", "a disk KV tier in DIR: every computed block is stored there, "
                "a prefix missing from the pool is loaded from it, and it outlives restarts "
                "(see \"KV tier on disk\")", "off", decides_outputs=False),

@@ -116,7 +116,8 @@ class RequestTokenizer:
                            first_prompt_token=ids[0] if s.prompt_logprobs is not None else None)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
-                                 priority=req.priority, lora=req.lora)
+                                 priority=req.priority, lora=req.lora,
+                                 kv_transfer=req.kv_transfer)
 
     def start_after(self, prompt: list[int]) -> list[int] | None:
         """Where a constraint starts: after the reasoning block, unless the prompt closed it

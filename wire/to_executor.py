@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
+from .kv_transfer import KvLease, KvSource
 from .lora import LoraRef
 from .sampling import SamplingParams
 
@@ -35,10 +36,12 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
 
 
 class KvLoad(msgspec.Struct, array_like=True, gc=False):
-    """Blocks of one waiting sequence to fill from the disk tier, in table order."""
+    """Blocks of one waiting sequence to fill, in table order: from the disk tier, or pulled
+    from a prefill engine (`source`, kv_transfer.py)."""
     seq_id: SeqId
     block_ids: list[int]
     hashes: list[bytes]
+    source: KvSource | None = None
 
 
 class TierWork(msgspec.Struct, array_like=True, gc=False):
@@ -54,8 +57,8 @@ class TierWork(msgspec.Struct, array_like=True, gc=False):
 class StepPlan(msgspec.Struct, tag=True, gc=False):
     """Invariant: a sequence appears at most once in new + running. Before the step runs the
     executor drops the state of the `finished` ids (ended: done or aborted) and of the
-    `preempted` ones (they come back later as a NewSeq), does the `tier` work (before any
-    block is written), then copies blocks: `swap_out` [device, host] pairs, then `swap_in`
+    `preempted` ones (they come back later as a NewSeq), does the `tier` work and the `pulls`
+    (before any block is written), then copies blocks: `swap_out` [device, host] pairs, then `swap_in`
     [host, device], then `copies` [src, dst] device pairs (copy-on-write)."""
     step_id: int
     new: list[NewSeq]
@@ -66,6 +69,8 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
     swap_in: list[list[int]] = []
     preempted: list[SeqId] = []
     tier: TierWork | None = None
+    leases: list[KvLease] = []      # blocks the KV server may now serve (kv_transfer.py)
+    pulls: list[KvLoad] = []        # blocks to pull from prefill engines, with the tier's
 
 
 ExecutorInbox = StepPlan

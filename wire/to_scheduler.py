@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
+from .kv_transfer import KvLeaseEnded, KvTransfer
 from .lora import LoraRef
 from .sampling import LogprobsChunk, SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     cache_salt: str | None = None
     priority: int = 0
     lora: LoraRef | None = None
+    kv_transfer: KvTransfer | None = None     # disaggregated prefill/decode (kv_transfer.py)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -63,4 +65,4 @@ class AbortAll(msgspec.Struct, tag=True):
     reason: str
 
 
-SchedulerInbox = NewRequest | Abort | StepResult | AbortAll
+SchedulerInbox = NewRequest | Abort | StepResult | AbortAll | KvLeaseEnded

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .kv_transfer import KvTransfer
 from .lora import LoraRef
 from .sampling import SamplingParams
 
@@ -32,6 +33,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
     tools: list[dict] | None = None      # OpenAI tool objects, for the chat template
     lora: LoraRef | None = None          # the adapter it runs with; None: the base model
+    kv_transfer: KvTransfer | None = None   # disaggregated prefill/decode (kv_transfer.py)
 
 
 class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

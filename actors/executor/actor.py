@@ -15,6 +15,7 @@ import torch.distributed as dist
 import zmq
 
 import pagewire
+from pagewire.wire.channels import PushChannel
 from pagewire.wire.to_executor import AttachHello, AttachWelcome, ExecutorInbox
 from pagewire.wire.to_scheduler import StepResult
 
@@ -31,7 +32,9 @@ LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within
 def run(env) -> None:
     config = env.config
     if config.tensor_parallel_size == 1:
-        serve_steps(env, ModelRunner(config))
+        # A KV server's thread tells the scheduler of ended leases on a socket of its own.
+        leases = PushChannel(env.ctx, env.address("scheduler"))
+        serve_steps(env, ModelRunner(config, notify=leases.send))
     elif env.index == 0:
         server = admit_ranks(env)
         tp = init_group(server.welcome.dist_address, 0, config.tensor_parallel_size,

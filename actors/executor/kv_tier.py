@@ -23,6 +23,7 @@ import torch
 from pagewire.wire.to_executor import KvLoad, TierWork
 
 from .. import kv_tier_files as files
+from .kv_blocks import BlockBytes
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 1 << 30        # bytes queued for writing, at most
@@ -34,11 +35,8 @@ class DiskTier:
         """caches: every K/V cache whose blocks the tier keeps, each [2, blocks, ...]."""
         os.makedirs(directory, exist_ok=True)
         self.directory, self.tp, self.max_pending = directory, tp, max_pending
-        self.caches = caches
-        # A block of cache c, as bytes: [2, block_size, heads, width * itemsize].
-        self.raw = [c.view(torch.uint8) for c in caches]
-        self.sizes = [r[:, 0].numel() for r in self.raw]
-        self.block_bytes = sum(self.sizes)
+        self.blocks = BlockBytes(caches)
+        self.block_bytes = self.blocks.block_bytes
         self.pending: dict[bytes, bytearray] = {}     # hash -> payload not yet on disk
         self.pending_bytes = 0
         self.lock = threading.Lock()
@@ -69,18 +67,11 @@ class DiskTier:
     # -- pool blocks <-> bytes -----------------------------------------------------------------
 
     def _store(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        index = torch.tensor(block_ids, device=self.caches[0].device)
-        picked = [r[:, index].cpu() for r in self.raw]           # each [2, n, ...]
-        for i, block_hash in enumerate(hashes):
+        for block_hash, payload in zip(hashes, self.blocks.read(block_ids)):
             if self.pending_bytes + self.block_bytes > self.max_pending:
                 log.warning("disk KV tier: %d bytes queued for writing; skipping stores",
                             self.pending_bytes)
                 return
-            payload = bytearray(self.block_bytes)
-            out, offset = torch.frombuffer(payload, dtype=torch.uint8), 0
-            for p, size in zip(picked, self.sizes):
-                out[offset:offset + size].copy_(p[:, i].reshape(-1))
-                offset += size
             with self.lock:
                 replaced = self.pending.get(block_hash)
                 self.pending[block_hash] = payload
@@ -92,11 +83,7 @@ class DiskTier:
             payload = self._read(block_hash)
             if payload is None:
                 return n
-            offset = 0
-            for raw, size in zip(self.raw, self.sizes):
-                piece = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
-                raw[:, block].copy_(piece.view(raw[:, block].shape))
-                offset += size
+            self.blocks.write(block, payload)
         return len(load.block_ids)
 
     def _read(self, block_hash: bytes) -> bytearray | memoryview | None:

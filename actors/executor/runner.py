@@ -12,6 +12,7 @@ import ctypes
 import logging
 import numpy as np
 import torch
+import zmq
 
 from pagewire.kernels import kv_quant, quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
@@ -27,7 +28,9 @@ from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
+from .kv_blocks import BlockBytes
 from .kv_tier import DiskTier
+from .kv_transfer import KvPuller, KvServer
 from .load_quantization import quantize_linears
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
@@ -77,7 +80,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None):
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, notify=None):
+        """notify(msg): how a KV server (kv_transfer.py) tells the scheduler a lease ended."""
         ranks_here = config.tensor_parallel_size if config.executors == "local" else 1
         torch.set_num_threads(config.threads or default_threads(ranks_here))
         torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
@@ -108,6 +112,7 @@ class ModelRunner:
         self.all_caches = (self.kv_caches + draft_device, self.host_caches + draft_host)
         self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
                              self.all_caches[0], self.tp) if config.kv_offload_dir else None
+        self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
             self.graphs = self.decode_graphs(capture=True)
@@ -141,6 +146,20 @@ class ModelRunner:
                                  *layout) if config.num_host_blocks else []
         return on_device, host
 
+    def _transfer(self, notify) -> tuple[KvServer | None, KvPuller | None]:
+        """The ends of disaggregated prefill/decode this engine's role asks for."""
+        transfer = self.config.kv_transfer_config
+        if transfer is None:
+            return None, None
+        blocks = BlockBytes(self.all_caches[0])
+        layout = kv_tier_files.layout_key(self.config, self.tp.rank)
+        ctx, keys = zmq.Context.instance(), self.config.curve_keys
+        server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
+                          transfer.lease_seconds, notify, keys) if transfer.produces else None
+        puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, keys) \
+            if transfer.consumes else None
+        return server, puller
+
     def _drafter(self, spec) -> InStepDraft | None:
         """Methods self and draft_model draft with a model during the verifying step."""
         if spec is None or spec.method not in ("self", "draft_model"):
@@ -163,7 +182,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         order = self.table.apply(plan)
-        loaded = self.tier.run(plan.tier) if plan.tier is not None else None
+        loaded = self._move_blocks(plan)
         self._copy_blocks(plan)
         if not order:             # only disk-tier work, or every row's sequence stopped
             return StepResult(plan.step_id, [], [], kv_loaded=loaded)
@@ -284,6 +303,16 @@ class ModelRunner:
             batch = batch_to(batch, dev)
             input_ids, positions = input_ids.to(dev), positions.to(dev)
         return self.model(input_ids, positions, self.kv_caches, batch, lora)
+
+    def _move_blocks(self, plan: StepPlan) -> dict[SeqId, int] | None:
+        """Blocks between engines and tiers, before the step writes any: leases to serve,
+        disk-tier work, pulls. Returns how many blocks of each load arrived."""
+        if plan.leases:
+            self.kv_server.add(plan.leases)
+        loaded = self.tier.run(plan.tier) if plan.tier is not None else {}
+        if plan.pulls:
+            loaded.update(self.kv_puller.pull(plan.pulls))
+        return loaded or None
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""

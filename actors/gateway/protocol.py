@@ -70,6 +70,7 @@ class _Common(ConstraintFields, kw_only=True):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
+    kv_transfer_params: dict | None = None   # disaggregated prefill/decode (disagg.py)
 
 
 class CompletionBody(_Common, kw_only=True):

@@ -96,6 +96,7 @@ class Formatter:
         self.view = as_token_ids if token_ids else list
         self.tools, self.reasoning_parser = tools or ToolPlan(), reasoning_parser
         self.outputs: dict[int, ChatOutput] = {}      # streamed chat choices, by index
+        self.kv_transfer_params: dict | None = None  # a prefill engine's answer (disagg.py)
 
     def chat_output(self) -> ChatOutput:
         return ChatOutput(self.tools, self.reasoning_parser)
@@ -108,6 +109,9 @@ class Formatter:
         out = self._envelope("chat.completion" if self.chat else "text_completion",
                              [self._full_choice(i, choices[i]) for i in sorted(choices)])
         out["usage"] = use
+        if self.kv_transfer_params and all(choices[i].finish_reason in ("stop", "length")
+                                           for i in choices):
+            out["kv_transfer_params"] = self.kv_transfer_params
         return out
 
     def _full_choice(self, index: int, c: Choice) -> dict:

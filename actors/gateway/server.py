@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import InvalidParam, best_of
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
@@ -29,6 +30,7 @@ from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, 
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
+from ..disagg import answer_params, request_transfer
 from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
                        check_count, completion_prompts, decode_body, template_kwargs,
@@ -167,11 +169,13 @@ class Gateway:
             else body.logprobs
         sampling = to_sampling(body, 16 if body.max_tokens is None else body.max_tokens,
                                body.logprobs, prompt_lps)
+        prompts = completion_prompts(body)
+        transfer = self.kv_transfer(body, sampling, len(prompts))
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                                 prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
                                 cache_salt=self.salt(request, body), priority=body.priority,
-                                echo=body.echo, lora=lora)
-                for p in completion_prompts(body)]
+                                echo=body.echo, lora=lora, kv_transfer=transfer)
+                for p in prompts]
         fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()),
                         lora.name if lora else self.model_name,
                         logprobs=body.logprobs is not None,
@@ -191,13 +195,24 @@ class Gateway:
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
                               cache_salt=self.salt(request, body), priority=body.priority,
-                              chat_template_kwargs=template_kwargs(body), lora=lora)
+                              chat_template_kwargs=template_kwargs(body), lora=lora,
+                              kv_transfer=self.kv_transfer(body, sampling, 1))
         fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
                         lora.name if lora else self.model_name,
                         logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
                         token_ids=body.return_tokens_as_token_ids, tools=tools,
                         reasoning_parser=self.config.reasoning_parser)
         return await self.serve(request, body, fmt, [sub])
+
+    def kv_transfer(self, body, sampling, num_prompts: int) -> KvTransfer | None:
+        """The request's part in disaggregated prefill/decode (disagg.py), or a 400."""
+        try:
+            transfer = request_transfer(self.config, body.kv_transfer_params, sampling)
+        except ValueError as e:
+            raise ApiError(400, str(e), "kv_transfer_params") from None
+        if transfer is not None and transfer.remote_decode and num_prompts > 1:
+            raise ApiError(400, "do_remote_decode: one prompt a request", "kv_transfer_params")
+        return transfer
 
     def api_key(self, request: web.Request) -> str | None:
         """The request's bearer key, checked against every configured key in constant time.
@@ -242,6 +257,8 @@ class Gateway:
             raise ApiError(400, "best_of > n cannot be streamed", "best_of")
         for i, p in enumerate(prompts):
             p.req_id = f"{fmt.id}-{i}"
+        if prompts[0].kv_transfer is not None and prompts[0].kv_transfer.remote_decode:
+            fmt.kv_transfer_params = answer_params(self.config, prompts[0].req_id)
         run = _Run(prompts)
         for rid in run.route_ids():
             self.routes[rid] = run.queue

@@ -209,14 +209,15 @@ def run(env) -> None:
 
 
 def _tier_stats(tables, config) -> dict[str, int]:
+    """The disk tier's counters; a prefill engine's blocks count as external hits too."""
+    external = dict(external_prefix_cache_queries=tables.external_queries,
+                    external_prefix_cache_hits=tables.external_hits)
     tier = tables.tier
     if tier is None:
-        return {}
-    size, bs = config.kv_block_bytes, config.block_size
-    return dict(external_prefix_cache_queries=tables.tier_queries,
-                external_prefix_cache_hits=tier.hits * bs, kv_offload_stores=tier.stores,
-                kv_offload_loads=tier.loads, kv_offload_load_failures=tier.failures,
-                kv_offload_bytes_stored=tier.stores * size,
+        return external
+    size = config.kv_block_bytes
+    return dict(external, kv_offload_stores=tier.stores, kv_offload_loads=tier.loads,
+                kv_offload_load_failures=tier.failures, kv_offload_bytes_stored=tier.stores * size,
                 kv_offload_bytes_loaded=tier.hits * size, kv_offload_blocks=len(tier))
 
 

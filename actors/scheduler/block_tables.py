@@ -5,6 +5,9 @@ host tier. The device copies these imply are collected here and handed to the ne
 take_copies(), the disk tier's work by tier.take_work()."""
 from __future__ import annotations
 
+from pagewire.wire.kv_transfer import KvLease, KvSource
+from pagewire.wire.to_executor import KvLoad
+
 from .kv_manager import BlockManager, block_hashes
 from .kv_tier import TierIndex
 from .request import Request
@@ -21,11 +24,15 @@ class BlockTables:
         self.window = sliding_window           # every layer's, when they all slide
         self.block_size = device.block_size
         self.copies: list[list[int]] = []      # [src, dst] on the device
+        self.pulls: list[KvLoad] = []          # from prefill engines (kv_transfer.py)
+        self.leases: dict[str, KvLease] = {}   # ended requests' blocks held for decode engines
+        self.new_leases: list[KvLease] = []    # for the next plan
         self.swaps_out: list[list[int]] = []   # [device, host]
         self.swaps_in: list[list[int]] = []    # [host, device]
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
-        self.tier_queries = 0                  # tokens then looked up in the disk tier
+        self.external_queries = 0              # tokens then looked up in the disk tier or
+        self.external_hits = 0                 # asked of a prefill engine; of which loaded
 
     @classmethod
     def of(cls, config, tier_present: list[bytes] | None = None) -> "BlockTables":
@@ -41,6 +48,10 @@ class BlockTables:
         out = (self.copies, self.swaps_out, self.swaps_in)
         self.copies, self.swaps_out, self.swaps_in = [], [], []
         return out
+
+    def take_pulls(self) -> list[KvLoad]:
+        pulls, self.pulls = self.pulls, []
+        return pulls
 
     def grow(self, req: Request, n: int) -> bool:
         """Give req room to write its next n tokens (after those already planned): new
@@ -78,7 +89,24 @@ class BlockTables:
             self.device.acquire(hits)
             req.block_ids, req.num_committed = hits, len(hits)
             req.num_computed = len(hits) * self.block_size
-        return self._load_from_tier(req, req.block_hashes[len(hits):limit])
+        wanted = req.block_hashes[len(hits):limit]
+        source = req.kv_transfer.remote_prefill if req.kv_transfer is not None else None
+        if source is not None:
+            return self._pull(req, wanted, source)
+        return self._load_from_tier(req, wanted)
+
+    def _pull(self, req: Request, wanted: list[bytes], source: KvSource) -> bool:
+        """Plan pulling `wanted` from a prefill engine, req's whole table allocated (as
+        _load_from_tier). Nothing wanted (the pool had it all): the pull only releases the
+        lease. False, allocating nothing, if that does not fit: req waits for room."""
+        rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + len(wanted))
+        if len(wanted) + rest > self.device.num_free:
+            return False
+        self.external_queries += len(wanted) * self.block_size
+        fresh = self.device.allocate(len(wanted) + rest)
+        req.block_ids = req.block_ids + fresh
+        self.pulls.append(KvLoad(req.seq_id, fresh[:len(wanted)], wanted, source))
+        return True
 
     def _load_from_tier(self, req: Request, wanted: list[bytes]) -> bool:
         """Plan loading the blocks of `wanted` the tier holds, with the rest of req's table
@@ -86,7 +114,7 @@ class BlockTables:
         room (nor hold blocks others need while it does). No load if that does not fit."""
         if self.tier is None or not wanted:
             return False
-        self.tier_queries += len(wanted) * self.block_size
+        self.external_queries += len(wanted) * self.block_size
         found = self.tier.lookup(wanted)
         rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + len(found))
         if not found or len(found) + rest > self.device.num_free:
@@ -96,11 +124,20 @@ class BlockTables:
         self.tier.load(req.seq_id, fresh[:len(found)], found)
         return True
 
-    def loaded(self, req: Request, num_ok: int) -> None:
-        """req's tier load filled the first num_ok of the blocks after its computed ones:
-        count them computed and register them in the pool."""
-        req.num_computed += num_ok * self.block_size
-        self.commit(req)
+    def finish_load(self, load: KvLoad, num_ok: int, req: Request | None,
+                    step_failed: bool) -> bool:
+        """A load of a plan came back, its first num_ok blocks filled: count them computed
+        and register them in the pool (req None: it ended meanwhile, its blocks are freed).
+        True when a pull from a prefill engine fell short."""
+        if load.source is None and not step_failed:   # a failed step kept the tier's hashes
+            self.tier.loaded(load.hashes, num_ok)
+        if req is not None:
+            req.num_computed += num_ok * self.block_size
+            self.external_hits += num_ok * self.block_size
+            self.commit(req)
+            if load.source is not None:
+                req.kv_transfer = None                # pulled once (its lease is released)
+        return load.source is not None and num_ok < len(load.hashes)
 
     def update_hashes(self, req: Request) -> None:
         full = len(req.token_ids) // self.block_size
@@ -143,6 +180,26 @@ class BlockTables:
             self.host.free(req.host_block_ids)
         req.block_ids, req.host_block_ids = [], []
         req.num_blocks_sent = req.num_committed = req.num_dropped = 0
+
+    def lease(self, req: Request) -> None:
+        """Hold an ended req's computed full blocks for a decode engine to pull, under its
+        request id (its other blocks are freed); end_lease() frees them."""
+        full = req.num_committed
+        self.device.free(req.block_ids[full:][::-1])
+        lease = KvLease(req.seq_id.req, req.block_ids[:full], req.block_hashes[:full])
+        self.leases[lease.lease] = lease
+        self.new_leases.append(lease)
+        req.block_ids, req.host_block_ids = [], []
+        req.num_blocks_sent = req.num_committed = req.num_dropped = 0
+
+    def end_lease(self, lease_id: str) -> None:
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.device.free(lease.block_ids[::-1])
+
+    def take_leases(self) -> list[KvLease]:
+        leases, self.new_leases = self.new_leases, []
+        return leases
 
     def swap_out(self, req: Request) -> bool:
         """Move req's blocks to the host tier. False, changing nothing, if the tier is full

@@ -7,6 +7,7 @@ import itertools
 import msgspec
 
 from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import LogprobsChunk, SamplingParams, stops_on
 from pagewire.wire.to_executor import NewSeq, RunSeq
@@ -47,7 +48,7 @@ class Request:
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
                  "num_placeholders", "num_drafts", "num_draft_slots", "draft_acceptance",
-                 "draft_skips", "lora")
+                 "draft_skips", "lora", "kv_transfer")
 
     def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -60,6 +61,10 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         self.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         self.priority, self.lora = priority, lora
+        # Disaggregated prefill/decode: its blocks go under a lease when it ends
+        # (remote_decode), or its prefix is pulled from a prefill engine (remote_prefill,
+        # cleared once pulled).
+        self.kv_transfer: KvTransfer | None = None
         # An adapter's blocks are its own: its content digest salts them (its load id where
         # no digest was taken).
         self.cache_salt = cache_salt if lora is None else \
@@ -196,7 +201,7 @@ class Request:
     SHARED = ("num_prompt_tokens", "arrival_time", "max_tokens", "status", "num_computed",
               "priority", "cache_salt", "order", "num_committed", "cum_logprob", "group",
               "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped",
-              "lora")
+              "lora", "kv_transfer")
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
     FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",

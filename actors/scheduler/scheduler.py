@@ -31,7 +31,8 @@ from collections import OrderedDict
 
 from pagewire.wire.ids import PROMPT, SeqId, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
-from pagewire.wire.to_executor import KvLoad, NewSeq, StepPlan
+from pagewire.wire.kv_transfer import KvLeaseEnded
+from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 
 from ..config import EngineConfig
@@ -55,7 +56,7 @@ class Scheduler:
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
-        self.loading: dict[SeqId, Request] = {}  # waiting for blocks from the disk tier
+        self.loading: dict[SeqId, Request] = {}  # waiting for blocks (disk tier, prefill engine)
         # step id -> its plan's sequences with the tokens each was scheduled for
         self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
@@ -74,7 +75,7 @@ class Scheduler:
         """Something to plan: sequences, or disk-tier work (the last blocks a finished
         request committed are stored by a plan of their own)."""
         tier = self.tables.tier
-        return bool(self.waiting or self.running or self.loading
+        return bool(self.waiting or self.running or self.loading or self.tables.new_leases
                     or tier is not None and tier.has_work())
 
     def kv_cache_usage(self) -> float:
@@ -99,6 +100,7 @@ class Scheduler:
         priority = msg.priority if self.by_priority else 0
         req = Request(SeqId(msg.req_id), msg.prompt_token_ids, s, msg.arrival_time,
                       self.config.max_model_len, priority, msg.cache_salt, msg.lora)
+        req.kv_transfer = msg.kv_transfer
         if s.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
             req.seq_id, req.group = group.new_id(), group
@@ -149,13 +151,14 @@ class Scheduler:
             if not scheduled and self._release_waiting_blocks():
                 scheduled += self._admit_waiting(budget)
         tier = self.tables.tier.take_work() if self.tables.tier is not None else None
-        if not scheduled and tier is None:
+        pulls, leases = self.tables.take_pulls(), self.tables.take_leases()
+        if not (scheduled or tier or pulls or leases):
             return None
         self.step_id += 1
         self.in_flight[self.step_id] = [(req, req.num_scheduled) for req in scheduled]
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
-                        self.preempted_ids, tier)
+                        self.preempted_ids, tier, leases, pulls)
         self.to_drop, self.preempted_ids = [], []
         for req in scheduled:
             entry = req.send_planned()
@@ -203,10 +206,14 @@ class Scheduler:
                     break
                 req.status = Status.WAITING    # blocks back on the device; first in line
             fresh = not req.block_ids
-            if fresh and self.tables.map_cached_prefix(req):   # it waits for the disk tier
+            if fresh and self.tables.map_cached_prefix(req):   # it waits for its blocks
                 self.waiting.pop(i)
                 req.status, self.loading[req.seq_id] = Status.LOADING, req
                 continue
+            if fresh and req.kv_transfer is not None and req.kv_transfer.remote_prefill:
+                self.tables.release(req)      # no room yet to pull its prefill engine's blocks
+                req.num_computed = 0
+                break
             n = req.num_pending
             if n > budget and not self.config.enable_chunked_prefill:
                 n = 0
@@ -274,14 +281,17 @@ class Scheduler:
             req.on_executor = False
             req.new_token_ids, req.num_drafts = [], 0    # its drafts went with its state
 
-    def _finish(self, req: Request) -> None:
-        """Remove a sequence wherever it is and free its blocks."""
+    def _finish(self, req: Request, lease: bool = False) -> None:
+        """Remove a sequence wherever it is and free its blocks (or, `lease`, hold them for a
+        decode engine to pull: kv_transfer.py)."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status in (Status.WAITING, Status.SWAPPED):
             self.waiting.remove(req)
         elif req.status is Status.LOADING:
             del self.loading[req.seq_id]
+        if lease:
+            self.tables.lease(req)
         self.tables.release(req)
         self._drop_from_executor(req)
         req.status = Status.FINISHED
@@ -296,12 +306,11 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         scheduled = self.in_flight.pop(plan.step_id)
-        if plan.tier is not None:
-            self._apply_loads(plan.tier.loads, result)
+        deltas = self._apply_loads(plan, result)
         if result.error is not None:
-            return self._fail_step(scheduled, result.error)
+            return deltas + self._fail_step(scheduled, result.error)
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
-        deltas, groups = [], []
+        groups = []
         # A sequence preempted while in this step is RUNNING again only from a plan made after
         # this result (at most two plans are in flight): the status check tells them apart.
         for req, n in scheduled:
@@ -337,21 +346,23 @@ class Scheduler:
                 deltas += self._advance_beams(group)
         return deltas
 
-    def _apply_loads(self, loads: list[KvLoad], result: StepResult) -> None:
-        """Sequences whose disk-tier loads this step did wait in line again, their loaded
-        blocks computed (the rest they compute). A failed step loaded nothing, but its hashes
-        are kept: the files were not found wanting."""
-        loaded = result.kv_loaded or {}
-        for load in loads:
-            num_ok = loaded.get(load.seq_id, 0)
-            if result.error is None:
-                self.tables.tier.loaded(load.hashes, num_ok)
+    def _apply_loads(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
+        """Sequences whose loads (disk tier, prefill engine) this step did wait in line
+        again, their loaded blocks computed (the rest they compute; or, a pull falling short
+        under kv_load_failure_policy fail, they end with an error)."""
+        loaded, deltas = result.kv_loaded or {}, []
+        for load in (plan.tier.loads if plan.tier is not None else []) + plan.pulls:
             req = self.loading.pop(load.seq_id, None)
-            if req is None:                      # ended meanwhile; its blocks are freed
+            short = self.tables.finish_load(load, loaded.get(load.seq_id, 0), req,
+                                            result.error is not None)
+            if req is None:
                 continue
-            self.tables.loaded(req, num_ok)
             req.status = Status.WAITING
             bisect.insort(self.waiting, req, key=lambda r: r.key)
+            if short and self.config.kv_transfer_config.kv_load_failure_policy == "fail":
+                deltas += self._fail(req, f"the prefill engine's KV ({load.source.address}, "
+                                     f"lease {load.source.lease}) could not be pulled")
+        return deltas
 
     def _count_prompt(self, req: Request) -> None:
         req.prompt_counted = True       # forks and beams copy the flag: one count per prompt
@@ -372,7 +383,7 @@ class Scheduler:
             if req.sampling.logprobs is None:
                 logprobs = None
         if reason:
-            self._finish(req)
+            self._finish(req, lease=req.kv_transfer is not None and req.kv_transfer.remote_decode)
         cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
         return TokenDelta(req.seq_id, appended, reason, None, cum, logprobs)
 
@@ -415,12 +426,20 @@ class Scheduler:
         """The executor could not run the step: fail every request it held."""
         deltas = []
         for req, _ in scheduled:
-            if req.status is not Status.RUNNING:
-                continue
-            ids = req.output_ids
-            if req.group is not None:
-                self.abort(ids)
-            else:
-                self._finish(req)
-            deltas += [TokenDelta(i, [], "error", error) for i in ids]
+            if req.status is Status.RUNNING:
+                deltas += self._fail(req, error)
         return deltas
+
+    def _fail(self, req: Request, error: str) -> list[TokenDelta]:
+        """End req's request (a beam search's whole group) with an error."""
+        ids = req.output_ids
+        if req.group is not None:
+            self.abort(ids)
+        else:
+            self._finish(req)
+        return [TokenDelta(i, [], "error", error) for i in ids]
+
+    def end_lease(self, msg: KvLeaseEnded) -> list[TokenDelta]:
+        """The decode engine released a lease (or it expired): free its blocks."""
+        self.tables.end_lease(msg.lease)
+        return []

@@ -62,7 +62,8 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs()
     (seq,) = plan.new
     assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 1, [0, 1, 2])
     assert deltas[0].finish_reason == "length"
-    assert s.tables.tier.hits == 2 and s.tables.tier_queries == 8 + 28 + 8   # a, big, a2
+    assert s.tables.tier.hits == 2 and s.tables.external_hits == 8
+    assert s.tables.external_queries == 8 + 28 + 8                     # a, big, a2
     assert s.kv.lookup(hashes(100, 9)) == [0, 1]     # loaded blocks join the pool's cache
     assert s.schedule() is None       # and are not stored again
     assert_pool_whole(s)

@@ -1,0 +1,36 @@
+"""Pool blocks as bytes and back: what the disk tier writes and a KV transfer sends. A block's
+bytes are its K/V rows in every cache given (each [2, blocks, block_size, heads, width]; a
+draft model's after the target's), concatenated, as the caches hold them (quantized KV's
+scales included)."""
+from __future__ import annotations
+
+import torch
+
+
+class BlockBytes:
+    def __init__(self, caches: list[torch.Tensor]):
+        self.raw = [c.view(torch.uint8) for c in caches]     # [2, blocks, bs, heads, bytes]
+        self.sizes = [r[:, 0].numel() for r in self.raw]
+        self.block_bytes = sum(self.sizes)
+
+    def read(self, block_ids: list[int]) -> list[bytearray]:
+        """Each block's bytes (copied: the blocks may be rewritten after)."""
+        index = torch.tensor(block_ids, device=self.raw[0].device)
+        picked = [r[:, index].cpu() for r in self.raw]       # each [2, n, ...]
+        out = []
+        for i in range(len(block_ids)):
+            payload = bytearray(self.block_bytes)
+            view, offset = torch.frombuffer(payload, dtype=torch.uint8), 0
+            for p, size in zip(picked, self.sizes):
+                view[offset:offset + size].copy_(p[:, i].reshape(-1))
+                offset += size
+            out.append(payload)
+        return out
+
+    def write(self, block: int, payload: bytearray | memoryview) -> None:
+        """Fill a block from bytes of read()'s layout (len(payload) == block_bytes)."""
+        offset = 0
+        for raw, size in zip(self.raw, self.sizes):
+            piece = torch.frombuffer(payload, dtype=torch.uint8, count=size, offset=offset)
+            raw[:, block].copy_(piece.view(raw[:, block].shape))
+            offset += size
