@@ -8,8 +8,10 @@ and `kv_transfer_params: {"do_remote_decode": true}`; its answer's `kv_transfer_
 added to the original request, which goes to a decode engine (round robin) and is answered
 from there, streamed or not, as it comes. A prefill engine that answers with an error ends
 the request with that answer; one that cannot be reached sends the request to a decode
-engine without transfer parameters (it computes the prompt itself). /v1/models, /health and
-/metrics are the first decode engine's (health: every engine's). aiohttp only, no torch.
+engine without transfer parameters (it computes the prompt itself); a decode engine that
+cannot be reached (nothing sent yet) passes the request to the next. /v1/models and /metrics
+are the first decode engine's; /health is 200 when every engine answers its own. aiohttp
+only, no torch.
 """
 from __future__ import annotations
 
@@ -72,8 +74,13 @@ class Router:
             return prefilled
         if prefilled:
             body = {**body, "kv_transfer_params": prefilled}
-        return await self._relay(request, f"{next(self.next_decode)}{request.path}", body,
-                                 headers)
+        for _ in range(len(self.decode)):     # one not reached: the request has not started
+            url = f"{next(self.next_decode)}{request.path}"
+            try:
+                return await self._relay(request, url, body, headers)
+            except aiohttp.ClientConnectorError as e:
+                log.warning("decode engine %s unreachable (%s); trying the next", url, e)
+        return _error(502, "no decode engine could be reached")
 
     async def _prefill(self, path: str, body: dict, headers: dict) -> dict | web.Response | None:
         """The prefill engine's transfer parameters; its error answer; or None if it cannot
@@ -99,7 +106,8 @@ class Router:
 
     async def _relay(self, request: web.Request, url: str, body: dict | None,
                      headers: dict, method: str = "POST") -> web.StreamResponse:
-        """The engine's answer as it comes (an event stream stays one)."""
+        """The engine's answer as it comes (an event stream stays one). Raises
+        ClientConnectorError when the engine cannot be reached (nothing was sent)."""
         try:
             async with self.session.request(method, url, json=body, headers=headers) as r:
                 response = web.StreamResponse(status=r.status, headers={
@@ -109,13 +117,18 @@ class Router:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
+        except aiohttp.ClientConnectorError:
+            raise
         except aiohttp.ClientError as e:
-            return _error(502, f"engine {url} unreachable: {e}")
+            return _error(502, f"engine {url} failed: {e}")
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
-        return await self._relay(request, f"{self.decode[0]}{request.path}", None, headers,
-                                 method="GET")
+        try:
+            return await self._relay(request, f"{self.decode[0]}{request.path}", None,
+                                     headers, method="GET")
+        except aiohttp.ClientConnectorError as e:
+            return _error(502, f"decode engine unreachable: {e}")
 
     async def health(self, request: web.Request) -> web.Response:
         down = []

@@ -1,0 +1,120 @@
+"""Two pagewire replicas behind vllm-router: prefix-aware (cache_aware) versus round-robin
+routing on a shared-prefix workload, in one run.
+
+    python bench/replicas.py [--groups 8] [--prefix 768] [--per-group 6] [--output 16]
+        [--router /path/to/vllm-router] [--model PATH]
+
+Starts two `pagewire serve` replicas (one thread each, the default model unless --model),
+then, for each policy in turn (round_robin, cache_aware, round_robin, cache_aware), a
+vllm-router over them, and sends `--groups` x `--per-group` completion requests: each group
+shares a `--prefix`-token random prefix, each request adds 16 tokens of its own; requests of
+all groups interleave, `--concurrency` in flight. Every round uses fresh prefixes (nothing
+cached from the last). Prints requests/s, the time, and the replicas' prefix-cache hit rate
+per round. Needs vllm-router (`pip install vllm-router`).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.e2e.server import Server, free_port  # noqa: E402
+
+
+def post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=600) as r:
+        assert r.status == 200
+        r.read()
+
+
+def prefix_counts(url: str) -> tuple[float, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            if line.startswith(name + "{"):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("vllm:prefix_cache_queries_total", 0.0), \
+        values.get("vllm:prefix_cache_hits_total", 0.0)
+
+
+def start_router(binary: str, policy: str, replicas: list[Server]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--policy", policy, "--worker-urls",
+                             *[r.url for r in replicas]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("vllm-router did not start")
+
+
+def one_round(url: str, rng: random.Random, args) -> float:
+    prefixes = [[rng.randrange(100, 40000) for _ in range(args.prefix)]
+                for _ in range(args.groups)]
+    bodies = [{"model": "m", "prompt": prefixes[g] + [rng.randrange(100, 40000)
+                                                       for _ in range(16)],
+               "max_tokens": args.output, "temperature": 0, "ignore_eos": True}
+              for _ in range(args.per_group) for g in range(args.groups)]
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        list(pool.map(lambda b: post(url, b), bodies))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--prefix", type=int, default=768)
+    p.add_argument("--per-group", type=int, default=6)
+    p.add_argument("--output", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--router", default=shutil.which("vllm-router") or "vllm-router")
+    p.add_argument("--model", default=None)
+    args = p.parse_args()
+    run_dir = tempfile.mkdtemp(dir="/tmp")
+    common = ([args.model] if args.model else []) + [
+        "--served-model-name", "m", "--threads", "1", "--max-model-len", "2048"]
+    replicas = [Server(common, run_dir), Server(common, run_dir)]
+    rng = random.Random(0)
+    try:
+        for policy in ("round_robin", "cache_aware") * 2:
+            before = [prefix_counts(r.url) for r in replicas]
+            proc, url = start_router(args.router, policy, replicas)
+            try:
+                elapsed = one_round(url, rng, args)
+            finally:
+                proc.terminate()
+                proc.wait(10)
+            after = [prefix_counts(r.url) for r in replicas]
+            queries = sum(a[0] - b[0] for a, b in zip(after, before))
+            hits = sum(a[1] - b[1] for a, b in zip(after, before))
+            n = args.groups * args.per_group
+            print(f"{policy:12} {n / elapsed:6.2f} req/s  {elapsed:6.1f} s  prefix hit rate "
+                  f"{hits / max(queries, 1):.1%}")
+    finally:
+        for r in replicas:
+            r.stop()
+
+
+if __name__ == "__main__":
+    main()
