@@ -81,10 +81,9 @@ def test_router_prefill_and_decode_engines_give_one_engines_tokens(tmp_path, smo
                          json.dumps({"kv_role": "kv_producer", "kv_port": kv_port})]
     consumer = common + ["--kv-transfer-config", json.dumps(
         {"kv_role": "kv_consumer", "kv_connector_extra_config": {"pull_timeout": 1}})]
-    with running_server(common) as alone:
-        expected = _tokens(alone.url)
     gone = f"http://127.0.0.1:{free_port()}"       # a decode engine that is not there
     with running_server(producer) as p, running_server(consumer) as d:
+        expected = _tokens(p.url)                  # one engine, alone (no transfer asked)
         router = Router(p.url, gone, d.url, healthy_enough=True)
         try:
             assert _tokens(router.url) == expected
@@ -92,8 +91,8 @@ def test_router_prefill_and_decode_engines_give_one_engines_tokens(tmp_path, smo
             samples = _scrape(d)   # the second found the prefix in the decode engine's pool
             assert get(samples, "vllm:external_prefix_cache_hits_total") == 6 * 16
             assert get(samples, "vllm:prefix_cache_hits_total") == 6 * 16
-            time.sleep(0.5)                 # the releases reach the prefill engine's scheduler
-            assert get(_scrape(p), "vllm:kv_cache_usage_perc") == 0.0
+            time.sleep(2.5)                 # the releases reach the prefill engine's scheduler,
+            assert get(_scrape(p), "vllm:kv_cache_usage_perc") == 0.0   # and its report
             assert get(_scrape(d), "vllm:kv_cache_usage_perc") == 0.0
             p.stop()                        # the prefill engine is gone: decode computes all
             assert _tokens(router.url) == expected
