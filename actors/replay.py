@@ -10,6 +10,7 @@ The configuration is the recorded one; a model whose weights changed since is re
 """
 from __future__ import annotations
 
+import tempfile
 from collections import deque
 
 import msgspec
@@ -34,7 +35,14 @@ class SchedulerReplay(Replay):
         super().__init__()
         from .executor.runner import ModelRunner
         from .scheduler.core import SchedulerCore
-        self.core, self.runner = SchedulerCore(config), ModelRunner(config)
+        # The executor keeps to itself: a disk tier of its own (never the recorded engine's
+        # directory, which that engine may still be using), no KV server or pulls (a pull
+        # finds nothing and is computed, as the recording's may not have been).
+        scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.kv_offload_dir \
+            else None
+        self.core = SchedulerCore(config)
+        self.runner = ModelRunner(msgspec.structs.replace(
+            config, kv_offload_dir=scratch, kv_transfer_config=None))
         self.results: deque[StepResult] = deque()
 
     def receive(self, msg) -> None:

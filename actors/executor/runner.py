@@ -184,7 +184,7 @@ class ModelRunner:
         order = self.table.apply(plan)
         loaded = self._move_blocks(plan)
         self._copy_blocks(plan)
-        if not order:             # only disk-tier work, or every row's sequence stopped
+        if not order:             # only tier and transfer work, or every row's sequence stopped
             return StepResult(plan.step_id, [], [], kv_loaded=loaded)
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
         if to_draft:              # methods self, draft_model: a model drafts now
@@ -307,11 +307,12 @@ class ModelRunner:
     def _move_blocks(self, plan: StepPlan) -> dict[SeqId, int] | None:
         """Blocks between engines and tiers, before the step writes any: leases to serve,
         disk-tier work, pulls. Returns how many blocks of each load arrived."""
-        if plan.leases:
+        if plan.leases and self.kv_server is not None:
             self.kv_server.add(plan.leases)
         loaded = self.tier.run(plan.tier) if plan.tier is not None else {}
-        if plan.pulls:
-            loaded.update(self.kv_puller.pull(plan.pulls))
+        if plan.pulls:       # no puller (a replay): nothing arrives, the blocks are computed
+            loaded.update(self.kv_puller.pull(plan.pulls) if self.kv_puller is not None
+                          else {load.seq_id: 0 for load in plan.pulls})
         return loaded or None
 
     def _copy_blocks(self, plan: StepPlan) -> None:

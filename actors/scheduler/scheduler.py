@@ -3,8 +3,10 @@
 Each step, schedule() picks which tokens of which sequences run under one token budget shared
 by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
 arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
-in the pool, then in the disk tier (blocks found there are loaded by the next step while the
-request waits, LOADING, with its whole table allocated; block_tables.py).
+in the pool, then in the disk tier or, for a decode after a remote prefill, its prefill
+engine's lease (those blocks are filled by the next step while the request waits, LOADING,
+with its whole table allocated; block_tables.py). A request prefilled for a remote decode
+leaves its full blocks under a lease when it ends, until the KV server says it ended.
 When blocks run out, the last running sequence in that order is preempted: swapped to the host
 tier when the policy allows and it fits, else recomputed (freed, requeued, prefilled again,
 cheaply when its blocks are still cached). update() applies a StepResult: appends sampled
@@ -72,8 +74,8 @@ class Scheduler:
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:
-        """Something to plan: sequences, or disk-tier work (the last blocks a finished
-        request committed are stored by a plan of their own)."""
+        """Something to plan: sequences, or work a plan carries alone: blocks to store in the
+        disk tier (a finished request's last ones), leases to hand to the KV server."""
         tier = self.tables.tier
         return bool(self.waiting or self.running or self.loading or self.tables.new_leases
                     or tier is not None and tier.has_work())

@@ -33,6 +33,15 @@ def evict_everything(sched) -> None:
     finish_alone(sched, "big", 29, first=5000)
 
 
+def asked_again_after_eviction():
+    """"a" stored, evicted from the pool, then asked again as "a2": the plan loading it."""
+    s = tiered()
+    finish_alone(s, "a", 9, first=100)
+    evict_everything(s)
+    s.add(new("a2", 9, first=100, max_tokens=1))
+    return s, s.schedule()
+
+
 def test_committed_blocks_are_stored_once_by_the_next_plan():
     s = tiered()
     s.add(new("a", 9, first=100, max_tokens=1))
@@ -48,15 +57,11 @@ def test_committed_blocks_are_stored_once_by_the_next_plan():
 
 
 def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs():
-    s = tiered()
-    finish_alone(s, "a", 9, first=100)
-    evict_everything(s)
-    assert s.kv.lookup(hashes(100, 9)) == []
-    s.add(new("a2", 9, first=100, max_tokens=1))
-    plan = s.schedule()
+    s, plan = asked_again_after_eviction()
     assert plan.new == [] and plan.tier.loads == [KvLoad(sid("a2"), [0, 1], hashes(100, 9))]
     assert s.requests[sid("a2")].status is Status.LOADING and not s.waiting
     assert s.schedule() is None       # nothing else to plan until the load's result
+    assert s.kv.lookup(hashes(100, 9)) == []          # the pool lost it: "big" evicted it
     s.update(plan, s.run())
     plan, deltas = step(s)
     (seq,) = plan.new
@@ -70,11 +75,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs()
 
 
 def test_a_load_that_fails_part_way_computes_the_rest_and_forgets_those_hashes():
-    s = tiered()
-    finish_alone(s, "a", 9, first=100)
-    evict_everything(s)
-    s.add(new("a2", 9, first=100, max_tokens=1))
-    plan = s.schedule()
+    s, plan = asked_again_after_eviction()
     s.update(plan, s.run(result=StepResult(plan.step_id, [], [], kv_loaded={sid("a2"): 1})))
     first, second = hashes(100, 9)
     assert first in s.tables.tier.blocks and second not in s.tables.tier.blocks
@@ -87,11 +88,7 @@ def test_a_load_that_fails_part_way_computes_the_rest_and_forgets_those_hashes()
 
 
 def test_a_failed_step_loads_nothing_and_keeps_the_hashes():
-    s = tiered()
-    finish_alone(s, "a", 9, first=100)
-    evict_everything(s)
-    s.add(new("a2", 9, first=100, max_tokens=1))
-    plan = s.schedule()
+    s, plan = asked_again_after_eviction()
     s.update(plan, s.run(result=StepResult(plan.step_id, [], [], error="boom")))
     plan, _ = step(s)
     assert plan.new[0].num_computed == 0
@@ -101,11 +98,7 @@ def test_a_failed_step_loads_nothing_and_keeps_the_hashes():
 
 
 def test_an_abort_while_loading_frees_the_blocks_and_drops_nothing_on_disk():
-    s = tiered()
-    finish_alone(s, "a", 9, first=100)
-    evict_everything(s)
-    s.add(new("a2", 9, first=100, max_tokens=1))
-    plan = s.schedule()
+    s, plan = asked_again_after_eviction()
     deltas = s.abort(["a2"])
     assert [d.finish_reason for d in deltas] == ["abort"] and not s.loading
     s.update(plan, s.run())            # the load's result comes for a request that ended
@@ -140,11 +133,7 @@ def test_tier_counters_reach_the_metrics_in_blocks_tokens_and_bytes():
     from pagewire.gateway.metrics import GatewayMetrics
     from pagewire.scheduler.actor import StatsReporter
     from tests.actors.test_metrics import VLLM, parse, value
-    s = tiered()
-    finish_alone(s, "a", 9, first=100)
-    evict_everything(s)
-    s.add(new("a2", 9, first=100, max_tokens=1))
-    plan = s.schedule()
+    s, plan = asked_again_after_eviction()
     s.update(plan, s.run(result=StepResult(plan.step_id, [], [], kv_loaded={sid("a2"): 1})))
     sent = []
     StatsReporter(s.core.sched, sent.append).report(0.0)
