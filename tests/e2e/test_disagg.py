@@ -6,6 +6,7 @@ prefill engine stopped, requests are still answered."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -94,8 +95,18 @@ def test_router_prefill_and_decode_engines_give_one_engines_tokens(tmp_path, smo
             time.sleep(2.5)                 # the releases reach the prefill engine's scheduler,
             assert get(_scrape(p), "vllm:kv_cache_usage_perc") == 0.0   # and its report
             assert get(_scrape(d), "vllm:kv_cache_usage_perc") == 0.0
-            p.stop()                        # the prefill engine is gone: decode computes all
-            assert _tokens(router.url) == expected
+            other = list(range(200, 300))   # not in the decode engine's pool
+            code, raw = _post(p.url + "/v1/completions", {        # prefilled, then killed
+                "model": "tiny", "prompt": other, "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True}})
+            params = json.loads(raw)["kv_transfer_params"]
+            p.stop(signal.SIGKILL)          # before its blocks are pulled: decode computes
+            code, raw = _post(d.url + "/v1/completions", {
+                "model": "tiny", "prompt": other, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "kv_transfer_params": params})
+            assert code == 200 and json.loads(raw)["usage"]["completion_tokens"] == 8
+            assert get(_scrape(d), "vllm:external_prefix_cache_hits_total") == 6 * 16
+            assert _tokens(router.url) == expected       # the router: prefill unreachable
             code, raw = _post(d.url + "/v1/completions", {       # a bad transfer: a 400
                 "model": "tiny", "prompt": PROMPT, "max_tokens": 2,
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "x"}})

@@ -83,7 +83,7 @@ def test_pagewire_arguments_parse_and_resolve(monkeypatch):
     from pagewire.config import EngineConfig
     seen = set()
     for c in _containers():
-        if c["image"].split(":")[0] != "pagewire" or "command" in c:   # vllm-router
+        if c["image"].split(":")[0] != "pagewire-engine" or "command" in c:   # vllm-router
             continue
         args = [_expand(a, c) for a in c["args"]]
         seen.add(args[0])
