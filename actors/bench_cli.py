@@ -7,7 +7,6 @@ the command shapes and summary lines of `vllm bench`, so the two compare line fo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time

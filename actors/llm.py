@@ -8,6 +8,7 @@ last one's tokens detokenized) while a step runs, as in the server.
 from __future__ import annotations
 
 import itertools
+import queue
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,9 +77,9 @@ class LLM:
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
                       "scheduler": core, "detokenizer": self.detokenizer}
         self.core, self.scheduler = core, core.sched
-        # Leases a KV server's thread ended, for the scheduler (kv_transfer.py).
-        self._lease_notices: deque = deque()
-        self.runner = ModelRunner(self.config, notify=self._lease_notices.append)
+        # What the KV server and puller threads tell the scheduler (kv_transfer.py).
+        self._notices: queue.SimpleQueue = queue.SimpleQueue()
+        self.runner = ModelRunner(self.config, notify=self._notices.put)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
         self._executor = ThreadPoolExecutor(1, "pagewire-executor",
                                             initializer=lambda: torch.set_num_threads(threads))
@@ -182,22 +183,30 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it. With async
         scheduling the step after it is already submitted when this one's result is applied."""
-        self._take_lease_notices()
-        for _ in range(2):     # a schedule that only preempted plans nothing: plan again
+        retried = False
+        while True:
+            self._take_notices()
             while (plan := self.core.plan()) is not None:
                 self._steps.append(self._executor.submit(self.runner.execute, plan))
             if self._steps:
                 break
-        else:
-            raise RuntimeError("scheduler has unfinished requests but nothing to run")
-        self._apply_oldest_step()
+            if self._finished:               # a notice ended a request (a pull that failed)
+                break
+            if self.scheduler.arrivals.pulling:   # nothing runs until blocks come from a prefill
+                self._deliver([("scheduler", self._notices.get())])     # engine (or not)
+            elif retried:
+                raise RuntimeError("scheduler has unfinished requests but nothing to run")
+            else:                # a schedule that only preempted plans nothing: plan again
+                retried = True
+        if self._steps:
+            self._apply_oldest_step()
         finished, self._finished = self._finished, []
         return finished
 
-    def _take_lease_notices(self) -> None:
-        """Leases the KV server ended reach the scheduler (it frees their blocks)."""
-        while self._lease_notices:
-            self._deliver([("scheduler", self._lease_notices.popleft())])
+    def _take_notices(self) -> None:
+        """Leases the KV server ended, pulls the puller finished: to the scheduler."""
+        while not self._notices.empty():
+            self._deliver([("scheduler", self._notices.get())])
 
     def _apply_oldest_step(self) -> None:
         """Wait for the oldest submitted step and hand its result to the scheduler core."""
@@ -267,7 +276,7 @@ class LLM:
         return out
 
     def _run(self, req_ids: list[str]) -> list[RequestOutput]:
-        self._take_lease_notices()
+        self._take_notices()
         done: dict[str, RequestOutput] = {}
         while any(r not in done for r in req_ids):
             done.update((o.request_id, o) for o in self.step())

@@ -7,7 +7,8 @@ prompt and, instead of freeing its blocks, holds them under a lease named by the
 and answers with `kv_transfer_params` naming itself (`remote_host`, `remote_port`,
 `remote_request_id`). The proxy sends the original request with those to the decode engine,
 which pulls the prompt's full blocks from the prefill engine's KV server (an executor
-thread, ZeroMQ ROUTER), computes the rest and decodes. A pull names its blocks by their
+thread, ZeroMQ ROUTER) on a thread of its own while its steps go on, computes the rest and
+decodes. A pull names its blocks by their
 chained hashes (kv_manager.py): a block is served only if the lease holds one of that hash,
 so a decode engine never loads KV of other tokens, another salt or adapter. The pull also
 names the layout (kv_tier_files.layout_key): engines of different weights, dtypes or block
@@ -17,6 +18,8 @@ a lease nobody releases expires.
 from __future__ import annotations
 
 import msgspec
+
+from .ids import SeqId
 
 
 class KvSource(msgspec.Struct, array_like=True, frozen=True):
@@ -38,6 +41,12 @@ class KvLease(msgspec.Struct, array_like=True, gc=False):
     lease: str
     block_ids: list[int]
     hashes: list[bytes]
+
+
+class KvPulled(msgspec.Struct, tag=True):
+    """From a decode engine's puller (a thread of executor 0) to its scheduler: the pulls of
+    a plan ended, with how many leading blocks each filled (the rest are to be computed)."""
+    loaded: dict[SeqId, int]
 
 
 class KvLeaseEnded(msgspec.Struct, tag=True):

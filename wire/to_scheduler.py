@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
-from .kv_transfer import KvLeaseEnded, KvTransfer
+from .kv_transfer import KvLeaseEnded, KvPulled, KvTransfer
 from .lora import LoraRef
 from .sampling import LogprobsChunk, SamplingParams
 
@@ -65,4 +65,4 @@ class AbortAll(msgspec.Struct, tag=True):
     reason: str
 
 
-SchedulerInbox = NewRequest | Abort | StepResult | AbortAll | KvLeaseEnded
+SchedulerInbox = NewRequest | Abort | StepResult | AbortAll | KvLeaseEnded | KvPulled

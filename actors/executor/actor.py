@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import traceback
 
 import msgspec
@@ -32,9 +33,14 @@ LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within
 def run(env) -> None:
     config = env.config
     if config.tensor_parallel_size == 1:
-        # A KV server's thread tells the scheduler of ended leases on a socket of its own.
-        leases = PushChannel(env.ctx, env.address("scheduler"))
-        serve_steps(env, ModelRunner(config, notify=leases.send))
+        # The KV server's and puller's threads tell the scheduler on a socket of their own
+        # (shared by the two under a lock: a ZeroMQ socket is one thread's at a time).
+        notices, lock = PushChannel(env.ctx, env.address("scheduler")), threading.Lock()
+
+        def notify(msg) -> None:
+            with lock:
+                notices.send(msg)
+        serve_steps(env, ModelRunner(config, notify=notify))
     elif env.index == 0:
         server = admit_ranks(env)
         tp = init_group(server.welcome.dist_address, 0, config.tensor_parallel_size,

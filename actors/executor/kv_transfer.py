@@ -7,14 +7,16 @@ guards the lease table. A lease ends when its puller releases it or when it expi
 out of the table before its scheduler hears (KvLeaseEnded) and frees the blocks, so blocks
 are never served once they may be reused.
 
-KvPuller (decode engine): for each pull of a plan, asks the source's server, waits up to
-pull_timeout, writes the blocks that came into the pool and releases the lease (whether all,
-some or none came). A server that is gone, slow, of another layout, or without that lease
+KvPuller (decode engine): a thread that, for each pull of a plan, asks the source's server,
+waits up to pull_timeout, writes the blocks that came into the pool and releases the lease
+(whether all, some or none came), then tells the scheduler (KvPulled). Steps run meanwhile:
+the pulled blocks belong to waiting requests only, which no step touches. A server that is gone, slow, of another layout, or without that lease
 gives fewer blocks than asked: the scheduler computes the rest or fails the request.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -23,8 +25,8 @@ import zmq
 
 from pagewire.wire.channels import make_decoder
 from pagewire.wire.ids import SeqId
-from pagewire.wire.kv_transfer import (KvBlocks, KvLease, KvLeaseEnded, KvPull, KvPullerInbox,
-                                       KvRelease, KvServerInbox)
+from pagewire.wire.kv_transfer import (KvBlocks, KvLease, KvLeaseEnded, KvPull, KvPulled,
+                                       KvPullerInbox, KvRelease, KvServerInbox)
 from pagewire.wire.to_executor import KvLoad
 
 from .kv_blocks import BlockBytes
@@ -116,13 +118,27 @@ class KvServer:
 
 class KvPuller:
     def __init__(self, ctx: zmq.Context, blocks: BlockBytes, layout: str, timeout: float,
-                 keys: str | None = None):
+                 notify, keys: str | None = None):
+        """notify(KvPulled) is called from the puller's thread when a plan's pulls end."""
         self.ctx, self.blocks, self.layout, self.timeout = ctx, blocks, layout, timeout
-        self.keys = keys
+        self.notify, self.keys = notify, keys
         self.decoder = make_decoder(KvPullerInbox)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name="kv-puller", daemon=True)
+        self.thread.start()
+
+    def start(self, loads: list[KvLoad]) -> None:
+        """Pull on the puller's thread while steps go on. The scheduler keeps the blocks out
+        of every step (their request waits) until it hears they were filled."""
+        self.jobs.put(loads)
 
     def pull(self, loads: list[KvLoad]) -> dict[SeqId, int]:
         return {load.seq_id: self._pull(load) for load in loads}
+
+    def _work(self) -> None:
+        while True:
+            loads = self.jobs.get()
+            self.notify(KvPulled(self.pull(loads)))
 
     def _pull(self, load: KvLoad) -> int:
         """Blocks filled (a prefix of load's), after releasing the lease."""

@@ -81,7 +81,8 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, notify=None):
-        """notify(msg): how a KV server (kv_transfer.py) tells the scheduler a lease ended."""
+        """notify(msg): how the KV server and puller threads (kv_transfer.py) tell the
+        scheduler a lease ended or pulls did."""
         ranks_here = config.tensor_parallel_size if config.executors == "local" else 1
         torch.set_num_threads(config.threads or default_threads(ranks_here))
         torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
@@ -156,7 +157,7 @@ class ModelRunner:
         ctx, keys = zmq.Context.instance(), self.config.curve_keys
         server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
                           transfer.lease_seconds, notify, keys) if transfer.produces else None
-        puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, keys) \
+        puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, notify, keys) \
             if transfer.consumes else None
         return server, puller
 
@@ -306,14 +307,12 @@ class ModelRunner:
 
     def _move_blocks(self, plan: StepPlan) -> dict[SeqId, int] | None:
         """Blocks between engines and tiers, before the step writes any: leases to serve,
-        disk-tier work, pulls. Returns how many blocks of each load arrived."""
+        pulls to start, disk-tier work. Returns how many blocks of each tier load arrived."""
         if plan.leases and self.kv_server is not None:
             self.kv_server.add(plan.leases)
-        loaded = self.tier.run(plan.tier) if plan.tier is not None else {}
-        if plan.pulls:       # no puller (a replay): nothing arrives, the blocks are computed
-            loaded.update(self.kv_puller.pull(plan.pulls) if self.kv_puller is not None
-                          else {load.seq_id: 0 for load in plan.pulls})
-        return loaded or None
+        if plan.pulls and self.kv_puller is not None:   # (a replay has none: the recorded
+            self.kv_puller.start(plan.pulls)            # KvPulled messages come from the trace)
+        return (self.tier.run(plan.tier) or None) if plan.tier is not None else None
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""

@@ -125,10 +125,9 @@ class BlockTables:
         return True
 
     def finish_load(self, load: KvLoad, num_ok: int, req: Request | None,
-                    step_failed: bool) -> bool:
-        """A load of a plan came back, its first num_ok blocks filled: count them computed
-        and register them in the pool (req None: it ended meanwhile, its blocks are freed).
-        True when a pull from a prefill engine fell short."""
+                    step_failed: bool) -> None:
+        """A load came back, its first num_ok blocks filled: count them computed and register
+        them in the pool (req None: it ended meanwhile, its blocks are freed)."""
         if load.source is None and not step_failed:   # a failed step kept the tier's hashes
             self.tier.loaded(load.hashes, num_ok)
         if req is not None:
@@ -137,7 +136,6 @@ class BlockTables:
             self.commit(req)
             if load.source is not None:
                 req.kv_transfer = None                # pulled once (its lease is released)
-        return load.source is not None and num_ok < len(load.hashes)
 
     def update_hashes(self, req: Request) -> None:
         full = len(req.token_ids) // self.block_size

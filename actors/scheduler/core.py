@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from pagewire.wire.channels import Sends
-from pagewire.wire.kv_transfer import KvLeaseEnded
+from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
@@ -36,7 +36,7 @@ class SchedulerCore:
         self.stalled = False
         self.handlers = {NewRequest: self.sched.add, Abort: lambda m: self.sched.abort(m.seq_ids),
                          AbortAll: lambda m: self.sched.abort_all(), StepResult: self._on_result,
-                         KvLeaseEnded: self.sched.end_lease}
+                         KvLeaseEnded: self.sched.end_lease, KvPulled: self.sched.pulled}
 
     def can_plan(self) -> bool:
         return len(self.in_flight) < self.depth and not self.stalled and self.sched.has_work()
@@ -56,7 +56,8 @@ class SchedulerCore:
         self.in_flight.append(plan)
         return plan
 
-    def handle(self, msg: NewRequest | Abort | AbortAll | StepResult | KvLeaseEnded) -> Sends:
+    def handle(self, msg) -> Sends:
+        """msg: one of SchedulerInbox's types (wire/to_scheduler.py)."""
         self.stalled = False
         deltas = self.handlers[type(msg)](msg)
         return [("detokenizer", TokenDeltas(deltas))] if deltas else []

@@ -33,11 +33,12 @@ from collections import OrderedDict
 
 from pagewire.wire.ids import PROMPT, SeqId, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
-from pagewire.wire.kv_transfer import KvLeaseEnded
+from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 
 from ..config import EngineConfig
+from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
 from .request import Request, Status, queue_refusal
@@ -58,7 +59,7 @@ class Scheduler:
         self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
-        self.loading: dict[SeqId, Request] = {}  # waiting for blocks (disk tier, prefill engine)
+        self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
         # step id -> its plan's sequences with the tokens each was scheduled for
         self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
@@ -77,7 +78,7 @@ class Scheduler:
         """Something to plan: sequences, or work a plan carries alone: blocks to store in the
         disk tier (a finished request's last ones), leases to hand to the KV server."""
         tier = self.tables.tier
-        return bool(self.waiting or self.running or self.loading or self.tables.new_leases
+        return bool(self.waiting or self.running or self.tables.new_leases
                     or tier is not None and tier.has_work())
 
     def kv_cache_usage(self) -> float:
@@ -154,6 +155,7 @@ class Scheduler:
                 scheduled += self._admit_waiting(budget)
         tier = self.tables.tier.take_work() if self.tables.tier is not None else None
         pulls, leases = self.tables.take_pulls(), self.tables.take_leases()
+        self.arrivals.planned(pulls)
         if not (scheduled or tier or pulls or leases):
             return None
         self.step_id += 1
@@ -210,7 +212,7 @@ class Scheduler:
             fresh = not req.block_ids
             if fresh and self.tables.map_cached_prefix(req):   # it waits for its blocks
                 self.waiting.pop(i)
-                req.status, self.loading[req.seq_id] = Status.LOADING, req
+                self.arrivals.wait(req)
                 continue
             if fresh and req.kv_transfer is not None and req.kv_transfer.remote_prefill:
                 self.tables.release(req)      # no room yet to pull its prefill engine's blocks
@@ -241,7 +243,7 @@ class Scheduler:
         """Nothing runs or will: if waiting sequences hold device blocks (loaded from the disk
         tier, swapped in) that the first in line needs, they give them back (and recompute
         from the prefix cache) rather than wait on each other forever."""
-        if self.running or self.in_flight or self.loading:
+        if self.running or self.in_flight or self.arrivals.loading:
             return False
         holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
         for req in holders:
@@ -291,7 +293,7 @@ class Scheduler:
         elif req.status in (Status.WAITING, Status.SWAPPED):
             self.waiting.remove(req)
         elif req.status is Status.LOADING:
-            del self.loading[req.seq_id]
+            self.arrivals.abandon(req)
         if lease:
             self.tables.lease(req)
         self.tables.release(req)
@@ -308,11 +310,12 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         scheduled = self.in_flight.pop(plan.step_id)
-        deltas = self._apply_loads(plan, result)
+        for req in self.arrivals.tier_loaded(plan, result):
+            self._back_in_line(req)
         if result.error is not None:
-            return deltas + self._fail_step(scheduled, result.error)
+            return self._fail_step(scheduled, result.error)
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
-        groups = []
+        deltas, groups = [], []
         # A sequence preempted while in this step is RUNNING again only from a plan made after
         # this result (at most two plans are in flight): the status check tells them apart.
         for req, n in scheduled:
@@ -348,23 +351,20 @@ class Scheduler:
                 deltas += self._advance_beams(group)
         return deltas
 
-    def _apply_loads(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
-        """Sequences whose loads (disk tier, prefill engine) this step did wait in line
-        again, their loaded blocks computed (the rest they compute; or, a pull falling short
-        under kv_load_failure_policy fail, they end with an error)."""
-        loaded, deltas = result.kv_loaded or {}, []
-        for load in (plan.tier.loads if plan.tier is not None else []) + plan.pulls:
-            req = self.loading.pop(load.seq_id, None)
-            short = self.tables.finish_load(load, loaded.get(load.seq_id, 0), req,
-                                            result.error is not None)
-            if req is None:
-                continue
-            req.status = Status.WAITING
-            bisect.insort(self.waiting, req, key=lambda r: r.key)
+    def pulled(self, msg: KvPulled) -> list[TokenDelta]:
+        """A plan's pulls from prefill engines ended: their sequences wait in line again (or,
+        a pull falling short under kv_load_failure_policy fail, end with an error)."""
+        deltas = []
+        for req, load, short in self.arrivals.pulled(msg):
+            self._back_in_line(req)
             if short and self.config.kv_transfer_config.kv_load_failure_policy == "fail":
                 deltas += self._fail(req, f"the prefill engine's KV ({load.source.address}, "
                                      f"lease {load.source.lease}) could not be pulled")
         return deltas
+
+    def _back_in_line(self, req: Request) -> None:
+        req.status = Status.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.key)
 
     def _count_prompt(self, req: Request) -> None:
         req.prompt_counted = True       # forks and beams copy the flag: one count per prompt

@@ -12,7 +12,8 @@ import pytest
 
 from pagewire import LLM, SamplingParams
 from pagewire.config import KVTransferConfig
-from pagewire.wire.kv_transfer import KvSource, KvTransfer
+from pagewire.scheduler.request import Status
+from pagewire.wire.kv_transfer import KvPulled, KvSource, KvTransfer
 from tests.actors.sched_helpers import assert_pool_whole, make_scheduler, new, sid, step
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
@@ -130,7 +131,7 @@ def test_roles_are_checked():
         KVTransferConfig(kv_connector_extra_config={"lease": 1}).check()
 
 
-def test_an_abort_while_pulling_frees_the_table_and_the_result_is_ignored():
+def test_an_abort_while_pulling_holds_the_table_until_the_pull_ends():
     s = make_scheduler(num_blocks=8, block_size=4, max_len=32,
                        kv_transfer_config=KVTransferConfig(kv_role="kv_consumer"))
     msg = new("d", 9, first=100, max_tokens=2)
@@ -140,9 +141,26 @@ def test_an_abort_while_pulling_frees_the_table_and_the_result_is_ignored():
     (pull,) = plan.pulls
     assert pull.seq_id == sid("d") and pull.block_ids == [0, 1] and len(pull.hashes) == 2
     assert s.kv.num_free == 8 - 3                    # its whole table: 3 blocks
+    s.update(plan, s.run())                          # the step goes on; the pull does too
+    assert s.requests[sid("d")].status is Status.LOADING and s.schedule() is None
     s.abort(["d"])
-    s.update(plan, s.run())
-    assert not s.has_work()
+    assert s.kv.num_free == 8 - 3                    # the puller may still write them
+    s.send(KvPulled({sid("d"): 2}))
+    assert not s.has_work() and not s.arrivals.pulling
+    assert_pool_whole(s)
+
+
+def test_a_pull_that_ends_puts_its_sequence_back_in_line():
+    s = make_scheduler(num_blocks=8, block_size=4, max_len=32,
+                       kv_transfer_config=KVTransferConfig(kv_role="kv_consumer"))
+    msg = new("d", 9, first=100, max_tokens=1)
+    msg.kv_transfer = KvTransfer(remote_prefill=KvSource("tcp://127.0.0.1:1", "p-0"))
+    s.add(msg)
+    s.update(s.schedule(), s.run())
+    s.send(KvPulled({sid("d"): 1}))                  # one of two blocks came
+    plan, _ = step(s)
+    assert (plan.new[0].num_computed, plan.new[0].num_scheduled) == (4, 5)
+    assert s.tables.external_hits == 4
     assert_pool_whole(s)
 
 

@@ -100,7 +100,7 @@ def test_a_failed_step_loads_nothing_and_keeps_the_hashes():
 def test_an_abort_while_loading_frees_the_blocks_and_drops_nothing_on_disk():
     s, plan = asked_again_after_eviction()
     deltas = s.abort(["a2"])
-    assert [d.finish_reason for d in deltas] == ["abort"] and not s.loading
+    assert [d.finish_reason for d in deltas] == ["abort"] and not s.arrivals.loading
     s.update(plan, s.run())            # the load's result comes for a request that ended
     assert set(hashes(100, 9)) <= set(s.tables.tier.blocks) and s.tables.tier.hits == 2
     assert not s.has_work()
