@@ -131,12 +131,18 @@ def test_roles_are_checked():
         KVTransferConfig(kv_connector_extra_config={"lease": 1}).check()
 
 
-def test_an_abort_while_pulling_holds_the_table_until_the_pull_ends():
+def decode_after_remote_prefill(max_tokens: int):
+    """A consumer's scheduler and request "d" (9 tokens) whose prefix a prefill engine holds."""
     s = make_scheduler(num_blocks=8, block_size=4, max_len=32,
                        kv_transfer_config=KVTransferConfig(kv_role="kv_consumer"))
-    msg = new("d", 9, first=100, max_tokens=2)
+    msg = new("d", 9, first=100, max_tokens=max_tokens)
     msg.kv_transfer = KvTransfer(remote_prefill=KvSource("tcp://127.0.0.1:1", "p-0"))
     s.add(msg)
+    return s
+
+
+def test_an_abort_while_pulling_holds_the_table_until_the_pull_ends():
+    s = decode_after_remote_prefill(max_tokens=2)
     plan = s.schedule()
     (pull,) = plan.pulls
     assert pull.seq_id == sid("d") and pull.block_ids == [0, 1] and len(pull.hashes) == 2
@@ -151,11 +157,7 @@ def test_an_abort_while_pulling_holds_the_table_until_the_pull_ends():
 
 
 def test_a_pull_that_ends_puts_its_sequence_back_in_line():
-    s = make_scheduler(num_blocks=8, block_size=4, max_len=32,
-                       kv_transfer_config=KVTransferConfig(kv_role="kv_consumer"))
-    msg = new("d", 9, first=100, max_tokens=1)
-    msg.kv_transfer = KvTransfer(remote_prefill=KvSource("tcp://127.0.0.1:1", "p-0"))
-    s.add(msg)
+    s = decode_after_remote_prefill(max_tokens=1)
     s.update(s.schedule(), s.run())
     s.send(KvPulled({sid("d"): 1}))                  # one of two blocks came
     plan, _ = step(s)
