@@ -68,7 +68,7 @@ class Router:
             return _error(400, "the body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
+        headers = _passed_headers(request)
         prefilled = await self._prefill(request.path, body, headers)
         if isinstance(prefilled, web.Response):
             return prefilled
@@ -123,10 +123,9 @@ class Router:
             return _error(502, f"engine {url} failed: {e}")
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        headers = {h: request.headers[h] for h in _PASSED if h in request.headers}
         try:
             return await self._relay(request, f"{self.decode[0]}{request.path}", None,
-                                     headers, method="GET")
+                                     _passed_headers(request), method="GET")
         except aiohttp.ClientConnectorError as e:
             return _error(502, f"decode engine unreachable: {e}")
 
@@ -140,6 +139,10 @@ class Router:
             except aiohttp.ClientError:
                 down.append(url)
         return web.json_response({"down": down}, status=503 if down else 200)
+
+
+def _passed_headers(request: web.Request) -> dict:
+    return {h: request.headers[h] for h in _PASSED if h in request.headers}
 
 
 def _error(status: int, message: str) -> web.Response:

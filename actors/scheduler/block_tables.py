@@ -96,33 +96,39 @@ class BlockTables:
         return self._load_from_tier(req, wanted)
 
     def _pull(self, req: Request, wanted: list[bytes], source: KvSource) -> bool:
-        """Plan pulling `wanted` from a prefill engine, req's whole table allocated (as
-        _load_from_tier). Nothing wanted (the pool had it all): the pull only releases the
-        lease. False, allocating nothing, if that does not fit: req waits for room."""
-        rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + len(wanted))
-        if len(wanted) + rest > self.device.num_free:
+        """Plan pulling `wanted` from a prefill engine (nothing wanted, the pool had it all:
+        the pull only releases the lease). False if the table does not fit: req waits."""
+        targets = self._table_for_load(req, len(wanted))
+        if targets is None:
             return False
         self.external_queries += len(wanted) * self.block_size
-        fresh = self.device.allocate(len(wanted) + rest)
-        req.block_ids = req.block_ids + fresh
-        self.pulls.append(KvLoad(req.seq_id, fresh[:len(wanted)], wanted, source))
+        self.pulls.append(KvLoad(req.seq_id, targets, wanted, source))
         return True
 
     def _load_from_tier(self, req: Request, wanted: list[bytes]) -> bool:
-        """Plan loading the blocks of `wanted` the tier holds, with the rest of req's table
-        allocated at once: a sequence that waited for its prefix must not then wait for
-        room (nor hold blocks others need while it does). No load if that does not fit."""
+        """Plan loading the blocks of `wanted` the tier holds. No load if none are there or
+        the table does not fit."""
         if self.tier is None or not wanted:
             return False
         self.external_queries += len(wanted) * self.block_size
         found = self.tier.lookup(wanted)
-        rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + len(found))
-        if not found or len(found) + rest > self.device.num_free:
+        targets = self._table_for_load(req, len(found)) if found else None
+        if targets is None:
             return False
-        fresh = self.device.allocate(len(found) + rest)
-        req.block_ids = req.block_ids + fresh
-        self.tier.load(req.seq_id, fresh[:len(found)], found)
+        self.tier.load(req.seq_id, targets, found)
         return True
+
+    def _table_for_load(self, req: Request, n: int) -> list[int] | None:
+        """Allocate req's whole table at once, n blocks to load and the rest to compute (a
+        sequence that waited for its prefix must not then wait for room, nor hold blocks
+        others need while it does); the n blocks to load into, or None (nothing allocated)
+        if it does not fit."""
+        rest = self.device.blocks_needed(req.target_len, len(req.block_ids) + n)
+        if n + rest > self.device.num_free:
+            return None
+        fresh = self.device.allocate(n + rest)
+        req.block_ids = req.block_ids + fresh
+        return fresh[:n]
 
     def finish_load(self, load: KvLoad, num_ok: int, req: Request | None,
                     step_failed: bool) -> None:
