@@ -58,6 +58,11 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
     return ggml_type in _BLOCK_BYTES and rows % _ROWS == 0 and cols % 32 == 0
 
 
+def block_bytes(ggml_type: int) -> int:
+    """Bytes of one 32-weight block of a type pack() takes."""
+    return _BLOCK_BYTES[ggml_type]
+
+
 def available(lib: native.Library | None) -> bool:
     """Whether a backend's library has the quantized matmuls (every tier from AVX2 up)."""
     return lib is not None and lib.quant_matmuls

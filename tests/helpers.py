@@ -18,14 +18,16 @@ TINY_SHAPES = {
 
 def make_tiny_llama(path: str, tokenizer_dir: str, shape: str | tuple = "gqa2-d64", *,
                     vocab_size: int = 512, num_layers: int = 2, tie: bool = False,
-                    seed: int = 0, max_position: int = 1024) -> str:
+                    seed: int = 0, max_position: int = 1024,
+                    intermediate_size: int | None = None) -> str:
     """Save a random-weight LlamaForCausalLM (float32) with the borrowed tokenizer. `shape` is
     a TINY_SHAPES name or a (hidden, heads, kv_heads, head_dim) tuple."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, heads, kv_heads, head_dim = TINY_SHAPES[shape] if isinstance(shape, str) else shape
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden + 32,
+        vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=intermediate_size or 2 * hidden + 32,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, max_position_embeddings=max_position, rope_theta=10000.0,
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
@@ -107,3 +109,38 @@ def lora_case(tokens: int, n: int, k: int, ranks: tuple[int, ...], seed: int = 0
         adapters.append(({0: lw}, (of_row == i).nonzero().squeeze(1)))
         table[i, 0] = torch.tensor(lw.entry())
     return x, of_row, adapters, table
+
+
+def rank_blocks(path: str, quantization: str = "none", size: int = 2) -> list[dict[str, str]]:
+    """Load `path` as each of `size` tensor-parallel ranks would (no group: loading needs no
+    collective) and keep its quantized blocks; per rank {Linear name: "blocks" or "float"},
+    after checking that each rank's blocks multiply as its float share of the weights
+    does. Also checks every rank holds the single-rank model's values, shared."""
+    from pagewire.executor.loader import keep_quantized, load_model
+    from pagewire.executor.parallel import Shares, TensorParallel
+    from pagewire.kernels import quant
+    from pagewire.kernels.ops import select_ops
+    from pagewire.kernels.linear import Linear
+    from pagewire.model_info import resolve_model
+
+    info, lib = resolve_model(path), select_ops(torch.device("cpu"), "auto").lib
+    whole = load_model(info, "float32", quantization=quantization).state_dict()
+    out = []
+    for rank in range(size):
+        tp = TensorParallel(rank, size)
+        model = load_model(info, "float32", tp, quantization)
+        keep_quantized(model, info, 16, lib)
+        shares, kinds = Shares.of(model.cfg, tp), {}
+        for name, w in model.state_dict().items():
+            assert torch.equal(w, shares.take(name, whole[name])), name
+        for name, linear in model.named_modules():
+            if not isinstance(linear, Linear):
+                continue
+            kinds[name] = "float" if linear.quantized is None else "blocks"
+            if linear.quantized is not None:
+                x = torch.randn(3, linear.in_features)
+                ref = x @ linear.weight.T
+                got = quant.matmul(x, linear.quantized)
+                assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), name
+        out.append(kinds)
+    return out

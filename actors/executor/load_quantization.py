@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from pagewire.kernels import quant
-from pagewire.kernels.linear import Linear
 
 from . import weight_cache
 from .gguf_weights import dequantize_rows
@@ -52,35 +51,31 @@ def round_weight(w: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.T
     return raw, dequantize_rows(ggml_type, raw).to(w.dtype)
 
 
-def quantize_linears(model, mode: str, max_tokens: int, lib, roundings: dict,
-                     digest: str | None = None) -> int:
-    """Round every Linear of `model` whose shape the blocks take (in_features a multiple of
-    32, out_features of 16); give it the packed blocks for steps of up to `max_tokens` tokens
-    where the backend multiplies them (no tensor parallelism, as for GGUF files). Returns how
-    many were rounded. Runs before the linears are packed for the float GEMMs. With the
-    model's `digest`, the blocks are cached (weight_cache.py): a restart reads them and only
+def round_linears(state: dict[str, torch.Tensor], linears: list[str], mode: str,
+                  digest: str | None = None) -> dict[str, tuple[int, torch.Tensor]]:
+    """Round the weights of the `linears` (module names) in a fused, unsharded state dict
+    whose shape the blocks take (in_features a multiple of 32, out_features of 16): each
+    state entry (and a tied embedding with it) is replaced by the blocks' values, in its
+    dtype. Returns {module name: (GGML type, blocks)} for loader.keep_quantized, which
+    shares them among tensor-parallel ranks as it shares the weights. With the model's
+    `digest`, the blocks are cached (weight_cache.py): a restart reads them and only
     dequantizes."""
-    dtype = model.embed.weight.dtype
+    dtype = state[linears[0] + ".weight"].dtype
     cached = weight_cache.load(digest, dtype, mode) if digest else None
-    blocks, count = {}, 0
-    with torch.no_grad():
-        for name, linear in model.named_modules():
-            if not isinstance(linear, Linear) or linear.weight is None \
-                    or not quant.packable(quant.Q8_0, linear.out_features, linear.in_features):
-                continue
-            ggml = quant.Q8_0 if mode == "int8" or name == "lm_head" else quant.Q4_1
-            if cached is not None and name in cached:
-                raw = cached[name]
-                values = dequantize_rows(ggml, raw).to(linear.weight.dtype)
-            else:
-                raw, values = round_weight(linear.weight, ggml)
-            blocks[name] = raw
-            linear.weight.copy_(values)
-            if quant.available(lib) and max_tokens > 0 and model.tp.size == 1 \
-                    and values.dtype in (torch.float32, torch.bfloat16):
-                linear.use_quantized(quant.pack(ggml, raw, linear.in_features, lib,
-                                                roundings.get(ggml, "exact")), max_tokens)
-            count += 1
+    blocks = {}
+    for name in linears:
+        w = state[name + ".weight"]
+        if not quant.packable(quant.Q8_0, *w.shape):
+            continue
+        ggml = quant.Q8_0 if mode == "int8" or name == "lm_head" else quant.Q4_1
+        if cached is not None and name in cached:
+            raw = cached[name]
+            values = dequantize_rows(ggml, raw).to(w.dtype)
+        else:
+            raw, values = round_weight(w, ggml)
+        blocks[name] = (ggml, raw)
+        for key in [k for k, t in state.items() if t is w]:      # a tied embedding too
+            state[key] = values
     if digest and (cached is None or set(cached) != set(blocks)):
-        weight_cache.store(digest, dtype, blocks, mode)
-    return count
+        weight_cache.store(digest, dtype, {n: raw for n, (_, raw) in blocks.items()}, mode)
+    return blocks

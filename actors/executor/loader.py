@@ -30,26 +30,34 @@ from pagewire.quant_config import read_scheme
 from . import checkpoint_formats, weight_cache
 from .gguf_weights import read_blocks, read_gguf_weights, read_tensor
 from .models import MODELS
-from .parallel import TensorParallel, shard_state
+from .load_quantization import round_linears
+from .parallel import TensorParallel, shard_blocks, shard_state
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) -> nn.Module:
+def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
+               quantization: str = "none") -> nn.Module:
     """Build the model for `info` and fill it with weights cast to `dtype` (this rank's share
-    of them under tensor parallelism)."""
+    of them under tensor parallelism). `quantization` int8|int4 rounds the linears of the
+    whole weights before they are shared (load_quantization.py): every rank count holds the
+    same values, and the blocks wait in `model.rounded_blocks` for keep_quantized."""
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
     model_cls = MODELS[info.architecture]
     torch_dtype = _DTYPES[dtype]
+    tp = tp or TensorParallel()
     with _one_thread():
         cfg, weights = _read_weights(info, model_cls, torch_dtype)
         with _no_init():
             model = model_cls(cfg, tp)
-        state = shard_state(model_cls.fuse_weights(weights, cfg), cfg, tp or TensorParallel())
+        state = model_cls.fuse_weights(weights, cfg)
         del weights
-        state = {k: w.to(torch_dtype) for k, w in state.items()}
+        if quantization != "none":
+            linears = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+            model.rounded_blocks = round_linears(state, linears, quantization, info.digest)
+        state = {k: w.to(torch_dtype) for k, w in shard_state(state, cfg, tp).items()}
         missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if missing:
         raise ValueError(f"weights missing from {info.path}: {', '.join(missing[:5])}")
@@ -59,35 +67,43 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None) ->
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                    roundings: dict[int, str] | None = None) -> int:
-    """Give each Linear whose stored tensors are blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0
-    or IQ4_NL; a GGUF file's, or those a quantized Hugging Face checkpoint's codes make
-    (checkpoint_formats.py) — a quantized copy of its weight (kernels/quant.py) for steps of
+    """Give each Linear whose weight is blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0 or
+    IQ4_NL: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
+    (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
+    quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
     up to `max_tokens` tokens; returns the bytes kept.
-    Only where the model holds its whole weights (no tensor parallelism) in bfloat16 or
-    float32, the activation dtypes the kernels take. `lib`: the backend's native library;
-    `roundings`: GGML type -> how its weights meet the activations (kernels/quant.py
-    ROUNDINGS; a type not named: exact)."""
-    if max_tokens <= 0 or not quant.available(lib) or model.tp.size != 1 \
+    Only where the activations are bfloat16 or float32 (the kernels' dtypes). `lib`: the
+    backend's native library; `roundings`: GGML type -> how its weights meet the
+    activations (kernels/quant.py ROUNDINGS; a type not named: exact)."""
+    rounded, model.rounded_blocks = getattr(model, "rounded_blocks", None), None
+    if max_tokens <= 0 or not quant.available(lib) \
             or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
         return 0
-    cfg, kept = model.cfg, 0
-    sources = model.linear_sources(cfg)
+    kept = 0
     with _one_thread():
-        blocks = _stored_blocks(info, cfg, [n for names in sources.values() for n in names])
-        for module_name, names in sources.items():
-            linear = model.get_submodule(module_name)
-            types = {blocks[n][0] for n in names if n in blocks}
-            if not isinstance(linear, Linear) or not all(n in blocks for n in names) \
-                    or len(types) != 1:
-                continue
-            ggml_type = types.pop()
-            rows = torch.cat([blocks.pop(n)[1] for n in names])   # fused as fuse_weights does
-            if quant.packable(ggml_type, rows.shape[0], linear.in_features):
+        blocks = rounded if rounded is not None else _linear_blocks(info, model)
+        for name, (ggml_type, rows) in shard_blocks(blocks, model.cfg, model.tp,
+                                                    quant.block_bytes).items():
+            linear = model.get_submodule(name)
+            if isinstance(linear, Linear) and \
+                    quant.packable(ggml_type, rows.shape[0], linear.in_features):
                 weight = quant.pack(ggml_type, rows, linear.in_features, lib,
                                     (roundings or {}).get(ggml_type, "exact"))
                 linear.use_quantized(weight, max_tokens)
                 kept += weight.nbytes
     return kept
+
+
+def _linear_blocks(info: ModelInfo, model) -> dict[str, tuple[int, torch.Tensor]]:
+    """{module name: (GGML type, rows)} of each Linear whose stored tensors are all blocks of
+    one type, fused (concatenated by rows) as fuse_weights fuses the float weights."""
+    sources = model.linear_sources(model.cfg)
+    stored = _stored_blocks(info, model.cfg, [n for names in sources.values() for n in names])
+    out = {}
+    for module_name, names in sources.items():
+        if all(n in stored for n in names) and len({stored[n][0] for n in names}) == 1:
+            out[module_name] = (stored[names[0]][0], torch.cat([stored.pop(n)[1] for n in names]))
+    return out
 
 
 def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, tuple[int, torch.Tensor]]:

@@ -16,6 +16,7 @@ the groups of those KV heads. With fewer KV heads than ranks, each KV head is re
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -118,32 +119,76 @@ def init_group(address: str, rank: int, size: int, timeout: float) -> TensorPara
     return TensorParallel(rank, size, dist.group.WORLD)
 
 
+@dataclass(frozen=True)
+class Shares:
+    """The slices of each fused weight (names as LlamaForCausalLM.fuse_weights makes them)
+    that one rank holds: the one place that decides a rank's rows and columns, for float
+    weights and for quantized blocks alike."""
+    q: slice           # query rows of qkv, and columns of o_proj
+    kv: slice          # rows of k and of v in qkv
+    sizes: tuple[int, int, int]     # qkv's q, k, v rows
+    inter: slice       # rows of gate and of up, columns of down
+    vocab: slice       # rows of the embedding and the LM head
+
+    @classmethod
+    def of(cls, cfg, tp: TensorParallel) -> "Shares":
+        heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
+        d = cfg.head_dim
+        return cls(slice(heads.q_start * d, (heads.q_start + heads.num_q) * d),
+                   slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d),
+                   (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
+                   slice(*split_range(cfg.intermediate_size, tp.size, tp.rank)),
+                   slice(*tp.vocab(cfg.vocab_size)))
+
+    def take(self, name: str, w: torch.Tensor, columns=None) -> torch.Tensor | None:
+        """w's share: rows sliced here, columns (row-parallel weights) by `columns(w, cols)`
+        (default w[:, cols]), which may answer None: w cannot be cut there."""
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+            qw, kw, vw = w.split(list(self.sizes))
+            return torch.cat([qw[self.q], kw[self.kv], vw[self.kv]])
+        if name.endswith("mlp.gate_up.weight"):
+            gate, up = w.chunk(2)
+            return torch.cat([gate[self.inter], up[self.inter]])
+        row_parallel = {"attn.o_proj.weight": self.q, "mlp.down.weight": self.inter}
+        for suffix, cols in row_parallel.items():
+            if name.endswith(suffix):
+                return w[:, cols] if columns is None else columns(w, cols)
+        if name in ("embed.weight", "lm_head.weight"):
+            return w[self.vocab]
+        return w
+
+
 def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """This rank's share of a fused state dict (names as LlamaForCausalLM.fuse_weights makes
-    them). Shares are copies, so the full tensors can be freed."""
+    """This rank's share of a fused state dict. Shares are copies, so the full tensors can be
+    freed."""
     if tp.size == 1:
         return state
-    heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
-    d, q_size, kv_size = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q = slice(heads.q_start * d, (heads.q_start + heads.num_q) * d)
-    kv = slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d)
-    i0, i1 = split_range(cfg.intermediate_size, tp.size, tp.rank)
-    v0, v1 = tp.vocab(cfg.vocab_size)
-    out: dict[str, torch.Tensor] = {}
-    for name, w in state.items():
-        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
-            qw, kw, vw = w.split([q_size, kv_size, kv_size])
-            w = torch.cat([qw[q], kw[kv], vw[kv]])
-        elif name.endswith("attn.o_proj.weight"):
-            w = w[:, q]
-        elif name.endswith("mlp.gate_up.weight"):
-            gate, up = w.chunk(2)
-            w = torch.cat([gate[i0:i1], up[i0:i1]])
-        elif name.endswith("mlp.down.weight"):
-            w = w[:, i0:i1]
-        elif name in ("embed.weight", "lm_head.weight"):
-            w = w[v0:v1]
-        out[name] = w.clone()
+    shares = Shares.of(cfg, tp)
+    out = {name: shares.take(name, w).clone() for name, w in state.items()}
     if state.get("lm_head.weight") is state.get("embed.weight"):
         out["lm_head.weight"] = out["embed.weight"]          # tied: one copy
     return out
+
+
+def shard_blocks(blocks: dict[str, tuple[int, torch.Tensor]], cfg, tp: TensorParallel,
+                 block_bytes) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's share of each Linear's GGML blocks ({module name: (type, uint8 rows of
+    32-weight blocks)}; `block_bytes(type)`: a block's size). Rows split as the float
+    weights do; a row-parallel weight's columns only on block boundaries: one whose share
+    starts or ends inside a block is left out (its float share serves it)."""
+    if tp.size == 1:
+        return blocks
+    shares, out = Shares.of(cfg, tp), {}
+    for name, (ggml_type, raw) in blocks.items():
+        cut = functools.partial(_whole_blocks, block_bytes(ggml_type))
+        share = shares.take(name + ".weight", raw, cut)
+        if share is not None:
+            out[name] = (ggml_type, share.contiguous())
+    return out
+
+
+def _whole_blocks(size: int, raw: torch.Tensor, cols: slice) -> torch.Tensor | None:
+    """Columns [cols) of rows of `size`-byte 32-weight blocks, or None off block bounds."""
+    if cols.start % 32 or cols.stop % 32:
+        return None
+    return raw[:, cols.start // 32 * size:cols.stop // 32 * size]

@@ -31,7 +31,6 @@ from .grammar import Matchers
 from .kv_blocks import BlockBytes
 from .kv_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
-from .load_quantization import quantize_linears
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
@@ -122,15 +121,13 @@ class ModelRunner:
     def _prepare(self, info) -> torch.nn.Module:
         """A model loaded on the device, its kernels chosen and its weights laid out for them."""
         config = self.config
-        model = load_model(info, config.dtype, self.tp).to(self.device)
+        model = load_model(info, config.dtype, self.tp, config.quantization).to(self.device)
         model.ops = ops = select_ops(self.device, config.kernels)
-        roundings = ROUNDINGS[config.quantized_activations]
-        if config.quantization != "none":          # before packing: it rounds the weights
-            quantize_linears(model, config.quantization, config.quantized_matmul_tokens,
-                             ops.lib if ops.name == "cpu" else None, roundings, info.digest)
         if ops.name == "cpu":
             pack_linears(model, upcast=not ops.lib.bf16_dot)
-            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib, roundings)
+            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
+                           ROUNDINGS[config.quantized_activations])
+        model.rounded_blocks = None         # kept (or not needed) by now
         return model
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -16,7 +16,7 @@ from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
 from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
-from tests.helpers import HFOracle, assert_greedy_equal
+from tests.helpers import HFOracle, assert_greedy_equal, rank_blocks
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,19 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
         theirs, logits = oracle.greedy(prompt, 10)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{qtype} prompt {len(prompt)}")
 
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
+def test_tensor_parallel_ranks_multiply_their_share_of_the_files_blocks(tiny_llama, tmp_path,
+                                                                        tokenizer_meta, qtype):
+    """Each of two ranks packs its rows of qkv, gate_up and the LM head and its block columns
+    of o_proj from the file's blocks (Q5_0 as Q8_0 ones); down's share (208 of 416 columns)
+    ends inside a block, so it stays float."""
+    hf_dir = tiny_llama((192, 6, 3, 32))
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
+    for kinds in rank_blocks(path):
+        assert {n for n, k in kinds.items() if k == "float"} == {"layers.0.mlp.down",
+                                                                 "layers.1.mlp.down"}
+        assert len(kinds) == 9
 
 def test_tokenizer_and_chat_template_come_from_the_file(tiny_llama, tmp_path, smol_tokenizer_dir,
                                                         full_tokenizer_meta):

@@ -8,6 +8,7 @@ import torch
 from pagewire.config import EngineConfig, parse_tcp
 from pagewire.executor.models.llama import LlamaConfig
 from pagewire.executor.parallel import HeadShare, TensorParallel, shard_state, split_range
+from tests.helpers import rank_blocks
 
 
 def test_split_range_gives_the_first_ranks_one_more():
@@ -82,6 +83,28 @@ def test_shards_put_back_together_are_the_weights(heads, kv):
         assert torch.equal(sk, k[share.kv_start * d: share.kv_start * d + kvs])
         assert torch.equal(sv, v[share.kv_start * d: share.kv_start * d + kvs])
         assert s["layers.0.attn.qkv.bias"].shape == (qs + 2 * kvs,)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_each_rank_multiplies_its_share_of_the_rounded_blocks(tiny_llama, mode, monkeypatch):
+    """--quantization rounds the whole weights, then each rank takes its share of the blocks
+    as of the float weights: rows of qkv, gate_up and the LM head, block columns of o_proj
+    and down (both aligned here: 320 intermediate rows split 160 + 160)."""
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")      # throwaway models: no cache files
+    path = tiny_llama((128, 4, 2, 64), intermediate_size=320, tie=True)
+    for kinds in rank_blocks(path, mode):
+        assert set(kinds.values()) == {"blocks"}, kinds
+
+
+def test_a_share_cut_inside_a_block_keeps_its_float_weights(tiny_llama, monkeypatch):
+    """288 intermediate rows split 144 + 144: down's share of columns ends inside a block, so
+    down multiplies its float share on each rank; every other linear its blocks."""
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")      # throwaway models: no cache files
+    path = tiny_llama((128, 4, 2, 64))
+    for kinds in rank_blocks(path, "int4"):
+        assert {n for n, k in kinds.items() if k == "float"} == {"layers.0.mlp.down",
+                                                                 "layers.1.mlp.down"}
+        assert len(kinds) == 9
 
 
 @pytest.mark.parametrize("options, message", [
