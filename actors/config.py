@@ -136,6 +136,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
+    disable_cascade_attn: bool = False       # decode rows never attend a shared prefix once
     async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/core.py);
                                              # None: on where a CUDA driver is present
     actor_nice: int = 10                     # niceness of every actor but the executors

@@ -132,6 +132,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                choices=("auto", "cpu", "cuda")),
         Option("threads", "torch threads of the executor", "all cores", decides_outputs=False),
         Option("enforce_eager", "no CUDA graphs: every decode step runs eagerly"),
+        Option("disable_cascade_attn", "no cascade attention: decode rows under one shared "
+               "prefix each read it themselves (see \"Cascade attention\")"),
         Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
                "Q4_0, Q4_1, Q5_0, Q8_0 and IQ4_NL weights as stored (Q5_0 and IQ4_NL as Q8_0 "
                "blocks of the same values), a quantized checkpoint's and --quantization's blocks "

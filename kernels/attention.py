@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_quant
+from .cascade import SharedPrefix, cascade_decode
 from .cache import triton_write_kv, write_kv  # noqa: F401  (the cache write lives in cache.py)
 
 
@@ -41,6 +42,7 @@ class AttentionBatch:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [B] int64: tokens each decode attends (its own included)
     prefills: list[PrefillSpan]
+    cascade: SharedPrefix | None = None       # blocks every decode row starts with (cascade.py)
 
     @functools.cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,18 +80,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for this step's tokens. Writes k, v into the cache, then
     returns each token's attention output over its sequence's context: [T, Hq, D]. `write`
     and `decode` may be replaced by faster implementations with the same contracts
-    (decode_attention's, variant included); `prefill(q, kv_cache, batch, scale, variant, out)`
-    may take every prefill span at once (writing their rows of out, returning True) or
-    decline (False)."""
+    (decode_attention's, variant and lse included); `prefill(q, kv_cache, batch, scale,
+    variant, out)` may take every prefill span at once (writing their rows of out, returning
+    True) or decline (False). Decode rows under a shared prefix (batch.cascade) attend it
+    once for all (cascade.py), except in sliding-window layers."""
     write(kv_cache, k, v, batch.slot_mapping)
     nd = batch.num_decode_tokens
     if not batch.prefills and nd == q.shape[0]:    # decode only: the kernel's output is it
-        return (decode or decode_attention)(q, kv_cache, batch.decode_block_tables,
-                                            batch.decode_context_lens, scale, variant)
+        return _decodes(q, kv_cache, batch, scale, variant, decode or decode_attention)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = (decode or decode_attention)(q[:nd], kv_cache, batch.decode_block_tables,
-                                                batch.decode_context_lens, scale, variant)
+        out[:nd] = _decodes(q[:nd], kv_cache, batch, scale, variant, decode or decode_attention)
     if prefill is not None and prefill(q, kv_cache, batch, scale, variant, out):
         return out
     fresh: dict[int, list[PrefillSpan]] = {}
@@ -106,6 +107,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     return out
 
 
+def _decodes(q, kv_cache, batch: AttentionBatch, scale: float, variant: Variant,
+             decode) -> torch.Tensor:
+    """The decode rows' attention by `decode`, through the cascade where the batch has one."""
+    if batch.cascade is None or variant.window is not None:
+        return decode(q, kv_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+                      variant)
+    return cascade_decode(q, kv_cache.shape[3], batch.cascade,
+                          lambda q, tables, lens: decode(q, kv_cache, tables, lens, scale,
+                                                         variant, lse=True))
+
+
 def _fresh_prefills(q, k, v, spans: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
     """Prompts with nothing cached before them, all of one length: one causal attention call
     over the stack of them (one small call per prompt costs several times more on CPU)."""
@@ -120,9 +132,10 @@ def _fresh_prefills(q, k, v, spans: list[PrefillSpan], scale: float, out: torch.
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float,
-                     variant: Variant = PLAIN) -> torch.Tensor:
+                     variant: Variant = PLAIN, lse: bool = False):
     """One query token per sequence, attending its first context_lens[b] cached tokens (the
-    last `window` of them with a window). q: [B, Hq, D] -> [B, Hq, D]."""
+    last `window` of them with a window). q: [B, Hq, D] -> [B, Hq, D]; with `lse`, also each
+    row's log-sum-exp of its scores, float32 [B, Hq] (cascade.merge_attention)."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     width = block_tables.shape[1] * block_size
@@ -141,8 +154,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
     if variant.softcap is not None:
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
-    probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+    scores = scores + bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, values).view(batch, num_heads, head_dim)
+    if not lse:
+        return out
+    return out, torch.logsumexp(scores, dim=-1).view(batch, num_heads)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

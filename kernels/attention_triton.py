@@ -16,11 +16,13 @@ import math
 import torch
 
 from . import kv_quant
+from .cascade import cascade_decode
 from ._triton import (HAS_TRITON, check, check_float, check_same_device, next_pow2,
                       out_or_new, require_triton, tl, triton)
 from .cache import triton_write_kv
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 if HAS_TRITON:
     @triton.jit
@@ -101,10 +103,12 @@ if HAS_TRITON:
             tl.store(mid_l_ptr + row, l_i, mask=h_mask)
 
     @triton.jit
-    def _decode_reduce_kernel(mid_o_ptr, mid_m_ptr, mid_l_ptr, lens_ptr, out_ptr,
+    def _decode_reduce_kernel(mid_o_ptr, mid_m_ptr, mid_l_ptr, lens_ptr, out_ptr, lse_ptr,
                               num_heads, head_dim, split_len, num_splits, stride_ob, stride_oh,
-                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program (b, head): merges the splits that hold tokens of sequence b."""
+                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                              LSE: tl.constexpr):
+        """Program (b, head): merges the splits that hold tokens of sequence b; with LSE,
+        also stores the row's log-sum-exp of its scores (natural log) at lse_ptr[b, head]."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         ctx = tl.load(lens_ptr + b)
@@ -118,10 +122,13 @@ if HAS_TRITON:
         l = tl.load(mid_l_ptr + row, mask=s_mask, other=0.0)
         o = tl.load(mid_o_ptr + row[:, None] * head_dim + dims[None, :],
                     mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        w = tl.exp2(m - tl.max(m, 0)) * l
+        top = tl.max(m, 0)
+        w = tl.exp2(m - top) * l
         w = tl.where(s_mask, w, 0.0)
         result = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, result, mask=d_mask)
+        if LSE:        # scores were scaled by log2(e): back to natural logs
+            tl.store(lse_ptr + b * num_heads + h, (top + tl.log2(tl.sum(w, 0))) * _LN2)
 
     @triton.jit
     def _prefill_kernel(
@@ -198,12 +205,13 @@ def _sm_count(device: torch.device) -> int:
 def triton_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, scale: float, *,
                             num_splits: int | None = None, out: torch.Tensor | None = None,
-                            block_n: int = 32) -> torch.Tensor:
+                            block_n: int = 32, lse: torch.Tensor | None = None) -> torch.Tensor:
     """As attention.decode_attention: q [B, Hq, D] (rows may be strided) of the cache's dtype;
     block_tables [B, W] int64; context_lens [B] int64, each in [1, W * block_size] (not
     checked: that would wait on the device). The context is cut into `num_splits` ranges
     (default: enough programs to fill the GPU), attended in parallel, then merged. Returns
-    out ([B, Hq, D], written in full)."""
+    out ([B, Hq, D], written in full); `lse` (float32 [B, Hq]), when given, gets each row's
+    log-sum-exp of its scores (cascade.merge_attention)."""
     require_triton()
     _check_cache(kv_cache)
     _check_query(q, kv_cache)
@@ -241,9 +249,13 @@ def triton_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         kv_cache.stride(3), block_tables.stride(0),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
         QUANT=kv_quant.is_quantized(kv_cache))
+    if lse is not None:
+        check(lse.dtype == torch.float32 and lse.shape == (batch, num_heads)
+              and lse.is_contiguous(), "lse: float32 [B, Hq], contiguous")
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_m, mid_l, context_lens, out, num_heads, head_dim, split_len, num_splits,
-        out.stride(0), out.stride(1), BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d)
+        mid_o, mid_m, mid_l, context_lens, out, mid_m if lse is None else lse, num_heads,
+        head_dim, split_len, num_splits, out.stride(0), out.stride(1),
+        BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, LSE=lse is not None)
     return out
 
 
@@ -321,7 +333,10 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     triton_write_kv(kv_cache, k, v, batch.slot_mapping)
     out = out_or_new(out, q.shape, q)
     nd = batch.num_decode_tokens
-    if nd:
+    if nd and batch.cascade is not None:      # the shared prefix once (cascade.py)
+        out[:nd] = cascade_decode(q[:nd], kv_cache.shape[3], batch.cascade,
+                                  functools.partial(_decode_lse, kv_cache, scale))
+    elif nd:
         triton_decode_attention(q[:nd], kv_cache, batch.decode_block_tables,
                                 batch.decode_context_lens, scale, out=out[:nd])
     if batch.prefills:
@@ -333,3 +348,10 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         triton_prefill_attention(q, kv_cache, starts, lens, tables, scale,
                                  max_query_len=max_query_len, out=out)
     return out
+
+
+def _decode_lse(kv_cache: torch.Tensor, scale: float, q: torch.Tensor, tables: torch.Tensor,
+                lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cascade's suffix half: (out, lse) of the decode kernel."""
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return triton_decode_attention(q, kv_cache, tables, lens, scale, lse=lse), lse

@@ -36,13 +36,13 @@ _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
-    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32],
+    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _ptr],
+    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _ptr],
     "pw_prefill_attention_bf16": [_ptr] * 6 + [_i64] * 7 + [_f32, _i64],
     "pw_sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
     "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
     **{f"pw_write_kv_q8_{t}": [_ptr] * 5 + [_i64] * 6 for t in ("f32", "bf16")},
-    **{f"pw_decode_attention_q8_{t}": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _i64]
+    **{f"pw_decode_attention_q8_{t}": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _i64, _ptr]
        for t in ("f32", "bf16")},
     "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
     "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
@@ -149,11 +149,12 @@ class Library:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
                          scale: float, window: int | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, lse: bool = False):
         """q: [B, Hq, D] (heads contiguous); k_cache, v_cache: [num_blocks, bs, Hkv, D]
         contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
         `window`: attend only the last `window` tokens; `softcap`: capped scores (see
-        attention.Variant). Returns [B, Hq, D] in q's dtype."""
+        attention.Variant). Returns [B, Hq, D] in q's dtype; with `lse`, also each row's
+        log-sum-exp of its scores, float32 [B, Hq] (attention.merge_attention)."""
         _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, width = k_cache.shape
@@ -173,11 +174,13 @@ class Library:
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
         fn = self.typed("pw_decode_attention" if kind is None else "pw_decode_attention_q8",
                         q.dtype)
+        sums = torch.empty((batch, num_heads), dtype=torch.float32) if lse else None
         fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
            block_tables.data_ptr(), context_lens.data_ptr(), batch, num_heads, num_kv_heads,
            head_dim, block_size, block_tables.shape[1], q.stride(0), out.stride(0), scale,
-           window or 0, softcap or 0.0, *(() if kind is None else (kind,)))
-        return out
+           window or 0, softcap or 0.0, *(() if kind is None else (kind,)),
+           None if sums is None else sums.data_ptr())
+        return (out, sums) if lse else out
 
     def prefill_attention_serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import activation, attention, native, norm, rotary, tiers
+from . import activation, attention, cascade, native, norm, rotary, tiers
 from . import lora as lora_kernels
 
 
@@ -23,6 +23,7 @@ LORA_GEMM_ROWS = 192     # CpuOps: LoRA deltas of this many rows or more as per-
 class TorchOps:
     name = backend = "torch"
     lib = None                          # the native library, for backends that have one
+    cascade_thresholds = cascade.CPU_THRESHOLDS     # (rows, tokens): when a cascade pays
 
     def add_rms_norm(self, x, residual, weight, eps):
         return norm.add_rms_norm(x, residual, weight, eps)
@@ -109,9 +110,9 @@ class CpuOps(TorchOps):
                                    out)
         return True
 
-    def _decode(self, q, cache, tables, lens, scale, variant):
+    def _decode(self, q, cache, tables, lens, scale, variant, lse=False):
         return self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
-                                         variant.window, variant.softcap)
+                                         variant.window, variant.softcap, lse)
 
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
 from .attention_triton import triton_paged_attention
+from .cascade import CUDA_THRESHOLDS
 from .lora import triton_lora_delta
 from .norm import triton_add_rms_norm
 from .ops import TorchOps
@@ -14,6 +15,7 @@ from .rotary import triton_rope_table_
 
 class TritonOps(TorchOps):
     name = backend = "triton"
+    cascade_thresholds = CUDA_THRESHOLDS
 
     def add_rms_norm(self, x, residual, weight, eps):
         """As TorchOps.add_rms_norm; residual (when given) is updated in place."""

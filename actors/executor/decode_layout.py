@@ -7,12 +7,16 @@ import numpy as np
 import torch
 
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+from pagewire.kernels.cascade import shared_prefix
 
 from .seq_table import SeqState
 
 
-def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int) -> dict:
-    """Block tables and context lengths of decode rows: (sequence, context length) each."""
+def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int,
+                  cascade: tuple[int, int] | None = None) -> dict:
+    """Block tables and context lengths of decode rows: (sequence, context length) each; with
+    `cascade` thresholds (rows, tokens), the blocks they all begin with when worth attending
+    once (kernels/cascade.py)."""
     if not decodes:
         return {"decode_block_tables": None, "decode_context_lens": None}
     context = np.array([c for _, c in decodes], dtype=np.int64)
@@ -22,7 +26,8 @@ def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int) -> dict:
         blocks = seq.block_ids[:width]
         tables[i, :len(blocks)] = blocks
     return {"decode_block_tables": torch.from_numpy(tables),
-            "decode_context_lens": torch.from_numpy(context)}
+            "decode_context_lens": torch.from_numpy(context),
+            "cascade": shared_prefix(tables, context, block_size, *cascade) if cascade else None}
 
 
 def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) -> AttentionBatch:
@@ -42,4 +47,5 @@ def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
         *(t.to(dev) if t is not None else None
           for t in (batch.decode_block_tables, batch.decode_context_lens)),
         [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
-         for p in batch.prefills])
+         for p in batch.prefills],
+        None if batch.cascade is None else batch.cascade.to(dev))

@@ -292,8 +292,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:
         decode_only = not batch.prefills
-        if decode_only and lora is None and self.graphs is not None and \
-                self.graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
+        if decode_only and lora is None and self.graphs is not None and batch.cascade is None \
+                and self.graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, batch.slot_mapping,
                                    batch.decode_block_tables, batch.decode_context_lens)
         dev = self.device
@@ -354,7 +354,8 @@ class ModelRunner:
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
             num_decode_tokens=len(decodes), prefills=prefills,
-            **decode_tables(decodes, bs))
+            **decode_tables(decodes, bs, None if self.config.disable_cascade_attn
+                            else self.model.ops.cascade_thresholds))
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
                 sample_rows, sample_seqs, rows)
 

@@ -151,29 +151,32 @@ void pw_silu_and_mul_bf16(bf16* out, const bf16* gate_up, int64_t tokens, int64_
 
 // out, q: [B, Hq, D] (token stride q_stride / out_stride, heads contiguous);
 // block_tables: [B, table_stride] int64; context_lens: [B] int64 (tokens to attend, >= 1);
-// window > 0: a sliding window; softcap > 0: capped scores.
+// window > 0: a sliding window; softcap > 0: capped scores; lse (if not null): [B, Hq]
+// each row's log-sum-exp of scores, for cascade attention's merge.
 void pw_decode_attention_f32(float* out, const float* q, const float* k_cache,
                              const float* v_cache, const int64_t* block_tables,
                              const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
                              int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
-                             int64_t out_stride, float scale, int64_t window, float softcap) {
+                             int64_t out_stride, float scale, int64_t window, float softcap,
+                             float* lse) {
   pw::paged::decode_attention<float, pw::paged::PlainCache<float>>(
       out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs, table_stride,
-      q_stride, out_stride, scale, window, softcap);
+      q_stride, out_stride, scale, window, softcap, lse);
 }
 
 void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
                               const bf16* v_cache, const int64_t* block_tables,
                               const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,
                               int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
-                              int64_t out_stride, float scale, int64_t window, float softcap) {
-  if (pw_decode_attention_tiled_bf16(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq,
-                                     Hkv, D, bs, table_stride, q_stride, out_stride, scale,
-                                     window, softcap))
+                              int64_t out_stride, float scale, int64_t window, float softcap,
+                              float* lse) {
+  if (!lse && pw_decode_attention_tiled_bf16(out, q, k_cache, v_cache, block_tables,
+                                             context_lens, B, Hq, Hkv, D, bs, table_stride,
+                                             q_stride, out_stride, scale, window, softcap))
     return;
   pw::paged::decode_attention<bf16, pw::paged::PlainCache<bf16>>(
       out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs, table_stride,
-      q_stride, out_stride, scale, window, softcap);
+      q_stride, out_stride, scale, window, softcap, lse);
 }
 
 }  // extern "C"

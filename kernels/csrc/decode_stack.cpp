@@ -24,10 +24,10 @@ void pw_silu_and_mul_f32(float*, const float*, int64_t, int64_t);
 void pw_silu_and_mul_bf16(bf16*, const bf16*, int64_t, int64_t);
 void pw_decode_attention_f32(float*, const float*, const float*, const float*, const int64_t*,
                              const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, float, int64_t, float);
+                             int64_t, int64_t, int64_t, float, int64_t, float, float*);
 void pw_decode_attention_bf16(bf16*, const bf16*, const bf16*, const bf16*, const int64_t*,
                               const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, float, int64_t, float);
+                              int64_t, int64_t, int64_t, float, int64_t, float, float*);
 void pw_write_kv(char*, char*, const char*, const char*, const int64_t*, int64_t, int64_t,
                  int64_t, int64_t);
 void pw_write_kv_q8_f32(uint8_t*, uint8_t*, const float*, const float*, const int64_t*, int64_t,
@@ -37,11 +37,11 @@ void pw_write_kv_q8_bf16(uint8_t*, uint8_t*, const bf16*, const bf16*, const int
 void pw_decode_attention_q8_f32(float*, const float*, const uint8_t*, const uint8_t*,
                                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
-                                int64_t);
+                                int64_t, float*);
 void pw_decode_attention_q8_bf16(bf16*, const bf16*, const uint8_t*, const uint8_t*,
                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                 float, int64_t);
+                                 float, int64_t, float*);
 void pw_q4_1_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
                         int64_t, int64_t);
 void pw_q4_1_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
@@ -203,14 +203,16 @@ struct Machine {
       Kernels<T>::write_q8(kc, vc, cur + q_width, cur + q_width + hkv * d, slots, tokens, hkv, d,
                            width, width, kind);
       Kernels<T>::attend_q8(out, cur, kc, vc, tables, lens, tokens, hq, hkv, d, o[5],
-                            table_stride, width, q_width, real(o[7]), o[6], real(o[8]), kind);
+                            table_stride, width, q_width, real(o[7]), o[6], real(o[8]), kind,
+                            nullptr);
     } else {
       const int64_t kv_row = hkv * d * sizeof(T), qkv_row = width * sizeof(T);
       char* k = reinterpret_cast<char*>(cur + q_width);
       pw_write_kv(reinterpret_cast<char*>(o[0]), reinterpret_cast<char*>(o[1]), k, k + kv_row,
                   slots, tokens, kv_row, qkv_row, qkv_row);
       Kernels<T>::attend(out, cur, ptr<T>(o[0]), ptr<T>(o[1]), tables, lens, tokens, hq, hkv, d,
-                         o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]));
+                         o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]),
+                         nullptr);
     }
     cur = out, width = q_width;
   }

@@ -40,13 +40,13 @@ void decode_quantized(T* out, const T* q, const uint8_t* k_cache, const uint8_t*
                       const int64_t* block_tables, const int64_t* context_lens, int64_t B,
                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
                       int64_t q_stride, int64_t out_stride, float scale, int64_t window,
-                      float softcap, int64_t kind) {
+                      float softcap, int64_t kind, float* lse) {
   using pw::paged::decode_attention;
   auto fn = kind == kvq::kInt8   ? decode_attention<T, kvq::Cache<kvq::kInt8>>
             : kind == kvq::kE4M3 ? decode_attention<T, kvq::Cache<kvq::kE4M3>>
                                  : decode_attention<T, kvq::Cache<kvq::kE5M2>>;
   fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs, table_stride,
-     q_stride, out_stride, scale, window, softcap);
+     q_stride, out_stride, scale, window, softcap, lse);
 }
 
 }  // namespace
@@ -84,9 +84,9 @@ PW_WRITE_KV_Q8(bf16, bf16)
                                     const int64_t* context_lens, int64_t B, int64_t Hq,       \
                                     int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride, \
                                     int64_t q_stride, int64_t out_stride, float scale,        \
-                                    int64_t window, float softcap, int64_t kind) {            \
+                                    int64_t window, float softcap, int64_t kind, float* lse) {\
     decode_quantized(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,  \
-                     table_stride, q_stride, out_stride, scale, window, softcap, kind);       \
+                     table_stride, q_stride, out_stride, scale, window, softcap, kind, lse);  \
   }
 PW_DECODE_Q8(float, f32)
 PW_DECODE_Q8(bf16, bf16)

@@ -232,14 +232,16 @@ inline void online_softmax(float* scores, float* m, float* l, float* acc, int64_
 
 // out [H, D] from `parts` softmax states (m [H], l [H], acc [H, D], `width` floats apart):
 // each part's sums rescaled to the largest maximum, then normalized. acc: D floats of room.
+// lse (if not null) [H]: log of each head's sum of exp(score), for merging with attention
+// over other keys (cascade attention); kNoScore where the head attended nothing.
 template <typename T>
 void merge_parts(T* out, const float* state, int64_t parts, int64_t width, int64_t H,
-                 int64_t D, float* acc) {
+                 int64_t D, float* acc, float* lse) {
   for (int64_t h = 0; h < H; ++h) {
     const float* sum = state + 2 * H + h * D;   // one part (the usual case): its own sums
-    float total = state[H + h];
+    float total = state[H + h], top = state[h];
     if (parts > 1) {
-      float top = kNoScore;
+      top = kNoScore;
       for (int64_t p = 0; p < parts; ++p) top = std::max(top, state[p * width + h]);
       std::fill(acc, acc + D, 0.f);
       total = 0.f;
@@ -253,6 +255,7 @@ void merge_parts(T* out, const float* state, int64_t parts, int64_t width, int64
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     for (int64_t d = 0; d < D; ++d) from_float(sum[d] * inv, out + h * D + d);
+    if (lse) lse[h] = total > 0.f ? top + std::log(total) : kNoScore;
   }
 }
 
@@ -315,13 +318,14 @@ struct DecodeItems {
 };
 
 // window > 0: only the last `window` positions are attended (sliding-window layers).
+// lse (if not null): [B, Hq] log-sum-exp of each row's scores (merge_parts).
 template <typename T, typename C>
 void decode_attention(T* out, const T* q, const typename C::E* k_cache,
                       const typename C::E* v_cache,
                       const int64_t* block_tables, const int64_t* context_lens, int64_t B,
                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
                       int64_t q_stride, int64_t out_stride, float scale, int64_t window,
-                      float softcap) {
+                      float softcap, float* lse) {
   const int64_t G = Hq / Hkv;
   auto first = [&](int64_t b) {
     return window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : int64_t{0};
@@ -359,7 +363,7 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
       const int64_t h0 = split * Hkv / items.splits;
       const int64_t H = ((split + 1) * Hkv / items.splits - h0) * G;
       merge_parts(out + b * out_stride + h0 * G * D, state.get() + bs_item * items.parts * width,
-                  items.parts, width, H, D, acc.data());
+                  items.parts, width, H, D, acc.data(), lse ? lse + b * Hq + h0 * G : nullptr);
     }
   });
 }

@@ -435,3 +435,31 @@ def test_launchers_on_cuda(dtype):
     # the nucleus edge may move by one token where the two sums round differently
     assert ((a.isfinite() != b.isfinite()).sum(1) <= 1).all()
     assert torch.equal(a[a.isfinite() & b.isfinite()], b[a.isfinite() & b.isfinite()])
+
+
+@on_cpu
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 1)])
+def test_decode_lse_and_cascade(hq, hkv):
+    """The decode kernel's log-sum-exp equals the torch path's, and a batch under a shared
+    prefix (cascade.py: the prefix once, each suffix, merged) equals the plain decode."""
+    from pagewire.kernels.cascade import SharedPrefix
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randperm(40, generator=g)
+    cache = torch.randn(2, 40, 16, hkv, 64, generator=g)
+    lens = torch.tensor([49, 50, 64, 70, 51, 90])                     # 3 shared blocks + own
+    tables = torch.stack([torch.cat([shared[:3], shared[3 + 3 * i:6 + 3 * i]])
+                          for i in range(len(lens))])
+    q = torch.randn(len(lens), hq, 64, generator=g)
+    expected, expected_lse = decode_attention(q, cache, tables, lens, 0.125, lse=True)
+    lse = nan(len(lens), hq)
+    out = triton_decode_attention(q, cache, tables, lens, 0.125, num_splits=2, lse=lse)
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(lse, expected_lse, **TOL)
+    batch = AttentionBatch(slot_mapping=torch.zeros(0, dtype=torch.int64),
+                           num_decode_tokens=len(lens), decode_block_tables=tables,
+                           decode_context_lens=lens, prefills=[],
+                           cascade=SharedPrefix(tables[0, :3], 48, tables[:, 3:].contiguous(),
+                                                lens - 48))
+    empty = q[:0, :hkv]
+    out = triton_paged_attention(q, empty, empty, cache, batch, 0.125, out=nan(*q.shape))
+    torch.testing.assert_close(out, expected, **TOL)

@@ -56,7 +56,7 @@ class FusedDecode:
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
-                and batch.num_decode_tokens == tokens)
+                and batch.num_decode_tokens == tokens and batch.cascade is None)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
             lora=None) -> tuple[torch.Tensor, torch.Tensor]:
