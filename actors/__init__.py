@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # LLM pulls in torch; import it only when asked so `import pagewire` stays light for the
     # actors that never load a model.
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "StreamingInput"):
         from . import llm
         return getattr(llm, name)
     if name == "LoRARequest":
@@ -22,5 +22,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
+__all__ = ["LLM", "LoRARequest", "StreamingInput", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
            "InvalidConstraint", "__version__"]

@@ -7,6 +7,7 @@ last one's tokens detokenized) while a step runs, as in the server.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import time
@@ -25,7 +26,7 @@ from pagewire.wire.sampling import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
 from pagewire.wire.to_scheduler import Abort, NewRequest
-from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest
+from pagewire.wire.to_tokenizer import ChatMessage, TokenizePiece, TokenizeRequest
 
 from . import kv_tier_files
 from .config import EngineConfig
@@ -38,6 +39,13 @@ from .scheduler.core import SchedulerCore
 from .tokenizer import RequestTokenizer
 
 Prompt = str | list[int] | dict
+
+
+@dataclass
+class StreamingInput:
+    """One piece of a streamed prompt (LLM.generate_streaming): text (encoded on its own,
+    without special tokens) or token ids."""
+    prompt: str | list[int]
 
 
 @dataclass
@@ -92,6 +100,7 @@ class LLM:
         self._failed: dict[str, RequestFailed] = {}
         self._finished: list[RequestOutput] = []
         self._loras: dict[tuple[str, int, str], LoraRef] = {}
+        self._streamed: dict[str, RequestOutput] = {}   # finished while streaming inputs
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -129,15 +138,16 @@ class LLM:
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
                     lora_request: LoRARequest | None = None,
-                    kv_transfer_params: dict | None = None) -> str:
+                    kv_transfer_params: dict | None = None, prompt_open: bool = False) -> str:
         """Queue one request; it runs from the next step(). Raises ValueError if it cannot be
-        served (too long, bad token ids, an adapter that cannot be served, ...)."""
+        served (too long, bad token ids, an adapter that cannot be served, ...).
+        `prompt_open`: more of the prompt follows (add_prompt_piece)."""
         req_id = str(next(self._ids))
         sampling = params or SamplingParams()
         req = TokenizeRequest(req_id=req_id, arrival_time=time.time(), sampling=sampling,
                               tools=tools, lora=self._lora(lora_request),
                               kv_transfer=request_transfer(self.config, kv_transfer_params,
-                                                           sampling))
+                                                           sampling), prompt_open=prompt_open)
         if messages is not None:
             req.messages = [ChatMessage(**m) for m in messages]
         elif isinstance(prompt, str):
@@ -151,6 +161,66 @@ class LLM:
         if req_id in self._failed:
             raise ValueError(self._failed.pop(req_id).message)
         return req_id
+
+    def add_prompt_piece(self, req_id: str, piece: str | list[int] | None,
+                         last: bool = False) -> None:
+        """More of a request added with prompt_open=True; `last` closes its prompt and it
+        starts generating. Raises ValueError for a piece that cannot be encoded."""
+        prompt = piece.prompt if isinstance(piece, StreamingInput) else piece
+        text = prompt if isinstance(prompt, str) else None
+        ids = None if text is not None else list(prompt or [])
+        reply = f"{req_id}:piece"
+        self._deliver([("tokenizer", TokenizePiece(req_id=req_id, reply_id=reply, prompt=text,
+                                                   prompt_token_ids=ids, last=last))])
+        if reply in self._failed:
+            raise ValueError(self._failed.pop(reply).message)
+
+    async def generate_streaming(self, pieces, sampling_params: SamplingParams | None = None,
+                                 lora_request: LoRARequest | None = None) -> RequestOutput:
+        """Generate for a prompt that arrives in pieces: an async iterator of StreamingInput,
+        text or token-id lists (vLLM's streaming input). Each piece is prefilled as it comes,
+        its KV kept between pieces; generation starts once the iterator ends. Cancelling
+        the call aborts the request (its blocks are freed). Other requests and streamed
+        prompts run alongside (each call steps the shared engine)."""
+        it = aiter(pieces)
+        first = await anext(it)
+        first = first.prompt if isinstance(first, StreamingInput) else first
+        req_id = self.add_request(first, sampling_params, lora_request=lora_request,
+                                  prompt_open=True)
+        pending = asyncio.ensure_future(anext(it))
+        try:
+            while req_id not in self._streamed:
+                if pending is not None and pending.done():
+                    error = pending.exception()
+                    if error is not None and not isinstance(error, StopAsyncIteration):
+                        raise error
+                    piece = None if error is not None else pending.result()
+                    self.add_prompt_piece(req_id, piece, last=piece is None)
+                    pending = None if piece is None else asyncio.ensure_future(anext(it))
+                if self._step_if_any():
+                    await asyncio.sleep(0)          # let the pieces' producers run
+                elif pending is not None:
+                    await asyncio.wait([pending])
+                elif req_id not in self._streamed:
+                    raise RuntimeError(f"streamed request {req_id} cannot run")
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            self.abort(req_id)
+            raise
+        return self._streamed.pop(req_id)
+
+    def _step_if_any(self) -> bool:
+        """Run a step if one can be planned; requests that finished go to _streamed."""
+        self._take_notices()
+        while (plan := self.core.plan()) is not None:
+            self._steps.append(self._executor.submit(self.runner.execute, plan))
+        ran = bool(self._steps)
+        if ran:
+            self._apply_oldest_step()
+        finished, self._finished = self._finished, []
+        self._streamed.update((o.request_id, o) for o in finished)
+        return ran
 
     def _lora(self, request: LoRARequest | None) -> LoraRef | None:
         """The adapter's reference, checked the first time it is named: each distinct (name,

@@ -17,9 +17,9 @@ from pagewire.wire.sampling import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint
 from pagewire.wire.to_detokenizer import DetokStart
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
-from pagewire.wire.to_scheduler import NewRequest
-from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizeRequest,
-                                        TokenizerInbox)
+from pagewire.wire.to_scheduler import NewRequest, PromptPiece
+from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizePiece,
+                                        TokenizeRequest, TokenizerInbox)
 
 from .config import EngineConfig
 from .grammar import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
@@ -55,6 +55,8 @@ class RequestTokenizer:
             return [("gateway", self.tokenize_only(msg))]
         if isinstance(msg, DetokenizeOnly):
             return [("gateway", self.detokenize_only(msg))]
+        if isinstance(msg, TokenizePiece):
+            return [self.piece(msg)]
         result = self.process(msg)
         if isinstance(result, RequestFailed):
             return [("gateway", result)]
@@ -100,6 +102,8 @@ class RequestTokenizer:
             self.check_length(ids, req.sampling.max_tokens)
             self.check_token_ids(req.sampling)
             s = self.with_bad_words_ids(req.sampling)
+            if req.prompt_open:
+                self.check_streamable(s)
         except InvalidParam as e:
             return RequestFailed(req_id=req.req_id, status=400, message=str(e), param=e.param)
         except Exception as e:  # a template error, an unencodable prompt: the client's problem
@@ -117,7 +121,32 @@ class RequestTokenizer:
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority, lora=req.lora,
-                                 kv_transfer=req.kv_transfer)
+                                 kv_transfer=req.kv_transfer, prompt_open=req.prompt_open)
+
+    def piece(self, msg: TokenizePiece) -> tuple[str, PromptPiece | RequestFailed]:
+        """More of an open prompt, encoded on its own (no special tokens): to the scheduler,
+        which runs it in arrival order (one tokenizer takes a session's messages: the
+        gateway routes them by request id)."""
+        if msg.prompt_token_ids is not None:
+            ids = list(msg.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                return "gateway", RequestFailed(req_id=msg.reply_id, status=400, param="prompt",
+                                                message=f"token id {bad[0]} is out of range "
+                                                        f"[0, {self.vocab_size})")
+        else:
+            ids = self.tokenizer.encode(msg.prompt or "", add_special_tokens=False)
+        return "scheduler", PromptPiece(msg.req_id, ids, msg.last)
+
+    @staticmethod
+    def check_streamable(s: SamplingParams) -> None:
+        """What a streamed prompt (prompt_open) cannot have: several outputs to fork from the
+        prompt, and a grammar, which would hold the request here while its pieces go on."""
+        if s.num_sequences > 1 or s.use_beam_search:
+            raise InvalidParam("n", "a streamed prompt takes n = 1 (no best_of, no beam search)")
+        if s.structured_outputs is not None:
+            raise InvalidParam("structured_outputs", "structured outputs are not supported "
+                               "with a streamed prompt")
 
     def start_after(self, prompt: list[int]) -> list[int] | None:
         """Where a constraint starts: after the reasoning block, unless the prompt closed it

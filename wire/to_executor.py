@@ -33,6 +33,7 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
     block_offset: int           # the block table from this index on is replaced by block_ids
     block_ids: list[int]        # (new blocks, and a block swapped in by copy-on-write)
     new_token_ids: list[int] = []   # tokens the scheduler chose (beam search) to append first
+    new_prompt_ids: list[int] = []  # prompt tokens that arrived since (streaming input), before
 
 
 class KvLoad(msgspec.Struct, array_like=True, gc=False):

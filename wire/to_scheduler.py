@@ -21,6 +21,15 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     priority: int = 0
     lora: LoraRef | None = None
     kv_transfer: KvTransfer | None = None     # disaggregated prefill/decode (kv_transfer.py)
+    prompt_open: bool = False    # more of the prompt comes in PromptPieces (streaming input)
+
+
+class PromptPiece(msgspec.Struct, tag=True):
+    """More of an open prompt (NewRequest.prompt_open), in arrival order; `last` closes it and
+    generation starts. A piece for a request that ended (aborted, failed) is ignored."""
+    req_id: str
+    token_ids: list[int]
+    last: bool = False
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -65,4 +74,5 @@ class AbortAll(msgspec.Struct, tag=True):
     reason: str
 
 
-SchedulerInbox = NewRequest | Abort | StepResult | AbortAll | KvLeaseEnded | KvPulled
+SchedulerInbox = (NewRequest | PromptPiece | Abort | StepResult | AbortAll | KvLeaseEnded
+                  | KvPulled)

@@ -34,6 +34,18 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     tools: list[dict] | None = None      # OpenAI tool objects, for the chat template
     lora: LoraRef | None = None          # the adapter it runs with; None: the base model
     kv_transfer: KvTransfer | None = None   # disaggregated prefill/decode (kv_transfer.py)
+    prompt_open: bool = False            # more of the prompt follows in TokenizePieces
+
+
+class TokenizePiece(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """More of an open prompt (TokenizeRequest.prompt_open): text, encoded on its own without
+    special tokens, or token ids; `last` closes the prompt. A piece that cannot be encoded is
+    answered with a RequestFailed under `reply_id`."""
+    req_id: str
+    reply_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    last: bool = False
 
 
 class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -51,4 +63,4 @@ class DetokenizeOnly(msgspec.Struct, tag=True):
     token_ids: list[int]
 
 
-TokenizerInbox = TokenizeRequest | TokenizeOnly | DetokenizeOnly
+TokenizerInbox = TokenizeRequest | TokenizePiece | TokenizeOnly | DetokenizeOnly

@@ -94,6 +94,8 @@ class SeqTable:
             if seq.stopped:
                 continue
             seq.block_ids[run.block_offset:] = run.block_ids
+            seq.token_ids += run.new_prompt_ids          # streaming input: more prompt
+            seq.num_prompt_tokens += len(run.new_prompt_ids)
             seq.token_ids += run.new_token_ids
             seq.num_scheduled = run.num_scheduled
             excess = seq.num_computed + run.num_scheduled - len(seq.token_ids)

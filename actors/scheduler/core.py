@@ -19,7 +19,7 @@ from pagewire.wire.channels import Sends
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
-from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
+from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
 from .scheduler import Scheduler
@@ -34,7 +34,8 @@ class SchedulerCore:
         # Set when planning found nothing to run while a plan is in flight: only a message
         # (that plan's result, an arrival, an abort) can change that, so do not retry before.
         self.stalled = False
-        self.handlers = {NewRequest: self.sched.add, Abort: lambda m: self.sched.abort(m.seq_ids),
+        self.handlers = {NewRequest: self.sched.add, PromptPiece: self.sched.extend,
+                         Abort: lambda m: self.sched.abort(m.seq_ids),
                          AbortAll: lambda m: self.sched.abort_all(), StepResult: self._on_result,
                          KvLeaseEnded: self.sched.end_lease, KvPulled: self.sched.pulled}
 

@@ -48,7 +48,7 @@ class Request:
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
                  "num_placeholders", "num_drafts", "num_draft_slots", "draft_acceptance",
-                 "draft_skips", "lora", "kv_transfer")
+                 "draft_skips", "lora", "kv_transfer", "prompt_open", "new_prompt_ids")
 
     def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -94,6 +94,10 @@ class Request:
         self.num_draft_slots = 0              # of which the plan in flight verifies
         self.draft_acceptance = 1.0           # moving average of drafts accepted (0..1)
         self.draft_skips = 0                  # steps it did not draft (low acceptance)
+        # Streaming input: more prompt comes (PromptPiece); its last known token waits for it,
+        # so the step that computes it samples. new_prompt_ids: arrived, not yet sent.
+        self.prompt_open = False
+        self.new_prompt_ids: list[int] = []
 
     @property
     def key(self) -> tuple[int, int]:
@@ -106,6 +110,8 @@ class Request:
 
     @property
     def target_len(self) -> int:
+        if self.prompt_open:
+            return len(self.token_ids) - 1
         return self.num_prompt_tokens - 1 if self.fork_leader else len(self.token_ids)
 
     @property
@@ -128,7 +134,7 @@ class Request:
         appends the next one (beams are extended here; a fork leader forks instead). Draft
         slots (speculative decoding) are planned past the end: they do not count."""
         return (self.num_planned - self.num_draft_slots == self.target_len + self.num_placeholders
-                and not self.fork_leader and self.group is None)
+                and not self.fork_leader and self.group is None and not self.prompt_open)
 
     @property
     def output_ids(self) -> list[SeqId]:
@@ -157,16 +163,27 @@ class Request:
         if self.on_executor:
             offset = self.num_blocks_sent
             entry = RunSeq(self.seq_id, self.num_scheduled, offset, self.block_ids[offset:],
-                           self.new_token_ids)
+                           self.new_token_ids, self.new_prompt_ids)
         else:
             self.on_executor = True
             entry = NewSeq(self.seq_id, list(self.token_ids), self.num_prompt_tokens,
                            self.num_computed, self.num_scheduled, list(self.block_ids),
                            self.sampling, self.lora)
-        self.num_blocks_sent, self.new_token_ids = len(self.block_ids), []
+        self.num_blocks_sent, self.new_token_ids, self.new_prompt_ids = len(self.block_ids), [], []
         self.num_in_flight += self.num_scheduled
         self.num_placeholders += self.samples_when_planned
         return entry
+
+    def extend_prompt(self, tokens: list[int], last: bool, max_model_len: int) -> None:
+        """A piece of its open prompt arrived (streaming input)."""
+        self.token_ids += tokens
+        self.num_prompt_tokens += len(tokens)
+        if self.on_executor:
+            self.new_prompt_ids += tokens
+        room = max_model_len - self.num_prompt_tokens
+        s = self.sampling
+        self.max_tokens = room if s.max_tokens is None else min(s.max_tokens, room)
+        self.prompt_open = not last
 
     def reset_in_flight(self) -> None:
         """Forget the steps in flight (preempted or ended: their results are ignored)."""
@@ -201,8 +218,9 @@ class Request:
     SHARED = ("num_prompt_tokens", "arrival_time", "max_tokens", "status", "num_computed",
               "priority", "cache_salt", "order", "num_committed", "cum_logprob", "group",
               "scheduled_before", "prompt_counted", "num_prompt_logprobs_sent", "num_dropped",
-              "lora", "kv_transfer")
-    COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
+              "lora", "kv_transfer", "prompt_open")
+    COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids",
+              "new_prompt_ids")                                             # lists, copied
     FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
              "num_drafts", "num_draft_slots", "draft_acceptance", "draft_skips",

@@ -35,7 +35,7 @@ from pagewire.wire.ids import PROMPT, SeqId, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_executor import NewSeq, StepPlan
-from pagewire.wire.to_scheduler import NewRequest, StepResult
+from pagewire.wire.to_scheduler import NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
 from .arrivals import Arrivals
@@ -103,7 +103,7 @@ class Scheduler:
         priority = msg.priority if self.by_priority else 0
         req = Request(SeqId(msg.req_id), msg.prompt_token_ids, s, msg.arrival_time,
                       self.config.max_model_len, priority, msg.cache_salt, msg.lora)
-        req.kv_transfer = msg.kv_transfer
+        req.kv_transfer, req.prompt_open = msg.kv_transfer, msg.prompt_open
         if s.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
             req.seq_id, req.group = group.new_id(), group
@@ -115,6 +115,17 @@ class Scheduler:
         if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
             self._count_prompt(req)
             self._fork(req)                            # (_finish takes it out of waiting)
+        return []
+
+    def extend(self, msg: PromptPiece) -> list[TokenDelta]:
+        """More of an open prompt (streaming input). Ignored once the request has ended."""
+        req = self.requests.get(SeqId(msg.req_id))
+        if req is None or not req.prompt_open:
+            return []
+        if len(req.token_ids) + len(msg.token_ids) >= self.config.max_model_len:
+            return self._fail(req, f"the streamed prompt grew past max_model_len="
+                                   f"{self.config.max_model_len}")
+        req.extend_prompt(msg.token_ids, msg.last, self.config.max_model_len)
         return []
 
     def abort(self, seq_ids: list[SeqId]) -> list[TokenDelta]:
@@ -219,6 +230,12 @@ class Scheduler:
                 req.num_computed = 0
                 break
             n = req.num_pending
+            if n == 0 and req.prompt_open:     # all it has is its held-back last token
+                if fresh:
+                    self.tables.release(req)
+                    req.num_computed = 0
+                i += 1
+                continue
             if n > budget and not self.config.enable_chunked_prefill:
                 n = 0
             n = min(n, budget)
@@ -284,6 +301,7 @@ class Scheduler:
             (self.preempted_ids if preempted else self.to_drop).append(req.seq_id)
             req.on_executor = False
             req.new_token_ids, req.num_drafts = [], 0    # its drafts went with its state
+            req.new_prompt_ids = []                      # a NewSeq carries the whole prompt
 
     def _finish(self, req: Request, lease: bool = False) -> None:
         """Remove a sequence wherever it is and free its blocks (or, `lease`, hold them for a
@@ -330,7 +348,7 @@ class Scheduler:
             self.tables.commit(req)
             self.tables.drop_behind_window(req)
             reached_end = req.num_computed == req.target_len
-            if not req.prompt_counted and reached_end:
+            if not req.prompt_counted and reached_end and not req.prompt_open:
                 self._count_prompt(req)
             row = rows.get(req.seq_id)
             if req.fork_leader:
