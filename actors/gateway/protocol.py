@@ -77,6 +77,8 @@ class CompletionBody(_Common, kw_only=True):
     prompt: str | list[str | int | list[int]]
     echo: bool = False
     logprobs: int | None = None          # the top k alternatives (and the sampled token's)
+    request_id: str | None = None        # names a streamed prompt's session (stream_input.py)
+    stream_input: bool = False           # the prompt continues in pieces (stream_input.py)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

@@ -38,6 +38,7 @@ from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_l
 from .responses import Choice, Formatter, usage
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
+from .stream_input import StreamInputRoutes
 from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,15 @@ class Gateway:
         self.metrics.set_backend(config.backend or "unknown", config.dtype)
         self.metrics.set_cache_config(config)
         self.loras = LoraRoutes(self)
+        self.stream_input = StreamInputRoutes(self, PushChannel(
+            ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
-            *TokenizeRoutes(self).routes(), *self.loras.routes()])
+            *TokenizeRoutes(self).routes(), *self.loras.routes(),
+            *self.stream_input.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -170,6 +174,7 @@ class Gateway:
         sampling = to_sampling(body, 16 if body.max_tokens is None else body.max_tokens,
                                body.logprobs, prompt_lps)
         prompts = completion_prompts(body)
+        session = self.stream_input.check(body, prompts) if body.stream_input else None
         transfer = self.kv_transfer(body, sampling, len(prompts))
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                                 prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
@@ -181,7 +186,7 @@ class Gateway:
                         logprobs=body.logprobs is not None,
                         prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo,
                         token_ids=body.return_tokens_as_token_ids)
-        return await self.serve(request, body, fmt, subs)
+        return await self.serve(request, body, fmt, subs, session)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatBody)
@@ -250,9 +255,10 @@ class Gateway:
         return lora
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
-                    prompts: list[TokenizeRequest]) -> web.StreamResponse:
+                    prompts: list[TokenizeRequest],
+                    session: str | None = None) -> web.StreamResponse:
         """Run the prompts (each generating its n sequences), answer in one response or a
-        stream."""
+        stream. `session`: a streamed prompt's name (stream_input.py)."""
         if body.stream and prompts[0].sampling.num_outputs > prompts[0].sampling.n:
             raise ApiError(400, "best_of > n cannot be streamed", "best_of")
         for i, p in enumerate(prompts):
@@ -266,7 +272,10 @@ class Gateway:
         self.metrics.on_request_start(list(run.slot))
         try:
             for p in prompts:
-                self.tokenizers.send(p)
+                if session:
+                    self.stream_input.open(session, p)
+                else:
+                    self.tokenizers.send(p)
             await run.first_replies()
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -279,6 +288,8 @@ class Gateway:
                 self.routes.pop(rid, None)
             if run.open_ids:
                 self.scheduler.send(Abort(sorted(run.open_ids)))
+            if session:
+                self.stream_input.close(session)
 
     async def collect(self, fmt: Formatter, run: "_Run") -> web.Response:
         async for _ in run:

@@ -158,3 +158,71 @@ def test_sigterm_stops_everything_and_cleans_up():
         assert srv.stop() == 0
         assert not [pid for pid in children if alive(pid)]
         assert os.listdir(run_parent) == []
+
+
+def _stream_session(server, session: str, first: list[int], out: list):
+    """The session's first request (streamed SSE); its token ids appended to `out`."""
+    import json
+    import urllib.request
+    body = json.dumps({"model": MODEL, "prompt": first, "request_id": session,
+                       "stream_input": True, "stream": True, "max_tokens": 12,
+                       "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                       "return_tokens_as_token_ids": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                out += [int(t.removeprefix("token_id:"))
+                        for t in (choice.get("logprobs") or {}).get("tokens", [])]
+
+
+def _wait_open(server, session: str) -> None:
+    """Until the gateway knows the session (its first request reached it)."""
+    import time
+    for _ in range(200):
+        code, _, _ = server.request("POST", f"/v1/completions/{session}/input",
+                                    {"prompt": []})
+        if code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the session never opened")
+
+
+def test_a_prompt_streamed_in_pieces_answers_as_the_whole_prompt(server):
+    """POST /v1/completions with stream_input opens a session; pieces go to
+    /v1/completions/{request_id}/input; the last one starts generation. Same greedy tokens
+    as the whole prompt sent at once; the session is gone after."""
+    import random
+    rng = random.Random(21)
+    prompt = [rng.randrange(1000, 40000) for _ in range(70)]
+    tokens: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(_stream_session, server, "piecewise", prompt[:30], tokens)
+        _wait_open(server, "piecewise")
+        code, reply, _ = server.request("POST", "/v1/completions/piecewise/input",
+                                        {"prompt": prompt[30:50]})
+        assert (code, reply) == (200, {"request_id": "piecewise", "object": "prompt.piece",
+                                       "last": False})
+        code, _, _ = server.request("POST", "/v1/completions/piecewise/input",
+                                    {"prompt": prompt[50:], "last": True})
+        assert code == 200
+        done.result(timeout=120)
+    code, whole, _ = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    assert code == 200
+    assert tokens == [int(t.removeprefix("token_id:"))
+                      for t in whole["choices"][0]["logprobs"]["tokens"]]
+    code, reply, _ = server.request("POST", "/v1/completions/piecewise/input", {"prompt": "x"})
+    assert code == 404 and reply["error"]["param"] == "request_id"
+
+
+def test_streamed_prompt_errors(server):
+    code, reply, _ = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "hi", "stream_input": True})
+    assert code == 400 and "request_id" in reply["error"]["message"]
+    code, reply, _ = server.request("POST", "/v1/completions", {
+        "model": MODEL, "prompt": "hi", "stream_input": True, "request_id": "s", "n": 2})
+    assert code == 400 and "n = 1" in reply["error"]["message"]
