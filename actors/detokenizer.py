@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import msgspec
 from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.sampling import LogprobsChunk
-from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
+from pagewire.wire.to_detokenizer import (DetokenizerInbox, DetokStart, PromptGrew, TokenDelta,
+                                          TokenDeltas)
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
 from pagewire.wire.to_scheduler import Abort
 
@@ -112,9 +114,12 @@ class Detokenizer:
         self.stopped: set[SeqId] = set()
         self.ended: OrderedDict[SeqId, None] = OrderedDict()   # aborted while not live
 
-    def handle(self, msg: DetokStart | TokenDeltas) -> Sends:
+    def handle(self, msg: DetokStart | PromptGrew | TokenDeltas) -> Sends:
         """The detokenizer core: text deltas for the gateway, and an Abort for the scheduler
         when stop strings finished requests."""
+        if isinstance(msg, PromptGrew):
+            self.prompt_grew(msg)
+            return []
         texts, aborts = (self.start if isinstance(msg, DetokStart) else self.on_deltas)(msg)
         sends: Sends = [("gateway", TextDeltas(texts))] if texts else []
         return sends + ([("scheduler", Abort(aborts))] if aborts else [])
@@ -129,6 +134,13 @@ class Detokenizer:
             texts += t
             aborts += a
         return texts, aborts
+
+    def prompt_grew(self, msg: PromptGrew) -> None:
+        """A streamed prompt (one output) grew: its usage counts the new tokens."""
+        state = self.live.get(SeqId(msg.req_id))
+        if state is not None:
+            state.start = msgspec.structs.replace(
+                state.start, num_prompt_tokens=state.start.num_prompt_tokens + msg.num_tokens)
 
     def on_deltas(self, msg: TokenDeltas) -> tuple[list[TextDelta], list[SeqId]]:
         """Returns the text deltas for the gateway and the sequences to abort at the

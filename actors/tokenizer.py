@@ -15,7 +15,7 @@ import msgspec
 from pagewire.wire.channels import Sends
 from pagewire.wire.sampling import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint
-from pagewire.wire.to_detokenizer import DetokStart
+from pagewire.wire.to_detokenizer import DetokStart, PromptGrew
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
 from pagewire.wire.to_scheduler import NewRequest, PromptPiece
 from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizePiece,
@@ -56,7 +56,7 @@ class RequestTokenizer:
         if isinstance(msg, DetokenizeOnly):
             return [("gateway", self.detokenize_only(msg))]
         if isinstance(msg, TokenizePiece):
-            return [self.piece(msg)]
+            return self.piece(msg)
         result = self.process(msg)
         if isinstance(result, RequestFailed):
             return [("gateway", result)]
@@ -123,7 +123,7 @@ class RequestTokenizer:
                                  priority=req.priority, lora=req.lora,
                                  kv_transfer=req.kv_transfer, prompt_open=req.prompt_open)
 
-    def piece(self, msg: TokenizePiece) -> tuple[str, PromptPiece | RequestFailed]:
+    def piece(self, msg: TokenizePiece) -> Sends:
         """More of an open prompt, encoded on its own (no special tokens): to the scheduler,
         which runs it in arrival order (one tokenizer takes a session's messages: the
         gateway routes them by request id)."""
@@ -131,12 +131,13 @@ class RequestTokenizer:
             ids = list(msg.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                return "gateway", RequestFailed(req_id=msg.reply_id, status=400, param="prompt",
-                                                message=f"token id {bad[0]} is out of range "
-                                                        f"[0, {self.vocab_size})")
+                return [("gateway", RequestFailed(
+                    req_id=msg.reply_id, status=400, param="prompt",
+                    message=f"token id {bad[0]} is out of range [0, {self.vocab_size})"))]
         else:
             ids = self.tokenizer.encode(msg.prompt or "", add_special_tokens=False)
-        return "scheduler", PromptPiece(msg.req_id, ids, msg.last)
+        return [("detokenizer", PromptGrew(msg.req_id, len(ids))),
+                ("scheduler", PromptPiece(msg.req_id, ids, msg.last))]
 
     @staticmethod
     def check_streamable(s: SamplingParams) -> None:

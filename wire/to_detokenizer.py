@@ -23,6 +23,13 @@ class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     first_prompt_token: int | None = None   # heads the prompt logprobs, when asked
 
 
+class PromptGrew(msgspec.Struct, tag=True):
+    """A streamed prompt's piece arrived (from the tokenizer that sent its DetokStart, after
+    it): `num_tokens` more prompt tokens, for the usage the gateway reports."""
+    req_id: str
+    num_tokens: int
+
+
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     seq_id: SeqId                      # an output sequence
     token_ids: list[int]
@@ -37,4 +44,4 @@ class TokenDeltas(msgspec.Struct, tag=True, gc=False):
     deltas: list[TokenDelta]
 
 
-DetokenizerInbox = DetokStart | TokenDeltas
+DetokenizerInbox = DetokStart | PromptGrew | TokenDeltas

@@ -58,8 +58,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
         self.arrival_time = arrival_time
-        room = max_model_len - self.num_prompt_tokens
-        self.max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        self.max_tokens = self.room_to_generate(max_model_len)
         self.priority, self.lora = priority, lora
         # Disaggregated prefill/decode: its blocks go under a lease when it ends
         # (remote_decode), or its prefix is pulled from a prefill engine (remote_prefill,
@@ -180,10 +179,15 @@ class Request:
         self.num_prompt_tokens += len(tokens)
         if self.on_executor:
             self.new_prompt_ids += tokens
-        room = max_model_len - self.num_prompt_tokens
-        s = self.sampling
-        self.max_tokens = room if s.max_tokens is None else min(s.max_tokens, room)
+        self.max_tokens = self.room_to_generate(max_model_len)
         self.prompt_open = not last
+
+    def room_to_generate(self, max_model_len: int) -> int:
+        """Tokens it may generate: max_tokens, within what the context leaves after the
+        prompt."""
+        room = max_model_len - self.num_prompt_tokens
+        limit = self.sampling.max_tokens
+        return room if limit is None else min(limit, room)
 
     def reset_in_flight(self) -> None:
         """Forget the steps in flight (preempted or ended: their results are ignored)."""

@@ -167,15 +167,19 @@ def _stream_session(server, session: str, first: list[int], out: list):
     body = json.dumps({"model": MODEL, "prompt": first, "request_id": session,
                        "stream_input": True, "stream": True, "max_tokens": 12,
                        "temperature": 0, "ignore_eos": True, "logprobs": 0,
-                       "return_tokens_as_token_ids": True}).encode()
+                       "return_tokens_as_token_ids": True,
+                       "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(server.url + "/v1/completions", body,
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         for line in r:
             if line.startswith(b"data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                out += [int(t.removeprefix("token_id:"))
-                        for t in (choice.get("logprobs") or {}).get("tokens", [])]
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    out.append(event["usage"])
+                for choice in event["choices"]:
+                    out += [int(t.removeprefix("token_id:"))
+                            for t in (choice.get("logprobs") or {}).get("tokens", [])]
 
 
 def _wait_open(server, session: str) -> None:
@@ -213,8 +217,9 @@ def test_a_prompt_streamed_in_pieces_answers_as_the_whole_prompt(server):
         "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
         "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
     assert code == 200
-    assert tokens == [int(t.removeprefix("token_id:"))
-                      for t in whole["choices"][0]["logprobs"]["tokens"]]
+    assert tokens[:-1] == [int(t.removeprefix("token_id:"))
+                           for t in whole["choices"][0]["logprobs"]["tokens"]]
+    assert tokens[-1]["prompt_tokens"] == 70 == whole["usage"]["prompt_tokens"]
     code, reply, _ = server.request("POST", "/v1/completions/piecewise/input", {"prompt": "x"})
     assert code == 404 and reply["error"]["param"] == "request_id"
 
