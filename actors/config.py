@@ -144,6 +144,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
     seed: int = 0                            # the executor's random state for unseeded sampling
     tensor_parallel_size: int = 1            # executor ranks, each holding a share of the model
+    decode_context_parallel_size: int = 1    # ranks of a KV head splitting its tokens
     executors: str = "local"                 # "local": the engine starts every rank;
                                              # "external": ranks 1.. attach at `listen`
     listen: str | None = None                # tcp://HOST:PORT where external ranks attach
@@ -206,9 +207,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        # Context parallelism: a block's tokens are spread over its ranks.
         per_block = self.block_size * sum(
             m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.kv_cache_dtype != "auto")
-            for m in (info, draft) if m is not None)
+            for m in (info, draft) if m is not None) // self._check_context_parallel(info)
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
             num_blocks = self.kv_cache_memory // per_block
@@ -290,6 +292,29 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              "it needs prefix caching")
         if self.tensor_parallel_size != 1:
             raise ValueError("--kv-transfer-config with tensor parallelism is not built yet")
+
+    def _check_context_parallel(self, info: ModelInfo) -> int:
+        """The context-parallel size, checked: ranks that would each hold a KV head's tokens
+        (tensor parallelism with fewer KV heads than ranks) split them instead."""
+        size = self.decode_context_parallel_size
+        if size == 1:
+            return 1
+        replicas = self.tensor_parallel_size // info.num_kv_heads
+        if size < 1 or replicas < 2 or replicas % size:
+            raise ValueError(f"--decode-context-parallel-size {size} needs tensor parallelism "
+                             f"with each KV head on a multiple of {size} ranks (this model has "
+                             f"{info.num_kv_heads} KV heads, -tp {self.tensor_parallel_size})")
+        if self.block_size % size:
+            raise ValueError(f"--block-size {self.block_size} must be a multiple of "
+                             f"--decode-context-parallel-size {size}")
+        unbuilt = {"a sliding-window model": info.sliding_window is not None or
+                   info.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+                   "--speculative-config": self.speculative_config is not None,
+                   "--kv-offload-dir": self.kv_offload_dir is not None}
+        for what, given in unbuilt.items():
+            if given:
+                raise ValueError(f"--decode-context-parallel-size with {what} is not built yet")
+        return size
 
     def _check_chat(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -153,6 +153,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     "tensor parallelism": (
         Option("tensor_parallel_size", "executor ranks, each holding a share of the model (see "
                "\"Tensor parallelism\")", flags=("--tensor-parallel-size", "-tp")),
+        Option("decode_context_parallel_size", "ranks of a KV head that split its tokens instead "
+               "of each holding them all: N times the context in the same KV memory (see "
+               "\"Context parallelism\")", flags=("--decode-context-parallel-size", "-dcp")),
         Option("executors", "`local`: the engine starts every rank; `external`: ranks 1.. attach "
                "with `pagewire executor --attach`", choices=("local", "external"), **_RUN),
         Option("listen", "`tcp://HOST:PORT` where external executors attach (an explicit address; "

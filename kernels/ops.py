@@ -17,6 +17,7 @@ from . import activation, attention, cascade, native, norm, rotary, tiers
 from . import lora as lora_kernels
 
 
+_PLAIN = attention.PLAIN
 LORA_GEMM_ROWS = 192     # CpuOps: LoRA deltas of this many rows or more as per-adapter GEMMs
 
 
@@ -58,6 +59,16 @@ class TorchOps:
         kernels and the native CPU decode implement them; Triton falls back to these."""
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, variant=variant)
 
+    def write_kv(self, kv_cache, k, v, slots):
+        """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""
+        attention.write_kv(kv_cache, k, v, slots)
+
+    def decode_lse(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
+        """decode_attention's rows and each one's log-sum-exp: (out [B, Hq, D], lse [B, Hq]
+        float32), for merging with attention over other keys (cascade, context parallelism).
+        A row may attend no token (lens 0): lse -inf (or a large negative)."""
+        return attention.decode_attention(q, kv_cache, tables, lens, scale, variant, lse=True)
+
     def lora_delta(self, y, x, lora, slot):
         """y [T, N] += the LoRA delta of x [T, K] through linear `slot`, each row with its
         adapter. `lora` (executor/lora.py LoraBatch): per adapter its {slot: (A [R, K],
@@ -94,12 +105,15 @@ class CpuOps(TorchOps):
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
-        return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self._write_kv,
+        return attention.paged_attention(q, k, v, kv_cache, batch, scale, write=self.write_kv,
                                          decode=self._decode, prefill=self._prefill,
                                          variant=variant)
 
-    def _write_kv(self, cache, k, v, slots):
-        self.lib.write_kv(cache[0], cache[1], k, v, slots)
+    def write_kv(self, kv_cache, k, v, slots):
+        self.lib.write_kv(kv_cache[0], kv_cache[1], k, v, slots)
+
+    def decode_lse(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
+        return self._decode(q, kv_cache, tables, lens, scale, variant, lse=True)
 
     def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
         """bfloat16 prefills (plain or windowed) on the native kernel; the rest on torch."""

@@ -3,9 +3,12 @@ write, then one decode and one varlen prefill launch). Runs on CUDA; on CPU only
 Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
 from __future__ import annotations
 
+import torch
+
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
-from .attention_triton import triton_paged_attention
+from .attention_triton import triton_decode_attention, triton_paged_attention
+from .cache import triton_write_kv
 from .cascade import CUDA_THRESHOLDS
 from .lora import triton_lora_delta
 from .norm import triton_add_rms_norm
@@ -35,6 +38,15 @@ class TritonOps(TorchOps):
 
     def lora_delta(self, y, x, lora, slot):
         triton_lora_delta(y, x, zip(lora.weights, lora.rows), slot)
+
+    def write_kv(self, kv_cache, k, v, slots):
+        triton_write_kv(kv_cache, k, v, slots)
+
+    def decode_lse(self, q, kv_cache, tables, lens, scale, variant=PLAIN):
+        if not variant.plain:
+            return TorchOps.decode_lse(self, q, kv_cache, tables, lens, scale, variant)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        return triton_decode_attention(q, kv_cache, tables, lens, scale, lse=lse), lse
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
         if not variant.plain:        # sliding windows and soft-capping: torch kernels for now

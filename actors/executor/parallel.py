@@ -107,6 +107,35 @@ class TensorParallel:
         return x
 
 
+@dataclass
+class ContextParallel:
+    """This rank's place among the ranks that split a KV head's tokens (context parallelism:
+    kernels/context_parallel.py)."""
+    rank: int
+    size: int
+    group: Any = None
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, *x.shape]: every rank's x, by rank (float32 on the wire)."""
+        parts = [torch.empty(x.shape, dtype=torch.float32, device=x.device)
+                 for _ in range(self.size)]
+        dist.all_gather(parts, x.float().contiguous(), group=self.group)
+        return torch.stack(parts)
+
+
+def context_groups(tp: TensorParallel, size: int) -> ContextParallel:
+    """This rank's context-parallel group: `size` consecutive ranks, which hold one KV head
+    (its replicas under tensor parallelism are consecutive ranks) and consecutive query heads.
+    Every rank creates every group, in one order, as torch.distributed requires."""
+    mine = None
+    for start in range(0, tp.size, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if tp.rank in ranks:
+            mine = ContextParallel(tp.rank - start, size, group)
+    return mine
+
+
 def init_group(address: str, rank: int, size: int, timeout: float) -> TensorParallel:
     """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store).
     A collective that waits longer than `timeout` seconds raises instead of hanging."""

@@ -16,6 +16,7 @@ import zmq
 
 from pagewire.kernels import kv_quant, quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+from pagewire.kernels.context_parallel import local_batch
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
 from pagewire.wire.ids import SeqId
@@ -34,7 +35,7 @@ from .kv_transfer import KvPuller, KvServer
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
-from .parallel import TensorParallel
+from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
@@ -88,7 +89,12 @@ class ModelRunner:
         self.config, self.tp = config, tp or TensorParallel()
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
+        # Context parallelism: this rank holds block_size / size tokens of each block.
+        dcp = config.decode_context_parallel_size
+        self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
         self.model = self._prepare(config.model_info)
+        for layer in self.model.layers if self.cp else ():
+            layer.attn.cp = self.cp
         ops = self.model.ops
         quantized = f", quantized activations {config.quantized_activations}" \
             if ops.name == "cpu" else ""           # only the native backends multiply GGUF blocks
@@ -136,7 +142,8 @@ class ModelRunner:
         config, cfg = self.config, model.cfg
         dtype, width = kv_quant.cache_layout(config.kv_cache_dtype, _DTYPES[config.dtype],
                                              cfg.head_dim)
-        layout = (self.block_size, model.num_kv_heads, width, dtype)        # this rank's heads
+        layout = (self.block_size // self.config.decode_context_parallel_size,
+                  model.num_kv_heads, width, dtype)             # this rank's heads and tokens
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
                                       self.device)
         model.fused_decode = FusedDecode.build(model, on_device)
@@ -297,6 +304,8 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, batch.slot_mapping,
                                    batch.decode_block_tables, batch.decode_context_lens)
         dev = self.device
+        if self.cp is not None:
+            batch = local_batch(batch, self.cp.rank, self.cp.size, self.block_size)
         if dev.type != "cpu":
             batch = batch_to(batch, dev)
             input_ids, positions = input_ids.to(dev), positions.to(dev)

@@ -124,3 +124,18 @@ def test_parse_tcp():
     assert parse_tcp("tcp://0.0.0.0:7000") == ("0.0.0.0", 7000)
     with pytest.raises(ValueError, match="not tcp://HOST:PORT"):
         parse_tcp("ipc:///tmp/x")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"tensor_parallel_size": 2}, "each KV head on a multiple of 2 ranks"),        # 2 KV heads
+    ({"tensor_parallel_size": 4, "block_size": 1}, "must be a multiple of"),
+    ({"tensor_parallel_size": 4, "speculative_config": {"method": "ngram",
+                                                        "num_speculative_tokens": 2}},
+     "--speculative-config is not built yet"),
+])
+def test_context_parallel_options_are_checked(tiny_llama, options, message):
+    import msgspec
+    config = msgspec.convert(dict(model=tiny_llama(), max_model_len=128,
+                                  decode_context_parallel_size=2, **options), EngineConfig)
+    with pytest.raises(ValueError, match=message):
+        config.resolve()

@@ -66,6 +66,21 @@ def test_local_ranks_match_transformers(models, shape):
         assert_matches_transformers(srv, models[shape])
 
 
+def test_context_parallel_ranks_match_transformers(models):
+    """-tp 2 -dcp 2: the one KV head's tokens split over both ranks (each holds 8 of a
+    block's 16): transformers' greedy tokens, and twice the blocks in the same KV memory."""
+    import re
+    from pagewire.config import EngineConfig
+    path = models["kv1-below-ranks"]
+    with running_server([path, *F32, "-tp", "2", "--decode-context-parallel-size", "2"]) as srv:
+        assert_matches_transformers(srv, path)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            blocks = int(re.search(r'num_gpu_blocks="(\d+)"', r.read().decode()).group(1))
+    alone = EngineConfig(model=path, dtype="float32", max_model_len=256,
+                         kv_cache_memory=16 * 2**20, tensor_parallel_size=2).resolve()
+    assert blocks == 2 * alone.num_kv_blocks
+
+
 def spec_counters(srv: Server, above: float = 0.0) -> tuple[float, float]:
     """(draft tokens, accepted tokens) from /metrics, once the scheduler has reported more
     than `above` draft tokens."""

@@ -63,3 +63,82 @@ def test_each_position_lives_on_one_rank_at_its_local_position():
     assert local_positions(positions, 0, 3).tolist() == [0, -1, -1, 1, -1, -1, 2, -1, -1, 3]
     assert local_positions(positions, 2, 3).tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, 2, -1]
     assert local_lengths(torch.tensor([0, 1, 2, 3, 10]), 1, 3).tolist() == [0, 0, 1, 1, 3]
+
+
+class _ThreadGroup:
+    """all_gather between threads standing in for ranks (a barrier per exchange)."""
+
+    def __init__(self, size: int):
+        import threading
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size)
+
+    def member(self, rank: int):
+        group = self
+
+        class Member:
+            def __init__(self):
+                self.rank, self.size = rank, group.size
+
+            def all_gather(self, x):
+                group.slots[rank] = x.float().clone()
+                group.barrier.wait()
+                out = torch.stack(group.slots)
+                group.barrier.wait()
+                return out
+        return Member()
+
+
+# (context once this step's tokens are written, tokens this step): decodes, then prefills
+# (a fresh prompt, chunks over cached context, a one-token context).
+SEQS = [(1, 1), (2, 1), (37, 1), (64, 1), (19, 19), (50, 7), (70, 45), (3, 2)]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("size, hq, softcap", [(2, 4, None), (2, 2, 30.0), (4, 8, None)])
+def test_context_attention_over_ranks_equals_one_rank(kernels, size, hq, softcap):
+    """`size` ranks sharing one KV head, each with hq / size query heads and every size-th
+    token in blocks of 16 / size: each rank's output (cache writes included) equals its heads
+    of one rank attending whole contexts in blocks of 16."""
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+    from pagewire.kernels.context_parallel import context_attention, local_batch
+    ops = select_ops(torch.device("cpu"), kernels)
+    g = torch.Generator().manual_seed(size + hq)
+    d, nd = 64, 4
+    blocks = [-(-ctx // BS) for ctx, _ in SEQS]
+    ids = torch.randperm(sum(blocks) + 2, generator=g)
+    tables = list(torch.split(ids[:sum(blocks)], blocks))
+    kv = [torch.randn(2, ctx, 1, d, generator=g) for ctx, _ in SEQS]
+    q = torch.randn(sum(n for _, n in SEQS), hq, d, generator=g)
+    def slots(table, positions):
+        return table[positions // BS] * BS + positions % BS
+    prior = torch.cat([slots(t, torch.arange(ctx - n)) for t, (ctx, n) in zip(tables, SEQS)])
+    prior_kv = torch.cat([x[:, :ctx - n] for x, (ctx, n) in zip(kv, SEQS)], dim=1)
+    step = torch.cat([slots(t, torch.arange(ctx - n, ctx)) for t, (ctx, n) in zip(tables, SEQS)])
+    k, v = torch.cat([x[:, ctx - n:] for x, (ctx, n) in zip(kv, SEQS)], dim=1)
+    table = torch.zeros(nd, max(blocks[:nd]), dtype=torch.int64)
+    for i in range(nd):
+        table[i, :blocks[i]] = tables[i]
+    spans, start = [], nd
+    for (ctx, n), t in zip(SEQS[nd:], tables[nd:]):
+        spans.append(PrefillSpan(start, n, ctx, t))
+        start += n
+    batch = AttentionBatch(step, nd, table, torch.tensor([c for c, _ in SEQS[:nd]]), spans)
+    whole = torch.zeros(2, len(ids), BS, 1, d)
+    ops.write_kv(whole, prior_kv[0], prior_kv[1], prior)
+    variant = Variant(softcap=softcap)
+    expected = ops.attention(q, k, v, whole, batch, d ** -0.5, variant)
+
+    group, outs = _ThreadGroup(size), [None] * size
+    def rank_run(rank):
+        cache = torch.zeros(2, len(ids), BS // size, 1, d)
+        mine = local_batch(AttentionBatch(prior, 0, None, None, []), rank, size, BS)
+        keep = mine.slot_mapping >= 0
+        ops.write_kv(cache, prior_kv[0][keep], prior_kv[1][keep], mine.slot_mapping[keep])
+        heads = slice(rank * hq // size, (rank + 1) * hq // size)
+        outs[rank] = context_attention(ops, group.member(rank), q[:, heads].contiguous(), k, v,
+                                       cache, local_batch(batch, rank, size, BS),
+                                       d ** -0.5, variant)
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        list(pool.map(rank_run, range(size)))
+    torch.testing.assert_close(torch.cat(outs, dim=1), expected, atol=2e-5, rtol=2e-5)

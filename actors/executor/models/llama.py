@@ -35,7 +35,10 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): QKV column-parallel,
-    o_proj row-parallel, summed over ranks. Its weights and sizes; the layer's program runs it."""
+    o_proj row-parallel, summed over ranks. Its weights and sizes; the layer's program runs it.
+    `cp`: the ranks its KV head's tokens are split over (context parallelism), or None."""
+
+    cp = None
 
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()

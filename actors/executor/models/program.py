@@ -16,6 +16,8 @@ from enum import IntEnum
 
 import torch
 
+from pagewire.kernels.context_parallel import context_attention
+
 
 class Op(IntEnum):
     """The opcodes. The values are the native interpreter's too (csrc/decode_stack.cpp)."""
@@ -91,7 +93,11 @@ def _rope(ops, attn, s: State) -> None:
 
 def _attend(ops, attn, s: State) -> None:
     q, k, v = s.x                                     # [T, Hq, D], [T, Hkv, D] x 2
-    o = ops.attention(q, k, v, s.kv_cache, s.batch, attn.scale, attn.variant)
+    if attn.cp is None:
+        o = ops.attention(q, k, v, s.kv_cache, s.batch, attn.scale, attn.variant)
+    else:                                             # its KV head's tokens split over ranks
+        o = context_attention(ops, attn.cp, q, k, v, s.kv_cache, s.batch, attn.scale,
+                              attn.variant)
     s.x = o.reshape(q.shape[0], attn.q_size)          # [T, Hq D]
 
 
