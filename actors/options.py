@@ -17,8 +17,8 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from .config import (ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes,
-                     parse_json_object)
+from .config import ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
+from .config_sections import parse_json_object
 
 
 def gib(text: str | int | float) -> int:
