@@ -335,7 +335,8 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd = batch.num_decode_tokens
     if nd and batch.cascade is not None:      # the shared prefix once (cascade.py)
         out[:nd] = cascade_decode(q[:nd], kv_cache.shape[3], batch.cascade,
-                                  functools.partial(_decode_lse, kv_cache, scale))
+                                  lambda q, tables, lens: triton_decode_lse(q, kv_cache, tables,
+                                                                            lens, scale))
     elif nd:
         triton_decode_attention(q[:nd], kv_cache, batch.decode_block_tables,
                                 batch.decode_context_lens, scale, out=out[:nd])
@@ -350,8 +351,9 @@ def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode_lse(kv_cache: torch.Tensor, scale: float, q: torch.Tensor, tables: torch.Tensor,
-                lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cascade's suffix half: (out, lse) of the decode kernel."""
+def triton_decode_lse(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                      lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the decode kernel: attention over some of the keys, to merge with the
+    rest (cascade, context parallelism)."""
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     return triton_decode_attention(q, kv_cache, tables, lens, scale, lse=lse), lse

@@ -1,4 +1,4 @@
-"""Context parallelism's attention half (vLLM's decode context parallel): each of `size` ranks
+"""Context parallelism (vLLM's decode context parallel), its attention: each of `size` ranks
 holds every `size`-th token of every sequence's KV — position p on rank p % size, at local
 position p // size — so a context `size` times longer than one rank's KV fits. A query
 attends its rank's tokens with the backend's own decode kernel (which returns the

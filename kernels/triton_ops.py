@@ -3,11 +3,9 @@ write, then one decode and one varlen prefill launch). Runs on CUDA; on CPU only
 Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
 from __future__ import annotations
 
-import torch
-
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
-from .attention_triton import triton_decode_attention, triton_paged_attention
+from .attention_triton import triton_decode_lse, triton_paged_attention
 from .cache import triton_write_kv
 from .cascade import CUDA_THRESHOLDS
 from .lora import triton_lora_delta
@@ -45,8 +43,7 @@ class TritonOps(TorchOps):
     def decode_lse(self, q, kv_cache, tables, lens, scale, variant=PLAIN):
         if not variant.plain:
             return TorchOps.decode_lse(self, q, kv_cache, tables, lens, scale, variant)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        return triton_decode_attention(q, kv_cache, tables, lens, scale, lse=lse), lse
+        return triton_decode_lse(q, kv_cache, tables, lens, scale)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
         if not variant.plain:        # sliding windows and soft-capping: torch kernels for now
