@@ -353,7 +353,7 @@ def test_sampled_tokens_follow_the_target_distribution(model, draft, method):
     third): a chi-square test of their joint frequencies against transformers' exact joint."""
     # Every token once (bar the special 0..2): ngram finds any first token and drafts its
     # successor; the model drafts do not care.
-    prompt, k, draws = list(range(3, 512)), 3, 3000
+    prompt, k, draws = list(range(3, 512)), 3, 2000
     spec = {"method": method, "num_speculative_tokens": 1, "prompt_lookup_min": 1,
             "min_acceptance": 0.0, "max_batch": draws,
             **({"model": draft} if method == "draft_model" else {}),
