@@ -22,5 +22,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LoRARequest", "StreamingInput", "SamplingParams", "StructuredOutputsParams", "InvalidParam",
-           "InvalidConstraint", "__version__"]
+__all__ = ["LLM", "LoRARequest", "StreamingInput", "SamplingParams", "StructuredOutputsParams",
+           "InvalidParam", "InvalidConstraint", "__version__"]
