@@ -21,10 +21,9 @@ import zmq.asyncio
 from aiohttp import web
 
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
-from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import InvalidParam, best_of
+from pagewire.wire.sampling import InvalidParam
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
@@ -35,7 +34,8 @@ from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
                        check_count, completion_prompts, decode_body, template_kwargs,
                        to_sampling)
-from .responses import Choice, Formatter, usage
+from .request_run import RequestRun
+from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
 from .stream_input import StreamInputRoutes
@@ -265,7 +265,7 @@ class Gateway:
             p.req_id = f"{fmt.id}-{i}"
         if prompts[0].kv_transfer is not None and prompts[0].kv_transfer.remote_decode:
             fmt.kv_transfer_params = answer_params(self.config, prompts[0].req_id)
-        run = _Run(prompts)
+        run = RequestRun(prompts)
         for rid in run.route_ids():
             self.routes[rid] = run.queue
         self.in_flight += 1
@@ -291,12 +291,12 @@ class Gateway:
             if session:
                 self.stream_input.close(session)
 
-    async def collect(self, fmt: Formatter, run: "_Run") -> web.Response:
+    async def collect(self, fmt: Formatter, run: RequestRun) -> web.Response:
         async for _ in run:
             pass
         return web.json_response(fmt.full(run.best_choices(), run.usage()), dumps=_dumps)
 
-    async def stream(self, request: web.Request, fmt: Formatter, run: "_Run",
+    async def stream(self, request: web.Request, fmt: Formatter, run: RequestRun,
                      include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -324,87 +324,6 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-
-
-class _Run:
-    """The sequences of one HTTP request, and their replies as they arrive on `queue`.
-
-    Prompt i is request "<id>-i" (its refusals come by that id), its sequences
-    output_ids("<id>-i", num_outputs); sequence j of prompt i is choice i*n + j. Iterating
-    yields (choice index, TextDelta) until every sequence has finished, removing finished ids
-    from `open_ids` (what is left is aborted when the handler ends). A failed sequence raises
-    ApiError.
-    """
-
-    def __init__(self, prompts: list[TokenizeRequest]):
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt_ids = [p.req_id for p in prompts]
-        sampling = prompts[0].sampling
-        self.n, self.num_outputs = sampling.n, sampling.num_outputs
-        self.num_choices = len(prompts) * self.n
-        self.slot: dict[SeqId, tuple[int, int]] = {
-            out_id: (i, j) for i, p in enumerate(prompts)
-            for j, out_id in enumerate(output_ids(p.req_id, self.num_outputs))}
-        self.open_ids = set(self.slot)
-        self.buffer: list[TextDelta] = []
-        self.choices: dict[tuple[int, int], Choice] = {slot: Choice() for slot in self.slot.values()}
-        self.prompt_tokens: dict[int, int] = {}
-        self.output_tokens: dict[tuple[int, int], int] = {}
-
-    def route_ids(self) -> list[str | SeqId]:
-        return self.prompt_ids + list(self.slot)
-
-    async def first_replies(self) -> None:
-        """Wait until every prompt has answered once; a refusal (bad prompt, too long, queue
-        full) becomes the HTTP error before any response byte is sent."""
-        answered = set()
-        while len(answered) < len(self.prompt_ids):
-            msg = await self.queue.get()
-            if isinstance(msg, RequestFailed):
-                self.open_ids -= {o for o, (i, _) in self.slot.items()
-                                  if self.prompt_ids[i] == msg.req_id}
-                raise ApiError(msg.status, msg.message, msg.param, msg.error_type)
-            if msg.finish_reason == "rejected":
-                self.open_ids.discard(msg.seq_id)
-                raise ApiError(503, msg.error or "the server is overloaded")
-            answered.add(self.slot[msg.seq_id][0])
-            self.buffer.append(msg)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> tuple[int, TextDelta]:
-        if not self.open_ids and not self.buffer:
-            raise StopAsyncIteration
-        delta = self.buffer.pop(0) if self.buffer else await self.queue.get()
-        if isinstance(delta, RequestFailed):       # the engine failed this request
-            raise ApiError(delta.status, delta.message, delta.param, delta.error_type)
-        if delta.seq_id not in self.slot:
-            return await self.__anext__()
-        i, j = slot = self.slot[delta.seq_id]
-        if delta.finish_reason:
-            self.open_ids.discard(delta.seq_id)
-        if delta.finish_reason in ("error", "rejected"):
-            raise ApiError(500 if delta.finish_reason == "error" else 503,
-                           delta.error or "generation failed")
-        self.prompt_tokens[i] = delta.num_prompt_tokens
-        self.output_tokens[slot] = delta.num_output_tokens
-        self.choices[slot].add(delta)
-        return i * self.n + j, delta
-
-    def best_choices(self) -> dict[int, Choice]:
-        """Choices by index: per prompt, the n sequences with the highest cumulative logprob
-        when it generated more (best_of)."""
-        out = {}
-        for i in range(len(self.prompt_ids)):
-            picked = best_of([self.choices[(i, j)].cumulative_logprob
-                              for j in range(self.num_outputs)], self.n)
-            for k, j in enumerate(picked):
-                out[i * self.n + k] = self.choices[(i, j)]
-        return out
-
-    def usage(self) -> dict:
-        return usage(sum(self.prompt_tokens.values()), sum(self.output_tokens.values()))
 
 
 def _dumps(obj) -> str:
