@@ -212,9 +212,7 @@ class LLM:
 
     def _step_if_any(self) -> bool:
         """Run a step if one can be planned; requests that finished go to _streamed."""
-        self._take_notices()
-        while (plan := self.core.plan()) is not None:
-            self._steps.append(self._executor.submit(self.runner.execute, plan))
+        self._submit_plans()
         ran = bool(self._steps)
         if ran:
             self._apply_oldest_step()
@@ -255,9 +253,7 @@ class LLM:
         scheduling the step after it is already submitted when this one's result is applied."""
         retried = False
         while True:
-            self._take_notices()
-            while (plan := self.core.plan()) is not None:
-                self._steps.append(self._executor.submit(self.runner.execute, plan))
+            self._submit_plans()
             if self._steps:
                 break
             if self._finished:               # a notice ended a request (a pull that failed)
@@ -272,6 +268,13 @@ class LLM:
             self._apply_oldest_step()
         finished, self._finished = self._finished, []
         return finished
+
+    def _submit_plans(self) -> None:
+        """Hand the scheduler what the KV threads said, then the executor every plan it makes
+        (up to the plans in flight it allows)."""
+        self._take_notices()
+        while (plan := self.core.plan()) is not None:
+            self._steps.append(self._executor.submit(self.runner.execute, plan))
 
     def _take_notices(self) -> None:
         """Leases the KV server ended, pulls the puller finished: to the scheduler."""

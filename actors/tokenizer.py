@@ -129,11 +129,11 @@ class RequestTokenizer:
         gateway routes them by request id)."""
         if msg.prompt_token_ids is not None:
             ids = list(msg.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                return [("gateway", RequestFailed(
-                    req_id=msg.reply_id, status=400, param="prompt",
-                    message=f"token id {bad[0]} is out of range [0, {self.vocab_size})"))]
+            try:
+                self.check_prompt_ids(ids)
+            except InvalidParam as e:
+                return [("gateway", RequestFailed(req_id=msg.reply_id, status=400,
+                                                  message=str(e), param=e.param))]
         else:
             ids = self.tokenizer.encode(msg.prompt or "", add_special_tokens=False)
         return [("detokenizer", PromptGrew(msg.req_id, len(ids))),
@@ -203,9 +203,7 @@ class RequestTokenizer:
     def encode(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidParam("prompt", f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+            self.check_prompt_ids(ids)
         elif req.messages is not None:
             ids = self.encode_chat(req)
         else:
@@ -213,6 +211,13 @@ class RequestTokenizer:
         if not ids:
             raise InvalidParam("prompt", "the prompt is empty")
         return ids
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """A prompt given as token ids names only tokens of the vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParam("prompt", f"token id {bad[0]} is out of range "
+                                         f"[0, {self.vocab_size})")
 
     def encode_chat(self, req: TokenizeRequest) -> list[int]:
         if self.tokenizer.chat_template is None:

@@ -69,15 +69,15 @@ def shared_prefix(tables: np.ndarray, context: np.ndarray, block_size: int,
                         torch.from_numpy(context - nb * block_size))
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint sets of keys -> attention over their union: each half's
-    normalized output [N, H, D] weighted by its share of the softmax mass (lse [N, H]).
-    Float32."""
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)              # [N, H]
-    total = wa + wb
-    return (out_a.float() * (wa / total)[..., None]).add_(out_b.float() * (wb / total)[..., None])
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Attention over S disjoint sets of keys -> attention over their union: each part's
+    normalized output (outs [S, N, H, D]) weighted by its share of the softmax mass (lses
+    [S, N, H]), float32. A part that saw none of a row's keys (lse -inf, or the native
+    kernels' large negative; its output may be NaN) weighs nothing. The cascade merges its
+    two halves with it, context parallelism its ranks."""
+    weights = torch.exp(lses - lses.amax(0))                              # [S, N, H]
+    weights = weights / weights.sum(0)
+    return (torch.nan_to_num(outs.float()) * weights[..., None]).sum(0)
 
 
 def cascade_decode(q: torch.Tensor, num_kv_heads: int, prefix: SharedPrefix,
@@ -96,4 +96,4 @@ def cascade_decode(q: torch.Tensor, num_kv_heads: int, prefix: SharedPrefix,
         .reshape(b, num_heads, head_dim)
     lse_p = lse_p.view(num_kv_heads, b, group).transpose(0, 1).reshape(b, num_heads)
     out_s, lse_s = decode(q, prefix.suffix_tables, prefix.suffix_lens)
-    return merge_attention(out_p, lse_p, out_s, lse_s).to(q.dtype)
+    return merge_attention(torch.stack([out_p, out_s]), torch.stack([lse_p, lse_s])).to(q.dtype)

@@ -19,11 +19,13 @@ import torch
 
 from . import kv_quant
 from .attention import AttentionBatch, PrefillSpan, Variant
+from .cascade import merge_attention
 
 
-def local_lengths(context_lens: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """[B] tokens of each context that `rank` holds: positions p < ctx with p % size == rank."""
-    return (context_lens - rank + size - 1).div(size, rounding_mode="floor").clamp_(min=0)
+def local_lengths(context_lens, rank: int, size: int):
+    """Tokens of each context (an int, or a tensor of them) that `rank` holds: positions
+    p < ctx with p % size == rank."""
+    return (context_lens - rank + size - 1) // size
 
 
 def local_positions(positions: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -33,14 +35,6 @@ def local_positions(positions: torch.Tensor, rank: int, size: int) -> torch.Tens
                        torch.full_like(positions, -1))
 
 
-def merge_ranks(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """outs [S, B, H, D], lses [S, B, H]: each of S ranks' attention over its own tokens ->
-    attention over all of them [B, H, D], float32. A rank that holds none of a row's tokens
-    (lse -inf, or the native kernels' large negative; its output may be NaN) weighs nothing."""
-    top = lses.amax(0)                                                    # [B, H]
-    weights = torch.exp(lses - top)                                       # [S, B, H]
-    weights = weights / weights.sum(0)
-    return (torch.nan_to_num(outs.float()) * weights[..., None]).sum(0)
 
 
 def local_batch(batch: AttentionBatch, rank: int, size: int, block_size: int) -> AttentionBatch:
@@ -49,8 +43,8 @@ def local_batch(batch: AttentionBatch, rank: int, size: int, block_size: int) ->
     their global context lengths: their attention masks by global position."""
     local_bs = block_size // size
     block, offset = batch.slot_mapping // block_size, batch.slot_mapping % block_size
-    slots = torch.where(offset % size == rank, block * local_bs + offset // size,
-                        torch.full_like(offset, -1))
+    local = local_positions(offset, rank, size)            # within the block; -1: not its
+    slots = torch.where(local >= 0, block * local_bs + local, local)
     lens = batch.decode_context_lens
     return AttentionBatch(slots, batch.num_decode_tokens, batch.decode_block_tables,
                           None if lens is None else local_lengths(lens, rank, size),
@@ -79,7 +73,7 @@ def context_attention(ops, cp, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         rows = slice(span.start, span.start + span.num_tokens)
         out[rows], lse[rows] = _local_prefill(every[rows], kv_cache, span, cp.rank, cp.size,
                                               scale, variant.softcap)
-    merged = merge_ranks(cp.all_gather(out), cp.all_gather(lse))           # [T, S Hq, D]
+    merged = merge_attention(cp.all_gather(out), cp.all_gather(lse))       # [T, S Hq, D]
     return merged[:, cp.rank * heads:(cp.rank + 1) * heads].to(q.dtype)
 
 
@@ -88,9 +82,9 @@ def _local_prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, r
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill span's queries [n, H, D] over this rank's keys at or before each query's
     position -> (out [n, H, D], lse [n, H]) float32; a query that sees none of them gets
-    lse -inf (merge_ranks weighs it nothing)."""
+    lse -inf (merge_attention weighs it nothing)."""
     n, heads, _ = q.shape
-    count = int(local_lengths(torch.tensor(span.context_len), rank, size))
+    count = local_lengths(span.context_len, rank, size)
     def rows(cache):                                                       # [L, Hkv, D]
         return kv_quant.readable(cache[span.block_table], torch.float32).float() \
             .flatten(0, 1)[:count]

@@ -154,7 +154,7 @@ class Library:
         contiguous; block_tables: [B, W] int64; context_lens: [B] int64 (each in [1, W * bs]).
         `window`: attend only the last `window` tokens; `softcap`: capped scores (see
         attention.Variant). Returns [B, Hq, D] in q's dtype; with `lse`, also each row's
-        log-sum-exp of its scores, float32 [B, Hq] (attention.merge_attention)."""
+        log-sum-exp of its scores, float32 [B, Hq] (cascade.merge_attention)."""
         _check_cpu(q, k_cache, v_cache, block_tables, context_lens)
         batch, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, width = k_cache.shape

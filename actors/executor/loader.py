@@ -102,7 +102,8 @@ def _linear_blocks(info: ModelInfo, model) -> dict[str, tuple[int, torch.Tensor]
     out = {}
     for module_name, names in sources.items():
         if all(n in stored for n in names) and len({stored[n][0] for n in names}) == 1:
-            out[module_name] = (stored[names[0]][0], torch.cat([stored.pop(n)[1] for n in names]))
+            ggml_type = stored[names[0]][0]
+            out[module_name] = (ggml_type, torch.cat([stored.pop(n)[1] for n in names]))
     return out
 
 

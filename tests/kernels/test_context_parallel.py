@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagewire.kernels.attention import Variant, decode_attention
-from pagewire.kernels.context_parallel import local_lengths, local_positions, merge_ranks
+from pagewire.kernels.cascade import merge_attention
+from pagewire.kernels.context_parallel import local_lengths, local_positions
 from pagewire.kernels.ops import select_ops
 
 BS = 16
@@ -54,7 +55,7 @@ def test_ranks_merged_equal_one_rank(kernels, size, hq, hkv, d):
         out, lse = decode(q, local, local_tables, local_lens, d ** -0.5, Variant(), True)
         outs.append(out)
         lses.append(lse)
-    merged = merge_ranks(torch.stack(outs), torch.stack(lses))
+    merged = merge_attention(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(merged, whole, atol=2e-5, rtol=2e-5)
 
 
