@@ -29,8 +29,8 @@ _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
                          "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp",
                          "lora.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("bf16.h", "attention_tiles.h", "quant_avx2.h", "kv_quant.h",
-                         "paged_decode.h", "paged_decode_avx2.h")]
+            for name in ("bf16.h", "attention_tiles.h", "quant_tiles.h", "quant_avx2.h",
+                         "kv_quant.h", "paged_decode.h", "paged_decode_avx2.h")]
 _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]
 
@@ -50,8 +50,7 @@ _SIGNATURES = {
     "pw_rope_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
     "pw_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
-    **{f"pw_q{q}_matmul_{t}": [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
-       for q in ("4_1", "8_0", "4_1_i8", "8_0_i8", "4_1_i16", "8_0_i16")
+    **{f"pw_quant_matmul_{t}": [_i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
        for t in ("f32", "bf16")},
     **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2
        + [_ptr, _ptr, _i64] for t in ("f32", "bf16")},

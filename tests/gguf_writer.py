@@ -86,17 +86,97 @@ def quantize_iq4_nl(a: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(a.shape[0], -1)
 
 
+def pack_q4_k(d, dmin, sc, mn, q) -> np.ndarray:
+    """ggml's block_q4_K from its parts: d, dmin [n] f16; sc, mn [n, 8] 6-bit; q [n, 256]
+    4-bit."""
+    n = d.shape[0]
+    scales = np.concatenate([(sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+                             (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1)
+    q = q.reshape(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
+                           scales.astype(np.uint8), qs.astype(np.uint8)], axis=1)
+
+
+def pack_q6_k(d, scales, q) -> np.ndarray:
+    """ggml's block_q6_K: d [n] f16; scales [n, 16] int8; q [n, 256] in -32..31."""
+    n = d.shape[0]
+    u = (q + 32).astype(np.uint8).reshape(n, 2, 128)
+    low, high = (u & 0x0F).reshape(n, 2, 2, 64), (u >> 4).reshape(n, 2, 4, 32)
+    ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6))
+    qh = qh.reshape(n, 64)
+    return np.concatenate([ql, qh, scales.astype(np.int8).view(np.uint8),
+                           d.view(np.uint8).reshape(n, 2)], axis=1)
+
+
+def k_quant_from_parts(qtype: str, n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(block bytes, the float32 weights they encode), from random parts."""
+    d = rng.uniform(0.001, 0.01, n).astype(np.float16)
+    if qtype == "Q4_K":
+        dmin = rng.uniform(0.001, 0.01, n).astype(np.float16)
+        sc = rng.integers(0, 64, (n, 8), dtype=np.uint8)
+        mn = rng.integers(0, 64, (n, 8), dtype=np.uint8)
+        q = rng.integers(0, 16, (n, 256), dtype=np.uint8)
+        scale = (d.astype(np.float32)[:, None] * sc).repeat(32, axis=1)
+        offset = (dmin.astype(np.float32)[:, None] * mn).repeat(32, axis=1)
+        return pack_q4_k(d, dmin, sc, mn, q), scale * q.astype(np.float32) - offset
+    scales = rng.integers(-128, 128, (n, 16)).astype(np.int8)
+    q = rng.integers(-32, 32, (n, 256))
+    scale = (d.astype(np.float32)[:, None] * scales.astype(np.float32)).repeat(16, axis=1)
+    return pack_q6_k(d, scales, q), scale * q.astype(np.float32)
+
+
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 (cols a multiple of 256) -> Q4_K blocks (gguf-py has no quantizer
+    for it): per 32 weights a scale (max - min) / 15 and a minimum, each a 6-bit multiple of
+    its superblock's fp16 d or dmin (the largest / 63); weights rounded to the nearest step."""
+    b = a.reshape(-1, 8, 32).astype(np.float32)
+    low, high = np.minimum(b.min(-1), 0), np.maximum(b.max(-1), 0)
+    scale, minimum = (high - low) / 15, -low                                # [n, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minimum.max(-1) / 63).astype(np.float16)
+    sc = _steps(scale, d, 0, 63)
+    mn = _steps(minimum, dmin, 0, 63)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.round((b + offset[..., None]) / np.where(step == 0, 1, step)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 256)
+    return pack_q4_k(d, dmin, sc, mn, q).reshape(a.shape[0], -1)
+
+
+def quantize_q6_k(a: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 (cols a multiple of 256) -> Q6_K blocks: per 16 weights a scale
+    max |w| / 31, an int8 multiple of its superblock's fp16 d (the largest / 127)."""
+    b = a.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(b).max(-1) / 31                                          # [n, 16]
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = _steps(scale, d, -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = np.round(b / np.where(step == 0, 1, step)[..., None])
+    return pack_q6_k(d, sc, np.clip(q, -32, 31).astype(np.int64).reshape(-1, 256)) \
+        .reshape(a.shape[0], -1)
+
+
+def _steps(value: np.ndarray, unit: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """value [n, k] as integer multiples of unit [n] (fp16), clipped to [lo, hi]."""
+    u = unit.astype(np.float32)[:, None]
+    return np.clip(np.round(value / np.where(u == 0, 1, u)), lo, hi).astype(np.int64)
+
+
 def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
                tokenizer_meta: dict, qtype: str = "F32",
                raw: dict[str, np.ndarray] | None = None) -> str:
     """Write `state` (Hugging Face names, a model config dict) as GGUF arch `arch`, with 2-D
-    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL) and 1-D ones as
-    F32; `raw`
-    adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
+    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, Q4_K, Q6_K, or
+    Q4_K_M: like llama.cpp's mix, Q6_K for down_proj, the LM head and layer 0's v_proj, else
+    Q4_K) and
+    1-D ones as F32; `raw` adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
     import gguf
     from gguf.quants import quantize
 
-    kind = gguf.GGMLQuantizationType[qtype]
+    kind = gguf.GGMLQuantizationType[_tensor_type(qtype, "")]
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
     writer = gguf.GGUFWriter(path, arch)
@@ -111,7 +191,9 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
         elif kind in (gguf.GGMLQuantizationType.F16,):
             writer.add_tensor(gguf_name, a.astype(np.float16))
         else:
-            blocks = quantize_iq4_nl(a) if qtype == "IQ4_NL" else quantize(a, kind)
+            tensor_type = _tensor_type(qtype, name)
+            kind = gguf.GGMLQuantizationType[tensor_type]
+            blocks = QUANTIZERS.get(tensor_type, lambda a: quantize(a, kind))(a)
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
     for gguf_name, a in (raw or {}).items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
@@ -120,3 +202,14 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _tensor_type(qtype: str, name: str) -> str:
+    if qtype != "Q4_K_M":
+        return qtype
+    more_bits = name.endswith(("down_proj.weight", "lm_head.weight")) or \
+        name == "model.layers.0.self_attn.v_proj.weight"
+    return "Q6_K" if more_bits else "Q4_K"
+
+
+QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}

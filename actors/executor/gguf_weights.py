@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pagewire.gguf_header import GGML_TYPES, GGUFHeader, TensorInfo
+from pagewire.kernels import quant
 
 
 _LAYER_NAMES = {
@@ -182,31 +183,14 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:], 1, 16).float() + _f16(blocks, 2)
 
 
-def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """12 bytes of eight 6-bit scales and eight 6-bit mins -> two [n, 8] float32."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return sc.float(), mn.float()
-
-
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
-    sc, mn = _q4_k_scales(blocks[:, 4:16])
-    scale = (_f16(blocks, 0) * sc).reshape(n, 8, 1)
-    offset = (_f16(blocks, 2) * mn).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:], 4, 32).reshape(n, 8, 32).float()
-    return (scale * q - offset).reshape(n, 256)
+    scale, minimum, q = quant.q4_k_parts(blocks)
+    return (scale[..., None] * q.float() + minimum[..., None]).reshape(blocks.shape[0], 256)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
-    scale = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
-    low = _nibbles(blocks[:, :128], 2, 64).reshape(n, 8, 32)
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-    high = torch.cat([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
-    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (scale * q).reshape(n, 256)
+    scale, q = quant.q6_k_parts(blocks)
+    return (scale[..., None] * q.float()).reshape(blocks.shape[0], 256)
 
 
 _DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}

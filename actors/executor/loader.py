@@ -67,8 +67,8 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                    roundings: dict[int, str] | None = None) -> int:
-    """Give each Linear whose weight is blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0 or
-    IQ4_NL: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
+    """Give each Linear whose weight is blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL,
+    Q4_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
     quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
     up to `max_tokens` tokens; returns the bytes kept.
@@ -110,10 +110,11 @@ def _linear_blocks(info: ModelInfo, model) -> dict[str, tuple[int, torch.Tensor]
 def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, tuple[int, torch.Tensor]]:
     """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
     if info.format == "gguf":
-        return read_blocks(info.path, _gguf_header(info.path), names,
-                           {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.IQ4_NL},
-                           cfg.num_heads,
-                           cfg.num_kv_heads)
+        types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.IQ4_NL, *quant.K_QUANTS}
+        stored = read_blocks(info.path, _gguf_header(info.path), names, types, cfg.num_heads,
+                             cfg.num_kv_heads)
+        return {name: (t, quant.k_quant_blocks(t, raw) if t in quant.K_QUANTS else raw)
+                for name, (t, raw) in stored.items()}
     scheme = _hf_scheme(info.path)
     if scheme is None:
         return {}

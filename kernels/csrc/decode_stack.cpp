@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "quant_tiles.h"
 
 using bf16 = uint16_t;
 
@@ -42,30 +43,6 @@ void pw_decode_attention_q8_bf16(bf16*, const bf16*, const uint8_t*, const uint8
                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
                                  float, int64_t, float*);
-void pw_q4_1_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                        int64_t, int64_t);
-void pw_q4_1_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                         int64_t, int64_t);
-void pw_q8_0_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                        int64_t, int64_t);
-void pw_q8_0_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                         int64_t, int64_t);
-void pw_q4_1_i8_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                           int64_t, int64_t);
-void pw_q4_1_i8_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                            int64_t, int64_t);
-void pw_q8_0_i8_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                           int64_t, int64_t);
-void pw_q8_0_i8_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                            int64_t, int64_t);
-void pw_q4_1_i16_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                            int64_t, int64_t);
-void pw_q4_1_i16_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                             int64_t, int64_t);
-void pw_q8_0_i16_matmul_f32(float*, int64_t, const float*, int64_t, int64_t, const uint8_t*,
-                            int64_t, int64_t);
-void pw_q8_0_i16_matmul_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, const uint8_t*,
-                             int64_t, int64_t);
 void pw_lora_delta_f32(float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
                        const int64_t*, const int64_t*, int64_t, int64_t);
 void pw_lora_delta_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t,
@@ -96,11 +73,6 @@ int64_t arity(int64_t op) {
   }
 }
 
-// A linear's kernel: GGML type ids, and those tiles times activations rounded to int8 or
-// int16 (kernels/quant.py KINDS).
-constexpr int64_t kQ4_1 = 3, kQ8_0 = 8, kQ4_1_I8 = 103, kQ8_0_I8 = 108, kQ4_1_I16 = 203,
-                  kQ8_0_I16 = 208;
-
 // The kernels for one activation type, by name suffix (f32, bf16).
 template <typename T> struct Kernels;
 #define PW_KERNELS(type, sfx)                                                                \
@@ -111,12 +83,6 @@ template <typename T> struct Kernels;
     static constexpr auto attend = pw_decode_attention_##sfx;                                \
     static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
     static constexpr auto write_q8 = pw_write_kv_q8_##sfx;                                   \
-    static constexpr auto q4_1 = pw_q4_1_matmul_##sfx;                                       \
-    static constexpr auto q8_0 = pw_q8_0_matmul_##sfx;                                       \
-    static constexpr auto q4_1_i8 = pw_q4_1_i8_matmul_##sfx;                                 \
-    static constexpr auto q8_0_i8 = pw_q8_0_i8_matmul_##sfx;                                 \
-    static constexpr auto q4_1_i16 = pw_q4_1_i16_matmul_##sfx;                               \
-    static constexpr auto q8_0_i16 = pw_q8_0_i16_matmul_##sfx;                               \
     static constexpr auto lora = pw_lora_delta_##sfx;                                        \
   };
 PW_KERNELS(float, f32)
@@ -164,22 +130,12 @@ struct Machine {
     T* out = next();
     const auto* tiles = ptr<uint8_t>(o[0]);
     const int64_t n = o[2], k = o[3];
-    kernel_of(o[1])(out, n, cur, k, tokens, tiles, n, k);
+    // o[1]: the weight's kind, one of kernels/quant.py KINDS (fused_decode.py encodes no other)
+    pw::quant_matmul<T>(o[1])(out, n, cur, k, tokens, tiles, n, k);
     if (o[4]) add_bias(out, ptr<T>(o[4]), n);
     if (lora_table && o[5] >= 0)
       Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[5], lora_slots);
     cur = out, width = n;
-  }
-
-  static auto kernel_of(int64_t kind) {
-    switch (kind) {
-      case kQ4_1: return Kernels<T>::q4_1;
-      case kQ4_1_I8: return Kernels<T>::q4_1_i8;
-      case kQ8_0_I8: return Kernels<T>::q8_0_i8;
-      case kQ4_1_I16: return Kernels<T>::q4_1_i16;
-      case kQ8_0_I16: return Kernels<T>::q8_0_i16;
-      default: return Kernels<T>::q8_0;     // kQ8_0: fused_decode.py encodes only KINDS
-    }
   }
 
   // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.

@@ -1,6 +1,7 @@
 // The quantized matmuls (quant_kernels.cpp) on CPUs without a bfloat16 dot product: AVX2 +
-// FMA + F16C, the x86-64 baseline (also built into the AVX-512 tier). Same tiles, same
-// contract: each weight's exact value (d * q + m, d * q) times the activations in float32.
+// FMA + F16C, the x86-64 baseline (also built into the AVX-512 tier). Same tiles
+// (quant_tiles.h), same contract: each weight's exact value (d * q + m, d * q) times the
+// activations in float32.
 //
 // A 16-row tile is read as two 8-row halves, a float32 lane per output row: the nibbles or
 // bytes of 8 rows widen to int32 lanes, convert exactly to float32 and multiply a broadcast
@@ -20,10 +21,11 @@
 #include <vector>
 
 #include "bf16.h"
+#include "quant_tiles.h"
 
 namespace pw::avx2 {
 
-constexpr int64_t kRows = 16, kQ4Tile = 320, kQ8Tile = 544;
+constexpr int64_t kRows = 16;
 constexpr int kMaxBatch = 4;      // tokens per pass over the weights (16 ymm registers)
 
 // x in float32 [T][K] and, for Q4_1's minimum, its sums over each 32-column block [T][K/32].
@@ -50,29 +52,26 @@ inline void store8(bf16* out, __m256 v) {
   for (int i = 0; i < 8; ++i) from_float(f[i], out + i);
 }
 
-inline __m256 fp16x8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Q4_1. Byte [j][l][p] of a tile holds columns 2j + p (low nibble) and 2j + 16 + p (high) of
-// row l, so row l's 16-bit word at step j carries four columns: bits 0-3 (2j), 8-11 (2j + 1),
-// 4-7 (2j + 16), 12-15 (2j + 17). Half `half` is rows 8 half .. 8 half + 7 (tile group
-// half / 2); each of the M tokens keeps two sums a block (columns < 16 and >= 16).
-template <int M, typename Out>
-void q4_1_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
-               int64_t K, int64_t half) {
+// Q4 tiles (Q4_1, Q4_K). Byte [j][l][p] of a tile holds columns 2j + p (low nibble) and
+// 2j + 16 + p (high) of row l, so row l's 16-bit word at step j carries four columns: bits
+// 0-3 (2j), 8-11 (2j + 1), 4-7 (2j + 16), 12-15 (2j + 17). Half `half` is rows 8 half ..
+// 8 half + 7 (tile group half / 2); each of the M tokens keeps two sums a block (columns < 16
+// and >= 16).
+template <int M, typename Tile, typename Out>
+void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
+             int64_t K, int64_t half) {
   const int64_t nb = K / 32;
   const __m256i nibble = _mm256_set1_epi32(0xF);
-  const uint8_t* tiles = packed + (half / 2) * nb * kQ4Tile + 16 * (half % 2);
+  const uint8_t* tiles = packed + (half / 2) * nb * Tile::kBytes;
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * kQ4Tile;
+    const uint8_t* tile = tiles + b * Tile::kBytes;
     __m256 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_cvtepu16_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j)));
+      const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(tile + 32 * j + 16 * (half % 2))));
       const __m256 c0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, nibble));
       const __m256 c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), nibble));
       const __m256 c16 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), nibble));
@@ -86,7 +85,7 @@ void q4_1_half(Out* out, int64_t os, const float* x, const float* sums, const ui
       }
     }
     // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
-    const __m256 d = fp16x8(tile + 256), mn = fp16x8(tile + 288);   // this half's 8 rows
+    const __m256 d = Tile::scales8(tile, 0, half % 2), mn = Tile::scales8(tile, 1, half % 2);
     for (int m = 0; m < M; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
       acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
@@ -95,64 +94,73 @@ void q4_1_half(Out* out, int64_t os, const float* x, const float* sums, const ui
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Q8_0: byte [k][l] of a tile is column k of row l; even and odd columns sum apart.
-template <int M, typename Out>
-void q8_0_half(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_t K,
-               int64_t half) {
+// Q8 tiles (Q8_0, Q6_K): byte [k][l] of a tile is column k of row l. Two chains a token: even
+// and odd columns under one scale (Q8_0), or columns < 16 and >= 16 under their own (Q6_K).
+template <int M, typename Tile, typename Out>
+void q8_half(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_t K,
+             int64_t half) {
+  constexpr bool kSplit = Tile::kSplits == 2;
   const int64_t nb = K / 32;
-  const uint8_t* tiles = packed + (half / 2) * nb * kQ8Tile + 8 * (half % 2);
+  const uint8_t* tiles = packed + (half / 2) * nb * Tile::kBytes;
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * kQ8Tile;
-    __m256 even[M], odd[M];
-    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
-    for (int k = 0; k < 32; k += 2) {
+    const uint8_t* tile = tiles + b * Tile::kBytes;
+    __m256 first[M], second[M];
+    for (int m = 0; m < M; ++m) first[m] = second[m] = _mm256_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
+      const uint8_t* rows = tile + 8 * (half % 2);
       const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 16 * k))));
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + 16 * k0))));
       const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 16 * k + 16))));
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + 16 * k1))));
       for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * 32 + k;
-        even[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb), even[m]);
-        odd[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + 1), odd[m]);
+        const float* xb = x + m * K + b * 32;
+        first[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb + k0), first[m]);
+        second[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + k1), second[m]);
       }
     }
-    const __m256 d = fp16x8(tile + 512 + 8 * (half % 2));   // d[16] at 512 of the group's tile
-    for (int m = 0; m < M; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(even[m], odd[m]), d, acc[m]);
+    const __m256 d0 = Tile::scales8(tile, 0, half % 2);
+    if constexpr (kSplit) {
+      const __m256 d1 = Tile::scales8(tile, 1, half % 2);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(second[m], d1, _mm256_fmadd_ps(first[m], d0, acc[m]));
+    } else {
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_add_ps(first[m], second[m]), d0, acc[m]);
+    }
   }
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
 // M tokens over every 8-row half, one half a work item.
-template <int M, typename Out>
+template <int M, typename Tile, typename Out>
 void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
-          int64_t N, bool q4) {
+          int64_t N) {
   const float* x = a.xf.data() + t * a.K;
-  const float* sums = q4 ? a.sums.data() + t * (a.K / 32) : nullptr;
   at::parallel_for(0, N / 8, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t half = h0; half < h1; ++half) {
-      if (q4)
-        q4_1_half<M>(out, os, x, sums, packed, a.K, half);
+      if constexpr (Tile::kQ4)
+        q4_half<M, Tile>(out, os, x, a.sums.data() + t * (a.K / 32), packed, a.K, half);
       else
-        q8_0_half<M>(out, os, x, packed, a.K, half);
+        q8_half<M, Tile>(out, os, x, packed, a.K, half);
     }
   });
 }
 
 // out [T, N] = x [T, K] @ W^T from the packed tiles (N a multiple of 16, K of 32).
-template <typename T>
+template <typename Tile, typename T>
 void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
-            const uint8_t* packed, int64_t N, int64_t K, bool q4) {
-  const Activations a(x, x_stride, tokens, K, q4);
+            const uint8_t* packed, int64_t N, int64_t K) {
+  const Activations a(x, x_stride, tokens, K, Tile::kQ4);
   for (int64_t t = 0; t < tokens; t += kMaxBatch) {
     T* o = out + t * out_stride;
     switch (std::min<int64_t>(kMaxBatch, tokens - t)) {
-      case 1: pass<1>(o, out_stride, a, t, packed, N, q4); break;
-      case 2: pass<2>(o, out_stride, a, t, packed, N, q4); break;
-      case 3: pass<3>(o, out_stride, a, t, packed, N, q4); break;
-      default: pass<4>(o, out_stride, a, t, packed, N, q4); break;
+      case 1: pass<1, Tile>(o, out_stride, a, t, packed, N); break;
+      case 2: pass<2, Tile>(o, out_stride, a, t, packed, N); break;
+      case 3: pass<3, Tile>(o, out_stride, a, t, packed, N); break;
+      default: pass<4, Tile>(o, out_stride, a, t, packed, N); break;
     }
   }
 }
@@ -226,17 +234,17 @@ inline __m256i widen_half(__m256i v, int half) {   // int16 lanes 8 half .. 8 ha
   return _mm256_cvtepi16_epi32(half ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
 }
 
-// Tile groups [g0, g1) (16 rows each) for M tokens starting at token t.
-template <int M, int P, typename Out>
-void q4_1_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
-                     const uint8_t* packed, int64_t g0, int64_t g1) {
+// Tile groups [g0, g1) (16 rows each) of Q4 tiles for M tokens starting at token t.
+template <int M, int P, typename Tile, typename Out>
+void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
+                   const uint8_t* packed, int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * kQ4Tile;
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += kQ4Tile) {
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
       __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
       for (int m = 0; m < M; ++m)
         for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
@@ -253,7 +261,7 @@ void q4_1_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t
           }
       }
       for (int half = 0; half < 2; ++half) {
-        const __m256 d = fp16x8(tile + 256 + 16 * half), mn = fp16x8(tile + 288 + 16 * half);
+        const __m256 d = Tile::scales8(tile, 0, half), mn = Tile::scales8(tile, 1, half);
         for (int m = 0; m < M; ++m) {
           __m256i planes[P];
           for (int p = 0; p < P; ++p)
@@ -272,133 +280,136 @@ void q4_1_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t
   }
 }
 
-// Q8_0 tiles for integer activations (kernels/quant.py packs them so when asked): byte
-// [j][l][c] is column 4j + c of row l (a row's four columns adjacent), then d[16] fp16.
-constexpr int64_t kQ8QuadTile = 544;
-
-// Q8_0 times int16 activations, the same quad tiles: a half's 32 bytes (8 rows x 4 columns)
-// widen to int16 as two registers of 4 rows, two 32-bit lanes a row (columns 4j, 4j + 1 and
-// 4j + 2, 4j + 3), and vpmaddwd multiplies them by the token's four activations (a broadcast
-// 64-bit word): 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a
-// row's two lanes at the block's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
-template <int M, typename Out>
-void q8_0_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
-                     const uint8_t* packed, int64_t g0, int64_t g1) {
+// Q8 tiles for integer activations (kernels/quant.py packs them so when asked): byte
+// [j][l][c] is column 4j + c of row l (a row's four columns adjacent), then the scales. A
+// block's steps j split evenly among its scale arrays (Q6_K: j < 4 under the first).
+//
+// Times int16 activations: a half's 32 bytes (8 rows x 4 columns) widen to int16 as two
+// registers of 4 rows, two 32-bit lanes a row (columns 4j, 4j + 1 and 4j + 2, 4j + 3), and
+// vpmaddwd multiplies them by the token's four activations (a broadcast 64-bit word):
+// 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a row's two lanes
+// at a split's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
+template <int M, typename Tile, typename Out>
+void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
+                   const uint8_t* packed, int64_t g0, int64_t g1) {
+  constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int64_t g = g0; g < g1; ++g)
     for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
-      const uint8_t* tile = packed + g * nb * kQ8QuadTile + 32 * h;
+      const uint8_t* tile = packed + g * nb * Tile::kBytes;
       __m256 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b, tile += kQ8QuadTile) {
-        __m256i sum[M][2];            // [token][rows 0-3, rows 4-7]
-        for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+      for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes)
+        for (int s = 0; s < Tile::kSplits; ++s) {
+          __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
+          for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m256i w0 = _mm256_cvtepi8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 64 * j)));
-          const __m256i w1 = _mm256_cvtepi8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 64 * j + 16)));
+          for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
+            const uint8_t* w = tile + 64 * j + 32 * h;
+            const __m256i w0 = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+            for (int m = 0; m < M; ++m) {
+              int64_t quad;
+              std::memcpy(&quad, a.whole.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
+              const __m256i xq = _mm256_set1_epi64x(quad);
+              sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
+              sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
+            }
+          }
+          const __m256 d = Tile::scales8(tile, s, h);
           for (int m = 0; m < M; ++m) {
-            int64_t quad;
-            std::memcpy(&quad, a.whole.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
-            const __m256i xq = _mm256_set1_epi64x(quad);
-            sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
-            sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
+            const __m256i rows = _mm256_permutevar8x32_epi32(
+                _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
+            const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d, acc[m]);
           }
         }
-        const __m256 d = fp16x8(tile - 32 * h + 512 + 16 * h);
-        for (int m = 0; m < M; ++m) {
-          const __m256i rows = _mm256_permutevar8x32_epi32(
-              _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
-          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d, acc[m]);
-        }
-      }
       for (int m = 0; m < M; ++m) store8(out + m * os + g * kRows + 8 * h, acc[m]);
     }
 }
 
-// Q8_0 times int8 activations: vpmaddubsw wants unsigned times signed: |w| times x with w's
-// sign, two products a lane (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an
-// int32 lane per row.
-template <int M, typename Out>
-void q8_0_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
-                    const uint8_t* packed, int64_t g0, int64_t g1) {
+// Times int8 activations: vpmaddubsw wants unsigned times signed: |w| times x with w's sign,
+// two products a lane (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an int32
+// lane per row.
+template <int M, typename Tile, typename Out>
+void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
+                  const uint8_t* packed, int64_t g0, int64_t g1) {
+  constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * kQ8QuadTile;
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += kQ8QuadTile) {
-      __m256i sum[M][2];
-      for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes)
+      for (int s = 0; s < Tile::kSplits; ++s) {
+        __m256i sum[M][2];
+        for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j)
+        for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
+          for (int half = 0; half < 2; ++half) {
+            const __m256i w = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
+            const __m256i w_abs = _mm256_abs_epi8(w);
+            for (int m = 0; m < M; ++m) {
+              int32_t quad;
+              std::memcpy(&quad, a.plane(t + m, 0) + b * 32 + 4 * j, 4);
+              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w);
+              sum[m][half] = _mm256_add_epi32(
+                  sum[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+            }
+          }
         for (int half = 0; half < 2; ++half) {
-          const __m256i w = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
-          const __m256i w_abs = _mm256_abs_epi8(w);
+          const __m256 d = Tile::scales8(tile, s, half);
           for (int m = 0; m < M; ++m) {
-            int32_t quad;
-            std::memcpy(&quad, a.plane(t + m, 0) + b * 32 + 4 * j, 4);
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w);
-            sum[m][half] = _mm256_add_epi32(
-                sum[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+            const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+            const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);
+            acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[m][half]);
           }
         }
-      for (int half = 0; half < 2; ++half) {
-        const __m256 d = fp16x8(tile + 512 + 16 * half);
-        for (int m = 0; m < M; ++m) {
-          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-          const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);
-          acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[m][half]);
-        }
       }
-    }
     for (int m = 0; m < M; ++m)
       for (int half = 0; half < 2; ++half)
         store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
   }
 }
 
+// M tokens of one tile format's groups: Q4 tiles keep P planes' sums a token in registers.
+template <int M, int P, typename Tile, typename T> struct IntGroups {
+  static constexpr int kBatch = Tile::kQ4 ? kMaxBatch / P : kMaxBatch;
+  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
+                  int64_t g0, int64_t g1) {
+    if constexpr (Tile::kQ4)
+      q4_int_groups<M, P, Tile>(o, os, a, t, p, g0, g1);
+    else if constexpr (P == 2)
+      q8_i16_groups<M, Tile>(o, os, a, t, p, g0, g1);
+    else
+      q8_i8_groups<M, Tile>(o, os, a, t, p, g0, g1);
+  }
+};
+
 // out [T, N] = x [T, K] @ W^T with x rounded to P int8 planes per block (N a multiple of 16,
-// K of 32), Groups::kBatch tokens a pass (as many as keep the sums in registers).
-template <int P, template <int, int, typename> class Groups, typename T>
+// K of 32), kBatch tokens a pass (as many as keep the sums in registers).
+template <int P, typename Tile, typename T>
 void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                 const uint8_t* packed, int64_t N, int64_t K) {
-  constexpr int kBatch = Groups<1, P, T>::kBatch;
+  constexpr int kBatch = IntGroups<1, P, Tile, T>::kBatch;
   const IntActivations<P> a(x, x_stride, tokens, K);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
     const int64_t m = std::min<int64_t>(kBatch, tokens - t);
     at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
       switch (m) {
-        case 1: Groups<1, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 2: Groups<2, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 3: Groups<3, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        default: Groups<4, P, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 1: IntGroups<1, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 2: IntGroups<2, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        case 3: IntGroups<3, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
+        default: IntGroups<4, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
       }
     });
   }
 }
-
-template <int M, int P, typename T> struct Q4_1_Int {
-  static constexpr int kBatch = kMaxBatch / P;
-  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
-                  int64_t g0, int64_t g1) { q4_1_int_groups<M>(o, os, a, t, p, g0, g1); }
-};
-template <int M, int P, typename T> struct Q8_0_Int {
-  static constexpr int kBatch = kMaxBatch;
-  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
-                  int64_t g0, int64_t g1) {
-    if constexpr (P == 2)
-      q8_0_i16_groups<M>(o, os, a, t, p, g0, g1);
-    else
-      q8_0_i8_groups<M>(o, os, a, t, p, g0, g1);
-  }
-};
 
 }  // namespace pw::avx2

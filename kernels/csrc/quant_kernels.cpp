@@ -1,16 +1,15 @@
-// Matrix-vector products with GGUF-quantized weights (Q4_1, Q8_0) for small batches,
+// Matrix-vector products with GGUF-quantized weights (Q4_1, Q4_K, Q8_0, Q6_K) for small batches,
 // reading the weights in their quantized form: at batch 1 a step is bound by the bytes of
 // weights read, and Q4_1 is 0.625 bytes a weight against bfloat16's 2.
 //
 // The values are exactly the file's: each weight is d * q + m (Q4_1) or d * q (Q8_0) with
 // its fp16 d and m, as dequantization gives; only the order of the float32 sums differs.
 //
-// Layout (kernels/quant.py packs it once at load): output rows in groups of 16, one tile per
-// (group, 32-column block). A SIMD lane owns an output row, so a tile's products land in the
-// 16 lanes of one register and no horizontal sums are needed.
-//   Q4_1 tile, 320 bytes: nibbles[8][16][2] (byte [j][l][p] = the file's qs[2j + p] of row l:
-//     low nibble column 2j + p, high nibble column 2j + 16 + p), d[16] fp16, m[16] fp16.
-//   Q8_0 tile, 544 bytes: q[32][16] int8 (byte [k][l] = column k of row l), d[16] fp16.
+// Layout (kernels/quant.py packs it once at load; quant_tiles.h): output rows in groups of
+// 16, one tile per (group, 32-column block). A SIMD lane owns an output row, so a tile's
+// products land in the 16 lanes of one register and no horizontal sums are needed. In Q4
+// tiles byte [j][l][p] is the file's qs[2j + p] of row l (low nibble column 2j + p, high
+// nibble column 2j + 16 + p); in Q8 tiles byte [k][l] is column k of row l.
 // Built into the same library as cpu_kernels.cpp (kernels/native.py). Tiers without
 // AVX512-BF16 multiply the same tiles with quant_avx2.h's kernels.
 #include <ATen/Parallel.h>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "quant_tiles.h"
 #if defined(__AVX2__)
 #include "quant_avx2.h"    // the exact kernels below AVX512-BF16; int8 and int16 on every tier
 #endif
@@ -33,8 +33,6 @@ using pw::bf16;
 using pw::from_float;
 using pw::to_float;
 constexpr int64_t kRows = 16;     // output rows per group (one zmm of float32 lanes)
-constexpr int64_t kQ4Tile = 320;
-constexpr int64_t kQ8Tile = 544;
 constexpr int kMaxBatch = 8;
 
 #if defined(__AVX512BF16__)
@@ -72,11 +70,11 @@ inline bf16 to_bf16(float x) {
 
 // The activations as the kernels read them, for T tokens of K columns; each kernel has only
 // its own form built (`use`):
-//   kParts (Q4_1): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
+//   kParts (Q4 tiles): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
 //     bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
 //     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
 //     and sums[t][b], the float32 sum of x over block b (Q4_1's minimum multiplies it);
-//   kFloat (Q8_0): xf[t][k], x in float32 (Q8_0 converts its weights to float32 instead).
+//   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead).
 enum Use { kParts, kFloat };
 
 struct Activations {
@@ -108,17 +106,18 @@ struct Activations {
   }
 };
 
-// Output groups [g0, g1) for M tokens (rows `stride` apart in parts, sums, out) with P parts.
-template <int M, int P, typename Out>
-void q4_1_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
-                 int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
-                 int64_t g0, int64_t g1) {
+// Output groups [g0, g1) of Q4 tiles for M tokens (rows `stride` apart in parts, sums, out)
+// with P parts.
+template <int M, int P, typename Tile, typename Out>
+void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
+               int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
+               int64_t g0, int64_t g1) {
   const __m512i table = nibble_table();
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * kQ4Tile;
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += kQ4Tile) {
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
       __m512 lo_sum[M], hi_sum[M];
       for (int m = 0; m < M; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_ps();
       for (int j = 0; j < 8; ++j) {
@@ -133,10 +132,7 @@ void q4_1_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
             hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)bcast_pair(xb + 16));
           }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(tile + 256)));
-      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(tile + 288)));
+      const __m512 d = Tile::scales16(tile, 0), mn = Tile::scales16(tile, 1);
       for (int m = 0; m < M; ++m) {   // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), d, acc[m]);
         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m * nb + b]), acc[m]);
@@ -146,77 +142,81 @@ void q4_1_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
   }
 }
 
-template <int M, typename Out>
-void q8_0_groups(Out* out, int64_t out_stride, const float* xf, int64_t K,
-                 const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+// Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
+// columns under one scale (Q8_0), or columns < 16 and >= 16 under their own (Q6_K).
+template <int M, typename Tile, typename Out>
+void q8_groups(Out* out, int64_t out_stride, const float* xf, int64_t K,
+               const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+  constexpr bool kSplit = Tile::kSplits == 2;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * kQ8Tile;
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += kQ8Tile) {
-      __m512 even[M], odd[M];     // two chains: FMA latency, not throughput, would bound one
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-      for (int k = 0; k < 32; k += 2) {
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+      __m512 first[M], second[M];
+      for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) {
+        const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
         const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k))));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k0))));
         const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k + 16))));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k1))));
         for (int m = 0; m < M; ++m) {
-          const float* xb = xf + m * K + b * 32 + k;
-          even[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[0]), even[m]);
-          odd[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[1]), odd[m]);
+          const float* xb = xf + m * K + b * 32;
+          first[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[k0]), first[m]);
+          second[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[k1]), second[m]);
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(tile + 512)));
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), d, acc[m]);
+      const __m512 d0 = Tile::scales16(tile, 0);
+      if constexpr (kSplit) {
+        const __m512 d1 = Tile::scales16(tile, 1);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
+      } else {
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
+      }
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
 }
 
-// One chunk of up to kMaxBatch tokens: its weights are unpacked once for all of them.
-template <int M, typename Out>
-struct Q4_1 {
-  static void run(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
-                  int64_t groups) {
-    const int64_t nb = a.K / 32;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+// One chunk of up to kMaxBatch tokens of one tile format: its weights are unpacked once for
+// all of them.
+template <int M, typename Tile, typename Out>
+void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
+           int64_t groups) {
+  const int64_t nb = a.K / 32;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    if constexpr (Tile::kQ4) {
       const bf16* x = a.parts.data() + t * a.K;
       const float* sums = a.sums.data() + t * nb;
       if (a.P == 1)
-        q4_1_groups<M, 1>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+        q4_groups<M, 1, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
       else
-        q4_1_groups<M, 3>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
-    });
-  }
-};
+        q4_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+    } else {
+      q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, a.K, packed, nb, g0, g1);
+    }
+  });
+}
 
-template <int M, typename Out>
-struct Q8_0 {
-  static void run(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
-                  int64_t groups) {
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      q8_0_groups<M>(out, os, a.xf.data() + t * a.K, a.K, packed, a.K / 32, g0, g1);
-    });
-  }
-};
-
-template <template <int, typename> class Kernel, typename Out>
-void matmul(Out* out, int64_t out_stride, const Activations& a, const uint8_t* packed,
-            int64_t N) {
+template <typename Tile, typename Out>
+void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
+            const uint8_t* packed, int64_t N, int64_t K) {
+  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
+    const int64_t g = N / kRows;
     switch (std::min<int64_t>(kMaxBatch, a.T - t)) {
-      case 1: Kernel<1, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 2: Kernel<2, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 3: Kernel<3, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 4: Kernel<4, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 5: Kernel<5, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 6: Kernel<6, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      case 7: Kernel<7, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
-      default: Kernel<8, Out>::run(o, out_stride, a, t, packed, N / kRows); break;
+      case 1: chunk<1, Tile>(o, out_stride, a, t, packed, g); break;
+      case 2: chunk<2, Tile>(o, out_stride, a, t, packed, g); break;
+      case 3: chunk<3, Tile>(o, out_stride, a, t, packed, g); break;
+      case 4: chunk<4, Tile>(o, out_stride, a, t, packed, g); break;
+      case 5: chunk<5, Tile>(o, out_stride, a, t, packed, g); break;
+      case 6: chunk<6, Tile>(o, out_stride, a, t, packed, g); break;
+      case 7: chunk<7, Tile>(o, out_stride, a, t, packed, g); break;
+      default: chunk<8, Tile>(o, out_stride, a, t, packed, g); break;
     }
   }
 }
@@ -225,52 +225,61 @@ void matmul(Out* out, int64_t out_stride, const Activations& a, const uint8_t* p
 
 }  // namespace
 
+namespace pw {
+
+// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14), plus 100 for int8 or 200 for
+// int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
+// CPU has it, else AVX2's; the integer ones AVX2's on every tier.
+template <typename T>
+QuantMatmul<T> quant_matmul(int64_t kind) {
+#if defined(__AVX512BF16__)
+  switch (kind) {
+    case 3: return matmul<Q4_1Tile, T>;
+    case 8: return matmul<Q8_0Tile, T>;
+    case 12: return matmul<Q4_KTile, T>;
+    case 14: return matmul<Q6_KTile, T>;
+  }
+#elif defined(__AVX2__)
+  switch (kind) {
+    case 3: return avx2::matmul<Q4_1Tile, T>;
+    case 8: return avx2::matmul<Q8_0Tile, T>;
+    case 12: return avx2::matmul<Q4_KTile, T>;
+    case 14: return avx2::matmul<Q6_KTile, T>;
+  }
+#endif
+#if defined(__AVX2__)
+  switch (kind) {
+    case 103: return avx2::matmul_int<1, Q4_1Tile, T>;
+    case 108: return avx2::matmul_int<1, Q8_0Tile, T>;
+    case 112: return avx2::matmul_int<1, Q4_KTile, T>;
+    case 114: return avx2::matmul_int<1, Q6_KTile, T>;
+    case 203: return avx2::matmul_int<2, Q4_1Tile, T>;
+    case 208: return avx2::matmul_int<2, Q8_0Tile, T>;
+    case 212: return avx2::matmul_int<2, Q4_KTile, T>;
+    case 214: return avx2::matmul_int<2, Q6_KTile, T>;
+  }
+#endif
+  return nullptr;
+}
+
+template QuantMatmul<float> quant_matmul<float>(int64_t);
+template QuantMatmul<bf16> quant_matmul<bf16>(int64_t);
+
+}  // namespace pw
+
 extern "C" {
 
 // out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
-// out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32).
-#if defined(__AVX512BF16__)
-#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
-  void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,        \
-            const uint8_t* packed, int64_t N, int64_t K) {                                    \
-    matmul<kernel>(out, out_stride, Activations(x, x_stride, T, K, use), packed, N);          \
+// out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32) as `kind`
+// (kernels/quant.py checks it is one this build has: pw_quant_matmuls).
+#define PW_QUANT_MATMUL(type, sfx)                                                           \
+  void pw_quant_matmul_##sfx(int64_t kind, type* out, int64_t out_stride, const type* x,     \
+                             int64_t x_stride, int64_t T, const uint8_t* packed, int64_t N,  \
+                             int64_t K) {                                                    \
+    pw::quant_matmul<type>(kind)(out, out_stride, x, x_stride, T, packed, N, K);             \
   }
-#elif defined(__AVX2__)
-#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
-  void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,        \
-            const uint8_t* packed, int64_t N, int64_t K) {                                    \
-    pw::avx2::matmul(out, out_stride, x, x_stride, T, packed, N, K, q4);                     \
-  }
-#else
-#define PW_QUANT_MATMUL(name, kernel, type, use, q4)                                        \
-  void name(type*, int64_t, const type*, int64_t, int64_t, const uint8_t*, int64_t, int64_t) {}
-#endif
-PW_QUANT_MATMUL(pw_q4_1_matmul_bf16, Q4_1, bf16, kParts, true)
-PW_QUANT_MATMUL(pw_q4_1_matmul_f32, Q4_1, float, kParts, true)
-PW_QUANT_MATMUL(pw_q8_0_matmul_bf16, Q8_0, bf16, kFloat, false)
-PW_QUANT_MATMUL(pw_q8_0_matmul_f32, Q8_0, float, kFloat, false)
-
-// Q4_1 and Q8_0 tiles times activations rounded to P int8 planes (quant_avx2.h): int8
-// (P = 1) and int16 (P = 2), on every tier.
-#if defined(__AVX2__)
-#define PW_INT_MATMUL(name, kernel, planes, type)                                          \
-  void name(type* out, int64_t out_stride, const type* x, int64_t x_stride, int64_t T,       \
-            const uint8_t* packed, int64_t N, int64_t K) {                                   \
-    pw::avx2::matmul_int<planes, pw::avx2::kernel>(out, out_stride, x, x_stride, T, packed,  \
-                                                   N, K);                                    \
-  }
-#else
-#define PW_INT_MATMUL(name, kernel, planes, type)                                          \
-  void name(type*, int64_t, const type*, int64_t, int64_t, const uint8_t*, int64_t, int64_t) {}
-#endif
-PW_INT_MATMUL(pw_q4_1_i8_matmul_bf16, Q4_1_Int, 1, bf16)
-PW_INT_MATMUL(pw_q4_1_i8_matmul_f32, Q4_1_Int, 1, float)
-PW_INT_MATMUL(pw_q8_0_i8_matmul_bf16, Q8_0_Int, 1, bf16)
-PW_INT_MATMUL(pw_q8_0_i8_matmul_f32, Q8_0_Int, 1, float)
-PW_INT_MATMUL(pw_q4_1_i16_matmul_bf16, Q4_1_Int, 2, bf16)
-PW_INT_MATMUL(pw_q4_1_i16_matmul_f32, Q4_1_Int, 2, float)
-PW_INT_MATMUL(pw_q8_0_i16_matmul_bf16, Q8_0_Int, 2, bf16)
-PW_INT_MATMUL(pw_q8_0_i16_matmul_f32, Q8_0_Int, 2, float)
+PW_QUANT_MATMUL(float, f32)
+PW_QUANT_MATMUL(bf16, bf16)
 
 // Whether this build has the quantized matmuls (every tier from AVX2 up).
 int64_t pw_quant_matmuls() {

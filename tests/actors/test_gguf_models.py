@@ -56,19 +56,24 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
     return write_gguf(out, "llama", state, cfg, meta, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL", "Q4_K_M"])
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
     a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
     file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0 and IQ4_NL as
-    Q8_0 blocks of the same values; prefill their dequantized copies."""
+    Q8_0 blocks of the same values, Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
+    values; prefill their dequantized copies."""
     from transformers import AutoModelForCausalLM
-    path = _gguf_from_hf_dir(tiny_llama("gqa2-d128"), str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
+    hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)      # K-quants: 256-weight rows
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256)
-    quantized = [m.quantized is not None for m in llm.runner.model.modules()
-                 if isinstance(m, Linear)]
-    assert quantized == [qtype != "F32"] * (4 * 2 + 1), quantized   # 4 a layer + LM head
+    kinds = [m.quantized.kind % 100 if m.quantized else None
+             for m in llm.runner.model.modules() if isinstance(m, Linear)]
+    if qtype == "Q4_K_M":   # layer 0's qkv mixes Q4_K and Q6_K sources: its float copy serves
+        assert kinds == [None, 12, 12, 14, 12, 12, 12, 14, 14], kinds
+    else:                   # qkv, o, gate_up, down a layer, then the LM head
+        assert [k is not None for k in kinds] == [qtype != "F32"] * (4 * 2 + 1), kinds
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
                                                            dtype=torch.float32))
     rng = random.Random(5)

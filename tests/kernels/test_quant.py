@@ -11,15 +11,32 @@ from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
 
 gguf = pytest.importorskip("gguf")
-TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0}
+TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q4_K": quant.Q4_K,
+         "Q6_K": quant.Q6_K}
+ALL = sorted(TYPES)
+# The tile type each multiplies as (Q4_0 as Q4_1 blocks)
+TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q4_K": quant.Q4_K,
+        "Q6_K": quant.Q6_K}
 
 
 def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the file's blocks uint8 [rows, bytes], their dequantized float64 values [rows, cols])."""
+    """(32-weight blocks uint8 [rows, bytes] as pack() takes them: the file's, or for the
+    K-quants k_quant_blocks' of the file's; gguf-py's dequantization of the file's blocks,
+    float64 [rows, cols])."""
+    from tests.gguf_writer import QUANTIZERS
     kind = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(w.astype(np.float32), kind)
+    w = w.astype(np.float32)
+    raw = QUANTIZERS[qtype](w) if qtype in QUANTIZERS else gguf.quants.quantize(w, kind)
     values = gguf.quants.dequantize(raw, kind).astype(np.float64)
-    return torch.from_numpy(raw.copy()), torch.from_numpy(values)
+    raw = torch.from_numpy(raw.copy())
+    if kind in (kind.Q4_K, kind.Q6_K):
+        raw = quant.k_quant_blocks(int(kind), raw)
+    return raw, torch.from_numpy(values)
+
+
+def cols_of(qtype: str, cols: int) -> int:
+    """`cols`, or the K-quants' nearest whole superblocks (256 weights)."""
+    return max(256, cols // 256 * 256) if TYPES[qtype] in quant.K_QUANTS else cols
 
 
 def test_q4_1_tile_layout(native_lib):
@@ -66,28 +83,30 @@ def test_q5_0_and_iq4_nl_blocks_become_q8_0_blocks_of_the_same_values():
     assert np.abs(back - w).max() <= np.abs(w).max() / 127 * 12
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ALL)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])   # 13: a chunk of 8, then one of 5
 def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
     """float32 activations keep float32's precision: the error stays within the worst-case
     rounding bound of a float32 sum of K products (K * 2^-24 of the sum of magnitudes)."""
     rng = np.random.default_rng(tokens)
-    raw, w = blocks_of(rng.standard_normal((48, 96)) * 0.1, qtype)
-    x = torch.from_numpy(rng.standard_normal((tokens, 96)).astype(np.float32))
-    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 96, native_lib))
+    cols = cols_of(qtype, 96)
+    raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32))
+    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, cols, native_lib))
     ref = x.double() @ w.T
-    bound = (x.double().abs() @ w.abs().T) * 96 * 2.0 ** -24
+    bound = (x.double().abs() @ w.abs().T) * cols * 2.0 ** -24
     assert out.dtype == torch.float32 and out.shape == (tokens, 48)
     assert ((out.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ALL)
 def test_bfloat16_products_are_rounded_exact_sums(native_lib, qtype):
     """bfloat16 activations times the exact weights, summed in float32, rounded once."""
     rng = np.random.default_rng(1)
-    raw, w = blocks_of(rng.standard_normal((64, 576)) * 0.1, qtype)
-    x = torch.from_numpy(rng.standard_normal((5, 576)).astype(np.float32)).bfloat16()
-    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, 576, native_lib))
+    cols = cols_of(qtype, 576)
+    raw, w = blocks_of(rng.standard_normal((64, cols)) * 0.1, qtype)
+    x = torch.from_numpy(rng.standard_normal((5, cols)).astype(np.float32)).bfloat16()
+    out = quant.matmul(x, quant.pack(TYPES[qtype], raw, cols, native_lib))
     ref = x.double() @ w.T
     bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.abs().T) * 1e-6
     assert out.dtype == torch.bfloat16
@@ -115,7 +134,7 @@ def test_shapes_that_cannot_be_packed(native_lib):
     assert quant.packable(quant.Q4_1, 48, 96)
     assert not quant.packable(quant.Q4_1, 40, 96)            # rows: groups of 16
     assert not quant.packable(quant.Q4_1, 48, 80)            # columns: blocks of 32
-    assert not quant.packable(14, 48, 256)                   # Q6_K: no kernel
+    assert not quant.packable(7, 48, 256)                    # Q5_1: no kernel
     with pytest.raises(ValueError, match="cannot pack"):
         quant.pack(quant.Q8_0, torch.zeros(40, 34, dtype=torch.uint8), 32, native_lib)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
@@ -136,7 +155,7 @@ def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
     assert torch.equal(torch.from_numpy(again.astype(np.float64)), values)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ALL)
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rounding, top", [("int8", 127), ("int16", 127 * 128)])
@@ -147,15 +166,16 @@ def test_integer_activation_products_are_within_their_rounding(native_lib, qtype
     blocks of that times sum|w| (plus the output's own rounding), and the weights are the
     file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass."""
     rng = np.random.default_rng(tokens)
-    raw, w = blocks_of(rng.standard_normal((48, 96)) * 0.1, qtype)
-    weight = quant.pack(TYPES[qtype], raw, 96, native_lib, rounding)
+    cols = cols_of(qtype, 96)
+    raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
+    weight = quant.pack(TYPES[qtype], raw, cols, native_lib, rounding)
     offset = {"int8": 100, "int16": 200}[rounding]
-    assert weight.kind == (quant.Q8_0 if qtype == "Q8_0" else quant.Q4_1) + offset
-    x = torch.from_numpy(rng.standard_normal((tokens, 96)).astype(np.float32)).to(dtype)
+    assert weight.kind == TILE[qtype] + offset
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
     out = quant.matmul(x, weight).double()
     ref = x.double() @ w.T
-    bound = x.double().abs().reshape(tokens, 3, 32).amax(-1) @ \
-        w.abs().reshape(48, 3, 32).sum(-1).T / (2 * top)
+    bound = x.double().abs().reshape(tokens, -1, 32).amax(-1) @ \
+        w.abs().reshape(48, -1, 32).sum(-1).T / (2 * top)
     output_rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6)
     assert ((out - ref).abs() <= bound * 1.001 + output_rounding + 1e-6).all()
     if dtype == torch.float32:
@@ -171,3 +191,44 @@ def test_q8_0_tile_layout_for_integer_activations(native_lib, rounding):
         assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
         assert [int(tile[64 * (k // 4) + 4 * row + k % 4]) for k in range(32)] == \
             raw[row, 2:].tolist()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_superblocks_become_32_weight_blocks_of_the_same_values(qtype):
+    """From blocks packed of known random parts (every scale, minimum and quant value): the
+    32-weight blocks' float32 scales times their quants are the weights, exactly."""
+    from tests.gguf_writer import k_quant_from_parts
+    blocks, w = k_quant_from_parts(qtype, 6, np.random.default_rng(7))    # 6 superblocks
+    raw = quant.k_quant_blocks(TYPES[qtype], torch.from_numpy(blocks.reshape(2, -1)))
+    assert raw.shape == (2, 24 * quant.block_bytes(TYPES[qtype]))       # 3 x 8 blocks a row
+    b = raw.reshape(2, 24, -1)
+    head = b[..., :8].contiguous().view(torch.float32)                   # [2, 24, 2]
+    if qtype == "Q4_K":
+        q = torch.cat([b[..., 8:] & 0x0F, b[..., 8:] >> 4], dim=-1).float()   # [2, 24, 32]
+        values = head[..., :1] * q + head[..., 1:]
+    else:
+        q = b[..., 8:].view(torch.int8).float().reshape(2, 24, 2, 16)
+        values = head[..., None] * q
+    assert torch.equal(values.reshape(2, -1), torch.from_numpy(w.reshape(2, -1)))
+
+
+def test_k_quant_tile_layout(native_lib):
+    """Q4_K: Q4_1's nibbles, then d[16] and m[16] float32; Q6_K (exact): Q8_0's bytes, then
+    the scales of columns 0-15 and of 16-31 of each row, float32."""
+    raw = torch.arange(16 * 24, dtype=torch.int64).remainder(251).to(torch.uint8)
+    tile = quant.pack(quant.Q4_K, raw.reshape(16, 24), 32, native_lib).tiles[0, 0]
+    assert tile.shape == (384,)
+    for row in (0, 7, 15):
+        src = raw.reshape(16, 24)[row]
+        assert tile[256 + 4 * row: 260 + 4 * row].tolist() == src[0:4].tolist()     # d
+        assert tile[320 + 4 * row: 324 + 4 * row].tolist() == src[4:8].tolist()     # m
+        assert [int(tile[(i // 2) * 32 + 2 * row + i % 2]) for i in range(16)] == \
+            src[8:].tolist()
+    raw = torch.arange(16 * 40, dtype=torch.int64).remainder(253).to(torch.uint8)
+    tile = quant.pack(quant.Q6_K, raw.reshape(16, 40), 32, native_lib).tiles[0, 0]
+    assert tile.shape == (640,)
+    for row in (0, 9, 15):
+        src = raw.reshape(16, 40)[row]
+        assert tile[512 + 4 * row: 516 + 4 * row].tolist() == src[0:4].tolist()
+        assert tile[576 + 4 * row: 580 + 4 * row].tolist() == src[4:8].tolist()
+        assert [int(tile[16 * k + row]) for k in range(32)] == src[8:].tolist()

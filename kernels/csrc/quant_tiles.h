@@ -1,0 +1,71 @@
+// The quantized matmuls' tile formats (kernels/quant.py packs them) and their one entry point.
+//
+// A tile is 16 output rows by one 32-column block: the quants, then arrays of 16 per-row
+// scales (one SIMD lane per row). The file's Q4_1 and Q8_0 blocks keep their fp16 d and m;
+// the K-quants' effective scales (fp16 d times a 6- or 8-bit sub-block scale) are exact in
+// float32, not in fp16, so their tiles hold float32 ones:
+//   Q4_1  256 bytes of nibbles, d[16] fp16, m[16] fp16            (a weight: d q + m)
+//   Q4_K  256 bytes of nibbles, d[16] f32,  m[16] f32             (Q4_1's arithmetic)
+//   Q8_0  512 bytes of int8,    d[16] fp16                         (d q)
+//   Q6_K  512 bytes of int8,    d[16] f32 (columns 0-15), d[16] f32 (columns 16-31)
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "bf16.h"
+
+namespace pw {
+
+// S: a scale's storage (uint16_t: fp16; float); kArrays: the scale arrays after the quants.
+template <int64_t kQuantBytes_, int kArrays_, typename S>
+struct Tile {
+  static constexpr int64_t kQuantBytes = kQuantBytes_;
+  static constexpr int kArrays = kArrays_;
+  static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
+  static constexpr bool kQ4 = kQuantBytes == 256;
+  // Q8 tiles: scale arrays that split a block's columns (Q6_K: 2 of 16 columns each).
+  static constexpr int kSplits = kQ4 ? 1 : kArrays;
+
+  static const S* scales(const uint8_t* tile, int array) {
+    return reinterpret_cast<const S*>(tile + kQuantBytes) + 16 * array;
+  }
+#if defined(__AVX2__)
+  // Array `array`'s lanes of rows 8 half .. 8 half + 7, as float32.
+  static __m256 scales8(const uint8_t* tile, int array, int half) {
+    const S* p = scales(tile, array) + 8 * half;
+    if constexpr (std::is_same<S, float>::value)
+      return _mm256_loadu_ps(p);
+    else
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+#endif
+#if defined(__AVX512F__)
+  static __m512 scales16(const uint8_t* tile, int array) {
+    const S* p = scales(tile, array);
+    if constexpr (std::is_same<S, float>::value)
+      return _mm512_loadu_ps(p);
+    else
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
+};
+
+using Q4_1Tile = Tile<256, 2, uint16_t>;
+using Q4_KTile = Tile<256, 2, float>;
+using Q8_0Tile = Tile<512, 1, uint16_t>;
+using Q6_KTile = Tile<512, 2, float>;
+
+// out [T, N] = x [T, K] @ W^T from W's tiles (N a multiple of 16, K of 32), x and out rows
+// x_stride and out_stride apart.
+template <typename T>
+using QuantMatmul = void (*)(T* out, int64_t out_stride, const T* x, int64_t x_stride,
+                             int64_t tokens, const uint8_t* tiles, int64_t N, int64_t K);
+
+// The kernel of a packed weight's kind (kernels/quant.py KINDS: a GGML type, plus 100 for
+// int8 or 200 for int16 activations), or nullptr for a kind this build lacks.
+template <typename T>
+QuantMatmul<T> quant_matmul(int64_t kind);
+
+}  // namespace pw
