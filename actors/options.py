@@ -135,16 +135,17 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("disable_cascade_attn", "no cascade attention: decode rows under one shared "
                "prefix each read it themselves (see \"Cascade attention\")"),
         Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
-               "Q4_0, Q4_1, Q5_0, Q8_0 and IQ4_NL weights as stored (Q5_0 and IQ4_NL as Q8_0 "
-               "blocks of the same values), a quantized checkpoint's and --quantization's blocks "
+               "Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL, Q4_K and Q6_K weights as stored (Q5_0 and IQ4_NL "
+               "as Q8_0 blocks of the same values, the K-quants as 32-weight blocks with float32 "
+               "scales), a quantized checkpoint's and --quantization's blocks "
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
                "steps use the dequantized copy; `0`: never"),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "
-               "AVX2; `int8`: Q4_0/Q4_1 weights take activations rounded to int8 per 32 columns "
-               "(about 3x fewer instructions a weight), Q8_0 ones stay exact; `int8-all`: Q8_0 "
-               "too, llama.cpp's own arithmetic; `auto`: `int16` on tiers without a bfloat16 dot "
+               "AVX2; `int8`: Q4_0/Q4_1/Q4_K weights take activations rounded to int8 per 32 "
+               "columns (about 3x fewer instructions a weight), Q8_0 ones stay exact; "
+               "`int8-all`: Q8_0 too, llama.cpp's own arithmetic; `auto`: `int16` on tiers without a bfloat16 dot "
                "product (`avx2`, `avx512`), `exact` on `avx512_bf16` and `amx` (int8 rounding "
                "garbles the default model's answers, as it does in llama.cpp: see \"Kernels and "
                "devices\")",

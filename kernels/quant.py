@@ -15,6 +15,8 @@ bound by arithmetic and oneDNN's bfloat16 GEMM is faster.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import native
@@ -40,23 +42,48 @@ KINDS = tuple(t + o for o in _KIND_OFFSET.values() for t in (Q4_1, Q8_0, Q4_K, Q
 _ROWS = 16                                   # output rows per tile
 
 
-class QuantWeight:
-    """A [rows, cols] weight's GGUF blocks as tiles: uint8 [rows / 16, cols / 32, tile], and
-    the native kernels that multiply them, by activation dtype."""
-    __slots__ = ("ggml_type", "kind", "tiles", "rows", "cols", "kernels")
+class Segment(NamedTuple):
+    kind: int                # its tile type, plus its activations' offset (_KIND_OFFSET)
+    tiles: torch.Tensor      # uint8 [rows / 16, cols / 32, tile bytes]
+    rows: int
 
-    def __init__(self, ggml_type: int, tiles: torch.Tensor, rows: int, cols: int,
-                 lib: native.Library, rounding: str = "exact"):
+
+class QuantWeight:
+    """A [rows, cols] weight's GGUF blocks as tiles, in row segments of one kind each: one for
+    a weight of one type; one a type for a fused weight whose sources differ (Q4_K_M's qkv
+    with a Q6_K v_proj), each multiplied into its own output columns. `table`: the segments
+    as csrc/decode_stack.cpp reads them, int64 [count, (tiles address, kind, rows) ...]."""
+    __slots__ = ("segments", "rows", "cols", "kernels", "table")
+
+    def __init__(self, segments: list[Segment], cols: int, lib: native.Library):
         if not available(lib):
             raise ValueError(f"{lib} has no quantized matmuls")
-        self.ggml_type, self.tiles, self.rows, self.cols = ggml_type, tiles, rows, cols
-        self.kind = ggml_type + _KIND_OFFSET[rounding]
+        self.segments, self.cols = segments, cols
+        self.rows = sum(s.rows for s in segments)
         self.kernels = {dtype: lib.typed("pw_quant_matmul", dtype)
                         for dtype in (torch.bfloat16, torch.float32)}
+        self.table = torch.tensor([len(segments), *[v for s in segments for v in
+                                                    (s.tiles.data_ptr(), s.kind, s.rows)]])
+
+    @classmethod
+    def joined(cls, parts: list["QuantWeight"], lib: native.Library) -> "QuantWeight":
+        """parts' rows one after the other (the same columns)."""
+        return cls([s for p in parts for s in p.segments], parts[0].cols, lib)
+
+    @property
+    def kind(self) -> int | None:
+        """The kind of a weight of one segment; None for a mixed one."""
+        return self.segments[0].kind if len(self.segments) == 1 else None
+
+    @property
+    def tiles(self) -> torch.Tensor:
+        """A weight of one segment's tiles."""
+        (segment,) = self.segments
+        return segment.tiles
 
     @property
     def nbytes(self) -> int:
-        return self.tiles.numel()
+        return sum(s.tiles.numel() for s in self.segments)
 
 
 def packable(ggml_type: int, rows: int, cols: int) -> bool:
@@ -100,7 +127,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     else:
         qs = quants.transpose(2, 3)                           # [G, nb, 32 columns, 16 rows]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in [qs, *scales]], dim=2).contiguous()
-    return QuantWeight(ggml_type, tiles, rows, cols, lib, rounding)
+    return QuantWeight([Segment(ggml_type + _KIND_OFFSET[rounding], tiles, rows)], cols, lib)
 
 
 def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
@@ -210,7 +237,9 @@ def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         raise ValueError(f"quantized matmul: x must be bfloat16 or float32 [T, {weight.cols}] "
                          f"with contiguous rows, got {x.dtype} {tuple(x.shape)}")
     out = torch.empty((x.shape[0], weight.rows), dtype=x.dtype)
-    fn(weight.kind, out.data_ptr(), weight.rows, x.data_ptr(), x.stride(0), x.shape[0],
-       weight.tiles.data_ptr(), weight.rows, weight.cols)
+    address, row = out.data_ptr(), 0
+    for segment in weight.segments:           # each into its own columns of out's rows
+        fn(segment.kind, address + row * out.element_size(), weight.rows, x.data_ptr(),
+           x.stride(0), x.shape[0], segment.tiles.data_ptr(), segment.rows, weight.cols)
+        row += segment.rows
     return out
-

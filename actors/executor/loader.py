@@ -79,35 +79,53 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
     if max_tokens <= 0 or not quant.available(lib) \
             or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
         return 0
-    kept = 0
+    kept, roundings = 0, roundings or {}
     with _one_thread():
-        blocks = rounded if rounded is not None else _linear_blocks(info, model)
-        for name, (ggml_type, rows) in shard_blocks(blocks, model.cfg, model.tp,
-                                                    quant.block_bytes).items():
+        uniform, mixed = (rounded, {}) if rounded is not None else _linear_blocks(info, model)
+        shared = shard_blocks(uniform, model.cfg, model.tp, quant.block_bytes)
+        linears = {name: [blocks] for name, blocks in shared.items()}
+        if model.tp.size == 1:            # mixed weights are not shared among ranks (yet)
+            linears.update(mixed)
+        for name, segments in linears.items():
             linear = model.get_submodule(name)
-            if isinstance(linear, Linear) and \
-                    quant.packable(ggml_type, rows.shape[0], linear.in_features):
-                weight = quant.pack(ggml_type, rows, linear.in_features, lib,
-                                    (roundings or {}).get(ggml_type, "exact"))
-                linear.use_quantized(weight, max_tokens)
-                kept += weight.nbytes
+            if not isinstance(linear, Linear) or not all(
+                    quant.packable(t, rows.shape[0], linear.in_features) for t, rows in segments):
+                continue
+            weight = quant.QuantWeight.joined(
+                [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
+                 for t, rows in segments], lib)
+            linear.use_quantized(weight, max_tokens)
+            kept += weight.nbytes
     return kept
 
 
-def _linear_blocks(info: ModelInfo, model) -> dict[str, tuple[int, torch.Tensor]]:
-    """{module name: (GGML type, rows)} of each Linear whose stored tensors are all blocks of
-    one type, fused (concatenated by rows) as fuse_weights fuses the float weights."""
+Blocks = tuple[int, torch.Tensor]          # (GGML type, uint8 rows of 32-weight blocks)
+
+
+def _linear_blocks(info: ModelInfo, model) -> tuple[dict[str, Blocks], dict[str, list[Blocks]]]:
+    """The Linears whose stored tensors are all blocks, fused (concatenated by rows) as
+    fuse_weights fuses the float weights: ({module name: blocks} of those of one type,
+    {module name: [blocks, ...]} of those whose sources differ in type, a segment per run of
+    one type: Q4_K_M's Q4_K q_proj and k_proj, then its Q6_K v_proj)."""
     sources = model.linear_sources(model.cfg)
     stored = _stored_blocks(info, model.cfg, [n for names in sources.values() for n in names])
-    out = {}
+    uniform, mixed = {}, {}
     for module_name, names in sources.items():
-        if all(n in stored for n in names) and len({stored[n][0] for n in names}) == 1:
-            ggml_type = stored[names[0]][0]
-            out[module_name] = (ggml_type, torch.cat([stored.pop(n)[1] for n in names]))
-    return out
+        if not all(n in stored for n in names):
+            continue
+        segments: list[Blocks] = []
+        for ggml_type, rows in (stored.pop(n) for n in names):
+            if segments and segments[-1][0] == ggml_type:
+                rows = torch.cat([segments.pop()[1], rows])
+            segments.append((ggml_type, rows))
+        if len(segments) == 1:
+            uniform[module_name] = segments[0]
+        else:
+            mixed[module_name] = segments
+    return uniform, mixed
 
 
-def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, tuple[int, torch.Tensor]]:
+def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
     """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
     if info.format == "gguf":
         types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.IQ4_NL, *quant.K_QUANTS}

@@ -55,7 +55,8 @@ namespace {
 enum Op : int64_t {
   kAddNorm = 1,   // weight, eps bits
   kNorm = 2,      // weight, eps bits
-  kLinear = 3,    // tiles, ggml type, N, K, bias (0: none), LoRA slot (-1: none)
+  kLinear = 3,    // segments (kernels/quant.py QuantWeight.table), N, K, bias (0: none),
+                  // LoRA slot (-1: none)
   kRope = 5,      // cos|sin table, rotated heads, head dim
   kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits,
                   // cache kind (-1: of the activations' type; else kv_quant.h's Kind)
@@ -65,7 +66,7 @@ enum Op : int64_t {
 int64_t arity(int64_t op) {
   switch (op) {
     case kAddNorm: case kNorm: return 2;
-    case kLinear: return 6;
+    case kLinear: return 5;
     case kRope: return 3;
     case kAttend: return 10;
     case kSiluMul: return 0;
@@ -128,13 +129,18 @@ struct Machine {
 
   void linear(const int64_t* o) {
     T* out = next();
-    const auto* tiles = ptr<uint8_t>(o[0]);
-    const int64_t n = o[2], k = o[3];
-    // o[1]: the weight's kind, one of kernels/quant.py KINDS (fused_decode.py encodes no other)
-    pw::quant_matmul<T>(o[1])(out, n, cur, k, tokens, tiles, n, k);
-    if (o[4]) add_bias(out, ptr<T>(o[4]), n);
-    if (lora_table && o[5] >= 0)
-      Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[5], lora_slots);
+    const int64_t* segments = ptr<int64_t>(o[0]);
+    const int64_t n = o[1], k = o[2];
+    // Each segment (tiles, kind, rows) into its own columns of out's rows, as quant.matmul;
+    // its kind is one of kernels/quant.py KINDS (fused_decode.py encodes no other).
+    for (int64_t s = 0, row = 0; s < segments[0]; ++s) {
+      const int64_t* seg = segments + 1 + 3 * s;
+      pw::quant_matmul<T>(seg[1])(out + row, n, cur, k, tokens, ptr<uint8_t>(seg[0]), seg[2], k);
+      row += seg[2];
+    }
+    if (o[3]) add_bias(out, ptr<T>(o[3]), n);
+    if (lora_table && o[4] >= 0)
+      Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[4], lora_slots);
     cur = out, width = n;
   }
 

@@ -68,12 +68,14 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)      # K-quants: 256-weight rows
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256)
-    kinds = [m.quantized.kind % 100 if m.quantized else None
-             for m in llm.runner.model.modules() if isinstance(m, Linear)]
-    if qtype == "Q4_K_M":   # layer 0's qkv mixes Q4_K and Q6_K sources: its float copy serves
-        assert kinds == [None, 12, 12, 14, 12, 12, 12, 14, 14], kinds
+    model = llm.runner.model
+    kinds = [[s.kind % 100 for s in m.quantized.segments] if m.quantized else None
+             for m in model.modules() if isinstance(m, Linear)]
+    if qtype == "Q4_K_M":   # layer 0's qkv: q and k's Q4_K rows, then v's Q6_K ones
+        assert kinds == [[12, 14], [12], [12], [14], [12], [12], [12], [14], [14]], kinds
     else:                   # qkv, o, gate_up, down a layer, then the LM head
         assert [k is not None for k in kinds] == [qtype != "F32"] * (4 * 2 + 1), kinds
+    assert (model.fused_decode is not None) == (qtype != "F32")
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
                                                            dtype=torch.float32))
     rng = random.Random(5)

@@ -232,3 +232,27 @@ def test_k_quant_tile_layout(native_lib):
         assert tile[512 + 4 * row: 516 + 4 * row].tolist() == src[0:4].tolist()
         assert tile[576 + 4 * row: 580 + 4 * row].tolist() == src[4:8].tolist()
         assert [int(tile[16 * k + row]) for k in range(32)] == src[8:].tolist()
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_columns(
+        native_lib, tokens):
+    """Q4_K rows, then Q6_K, then Q8_0 (int16 activations) as one weight: each segment's
+    products land in its own output columns, as the whole weight's would."""
+    rng = np.random.default_rng(tokens)
+    parts = [blocks_of(rng.standard_normal((rows, 256)) * 0.1, qtype)
+             for qtype, rows in (("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 48))]
+    weight = quant.QuantWeight.joined(
+        [quant.pack(TYPES[qtype], raw, 256, native_lib, rounding) for (raw, _), qtype, rounding
+         in zip(parts, ("Q4_K", "Q6_K", "Q8_0"), ("exact", "exact", "int16"))], native_lib)
+    assert weight.rows == 96 and weight.kind is None
+    assert weight.table.tolist() == [3, weight.segments[0].tiles.data_ptr(), quant.Q4_K, 32,
+                                     weight.segments[1].tiles.data_ptr(), quant.Q6_K, 16,
+                                     weight.segments[2].tiles.data_ptr(), quant.Q8_0 + 200, 48]
+    x = torch.from_numpy(rng.standard_normal((tokens, 256)).astype(np.float32))
+    out = quant.matmul(x, weight)
+    for (raw, w), qtype, rounding, cols in zip(parts, ("Q4_K", "Q6_K", "Q8_0"),
+                                               ("exact", "exact", "int16"),
+                                               (slice(0, 32), slice(32, 48), slice(48, 96))):
+        alone = quant.matmul(x, quant.pack(TYPES[qtype], raw, 256, native_lib, rounding))
+        assert torch.equal(out[:, cols], alone)

@@ -116,12 +116,12 @@ class _Encoder:
 
     def linear(self, linear) -> list[int] | None:
         q, bias = linear.quantized, linear.bias
-        if q is None or q.kind not in quant.KINDS or bias is not None and (
-                bias.dtype != self.dtype or not bias.is_contiguous()):
+        if q is None or any(s.kind not in quant.KINDS for s in q.segments) or \
+                bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
         self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
-        return [q.tiles.data_ptr(), q.kind, linear.out_features, linear.in_features,
+        return [q.table.data_ptr(), linear.out_features, linear.in_features,
                 0 if bias is None else bias.data_ptr(), linear.lora_slot]
 
     def rope(self, attn) -> list[int] | None:
