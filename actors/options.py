@@ -135,9 +135,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("disable_cascade_attn", "no cascade attention: decode rows under one shared "
                "prefix each read it themselves (see \"Cascade attention\")"),
         Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
-               "Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL, Q4_K and Q6_K weights as stored (Q5_0 and IQ4_NL "
-               "as Q8_0 blocks of the same values, the K-quants as 32-weight blocks with float32 "
-               "scales), a quantized checkpoint's and --quantization's blocks "
+               "weights as stored (every type but Q2_K, as blocks of the same values: see \"Models "
+               "and start-up\"), a quantized checkpoint's and --quantization's blocks "
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
                "steps use the dequantized copy; `0`: never"),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "

@@ -76,7 +76,7 @@ def quantize_iq4_nl(a: np.ndarray) -> np.ndarray:
     """[rows, cols] float32 -> IQ4_NL blocks uint8 [rows, cols / 32 * 18] (gguf-py has no
     quantizer for it): d = max |w| / 127 per 32 values (float16), each value the nearest of
     d * level. Nibbles in GGML's order: values 0-15 low, 16-31 high."""
-    from pagewire.kernels.quant import IQ4_NL_LEVELS
+    from pagewire.kernels.gguf_blocks import IQ4_NL_LEVELS
     levels = np.array(IQ4_NL_LEVELS, dtype=np.float32)
     b = a.reshape(a.shape[0], -1, 32).astype(np.float32)
     d = (np.abs(b).max(axis=-1, keepdims=True) / 127).astype(np.float16)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagewire.gguf_header import GGML_TYPES, GGUFHeader, TensorInfo
-from pagewire.kernels import quant
+from pagewire.kernels import gguf_blocks
 
 
 _LAYER_NAMES = {
@@ -183,17 +183,23 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:], 1, 16).float() + _f16(blocks, 2)
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    scale, minimum, q = quant.q4_k_parts(blocks)
-    return (scale[..., None] * q.float() + minimum[..., None]).reshape(blocks.shape[0], 256)
+def _with_minimum(parts):
+    def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+        scale, minimum, q = parts(blocks)
+        return (scale[..., None] * q.float() + minimum[..., None]).reshape(blocks.shape[0], 256)
+    return dequantize
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    scale, q = quant.q6_k_parts(blocks)
-    return (scale[..., None] * q.float()).reshape(blocks.shape[0], 256)
+def _scaled(parts):
+    def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+        scale, q = parts(blocks)
+        return (scale[..., None] * q.float()).reshape(blocks.shape[0], 256)
+    return dequantize
 
 
-_DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 12: _q4_k, 14: _q6_k}
+_DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 11: _scaled(gguf_blocks.q3_k_parts),
+            12: _with_minimum(gguf_blocks.q4_k_parts), 13: _with_minimum(gguf_blocks.q5_k_parts),
+            14: _scaled(gguf_blocks.q6_k_parts)}
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

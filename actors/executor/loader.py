@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagewire.gguf_header import read_gguf_header
-from pagewire.kernels import quant
+from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
 from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
@@ -67,8 +67,8 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
 
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
                    roundings: dict[int, str] | None = None) -> int:
-    """Give each Linear whose weight is blocks of one type — Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL,
-    Q4_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
+    """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
+    Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
     quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
     up to `max_tokens` tokens; returns the bytes kept.
@@ -128,11 +128,13 @@ def _linear_blocks(info: ModelInfo, model) -> tuple[dict[str, Blocks], dict[str,
 def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
     """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
     if info.format == "gguf":
-        types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q8_0, quant.IQ4_NL, *quant.K_QUANTS}
+        types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
+                 *gguf_blocks.K_QUANTS}
         stored = read_blocks(info.path, _gguf_header(info.path), names, types, cfg.num_heads,
                              cfg.num_kv_heads)
-        return {name: (t, quant.k_quant_blocks(t, raw) if t in quant.K_QUANTS else raw)
-                for name, (t, raw) in stored.items()}
+        # the K-quants' 256-weight superblocks as 32-weight blocks, which ranks can share
+        return {name: gguf_blocks.k_quant_blocks(t, raw) if t in gguf_blocks.K_QUANTS
+                else (t, raw) for name, (t, raw) in stored.items()}
     scheme = _hf_scheme(info.path)
     if scheme is None:
         return {}

@@ -28,7 +28,7 @@ namespace pw::avx2 {
 constexpr int64_t kRows = 16;
 constexpr int kMaxBatch = 4;      // tokens per pass over the weights (16 ymm registers)
 
-// x in float32 [T][K] and, for Q4_1's minimum, its sums over each 32-column block [T][K/32].
+// x in float32 [T][K] and, for a tile's minimum, its sums over each 32-column block [T][K/32].
 struct Activations {
   int64_t T, K;
   std::vector<float> xf, sums;
@@ -94,11 +94,12 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Q8 tiles (Q8_0, Q6_K): byte [k][l] of a tile is column k of row l. Two chains a token: even
-// and odd columns under one scale (Q8_0), or columns < 16 and >= 16 under their own (Q6_K).
+// Q8 tiles (Q8_0, Q6_K, Q5_K): byte [k][l] of a tile is column k of row l. Two chains a
+// token: even and odd columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16
+// and >= 16 under their own (Q6_K).
 template <int M, typename Tile, typename Out>
-void q8_half(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_t K,
-             int64_t half) {
+void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
+             int64_t K, int64_t half) {
   constexpr bool kSplit = Tile::kSplits == 2;
   const int64_t nb = K / 32;
   const uint8_t* tiles = packed + (half / 2) * nb * Tile::kBytes;
@@ -130,6 +131,11 @@ void q8_half(Out* out, int64_t os, const float* x, const uint8_t* packed, int64_
       for (int m = 0; m < M; ++m)
         acc[m] = _mm256_fmadd_ps(_mm256_add_ps(first[m], second[m]), d0, acc[m]);
     }
+    if constexpr (Tile::kMin) {
+      const __m256 mn = Tile::scales8(tile, 1, half % 2);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
+    }
   }
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
@@ -139,12 +145,13 @@ template <int M, typename Tile, typename Out>
 void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
           int64_t N) {
   const float* x = a.xf.data() + t * a.K;
+  const float* sums = Tile::kMin ? a.sums.data() + t * (a.K / 32) : nullptr;
   at::parallel_for(0, N / 8, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t half = h0; half < h1; ++half) {
       if constexpr (Tile::kQ4)
-        q4_half<M, Tile>(out, os, x, a.sums.data() + t * (a.K / 32), packed, a.K, half);
+        q4_half<M, Tile>(out, os, x, sums, packed, a.K, half);
       else
-        q8_half<M, Tile>(out, os, x, packed, a.K, half);
+        q8_half<M, Tile>(out, os, x, sums, packed, a.K, half);
     }
   });
 }
@@ -153,7 +160,7 @@ void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* 
 template <typename Tile, typename T>
 void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kQ4);
+  const Activations a(x, x_stride, tokens, K, Tile::kMin);
   for (int64_t t = 0; t < tokens; t += kMaxBatch) {
     T* o = out + t * out_stride;
     switch (std::min<int64_t>(kMaxBatch, tokens - t)) {
@@ -162,253 +169,6 @@ void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t to
       case 3: pass<3, Tile>(o, out_stride, a, t, packed, N); break;
       default: pass<4, Tile>(o, out_stride, a, t, packed, N); break;
     }
-  }
-}
-
-// -- Q4_1 and Q8_0 tiles times activations rounded to integers -----------------------------
-//
-// Each token's activations are rounded per 32-column block to P int8 planes: P = 1 is int8
-// (scale max|x| / 127: llama.cpp's arithmetic, --quantized-activations int8); P = 2 is
-// int16 split as q = 128 hi + lo, hi in [-127, 127] and lo in [-64, 63] (scale
-// max|x| / 16256: 15 bits a block, finer than bfloat16's 8-bit mantissa). Products are then
-// integer: vpmaddubsw multiplies a row's two adjacent nibble columns (bytes [j][l][0..1] of a
-// tile, unsigned) by a plane's broadcast pair and adds them, one int16 lane per row; eight
-// steps of <= 2 * 15 * 127 each stay within int16. A block's plane sums combine exactly in
-// int32 (128 s_hi + s_lo), times d and the activation scale, plus m * sum(x) (the float sum
-// of the unrounded activations). A plane costs about a third of the exact kernels'
-// instructions a weight; the error is the rounding's, at most half a scale an activation.
-
-template <int P>
-struct IntActivations {
-  static constexpr float kTop = P == 1 ? 127.f : 127.f * 128.f;
-  int64_t T, K;
-  std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
-  std::vector<int16_t> whole;      // [T][K] the rounded value itself (P = 2 only)
-  std::vector<float> scale, sum;   // [T][K / 32]: the last plane's unit; the sum of x
-
-  const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
-
-  template <typename In>
-  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_)
-      : T(T_), K(K_), q(T_ * P * K_), whole(P == 2 ? T_ * K_ : 0), scale(T_ * (K_ / 32)),
-        sum(T_ * (K_ / 32)) {
-    float v[32];
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < K / 32; ++b) {
-        float top = 0.f, total = 0.f;
-        for (int k = 0; k < 32; ++k) {
-          v[k] = to_float(x[t * x_stride + b * 32 + k]);
-          top = std::max(top, std::fabs(v[k]));
-          total += v[k];
-        }
-        const float inv = top > 0.f ? kTop / top : 0.f;
-        for (int k = 0; k < 32; ++k) {
-          const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-          const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
-          q[(t * P) * K + b * 32 + k] = static_cast<int8_t>(hi);
-          if (P == 1) continue;
-          q[(t * P + 1) * K + b * 32 + k] = static_cast<int8_t>(r - 128 * hi);
-          whole[t * K + b * 32 + k] = static_cast<int16_t>(r);
-        }
-        scale[t * (K / 32) + b] = top / kTop;
-        sum[t * (K / 32) + b] = total;
-      }
-  }
-};
-
-inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lane
-  int16_t v;
-  std::memcpy(&v, q, 2);
-  return _mm256_set1_epi16(v);
-}
-
-// The P planes' int32 sums of one row lane, combined: plane 0 the most significant.
-template <int P>
-inline __m256i combine(const __m256i* planes) {
-  __m256i total = planes[0];
-  for (int p = 1; p < P; ++p) total = _mm256_add_epi32(_mm256_slli_epi32(total, 7), planes[p]);
-  return total;
-}
-
-inline __m256i widen_half(__m256i v, int half) {   // int16 lanes 8 half .. 8 half + 7 as int32
-  return _mm256_cvtepi16_epi32(half ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
-}
-
-// Tile groups [g0, g1) (16 rows each) of Q4 tiles for M tokens starting at token t.
-template <int M, int P, typename Tile, typename Out>
-void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
-                   const uint8_t* packed, int64_t g0, int64_t g1) {
-  const int64_t nb = a.K / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-      __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
-      for (int m = 0; m < M; ++m)
-        for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
-        const __m256i w_lo = _mm256_and_si256(w, low);
-        const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-        for (int m = 0; m < M; ++m)
-          for (int p = 0; p < P; ++p) {
-            const int8_t* xq = a.plane(t + m, p) + b * 32 + 2 * j;
-            lo[m][p] = _mm256_add_epi16(lo[m][p], _mm256_maddubs_epi16(w_lo, pair_of(xq)));
-            hi[m][p] = _mm256_add_epi16(hi[m][p], _mm256_maddubs_epi16(w_hi, pair_of(xq + 16)));
-          }
-      }
-      for (int half = 0; half < 2; ++half) {
-        const __m256 d = Tile::scales8(tile, 0, half), mn = Tile::scales8(tile, 1, half);
-        for (int m = 0; m < M; ++m) {
-          __m256i planes[P];
-          for (int p = 0; p < P; ++p)
-            planes[p] = _mm256_add_epi32(widen_half(lo[m][p], half), widen_half(hi[m][p], half));
-          const __m256 qx = _mm256_cvtepi32_ps(combine<P>(planes));
-          const int64_t s = (t + m) * nb + b;
-          acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, _mm256_set1_ps(a.scale[s])), d,
-                                         acc[m][half]);
-          acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[s]), acc[m][half]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int half = 0; half < 2; ++half)
-        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
-  }
-}
-
-// Q8 tiles for integer activations (kernels/quant.py packs them so when asked): byte
-// [j][l][c] is column 4j + c of row l (a row's four columns adjacent), then the scales. A
-// block's steps j split evenly among its scale arrays (Q6_K: j < 4 under the first).
-//
-// Times int16 activations: a half's 32 bytes (8 rows x 4 columns) widen to int16 as two
-// registers of 4 rows, two 32-bit lanes a row (columns 4j, 4j + 1 and 4j + 2, 4j + 3), and
-// vpmaddwd multiplies them by the token's four activations (a broadcast 64-bit word):
-// 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a row's two lanes
-// at a split's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
-template <int M, typename Tile, typename Out>
-void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
-                   const uint8_t* packed, int64_t g0, int64_t g1) {
-  constexpr int kSteps = 8 / Tile::kSplits;
-  const int64_t nb = a.K / 32;
-  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-  for (int64_t g = g0; g < g1; ++g)
-    for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
-      const uint8_t* tile = packed + g * nb * Tile::kBytes;
-      __m256 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes)
-        for (int s = 0; s < Tile::kSplits; ++s) {
-          __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
-          for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
-            const uint8_t* w = tile + 64 * j + 32 * h;
-            const __m256i w0 = _mm256_cvtepi8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-            for (int m = 0; m < M; ++m) {
-              int64_t quad;
-              std::memcpy(&quad, a.whole.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
-              const __m256i xq = _mm256_set1_epi64x(quad);
-              sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
-              sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
-            }
-          }
-          const __m256 d = Tile::scales8(tile, s, h);
-          for (int m = 0; m < M; ++m) {
-            const __m256i rows = _mm256_permutevar8x32_epi32(
-                _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
-            const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d, acc[m]);
-          }
-        }
-      for (int m = 0; m < M; ++m) store8(out + m * os + g * kRows + 8 * h, acc[m]);
-    }
-}
-
-// Times int8 activations: vpmaddubsw wants unsigned times signed: |w| times x with w's sign,
-// two products a lane (<= 2 * 128 * 127), then vpmaddwd adds the lanes of one row: an int32
-// lane per row.
-template <int M, typename Tile, typename Out>
-void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
-                  const uint8_t* packed, int64_t g0, int64_t g1) {
-  constexpr int kSteps = 8 / Tile::kSplits;
-  const int64_t nb = a.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes)
-      for (int s = 0; s < Tile::kSplits; ++s) {
-        __m256i sum[M][2];
-        for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
-          for (int half = 0; half < 2; ++half) {
-            const __m256i w = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
-            const __m256i w_abs = _mm256_abs_epi8(w);
-            for (int m = 0; m < M; ++m) {
-              int32_t quad;
-              std::memcpy(&quad, a.plane(t + m, 0) + b * 32 + 4 * j, 4);
-              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad), w);
-              sum[m][half] = _mm256_add_epi32(
-                  sum[m][half], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
-            }
-          }
-        for (int half = 0; half < 2; ++half) {
-          const __m256 d = Tile::scales8(tile, s, half);
-          for (int m = 0; m < M; ++m) {
-            const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-            const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);
-            acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[m][half]);
-          }
-        }
-      }
-    for (int m = 0; m < M; ++m)
-      for (int half = 0; half < 2; ++half)
-        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
-  }
-}
-
-// M tokens of one tile format's groups: Q4 tiles keep P planes' sums a token in registers.
-template <int M, int P, typename Tile, typename T> struct IntGroups {
-  static constexpr int kBatch = Tile::kQ4 ? kMaxBatch / P : kMaxBatch;
-  static void run(T* o, int64_t os, const IntActivations<P>& a, int64_t t, const uint8_t* p,
-                  int64_t g0, int64_t g1) {
-    if constexpr (Tile::kQ4)
-      q4_int_groups<M, P, Tile>(o, os, a, t, p, g0, g1);
-    else if constexpr (P == 2)
-      q8_i16_groups<M, Tile>(o, os, a, t, p, g0, g1);
-    else
-      q8_i8_groups<M, Tile>(o, os, a, t, p, g0, g1);
-  }
-};
-
-// out [T, N] = x [T, K] @ W^T with x rounded to P int8 planes per block (N a multiple of 16,
-// K of 32), kBatch tokens a pass (as many as keep the sums in registers).
-template <int P, typename Tile, typename T>
-void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
-                const uint8_t* packed, int64_t N, int64_t K) {
-  constexpr int kBatch = IntGroups<1, P, Tile, T>::kBatch;
-  const IntActivations<P> a(x, x_stride, tokens, K);
-  for (int64_t t = 0; t < tokens; t += kBatch) {
-    T* o = out + t * out_stride;
-    const int64_t m = std::min<int64_t>(kBatch, tokens - t);
-    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
-      switch (m) {
-        case 1: IntGroups<1, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 2: IntGroups<2, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        case 3: IntGroups<3, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-        default: IntGroups<4, P, Tile, T>::run(o, out_stride, a, t, packed, g0, g1); break;
-      }
-    });
   }
 }
 

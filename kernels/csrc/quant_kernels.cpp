@@ -1,6 +1,6 @@
-// Matrix-vector products with GGUF-quantized weights (Q4_1, Q4_K, Q8_0, Q6_K) for small batches,
-// reading the weights in their quantized form: at batch 1 a step is bound by the bytes of
-// weights read, and Q4_1 is 0.625 bytes a weight against bfloat16's 2.
+// Matrix-vector products with GGUF-quantized weights (Q4_1, Q4_K, Q8_0, Q5_K, Q6_K tiles) for
+// small batches, reading the weights in their quantized form: at batch 1 a step is bound by
+// the bytes of weights read, and Q4_1 is 0.625 bytes a weight against bfloat16's 2.
 //
 // The values are exactly the file's: each weight is d * q + m (Q4_1) or d * q (Q8_0) with
 // its fp16 d and m, as dequantization gives; only the order of the float32 sums differs.
@@ -24,7 +24,8 @@
 #include "bf16.h"
 #include "quant_tiles.h"
 #if defined(__AVX2__)
-#include "quant_avx2.h"    // the exact kernels below AVX512-BF16; int8 and int16 on every tier
+#include "quant_avx2.h"        // the exact kernels below AVX512-BF16
+#include "quant_int_avx2.h"    // int8 and int16 activations, on every tier
 #endif
 
 namespace {
@@ -74,7 +75,8 @@ inline bf16 to_bf16(float x) {
 //     bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
 //     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
 //     and sums[t][b], the float32 sum of x over block b (Q4_1's minimum multiplies it);
-//   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead).
+//   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead),
+//     and for a minimum (Q5_K) sums as above.
 enum Use { kParts, kFloat };
 
 struct Activations {
@@ -83,12 +85,16 @@ struct Activations {
   std::vector<float> sums, xf;
 
   template <typename In>
-  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use)
+  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use, bool min)
       : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1) {
     if (use == kFloat) {
       xf.resize(T * K);
+      if (min) sums.assign(T * (K / 32), 0.f);
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(x[t * x_stride + k]);
+        for (int64_t k = 0; k < K; ++k) {
+          xf[t * K + k] = to_float(x[t * x_stride + k]);
+          if (min) sums[t * (K / 32) + k / 32] += xf[t * K + k];
+        }
       return;
     }
     parts.resize(P * T * K);
@@ -143,9 +149,10 @@ void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_str
 }
 
 // Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
-// columns under one scale (Q8_0), or columns < 16 and >= 16 under their own (Q6_K).
+// columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16 and >= 16 under
+// their own (Q6_K).
 template <int M, typename Tile, typename Out>
-void q8_groups(Out* out, int64_t out_stride, const float* xf, int64_t K,
+void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums, int64_t K,
                const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
   constexpr bool kSplit = Tile::kSplits == 2;
   for (int64_t g = g0; g < g1; ++g) {
@@ -176,6 +183,11 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, int64_t K,
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
       }
+      if constexpr (Tile::kMin) {
+        const __m512 mn = Tile::scales16(tile, 1);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m * nb + b]), acc[m]);
+      }
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
@@ -196,7 +208,8 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
       else
         q4_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
     } else {
-      q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, a.K, packed, nb, g0, g1);
+      const float* sums = Tile::kMin ? a.sums.data() + t * nb : nullptr;
+      q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
     }
   });
 }
@@ -204,7 +217,7 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
 template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat);
+  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat, Tile::kMin);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
     const int64_t g = N / kRows;
@@ -227,8 +240,8 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
-// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14), plus 100 for int8 or 200 for
-// int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
+// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), plus 100 for int8 or
+// 200 for int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
 // CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
@@ -237,6 +250,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 3: return matmul<Q4_1Tile, T>;
     case 8: return matmul<Q8_0Tile, T>;
     case 12: return matmul<Q4_KTile, T>;
+    case 13: return matmul<Q5_KTile, T>;
     case 14: return matmul<Q6_KTile, T>;
   }
 #elif defined(__AVX2__)
@@ -244,6 +258,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 3: return avx2::matmul<Q4_1Tile, T>;
     case 8: return avx2::matmul<Q8_0Tile, T>;
     case 12: return avx2::matmul<Q4_KTile, T>;
+    case 13: return avx2::matmul<Q5_KTile, T>;
     case 14: return avx2::matmul<Q6_KTile, T>;
   }
 #endif
@@ -252,10 +267,12 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 103: return avx2::matmul_int<1, Q4_1Tile, T>;
     case 108: return avx2::matmul_int<1, Q8_0Tile, T>;
     case 112: return avx2::matmul_int<1, Q4_KTile, T>;
+    case 113: return avx2::matmul_int<1, Q5_KTile, T>;
     case 114: return avx2::matmul_int<1, Q6_KTile, T>;
     case 203: return avx2::matmul_int<2, Q4_1Tile, T>;
     case 208: return avx2::matmul_int<2, Q8_0Tile, T>;
     case 212: return avx2::matmul_int<2, Q4_KTile, T>;
+    case 213: return avx2::matmul_int<2, Q5_KTile, T>;
     case 214: return avx2::matmul_int<2, Q6_KTile, T>;
   }
 #endif

@@ -8,6 +8,7 @@
 //   Q4_K  256 bytes of nibbles, d[16] f32,  m[16] f32             (Q4_1's arithmetic)
 //   Q8_0  512 bytes of int8,    d[16] fp16                         (d q)
 //   Q6_K  512 bytes of int8,    d[16] f32 (columns 0-15), d[16] f32 (columns 16-31)
+//   Q5_K  512 bytes of int8,    d[16] f32,  m[16] f32             (d q + m; also Q5_1)
 #pragma once
 #include <immintrin.h>
 
@@ -18,15 +19,16 @@
 
 namespace pw {
 
-// S: a scale's storage (uint16_t: fp16; float); kArrays: the scale arrays after the quants.
-template <int64_t kQuantBytes_, int kArrays_, typename S>
+// S: a scale's storage (uint16_t: fp16; float); kArrays: the scale arrays after the quants;
+// kMin: the second array is a minimum added to every weight (Q4 tiles always have one).
+template <int64_t kQuantBytes_, int kArrays_, typename S, bool kMin_ = kQuantBytes_ == 256>
 struct Tile {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kArrays = kArrays_;
   static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
-  static constexpr bool kQ4 = kQuantBytes == 256;
-  // Q8 tiles: scale arrays that split a block's columns (Q6_K: 2 of 16 columns each).
-  static constexpr int kSplits = kQ4 ? 1 : kArrays;
+  static constexpr bool kQ4 = kQuantBytes == 256, kMin = kMin_;
+  // Scale arrays that split a block's columns (Q6_K: 2 of 16 columns each).
+  static constexpr int kSplits = kMin ? 1 : kArrays;
 
   static const S* scales(const uint8_t* tile, int array) {
     return reinterpret_cast<const S*>(tile + kQuantBytes) + 16 * array;
@@ -56,6 +58,7 @@ using Q4_1Tile = Tile<256, 2, uint16_t>;
 using Q4_KTile = Tile<256, 2, float>;
 using Q8_0Tile = Tile<512, 1, uint16_t>;
 using Q6_KTile = Tile<512, 2, float>;
+using Q5_KTile = Tile<512, 2, float, true>;
 
 // out [T, N] = x [T, K] @ W^T from W's tiles (N a multiple of 16, K of 32), x and out rows
 // x_stride and out_stride apart.
@@ -63,7 +66,7 @@ template <typename T>
 using QuantMatmul = void (*)(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                              int64_t tokens, const uint8_t* tiles, int64_t N, int64_t K);
 
-// The kernel of a packed weight's kind (kernels/quant.py KINDS: a GGML type, plus 100 for
+// The kernel of a packed weight's kind (kernels/quant.py KINDS: a tile type, plus 100 for
 // int8 or 200 for int16 activations), or nullptr for a kind this build lacks.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind);

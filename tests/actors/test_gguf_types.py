@@ -76,6 +76,19 @@ def test_k_quants_match_gguf_py_and_the_weights(tmp_path, qtype):
     assert torch.equal(ours, torch.from_numpy(w.reshape(SHAPE)))
 
 
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q5_K", "Q5_1"])
+def test_other_types_read_as_gguf_py_reads_them(tmp_path, qtype):
+    """Blocks of random bytes (tests/kernels/test_gguf_blocks.py): every bit pattern."""
+    import gguf
+    from tests.kernels.test_gguf_blocks import random_blocks
+    rows, cols = SHAPE
+    blocks = random_blocks(qtype, rows, cols, np.random.default_rng(4)).numpy()
+    kind = gguf.GGMLQuantizationType[qtype]
+    path = _write(tmp_path / "o.gguf", {"blk.0.ffn_down.weight": (blocks, kind)})
+    ours, theirs = _read_back(path, "blk.0.ffn_down.weight")
+    assert torch.equal(ours, torch.from_numpy(theirs))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_converted_as_read(tmp_path, dtype):
     import gguf

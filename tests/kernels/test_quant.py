@@ -7,36 +7,41 @@ import numpy as np
 import pytest
 import torch
 
-from pagewire.kernels import quant
+from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
 
 gguf = pytest.importorskip("gguf")
-TYPES = {"Q4_0": quant.Q4_0, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q4_K": quant.Q4_K,
-         "Q6_K": quant.Q6_K}
-ALL = sorted(TYPES)
-# The tile type each multiplies as (Q4_0 as Q4_1 blocks)
-TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q4_K": quant.Q4_K,
-        "Q6_K": quant.Q6_K}
+# every type pack() takes, by the tile type it multiplies as
+TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quant.Q8_0,
+        "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q3_K": quant.Q6_K, "Q4_K": quant.Q4_K,
+        "Q5_K": quant.Q5_K, "Q6_K": quant.Q6_K}
+ALL = sorted(TILE)
+# the type pack() takes: the file's, or a K-quant's tile type (blocks_of converts them)
+K_QUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES = {qtype: TILE[qtype] if qtype in K_QUANTS else int(gguf.GGMLQuantizationType[qtype])
+         for qtype in ALL}
 
 
 def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(32-weight blocks uint8 [rows, bytes] as pack() takes them: the file's, or for the
-    K-quants k_quant_blocks' of the file's; gguf-py's dequantization of the file's blocks,
-    float64 [rows, cols])."""
-    from tests.gguf_writer import QUANTIZERS
+    """(32-weight blocks uint8 [rows, bytes] as pack() takes them, their values float64
+    [rows, cols] as gguf-py dequantizes the file's): Q4_0, Q4_1, Q8_0 quantized from w by
+    gguf-py; the others random blocks of w's shape (test_gguf_blocks.py), whose K-quant
+    superblocks become 32-weight blocks."""
+    from tests.kernels.test_gguf_blocks import dequantized, random_blocks
     kind = gguf.GGMLQuantizationType[qtype]
-    w = w.astype(np.float32)
-    raw = QUANTIZERS[qtype](w) if qtype in QUANTIZERS else gguf.quants.quantize(w, kind)
-    values = gguf.quants.dequantize(raw, kind).astype(np.float64)
-    raw = torch.from_numpy(raw.copy())
-    if kind in (kind.Q4_K, kind.Q6_K):
-        raw = quant.k_quant_blocks(int(kind), raw)
-    return raw, torch.from_numpy(values)
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        raw = torch.from_numpy(gguf.quants.quantize(w.astype(np.float32), kind).copy())
+    else:
+        raw = random_blocks(qtype, *w.shape, np.random.default_rng(w.shape[1]))
+    values = torch.from_numpy(dequantized(raw, qtype).astype(np.float64))
+    if qtype in K_QUANTS:
+        raw = gguf_blocks.k_quant_blocks(int(kind), raw)[1]
+    return raw, values
 
 
 def cols_of(qtype: str, cols: int) -> int:
     """`cols`, or the K-quants' nearest whole superblocks (256 weights)."""
-    return max(256, cols // 256 * 256) if TYPES[qtype] in quant.K_QUANTS else cols
+    return max(256, cols // 256 * 256) if qtype in K_QUANTS else cols
 
 
 def test_q4_1_tile_layout(native_lib):
@@ -60,27 +65,6 @@ def test_q8_0_tile_layout(native_lib):
     for row in (0, 9, 15):
         assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
         assert [int(tile[16 * k + row]) for k in range(32)] == raw[row, 2:].tolist()
-
-
-def test_q5_0_and_iq4_nl_blocks_become_q8_0_blocks_of_the_same_values():
-    """Q5_0's d * (q - 16) and IQ4_NL's d * level are d times an int8: Q8_0 holds them
-    exactly, as gguf-py dequantizes both (IQ4_NL from random bytes: every nibble)."""
-    from tests.gguf_writer import quantize_iq4_nl
-    rng = np.random.default_rng(5)
-    raw, values = blocks_of(rng.standard_normal((4, 96)), "Q5_0")
-    iq = torch.from_numpy(rng.integers(0, 256, (4, 3 * 18), dtype=np.uint8))
-    iq.view(4, 3, 18)[..., 0:2] = torch.tensor([0x00, 0x2C], dtype=torch.uint8)  # d = 0.0625
-    kind = gguf.GGMLQuantizationType
-    for blocks, as_q8, q_kind in ((raw, quant.q5_0_as_q8_0(raw), kind.Q5_0),
-                                  (iq, quant.iq4_nl_as_q8_0(iq), kind.IQ4_NL)):
-        assert as_q8.shape == (4, 3 * 34)
-        again = gguf.quants.dequantize(as_q8.numpy(), kind.Q8_0)
-        theirs = gguf.quants.dequantize(blocks.numpy(), q_kind)
-        assert np.array_equal(again, theirs)
-    w = rng.standard_normal((2, 64)).astype(np.float32)
-    mine = quantize_iq4_nl(w)                    # the test writer's IQ4_NL: near the weights
-    back = gguf.quants.dequantize(mine, kind.IQ4_NL)
-    assert np.abs(back - w).max() <= np.abs(w).max() / 127 * 12
 
 
 @pytest.mark.parametrize("qtype", ALL)
@@ -134,25 +118,13 @@ def test_shapes_that_cannot_be_packed(native_lib):
     assert quant.packable(quant.Q4_1, 48, 96)
     assert not quant.packable(quant.Q4_1, 40, 96)            # rows: groups of 16
     assert not quant.packable(quant.Q4_1, 48, 80)            # columns: blocks of 32
-    assert not quant.packable(7, 48, 256)                    # Q5_1: no kernel
+    assert not quant.packable(10, 48, 256)                   # Q2_K: no kernel
     with pytest.raises(ValueError, match="cannot pack"):
         quant.pack(quant.Q8_0, torch.zeros(40, 34, dtype=torch.uint8), 32, native_lib)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         quant.matmul(torch.zeros(2, 32, dtype=torch.float16),
                      quant.pack(quant.Q8_0, torch.zeros(16, 34, dtype=torch.uint8), 32,
                                 native_lib))
-
-
-def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
-    """d * (q - 8) == d * q + m with m = -8 d, exact in fp16; nibbles untouched."""
-    rng = np.random.default_rng(3)
-    raw, values = blocks_of(rng.standard_normal((4, 64)), "Q4_0")
-    as_q4_1 = quant.q4_0_as_q4_1(raw)
-    assert as_q4_1.shape == (4, 40)
-    blocks = as_q4_1.reshape(4, 2, 20)
-    assert torch.equal(blocks[..., 4:], raw.reshape(4, 2, 18)[..., 2:])
-    again = gguf.quants.dequantize(as_q4_1.numpy(), gguf.GGMLQuantizationType.Q4_1)
-    assert torch.equal(torch.from_numpy(again.astype(np.float64)), values)
 
 
 @pytest.mark.parametrize("qtype", ALL)
@@ -191,25 +163,6 @@ def test_q8_0_tile_layout_for_integer_activations(native_lib, rounding):
         assert tile[512 + 2 * row: 514 + 2 * row].tolist() == raw[row, 0:2].tolist()
         assert [int(tile[64 * (k // 4) + 4 * row + k % 4]) for k in range(32)] == \
             raw[row, 2:].tolist()
-
-
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_k_quant_superblocks_become_32_weight_blocks_of_the_same_values(qtype):
-    """From blocks packed of known random parts (every scale, minimum and quant value): the
-    32-weight blocks' float32 scales times their quants are the weights, exactly."""
-    from tests.gguf_writer import k_quant_from_parts
-    blocks, w = k_quant_from_parts(qtype, 6, np.random.default_rng(7))    # 6 superblocks
-    raw = quant.k_quant_blocks(TYPES[qtype], torch.from_numpy(blocks.reshape(2, -1)))
-    assert raw.shape == (2, 24 * quant.block_bytes(TYPES[qtype]))       # 3 x 8 blocks a row
-    b = raw.reshape(2, 24, -1)
-    head = b[..., :8].contiguous().view(torch.float32)                   # [2, 24, 2]
-    if qtype == "Q4_K":
-        q = torch.cat([b[..., 8:] & 0x0F, b[..., 8:] >> 4], dim=-1).float()   # [2, 24, 32]
-        values = head[..., :1] * q + head[..., 1:]
-    else:
-        q = b[..., 8:].view(torch.int8).float().reshape(2, 24, 2, 16)
-        values = head[..., None] * q
-    assert torch.equal(values.reshape(2, -1), torch.from_numpy(w.reshape(2, -1)))
 
 
 def test_k_quant_tile_layout(native_lib):

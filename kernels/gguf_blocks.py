@@ -1,0 +1,168 @@
+"""GGUF's block formats: their parts, and the blocks of the same values the tiles take.
+
+kernels/quant.py packs 32-weight blocks of four tile types: Q4_1 (fp16 d and m, nibbles),
+Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per 16
+columns, int8) and Q5_K (float32 d and m, int8). The file's other types become blocks of one
+of those holding exactly the same values (as_tile_blocks): a K-quant's effective scale, fp16
+d times a sub-block's 6- or 8-bit scale, is exact in float32, not in fp16. The *_parts
+functions also serve dequantization (actors/executor/gguf_weights.py).
+"""
+from __future__ import annotations
+
+import torch
+
+# GGML type ids
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL = 2, 3, 6, 7, 8, 11, 12, 13, 14, 20
+# bytes of a 256-weight superblock in the file
+K_QUANTS = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a weight is d * level[nibble]
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of every block [..., bytes], as float32 [..., 1]."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values: low nibbles (weights 0-15), then high (16-31)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _fifth_bits(high: torch.Tensor) -> torch.Tensor:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] its bits, bit i at i."""
+    word = high.contiguous().view(torch.int32)                               # [..., 1]
+    return (word >> torch.arange(32, dtype=torch.int32)) & 1
+
+
+def q4_0_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks [rows, nb * 18] (d, 16 bytes of nibbles; a weight is d * (q - 8)) as Q4_1
+    blocks [rows, nb * 20] (d, m, the same nibbles; d * q + m) with m = -8 d, which fp16 holds
+    exactly (a power-of-two multiple), so every tier's Q4_1 kernel multiplies the file's
+    exact values."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)             # [rows, nb, 1]
+    m = d * -8
+    if not torch.isfinite(m).all():
+        raise ValueError("Q4_0 scale too large for fp16 minimum (|d| > 8188)")
+    out = torch.cat([blocks[..., 0:2], m.view(torch.uint8), blocks[..., 2:]], dim=2)
+    return out.reshape(raw.shape[0], -1)
+
+
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [rows, nb * 22] (d, 4 bytes of fifth bits, 16 bytes of nibbles; a weight
+    is d * (q - 16), q in 0..31) as Q8_0 blocks [rows, nb * 34] (d, q - 16 as int8): the
+    same values, 34 bytes a block instead of 22."""
+    blocks = raw.reshape(raw.shape[0], -1, 22)
+    q = _nibbles(blocks[..., 6:]).to(torch.int32) | (_fifth_bits(blocks[..., 2:6]) << 4)
+    codes = (q - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([blocks[..., 0:2], codes], dim=2).reshape(raw.shape[0], -1)
+
+
+def q5_1_as_q5_k(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_1 blocks [rows, nb * 24] (fp16 d and m, 4 bytes of fifth bits, 16 of nibbles; a
+    weight is d * q + m, q in 0..31) as Q5_K tile blocks [rows, nb * 40] (d and m float32,
+    q as int8): the same values."""
+    blocks = raw.reshape(raw.shape[0], -1, 24)
+    q = _nibbles(blocks[..., 8:]).to(torch.int32) | (_fifth_bits(blocks[..., 4:8]) << 4)
+    head = torch.cat([_f16(blocks, 0), _f16(blocks, 2)], dim=-1).contiguous()
+    out = torch.cat([head.view(torch.uint8), q.to(torch.uint8)], dim=2)
+    return out.reshape(raw.shape[0], -1)
+
+
+def iq4_nl_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL blocks [rows, nb * 18] (d, 16 bytes of nibbles indexing IQ4_NL_LEVELS) as Q8_0
+    blocks (d, the levels as int8): the same values."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int8)
+    codes = levels[_nibbles(blocks[..., 2:]).long()].view(torch.uint8)
+    return torch.cat([blocks[..., 0:2], codes], dim=2).reshape(raw.shape[0], -1)
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 12 bytes [n, 12] -> eight 6-bit scales and eight mins, uint8 [n, 8]."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K superblocks uint8 [n, 144] (fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and
+    eight 6-bit mins, 128 bytes of nibbles) -> (scale, minimum: float32 [n, 8], exact;
+    quants uint8 [n, 8, 32]): weight i of sub-block j is scale[j] * q[j, i] + minimum[j]."""
+    n = blocks.shape[0]
+    sc, mn = _k4_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)        # 32 bytes: sub-block 2g low, 2g + 1 high
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+    return _f16(blocks, 0) * sc.float(), -_f16(blocks, 2) * mn.float(), q
+
+
+def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K superblocks uint8 [n, 176] (Q4_K's first 16 bytes, 32 bytes of fifth bits, 128 of
+    nibbles) -> as q4_k_parts, quants in 0..31: sub-block j's fifth bits are bit j of those
+    32 bytes."""
+    n = blocks.shape[0]
+    sc, mn = _k4_scales(blocks[:, 4:16])
+    qs = blocks[:, 48:].reshape(n, 4, 1, 32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+    high = (blocks[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    return _f16(blocks, 0) * sc.float(), -_f16(blocks, 2) * mn.float(), low | (high << 4)
+
+
+def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K superblocks uint8 [n, 110] (32 bytes of high bits, 64 of bit pairs, 12 bytes of
+    sixteen 6-bit scales stored + 32, fp16 d) -> (scale float32 [n, 16], exact; quants int8
+    [n, 16, 16] in -4..3): weight i of sub-block j is scale[j] * q[j, i]."""
+    n = blocks.shape[0]
+    s = blocks[:, 96:108]
+    low = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)                # [n, 16]
+    high = torch.cat([(s[:, 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1)
+    scale = _f16(blocks, 108) * ((low | (high << 4)).float() - 32)
+    pairs = blocks[:, 32:96].reshape(n, 2, 1, 32)                             # [n, half, 1, l]
+    q = torch.cat([(pairs >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2)   # [n, 2, 4, 32]
+    bit = torch.arange(8, dtype=torch.uint8).reshape(2, 4, 1)                 # 4 half + step
+    high_bit = (blocks[:, None, None, :32] >> bit) & 1
+    values = q.to(torch.int8) - 4 * (1 - high_bit.to(torch.int8))
+    return scale, values.reshape(n, 16, 16)
+
+
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K superblocks uint8 [n, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 scales, fp16 d) -> (scale float32 [n, 16], exact; quants int8 [n, 16, 16] in
+    -32..31): weight i of sub-block j is scale[j] * q[j, i]."""
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = torch.cat([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16)
+    return _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float(), q
+
+
+def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """A K-quant tensor's superblocks uint8 [rows, cols / 256 * bytes] as 32-weight blocks of
+    a tile type holding the same values: (tile type, uint8 [rows, cols / 32 * its bytes]).
+    Q4_K, Q5_K: (scale, minimum) float32, then the sub-block's nibbles in Q4_1's order
+    (weights 0-15 low, 16-31 high; Q4_K) or bytes (Q5_K); Q3_K and Q6_K as Q6_K: the two
+    16-weight sub-blocks' scales float32, then 32 int8."""
+    if ggml_type not in K_QUANTS:
+        raise ValueError(f"GGML type {ggml_type} is not a K-quant")
+    rows, superblocks = raw.shape[0], raw.reshape(-1, K_QUANTS[ggml_type])
+    if ggml_type in (Q4_K, Q5_K):
+        parts = q4_k_parts if ggml_type == Q4_K else q5_k_parts
+        scale, minimum, q = parts(superblocks)
+        quants = q[..., :16] | (q[..., 16:] << 4) if ggml_type == Q4_K else q   # [n, 8, .]
+        head, tile = torch.stack([scale, minimum], dim=-1), ggml_type           # [n, 8, 2]
+    else:
+        scale, q = (q3_k_parts if ggml_type == Q3_K else q6_k_parts)(superblocks)
+        quants, head, tile = q.reshape(-1, 8, 32).view(torch.uint8), scale.reshape(-1, 8, 2), Q6_K
+    blocks = torch.cat([head.contiguous().view(torch.uint8), quants], dim=-1)
+    return tile, blocks.reshape(rows, -1)
+
+
+# Types whose 32-weight blocks become blocks of a tile type holding the same values.
+AS_TILE_BLOCKS = {Q4_0: lambda raw: (Q4_1, q4_0_as_q4_1(raw)),
+                  Q5_0: lambda raw: (Q8_0, q5_0_as_q8_0(raw)),
+                  Q5_1: lambda raw: (Q5_K, q5_1_as_q5_k(raw)),
+                  IQ4_NL: lambda raw: (Q8_0, iq4_nl_as_q8_0(raw))}

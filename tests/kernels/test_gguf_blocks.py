@@ -1,0 +1,100 @@
+"""GGUF blocks as the tiles' blocks (kernels/gguf_blocks.py): every type the matmuls take
+becomes blocks of a tile type holding exactly the values gguf-py's dequantization gives,
+from blocks of random bytes (every bit pattern of quants, scales and minimums)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewire.kernels import gguf_blocks as gb
+
+gguf = pytest.importorskip("gguf")
+# byte offsets of each type's fp16 scales and minimums, which random bytes must not make
+# infinite or NaN
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+               "IQ4_NL": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
+    """uint8 [rows, the bytes of `cols` weights]: random quants and sub-block scales, fp16
+    fields of magnitude 0.001-0.01 (either sign)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        value = rng.uniform(0.001, 0.01, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])
+        raw[:, at:at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def dequantized(raw: torch.Tensor, qtype: str) -> np.ndarray:
+    """gguf-py's values of the file's blocks, float32 [rows, cols]."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    return np.asarray(gguf.quants.dequantize(raw.numpy(), kind), dtype=np.float32)
+
+
+def as_tile_blocks(qtype: str, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    kind = int(gguf.GGMLQuantizationType[qtype])
+    if kind in gb.K_QUANTS:
+        return gb.k_quant_blocks(kind, raw)
+    return gb.AS_TILE_BLOCKS[kind](raw)
+
+
+def tile_block_values(tile: int, raw: torch.Tensor) -> torch.Tensor:
+    """A tile type's 32-weight blocks [rows, bytes] read back: float32 [rows, cols]."""
+    rows = raw.shape[0]
+    if tile in (gb.Q4_1, gb.Q8_0):             # the file's own formats: gguf-py reads them
+        return torch.from_numpy(dequantized(raw, "Q4_1" if tile == gb.Q4_1 else "Q8_0"))
+    b = raw.reshape(rows, -1, {gb.Q4_K: 24, gb.Q5_K: 40, gb.Q6_K: 40}[tile])
+    head = b[..., :8].contiguous().view(torch.float32)                    # [rows, nb, 2]
+    if tile == gb.Q6_K:
+        q = b[..., 8:].view(torch.int8).float().reshape(rows, -1, 2, 16)
+        return (head[..., None] * q).reshape(rows, -1)
+    q = torch.cat([b[..., 8:] & 0x0F, b[..., 8:] >> 4], -1) if tile == gb.Q4_K else b[..., 8:]
+    return (head[..., :1] * q.float() + head[..., 1:]).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", CONVERTED)
+def test_blocks_become_a_tile_types_blocks_of_the_same_values(qtype):
+    raw = random_blocks(qtype, 3, 512, np.random.default_rng(len(qtype)))
+    tile, blocks = as_tile_blocks(qtype, raw)
+    expected = {"Q4_0": gb.Q4_1, "Q5_0": gb.Q8_0, "Q5_1": gb.Q5_K, "IQ4_NL": gb.Q8_0,
+                "Q3_K": gb.Q6_K, "Q4_K": gb.Q4_K, "Q5_K": gb.Q5_K, "Q6_K": gb.Q6_K}[qtype]
+    assert tile == expected
+    assert torch.equal(tile_block_values(tile, blocks), torch.from_numpy(dequantized(raw, qtype)))
+
+
+def test_k_quants_from_known_parts():
+    """Blocks packed of known scales, minimums and quants (tests/gguf_writer.py) give those
+    weights exactly."""
+    from tests.gguf_writer import k_quant_from_parts
+    for qtype, kind in (("Q4_K", gb.Q4_K), ("Q6_K", gb.Q6_K)):
+        blocks, w = k_quant_from_parts(qtype, 6, np.random.default_rng(7))
+        tile, raw = gb.k_quant_blocks(kind, torch.from_numpy(blocks.reshape(2, -1)))
+        assert torch.equal(tile_block_values(tile, raw), torch.from_numpy(w.reshape(2, -1)))
+
+
+def test_q4_0_keeps_its_nibbles_and_scale():
+    """d * (q - 8) == d * q + m with m = -8 d, exact in fp16; nibbles untouched."""
+    raw = random_blocks("Q4_0", 4, 64, np.random.default_rng(3))
+    as_q4_1 = gb.q4_0_as_q4_1(raw)
+    assert as_q4_1.shape == (4, 40)
+    blocks = as_q4_1.reshape(4, 2, 20)
+    assert torch.equal(blocks[..., 4:], raw.reshape(4, 2, 18)[..., 2:])
+    assert torch.equal(blocks[..., :2], raw.reshape(4, 2, 18)[..., :2])
+
+
+def test_the_writers_iq4_nl_is_near_the_weights():
+    """d = max |w| / 127: a value is at most half the widest gap between levels (24) from
+    one, or 127 - 113 = 14 units above the top level (a block's largest positive value)."""
+    from tests.gguf_writer import quantize_iq4_nl
+    w = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_iq4_nl(w), gguf.GGMLQuantizationType.IQ4_NL)
+    block_max = np.abs(w.reshape(2, 2, 32)).max(-1, keepdims=True)
+    assert (np.abs(back - w).reshape(2, 2, 32) <= block_max / 127 * 14 * 1.001).all()
+
+
+def test_a_type_that_is_no_k_quant_is_refused():
+    with pytest.raises(ValueError, match="not a K-quant"):
+        gb.k_quant_blocks(gb.Q8_0, torch.zeros(1, 34, dtype=torch.uint8))
