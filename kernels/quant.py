@@ -49,24 +49,32 @@ class Segment(NamedTuple):
 class QuantWeight:
     """A [rows, cols] weight's GGUF blocks as tiles, in row segments of one kind each: one for
     a weight of one type; one a type for a fused weight whose sources differ (Q4_K_M's qkv
-    with a Q6_K v_proj), each multiplied into its own output columns. `table`: the segments
-    as csrc/decode_stack.cpp reads them, int64 [count, (tiles address, kind, rows) ...]."""
-    __slots__ = ("segments", "rows", "cols", "kernels", "table")
+    with a Q6_K v_proj), each multiplied into its own output columns. `order`: the blocks
+    hold the weight's columns in this order (int64 [cols]; a GPTQ act-order checkpoint's,
+    whose groups are contiguous only so), and x's columns are taken in it too; None: as
+    they are. `table`: what csrc/decode_stack.cpp reads, int64 [count, order address or 0,
+    (tiles address, kind, rows) per segment]."""
+    __slots__ = ("segments", "rows", "cols", "kernels", "order", "table")
 
-    def __init__(self, segments: list[Segment], cols: int, lib: native.Library):
+    def __init__(self, segments: list[Segment], cols: int, lib: native.Library,
+                 order: torch.Tensor | None = None):
         if not available(lib):
             raise ValueError(f"{lib} has no quantized matmuls")
-        self.segments, self.cols = segments, cols
+        if order is not None and (order.dtype != torch.int64 or order.shape != (cols,)):
+            raise ValueError(f"a column order must be int64 [{cols}]")
+        self.segments, self.cols, self.order = segments, cols, order
         self.rows = sum(s.rows for s in segments)
         self.kernels = {dtype: lib.typed("pw_quant_matmul", dtype)
                         for dtype in (torch.bfloat16, torch.float32)}
-        self.table = torch.tensor([len(segments), *[v for s in segments for v in
-                                                    (s.tiles.data_ptr(), s.kind, s.rows)]])
+        self.table = torch.tensor([len(segments), 0 if order is None else order.data_ptr(),
+                                   *[v for s in segments for v in
+                                     (s.tiles.data_ptr(), s.kind, s.rows)]])
 
     @classmethod
-    def joined(cls, parts: list["QuantWeight"], lib: native.Library) -> "QuantWeight":
-        """parts' rows one after the other (the same columns)."""
-        return cls([s for p in parts for s in p.segments], parts[0].cols, lib)
+    def joined(cls, parts: list["QuantWeight"], lib: native.Library,
+               order: torch.Tensor | None = None) -> "QuantWeight":
+        """parts' rows one after the other (the same columns, in `order`)."""
+        return cls([s for p in parts for s in p.segments], parts[0].cols, lib, order)
 
     @property
     def kind(self) -> int | None:
@@ -137,6 +145,8 @@ def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if fn is None or x.dim() != 2 or x.shape[1] != weight.cols or x.stride(1) != 1:
         raise ValueError(f"quantized matmul: x must be bfloat16 or float32 [T, {weight.cols}] "
                          f"with contiguous rows, got {x.dtype} {tuple(x.shape)}")
+    if weight.order is not None:
+        x = x.index_select(1, weight.order)
     out = torch.empty((x.shape[0], weight.rows), dtype=x.dtype)
     address, row = out.data_ptr(), 0
     for segment in weight.segments:           # each into its own columns of out's rows

@@ -8,9 +8,12 @@ actors/quant_config.py reads which), unpacked to their integer codes and then:
 - to float weights equal to those blocks' values, so a prefill (the float GEMMs) and a decode
   step (the blocks) compute with the same weights, as for a GGUF file.
 
-A linear the blocks cannot hold — act-order groups (GPTQ desc_act with a g_idx that is not
-k // group_size), a row length not a multiple of 32, a code of -128 after the zero, FP8 —
-keeps only its float weights, exact; the float GEMMs multiply it.
+A GPTQ act-order linear (desc_act: a g_idx that is not k // group_size) has its columns
+sorted by group first, stably, when that makes every 32 columns one group: the blocks hold
+the columns in that order, and the kernels take the activations' columns in it too
+(QuantWeight.order). A linear the blocks cannot hold — groups of other sizes, a row length
+not a multiple of 32, a code of -128 after the zero, FP8 — keeps only its float weights,
+exact; the float GEMMs multiply it.
 """
 from __future__ import annotations
 
@@ -39,6 +42,15 @@ class IntLinear:
     def values(self) -> torch.Tensor:
         g = self.groups
         return self.scales[:, g] * (self.codes - self.zeros[:, g]).float()
+
+    def in_group_order(self) -> tuple["IntLinear", torch.Tensor | None]:
+        """This linear with its columns sorted by group (stably), and that order; (itself,
+        None) where the groups are in column order already."""
+        if (self.groups.diff() >= 0).all():
+            return self, None
+        order = torch.sort(self.groups, stable=True).indices
+        return IntLinear(self.codes[:, order], self.scales, self.zeros, self.groups[order],
+                         self.bits), order
 
     def contiguous_groups(self) -> bool:
         """Each 32 columns in one group, groups in column order."""
@@ -154,16 +166,21 @@ def blocks_of(linear: IntLinear) -> tuple[int, torch.Tensor] | None:
     return quant.Q8_0, raw.reshape(n, -1)
 
 
-def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
-    """One quantized linear's (float32 weight [N, K], its blocks or None); the weight is the
-    blocks' values where there are blocks."""
+def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None,
+                                               torch.Tensor | None]:
+    """One quantized linear's (float32 weight [N, K], its blocks or None, the column order
+    the blocks hold or None); the weight is the blocks' values where there are blocks."""
     if s.packing == "fp8":
-        return _fp8_values(tensors), None
+        return _fp8_values(tensors), None, None
     linear = _READERS[s.packing][1](tensors, s)
-    blocks = blocks_of(linear)
+    ordered, order = linear.in_group_order()
+    blocks = blocks_of(ordered)
     if blocks is None:
-        return linear.values(), None
-    return dequantize_rows(*blocks), blocks
+        return linear.values(), None, None
+    values = dequantize_rows(*blocks)
+    if order is not None:                        # back to the checkpoint's column order
+        values = torch.empty_like(values).index_copy_(1, order, values)
+    return values, blocks, order
 
 
 def float_weights(weights: dict, s: Scheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -180,11 +197,15 @@ def float_weights(weights: dict, s: Scheme, dtype: torch.dtype) -> dict[str, tor
     return out
 
 
-def blocks_by_name(weights: dict, s: Scheme) -> dict[str, tuple[int, torch.Tensor]]:
-    """{`prefix.weight`: (GGML type, raw blocks)} for each linear the blocks hold."""
-    out = {}
+def blocks_by_name(weights: dict, s: Scheme) -> tuple[dict[str, tuple[int, torch.Tensor]],
+                                                        dict[str, torch.Tensor]]:
+    """({`prefix.weight`: (GGML type, raw blocks)} for each linear the blocks hold, {the same
+    name: the column order its blocks hold} for those not in column order)."""
+    blocks, orders = {}, {}
     for prefix, tensors in quantized_linears(weights, s).items():
-        blocks = convert(tensors, s)[1]
-        if blocks is not None:
-            out[f"{prefix}.weight"] = blocks
-    return out
+        _, linear_blocks, order = convert(tensors, s)
+        if linear_blocks is not None:
+            blocks[f"{prefix}.weight"] = linear_blocks
+        if linear_blocks is not None and order is not None:
+            orders[f"{prefix}.weight"] = order
+    return blocks, orders

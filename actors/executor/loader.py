@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -81,19 +82,18 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
         return 0
     kept, roundings = 0, roundings or {}
     with _one_thread():
-        uniform, mixed = (rounded, {}) if rounded is not None else _linear_blocks(info, model)
-        shared = shard_blocks(uniform, model.cfg, model.tp, quant.block_bytes)
-        linears = {name: [blocks] for name, blocks in shared.items()}
-        if model.tp.size == 1:            # mixed weights are not shared among ranks (yet)
-            linears.update(mixed)
-        for name, segments in linears.items():
+        linears = {name: LinearBlocks([blocks], None) for name, blocks in rounded.items()} \
+            if rounded is not None else _linear_blocks(info, model)
+        if model.tp.size > 1:
+            linears = _rank_shares(linears, model)
+        for name, (segments, order) in linears.items():
             linear = model.get_submodule(name)
             if not isinstance(linear, Linear) or not all(
                     quant.packable(t, rows.shape[0], linear.in_features) for t, rows in segments):
                 continue
             weight = quant.QuantWeight.joined(
                 [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
-                 for t, rows in segments], lib)
+                 for t, rows in segments], lib, order)
             linear.use_quantized(weight, max_tokens)
             kept += weight.nbytes
     return kept
@@ -102,31 +102,51 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
 Blocks = tuple[int, torch.Tensor]          # (GGML type, uint8 rows of 32-weight blocks)
 
 
-def _linear_blocks(info: ModelInfo, model) -> tuple[dict[str, Blocks], dict[str, list[Blocks]]]:
-    """The Linears whose stored tensors are all blocks, fused (concatenated by rows) as
-    fuse_weights fuses the float weights: ({module name: blocks} of those of one type,
-    {module name: [blocks, ...]} of those whose sources differ in type, a segment per run of
-    one type: Q4_K_M's Q4_K q_proj and k_proj, then its Q6_K v_proj)."""
+class LinearBlocks(NamedTuple):
+    """A Linear's weight as blocks: row runs of one type each (Q4_K_M's qkv: Q4_K q_proj and
+    k_proj, then Q6_K v_proj), holding its columns in `order` (GPTQ act-order) or as they are
+    (None)."""
+    segments: list[Blocks]
+    order: torch.Tensor | None
+
+
+def _rank_shares(linears: dict[str, LinearBlocks], model) -> dict[str, LinearBlocks]:
+    """This rank's share of each linear of one type in column order (parallel.shard_blocks);
+    the others are not shared among ranks (yet): their float shares serve them."""
+    plain = {name: segments[0] for name, (segments, order) in linears.items()
+             if len(segments) == 1 and order is None}
+    return {name: LinearBlocks([blocks], None) for name, blocks in
+            shard_blocks(plain, model.cfg, model.tp, quant.block_bytes).items()}
+
+
+def _linear_blocks(info: ModelInfo, model) -> dict[str, LinearBlocks]:
+    """The Linears whose stored tensors are all blocks in one column order, fused
+    (concatenated by rows) as fuse_weights fuses the float weights."""
     sources = model.linear_sources(model.cfg)
-    stored = _stored_blocks(info, model.cfg, [n for names in sources.values() for n in names])
-    uniform, mixed = {}, {}
+    stored, orders = _stored_blocks(info, model.cfg,
+                                    [n for names in sources.values() for n in names])
+    out = {}
     for module_name, names in sources.items():
-        if not all(n in stored for n in names):
+        order = orders.get(names[0])
+        if not all(n in stored and _same(orders.get(n), order) for n in names):
             continue
         segments: list[Blocks] = []
         for ggml_type, rows in (stored.pop(n) for n in names):
             if segments and segments[-1][0] == ggml_type:
                 rows = torch.cat([segments.pop()[1], rows])
             segments.append((ggml_type, rows))
-        if len(segments) == 1:
-            uniform[module_name] = segments[0]
-        else:
-            mixed[module_name] = segments
-    return uniform, mixed
+        out[module_name] = LinearBlocks(segments, order)
+    return out
 
 
-def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
-    """{Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks."""
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or a is not None and b is not None and torch.equal(a, b)
+
+
+def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> tuple[dict[str, Blocks],
+                                                                     dict[str, torch.Tensor]]:
+    """({Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks,
+    {name: the column order its blocks hold} where not the weight's own)."""
     if info.format == "gguf":
         types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
                  *gguf_blocks.K_QUANTS}
@@ -134,10 +154,10 @@ def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
                              cfg.num_kv_heads)
         # the K-quants' 256-weight superblocks as 32-weight blocks, which ranks can share
         return {name: gguf_blocks.k_quant_blocks(t, raw) if t in gguf_blocks.K_QUANTS
-                else (t, raw) for name, (t, raw) in stored.items()}
+                else (t, raw) for name, (t, raw) in stored.items()}, {}
     scheme = _hf_scheme(info.path)
     if scheme is None:
-        return {}
+        return {}, {}
     return checkpoint_formats.blocks_by_name(read_safetensors(info.path), scheme)
 
 

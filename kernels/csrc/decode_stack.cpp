@@ -111,6 +111,7 @@ struct Machine {
   T* cur;
   int64_t width;
   std::vector<T> a, b;             // ops write into whichever the current value is not in
+  std::vector<T> ordered;          // a linear's input in its weight's column order
 
   T* next() { return cur == a.data() ? b.data() : a.data(); }
 
@@ -129,19 +130,28 @@ struct Machine {
 
   void linear(const int64_t* o) {
     T* out = next();
-    const int64_t* segments = ptr<int64_t>(o[0]);
+    const int64_t* table = ptr<int64_t>(o[0]);   // kernels/quant.py QuantWeight.table
     const int64_t n = o[1], k = o[2];
+    const T* x = table[1] ? in_order(ptr<int64_t>(table[1]), k) : cur;
     // Each segment (tiles, kind, rows) into its own columns of out's rows, as quant.matmul;
     // its kind is one of kernels/quant.py KINDS (fused_decode.py encodes no other).
-    for (int64_t s = 0, row = 0; s < segments[0]; ++s) {
-      const int64_t* seg = segments + 1 + 3 * s;
-      pw::quant_matmul<T>(seg[1])(out + row, n, cur, k, tokens, ptr<uint8_t>(seg[0]), seg[2], k);
+    for (int64_t s = 0, row = 0; s < table[0]; ++s) {
+      const int64_t* seg = table + 2 + 3 * s;
+      pw::quant_matmul<T>(seg[1])(out + row, n, x, k, tokens, ptr<uint8_t>(seg[0]), seg[2], k);
       row += seg[2];
     }
     if (o[3]) add_bias(out, ptr<T>(o[3]), n);
     if (lora_table && o[4] >= 0)
       Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[4], lora_slots);
     cur = out, width = n;
+  }
+
+  // cur's k columns taken in `order` (a GPTQ act-order weight's), as quant.matmul does.
+  const T* in_order(const int64_t* order, int64_t k) {
+    ordered.resize(tokens * k);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < k; ++j) ordered[t * k + j] = cur[t * k + order[j]];
+    return ordered.data();
   }
 
   // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.

@@ -137,7 +137,7 @@ FORMATS = {
 }
 # Formats whose codes the blocks hold: the layers' decode steps run the quantized kernels.
 BLOCKS = {"gptq-v1-4bit-g32": quant.Q4_1, "gptq-v2-4bit-channel": quant.Q4_1,
-          "gptq-8bit-sym-g32": quant.Q8_0, "awq-g32": quant.Q4_1,
+          "gptq-8bit-sym-g32": quant.Q8_0, "gptq-desc-act": quant.Q4_1, "awq-g32": quant.Q4_1,
           "compressed-w4a16": quant.Q4_1, "compressed-w8a8": quant.Q8_0}
 
 
@@ -177,12 +177,15 @@ def test_unpacking_gives_the_codes_back(fmt):
     scheme = read_scheme(qcfg, "test")
     linear = cf._READERS[scheme.packing][1](tensors, scheme)
     assert torch.equal(linear.values(), values.float())
-    weight, blocks = cf.convert(tensors, scheme)
-    if fmt == "gptq-desc-act":
-        assert blocks is None and torch.equal(weight, values.float())
-        return
+    weight, blocks, order = cf.convert(tensors, scheme)
     assert blocks[0] == BLOCKS[fmt]
     assert torch.equal(weight, values.float())
+    if fmt != "gptq-desc-act":
+        assert order is None
+        return
+    # act-order: the blocks hold the columns sorted by group, 32 to a group
+    assert torch.equal(linear.groups[order], torch.arange(96) // 32)
+    assert torch.equal(cf.dequantize_rows(*blocks), values.float()[:, order])
 
 
 def _prompts():
@@ -200,6 +203,11 @@ def test_a_quantized_checkpoint_matches_transformers_on_its_float_values(tiny_ll
         kinds = {m.quantized.kind % 100 if m.quantized else None
                  for name, m in model.named_modules() if name.endswith(("qkv", "down"))}
         assert kinds == ({BLOCKS[fmt]} if fmt in BLOCKS else {None}), kinds
+        ordered = {name for name, m in model.named_modules()
+                   if getattr(m, "quantized", None) is not None and m.quantized.order is not None}
+        assert len(ordered) == (4 * 2 if fmt == "gptq-desc-act" else 0), ordered
+        if fmt == "gptq-desc-act":      # the fused decode stack takes x in each one's order
+            assert model.fused_decode is not None
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
                         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     oracle = HFOracle.from_dir(float_dir)

@@ -199,7 +199,7 @@ def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_co
         [quant.pack(TYPES[qtype], raw, 256, native_lib, rounding) for (raw, _), qtype, rounding
          in zip(parts, ("Q4_K", "Q6_K", "Q8_0"), ("exact", "exact", "int16"))], native_lib)
     assert weight.rows == 96 and weight.kind is None
-    assert weight.table.tolist() == [3, weight.segments[0].tiles.data_ptr(), quant.Q4_K, 32,
+    assert weight.table.tolist() == [3, 0, weight.segments[0].tiles.data_ptr(), quant.Q4_K, 32,
                                      weight.segments[1].tiles.data_ptr(), quant.Q6_K, 16,
                                      weight.segments[2].tiles.data_ptr(), quant.Q8_0 + 200, 48]
     x = torch.from_numpy(rng.standard_normal((tokens, 256)).astype(np.float32))
@@ -209,3 +209,20 @@ def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_co
                                                (slice(0, 32), slice(32, 48), slice(48, 96))):
         alone = quant.matmul(x, quant.pack(TYPES[qtype], raw, 256, native_lib, rounding))
         assert torch.equal(out[:, cols], alone)
+
+
+def test_a_weight_in_another_column_order_takes_x_in_that_order(native_lib):
+    """Blocks holding W's columns in `order` (GPTQ act-order) times x: x @ W^T, as the blocks
+    of W's own order give (the same sums in another order: float32 rounding apart)."""
+    rng = np.random.default_rng(9)
+    raw, held = blocks_of(rng.standard_normal((32, 96)) * 0.1, "Q8_0")
+    order = torch.from_numpy(rng.permutation(96))
+    w = torch.empty_like(held).index_copy_(1, order, held)       # W[:, order] = the blocks'
+    weight = quant.QuantWeight.joined([quant.pack(quant.Q8_0, raw, 96, native_lib)],
+                                      native_lib, order)
+    assert weight.table.tolist()[:2] == [1, order.data_ptr()]
+    x = torch.from_numpy(rng.standard_normal((3, 96)).astype(np.float32))
+    ref = x.double() @ w.T
+    assert ((quant.matmul(x, weight).double() - ref).abs() <= 1e-5).all()
+    with pytest.raises(ValueError, match="int64 \\[96\\]"):
+        quant.QuantWeight.joined([weight], native_lib, order[:95])
