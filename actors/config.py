@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     threads: int | None = None               # torch threads in the executor; None: all cores
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
-                                             # stored (Q4_0, Q4_1, Q8_0); 0: always dequantized
+                                             # stored; 0: never; -1: every step (no float copy)
     quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
@@ -152,6 +152,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self._check_transfer(info)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.quantized_matmul_tokens < -1:
+            raise ValueError("quantized_matmul_tokens must be -1 (every step), 0 (none) or "
+                             f"positive, got {self.quantized_matmul_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")

@@ -49,6 +49,11 @@ class Linear(nn.Linear):
                              f"Linear({self.in_features}, {self.out_features})")
         self.quantized, self.quantized_max_tokens = weight, max_tokens
 
+    def drop_float(self) -> None:
+        """Keep only the quantized weight: every step multiplies it (use_quantized's
+        max_tokens must cover them all)."""
+        self.weight, self.packed, self.packed_bias = None, None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
             out = quant.matmul(x, self.quantized)

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -72,12 +73,13 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
     Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
     quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
-    up to `max_tokens` tokens; returns the bytes kept.
+    up to `max_tokens` tokens (-1: every step, and those Linears drop their float copies);
+    returns the bytes kept.
     Only where the activations are bfloat16 or float32 (the kernels' dtypes). `lib`: the
     backend's native library; `roundings`: GGML type -> how its weights meet the
     activations (kernels/quant.py ROUNDINGS; a type not named: exact)."""
     rounded, model.rounded_blocks = getattr(model, "rounded_blocks", None), None
-    if max_tokens <= 0 or not quant.available(lib) \
+    if max_tokens == 0 or not quant.available(lib) \
             or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
         return 0
     kept, roundings = 0, roundings or {}
@@ -94,7 +96,9 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
             weight = quant.QuantWeight.joined(
                 [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
                  for t, rows in segments], lib, order)
-            linear.use_quantized(weight, max_tokens)
+            linear.use_quantized(weight, max_tokens if max_tokens > 0 else sys.maxsize)
+            if max_tokens < 0:
+                linear.drop_float()
             kept += weight.nbytes
     return kept
 

@@ -87,6 +87,27 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{qtype} prompt {len(prompt)}")
 
 
+def test_blocks_only_serve_every_step_with_no_float_copies(tiny_llama, tmp_path, tokenizer_meta):
+    """--quantized-matmul-tokens -1: prefill too multiplies the blocks, and the Linears hold
+    no float weights; transformers' greedy tokens on the same file still."""
+    from transformers import AutoModelForCausalLM
+    hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_K_M")
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256,
+              quantized_matmul_tokens=-1)
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.weight is None and m.packed is None and m.quantized for m in linears)
+    oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                           dtype=torch.float32))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 45)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"prompt {len(prompt)}")
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
 def test_tensor_parallel_ranks_multiply_their_share_of_the_files_blocks(tiny_llama, tmp_path,
                                                                         tokenizer_meta, qtype):
