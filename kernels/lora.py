@@ -67,13 +67,44 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, adapters, slot: int) -> None:
                 0, rows, (mid[:, r0:r1] @ b.float()).to(y.dtype))
 
 
+def stacked_dense(weights: list[dict], slot: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor] | None:
+    """The step's adapters' dense weights for linear `slot`, stacked for one launch:
+    (A [L, R, K], Bt [L, R, N] scaled, ranks [L] int32; R the largest rank, a smaller one
+    zero-padded; an adapter that leaves the linear alone has rank 0), or None where none of
+    them touches it. `weights`: each adapter's {slot: LoraWeights}."""
+    held = [w.get(slot) for w in weights]
+    present = [lw for lw in held if lw is not None]
+    if not present:
+        return None
+    rank = max(lw.a.shape[0] for lw in present)
+    k, n, device = present[0].a.shape[1], present[0].n, present[0].a.device
+    a = torch.zeros(len(held), rank, k, device=device)
+    bt = torch.zeros(len(held), rank, n, device=device)
+    for i, lw in enumerate(held):
+        if lw is not None:
+            dense_a, dense_bt = lw.dense
+            a[i, :dense_a.shape[0]], bt[i, :dense_bt.shape[0]] = dense_a, dense_bt
+    ranks = torch.tensor([0 if lw is None else lw.a.shape[0] for lw in held],
+                         dtype=torch.int32, device=device)
+    return a, bt, ranks
+
+
 if HAS_TRITON:
     @triton.jit
-    def _lora_kernel(y_ptr, x_ptr, rows_ptr, a_ptr, bt_ptr, n, k, r, stride_y, stride_x,
+    def _lora_kernel(y_ptr, x_ptr, of_row_ptr, a_ptr, bt_ptr, ranks_ptr, n, k, rank,
+                     stride_y, stride_x,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Program (row, column tile): mid = A x[row] in float32 (each tile computes it: R
-        is small), then the tile's columns of y[row] += mid Bt."""
-        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+        """Program (row, column tile) of every row of the step: its adapter's (none: the
+        row's y is left as it is) mid = A x[row] in float32 (each tile computes it: R is
+        small), then the tile's columns of y[row] += mid Bt."""
+        row = tl.program_id(0).to(tl.int64)
+        adapter = tl.load(of_row_ptr + row)
+        held = adapter >= 0
+        adapter = tl.maximum(adapter, 0).to(tl.int64)
+        r = tl.where(held, tl.load(ranks_ptr + adapter), 0)
+        a_ptr += adapter * rank * k
+        bt_ptr += adapter * rank * n
         ranks = tl.arange(0, BLOCK_R)
         mid = tl.zeros([BLOCK_R], dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
@@ -86,29 +117,31 @@ if HAS_TRITON:
         bt = tl.load(bt_ptr + ranks[:, None] * n + outs[None, :],
                      mask=(ranks[:, None] < r) & (outs[None, :] < n), other=0.0)
         delta = tl.sum(bt * mid[:, None], axis=0)
-        y = tl.load(y_ptr + row * stride_y + outs, mask=outs < n, other=0.0)
+        mask = outs < tl.where(held, n, 0)                # a base row's y stays as it is
+        y = tl.load(y_ptr + row * stride_y + outs, mask=mask, other=0.0)
         tl.store(y_ptr + row * stride_y + outs, (y.to(tl.float32) + delta).to(y.dtype),
-                 mask=outs < n)
+                 mask=mask)
 
 
-def triton_lora_delta(y: torch.Tensor, x: torch.Tensor, adapters, slot: int) -> None:
-    """As lora_delta: one launch per adapter holding the slot (a step has at most max_loras),
-    every row of it and every column tile at once. y, x: rows may be strided, last dimension
-    contiguous."""
+def triton_lora_delta(y: torch.Tensor, x: torch.Tensor, adapter_of_row: torch.Tensor,
+                      stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """As lora_delta, in one launch for every row and column tile, whatever the adapters:
+    adapter_of_row [T] int64 (-1: the base model), `stacked` as stacked_dense gives (None:
+    no adapter touches the linear). y, x: rows may be strided, last dimension contiguous."""
     require_triton()
     check(y.stride(-1) == 1 and x.stride(-1) == 1, "lora_delta: last dimensions contiguous")
+    if stacked is None:
+        return
+    a, bt, ranks = stacked
     tokens, n = y.shape
     k = x.shape[1]
-    for weights, rows in adapters:
-        lw = weights.get(slot)
-        if lw is None or not rows.numel():
-            continue
-        a, bt = lw.dense
-        check(a.is_contiguous() and bt.is_contiguous() and a.shape[1] == k and
-              bt.shape == (a.shape[0], n), "lora_delta: A [R, K] and Bt [R, N] contiguous")
-        check_same_device(y=y, x=x, rows=rows, a=a, bt=bt)
-        block_n = min(256, next_pow2(n))
-        _lora_kernel[(rows.numel(), triton.cdiv(n, block_n))](
-            y, x, rows, a, bt, n, k, a.shape[0], y.stride(0), x.stride(0),
-            BLOCK_R=max(16, next_pow2(a.shape[0])), BLOCK_K=min(128, next_pow2(k)),
-            BLOCK_N=block_n)
+    check(a.is_contiguous() and bt.is_contiguous() and a.shape[2] == k and
+          bt.shape == (*a.shape[:2], n) and adapter_of_row.shape == (tokens,) and
+          adapter_of_row.dtype == torch.int64,
+          "lora_delta: A [L, R, K] and Bt [L, R, N] contiguous, adapter_of_row int64 [T]")
+    check_same_device(y=y, x=x, adapter_of_row=adapter_of_row, a=a, bt=bt, ranks=ranks)
+    block_n = min(256, next_pow2(n))
+    _lora_kernel[(tokens, triton.cdiv(n, block_n))](
+        y, x, adapter_of_row, a, bt, ranks, n, k, a.shape[1], y.stride(0), x.stride(0),
+        BLOCK_R=max(16, next_pow2(a.shape[1])), BLOCK_K=min(128, next_pow2(k)),
+        BLOCK_N=block_n)

@@ -35,7 +35,7 @@ class TritonOps(TorchOps):
         return triton_silu_and_mul(gate_up)
 
     def lora_delta(self, y, x, lora, slot):
-        triton_lora_delta(y, x, zip(lora.weights, lora.rows), slot)
+        triton_lora_delta(y, x, lora.adapter_of_row, lora.dense(slot))
 
     def write_kv(self, kv_cache, k, v, slots):
         triton_write_kv(kv_cache, k, v, slots)

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights
+from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights, stacked_dense
 from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, read_adapter
@@ -137,6 +137,14 @@ class LoraBatch:
         self.adapters = adapters                     # kept alive while the tables point at them
         self.table = torch.stack([a.table for a in adapters])
         self.weights = [a.weights for a in adapters]
+        self._dense: dict[int, tuple | None] = {}
+
+    def dense(self, slot: int):
+        """Linear `slot`'s weights of the step's adapters stacked for one launch
+        (kernels/lora.py stacked_dense), made once a step."""
+        if slot not in self._dense:
+            self._dense[slot] = stacked_dense(self.weights, slot)
+        return self._dense[slot]
 
     @functools.cached_property
     def rows(self) -> list[torch.Tensor]:

@@ -326,17 +326,40 @@ def test_silu_and_mul(inter):
 @on_cpu
 @pytest.mark.parametrize("tokens, n, k", [(1, 300, 200), (10, 64, 576), (5, 1000, 33)])
 def test_lora_delta(tokens, n, k):
-    from pagewire.kernels.lora import lora_delta, triton_lora_delta
+    """One launch for every row, adapters of ranks 4, 16 and 1 (zero-padded to 16) mixed
+    with base rows, which stay as they were; an adapter without the linear adds nothing."""
+    from pagewire.kernels.lora import lora_delta, stacked_dense, triton_lora_delta
     from tests.helpers import lora_case
-    x, _, adapters, _ = lora_case(tokens, n, k, (4, 16, 1), seed=n)
+    x, of_row, adapters, _ = lora_case(tokens, n, k, (4, 16, 1), seed=n)
+    weights = [w for w, _ in adapters]
     base = torch.randn(tokens, n, generator=torch.Generator().manual_seed(1))
     ours, ref = base.clone(), base.clone()
-    triton_lora_delta(ours, x, adapters, 0)
+    stacked = stacked_dense(weights, 0)
+    assert stacked[0].shape == (3, 16, k) and stacked[2].tolist() == [4, 16, 1]
+    triton_lora_delta(ours, x, of_row, stacked)
     lora_delta(ref, x, adapters, 0)
     torch.testing.assert_close(ours, ref, **TOL)
     assert torch.equal(ours[2::3], base[2::3])
+    without_first = [{}, *weights[1:]]            # adapter 0 leaves this linear alone
+    ours, ref = base.clone(), base.clone()
+    triton_lora_delta(ours, x, of_row, stacked_dense(without_first, 0))
+    lora_delta(ref, x, list(zip(without_first, (rows for _, rows in adapters))), 0)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert torch.equal(ours[0::3], base[0::3])
+    assert stacked_dense([{}, {}], 0) is None
     with pytest.raises(ValueError, match="contiguous"):
-        triton_lora_delta(ours, x.T, adapters, 0)
+        triton_lora_delta(ours, x.T, of_row, stacked)
+    # TritonOps takes a step's LoraBatch (executor/lora.py), stacking once per linear
+    from types import SimpleNamespace
+
+    from pagewire.executor.lora import LoraBatch
+    batch = LoraBatch(of_row, [SimpleNamespace(table=torch.zeros(1, 6, dtype=torch.int64),
+                                               weights=w) for w in weights])
+    ours, ref = base.clone(), base.clone()
+    select_ops(torch.device("cpu"), "triton").lora_delta(ours, x, batch, 0)
+    lora_delta(ref, x, adapters, 0)
+    torch.testing.assert_close(ours, ref, **TOL)
+    assert batch.dense(0) is batch.dense(0)
 
 
 # ---- sampling ------------------------------------------------------------------------------
