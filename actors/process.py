@@ -40,7 +40,7 @@ _PR_SET_PDEATHSIG = 1
 STOP_SIGNAL = signal.SIGUSR1   # the supervisor's "exit now"
 FATAL_EXIT_CODE = 1            # an actor that exits so has sent Fatal first
 HEARTBEAT_INTERVAL = 1.0     # seconds; an actor silent for HEARTBEAT_TIMEOUT counts as hung
-HEARTBEAT_TIMEOUT = 10.0
+HEARTBEAT_TIMEOUT = float(os.environ.get("PAGEWIRE_HEARTBEAT_TIMEOUT", "10"))
 
 
 @dataclass

@@ -150,7 +150,9 @@ def test_a_hung_executor_stops_the_watchdog_pings():
         address = os.path.join(tmp, "notify.sock")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(address)
-        with running_server(SMALL, {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "2000000"}) as srv:
+        env = {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "2000000",
+               "PAGEWIRE_HEARTBEAT_TIMEOUT": "3"}
+        with running_server(SMALL, env) as srv:
             def pings_within(seconds: float) -> int:
                 sock.settimeout(0.2)
                 count, deadline = 0, time.monotonic() + seconds
@@ -164,7 +166,7 @@ def test_a_hung_executor_stops_the_watchdog_pings():
             executor = actors(srv)["executor 0"]
             os.kill(executor, signal.SIGSTOP)           # hung: alive, but its loop is stuck
             try:
-                pings_within(12)                         # past the 10 s heartbeat timeout
+                pings_within(5)                          # past the 3 s heartbeat timeout
                 assert pings_within(3) == 0
             finally:
                 os.kill(executor, signal.SIGCONT)
