@@ -135,8 +135,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("disable_cascade_attn", "no cascade attention: decode rows under one shared "
                "prefix each read it themselves (see \"Cascade attention\")"),
         Option("quantized_matmul_tokens", "steps of up to this many tokens multiply a GGUF model's "
-               "weights as stored (every type but Q2_K, as blocks of the same values: see \"Models "
-               "and start-up\"), a quantized checkpoint's and --quantization's blocks "
+               "weights as stored (as blocks of the same values: see \"Models and start-up\"), a "
+               "quantized checkpoint's and --quantization's blocks "
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
                "steps use the dequantized copy; `0`: never; `-1`: every step, and linears on "
                "blocks keep no dequantized copy (a fraction of the memory, slower prefill)"),

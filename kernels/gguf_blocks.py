@@ -1,8 +1,8 @@
 """GGUF's block formats: their parts, and the blocks of the same values the tiles take.
 
-kernels/quant.py packs 32-weight blocks of four tile types: Q4_1 (fp16 d and m, nibbles),
+kernels/quant.py packs 32-weight blocks of six tile types: Q4_1 (fp16 d and m, nibbles),
 Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per 16
-columns, int8) and Q5_K (float32 d and m, int8). The file's other types become blocks of one
+columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The file's other types become blocks of one
 of those holding exactly the same values (as_tile_blocks): a K-quant's effective scale, fp16
 d times a sub-block's 6- or 8-bit scale, is exact in float32, not in fp16. The *_parts
 functions also serve dequantization (actors/executor/gguf_weights.py).
@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 # GGML type ids
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL = 2, 3, 6, 7, 8, 11, 12, 13, 14, 20
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = 2, 3, 6, 7, 8, 20
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 # bytes of a 256-weight superblock in the file
-K_QUANTS = {Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+K_QUANTS = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a weight is d * level[nibble]
 IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -110,6 +111,19 @@ def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return _f16(blocks, 0) * sc.float(), -_f16(blocks, 2) * mn.float(), low | (high << 4)
 
 
+def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K superblocks uint8 [n, 84] (16 bytes of 4-bit scale and 4-bit minimum per 16
+    weights, 64 bytes of bit pairs, fp16 d, fp16 dmin) -> (scale, minimum: float32 [n, 16],
+    exact; quants uint8 [n, 16, 16] in 0..3): weight i of sub-block j is scale[j] * q[j, i] +
+    minimum[j]."""
+    n = blocks.shape[0]
+    s = blocks[:, :16]
+    pairs = blocks[:, 16:80].reshape(n, 2, 1, 32)                             # [n, half, 1, l]
+    q = torch.cat([(pairs >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2)   # [n, 2, 4, 32]
+    return (_f16(blocks, 80) * (s & 0x0F).float(), -_f16(blocks, 82) * (s >> 4).float(),
+            q.reshape(n, 16, 16))
+
+
 def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q3_K superblocks uint8 [n, 110] (32 bytes of high bits, 64 of bit pairs, 12 bytes of
     sixteen 6-bit scales stored + 32, fp16 d) -> (scale float32 [n, 16], exact; quants int8
@@ -145,7 +159,8 @@ def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor
     a tile type holding the same values: (tile type, uint8 [rows, cols / 32 * its bytes]).
     Q4_K, Q5_K: (scale, minimum) float32, then the sub-block's nibbles in Q4_1's order
     (weights 0-15 low, 16-31 high; Q4_K) or bytes (Q5_K); Q3_K and Q6_K as Q6_K: the two
-    16-weight sub-blocks' scales float32, then 32 int8."""
+    16-weight sub-blocks' scales float32, then 32 int8; Q2_K: their two scales and two
+    minimums float32, then 32 bytes."""
     if ggml_type not in K_QUANTS:
         raise ValueError(f"GGML type {ggml_type} is not a K-quant")
     rows, superblocks = raw.shape[0], raw.reshape(-1, K_QUANTS[ggml_type])
@@ -154,6 +169,10 @@ def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor
         scale, minimum, q = parts(superblocks)
         quants = q[..., :16] | (q[..., 16:] << 4) if ggml_type == Q4_K else q   # [n, 8, .]
         head, tile = torch.stack([scale, minimum], dim=-1), ggml_type           # [n, 8, 2]
+    elif ggml_type == Q2_K:
+        scale, minimum, q = q2_k_parts(superblocks)
+        head = torch.cat([scale.reshape(-1, 8, 2), minimum.reshape(-1, 8, 2)], dim=-1)
+        quants, tile = q.reshape(-1, 8, 32), Q2_K
     else:
         scale, q = (q3_k_parts if ggml_type == Q3_K else q6_k_parts)(superblocks)
         quants, head, tile = q.reshape(-1, 8, 32).view(torch.uint8), scale.reshape(-1, 8, 2), Q6_K

@@ -20,15 +20,16 @@ from typing import NamedTuple
 import torch
 
 from . import native
-from .gguf_blocks import AS_TILE_BLOCKS, IQ4_NL, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
+                          Q8_0)
 
 # bytes of one 32-weight block of each type pack() takes: the file's (Q4_0 ... IQ4_NL), or
 # its tile types' (gguf_blocks.py makes them of the K-quants and Q5_1)
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
-                Q4_K: 24, Q5_K: 40, Q6_K: 40}
+                Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48}
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
 # float32), and the types whose quants are nibbles (Q4 tiles)
-_SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4)}
+_SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4), Q2_K: (4, 4)}
 _NIBBLES = (Q4_1, Q4_K)
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
@@ -113,7 +114,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's first (AS_TILE_BLOCKS).
     rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column block
     and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
-    row's four adjacent columns together."""
+    row's four adjacent columns together (Q2_K too)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")

@@ -28,20 +28,22 @@ namespace pw::avx2 {
 constexpr int64_t kRows = 16;
 constexpr int kMaxBatch = 4;      // tokens per pass over the weights (16 ymm registers)
 
-// x in float32 [T][K] and, for a tile's minimum, its sums over each 32-column block [T][K/32].
+// x in float32 [T][K] and, for a tile's minimums, its sums over each of a 32-column block's
+// `groups` column groups [T][K / 32 * groups] (0 groups: none).
 struct Activations {
   int64_t T, K;
   std::vector<float> xf, sums;
 
   template <typename In>
-  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, bool block_sums)
+  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
       : T(T_), K(K_), xf(T_ * K_) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(x[t * x_stride + k]);
-    if (!block_sums) return;
-    sums.assign(T * (K / 32), 0.f);
+    if (!groups) return;
+    const int64_t per_token = K / 32 * groups, width = 32 / groups;
+    sums.assign(T * per_token, 0.f);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) sums[t * (K / 32) + k / 32] += xf[t * K + k];
+      for (int64_t k = 0; k < K; ++k) sums[t * per_token + k / width] += xf[t * K + k];
   }
 };
 
@@ -85,7 +87,8 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
       }
     }
     // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
-    const __m256 d = Tile::scales8(tile, 0, half % 2), mn = Tile::scales8(tile, 1, half % 2);
+    const __m256 d = Tile::scales8(tile, 0, half % 2);
+    const __m256 mn = Tile::scales8(tile, Tile::minimum(0), half % 2);
     for (int m = 0; m < M; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
       acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
@@ -94,9 +97,9 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Q8 tiles (Q8_0, Q6_K, Q5_K): byte [k][l] of a tile is column k of row l. Two chains a
-// token: even and odd columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16
-// and >= 16 under their own (Q6_K).
+// Q8 tiles (Q8_0, Q6_K, Q5_K, Q2_K): byte [k][l] of a tile is column k of row l. Two chains a
+// token: even and odd columns under one scale (Q8_0, Q5_K), or columns < 16 and >= 16 under
+// their own (Q6_K, Q2_K); plus each group's m * sum(x) (Q5_K, Q2_K).
 template <int M, typename Tile, typename Out>
 void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
              int64_t K, int64_t half) {
@@ -131,11 +134,14 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
       for (int m = 0; m < M; ++m)
         acc[m] = _mm256_fmadd_ps(_mm256_add_ps(first[m], second[m]), d0, acc[m]);
     }
-    if constexpr (Tile::kMin) {
-      const __m256 mn = Tile::scales8(tile, 1, half % 2);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
-    }
+    if constexpr (Tile::kMin)
+      for (int s = 0; s < Tile::kSplits; ++s) {
+        const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half % 2);
+        for (int m = 0; m < M; ++m) {
+          const float sum = sums[(m * nb + b) * Tile::kSplits + s];
+          acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
+        }
+      }
   }
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
@@ -145,7 +151,7 @@ template <int M, typename Tile, typename Out>
 void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
           int64_t N) {
   const float* x = a.xf.data() + t * a.K;
-  const float* sums = Tile::kMin ? a.sums.data() + t * (a.K / 32) : nullptr;
+  const float* sums = Tile::kMin ? a.sums.data() + t * (a.K / 32) * Tile::kSplits : nullptr;
   at::parallel_for(0, N / 8, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t half = h0; half < h1; ++half) {
       if constexpr (Tile::kQ4)
@@ -160,7 +166,7 @@ void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* 
 template <typename Tile, typename T>
 void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kMin);
+  const Activations a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 0);
   for (int64_t t = 0; t < tokens; t += kMaxBatch) {
     T* o = out + t * out_stride;
     switch (std::min<int64_t>(kMaxBatch, tokens - t)) {

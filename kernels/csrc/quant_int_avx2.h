@@ -33,22 +33,25 @@ struct IntActivations {
   int64_t T, K;
   std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
   std::vector<int16_t> whole;      // [T][K] the rounded value itself (P = 2 only)
-  std::vector<float> scale, sum;   // [T][K / 32]: the last plane's unit; the sum of x
+  std::vector<float> scale;        // [T][K / 32]: the last plane's unit
+  std::vector<float> sum;          // [T][K / 32][groups]: the sum of x over each column group
 
   const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
 
+  // groups: the column groups of a block a tile's minimums need sums of (Q2_K: 2 of 16).
   template <typename In>
-  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_)
+  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
       : T(T_), K(K_), q(T_ * P * K_), whole(P == 2 ? T_ * K_ : 0), scale(T_ * (K_ / 32)),
-        sum(T_ * (K_ / 32)) {
+        sum(T_ * (K_ / 32) * groups, 0.f) {
     float v[32];
     for (int64_t t = 0; t < T; ++t)
       for (int64_t b = 0; b < K / 32; ++b) {
-        float top = 0.f, total = 0.f;
+        float top = 0.f;
+        float* total = sum.data() + (t * (K / 32) + b) * groups;
         for (int k = 0; k < 32; ++k) {
           v[k] = to_float(x[t * x_stride + b * 32 + k]);
           top = std::max(top, std::fabs(v[k]));
-          total += v[k];
+          total[k / (32 / groups)] += v[k];
         }
         const float inv = top > 0.f ? kTop / top : 0.f;
         for (int k = 0; k < 32; ++k) {
@@ -60,7 +63,6 @@ struct IntActivations {
           whole[t * K + b * 32 + k] = static_cast<int16_t>(r);
         }
         scale[t * (K / 32) + b] = top / kTop;
-        sum[t * (K / 32) + b] = total;
       }
   }
 };
@@ -110,7 +112,8 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
           }
       }
       for (int half = 0; half < 2; ++half) {
-        const __m256 d = Tile::scales8(tile, 0, half), mn = Tile::scales8(tile, 1, half);
+        const __m256 d = Tile::scales8(tile, 0, half);
+        const __m256 mn = Tile::scales8(tile, Tile::minimum(0), half);
         for (int m = 0; m < M; ++m) {
           __m256i planes[P];
           for (int p = 0; p < P; ++p)
@@ -150,11 +153,14 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
       __m256 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-        if constexpr (Tile::kMin) {    // m * sum(x) of the unrounded activations (Q5_K)
-          const __m256 mn = Tile::scales8(tile, 1, h);
-          for (int m = 0; m < M; ++m)
-            acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]), acc[m]);
-        }
+        if constexpr (Tile::kMin)      // m * sum(x) of the unrounded activations
+          for (int s = 0; s < Tile::kSplits; ++s) {
+            const __m256 mn = Tile::scales8(tile, Tile::minimum(s), h);
+            for (int m = 0; m < M; ++m) {
+              const float sum = a.sum[((t + m) * nb + b) * Tile::kSplits + s];
+              acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
+            }
+          }
         for (int s = 0; s < Tile::kSplits; ++s) {
           __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
           for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
@@ -200,13 +206,15 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-      if constexpr (Tile::kMin)      // m * sum(x) of the unrounded activations (Q5_K)
-        for (int half = 0; half < 2; ++half) {
-          const __m256 mn = Tile::scales8(tile, 1, half);
-          for (int m = 0; m < M; ++m)
-            acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]),
-                                           acc[m][half]);
-        }
+      if constexpr (Tile::kMin)      // m * sum(x) of the unrounded activations
+        for (int s = 0; s < Tile::kSplits; ++s)
+          for (int half = 0; half < 2; ++half) {
+            const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half);
+            for (int m = 0; m < M; ++m) {
+              const float sum = a.sum[((t + m) * nb + b) * Tile::kSplits + s];
+              acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m][half]);
+            }
+          }
       for (int s = 0; s < Tile::kSplits; ++s) {
         __m256i sum[M][2];
         for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
@@ -260,7 +268,7 @@ template <int P, typename Tile, typename T>
 void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                 const uint8_t* packed, int64_t N, int64_t K) {
   constexpr int kBatch = IntGroups<1, P, Tile, T>::kBatch;
-  const IntActivations<P> a(x, x_stride, tokens, K);
+  const IntActivations<P> a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
     const int64_t m = std::min<int64_t>(kBatch, tokens - t);

@@ -1,4 +1,4 @@
-// Matrix-vector products with GGUF-quantized weights (Q4_1, Q4_K, Q8_0, Q5_K, Q6_K tiles) for
+// Matrix-vector products with GGUF-quantized weights (Q4_1, Q4_K, Q8_0, Q6_K, Q5_K, Q2_K tiles) for
 // small batches, reading the weights in their quantized form: at batch 1 a step is bound by
 // the bytes of weights read, and Q4_1 is 0.625 bytes a weight against bfloat16's 2.
 //
@@ -76,7 +76,7 @@ inline bf16 to_bf16(float x) {
 //     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
 //     and sums[t][b], the float32 sum of x over block b (Q4_1's minimum multiplies it);
 //   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead),
-//     and for a minimum (Q5_K) sums as above.
+//     and for minimums (Q5_K, Q2_K) sums[t][b][g] over each of a block's `groups` column groups.
 enum Use { kParts, kFloat };
 
 struct Activations {
@@ -85,15 +85,15 @@ struct Activations {
   std::vector<float> sums, xf;
 
   template <typename In>
-  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use, bool min)
+  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use, int groups)
       : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1) {
     if (use == kFloat) {
       xf.resize(T * K);
-      if (min) sums.assign(T * (K / 32), 0.f);
+      sums.assign(T * (K / 32) * groups, 0.f);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t k = 0; k < K; ++k) {
           xf[t * K + k] = to_float(x[t * x_stride + k]);
-          if (min) sums[t * (K / 32) + k / 32] += xf[t * K + k];
+          if (groups) sums[(t * K + k) / (32 / groups)] += xf[t * K + k];
         }
       return;
     }
@@ -138,7 +138,7 @@ void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_str
             hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)bcast_pair(xb + 16));
           }
       }
-      const __m512 d = Tile::scales16(tile, 0), mn = Tile::scales16(tile, 1);
+      const __m512 d = Tile::scales16(tile, 0), mn = Tile::scales16(tile, Tile::minimum(0));
       for (int m = 0; m < M; ++m) {   // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), d, acc[m]);
         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m * nb + b]), acc[m]);
@@ -183,11 +183,14 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
       }
-      if constexpr (Tile::kMin) {
-        const __m512 mn = Tile::scales16(tile, 1);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m * nb + b]), acc[m]);
-      }
+      if constexpr (Tile::kMin)
+        for (int s = 0; s < Tile::kSplits; ++s) {
+          const __m512 mn = Tile::scales16(tile, Tile::minimum(s));
+          for (int m = 0; m < M; ++m) {
+            const float sum = sums[(m * nb + b) * Tile::kSplits + s];
+            acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
+          }
+        }
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
@@ -208,7 +211,7 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
       else
         q4_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
     } else {
-      const float* sums = Tile::kMin ? a.sums.data() + t * nb : nullptr;
+      const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
     }
   });
@@ -217,7 +220,8 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
 template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat, Tile::kMin);
+  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat,
+                      Tile::kMin ? Tile::kSplits : 0);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
     const int64_t g = N / kRows;
@@ -240,7 +244,7 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
-// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), plus 100 for int8 or
+// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13, Q6_K 14), plus 100 for int8 or
 // 200 for int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
 // CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
@@ -252,6 +256,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 12: return matmul<Q4_KTile, T>;
     case 13: return matmul<Q5_KTile, T>;
     case 14: return matmul<Q6_KTile, T>;
+    case 10: return matmul<Q2_KTile, T>;
   }
 #elif defined(__AVX2__)
   switch (kind) {
@@ -260,6 +265,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 12: return avx2::matmul<Q4_KTile, T>;
     case 13: return avx2::matmul<Q5_KTile, T>;
     case 14: return avx2::matmul<Q6_KTile, T>;
+    case 10: return avx2::matmul<Q2_KTile, T>;
   }
 #endif
 #if defined(__AVX2__)
@@ -269,11 +275,13 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 112: return avx2::matmul_int<1, Q4_KTile, T>;
     case 113: return avx2::matmul_int<1, Q5_KTile, T>;
     case 114: return avx2::matmul_int<1, Q6_KTile, T>;
+    case 110: return avx2::matmul_int<1, Q2_KTile, T>;
     case 203: return avx2::matmul_int<2, Q4_1Tile, T>;
     case 208: return avx2::matmul_int<2, Q8_0Tile, T>;
     case 212: return avx2::matmul_int<2, Q4_KTile, T>;
     case 213: return avx2::matmul_int<2, Q5_KTile, T>;
     case 214: return avx2::matmul_int<2, Q6_KTile, T>;
+    case 210: return avx2::matmul_int<2, Q2_KTile, T>;
   }
 #endif
   return nullptr;

@@ -9,6 +9,7 @@
 //   Q8_0  512 bytes of int8,    d[16] fp16                         (d q)
 //   Q6_K  512 bytes of int8,    d[16] f32 (columns 0-15), d[16] f32 (columns 16-31)
 //   Q5_K  512 bytes of int8,    d[16] f32,  m[16] f32             (d q + m; also Q5_1)
+//   Q2_K  512 bytes of int8,    d, d (columns 0-15, 16-31), m, m: f32 (d q + m)
 #pragma once
 #include <immintrin.h>
 
@@ -19,16 +20,17 @@
 
 namespace pw {
 
-// S: a scale's storage (uint16_t: fp16; float); kArrays: the scale arrays after the quants;
-// kMin: the second array is a minimum added to every weight (Q4 tiles always have one).
-template <int64_t kQuantBytes_, int kArrays_, typename S, bool kMin_ = kQuantBytes_ == 256>
+// S: a scale's storage (uint16_t: fp16; float); kSplits: the column groups of a block with
+// a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
+// too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
+template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_>
 struct Tile {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
-  static constexpr int kArrays = kArrays_;
+  static constexpr int kSplits = kSplits_;
+  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256;
+  static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
-  static constexpr bool kQ4 = kQuantBytes == 256, kMin = kMin_;
-  // Scale arrays that split a block's columns (Q6_K: 2 of 16 columns each).
-  static constexpr int kSplits = kMin ? 1 : kArrays;
+  static constexpr int minimum(int split) { return kSplits + split; }   // its array
 
   static const S* scales(const uint8_t* tile, int array) {
     return reinterpret_cast<const S*>(tile + kQuantBytes) + 16 * array;
@@ -54,11 +56,12 @@ struct Tile {
 #endif
 };
 
-using Q4_1Tile = Tile<256, 2, uint16_t>;
-using Q4_KTile = Tile<256, 2, float>;
-using Q8_0Tile = Tile<512, 1, uint16_t>;
-using Q6_KTile = Tile<512, 2, float>;
-using Q5_KTile = Tile<512, 2, float, true>;
+using Q4_1Tile = Tile<256, 1, uint16_t, true>;
+using Q4_KTile = Tile<256, 1, float, true>;
+using Q8_0Tile = Tile<512, 1, uint16_t, false>;
+using Q6_KTile = Tile<512, 2, float, false>;
+using Q5_KTile = Tile<512, 1, float, true>;
+using Q2_KTile = Tile<512, 2, float, true>;
 
 // out [T, N] = x [T, K] @ W^T from W's tiles (N a multiple of 16, K of 32), x and out rows
 // x_stride and out_stride apart.

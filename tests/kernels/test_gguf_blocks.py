@@ -13,8 +13,9 @@ gguf = pytest.importorskip("gguf")
 # byte offsets of each type's fp16 scales and minimums, which random bytes must not make
 # infinite or NaN
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-               "IQ4_NL": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+               "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+               "Q6_K": (208,)}
+CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
@@ -46,7 +47,11 @@ def tile_block_values(tile: int, raw: torch.Tensor) -> torch.Tensor:
     rows = raw.shape[0]
     if tile in (gb.Q4_1, gb.Q8_0):             # the file's own formats: gguf-py reads them
         return torch.from_numpy(dequantized(raw, "Q4_1" if tile == gb.Q4_1 else "Q8_0"))
-    b = raw.reshape(rows, -1, {gb.Q4_K: 24, gb.Q5_K: 40, gb.Q6_K: 40}[tile])
+    b = raw.reshape(rows, -1, {gb.Q4_K: 24, gb.Q5_K: 40, gb.Q6_K: 40, gb.Q2_K: 48}[tile])
+    if tile == gb.Q2_K:                          # d, d, m, m of columns 0-15 and 16-31
+        head = b[..., :16].contiguous().view(torch.float32).reshape(rows, -1, 2, 2, 1)
+        q = b[..., 16:].float().reshape(rows, -1, 2, 16)
+        return (head[:, :, 0] * q + head[:, :, 1]).reshape(rows, -1)
     head = b[..., :8].contiguous().view(torch.float32)                    # [rows, nb, 2]
     if tile == gb.Q6_K:
         q = b[..., 8:].view(torch.int8).float().reshape(rows, -1, 2, 16)
@@ -60,7 +65,8 @@ def test_blocks_become_a_tile_types_blocks_of_the_same_values(qtype):
     raw = random_blocks(qtype, 3, 512, np.random.default_rng(len(qtype)))
     tile, blocks = as_tile_blocks(qtype, raw)
     expected = {"Q4_0": gb.Q4_1, "Q5_0": gb.Q8_0, "Q5_1": gb.Q5_K, "IQ4_NL": gb.Q8_0,
-                "Q3_K": gb.Q6_K, "Q4_K": gb.Q4_K, "Q5_K": gb.Q5_K, "Q6_K": gb.Q6_K}[qtype]
+                "Q2_K": gb.Q2_K, "Q3_K": gb.Q6_K, "Q4_K": gb.Q4_K, "Q5_K": gb.Q5_K,
+                "Q6_K": gb.Q6_K}[qtype]
     assert tile == expected
     assert torch.equal(tile_block_values(tile, blocks), torch.from_numpy(dequantized(raw, qtype)))
 

@@ -13,11 +13,11 @@ from pagewire.kernels.linear import Linear
 gguf = pytest.importorskip("gguf")
 # every type pack() takes, by the tile type it multiplies as
 TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quant.Q8_0,
-        "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q3_K": quant.Q6_K, "Q4_K": quant.Q4_K,
-        "Q5_K": quant.Q5_K, "Q6_K": quant.Q6_K}
+        "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_K, "Q3_K": quant.Q6_K,
+        "Q4_K": quant.Q4_K, "Q5_K": quant.Q5_K, "Q6_K": quant.Q6_K}
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's tile type (blocks_of converts them)
-K_QUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TYPES = {qtype: TILE[qtype] if qtype in K_QUANTS else int(gguf.GGMLQuantizationType[qtype])
          for qtype in ALL}
 
@@ -118,7 +118,7 @@ def test_shapes_that_cannot_be_packed(native_lib):
     assert quant.packable(quant.Q4_1, 48, 96)
     assert not quant.packable(quant.Q4_1, 40, 96)            # rows: groups of 16
     assert not quant.packable(quant.Q4_1, 48, 80)            # columns: blocks of 32
-    assert not quant.packable(10, 48, 256)                   # Q2_K: no kernel
+    assert not quant.packable(16, 48, 256)                   # IQ2_XXS: no kernel
     with pytest.raises(ValueError, match="cannot pack"):
         quant.pack(quant.Q8_0, torch.zeros(40, 34, dtype=torch.uint8), 32, native_lib)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
