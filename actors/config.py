@@ -11,7 +11,7 @@ import msgspec
 from pagewire.kernels import tiers
 
 from . import lora_files
-from .config_sections import KVTransferConfig, SpeculativeConfig
+from .config_sections import KVTransferConfig, SpeculativeConfig, check_kv_compress
 from .model_info import ModelInfo, resolve_model
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     preemption_mode: str = "auto"            # auto (swap if it fits, else recompute) | recompute | swap
     kv_offload_dir: str | None = None        # the disk KV tier's directory; None: no tier
     kv_offload_size: int = 4 * 2**30         # its bound in bytes (all ranks' files together)
+    kv_compress_rate: float | None = None    # KV-Compress: share of each sequence's KV kept
+    kv_compress_window: int = 64             # its latest tokens every head keeps
     scheduling_policy: str = "fcfs"          # fcfs | priority (lower `priority` first)
     max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
@@ -160,6 +162,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"max_model_len ({max_len})")
         self._check_parallel()
         self._check_chat()
+        check_kv_compress(self, info)
         lora_files.check_options(self, info)
         return msgspec.structs.replace(
             self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,

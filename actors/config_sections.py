@@ -84,3 +84,32 @@ def parse_json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
     return value
+
+
+def check_kv_compress(config, info) -> None:
+    """KV-Compress (--kv-compress-rate) and what it does not combine with, refused by name:
+    blocks of compressed sequences hold no whole prefix (prefix caching, the disk tier,
+    disaggregation), are no sequence's but their own (swapping moves whole blocks; forks and
+    beams are refused per request), and their rows are one rank's (tensor and context
+    parallelism); drafts and sliding windows would need evictions aware of them."""
+    rate = config.kv_compress_rate
+    if rate is None:
+        return
+    if not 0 < rate <= 1:
+        raise ValueError(f"--kv-compress-rate must be in (0, 1], got {rate}")
+    if config.kv_compress_window < 1:
+        raise ValueError(f"--kv-compress-window must be at least 1, got "
+                         f"{config.kv_compress_window}")
+    if config.enable_prefix_caching:
+        raise ValueError("--kv-compress-rate needs --no-enable-prefix-caching: a compressed "
+                         "sequence's blocks hold no whole prefix to share")
+    unbuilt = {"--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
+               "--speculative-config": config.speculative_config is not None,
+               "--kv-offload-dir": config.kv_offload_dir is not None,
+               "--kv-transfer-config": config.kv_transfer_config is not None,
+               "--preemption-mode swap": config.preemption_mode == "swap",
+               "a sliding-window model": info.sliding_window is not None or
+               info.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")}
+    for what, given in unbuilt.items():
+        if given:
+            raise ValueError(f"--kv-compress-rate with {what} is not supported")

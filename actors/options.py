@@ -96,6 +96,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(see \"KV tier on disk\")", "off", decides_outputs=False),
         Option("kv_offload_size", "the disk tier's bound (`20GiB`, ...); least recently used "
                "blocks go first", "4GiB", parse=parse_bytes, decides_outputs=False),
+        Option("kv_compress_rate", "KV-Compress: each sequence keeps this share (0 to 1] of its "
+               "KV, per layer, evicting the least attended tokens of each KV head (see "
+               "\"KV-Compress\"); needs `--no-enable-prefix-caching`", "off"),
+        Option("kv_compress_window", "KV-Compress: the latest tokens every KV head keeps (and how "
+               "often a decoding sequence compresses again)"),
     ),
     "scheduler": (
         Option("max_num_seqs", "most requests running at once"),

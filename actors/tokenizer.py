@@ -39,6 +39,7 @@ class RequestTokenizer:
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_info.vocab_size
+        self.kv_compress = config.kv_compress_rate is not None
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size,
                                         config.model_info.eos_token_ids)
         self.background = background
@@ -104,6 +105,7 @@ class RequestTokenizer:
             s = self.with_bad_words_ids(req.sampling)
             if req.prompt_open:
                 self.check_streamable(s)
+            self.check_compressible(s)
         except InvalidParam as e:
             return RequestFailed(req_id=req.req_id, status=400, message=str(e), param=e.param)
         except Exception as e:  # a template error, an unencodable prompt: the client's problem
@@ -148,6 +150,17 @@ class RequestTokenizer:
         if s.structured_outputs is not None:
             raise InvalidParam("structured_outputs", "structured outputs are not supported "
                                "with a streamed prompt")
+
+    def check_compressible(self, s: SamplingParams) -> None:
+        """KV-Compress evicts a sequence's own KV: nothing shared between sequences (n > 1,
+        beams) can be compressed, and a rate means nothing to an engine that keeps all."""
+        if not self.kv_compress:
+            if s.kv_compress_rate is not None:
+                raise InvalidParam("kv_compress_rate", "this engine keeps all KV: start it "
+                                   "with --kv-compress-rate to compress")
+        elif s.num_sequences > 1 or s.use_beam_search:
+            raise InvalidParam("n", "with KV-Compress a request has one sequence: n = 1, no "
+                               "best_of, no beam search")
 
     def start_after(self, prompt: list[int]) -> list[int] | None:
         """Where a constraint starts: after the reasoning block, unless the prompt closed it

@@ -43,6 +43,7 @@ class AttentionBatch:
     decode_context_lens: torch.Tensor | None  # [B] int64: tokens each decode attends (its own included)
     prefills: list[PrefillSpan]
     cascade: SharedPrefix | None = None       # blocks every decode row starts with (cascade.py)
+    heads: object | None = None               # KV-Compress's rows (kv_compress.HeadBatch)
 
     @functools.cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +175,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
             k = _gather(kv_cache[0], span.block_table, span.context_len, q.dtype)  # [ctx,Hkv,D]
             v = _gather(kv_cache[1], span.block_table, span.context_len, q.dtype)
         mask, causal = causal_mask(n, span.context_len, q.device, variant.window), False
+    return attend(q, k, v, mask, causal, scale, variant)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool, scale: float, variant: Variant = PLAIN) -> torch.Tensor:
+    """Attention of one sequence's queries q [n, Hq, D] over keys and values [ctx, Hkv, D]
+    (not paged): under `mask` [n, ctx] (bool, True: visible), or causal when `causal` (then
+    mask is None and ctx == n). -> [n, Hq, D]."""
     if variant.softcap is not None:
+        if causal:
+            mask = causal_mask(q.shape[0], k.shape[0], q.device)
         return _softcapped(q, k, v, mask, scale, variant.softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

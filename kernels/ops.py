@@ -63,6 +63,10 @@ class TorchOps:
         """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""
         attention.write_kv(kv_cache, k, v, slots)
 
+    def decode(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
+        """decode_attention's contract: q [B, Hq, D], one query token a row -> [B, Hq, D]."""
+        return attention.decode_attention(q, kv_cache, tables, lens, scale, variant)
+
     def decode_lse(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
         """decode_attention's rows and each one's log-sum-exp: (out [B, Hq, D], lse [B, Hq]
         float32), for merging with attention over other keys (cascade, context parallelism).
@@ -111,6 +115,9 @@ class CpuOps(TorchOps):
 
     def write_kv(self, kv_cache, k, v, slots):
         self.lib.write_kv(kv_cache[0], kv_cache[1], k, v, slots)
+
+    def decode(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
+        return self._decode(q, kv_cache, tables, lens, scale, variant)
 
     def decode_lse(self, q, kv_cache, tables, lens, scale, variant=_PLAIN):
         return self._decode(q, kv_cache, tables, lens, scale, variant, lse=True)

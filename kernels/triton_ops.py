@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
-from .attention_triton import triton_decode_lse, triton_paged_attention
+from .attention_triton import (triton_decode_attention, triton_decode_lse,
+                               triton_paged_attention)
 from .cache import triton_write_kv
 from .cascade import CUDA_THRESHOLDS
 from .lora import triton_lora_delta
@@ -39,6 +40,11 @@ class TritonOps(TorchOps):
 
     def write_kv(self, kv_cache, k, v, slots):
         triton_write_kv(kv_cache, k, v, slots)
+
+    def decode(self, q, kv_cache, tables, lens, scale, variant=PLAIN):
+        if not variant.plain:
+            return TorchOps.decode(self, q, kv_cache, tables, lens, scale, variant)
+        return triton_decode_attention(q, kv_cache, tables, lens, scale)
 
     def decode_lse(self, q, kv_cache, tables, lens, scale, variant=PLAIN):
         if not variant.plain:

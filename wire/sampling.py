@@ -50,6 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words_ids: list[list[int]] = []
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens
     structured_outputs: StructuredOutputsParams | None = None   # what the output must match
+    kv_compress_rate: float | None = None   # KV-Compress: the share of its KV kept; None:
+                                            # the engine's --kv-compress-rate
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +63,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.kv_compress_rate is None or 0 < self.kv_compress_rate <= 1,
+               "kv_compress_rate", f"kv_compress_rate must be in (0, 1], got "
+               f"{self.kv_compress_rate}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")

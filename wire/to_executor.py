@@ -25,6 +25,7 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]        # the whole block table so far
     sampling: SamplingParams
     lora: LoraRef | None = None     # its adapter; None: the base model
+    compress: bool = False      # KV-Compress: evict after this step (executor/head_blocks.py)
 
 
 class RunSeq(msgspec.Struct, array_like=True, gc=False):
@@ -34,6 +35,7 @@ class RunSeq(msgspec.Struct, array_like=True, gc=False):
     block_ids: list[int]        # (new blocks, and a block swapped in by copy-on-write)
     new_token_ids: list[int] = []   # tokens the scheduler chose (beam search) to append first
     new_prompt_ids: list[int] = []  # prompt tokens that arrived since (streaming input), before
+    compress: bool = False          # KV-Compress: evict after this step
 
 
 class KvLoad(msgspec.Struct, array_like=True, gc=False):

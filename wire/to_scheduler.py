@@ -52,7 +52,8 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     `num_drafts` how many draft tokens the executor now holds for a sequence;
     `extra_logprobs` the extra tokens' log-probabilities where logprobs were asked.
     `kv_loaded`: of each KvLoad in the plan's tier work, how many leading blocks arrived
-    whole (on every rank); the rest are to be computed."""
+    whole (on every rank); the rest are to be computed. `head_lens`: KV-Compress, the tokens
+    each head row (layer x KV head) of a sequence compressed after this step now holds."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -66,6 +67,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     extra_logprobs: dict[SeqId, LogprobsChunk] | None = None   # theirs, when rows asked
     num_drafts: dict[SeqId, int] | None = None
     kv_loaded: dict[SeqId, int] | None = None
+    head_lens: dict[SeqId, list[int]] | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

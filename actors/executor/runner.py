@@ -29,7 +29,8 @@ from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
-from .kv_blocks import BlockBytes
+from .head_blocks import Compressor
+from .kv_blocks import BlockBytes, allocate_kv_cache
 from .kv_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
 from .loader import _DTYPES, keep_quantized, load_model
@@ -50,18 +51,6 @@ _Q8 = (quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL, quant.Q2_K, quant.Q5_K,
 ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
              "int8": dict.fromkeys(_Q4, "int8"),
              "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8")}
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      width: int, dtype: torch.dtype,
-                      device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, width] tensor per layer (width: D, or D + 4
-    for a quantized cache, kernels/kv_quant.py). Zeroing touches every
-    page now: a first write into an untouched page later would fault mid-step (measured: a
-    64-token cache write went from 0.03 ms to 6.5 ms), and never-written slots must read as
-    zeros, not NaN garbage that a masked score times a value would spread."""
-    shape = (2, num_blocks, block_size, num_kv_heads, width)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def _release_freed_memory() -> None:
@@ -106,6 +95,8 @@ class ModelRunner:
             if config.enable_lora else None
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.num_kv_blocks
+        self.compressor = Compressor.of(config, self.model) \
+            if config.kv_compress_rate is not None else None
         self.kv_caches, self.host_caches = self._caches(self.model)
         self.eos_ids = list(config.model_info.eos_token_ids)
         # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
@@ -121,7 +112,8 @@ class ModelRunner:
                              self.all_caches[0], self.tp) if config.kv_offload_dir else None
         self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1:
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 \
+                and self.compressor is None:
             self.graphs = self.decode_graphs(capture=True)
         _release_freed_memory()
 
@@ -145,6 +137,9 @@ class ModelRunner:
                                              cfg.head_dim)
         layout = (self.block_size // self.config.decode_context_parallel_size,
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
+        if self.compressor is not None:       # one pool of head rows for every layer
+            pool = self.compressor.allocate(config.num_kv_blocks + 1, width, dtype, self.device)
+            return [pool] * cfg.num_layers, []
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
                                       self.device)
         model.fused_decode = FusedDecode.build(model, on_device)
@@ -210,6 +205,9 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
             produced = self._sample(logits, sample_seqs, masks, result)
+        if self.compressor is not None:       # before finish_step counts the step computed
+            result.head_lens = self.compressor.compress(order, batch.heads,
+                                                        self.kv_caches[0]) or None
         result.errors = self.table.finish_step(order, [
             (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None
         result.num_drafts = self._drafts_held(sample_seqs) or None
@@ -354,18 +352,21 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:start + n])    # drafts run after its last token
             ids.extend(seq.verifying)
             pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
+            if self.compressor is None:        # (else each head row's own: head_blocks.py)
+                slots.append(blocks[p // bs] * bs + p % bs)
             if not seq.runs_as_decode:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
             if seq.samples:               # the last position; every drafted one too
                 sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))
+        cascade = self.config.disable_cascade_attn or self.compressor is not None
         batch = AttentionBatch(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            slot_mapping=torch.from_numpy(np.concatenate(slots or [np.zeros(0, np.int64)])),
             num_decode_tokens=len(decodes), prefills=prefills,
-            **decode_tables(decodes, bs, None if self.config.disable_cascade_attn
-                            else self.model.ops.cascade_thresholds))
+            **decode_tables(decodes, bs, None if cascade else self.model.ops.cascade_thresholds))
+        if self.compressor is not None:
+            batch.heads = self.compressor.layout(order)
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
                 sample_rows, sample_seqs, rows)
 

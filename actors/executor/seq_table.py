@@ -41,6 +41,8 @@ class SeqState:
     # rejection sampling. Empty: the drafts are proposals, judged as one-hot ones.
     draft_probs: list = field(default_factory=list)
     lora: LoraRef | None = None     # its adapter; None: the base model
+    compress: bool = False          # KV-Compress: evict after this step
+    heads: object | None = None     # KV-Compress: its head rows (executor/head_blocks.py)
 
     @property
     def num_output_tokens(self) -> int:
@@ -81,7 +83,7 @@ class SeqTable:
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
                            list(new.block_ids), new.sampling, new.num_scheduled,
-                           lora=new.lora)
+                           lora=new.lora, compress=new.compress)
             so = new.sampling.structured_outputs
             if so is not None and self.matchers is not None:
                 seq.matcher = self.matchers.start(so, seq.token_ids[seq.num_prompt_tokens:])
@@ -97,7 +99,7 @@ class SeqTable:
             seq.token_ids += run.new_prompt_ids          # streaming input: more prompt
             seq.num_prompt_tokens += len(run.new_prompt_ids)
             seq.token_ids += run.new_token_ids
-            seq.num_scheduled = run.num_scheduled
+            seq.num_scheduled, seq.compress = run.num_scheduled, run.compress
             excess = seq.num_computed + run.num_scheduled - len(seq.token_ids)
             seq.verifying = seq.drafts[:excess] if excess > 0 else []
             seq.draft_probs = []

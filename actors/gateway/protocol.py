@@ -71,6 +71,7 @@ class _Common(ConstraintFields, kw_only=True):
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
     kv_transfer_params: dict | None = None   # disaggregated prefill/decode (disagg.py)
+    kv_compress_rate: float | None = None    # KV-Compress: this request's share of KV kept
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -180,7 +181,8 @@ def to_sampling(body: _Common, max_tokens: int | None, logprobs: int | None,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=bias,
             allowed_token_ids=body.allowed_token_ids, bad_words=list(body.bad_words or []),
-            truncate_prompt_tokens=body.truncate_prompt_tokens, structured_outputs=structured)
+            truncate_prompt_tokens=body.truncate_prompt_tokens, structured_outputs=structured,
+            kv_compress_rate=body.kv_compress_rate)
     except InvalidParam as e:
         raise ApiError(400, str(e), e.param) from None
 

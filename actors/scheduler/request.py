@@ -48,7 +48,8 @@ class Request:
                  "host_block_ids", "new_token_ids", "candidates", "num_prompt_logprobs_sent",
                  "scheduled_before", "prompt_counted", "num_dropped", "num_in_flight",
                  "num_placeholders", "num_drafts", "num_draft_slots", "draft_acceptance",
-                 "draft_skips", "lora", "kv_transfer", "prompt_open", "new_prompt_ids")
+                 "draft_skips", "lora", "kv_transfer", "prompt_open", "new_prompt_ids",
+                 "head_lens", "heads_at", "compress_next", "compressing")
 
     def __init__(self, seq_id: SeqId, prompt_token_ids: list[int], sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -97,6 +98,12 @@ class Request:
         # so the step that computes it samples. new_prompt_ids: arrived, not yet sent.
         self.prompt_open = False
         self.new_prompt_ids: list[int] = []
+        # KV-Compress (head_tables.py): its head rows' lengths after its latest compression
+        # (None: none yet), covering its first heads_at tokens; whether the next plan
+        # compresses it, and whether a plan in flight does.
+        self.head_lens: list[int] | None = None
+        self.heads_at = 0
+        self.compress_next = self.compressing = False
 
     @property
     def key(self) -> tuple[int, int]:
@@ -121,7 +128,10 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens still to plan before the next sample (or fork); 0 when the token an
-        in-flight step samples is the last one (max_tokens): nothing to plan ahead of it."""
+        in-flight step samples is the last one (max_tokens): nothing to plan ahead of it, or
+        while a compression is in flight (its result decides the table)."""
+        if self.compressing:
+            return 0
         if self.num_placeholders and \
                 self.num_output_tokens + self.num_placeholders >= self.max_tokens:
             return 0
@@ -162,13 +172,14 @@ class Request:
         if self.on_executor:
             offset = self.num_blocks_sent
             entry = RunSeq(self.seq_id, self.num_scheduled, offset, self.block_ids[offset:],
-                           self.new_token_ids, self.new_prompt_ids)
+                           self.new_token_ids, self.new_prompt_ids, self.compress_next)
         else:
             self.on_executor = True
             entry = NewSeq(self.seq_id, list(self.token_ids), self.num_prompt_tokens,
                            self.num_computed, self.num_scheduled, list(self.block_ids),
-                           self.sampling, self.lora)
+                           self.sampling, self.lora, self.compress_next)
         self.num_blocks_sent, self.new_token_ids, self.new_prompt_ids = len(self.block_ids), [], []
+        self.compressing, self.compress_next = self.compress_next, False
         self.num_in_flight += self.num_scheduled
         self.num_placeholders += self.samples_when_planned
         return entry
@@ -228,7 +239,8 @@ class Request:
     FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
              "num_drafts", "num_draft_slots", "draft_acceptance", "draft_skips",
-             "num_placeholders")   # the fork's own (forks happen with nothing in flight)
+             "num_placeholders", "head_lens", "heads_at", "compress_next", "compressing")
+    # (the fork's own: forks happen with nothing in flight, and never under KV-Compress)
 
     def output_forks(self) -> list["Request"]:
         """A computed prompt's sequences (n, or best_of to choose from), each with its own
@@ -252,6 +264,8 @@ class Request:
         child.host_block_ids, child.candidates, child.on_executor = [], None, False
         child.num_blocks_sent = child.num_scheduled = 0
         child.num_in_flight = child.num_placeholders = 0
+        child.head_lens, child.heads_at, child.compress_next, child.compressing = \
+            None, 0, False, False
         child.num_drafts = child.num_draft_slots = child.draft_skips = 0
         child.draft_acceptance = 1.0
         return child

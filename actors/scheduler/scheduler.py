@@ -41,6 +41,7 @@ from ..config import EngineConfig
 from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
+from .head_tables import CompressedTables
 from .request import Request, Status, queue_refusal
 from .speculation import DraftPolicy
 
@@ -51,7 +52,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, tier_present: list[bytes] | None = None):
         """tier_present: the block hashes the disk tier held at start (kv_tier_files.scan)."""
         self.config = config
-        self.tables = BlockTables.of(config, tier_present)
+        tables = BlockTables if config.kv_compress_rate is None else CompressedTables
+        self.tables = tables.of(config, tier_present)
         self.kv = self.tables.device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
@@ -345,6 +347,8 @@ class Scheduler:
                     deltas += [TokenDelta(i, [], prompt_logprobs=fresh) for i in req.output_ids]
             req.num_in_flight -= n
             req.num_computed += n - req.num_draft_slots    # drafts count once accepted
+            if result.head_lens and req.seq_id in result.head_lens:
+                self.tables.compressed(req, result.head_lens[req.seq_id])
             self.tables.commit(req)
             self.tables.drop_behind_window(req)
             reached_end = req.num_computed == req.target_len

@@ -10,7 +10,7 @@ import torch
 from pagewire.executor.models.config import LlamaConfig
 from pagewire.executor.models.fused_decode import FusedDecode
 from pagewire.executor.models.llama import LlamaForCausalLM
-from pagewire.executor.runner import allocate_kv_cache
+from pagewire.executor.kv_blocks import allocate_kv_cache
 from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch
 from pagewire.kernels.linear import Linear

@@ -274,3 +274,23 @@ def test_tokenizer_endpoints_need_the_key(keyed_server):
         assert code == 401 and reply["error"]["code"] == 401
         code, _, _ = keyed_server.request("POST", path, body, headers={"Authorization": "Bearer k2"})
         assert code == 200
+
+
+# -- KV-Compress -------------------------------------------------------------------------------
+
+def test_kv_compress_serves_its_requests_and_refuses_what_it_cannot_compress():
+    """A 300-token prompt compressed after its prefill (rate 0.5, window 16) and at a request's
+    own rate; n = 2 and a rate out of range are 400s naming their field."""
+    prompt = " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+    for srv in start(["--no-enable-prefix-caching", "--kv-compress-rate", "0.5",
+                      "--kv-compress-window", "16"]):
+        for extra in ({}, {"kv_compress_rate": 0.25}):
+            code, reply, _ = srv.request("POST", "/v1/completions", {
+                "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                **extra})
+            assert code == 200 and reply["usage"]["completion_tokens"] == 24
+            assert reply["usage"]["prompt_tokens"] > 250
+        for body, param in (({"n": 2}, "n"), ({"kv_compress_rate": 1.5}, "kv_compress_rate")):
+            code, reply, _ = srv.request("POST", "/v1/completions",
+                                         {"prompt": prompt, "max_tokens": 2, **body})
+            assert_error(reply, 400, "BadRequestError", param)

@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
+        self.layer = layer
         self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
 
 

@@ -17,6 +17,7 @@ from enum import IntEnum
 import torch
 
 from pagewire.kernels.context_parallel import context_attention
+from pagewire.kernels.kv_compress import compressed_attention
 
 
 class Op(IntEnum):
@@ -93,7 +94,10 @@ def _rope(ops, attn, s: State) -> None:
 
 def _attend(ops, attn, s: State) -> None:
     q, k, v = s.x                                     # [T, Hq, D], [T, Hkv, D] x 2
-    if attn.cp is None:
+    if s.batch.heads is not None:                     # KV-Compress: rows per KV head
+        o = compressed_attention(ops, attn.layer, q, k, v, s.kv_cache, s.batch, attn.scale,
+                                 attn.variant)
+    elif attn.cp is None:
         o = ops.attention(q, k, v, s.kv_cache, s.batch, attn.scale, attn.variant)
     else:                                             # its KV head's tokens split over ranks
         o = context_attention(ops, attn.cp, q, k, v, s.kv_cache, s.batch, attn.scale,

@@ -1,0 +1,74 @@
+"""KV-Compress's block accounting (--kv-compress-rate): a sequence's blocks hold its head rows
+(layer x KV head), each keeping its own tokens, so after a compression its table shrinks.
+
+A block is H = layers x KV heads sub-blocks, any of which may serve any of the sequence's rows
+(executor/head_blocks.py packs them). Rows holding lens[i] tokens need `blocks_for(lens)`
+blocks: the executor and this table count alike. Until its first compression every row holds
+all of a sequence's tokens; a compression's result gives the rows' lengths (covering the
+tokens then computed, `heads_at`), and the table keeps that many blocks, freeing the rest.
+
+When: a step compresses a sequence when it samples (its known tokens all computed) and at
+least `window` tokens were computed since the last compression (or since it began). While
+that step runs the sequence plans nothing more (Request.num_pending is 0): the next plan's
+table depends on the result.
+"""
+from __future__ import annotations
+
+from .block_tables import BlockTables
+from .kv_manager import BlockManager
+from .request import Request
+
+
+def blocks_for(lens, block_size: int) -> int:
+    """Blocks holding rows of these lengths."""
+    subs = sum(-(-int(n) // block_size) for n in lens)
+    return -(-subs // len(lens))
+
+
+class CompressedTables(BlockTables):
+    def __init__(self, device: BlockManager, rows: int, window: int,
+                 kv_cache_dtype: str = "auto"):
+        super().__init__(device, None, None, kv_cache_dtype)
+        self.rows, self.every = rows, window        # (self.window: a sliding one)
+
+    @classmethod
+    def of(cls, config, tier_present=None) -> "CompressedTables":
+        info = config.model_info
+        device = BlockManager(config.num_kv_blocks, config.block_size, enable_caching=False)
+        return cls(device, info.num_layers * info.num_kv_heads, config.kv_compress_window,
+                   config.kv_cache_dtype)
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        """Blocks req's table needs for its first num_tokens tokens."""
+        if req.head_lens is None:
+            return -(-num_tokens // self.block_size)
+        more = num_tokens - req.heads_at
+        return blocks_for([n + more for n in req.head_lens], self.block_size)
+
+    def grow(self, req: Request, n: int) -> bool:
+        need = self.blocks_needed(req, req.num_planned + n) - len(req.block_ids)
+        if need > self.device.num_free:
+            return False
+        req.block_ids += self.device.allocate(max(need, 0))
+        end = req.num_planned + n
+        req.compress_next = end >= req.target_len and not req.prompt_open \
+            and end - req.heads_at >= self.every
+        return True
+
+    def compressed(self, req: Request, lens: list[int]) -> None:
+        """A compression's result: req's rows hold `lens` tokens; its table keeps the blocks
+        they fill (the executor packed them there) and frees the rest."""
+        if len(lens) != self.rows:
+            raise ValueError(f"{req.seq_id}: {len(lens)} head rows compressed, not {self.rows}")
+        req.head_lens, req.heads_at, req.compressing = list(lens), req.num_computed, False
+        keep = blocks_for(lens, self.block_size)
+        self.device.free(req.block_ids[keep:][::-1])
+        del req.block_ids[keep:]
+        req.num_blocks_sent = min(req.num_blocks_sent, keep)
+
+    def release(self, req: Request) -> None:
+        super().release(req)
+        req.head_lens, req.heads_at, req.compressing, req.compress_next = None, 0, False, False
+
+    def swap_out(self, req: Request) -> bool:
+        return False            # preempted sequences are recomputed (and compressed again)
