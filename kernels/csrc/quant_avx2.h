@@ -54,6 +54,22 @@ inline void store8(bf16* out, __m256 v) {
   for (int i = 0; i < 8; ++i) from_float(f[i], out + i);
 }
 
+// acc[m] += each of block b's column groups' minimums (rows 8 half .. 8 half + 7) times token
+// m's sum of x over that group, sums[(m * nb + b) * kSplits + group] (`sums` at the first
+// of the M tokens): the m * sum(x) of d q + m. Nothing for a tile without minimums.
+template <typename Tile, int M>
+inline void add_minimums(__m256 (&acc)[M], const uint8_t* tile, int half, const float* sums,
+                         int64_t nb, int64_t b) {
+  if constexpr (Tile::kMin)
+    for (int s = 0; s < Tile::kSplits; ++s) {
+      const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half);
+      for (int m = 0; m < M; ++m) {
+        const float sum = sums[(m * nb + b) * Tile::kSplits + s];
+        acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
+      }
+    }
+}
+
 // Q4 tiles (Q4_1, Q4_K). Byte [j][l][p] of a tile holds columns 2j + p (low nibble) and
 // 2j + 16 + p (high) of row l, so row l's 16-bit word at step j carries four columns: bits
 // 0-3 (2j), 8-11 (2j + 1), 4-7 (2j + 16), 12-15 (2j + 17). Half `half` is rows 8 half ..
@@ -88,11 +104,8 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
     }
     // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
     const __m256 d = Tile::scales8(tile, 0, half % 2);
-    const __m256 mn = Tile::scales8(tile, Tile::minimum(0), half % 2);
-    for (int m = 0; m < M; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
-      acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sums[m * nb + b]), acc[m]);
-    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
+    add_minimums<Tile>(acc, tile, half % 2, sums, nb, b);
   }
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
@@ -134,14 +147,7 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
       for (int m = 0; m < M; ++m)
         acc[m] = _mm256_fmadd_ps(_mm256_add_ps(first[m], second[m]), d0, acc[m]);
     }
-    if constexpr (Tile::kMin)
-      for (int s = 0; s < Tile::kSplits; ++s) {
-        const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half % 2);
-        for (int m = 0; m < M; ++m) {
-          const float sum = sums[(m * nb + b) * Tile::kSplits + s];
-          acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
-        }
-      }
+    add_minimums<Tile>(acc, tile, half % 2, sums, nb, b);
   }
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "bf16.h"
-#include "quant_avx2.h"     // store8, kRows, kMaxBatch
+#include "quant_avx2.h"     // store8, add_minimums, kRows, kMaxBatch
 #include "quant_tiles.h"
 
 namespace pw::avx2 {
@@ -90,11 +90,12 @@ template <int M, int P, typename Tile, typename Out>
 void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
                    const uint8_t* packed, int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
+  const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* tile = packed + g * nb * Tile::kBytes;
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    __m256 acc[2][M];                 // [rows 0-7, rows 8-15][token]
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
       __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
       for (int m = 0; m < M; ++m)
@@ -113,22 +114,20 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
       }
       for (int half = 0; half < 2; ++half) {
         const __m256 d = Tile::scales8(tile, 0, half);
-        const __m256 mn = Tile::scales8(tile, Tile::minimum(0), half);
         for (int m = 0; m < M; ++m) {
           __m256i planes[P];
           for (int p = 0; p < P; ++p)
             planes[p] = _mm256_add_epi32(widen_half(lo[m][p], half), widen_half(hi[m][p], half));
           const __m256 qx = _mm256_cvtepi32_ps(combine<P>(planes));
-          const int64_t s = (t + m) * nb + b;
-          acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, _mm256_set1_ps(a.scale[s])), d,
-                                         acc[m][half]);
-          acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[s]), acc[m][half]);
+          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+          acc[half][m] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[half][m]);
         }
+        add_minimums<Tile>(acc[half], tile, half, sums, nb, b);
       }
     }
     for (int m = 0; m < M; ++m)
       for (int half = 0; half < 2; ++half)
-        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
+        store8(out + m * os + g * kRows + 8 * half, acc[half][m]);
   }
 }
 
@@ -146,6 +145,7 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
                    const uint8_t* packed, int64_t g0, int64_t g1) {
   constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
+  const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int64_t g = g0; g < g1; ++g)
     for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
@@ -153,14 +153,7 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
       __m256 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-        if constexpr (Tile::kMin)      // m * sum(x) of the unrounded activations
-          for (int s = 0; s < Tile::kSplits; ++s) {
-            const __m256 mn = Tile::scales8(tile, Tile::minimum(s), h);
-            for (int m = 0; m < M; ++m) {
-              const float sum = a.sum[((t + m) * nb + b) * Tile::kSplits + s];
-              acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
-            }
-          }
+        add_minimums<Tile>(acc, tile, h, sums, nb, b);    // sums of the unrounded x
         for (int s = 0; s < Tile::kSplits; ++s) {
           __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
           for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
@@ -200,21 +193,15 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
                   const uint8_t* packed, int64_t g0, int64_t g1) {
   constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
+  const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* tile = packed + g * nb * Tile::kBytes;
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    __m256 acc[2][M];                 // [rows 0-7, rows 8-15][token]
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-      if constexpr (Tile::kMin)      // m * sum(x) of the unrounded activations
-        for (int s = 0; s < Tile::kSplits; ++s)
-          for (int half = 0; half < 2; ++half) {
-            const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half);
-            for (int m = 0; m < M; ++m) {
-              const float sum = a.sum[((t + m) * nb + b) * Tile::kSplits + s];
-              acc[m][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m][half]);
-            }
-          }
+      for (int half = 0; half < 2; ++half)     // sums of the unrounded x
+        add_minimums<Tile>(acc[half], tile, half, sums, nb, b);
       for (int s = 0; s < Tile::kSplits; ++s) {
         __m256i sum[M][2];
         for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
@@ -237,14 +224,14 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
           for (int m = 0; m < M; ++m) {
             const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
             const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);
-            acc[m][half] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[m][half]);
+            acc[half][m] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[half][m]);
           }
         }
       }
     }
     for (int m = 0; m < M; ++m)
       for (int half = 0; half < 2; ++half)
-        store8(out + m * os + g * kRows + 8 * half, acc[m][half]);
+        store8(out + m * os + g * kRows + 8 * half, acc[half][m]);
   }
 }
 

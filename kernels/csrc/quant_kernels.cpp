@@ -69,6 +69,22 @@ inline bf16 to_bf16(float x) {
   return out;
 }
 
+// acc[m] += each of block b's column groups' minimums (a lane per row) times token m's sum of
+// x over that group, sums[(m * nb + b) * kSplits + group] (`sums` at the first of the M
+// tokens): the m * sum(x) of d q + m. Nothing for a tile without minimums.
+template <typename Tile, int M>
+inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sums, int64_t nb,
+                         int64_t b) {
+  if constexpr (Tile::kMin)
+    for (int s = 0; s < Tile::kSplits; ++s) {
+      const __m512 mn = Tile::scales16(tile, Tile::minimum(s));
+      for (int m = 0; m < M; ++m) {
+        const float sum = sums[(m * nb + b) * Tile::kSplits + s];
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
+      }
+    }
+}
+
 // The activations as the kernels read them, for T tokens of K columns; each kernel has only
 // its own form built (`use`):
 //   kParts (Q4 tiles): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
@@ -138,11 +154,11 @@ void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_str
             hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)bcast_pair(xb + 16));
           }
       }
-      const __m512 d = Tile::scales16(tile, 0), mn = Tile::scales16(tile, Tile::minimum(0));
-      for (int m = 0; m < M; ++m) {   // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
+      // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
+      const __m512 d = Tile::scales16(tile, 0);
+      for (int m = 0; m < M; ++m)
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), d, acc[m]);
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m * nb + b]), acc[m]);
-      }
+      add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
@@ -183,14 +199,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
       }
-      if constexpr (Tile::kMin)
-        for (int s = 0; s < Tile::kSplits; ++s) {
-          const __m512 mn = Tile::scales16(tile, Tile::minimum(s));
-          for (int m = 0; m < M; ++m) {
-            const float sum = sums[(m * nb + b) * Tile::kSplits + s];
-            acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
-          }
-        }
+      add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
