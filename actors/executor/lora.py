@@ -12,6 +12,7 @@ the backend's lora_delta op (kernels/ops.py), in the per-op path and the fused d
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections import OrderedDict
 
@@ -28,6 +29,10 @@ PARTS = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o_proj": ("o_proj",),
          "mlp.gate_up": ("gate_proj", "up_proj"), "mlp.down": ("down_proj",)}
 
 Weights = dict[int, LoraWeights]           # linear slot -> its weights (kernels/lora.py)
+Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a step's adapters
+# Steps' adapter sets (in their order) whose stacked weights are kept for the next steps with
+# the same set: each holds every adapted linear's float32 A and B^T of its adapters.
+KEPT_STACKS = 2
 
 
 def _part_sizes(layer, name: str) -> list[int]:
@@ -96,22 +101,26 @@ def _fused(layer, cfg, name: str, i: int, present, tensors, scale: float,
 
 
 class Loaded:
-    """One load of an adapter: its weights and their table for the native kernels."""
+    """One load of an adapter: its weights and their table for the native kernels.
+    `generation` is this load's alone (a reload of the same adapter gets a new one)."""
 
-    def __init__(self, weights: Weights, num_slots: int):
-        self.weights = weights
+    def __init__(self, weights: Weights, num_slots: int, generation: int):
+        self.weights, self.generation = weights, generation
         self.table = torch.zeros(num_slots, ENTRY, dtype=torch.int64)    # kernels/lora.py
         for slot, lw in weights.items():
             self.table[slot] = torch.tensor(lw.entry())
 
 
 class Adapters:
-    """The loaded adapters by load id, least recently used first."""
+    """The loaded adapters by load id, least recently used first, and the stacked weights
+    of the last KEPT_STACKS adapter sets steps used (by their loads' generations in order)."""
 
     def __init__(self, model, info, max_rank: int, capacity: int):
         self.model, self.info, self.max_rank, self.capacity = model, info, max_rank, capacity
         self.num_slots = assign_slots(model)
         self.loaded: OrderedDict[int, Loaded] = OrderedDict()
+        self.stacks: OrderedDict[tuple[int, ...], Stacks] = OrderedDict()
+        self.generations = itertools.count()
 
     def get(self, ref: LoraRef) -> Loaded:
         """The adapter, loaded now if need be. A step uses at most max_loras <= capacity
@@ -120,28 +129,45 @@ class Adapters:
         if adapter is None:
             file = read_adapter(ref.path, self.info, self.max_rank)
             adapter = Loaded(load_weights(ref.path, file.shapes, file.scale, self.model),
-                             self.num_slots)
+                             self.num_slots, next(self.generations))
             while len(self.loaded) >= self.capacity:
-                self.loaded.popitem(last=False)
+                gone = self.loaded.popitem(last=False)[1].generation
+                self.stacks = OrderedDict((key, stacks) for key, stacks in self.stacks.items()
+                                          if gone not in key)     # its memory goes with it
         self.loaded[ref.id] = adapter
         return adapter
+
+    def stacks_for(self, adapters: list[Loaded]) -> Stacks:
+        """The stacked weights (LoraBatch.dense) of a step using these loads in this order:
+        those of the last step that did, else a new (empty) set, the least recent dropped."""
+        key = tuple(a.generation for a in adapters)
+        stacks = self.stacks.pop(key, None)
+        if stacks is None:
+            stacks = {}
+            while len(self.stacks) >= KEPT_STACKS:
+                self.stacks.popitem(last=False)
+        self.stacks[key] = stacks
+        return stacks
 
 
 class LoraBatch:
     """A step's rows and their adapters, as every backend's lora_delta op takes them:
     adapter_of_row [T] (an index into the step's adapters, -1: the base model), their tables
-    stacked [A, slots, 3], their weights, and (the torch reference's) each adapter's rows."""
+    stacked [A, slots, 3], their weights, and (the torch reference's) each adapter's rows.
+    `stacks`: where dense() keeps what it stacks (Adapters.stacks_for: shared with the steps
+    that use the same adapters in the same order); None: this step's own."""
 
-    def __init__(self, adapter_of_row: torch.Tensor, adapters: list[Loaded]):
+    def __init__(self, adapter_of_row: torch.Tensor, adapters: list[Loaded],
+                 stacks: Stacks | None = None):
         self.adapter_of_row = adapter_of_row
         self.adapters = adapters                     # kept alive while the tables point at them
         self.table = torch.stack([a.table for a in adapters])
         self.weights = [a.weights for a in adapters]
-        self._dense: dict[int, tuple | None] = {}
+        self._dense = {} if stacks is None else stacks
 
     def dense(self, slot: int):
         """Linear `slot`'s weights of the step's adapters stacked for one launch
-        (kernels/lora.py stacked_dense), made once a step."""
+        (kernels/lora.py stacked_dense), made once for as long as `stacks` is kept."""
         if slot not in self._dense:
             self._dense[slot] = stacked_dense(self.weights, slot)
         return self._dense[slot]

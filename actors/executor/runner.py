@@ -293,7 +293,8 @@ class ModelRunner:
                     index[seq.lora.id] = len(adapters)
                     adapters.append(self.adapters.get(seq.lora))
                 of_row[row:row + seq.num_scheduled] = index[seq.lora.id]
-        return LoraBatch(torch.from_numpy(of_row).to(self.device), adapters)
+        return LoraBatch(torch.from_numpy(of_row).to(self.device), adapters,
+                         self.adapters.stacks_for(adapters))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:

@@ -202,6 +202,34 @@ def test_max_loras_caps_the_adapters_of_a_step(base, adapters):
         assert_greedy_equal(tokens, theirs, logits)
 
 
+def test_triton_steps_with_the_same_adapters_reuse_their_stacked_weights(base, adapters):
+    """TritonOps stacks a step's adapters' weights a linear (LoraBatch.dense) once for every
+    step with the same loads in the same order; another set stacks anew, and an unloaded
+    adapter's stacks go with it. Tokens stay the merged models'."""
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True, max_loras=2, max_cpu_loras=2, kernels="triton")
+    batches, lora_batch = [], llm.runner._lora_batch
+
+    def recording(*args):
+        batches.append(lora_batch(*args))
+        return batches[-1]
+    llm.runner._lora_batch = recording
+    loras = [LoRARequest(n, i + 1, path) for i, (n, path) in enumerate(adapters.items())]
+    slot, stacked = llm.runner.model.layers[0].attn.qkv.lora_slot, []
+    for pair in (loras[:2], loras[1:]):          # the second loads a third, unloading the first
+        del batches[:]
+        ours = _greedy(llm, PROMPTS[:2], pair, n=4)
+        for prompt, lora, tokens in zip(PROMPTS, pair, ours):
+            assert_greedy_equal(tokens, *merged_oracle(base, lora.lora_path).greedy(
+                prompt, len(tokens)))
+        assert len(batches) > 1 and len({tuple(a.generation for a in b.adapters)
+                                         for b in batches}) == 1
+        assert all(b.dense(slot)[0] is batches[0].dense(slot)[0] for b in batches)
+        stacked.append(batches[0].dense(slot)[0])
+    assert stacked[1] is not stacked[0]
+    assert list(llm.runner.adapters.stacks) == [tuple(a.generation for a in batches[0].adapters)]
+
+
 def test_lora_requests_info_names_the_running_and_waiting_adapters():
     from prometheus_client import generate_latest
     from pagewire.gateway.metrics import GatewayMetrics
