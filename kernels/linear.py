@@ -32,8 +32,10 @@ class Linear(nn.Linear):
     lora_slot: int = -1         # its index in a step's LoRA table (executor/lora.py); -1: none
 
     def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
-        """upcast: multiply in float32 whatever the weight's dtype."""
-        if self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        """upcast: multiply in float32 whatever the weight's dtype. Nothing to pack after
+        drop_float()."""
+        if self.weight is None or self.weight.device.type != "cpu" \
+                or not torch.backends.mkldnn.is_available():
             return
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()    # a tensor, not a Parameter
@@ -73,7 +75,8 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, upcast: bool = False) -> int:
-    """Pack every Linear of a CPU model in place (float32 if `upcast`); returns how many."""
+    """Pack every Linear of a CPU model in place (float32 if `upcast`) but those that
+    dropped their float weight; returns how many."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):

@@ -73,8 +73,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
     Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
     quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
-    up to `max_tokens` tokens (-1: every step, and those Linears drop their float copies);
-    returns the bytes kept.
+    up to `max_tokens` tokens (-1: every step, and those Linears drop their float copies:
+    called before pack_linears, which then packs none of them); returns the bytes kept.
     Only where the activations are bfloat16 or float32 (the kernels' dtypes). `lib`: the
     backend's native library; `roundings`: GGML type -> how its weights meet the
     activations (kernels/quant.py ROUNDINGS; a type not named: exact)."""

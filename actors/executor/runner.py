@@ -122,10 +122,10 @@ class ModelRunner:
         config = self.config
         model = load_model(info, config.dtype, self.tp, config.quantization).to(self.device)
         model.ops = ops = select_ops(self.device, config.kernels)
-        if ops.name == "cpu":
-            pack_linears(model, upcast=not ops.lib.bf16_dot)
+        if ops.name == "cpu":     # blocks first: a Linear that keeps only them packs nothing
             keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
                            ROUNDINGS[config.quantized_activations])
+            pack_linears(model, upcast=not ops.lib.bf16_dot)
         model.rounded_blocks = None         # kept (or not needed) by now
         return model
 

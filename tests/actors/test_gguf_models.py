@@ -57,24 +57,33 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL", "Q4_K_M"])
-def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype):
+def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype,
+                                                     monkeypatch):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
     a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
     file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0 and IQ4_NL as
     Q8_0 blocks of the same values, Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
     values; prefill their dequantized copies, but for Q4_K_M, run with
-    --quantized-matmul-tokens -1: every step on the blocks, no float copies kept."""
+    --quantized-matmul-tokens -1: every step on the blocks, no float copies kept (nor packed
+    only to be dropped)."""
     from transformers import AutoModelForCausalLM
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)      # K-quants: 256-weight rows
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     blocks_only = qtype == "Q4_K_M"
+    packed, pack = [], Linear.pack
+
+    def recording(linear, *args, **kwargs):
+        pack(linear, *args, **kwargs)
+        packed.append(linear.packed is not None)
+    monkeypatch.setattr(Linear, "pack", recording)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256,
               quantized_matmul_tokens=-1 if blocks_only else 16)
     model = llm.runner.model
     floats = [m.weight is not None or m.packed is not None for m in model.modules()
               if isinstance(m, Linear)]
     assert floats == [not blocks_only] * len(floats)
+    assert len(packed) == len(floats) and not (blocks_only and any(packed))
     kinds = [[s.kind % 100 for s in m.quantized.segments] if m.quantized else None
              for m in model.modules() if isinstance(m, Linear)]
     if qtype == "Q4_K_M":   # layer 0's qkv: q and k's Q4_K rows, then v's Q6_K ones
