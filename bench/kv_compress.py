@@ -2,13 +2,15 @@
 the same KV memory admits.
 
     python bench/kv_compress.py [--rates 1.0,0.5,0.25] [--context 1024] [--forced 512]
-                                [--requests 16] [--skip-quality]
+                                [--requests 16] [--skip-quality] [--skip-concurrency]
 
 Quality: the first `--context` tokens of bench/data/declaration.txt (public domain) as the
 prompt (compressed once it is computed), then the next `--forced` tokens teacher-forced one
 decode step each (every step's logits are recorded, then replaced by the text's next token):
 perplexity of those tokens, and the mean KL divergence of each step's next-token distribution
 from the engine's without compression. Blocks held at the end, against the same.
+Decode: one random `--context`-token prompt, then 128 greedy tokens: tokens a second over the
+127 steps after the first (time with 128 - time with 1), alternating rates.
 Concurrency: `--requests` random prompts of `--context` tokens, 128 greedy tokens each, in a
 KV pool of 4 uncompressed sequences: the most sequences running at once, and the time.
 """
@@ -70,6 +72,26 @@ def quality(rates: list[float], context: int, num_forced: int) -> None:
               f"({blocks / ref_blocks:.2f}x)", flush=True)
 
 
+def decode_speed(rates: list[float], context: int, rounds: int = 2) -> None:
+    rng = random.Random(1)
+    prompt = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(context)]}]
+    engines = {rate: LLM(enable_prefix_caching=False, kv_compress_rate=rate,
+                         max_model_len=context + 256, kv_cache_memory=256 * 2**20)
+               for rate in [None, *rates]}
+
+    def run(llm, n):
+        start = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - start
+    print(f"decode: one {context}-token prompt, 127 steps timed")
+    for r in range(rounds):
+        rates_seen = {rate: 127 / (run(llm, 128) - run(llm, 1)) for rate, llm in engines.items()}
+        off = rates_seen[None]
+        print(f"  round {r}: " + ", ".join(f"{str(rate or 'off')} {tps:.1f} tok/s "
+                                           f"({tps / off:.2f}x)"
+                                           for rate, tps in rates_seen.items()), flush=True)
+
+
 def concurrency(rates: list[float], context: int, requests: int) -> None:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(context)]}
@@ -102,11 +124,14 @@ def main() -> None:
     ap.add_argument("--forced", type=int, default=512)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-concurrency", action="store_true")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     if not args.skip_quality:
         quality(rates, args.context, args.forced)
-    concurrency(rates, args.context, args.requests)
+    decode_speed(rates, args.context)
+    if not args.skip_concurrency:
+        concurrency(rates, args.context, args.requests)
 
 
 if __name__ == "__main__":

@@ -44,18 +44,23 @@ class Observed:
 
 
 @dataclass
-class HeadLayer:
-    """One layer's view of the step (built once a step for every layer)."""
-    slots: torch.Tensor                  # [T Hkv] int64: token t, KV head h at t * Hkv + h
-    decode_tables: torch.Tensor | None   # [B Hkv, max sub-blocks] int64 (decode rows)
-    decode_lens: torch.Tensor | None     # [B Hkv] int64, this step's token included
-    prefill_tables: list[torch.Tensor]   # per prefill span: [Hkv, nb] int64
-
-
-@dataclass
 class HeadBatch:
-    layers: list[HeadLayer]
+    """The step's head rows, every layer's (built once a step; layer l reads index l)."""
+    slots: torch.Tensor                  # [L, T Hkv] int64: token t, KV head h at t Hkv + h
+    decode_tables: torch.Tensor | None   # [L, B Hkv, max sub-blocks] int64 (decode rows)
+    decode_lens: torch.Tensor | None     # [L, B Hkv] int64, this step's token included
+    prefill_tables: list[torch.Tensor]   # per prefill span: [L, Hkv, nb] int64
     observed: list[Observed]
+
+    def to(self, dev: torch.device) -> "HeadBatch":
+        """A copy on `dev` whose Observed share their scores with this batch's: the layers
+        fill them there, the compression after the step reads them here."""
+        def move(t):
+            return None if t is None else t.to(dev)
+        return HeadBatch(move(self.slots), move(self.decode_tables), move(self.decode_lens),
+                         [move(t) for t in self.prefill_tables],
+                         [Observed(o.start, o.num_tokens, move(o.tables), move(o.lens),
+                                   o.scores) for o in self.observed])
 
 
 def compressed_attention(ops, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,19 +71,19 @@ def compressed_attention(ops, layer: int, q: torch.Tensor, k: torch.Tensor, v: t
     sequences compressing after this step get their keys' attention mass recorded."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    view = batch.heads.layers[layer]
-    ops.write_kv(pool, k.reshape(t * hkv, 1, d), v.reshape(t * hkv, 1, d), view.slots)
+    heads = batch.heads
+    ops.write_kv(pool, k.reshape(t * hkv, 1, d), v.reshape(t * hkv, 1, d), heads.slots[layer])
     out = torch.empty_like(q)
     nd = batch.num_decode_tokens
     if nd:
         rows = q[:nd].reshape(nd * hkv, hq // hkv, d)                   # [B Hkv, G, D]
-        out[:nd] = ops.decode(rows, pool, view.decode_tables, view.decode_lens, scale,
-                              variant).view(nd, hq, d)
-    for span, tables in zip(batch.prefills, view.prefill_tables):
+        out[:nd] = ops.decode(rows, pool, heads.decode_tables[layer], heads.decode_lens[layer],
+                              scale, variant).view(nd, hq, d)
+    for span, tables in zip(batch.prefills, (t[layer] for t in heads.prefill_tables)):
         end = span.start + span.num_tokens
         out[span.start:end] = _prefill(q[span.start:end], k[span.start:end], v[span.start:end],
                                        pool, tables, span.context_len, scale, variant)
-    for obs in batch.heads.observed:
+    for obs in heads.observed:
         w = min(OBSERVED, obs.num_tokens)
         end = obs.start + obs.num_tokens
         tables, lens = obs.tables.view(-1, hkv, obs.tables.shape[1])[layer], \

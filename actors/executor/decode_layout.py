@@ -48,4 +48,5 @@ def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
           for t in (batch.decode_block_tables, batch.decode_context_lens)),
         [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
          for p in batch.prefills],
-        None if batch.cascade is None else batch.cascade.to(dev))
+        None if batch.cascade is None else batch.cascade.to(dev),
+        None if batch.heads is None else batch.heads.to(dev))

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from pagewire.kernels.kv_compress import HeadBatch, HeadLayer, Observed, choose_kept
+from pagewire.kernels.kv_compress import HeadBatch, Observed, choose_kept
 
 from ..scheduler.head_tables import blocks_for
 
@@ -133,7 +133,7 @@ class Compressor:
         """The step's rows for `order` (runner._layout's sequences, decodes first): reserves
         each sequence's slots for its scheduled tokens."""
         L, hkv = self.layers, self.hkv
-        slots, dec_tables, dec_lens, prefills, observed, start = [], [], [], [], [], 0
+        slots, decodes, prefills, observed, start = [], [], [], [], 0
         for _, seq in order:
             heads = seq.heads
             if heads is None:
@@ -142,27 +142,19 @@ class Compressor:
             n = seq.num_scheduled
             s = heads.reserve(n)                                          # [H, n]
             slots.append(s.reshape(L, hkv, n).transpose(0, 2, 1).reshape(L, n * hkv))
-            width = int(heads.counts.max())
-            tables = torch.from_numpy(heads.table[:, :width].copy())
-            lens = torch.from_numpy(heads.lens.copy())
             if seq.runs_as_decode:
-                dec_tables.append(tables.view(L, hkv, width))
-                dec_lens.append(lens.view(L, hkv))
+                decodes.append(heads)
             else:
-                prefills.append(tables.view(L, hkv, width))
+                width = int(heads.counts.max())
+                prefills.append(torch.from_numpy(heads.table[:, :width].reshape(L, hkv, width)))
             if seq.compress:
-                observed.append(Observed(start, n, tables, lens))
+                width = int(heads.counts.max())
+                observed.append(Observed(start, n, torch.from_numpy(heads.table[:, :width].copy()),
+                                         torch.from_numpy(heads.lens.copy())))
             start += n
-        slot = torch.from_numpy(np.concatenate(slots, axis=1))
-        views = []
-        for layer in range(L):
-            tables = lens = None
-            if dec_tables:
-                width = max(t.shape[2] for t in dec_tables)
-                tables = torch.cat([_pad(t[layer], width) for t in dec_tables])
-                lens = torch.cat([x[layer] for x in dec_lens])
-            views.append(HeadLayer(slot[layer], tables, lens, [t[layer] for t in prefills]))
-        return HeadBatch(views, observed)
+        tables, lens = _decode_rows(decodes, L, hkv)
+        return HeadBatch(torch.from_numpy(np.concatenate(slots, axis=1)), tables, lens,
+                         prefills, observed)
 
     def compress(self, order, batch: HeadBatch, pool: torch.Tensor) -> dict:
         """After the step: each compressing sequence keeps its most attended tokens; returns
@@ -179,14 +171,23 @@ class Compressor:
             lens = obs.lens.view(self.layers, self.hkv)
             kept = []
             for layer in range(self.layers):
-                kept += [k.numpy() for k in choose_kept(obs.scores[layer], lens[layer], keep,
-                                                        self.window)]
+                kept += [k.numpy() for k in choose_kept(obs.scores[layer].cpu(), lens[layer],
+                                                        keep, self.window)]
             del seq.block_ids[seq.heads.pack(kept, pool):]
             out[sid] = seq.heads.lens.tolist()
         return out
 
 
-def _pad(tables: torch.Tensor, width: int) -> torch.Tensor:
-    if tables.shape[1] == width:
-        return tables
-    return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+def _decode_rows(decodes: list[HeadBlocks], layers: int, hkv: int):
+    """The decode sequences' rows, layer by layer: tables [L, B Hkv, W] (padded with
+    sub-block 0) and lengths [L, B Hkv]; (None, None) for none."""
+    if not decodes:
+        return None, None
+    width = max(int(h.counts.max()) for h in decodes)
+    tables = np.zeros((layers, len(decodes) * hkv, width), dtype=np.int64)
+    lens = np.empty((layers, len(decodes) * hkv), dtype=np.int64)
+    for j, heads in enumerate(decodes):
+        w = int(heads.counts.max())
+        tables[:, j * hkv:(j + 1) * hkv, :w] = heads.table[:, :w].reshape(layers, hkv, w)
+        lens[:, j * hkv:(j + 1) * hkv] = heads.lens.reshape(layers, hkv)
+    return torch.from_numpy(tables), torch.from_numpy(lens)

@@ -139,7 +139,9 @@ class ModelRunner:
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
         if self.compressor is not None:       # one pool of head rows for every layer
             pool = self.compressor.allocate(config.num_kv_blocks + 1, width, dtype, self.device)
-            return [pool] * cfg.num_layers, []
+            caches = [pool] * cfg.num_layers
+            model.fused_decode = FusedDecode.build(model, caches, head_rows=True)
+            return caches, []
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
                                       self.device)
         model.fused_decode = FusedDecode.build(model, on_device)

@@ -59,7 +59,8 @@ enum Op : int64_t {
                   // LoRA slot (-1: none)
   kRope = 5,      // cos|sin table, rotated heads, head dim
   kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits,
-                  // cache kind (-1: of the activations' type; else kv_quant.h's Kind)
+                  // cache kind (-1: of the activations' type; else kv_quant.h's Kind), head
+                  // rows (0: a paged cache of Hkv heads; 1: KV-Compress's rows of one head)
   kSiluMul = 7,   // (none)
 };
 
@@ -68,7 +69,7 @@ int64_t arity(int64_t op) {
     case kAddNorm: case kNorm: return 2;
     case kLinear: return 5;
     case kRope: return 3;
-    case kAttend: return 10;
+    case kAttend: return 11;
     case kSiluMul: return 0;
     default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
   }
@@ -112,6 +113,8 @@ struct Machine {
   int64_t width;
   std::vector<T> a, b;             // ops write into whichever the current value is not in
   std::vector<T> ordered;          // a linear's input in its weight's column order
+  std::vector<T> queries;          // head rows: q of every token, contiguous
+  int64_t layer = 0;               // attends so far (head rows: the layer's slots and tables)
 
   T* next() { return cur == a.data() ? b.data() : a.data(); }
 
@@ -168,6 +171,7 @@ struct Machine {
   // cur: qkv [tokens, (Hq + 2 Hkv) D]; k and v go to the cache, then q attends.
   void attend(const int64_t* o) {
     const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d, kind = o[9];
+    if (o[10]) return attend_head_rows(o);
     T* out = next();
     if (kind >= 0) {          // quantized as written (kv_cache.cpp)
       auto* kc = reinterpret_cast<uint8_t*>(o[0]);
@@ -187,6 +191,43 @@ struct Machine {
                          nullptr);
     }
     cur = out, width = q_width;
+  }
+
+  // KV-Compress (kernels/kv_compress.py): token t's KV head h is row t Hkv + h of this layer's
+  // slots [rows], tables [rows, table_stride] and lens [rows] (each input [layers, ...]), a
+  // sequence of one KV head attended by its G = Hq / Hkv query heads.
+  void attend_head_rows(const int64_t* o) {
+    const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d, kind = o[9];
+    const int64_t rows = tokens * hkv, g = hq / hkv;
+    const int64_t* row_slots = slots + layer * rows;
+    const int64_t* row_tables = tables + layer * rows * table_stride;
+    const int64_t* row_lens = lens + layer * rows;
+    T* out = next();
+    queries.resize(tokens * q_width);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* k = cur + t * width + q_width;
+      std::memcpy(&queries[t * q_width], cur + t * width, q_width * sizeof(T));
+      if (kind >= 0) {
+        Kernels<T>::write_q8(reinterpret_cast<uint8_t*>(o[0]), reinterpret_cast<uint8_t*>(o[1]),
+                             k, k + hkv * d, row_slots + t * hkv, hkv, 1, d, d, d, kind);
+      } else {
+        const int64_t row = d * sizeof(T);
+        pw_write_kv(reinterpret_cast<char*>(o[0]), reinterpret_cast<char*>(o[1]),
+                    reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(k + hkv * d),
+                    row_slots + t * hkv, hkv, row, row, row);
+      }
+    }
+    if (kind >= 0) {
+      Kernels<T>::attend_q8(out, queries.data(), reinterpret_cast<uint8_t*>(o[0]),
+                            reinterpret_cast<uint8_t*>(o[1]), row_tables, row_lens, rows, g, 1,
+                            d, o[5], table_stride, g * d, g * d, real(o[7]), o[6], real(o[8]),
+                            kind, nullptr);
+    } else {
+      Kernels<T>::attend(out, queries.data(), ptr<T>(o[0]), ptr<T>(o[1]), row_tables, row_lens,
+                         rows, g, 1, d, o[5], table_stride, g * d, g * d, real(o[7]), o[6],
+                         real(o[8]), nullptr);
+    }
+    cur = out, width = q_width, ++layer;
   }
 
   void silu_mul() {
@@ -230,7 +271,8 @@ extern "C" {
 // x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the
 // residual stream out (the final norm adds x to it). program: `length` int64 words, every
 // layer's ops in turn (opcode, operands). scratch: the widest value an op makes (elements a
-// token). One decode token per sequence: positions, slots, lens [T]; tables [T, table_stride].
+// token). One decode token per sequence: positions, slots, lens [T]; tables [T, table_stride]
+// (KV-Compress's head rows: slots, lens [layers, T Hkv]; tables [layers, T Hkv, table_stride]).
 // lora_rows [T], lora_table [adapters, lora_slots, 3]: each row's adapter (lora.cpp), or null.
 #define PW_DECODE_STACK(name, type)                                                          \
   void name(type* x, type* residual, const int64_t* program, int64_t length, int64_t hidden, \

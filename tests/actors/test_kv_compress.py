@@ -10,6 +10,7 @@ import random
 import pytest
 
 from pagewire import LLM, SamplingParams
+from pagewire.executor.models.fused_decode import FusedDecode
 from pagewire.scheduler import head_tables
 from pagewire.scheduler.head_tables import blocks_for
 
@@ -24,12 +25,12 @@ def _prompts(lengths, seed=1):
 
 def _llm(path, kernels="auto", **kw) -> LLM:
     return LLM(path, dtype="float32", num_kv_blocks=BLOCKS, max_model_len=512, kernels=kernels,
-               **kw)
+               device="cpu", **kw)                     # CPU backends, on a GPU machine too
 
 
-def _compressing(path, rate, kernels="auto", window=16) -> LLM:
+def _compressing(path, rate, kernels="auto", window=16, **kw) -> LLM:
     return _llm(path, kernels, kv_compress_rate=rate, kv_compress_window=window,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, **kw)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -50,6 +51,25 @@ def test_at_rate_one_the_greedy_tokens_are_those_without_compression(tiny_llama,
     assert sorted(seen) == sorted([150, 166, 182, 90, 106, 122, 33, 49, 65, 200, 216, 232,
                                    16, 32])
     assert llm.scheduler.kv.num_free == BLOCKS
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_fused_decode_runs_head_rows_to_the_same_tokens(tiny_llama, monkeypatch, kv_dtype):
+    """Linears on blocks (--quantization int8): decode steps run fused, over head rows too."""
+    path = tiny_llama()
+    prompts = _prompts((150, 40, 90), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(quantization="int8", kv_cache_dtype=kv_dtype)
+    plain = [o.outputs[0].token_ids for o in _llm(path, **kw).generate(prompts, params)]
+    fused = []
+    real = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a, **k: (fused.append(self.head_rows),
+                                                                    real(self, *a, **k))[1])
+    llm = _compressing(path, 1.0, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert len(fused) > 20 and all(fused)
+    halved = _compressing(path, 0.5, **kw).generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in halved] == [30] * 3
 
 
 def test_a_compression_keeps_the_layers_share_and_frees_exactly_the_blocks_left(tiny_llama,

@@ -33,30 +33,35 @@ class FusedDecode:
     and `kv_caches` (referenced here) live."""
 
     def __init__(self, program: list[int], kv_caches: list[torch.Tensor], hidden: int,
-                 scratch: int, max_tokens: int, dtype: torch.dtype, fn):
+                 scratch: int, max_tokens: int, dtype: torch.dtype, fn, head_rows: bool):
         self.kv_caches, self._fn, self.hidden, self.scratch = kv_caches, fn, hidden, scratch
-        self.max_tokens, self.dtype = max_tokens, dtype
+        self.max_tokens, self.dtype, self.head_rows = max_tokens, dtype, head_rows
         self.program = torch.tensor(program, dtype=torch.int64)
 
     @classmethod
-    def build(cls, model, kv_caches: list[torch.Tensor]) -> "FusedDecode | None":
-        """The fused path for this model and these caches, or None where it does not apply."""
+    def build(cls, model, kv_caches: list[torch.Tensor],
+              head_rows: bool = False) -> "FusedDecode | None":
+        """The fused path for this model and these caches, or None where it does not apply.
+        head_rows: the caches are KV-Compress's pool (kernels/kv_compress.py), every layer's."""
         lib = model.ops.lib.cdll if model.ops.name == "cpu" else None
         dtype = model.embed.weight.dtype                   # the activations'
         if lib is None or dtype not in _TYPES or not all(c.is_contiguous() for c in kv_caches):
             return None
-        enc = _Encoder(model, dtype, lib.pw_decode_stack_arity)
+        enc = _Encoder(model, dtype, lib.pw_decode_stack_arity, head_rows)
         for i, layer in enumerate(model.layers):
             if not enc.layer(layer, kv_caches[i], model.rope_tables[model.cfg.layer_rope[i]]):
                 return None
         if len(enc.max_tokens) != 1:     # the per-op path would switch weights part-way
             return None
         return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch,
-                   enc.max_tokens.pop(), dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"))
+                   enc.max_tokens.pop(), dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"),
+                   head_rows)
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
-                and batch.num_decode_tokens == tokens and batch.cascade is None)
+                and batch.num_decode_tokens == tokens and batch.cascade is None
+                and (batch.heads is not None) == self.head_rows
+                and (batch.heads is None or not batch.heads.observed))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
             lora=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,17 +69,22 @@ class FusedDecode:
         `lora`: the rows' adapters (executor/lora.py LoraBatch), or None."""
         tables, lens, slots = batch.decode_block_tables, batch.decode_context_lens, \
             batch.slot_mapping
+        if self.head_rows:            # [L, T Hkv, W], [L, T Hkv] x 2: a layer's rows at [l]
+            heads = batch.heads
+            tables, lens, slots = heads.decode_tables, heads.decode_lens, heads.slots
         t = x.shape[0]
         for name, v in (("positions", positions), ("slots", slots), ("lens", lens),
                         ("tables", tables)):
-            if v.dtype != torch.int64 or not v.is_contiguous() or v.shape[0] != t:
-                raise ValueError(f"fused decode: {name} must be contiguous int64 with {t} rows")
+            rows = v.shape[1] if self.head_rows and name != "positions" else v.shape[0]
+            if v.dtype != torch.int64 or not v.is_contiguous() or rows % t:
+                raise ValueError(f"fused decode: {name} must be contiguous int64 with rows for "
+                                 f"{t} tokens")
         if x.dtype != self.dtype or not x.is_contiguous() or x.shape[1] != self.hidden:
             raise ValueError(f"fused decode: x must be contiguous {self.dtype} [T, H]")
         residual = torch.empty_like(x)
         self._fn(x.data_ptr(), residual.data_ptr(), self.program.data_ptr(), len(self.program),
                  self.hidden, self.scratch, positions.data_ptr(), slots.data_ptr(),
-                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[1],
+                 tables.data_ptr(), lens.data_ptr(), t, tables.shape[-1],
                  *(_NO_LORA if lora is None else (lora.adapter_of_row.data_ptr(),
                                                   lora.table.data_ptr(), lora.table.shape[1])))
         return x, residual
@@ -91,8 +101,8 @@ def _real(value: float) -> int:
 class _Encoder:
     """Encodes layers' programs one op at a time; an op it cannot encode refuses the model."""
 
-    def __init__(self, model, dtype: torch.dtype, arity):
-        self.model, self.dtype, self.arity = model, dtype, arity
+    def __init__(self, model, dtype: torch.dtype, arity, head_rows: bool):
+        self.model, self.dtype, self.arity, self.head_rows = model, dtype, arity, head_rows
         self.words: list[int] = []
         self.scratch = model.cfg.hidden_size   # the widest value an op makes, a token
         self.max_tokens: set[int] = set()
@@ -131,14 +141,14 @@ class _Encoder:
         return [table.data_ptr(), attn.num_heads + attn.num_kv_heads, attn.head_dim]
 
     def attend(self, attn) -> list[int] | None:
-        cache = self.kv_cache                      # [2, num_blocks, bs, Hkv, D (+ 4)]
+        cache = self.kv_cache          # [2, num_blocks, bs, Hkv, D (+ 4)]; head rows: Hkv 1
         # kv_quant's Kind of a quantized cache; -1: a cache of the activations' dtype.
         kind = kv_quant.KINDS.get(cache.dtype, -1 if cache.dtype == self.dtype else None)
         if kind is None:
             return None
         return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,
                 attn.head_dim, cache.shape[2], attn.variant.window or 0, _real(attn.scale),
-                _real(attn.variant.softcap or 0.0), kind]
+                _real(attn.variant.softcap or 0.0), kind, int(self.head_rows)]
 
 
 _ENCODERS = {Op.ADD_NORM: _Encoder.norm, Op.NORM: _Encoder.norm, Op.LINEAR: _Encoder.linear,
