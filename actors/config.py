@@ -110,7 +110,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         Raises ValueError with a clear message if the options do not fit together."""
         info = self.model_info or resolve_model(self.model)
         tier = self._check_kernels()
-        dtype = _resolve_dtype(self.dtype, tier)
+        self = msgspec.structs.replace(self, device=self._device())   # what follows reads it
+        dtype = _resolve_dtype(self.dtype, tier, self._on_cuda())
         activations = _resolve_activations(self.quantized_activations, self.dtype, tier)
         max_len = self.max_model_len or info.max_model_len
         if max_len > info.max_model_len:
@@ -253,12 +254,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def _async_scheduling(self) -> bool:
         """auto: pipelined steps where a GPU runs them (the GPU idles while the scheduler
         plans); on a CPU the scheduler's work takes cores from the step and two plans in flight
-        measured no faster (bench/NOTES.md). The driver's /proc entry stands in for CUDA here,
-        which imports no torch."""
+        measured no faster (bench/NOTES.md)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         if self.speculative_config is not None:     # drafts are planned from the last result
             return False
+        return self._on_cuda()
+
+    def _device(self) -> str:
+        """A CPU tier (--kernels cpu, avx2, ...) runs on the CPU: auto means cpu there, also
+        on a machine with a GPU, and cuda is refused."""
+        if self.kernels not in ("cpu", *tiers.TIERS):
+            return self.device
+        if self.device == "cuda":
+            raise ValueError(f"--kernels {self.kernels} runs on the CPU: it does not combine "
+                             "with --device cuda")
+        return "cpu"
+
+    def _on_cuda(self) -> bool:
+        """Whether the executors will run on CUDA (runner.resolve_device decides the same
+        with torch); the driver's /proc entry stands in for CUDA here, which imports no torch."""
         return self.device == "cuda" or (self.device == "auto"
                                          and os.path.exists("/proc/driver/nvidia/version"))
 
@@ -287,6 +302,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             if not self.curve_keys:
                 raise ValueError(f"--listen {self.listen} needs --curve-keys DIR (make the keys "
                                  "with `pagewire keys DIR`): executors are authenticated")
+        gpus = visible_gpus()
+        if self._on_cuda() and self.executors == "local" and 0 < gpus < self.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs each rank "
+                             f"on a GPU of its own (NCCL cannot share one) and {gpus} "
+                             f"{'is' if gpus == 1 else 'are'} visible: fewer ranks, or "
+                             "--device cpu")
 
     def digest(self) -> str:
         """What decides the engine's outputs, hashed: replays compare it. Which fields count
@@ -329,11 +350,23 @@ def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
     return activations
 
 
-def _resolve_dtype(dtype: str, tier: str | None) -> str:
-    """auto: bfloat16 where the CPU tier multiplies it in hardware, else float32 (emulated
-    bfloat16 arithmetic is far slower than float32's)."""
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use (CUDA_VISIBLE_DEVICES, else the driver's /proc list),
+    counted without importing torch; 0 where there is no driver."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return len([d for d in listed.split(",") if d.strip() and not d.strip().startswith("-")])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _resolve_dtype(dtype: str, tier: str | None, cuda: bool) -> str:
+    """auto: bfloat16 on a GPU, or where the CPU tier multiplies it in hardware; else float32
+    (emulated bfloat16 arithmetic is far slower than float32's)."""
     if dtype == "auto":
-        return "bfloat16" if tiers.has_bf16_dot(tier) else "float32"
+        return "bfloat16" if cuda or tiers.has_bf16_dot(tier) else "float32"
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     return dtype

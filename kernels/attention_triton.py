@@ -22,19 +22,23 @@ from ._triton import (HAS_TRITON, check, check_float, check_same_device, next_po
 from .cache import triton_write_kv
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 if HAS_TRITON:
+    _LN2 = tl.constexpr(0.6931471805599453)      # kernels read only constexpr globals
     @triton.jit
     def _load_rows(ptr, slot, dims, kv_mask, valid, head_dim, QUANT: tl.constexpr):
         """Rows [N, D] of keys or values at `slot` (element offsets of their heads); a
         quantized cache's codes times the float32 scale after each head's D codes."""
+        # One return: the compiler types every return statement, even one a constexpr
+        # branch never reaches (the interpreter does not).
         if QUANT:        # no `other`: float8 codes take none; masked lanes zeroed after
             codes = tl.load(ptr + slot[:, None] + dims[None, :], mask=kv_mask)
             scales = tl.load((ptr + slot + head_dim).to(tl.pointer_type(tl.float32),
                                                         bitcast=True), mask=valid, other=0.0)
-            return tl.where(kv_mask, codes.to(tl.float32) * scales[:, None], 0.0)
-        return tl.load(ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            rows = tl.where(kv_mask, codes.to(tl.float32) * scales[:, None], 0.0)
+        else:
+            rows = tl.load(ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        return rows
 
     @triton.jit
     def _attend_tile(q, cache_ptr, table, pos, end, q_pos, kvh, dims, d_mask, m_i, l_i, acc,

@@ -48,10 +48,14 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory) -> str:
-    """The default model's tokenizer as a Hugging Face directory (tiny models borrow it)."""
+    """The default model's tokenizer as a Hugging Face directory (tiny models borrow it).
+    PAGEWIRE_TEST_TOKENIZER names a saved copy instead, for a machine without the default
+    model's package (the GPU machine: its 98 MB GGUF does not travel there)."""
     from pagewire.hf_tokenizer import load_tokenizer
     from pagewire.model_info import resolve_model
 
+    if os.environ.get("PAGEWIRE_TEST_TOKENIZER"):
+        return os.environ["PAGEWIRE_TEST_TOKENIZER"]
     path = str(tmp_path_factory.mktemp("smol-tokenizer"))
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path

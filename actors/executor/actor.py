@@ -24,7 +24,7 @@ from ..config import EngineConfig, parse_tcp
 from ..model_info import ModelInfo
 from .parallel import init_group
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
-from .runner import ModelRunner
+from .runner import ModelRunner, resolve_device
 
 log = logging.getLogger(__name__)
 LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within this
@@ -44,14 +44,14 @@ def run(env) -> None:
     elif env.index == 0:
         server = admit_ranks(env)
         tp = init_group(server.welcome.dist_address, 0, config.tensor_parallel_size,
-                        config.tp_timeout)
+                        config.tp_timeout, resolve_device(config.device, 0))
         serve_steps(env, ModelRunner(config, tp), server)
     else:
         client = RankClient(env.ctx, env.address("ranks"), env.index)
         welcome = client.attach(hello(config.model_info, env.index, config.tensor_parallel_size,
                                       config.dtype), LOCAL_ATTACH_TIMEOUT)
         tp = init_group(welcome.dist_address, env.index, config.tensor_parallel_size,
-                        config.tp_timeout)
+                        config.tp_timeout, resolve_device(config.device, env.index))
         runner = ModelRunner(config, tp)
         env.ready()
         follow_steps(runner, client, env.heartbeat)
@@ -175,7 +175,7 @@ def attached(address: str, rank: int, info: ModelInfo, keys: str | None, timeout
             log.info("attached to %s as rank %d of %d", address, rank,
                      config.tensor_parallel_size)
             tp = init_group(welcome.dist_address, rank, config.tensor_parallel_size,
-                            config.tp_timeout)
+                            config.tp_timeout, resolve_device(config.device, rank))
             follow_steps(ModelRunner(config, tp), client, lambda: None)
         except AttachFailed:
             raise

@@ -136,13 +136,15 @@ def context_groups(tp: TensorParallel, size: int) -> ContextParallel:
     return mine
 
 
-def init_group(address: str, rank: int, size: int, timeout: float) -> TensorParallel:
-    """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store).
-    A collective that waits longer than `timeout` seconds raises instead of hanging."""
+def init_group(address: str, rank: int, size: int, timeout: float,
+               device: torch.device) -> TensorParallel:
+    """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store),
+    as the executors' `device` decides. A collective that waits longer than `timeout`
+    seconds raises instead of hanging."""
     host = address.removeprefix("tcp://").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
     return TensorParallel(rank, size, dist.group.WORLD)

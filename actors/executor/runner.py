@@ -26,7 +26,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, GraphLora
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers
 from .head_blocks import Compressor
@@ -63,10 +63,16 @@ def _release_freed_memory() -> None:
         pass
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device tensor-parallel rank `rank` runs on: on CUDA a GPU of its own (NCCL takes
+    one rank a GPU; config refuses more local ranks than GPUs)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 class ModelRunner:
@@ -78,7 +84,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
         self.config, self.tp = config, tp or TensorParallel()
         self.block_size = config.block_size
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, self.tp.rank)
         # Context parallelism: this rank holds block_size / size tokens of each block.
         dcp = config.decode_context_parallel_size
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
@@ -178,9 +184,14 @@ class ModelRunner:
                            mirrors=True, host_caches=host, tp=self.tp)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
-        width = -(-self.config.max_model_len // self.block_size)
-        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, width,
-                            self.block_size, self.scratch_block, capture)
+        """Decode graphs (capture=False: their buffers and padding, run eagerly). With
+        adapters on the Triton backend, the graphs take static LoRA inputs (GraphLora)."""
+        cfg = self.config
+        width = -(-cfg.max_model_len // self.block_size)
+        lora = GraphLora.of(self.model, cfg.max_num_seqs, cfg.max_loras, cfg.max_lora_rank) \
+            if self.adapters is not None and self.model.ops.name == "triton" else None
+        return DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, width,
+                            self.block_size, self.scratch_block, capture, lora)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -301,10 +312,12 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:
         decode_only = not batch.prefills
-        if decode_only and lora is None and self.graphs is not None and batch.cascade is None \
-                and self.graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
-            return self.graphs.run(input_ids, positions, batch.slot_mapping,
-                                   batch.decode_block_tables, batch.decode_context_lens)
+        graphs = self.graphs
+        if decode_only and graphs is not None and batch.cascade is None \
+                and (lora is None or graphs.lora is not None) \
+                and graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
+            return graphs.run(input_ids, positions, batch.slot_mapping,
+                              batch.decode_block_tables, batch.decode_context_lens, lora)
         dev = self.device
         if self.cp is not None:
             batch = local_batch(batch, self.cp.rank, self.cp.size, self.block_size)

@@ -29,7 +29,7 @@ def test_greedy_tokens_are_the_same_with_cascade_on_and_off(tiny_llama, monkeypa
 
     def run(disable: bool):
         llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=512, kernels=kernels,
-                  disable_cascade_attn=disable)
+                  disable_cascade_attn=disable, device="cpu")
         llm.runner.model.ops.cascade_thresholds = (8, 256)      # CPU's are above this batch
         # The system prompt cached first, as an earlier request would leave it: prompts
         # prefilled in one step do not share blocks yet.

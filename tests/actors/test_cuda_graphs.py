@@ -3,12 +3,17 @@ rows must change nothing but the scratch block, and reused buffers must not leak
 an earlier, larger step. The capture itself runs only where CUDA exists (gpu marker)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pagewire import LLM
 from pagewire.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from pagewire.executor.lora import LoraBatch
 from pagewire.kernels.attention import AttentionBatch
+from pagewire.wire.lora import LoraRef
+from tests.actors.test_lora import make_adapter
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_max():
@@ -21,7 +26,7 @@ def test_capture_sizes_cover_every_batch_up_to_the_max():
 @pytest.fixture
 def runner(tiny_llama):
     llm = LLM(tiny_llama("gqa2-d64"), dtype="float32", block_size=4, num_kv_blocks=64,
-              max_model_len=64, max_num_seqs=6)
+              max_model_len=64, max_num_seqs=6, device="cpu")
     runner = llm.runner
     g = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:
@@ -38,9 +43,9 @@ def decode_inputs(batch: int, seed: int):
     return (torch.randint(3, 500, (batch,), generator=g), lens - 1, slots, tables, lens)
 
 
-def eager(runner, ids, positions, slots, tables, lens):
+def eager(runner, ids, positions, slots, tables, lens, lora=None):
     batch = AttentionBatch(slots, len(ids), tables, lens, [])
-    return runner.model(ids, positions, runner.kv_caches, batch)
+    return runner.model(ids, positions, runner.kv_caches, batch, lora)
 
 
 def test_padded_decode_equals_eager_and_touches_only_the_scratch_block(runner):
@@ -65,11 +70,42 @@ def test_buffers_reused_by_a_smaller_step_hold_no_stale_rows(runner):
     torch.testing.assert_close(graphs.run(*small), eager(runner, *small), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+def test_adapter_steps_run_the_graphs_through_static_lora_inputs(tiny_llama, tmp_path):
+    """With adapters on the Triton backend (here under its interpreter, eagerly) the graphs'
+    LoRA inputs sit at fixed addresses: each step copies its rows' adapter indices, and its
+    adapters' weights only when they differ from the last step's (steady decoding copies
+    none). Each step equals the eager forward with the same adapters."""
+    base = tiny_llama("gqa2-d64")
+    paths = [make_adapter(str(tmp_path / "a"), base, rank=4, seed=1),
+             make_adapter(str(tmp_path / "b"), base, ("q_proj", "v_proj", "down_proj"), rank=8,
+                          seed=2)]
+    llm = LLM(base, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+              max_num_seqs=6, device="cpu", kernels="triton", enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    runner, graphs = llm.runner, llm.runner.decode_graphs(capture=False)
+    loaded = [runner.adapters.get(LoraRef(n, i, p)) for i, (n, p) in enumerate(zip("ab", paths))]
+
+    def lora(which: list[int], of_row: list[int]) -> LoraBatch:
+        adapters = [loaded[i] for i in which]
+        return LoraBatch(torch.tensor(of_row), adapters, runner.adapters.stacks_for(adapters))
+    steps = [(lora([0], [0, -1, 0]), (0,)), (lora([0], [-1, 0, 0, 0]), (0,)),
+             (lora([1, 0], [0, 1, -1, 1, 0]), (1, 0)), (None, (1, 0)), (lora([1], [0, -1]), (1,))]
+    for seed, (step_lora, weights_in) in enumerate(steps):
+        n = 3 if step_lora is None else len(step_lora.adapter_of_row)
+        inputs = decode_inputs(n, seed=20 + seed)
+        expected = eager(runner, *inputs, step_lora)
+        torch.testing.assert_close(graphs.run(*inputs, step_lora), expected, atol=1e-5,
+                                   rtol=1e-5)
+        assert graphs.lora.key == tuple(loaded[i].generation for i in weights_in)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_graphs_replay_like_eager_on_cuda(tiny_llama):
-    llm = LLM(tiny_llama("gqa2-d64"), dtype="float32", block_size=16, num_kv_blocks=64,
-              max_model_len=64, max_num_seqs=8, device="cuda")
+    llm = LLM(tiny_llama("gqa2-d64"), dtype="float32", block_size=4, num_kv_blocks=64,
+              max_model_len=64, max_num_seqs=8, device="cuda")   # decode_inputs' block size
     graphs = llm.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == graphs.sizes
     ids, positions, slots, tables, lens = (t.cuda() for t in decode_inputs(3, seed=4))

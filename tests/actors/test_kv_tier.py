@@ -18,6 +18,7 @@ def hashes(first: int, n: int) -> list[bytes]:
 
 def tiered(**options):
     options.setdefault("kv_offload_dir", "/nonexistent")
+    options.setdefault("dtype", "float32")     # block bytes below: auto is bfloat16 on some CPUs
     return make_scheduler(num_blocks=8, block_size=4, max_len=32, **options)
 
 

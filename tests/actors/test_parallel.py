@@ -139,3 +139,15 @@ def test_context_parallel_options_are_checked(tiny_llama, options, message):
                                   decode_context_parallel_size=2, **options), EngineConfig)
     with pytest.raises(ValueError, match=message):
         config.resolve()
+
+
+def test_more_local_ranks_than_gpus_are_refused_at_start(monkeypatch):
+    """NCCL takes one rank a GPU: -tp 2 on one GPU failed the first step (seen on an H100)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ValueError, match="a GPU of its own .* and 1 is visible: fewer ranks, or "
+                                         "--device cpu"):
+        EngineConfig(tensor_parallel_size=2, device="cuda")._check_parallel()
+    EngineConfig(tensor_parallel_size=2, device="cpu")._check_parallel()
+    EngineConfig(tensor_parallel_size=1, device="cuda")._check_parallel()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    EngineConfig(tensor_parallel_size=2, device="cuda")._check_parallel()

@@ -10,6 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from pagewire.config import visible_gpus
+
+# Two tensor-parallel ranks need two GPUs (NCCL); with fewer they share the CPU (gloo).
+TWO_RANKS = ["-tp", "2"] + (["--device", "cpu"] if visible_gpus() < 2 else [])
 import urllib.error
 import urllib.request
 

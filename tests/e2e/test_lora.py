@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tests.actors.test_lora import MLP, make_adapter, merged_oracle
-from tests.e2e.server import Server, running_server
+from tests.e2e.server import TWO_RANKS, Server, running_server
 from tests.helpers import assert_greedy_equal, make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_adapters_split_over_tensor_parallel_ranks(tmp_path, smol_tokenizer_dir)
     a = make_adapter(str(tmp_path / "a"), base, seed=21)
     b = make_adapter(str(tmp_path / "b"), base, ("k_proj", "o_proj", "down_proj"), seed=22)
     args = [base, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-            "--served-model-name", "tiny", "-tp", "2", "--enable-lora", "--max-loras", "2",
+            "--served-model-name", "tiny", *TWO_RANKS, "--enable-lora", "--max-loras", "2",
             "--lora-modules", f"a={a}", f"b={b}"]
     with running_server(args) as srv:
         names = ["a", "tiny", "b"]

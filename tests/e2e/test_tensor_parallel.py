@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.server import Server, alive, child_pids, cmdline, free_port, running_server
+from tests.e2e.server import (TWO_RANKS, Server, alive, child_pids, cmdline, free_port,
+                              running_server)
 from tests.helpers import HFOracle, assert_greedy_equal, make_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def ranks(srv: Server) -> dict[str, int]:
 
 def test_local_ranks_match_transformers(models):
     path = models["kv3-of-6-heads"]
-    with running_server([path, *F32, "--tensor-parallel-size", "2"]) as srv:
+    with running_server([path, *F32, *TWO_RANKS]) as srv:
         assert sorted(ranks(srv)) == ["executor 0", "executor 1"]
         assert_matches_transformers(srv, path)
 
@@ -75,7 +76,7 @@ def test_context_parallel_ranks_match_transformers(models):
     import re
     from pagewire.config import EngineConfig
     path = models["kv1-below-ranks"]
-    with running_server([path, *F32, "-tp", "2", "--decode-context-parallel-size", "2"]) as srv:
+    with running_server([path, *F32, *TWO_RANKS, "--decode-context-parallel-size", "2"]) as srv:
         assert_matches_transformers(srv, path)
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
             blocks = int(re.search(r'num_gpu_blocks="(\d+)"', r.read().decode()).group(1))
@@ -106,7 +107,7 @@ def test_local_ranks_draft_with_a_draft_model(models):
     distribution: kept), which every rank must take as rank 0 drew them."""
     path = models["kv3-of-6-heads"]
     spec = json.dumps({"method": "draft_model", "model": path})
-    with running_server([path, *F32, "-tp", "2", "--speculative-config", spec]) as srv:
+    with running_server([path, *F32, *TWO_RANKS, "--speculative-config", spec]) as srv:
         assert_matches_transformers(srv, path)
         drafted, accepted = spec_counters(srv)
         assert accepted == drafted > 0
@@ -120,7 +121,7 @@ def test_local_ranks_draft_with_a_draft_model(models):
 
 
 def test_default_model_matches_transformers(default_hf_model):
-    with running_server([*F32, "-tp", "2"]) as srv:
+    with running_server([*F32, *TWO_RANKS]) as srv:
         prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47], [504, 3458, 282] * 5]
         assert_matches_transformers(srv, HFOracle(default_hf_model), prompts)
 
@@ -147,7 +148,7 @@ def stream_until_error(srv: Server, kill) -> dict:
 
 def test_local_rank_killed_mid_step_fails_requests_and_the_engine_recovers(models):
     path = models["kv3-of-6-heads"]
-    with running_server([path, *F32, "-tp", "2"]) as srv:
+    with running_server([path, *F32, *TWO_RANKS]) as srv:
         victim = ranks(srv)["executor 1"]
         last = stream_until_error(srv, lambda: os.kill(victim, signal.SIGKILL))
         assert "executor" in last
@@ -161,7 +162,7 @@ def test_local_rank_killed_mid_step_fails_requests_and_the_engine_recovers(model
 
 def test_stopped_rank_fails_the_step_after_the_timeout(models):
     path = models["kv3-of-6-heads"]
-    with running_server([path, *F32, "-tp", "2", "--tp-timeout", "3"]) as srv:
+    with running_server([path, *F32, *TWO_RANKS, "--tp-timeout", "3"]) as srv:
         victim = ranks(srv)["executor 1"]
         started = time.monotonic()
         try:
@@ -209,7 +210,7 @@ def test_attached_rank_matches_refuses_mismatches_and_recovers(models, keys):
     path = models["kv3-of-6-heads"]
     good, other = keys
     address = f"tcp://127.0.0.1:{free_port()}"
-    serve = [path, *F32, "-tp", "2", "--executors", "external", "--listen", address,
+    serve = [path, *F32, *TWO_RANKS, "--executors", "external", "--listen", address,
              "--curve-keys", good, "--attach-timeout", "120"]
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent, \
             attached_executor(address, good, path) as executor:

@@ -121,18 +121,19 @@ def test_after_an_eviction_a_row_attends_exactly_its_kept_keys(kernels):
             torch.testing.assert_close(got[:, h * 2:h * 2 + 2], want, atol=2e-5, rtol=1e-4)
 
 
-def test_attention_mass_sums_the_latest_queries_attention_causally():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_mass_sums_the_latest_queries_attention_causally(dtype):
     gen = torch.Generator().manual_seed(9)
     hq, hkv, d, w = 4, 2, 16, 3
-    pool = torch.randn(2, 12, BS, 1, d, generator=gen)
+    pool = torch.randn(2, 12, BS, 1, d, generator=gen).to(dtype)
     tables = torch.tensor([[4, 0, 7], [2, 11, 5]])
     lens = torch.tensor([10, 7])
-    q = torch.randn(w, hq, d, generator=gen)
+    q = torch.randn(w, hq, d, generator=gen).to(dtype)
     mass = attention_mass(q, pool, tables, lens, 0.25)
     for h in range(hkv):
         n = int(lens[h])
-        keys = pool[0][tables[h]].reshape(-1, d)[:n]
-        scores = torch.einsum("whd,kd->hwk", q[:, 2 * h:2 * h + 2], keys) * 0.25
+        keys = pool[0][tables[h]].reshape(-1, d)[:n].float()
+        scores = torch.einsum("whd,kd->hwk", q[:, 2 * h:2 * h + 2].float(), keys) * 0.25
         scores = scores.masked_fill(~causal_mask(w, n, q.device), float("-inf"))
         want = scores.softmax(-1).sum((0, 1))
         torch.testing.assert_close(mass[h, :n], want)

@@ -48,10 +48,12 @@ def test_resolve_refuses_a_tier_above_the_cpu(monkeypatch):
         tiers.resolve("cpu")
 
 
-def test_dtype_auto_is_bfloat16_only_with_a_bf16_dot_product():
-    assert [_resolve_dtype("auto", t) for t in (None, *tiers.TIERS)] == \
+def test_dtype_auto_is_bfloat16_only_with_a_bf16_dot_product_or_on_a_gpu():
+    assert [_resolve_dtype("auto", t, False) for t in (None, *tiers.TIERS)] == \
         ["float32", "float32", "float32", "bfloat16", "bfloat16"]
-    assert _resolve_dtype("bfloat16", "avx2") == "bfloat16"       # asked for: kept
+    assert [_resolve_dtype("auto", t, True) for t in (None, *tiers.TIERS)] == ["bfloat16"] * 5
+    assert _resolve_dtype("bfloat16", "avx2", False) == "bfloat16"       # asked for: kept
+    assert _resolve_dtype("float32", None, True) == "float32"
 
 
 def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
@@ -77,3 +79,16 @@ def test_quantized_activations_int16_below_a_bf16_dot_product_and_int8_only_by_n
     assert _resolve_activations("int8-all", "auto", "avx2") == "int8-all"
     with pytest.raises(ValueError, match="must be one of auto, exact, int16, int8, int8-all"):
         _resolve_activations("fp8", "auto", "avx2")
+
+
+def test_a_cpu_tier_runs_on_the_cpu_also_where_a_gpu_is():
+    """On a GPU machine `--kernels amx` put the model on cuda:0 and the native kernels
+    refused its tensors (seen on an H200's host)."""
+    from pagewire.config import EngineConfig
+    assert EngineConfig(kernels="avx2")._device() == "cpu"
+    assert EngineConfig(kernels="cpu", device="cpu")._device() == "cpu"
+    assert EngineConfig(kernels="triton")._device() == "auto"
+    assert EngineConfig(kernels="auto", device="cuda")._device() == "cuda"
+    with pytest.raises(ValueError, match="--kernels avx2 runs on the CPU: it does not combine "
+                                         "with --device cuda"):
+        EngineConfig(kernels="avx2", device="cuda")._device()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The tests that run CUDA, with the Triton kernels compiled for the GPU (TRITON_INTERPRET=0;
+# the CPU suite interprets them). On a machine with an NVIDIA GPU: bash tests/run_gpu.sh
+# [pytest args]. Every engine these tests start runs on the GPU (device auto); tests that pin
+# device="cpu" check the CPU backends there too. Without the default model's package,
+# PAGEWIRE_TEST_TOKENIZER=DIR names a saved copy of its tokenizer for the tiny models, and the
+# tests that load the default model itself fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TRITON_INTERPRET=0
+workers=()
+python -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
+exec python -m pytest -q "${workers[@]}" -p no:cacheprovider \
+    tests/kernels/test_triton.py tests/kernels/test_kv_quant.py tests/kernels/test_cascade.py \
+    tests/kernels/test_context_parallel.py tests/kernels/test_sampling.py \
+    tests/actors/test_cuda_graphs.py tests/actors/test_llm_vs_hf.py \
+    tests/actors/test_pipelining.py tests/actors/test_lora.py tests/actors/test_kv_cache_dtype.py \
+    tests/actors/test_speculation.py tests/actors/test_cascade.py \
+    tests/actors/test_structured_outputs.py tests/actors/test_logits_features.py \
+    tests/actors/test_sliding_window.py tests/actors/test_architectures.py \
+    tests/actors/test_sampler.py tests/actors/test_kv_compress.py \
+    tests/actors/test_streaming_input.py tests/actors/test_checkpoint_formats.py \
+    tests/actors/test_disk_tier.py tests/actors/test_kv_tier.py tests/actors/test_disagg.py \
+    tests/actors/test_engine_sharing.py tests/actors/test_kv_blocks.py \
+    tests/e2e/test_lora.py tests/e2e/test_kv_tier.py tests/e2e/test_disagg.py \
+    tests/e2e/test_tensor_parallel.py "$@"
