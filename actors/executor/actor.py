@@ -63,6 +63,8 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
     inbox = env.pull(f"executor-{env.index}", ExecutorInbox)
     results = env.push("scheduler")
     env.ready(runner.model.ops.backend)
+    if ranks is not None:
+        ranks.loaded()
     while True:
         plan = inbox.recv(timeout_ms=1000)
         env.heartbeat()          # a step that hangs stops these: the supervisor notices
@@ -98,6 +100,7 @@ def run_collective_step(runner: ModelRunner, plan) -> StepResult:
 
 def follow_steps(runner: ModelRunner, client: RankClient, heartbeat) -> None:
     """A rank r > 0's loop: run each plan rank 0 forwards; results stay with rank 0."""
+    client.loaded()
     while True:
         plan = client.recv(1000)
         heartbeat()

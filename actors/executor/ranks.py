@@ -122,6 +122,11 @@ class RankServer:
         now = time.monotonic()
         self.heard = dict.fromkeys(self.peers, now)
 
+    def loaded(self) -> None:
+        """This rank's model is loaded: the others' silence counts from now (they were loading
+        theirs, pinging no one, however long that took)."""
+        self.step_done()
+
     def poll(self) -> None:
         """Between steps: answer late hellos, ping, and fail if a rank went silent."""
         self._receive(0)
@@ -244,6 +249,11 @@ class RankClient:
             return False
 
     def step_done(self) -> None:
+        self.heard = time.monotonic()
+
+    def loaded(self) -> None:
+        """This rank's model is loaded: rank 0's silence counts from now (it was loading its
+        own, pinging no one, however long that took)."""
         self.heard = time.monotonic()
 
     def close(self) -> None:
