@@ -274,7 +274,20 @@ class LLM:
         (up to the plans in flight it allows)."""
         self._take_notices()
         while (plan := self.core.plan()) is not None:
-            self._steps.append(self._executor.submit(self.runner.execute, plan))
+            self._steps.append(self._execute(plan))
+
+    def _execute(self, plan) -> Future:
+        """The step: on the executor thread when plans overlap (async scheduling), else here.
+        OpenMP keeps a thread team per calling thread, and once a second thread had run the
+        steps, a CPU step took twice as long on two cores (bench/NOTES.md, session 15)."""
+        if self.config.async_scheduling:
+            return self._executor.submit(self.runner.execute, plan)
+        future: Future = Future()
+        try:
+            future.set_result(self.runner.execute(plan))
+        except Exception as e:           # raised where the result is taken, as from a thread
+            future.set_exception(e)
+        return future
 
     def _take_notices(self) -> None:
         """Leases the KV server ended, pulls the puller finished: to the scheduler."""
