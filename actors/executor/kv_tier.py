@@ -109,6 +109,7 @@ class DiskTier:
     # -- the writer thread ---------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        torch.set_num_threads(1)   # no second OpenMP team on the step's cores (llm.py)
         while True:
             kind, arg = self.jobs.get()
             try:

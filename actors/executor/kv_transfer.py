@@ -21,6 +21,7 @@ import threading
 import time
 
 import msgspec
+import torch
 import zmq
 
 from pagewire.wire.channels import make_decoder
@@ -73,6 +74,7 @@ class KvServer:
                 self.leases[lease.lease] = (dict(zip(lease.hashes, lease.block_ids)), deadline)
 
     def _serve(self) -> None:
+        torch.set_num_threads(1)   # no second OpenMP team on the step's cores (llm.py)
         while True:
             if self.sock.poll(200):
                 identity, frame = self.sock.recv_multipart()
@@ -136,6 +138,7 @@ class KvPuller:
         return {load.seq_id: self._pull(load) for load in loads}
 
     def _work(self) -> None:
+        torch.set_num_threads(1)   # no second OpenMP team on the step's cores (llm.py)
         while True:
             loads = self.jobs.get()
             self.notify(KvPulled(self.pull(loads)))
