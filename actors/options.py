@@ -59,8 +59,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("model", "a `.gguf` file or a Hugging Face directory (safetensors)",
                "embedded SmolLM2", flags=("model",)),
         Option("served_model_name", "the id clients pass as `model`", "model's name"),
-        Option("dtype", "`auto` (bfloat16 where the backend's CPU tier multiplies it in "
-               "hardware, AVX512-BF16 or AMX; else float32, faster there than emulated "
+        Option("dtype", "`auto` (bfloat16 on a GPU, or where the backend's CPU tier "
+               "multiplies it in hardware, AVX512-BF16 or AMX; else float32, faster there than "
+               "emulated "
                "bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to it as "
                "they load",
                choices=("auto", "bfloat16", "float16", "float32")),
@@ -131,7 +132,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("kernels", "the backend: `auto` (the best native CPU tier, Triton on CUDA), "
                "`cpu` (the best tier), a tier by name (`avx2`, `avx512`, `avx512_bf16`, `amx`: "
                "any up to this CPU's own; a higher one is refused at start), `torch` (the "
-               "reference), `triton`",
+               "reference), `triton`; `cpu` and the tiers run on the CPU, also where a GPU is "
+               "(`--device cuda` with them is refused)",
                choices=tuple(tiers.BACKENDS)),
         Option("device", "`auto` (CUDA when present, else CPU), `cpu` or `cuda`",
                choices=("auto", "cpu", "cuda")),
