@@ -272,7 +272,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         return "cpu"
 
     def _on_cuda(self) -> bool:
-        """Whether the executors will run on CUDA (runner.resolve_device decides the same
+        """Whether the executors will run on CUDA (parallel.resolve_device decides the same
         with torch); the driver's /proc entry stands in for CUDA here, which imports no torch."""
         return self.device == "cuda" or (self.device == "auto"
                                          and os.path.exists("/proc/driver/nvidia/version"))

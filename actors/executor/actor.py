@@ -22,9 +22,9 @@ from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, parse_tcp
 from ..model_info import ModelInfo
-from .parallel import init_group
+from .parallel import init_group, resolve_device
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
-from .runner import ModelRunner, resolve_device
+from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within this

@@ -136,6 +136,18 @@ def context_groups(tp: TensorParallel, size: int) -> ContextParallel:
     return mine
 
 
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device tensor-parallel rank `rank` runs on: on CUDA a GPU of its own (NCCL takes
+    one rank a GPU; config refuses more local ranks than GPUs)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def init_group(address: str, rank: int, size: int, timeout: float,
                device: torch.device) -> TensorParallel:
     """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store),

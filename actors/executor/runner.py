@@ -36,7 +36,7 @@ from .kv_transfer import KvPuller, KvServer
 from .loader import _DTYPES, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
-from .parallel import TensorParallel, context_groups
+from .parallel import TensorParallel, context_groups, resolve_device
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch, sample
 from .seq_table import SeqState, SeqTable
@@ -61,18 +61,6 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device tensor-parallel rank `rank` runs on: on CUDA a GPU of its own (NCCL takes
-    one rank a GPU; config refuses more local ranks than GPUs)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cuda":
-        return torch.device(name)
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
 
 
 class ModelRunner:
