@@ -302,8 +302,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             if not self.curve_keys:
                 raise ValueError(f"--listen {self.listen} needs --curve-keys DIR (make the keys "
                                  "with `pagewire keys DIR`): executors are authenticated")
-        gpus = visible_gpus()
-        if self._on_cuda() and self.executors == "local" and 0 < gpus < self.tensor_parallel_size:
+        gpus = visible_gpus() if self._on_cuda() and self.executors == "local" else 0
+        if 0 < gpus < self.tensor_parallel_size:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs each rank "
                              f"on a GPU of its own (NCCL cannot share one) and {gpus} "
                              f"{'is' if gpus == 1 else 'are'} visible: fewer ranks, or "

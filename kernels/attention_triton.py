@@ -25,6 +25,7 @@ _LOG2E = 1.4426950408889634
 
 if HAS_TRITON:
     _LN2 = tl.constexpr(0.6931471805599453)      # kernels read only constexpr globals
+
     @triton.jit
     def _load_rows(ptr, slot, dims, kv_mask, valid, head_dim, QUANT: tl.constexpr):
         """Rows [N, D] of keys or values at `slot` (element offsets of their heads); a

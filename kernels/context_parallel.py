@@ -86,8 +86,7 @@ def _local_prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, r
     n, heads, _ = q.shape
     count = local_lengths(span.context_len, rank, size)
     def rows(cache):                                                       # [L, Hkv, D]
-        return kv_quant.readable(cache[span.block_table], torch.float32).float() \
-            .flatten(0, 1)[:count]
+        return kv_quant.readable(cache[span.block_table], torch.float32).flatten(0, 1)[:count]
     keys, values = rows(kv_cache[0]), rows(kv_cache[1])
     group = heads // keys.shape[1]
     key_pos = torch.arange(count, device=q.device) * size + rank

@@ -118,7 +118,7 @@ def attention_mass(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
     row's length."""
     w, hq, d = q.shape
     hkv = tables.shape[0]
-    keys = _rows(pool[0], tables, torch.float32).float()    # [Hkv, C, D] (a bf16 pool's too)
+    keys = _rows(pool[0], tables, torch.float32)                              # [Hkv, C, D]
     qg = q.float().view(w, hkv, hq // hkv, d).permute(1, 2, 0, 3)            # [Hkv, G, w, D]
     scores = torch.matmul(qg, keys.transpose(1, 2)[:, None]) * scale         # [Hkv, G, w, C]
     if variant.softcap is not None:

@@ -63,5 +63,6 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 def readable(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A cache slice (gathered blocks) as values of `dtype`: dequantized if need be."""
-    return dequantize(cache, dtype) if is_quantized(cache) else cache
+    """A cache slice (gathered blocks) as values of `dtype`: dequantized if need be, else
+    converted (no copy where the cache already holds `dtype`)."""
+    return dequantize(cache, dtype) if is_quantized(cache) else cache.to(dtype)

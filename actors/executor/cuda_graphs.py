@@ -138,11 +138,11 @@ class GraphLora:
     def load(self, lora, batch: int, size: int) -> None:
         """The step's rows (the first `batch` of `size`) and adapters (a LoraBatch, or None:
         every row the base model's) into the buffers."""
-        self.adapter_of_row[batch:size] = -1
         if lora is None:
-            self.adapter_of_row[:batch] = -1
+            self.adapter_of_row[:size] = -1
             return
         self.adapter_of_row[:batch].copy_(lora.adapter_of_row, non_blocking=True)
+        self.adapter_of_row[batch:size] = -1
         key = tuple(a.generation for a in lora.adapters)
         if key == self.key:
             return

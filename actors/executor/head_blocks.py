@@ -142,13 +142,12 @@ class Compressor:
             n = seq.num_scheduled
             s = heads.reserve(n)                                          # [H, n]
             slots.append(s.reshape(L, hkv, n).transpose(0, 2, 1).reshape(L, n * hkv))
+            width = int(heads.counts.max())
             if seq.runs_as_decode:
                 decodes.append(heads)
             else:
-                width = int(heads.counts.max())
                 prefills.append(torch.from_numpy(heads.table[:, :width].reshape(L, hkv, width)))
             if seq.compress:
-                width = int(heads.counts.max())
                 observed.append(Observed(start, n, torch.from_numpy(heads.table[:, :width].copy()),
                                          torch.from_numpy(heads.lens.copy())))
             start += n
