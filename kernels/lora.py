@@ -19,12 +19,13 @@ ENTRY = 6                      # int64 per (adapter, slot) in the native table
 
 
 class LoraWeights:
-    """One adapter's weights for one (fused) linear of N outputs, as the adapter file stores
-    them (float32, bfloat16 or float16; never rounded). A [R, K] stacks the A matrices of the
-    projections the linear fuses. B^T of such a linear is block-diagonal (projection j's rank
-    rows reach only its own output columns), so only its blocks are kept: `parts`
-    [(r0, r1, col, Bt_j [r1 - r0, w_j])], views into one packed array `bt`, and `spans`
-    [R, 3] int64 (col, width, offset into `bt`) per rank row, for the native kernel."""
+    """One adapter's weights for one (fused) linear of N outputs, in the dtype they come in
+    (float32, bfloat16 or float16: the file's, or the model's where narrower; executor/lora.py).
+    A [R, K] stacks the A matrices of the projections the linear fuses. B^T of such a linear
+    is block-diagonal (projection j's rank rows reach only its own output columns), so only
+    its blocks are kept: `parts` [(r0, r1, col, Bt_j [r1 - r0, w_j])], views into one packed
+    array `bt`, and `spans` [R, 3] int64 (col, width, offset into `bt`) per rank row, for the
+    native kernel."""
 
     def __init__(self, a: torch.Tensor, blocks: list[tuple[int, torch.Tensor]], scale: float,
                  n: int):
@@ -39,6 +40,9 @@ class LoraWeights:
             spans += [(col, w, offset + i * w) for i in range(r)]
             r0, offset = r0 + r, offset + r * w
         check(r0 == a.shape[0], "LoRA weights: the blocks' ranks must sum to A's rows")
+        cols = sorted((col, col + b.shape[1]) for col, b in blocks)
+        check(all(end <= start for (_, end), (start, _) in zip(cols, cols[1:])),
+              "LoRA weights: blocks of B^T share no column (the native kernel adds each once)")
         self.spans = torch.tensor(spans, dtype=torch.int64)
 
     def entry(self) -> list[int]:

@@ -18,7 +18,6 @@ from . import lora as lora_kernels
 
 
 _PLAIN = attention.PLAIN
-LORA_GEMM_ROWS = 192     # CpuOps: LoRA deltas of this many rows or more as per-adapter GEMMs
 
 
 class TorchOps:
@@ -102,10 +101,6 @@ class CpuOps(TorchOps):
         return self.lib.silu_and_mul(gate_up)
 
     def lora_delta(self, y, x, lora, slot):
-        # Many rows (a prefill chunk): oneDNN's GEMMs per adapter beat the row-wise kernel
-        # (the crossover is near 200 rows on an AVX2 machine, bench/NOTES.md).
-        if y.shape[0] >= LORA_GEMM_ROWS:
-            return TorchOps.lora_delta(self, y, x, lora, slot)
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):

@@ -67,7 +67,8 @@ def assign_slots(model) -> int:
 
 def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
     """An adapter's checked tensors (lora_files.read_adapter) in the fused layout, in the
-    file's dtype where every tensor of a linear shares one the kernels read, else float32."""
+    file's dtype where every tensor of a linear shares one the kernels read, else float32;
+    float32 ones in the model's dtype where that is narrower (vLLM's lora_dtype auto)."""
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(path, WEIGHTS))
     out: Weights = {}
@@ -77,12 +78,13 @@ def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
             if present:
                 linear = layer.get_submodule(name)
                 out[linear.lora_slot] = _fused(layer, model.cfg, name, i, present, tensors,
-                                               scale, model.embed.weight.device)
+                                               scale, model.embed.weight.device,
+                                               model.embed.weight.dtype)
     return out
 
 
 def _fused(layer, cfg, name: str, i: int, present, tensors, scale: float,
-           dev: torch.device) -> LoraWeights:
+           dev: torch.device, model_dtype: torch.dtype) -> LoraWeights:
     """The LoraWeights of one fused linear: each present projection's A rows (this rank's
     share) and its B^T block at the projection's output columns."""
     sizes = _part_sizes(layer, name)
@@ -96,6 +98,8 @@ def _fused(layer, cfg, name: str, i: int, present, tensors, scale: float,
         blocks.append((sum(sizes[:j]), (b[sl] if side == "out" else b).T))
     dtypes = {t.dtype for t in a_parts} | {b.dtype for _, b in blocks}
     dtype = dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in KINDS else torch.float32
+    if dtype == torch.float32 and model_dtype != torch.float32:
+        dtype = model_dtype     # as narrow as the base weights: half the bytes a step reads
     return LoraWeights(torch.cat(a_parts).to(dev, dtype),
                        [(col, b.to(dev, dtype)) for col, b in blocks], scale, sum(sizes))
 

@@ -1,13 +1,18 @@
 // LoRA deltas of one linear for a step's rows, each row with its own adapter (or none):
 // y[t] += scale * Bt_a^T (A_a x[t]) for a = adapter_of_row[t] >= 0. The per-op path
 // (kernels/ops.py CpuOps.lora_delta) and the fused decode interpreter (decode_stack.cpp) both
-// call it.
+// call it, for a single stream's row and a prefill chunk's thousands alike.
 //
-// A decode step reads every adapter weight once per row, so the weights are kept as the
-// adapter file stores them (float32, bfloat16 or float16: never rounded) and Bt holds only
-// its nonzero spans: a fused linear's B^T is block-diagonal (projection j's rank rows reach
-// only its own output columns), so rank row r of Bt is `width` values from column `col`, at
-// `offset` in one packed array. Products accumulate in float32.
+// The weights come as float32, bfloat16 or float16 (the file's dtype, or the model's where
+// that is narrower: a step reads them all) and Bt holds only its nonzero spans: a fused
+// linear's B^T is block-diagonal (projection j's rank rows reach only its own output
+// columns), so rank row r of Bt is `width` values from column `col`, at `offset` in one packed
+// array. Products accumulate in float32.
+//
+// Rows are grouped by adapter into tiles of up to kTile rows (a batch's rows interleave
+// adapters), so each weight loaded from memory serves every row of a tile: shrink computes a
+// tile's mid = scale * x A^T over runs of kRun rank rows, expand adds mid Bt over chunks of
+// columns, both with tile x 4-vector register blocks.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -24,6 +29,9 @@ namespace {
 
 constexpr int64_t kSerialMacs = 1 << 18;
 constexpr int64_t kEntry = 6;     // int64 per (adapter, slot) in the table; see Entry
+constexpr int kTile = 4;          // rows of one adapter sharing each weight load
+constexpr int kRun = 4;           // rank rows of A a shrink work item reads
+constexpr int64_t kChunk = 256;   // output columns an expand work item writes
 enum Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // One adapter's weights for one linear: A [R, K], Bt's packed spans, spans [R, 3] int64
@@ -45,192 +53,311 @@ struct Entry {
   }
 };
 
-// Eight consecutive values as float32 lanes.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_bf16(const uint16_t* p) {
+// The widest float32 vector the tier has: its loads from each weight Kind, FMA and sum.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vload_bf16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vload_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+// Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
+inline void vstore_bf16(uint16_t* p, Vec v) {
+  const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vload_bf16(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-inline __m256 load8_f16(const uint16_t* p) {
+inline Vec vload_f16(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline float hsum(__m256 v) {
+inline float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+// Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
+inline void vstore_bf16(uint16_t* p, Vec v) {
+  const __m256i bits = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
 
 // The weights of Kind K: their vector and scalar loads.
 template <Kind K> struct W;
 template <> struct W<kF32> {
   using T = float;
-  static __m256 load(const T* p) { return load8(p); }
+  static Vec load(const T* p) { return vload(p); }
   static float at(const T* p) { return *p; }
 };
 template <> struct W<kBF16> {
   using T = uint16_t;
-  static __m256 load(const T* p) { return load8_bf16(p); }
+  static Vec load(const T* p) { return vload_bf16(p); }
   static float at(const T* p) { return pw::to_float(*p); }
 };
 template <> struct W<kF16> {
   using T = uint16_t;
-  static __m256 load(const T* p) { return load8_f16(p); }
-  static float at(const T* p) { return f16_to_float(*p); }
+  static Vec load(const T* p) { return vload_f16(p); }
+  static float at(const T* p) { return _cvtsh_ss(*p); }
 };
 
-// out[i] = sum_j a[i][j] * x[j] for `rows` consecutive rows of a (row stride k), x float32.
-// Four rows at a time share each load of x and give four independent FMA chains.
-template <Kind K>
-void dots(float* out, const void* a_rows, int64_t rows, const float* x, int64_t k) {
+// x rows as float32 vectors and scalars, from float32 or bfloat16 activations.
+inline Vec vload_x(const float* p) { return vload(p); }
+inline Vec vload_x(const bf16* p) { return vload_bf16(p); }
+
+// y[0, kLanes) += v, rounded once to y's type.
+inline void add_store(float* y, Vec v) { vstore(y, vadd(vload(y), v)); }
+inline void add_store(bf16* y, Vec v) { vstore_bf16(y, vadd(vload_bf16(y), v)); }
+
+// mid[m * ld + r] = scale * <xs[m], a row r> for m < M tile rows, r < R rank rows of a (row
+// stride k): M x R accumulators, each x and weight vector loaded once for all of them.
+template <typename X, Kind K, int M, int R>
+void shrink_tile(float* mid, int64_t ld, const X* const* xs, const void* a_rows, int64_t k,
+                 float scale) {
   const auto* a = static_cast<const typename W<K>::T*>(a_rows);
-  int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) {
-    const auto *a0 = a + i * k, *a1 = a0 + k, *a2 = a1 + k, *a3 = a2 + k;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int64_t j = 0;
-    for (; j + 8 <= k; j += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + j);
-      s0 = _mm256_fmadd_ps(W<K>::load(a0 + j), xv, s0);
-      s1 = _mm256_fmadd_ps(W<K>::load(a1 + j), xv, s1);
-      s2 = _mm256_fmadd_ps(W<K>::load(a2 + j), xv, s2);
-      s3 = _mm256_fmadd_ps(W<K>::load(a3 + j), xv, s3);
+  Vec acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = vzero();
+  int64_t j = 0;
+  for (; j + kLanes <= k; j += kLanes) {
+    Vec xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = vload_x(xs[m] + j);
+    for (int r = 0; r < R; ++r) {
+      const Vec av = W<K>::load(a + r * k + j);
+      for (int m = 0; m < M; ++m) acc[m][r] = vfma(av, xv[m], acc[m][r]);
     }
-    float r0 = hsum(s0), r1 = hsum(s1), r2 = hsum(s2), r3 = hsum(s3);
-    for (; j < k; ++j) {
-      r0 += W<K>::at(a0 + j) * x[j];
-      r1 += W<K>::at(a1 + j) * x[j];
-      r2 += W<K>::at(a2 + j) * x[j];
-      r3 += W<K>::at(a3 + j) * x[j];
-    }
-    out[i] = r0, out[i + 1] = r1, out[i + 2] = r2, out[i + 3] = r3;
   }
-  for (; i < rows; ++i) {
-    const auto* ai = a + i * k;
-    __m256 s = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= k; j += 8) s = _mm256_fmadd_ps(W<K>::load(ai + j), _mm256_loadu_ps(x + j), s);
-    float r = hsum(s);
-    for (; j < k; ++j) r += W<K>::at(ai + j) * x[j];
-    out[i] = r;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = vsum(acc[m][r]);
+      for (int64_t i = j; i < k; ++i) s += W<K>::at(a + r * k + i) * pw::to_float(xs[m][i]);
+      mid[m * ld + r] = scale * s;
+    }
+}
+
+template <typename X, Kind K, int M>
+void shrink_rows(float* mid, int64_t ld, const X* const* xs, const void* a, int64_t ranks,
+                 int64_t k, float scale) {
+  switch (ranks) {
+    case 1: return shrink_tile<X, K, M, 1>(mid, ld, xs, a, k, scale);
+    case 2: return shrink_tile<X, K, M, 2>(mid, ld, xs, a, k, scale);
+    case 3: return shrink_tile<X, K, M, 3>(mid, ld, xs, a, k, scale);
+    default: return shrink_tile<X, K, M, kRun>(mid, ld, xs, a, k, scale);
   }
 }
 
-// acc[0, m) += sum_r v[r] * b[r][0, m) over `rows` rows of b (row stride ld): the
-// accumulators stay in registers across the rows, 32 columns at a time.
-template <Kind K>
-void axpys(float* acc, const float* v, const void* b_rows, int64_t rows, int64_t ld,
-           int64_t m) {
-  const auto* b = static_cast<const typename W<K>::T*>(b_rows);
-  int64_t j = 0;
-  for (; j + 32 <= m; j += 32) {
-    __m256 c0 = _mm256_loadu_ps(acc + j), c1 = _mm256_loadu_ps(acc + j + 8);
-    __m256 c2 = _mm256_loadu_ps(acc + j + 16), c3 = _mm256_loadu_ps(acc + j + 24);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256 vv = _mm256_set1_ps(v[r]);
-      const auto* br = b + r * ld + j;
-      c0 = _mm256_fmadd_ps(vv, W<K>::load(br), c0);
-      c1 = _mm256_fmadd_ps(vv, W<K>::load(br + 8), c1);
-      c2 = _mm256_fmadd_ps(vv, W<K>::load(br + 16), c2);
-      c3 = _mm256_fmadd_ps(vv, W<K>::load(br + 24), c3);
-    }
-    _mm256_storeu_ps(acc + j, c0), _mm256_storeu_ps(acc + j + 8, c1);
-    _mm256_storeu_ps(acc + j + 16, c2), _mm256_storeu_ps(acc + j + 24, c3);
+template <typename X, Kind K>
+void shrink(float* mid, int64_t ld, const X* const* xs, int rows, const void* a, int64_t ranks,
+            int64_t k, float scale) {
+  switch (rows) {
+    case 1: return shrink_rows<X, K, 1>(mid, ld, xs, a, ranks, k, scale);
+    case 2: return shrink_rows<X, K, 2>(mid, ld, xs, a, ranks, k, scale);
+    case 3: return shrink_rows<X, K, 3>(mid, ld, xs, a, ranks, k, scale);
+    default: return shrink_rows<X, K, kTile>(mid, ld, xs, a, ranks, k, scale);
   }
-  for (; j < m; ++j)
-    for (int64_t r = 0; r < rows; ++r) acc[j] += v[r] * W<K>::at(b + r * ld + j);
+}
+
+// ys[m][0, width) += sum_r mid[m * ld + r] * b[r][0, width) over `ranks` rows of b (row
+// stride bld) for M tile rows: V vectors of columns at a time, their M x V accumulators kept
+// in registers across the rank rows and added to y once (each y value rounded once: the
+// spans of one linear never share a column, LoraWeights).
+template <typename Y, Kind K, int M, int V>
+int64_t expand_cols(Y* const* ys, int64_t j, const float* mid, int64_t ld,
+                    const typename W<K>::T* b, int64_t ranks, int64_t bld, int64_t width) {
+  for (; j + V * kLanes <= width; j += V * kLanes) {
+    Vec c[M][V];
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) c[m][v] = vzero();
+    for (int64_t r = 0; r < ranks; ++r) {
+      Vec bv[V];
+      for (int v = 0; v < V; ++v) bv[v] = W<K>::load(b + r * bld + j + v * kLanes);
+      for (int m = 0; m < M; ++m) {
+        const Vec s = vset1(mid[m * ld + r]);
+        for (int v = 0; v < V; ++v) c[m][v] = vfma(s, bv[v], c[m][v]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) add_store(ys[m] + j + v * kLanes, c[m][v]);
+  }
+  return j;
+}
+
+template <typename Y, Kind K, int M>
+void expand_tile(Y* const* ys, const float* mid, int64_t ld, const void* b_rows, int64_t ranks,
+                 int64_t bld, int64_t width) {
+  const auto* b = static_cast<const typename W<K>::T*>(b_rows);
+  // Wide blocks for few rows: each rank row of b is then read in long contiguous runs.
+  int64_t j = expand_cols<Y, K, M, 4>(ys, 0, mid, ld, b, ranks, bld, width);
+  j = expand_cols<Y, K, M, 1>(ys, j, mid, ld, b, ranks, bld, width);
+  for (; j < width; ++j)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t r = 0; r < ranks; ++r) s += mid[m * ld + r] * W<K>::at(b + r * bld + j);
+      pw::from_float(pw::to_float(ys[m][j]) + s, &ys[m][j]);
+    }
+}
+
+template <typename Y, Kind K>
+void expand(Y* const* ys, int rows, const float* mid, int64_t ld, const void* b, int64_t ranks,
+            int64_t bld, int64_t width) {
+  switch (rows) {
+    case 1: return expand_tile<Y, K, 1>(ys, mid, ld, b, ranks, bld, width);
+    case 2: return expand_tile<Y, K, 2>(ys, mid, ld, b, ranks, bld, width);
+    case 3: return expand_tile<Y, K, 3>(ys, mid, ld, b, ranks, bld, width);
+    default: return expand_tile<Y, K, kTile>(ys, mid, ld, b, ranks, bld, width);
+  }
 }
 
 size_t kind_bytes(Kind kind) { return kind == kF32 ? 4 : 2; }
 
-void dots_any(float* out, const Entry& e, int64_t r0, int64_t rows, const float* x, int64_t k) {
+// A tile: up to kTile rows of one adapter.
+struct Tile {
+  const Entry* entry;
+  int64_t rows[kTile];
+  int count;
+};
+
+template <typename X>
+void shrink_any(float* mid, int64_t ld, const X* const* xs, const Tile& tile, int64_t r0,
+                int64_t k) {
+  const Entry& e = *tile.entry;
   const char* a = static_cast<const char*>(e.a) + r0 * k * kind_bytes(e.kind);
+  const int64_t ranks = std::min<int64_t>(kRun, e.rank - r0);
   switch (e.kind) {
-    case kBF16: return dots<kBF16>(out, a, rows, x, k);
-    case kF16: return dots<kF16>(out, a, rows, x, k);
-    default: return dots<kF32>(out, a, rows, x, k);
+    case kBF16: return shrink<X, kBF16>(mid + r0, ld, xs, tile.count, a, ranks, k, e.scale);
+    case kF16: return shrink<X, kF16>(mid + r0, ld, xs, tile.count, a, ranks, k, e.scale);
+    default: return shrink<X, kF32>(mid + r0, ld, xs, tile.count, a, ranks, k, e.scale);
   }
 }
 
-// acc [j0, j0 + m) += mid[r] * (rank row r of Bt) over each run of rank rows that share one
+// y's tile rows [j0, j0 + m) += the tile's mid times each run of rank rows that share one
 // span (a projection's block: its rows lie `width` apart), where the span meets the columns.
-void add_spans(float* acc, const float* mid, const Entry& e, int64_t j0, int64_t m) {
+template <typename Y>
+void add_spans(Y* const* ys, const float* mid, int64_t ld, const Tile& tile, int64_t j0,
+               int64_t m) {
+  const Entry& e = *tile.entry;
   const int64_t* sp = e.spans;
   for (int64_t r = 0; r < e.rank;) {
     const int64_t col = sp[r * 3], width = sp[r * 3 + 1], offset = sp[r * 3 + 2];
-    int64_t rows = 1;
-    while (r + rows < e.rank && sp[(r + rows) * 3] == col && sp[(r + rows) * 3 + 1] == width &&
-           sp[(r + rows) * 3 + 2] == offset + rows * width)
-      ++rows;
+    int64_t ranks = 1;
+    while (r + ranks < e.rank && sp[(r + ranks) * 3] == col &&
+           sp[(r + ranks) * 3 + 1] == width && sp[(r + ranks) * 3 + 2] == offset + ranks * width)
+      ++ranks;
     const int64_t lo = std::max(col, j0), hi = std::min(col + width, j0 + m);
     if (lo < hi) {
       const char* b = static_cast<const char*>(e.bt) + (offset + lo - col) * kind_bytes(e.kind);
-      float* dst = acc + lo - j0;
+      Y* at[kTile];
+      for (int i = 0; i < tile.count; ++i) at[i] = ys[i] + lo;
       switch (e.kind) {
-        case kBF16: axpys<kBF16>(dst, mid + r, b, rows, width, hi - lo); break;
-        case kF16: axpys<kF16>(dst, mid + r, b, rows, width, hi - lo); break;
-        default: axpys<kF32>(dst, mid + r, b, rows, width, hi - lo);
+        case kBF16: expand<Y, kBF16>(at, tile.count, mid + r, ld, b, ranks, width, hi - lo); break;
+        case kF16: expand<Y, kF16>(at, tile.count, mid + r, ld, b, ranks, width, hi - lo); break;
+        default: expand<Y, kF32>(at, tile.count, mid + r, ld, b, ranks, width, hi - lo);
       }
     }
-    r += rows;
+    r += ranks;
   }
+}
+
+// The step's tiles: each adapter's rows (in row order) cut into tiles of kTile. `entries`
+// holds one Entry per adapter that touches the linear; the tiles point into it.
+std::vector<Tile> make_tiles(std::vector<Entry>& entries, const int64_t* adapter_of_row,
+                             int64_t tokens, const int64_t* table, int64_t slot,
+                             int64_t num_slots) {
+  int64_t adapters = 0;
+  for (int64_t t = 0; t < tokens; ++t) adapters = std::max(adapters, adapter_of_row[t] + 1);
+  std::vector<std::vector<int64_t>> rows_of(adapters);
+  for (int64_t t = 0; t < tokens; ++t)
+    if (adapter_of_row[t] >= 0) rows_of[adapter_of_row[t]].push_back(t);
+  entries.reserve(adapters);
+  std::vector<Tile> tiles;
+  for (int64_t a = 0; a < adapters; ++a) {
+    const int64_t* w = table + (a * num_slots + slot) * kEntry;
+    if (rows_of[a].empty() || !w[0]) continue;
+    entries.emplace_back(w);
+    for (size_t i = 0; i < rows_of[a].size(); i += kTile) {
+      Tile tile{&entries.back(), {}, 0};
+      for (size_t j = i; j < std::min(rows_of[a].size(), i + kTile); ++j)
+        tile.rows[tile.count++] = rows_of[a][j];
+      tiles.push_back(tile);
+    }
+  }
+  return tiles;
 }
 
 // table: [adapters][num_slots][kEntry] int64 (Entry), A null where the adapter leaves that
 // linear alone. Two passes, each split over the threads (a single stream's one row still
-// uses every core): mid = scale * A x for every (row, rank), then y += mid Bt over chunks of
-// columns.
+// uses every core when the work is large enough): mid = scale * x A^T per (tile, run of rank
+// rows), then y += mid Bt per (tile, chunk of columns).
 template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
                 int64_t slot, int64_t num_slots) {
   std::vector<Entry> entries;
-  std::vector<int64_t> entry_of_row(tokens, -1);    // index into entries, -1: base row
-  int64_t rank = 0;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t a = adapter_of_row[t];
-    const int64_t* w = a < 0 ? nullptr : table + (a * num_slots + slot) * kEntry;
-    if (!w || !w[0]) continue;
-    entries.emplace_back(w);
-    entry_of_row[t] = static_cast<int64_t>(entries.size()) - 1;
-    rank = std::max(rank, w[3]);
-  }
-  if (rank == 0) return;
+  const std::vector<Tile> tiles =
+      make_tiles(entries, adapter_of_row, tokens, table, slot, num_slots);
+  int64_t rank = 0, rows = 0;
+  for (const Entry& e : entries) rank = std::max(rank, e.rank);
+  for (const Tile& tile : tiles) rows += tile.count;
+  if (tiles.empty() || rank == 0) return;
   // Small work runs on the calling thread: waking the pool costs more than a single stream's
   // products (parallel_for runs inline when the range is within the grain).
-  const bool small = tokens * rank * (n + k) < kSerialMacs;
-  std::vector<float> xf(tokens * k), mid(tokens * rank, 0.f);
-  at::parallel_for(0, tokens, small ? tokens : 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      if (entry_of_row[t] >= 0)
-        for (int64_t j = 0; j < k; ++j) xf[t * k + j] = pw::to_float(x[t * x_stride + j]);
-  });
-  // mid = scale * A x per row, in runs of four rank rows (a work item).
-  const int64_t runs = (rank + 3) / 4;
-  at::parallel_for(0, tokens * runs, small ? tokens * runs : 1, [&](int64_t i0, int64_t i1) {
+  const bool small = rows * rank * (n + k) < kSerialMacs;
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  std::vector<float> mid(count * kTile * rank);
+  const int64_t runs = (rank + kRun - 1) / kRun;
+  at::parallel_for(0, count * runs, small ? count * runs : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / runs, r0 = (i % runs) * 4;
-      if (entry_of_row[t] < 0) continue;
-      const Entry& e = entries[entry_of_row[t]];
-      const int64_t rows = std::min<int64_t>(4, e.rank - r0);
-      if (rows <= 0) continue;
-      float* out = mid.data() + t * rank + r0;
-      dots_any(out, e, r0, rows, xf.data() + t * k, k);
-      for (int64_t r = 0; r < rows; ++r) out[r] *= e.scale;
+      const Tile& tile = tiles[i / runs];
+      const int64_t r0 = (i % runs) * kRun;
+      if (r0 >= tile.entry->rank) continue;
+      const T* xs[kTile];
+      for (int m = 0; m < tile.count; ++m) xs[m] = x + tile.rows[m] * x_stride;
+      shrink_any(mid.data() + (i / runs) * kTile * rank, rank, xs, tile, r0, k);
     }
   });
-  constexpr int64_t kChunk = 256;
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  at::parallel_for(0, tokens * chunks, small ? tokens * chunks : 1, [&](int64_t i0, int64_t i1) {
-    float acc[kChunk];
+  at::parallel_for(0, count * chunks, small ? count * chunks : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / chunks, j0 = (i % chunks) * kChunk, m = std::min(kChunk, n - j0);
-      if (entry_of_row[t] < 0) continue;
-      const Entry& e = entries[entry_of_row[t]];
-      std::fill(acc, acc + m, 0.f);
-      add_spans(acc, mid.data() + t * rank, e, j0, m);
-      T* out = y + t * y_stride + j0;
-      for (int64_t j = 0; j < m; ++j) pw::from_float(pw::to_float(out[j]) + acc[j], &out[j]);
+      const Tile& tile = tiles[i / chunks];
+      const int64_t j0 = (i % chunks) * kChunk;
+      T* ys[kTile];
+      for (int m = 0; m < tile.count; ++m) ys[m] = y + tile.rows[m] * y_stride;
+      add_spans(ys, mid.data() + (i / chunks) * kTile * rank, rank, tile, j0,
+                std::min(kChunk, n - j0));
     }
   });
 }

@@ -120,6 +120,21 @@ def test_a_mixed_batch_gives_each_request_its_merged_models_tokens(base, adapter
     assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
 
 
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_adapter_weights_are_as_narrow_as_the_file_or_the_model(base, adapters, model_dtype):
+    """float32 adapter files on a bfloat16 model are held in bfloat16 (vLLM's lora_dtype
+    auto: a step reads every weight); a narrower file keeps its own dtype."""
+    llm = LLM(base, dtype=model_dtype, max_model_len=256, num_kv_blocks=64, block_size=4,
+              enable_lora=True, max_loras=3)
+    loras = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())]
+    _greedy(llm, PROMPTS[:1] * 3, loras, n=2)
+    held = {name: {w.a.dtype for w in llm.runner.adapters.loaded[i + 1].weights.values()}
+            for i, name in enumerate(adapters)}
+    narrow = getattr(torch, model_dtype)
+    assert held == {"attn-qv": {narrow}, "all-rslora": {torch.bfloat16},
+                    "mlp-layer1": {torch.float16}}
+
+
 def test_prefix_blocks_are_shared_by_equal_adapter_content_only(base, adapters, tmp_path):
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
               enable_lora=True)

@@ -182,9 +182,11 @@ def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama, ti
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 301])
 def test_lora_delta(native_lib, dtype, weights, tokens):
-    """Adapter weights as stored (float32, bfloat16, float16) and B^T kept as its blocks."""
+    """Adapter weights as stored (float32, bfloat16, float16) and B^T kept as its blocks; rows
+    of an adapter in tiles of 1-4 (interleaved with other adapters' and base rows), K and the
+    blocks' widths not multiples of a vector."""
     from pagewire.kernels.lora import lora_delta
     from tests.helpers import lora_case
     x, of_row, adapters, table = lora_case(tokens, 300, 203, (4, 16), seed=tokens,
