@@ -15,6 +15,7 @@
 // columns, both with tile x 4-vector register blocks.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -27,7 +28,7 @@ using bf16 = uint16_t;
 
 namespace {
 
-constexpr int64_t kSerialMacs = 1 << 18;
+constexpr int64_t kSerialMacs = 1 << 14;
 constexpr int64_t kEntry = 6;     // int64 per (adapter, slot) in the table; see Entry
 constexpr int kTile = 4;          // rows of one adapter sharing each weight load
 constexpr int kRun = 4;           // rank rows of A a shrink work item reads
@@ -319,9 +320,8 @@ std::vector<Tile> make_tiles(std::vector<Entry>& entries, const int64_t* adapter
 }
 
 // table: [adapters][num_slots][kEntry] int64 (Entry), A null where the adapter leaves that
-// linear alone. Two passes, each split over the threads (a single stream's one row still
-// uses every core when the work is large enough): mid = scale * x A^T per (tile, run of rank
-// rows), then y += mid Bt per (tile, chunk of columns).
+// linear alone. Two passes, their work items dealt to the threads in turn: mid = scale * x A^T
+// per (tile, run of rank rows), then y += mid Bt per (tile, chunk of columns).
 template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
@@ -333,33 +333,37 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
   for (const Entry& e : entries) rank = std::max(rank, e.rank);
   for (const Tile& tile : tiles) rows += tile.count;
   if (tiles.empty() || rank == 0) return;
-  // Small work runs on the calling thread: waking the pool costs more than a single stream's
-  // products (parallel_for runs inline when the range is within the grain).
-  const bool small = rows * rank * (n + k) < kSerialMacs;
   const int64_t count = static_cast<int64_t>(tiles.size());
   std::vector<float> mid(count * kTile * rank);
-  const int64_t runs = (rank + kRun - 1) / kRun;
-  at::parallel_for(0, count * runs, small ? count * runs : 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Tile& tile = tiles[i / runs];
-      const int64_t r0 = (i % runs) * kRun;
-      if (r0 >= tile.entry->rank) continue;
-      const T* xs[kTile];
-      for (int m = 0; m < tile.count; ++m) xs[m] = x + tile.rows[m] * x_stride;
-      shrink_any(mid.data() + (i / runs) * kTile * rank, rank, xs, tile, r0, k);
-    }
-  });
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  at::parallel_for(0, count * chunks, small ? count * chunks : 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Tile& tile = tiles[i / chunks];
-      const int64_t j0 = (i % chunks) * kChunk;
-      T* ys[kTile];
-      for (int m = 0; m < tile.count; ++m) ys[m] = y + tile.rows[m] * y_stride;
-      add_spans(ys, mid.data() + (i / chunks) * kTile * rank, rank, tile, j0,
-                std::min(kChunk, n - j0));
-    }
-  });
+  const int64_t runs = (rank + kRun - 1) / kRun, chunks = (n + kChunk - 1) / kChunk;
+  auto shrink_item = [&](int64_t i) {
+    const Tile& tile = tiles[i / runs];
+    const int64_t r0 = (i % runs) * kRun;
+    if (r0 >= tile.entry->rank) return;
+    const T* xs[kTile];
+    for (int m = 0; m < tile.count; ++m) xs[m] = x + tile.rows[m] * x_stride;
+    shrink_any(mid.data() + (i / runs) * kTile * rank, rank, xs, tile, r0, k);
+  };
+  auto expand_item = [&](int64_t i) {
+    const Tile& tile = tiles[i / chunks];
+    const int64_t j0 = (i % chunks) * kChunk;
+    T* ys[kTile];
+    for (int m = 0; m < tile.count; ++m) ys[m] = y + tile.rows[m] * y_stride;
+    add_spans(ys, mid.data() + (i / chunks) * kTile * rank, rank, tile, j0,
+              std::min(kChunk, n - j0));
+  };
+  // One parallel region, the passes apart by a barrier: a single stream's row is bound by
+  // reading the adapter's weights, and two threads read them faster than one, but each
+  // region's fork and join costs about what a small linear's products do. Tiny work stays
+  // on the calling thread.
+  const int threads = rows * rank * (n + k) < kSerialMacs ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t id = omp_get_thread_num(), step = omp_get_num_threads();
+    for (int64_t i = id; i < count * runs; i += step) shrink_item(i);
+#pragma omp barrier
+    for (int64_t i = id; i < count * chunks; i += step) expand_item(i);
+  }
 }
 
 }  // namespace
