@@ -26,8 +26,8 @@ from . import kv_quant, tiers
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
-                         "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "decode_stack.cpp",
-                         "lora.cpp")]
+                         "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "bf16_matmul.cpp",
+                         "decode_stack.cpp", "lora.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("bf16.h", "attention_tiles.h", "quant_tiles.h", "quant_avx2.h",
                          "quant_int_avx2.h", "kv_quant.h", "paged_decode.h",

@@ -37,7 +37,10 @@ ROUNDINGS = ("exact", "int16", "int8")
 # A packed weight's kind: its tile type plus 100 for int8 or 200 for int16 activations (the
 # native entry point and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).
 _KIND_OFFSET = {"exact": 0, "int8": 100, "int16": 200}
-KINDS = tuple(t + o for o in _KIND_OFFSET.values() for t in _SCALES)
+# Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
+# multiplied by the same entry point (csrc/bf16_matmul.cpp).
+BF16 = 30
+KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in _SCALES), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -94,7 +97,9 @@ class QuantWeight:
 
 
 def packable(ggml_type: int, rows: int, cols: int) -> bool:
-    return ggml_type in _BLOCK_BYTES and rows % _ROWS == 0 and cols % 32 == 0
+    """Whether pack() (pack_bf16() for BF16) takes a weight of this type and shape."""
+    return (ggml_type in _BLOCK_BYTES or ggml_type == BF16) and rows % _ROWS == 0 \
+        and cols % 32 == 0
 
 
 def block_bytes(ggml_type: int) -> int:
@@ -136,6 +141,19 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         qs = quants.transpose(2, 3)                           # [G, nb, 32 columns, 16 rows]
     tiles = torch.cat([p.reshape(groups, nb, -1) for p in [qs, *scales]], dim=2).contiguous()
     return QuantWeight([Segment(ggml_type + _KIND_OFFSET[rounding], tiles, rows)], cols, lib)
+
+
+def pack_bf16(weight: torch.Tensor, lib: native.Library) -> QuantWeight:
+    """A bfloat16 [rows, cols] weight (rows a multiple of 16, cols of 32) as BF16 tiles:
+    per 16 rows and 32 columns, 16 lines of 64 bytes, line j columns (2j, 2j + 1) of the 16
+    rows, a row's pair in one 32-bit lane (csrc/bf16_matmul.cpp)."""
+    rows, cols = weight.shape
+    if weight.dtype != torch.bfloat16 or not packable(BF16, rows, cols):
+        raise ValueError(f"cannot pack a {weight.dtype} [{rows}, {cols}] weight as BF16 tiles")
+    pairs = weight.reshape(rows // _ROWS, _ROWS, cols // 32, 16, 2)   # [G, row, B, j, 2]
+    tiles = pairs.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
+    return QuantWeight([Segment(BF16, tiles.reshape(rows // _ROWS, cols // 32, -1), rows)],
+                       cols, lib)
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .kv_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
-from .loader import _DTYPES, keep_quantized, load_model
+from .loader import _DTYPES, keep_bf16_tiles, keep_quantized, load_model
 from .lora import Adapters, LoraBatch
 from .models.fused_decode import FusedDecode
 from .parallel import TensorParallel, context_groups, resolve_device
@@ -119,6 +119,7 @@ class ModelRunner:
         if ops.name == "cpu":     # blocks first: a Linear that keeps only them packs nothing
             keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
                            ROUNDINGS[config.quantized_activations])
+            keep_bf16_tiles(model, config.quantized_matmul_tokens, ops.lib)
             pack_linears(model, upcast=not ops.lib.bf16_dot)
         model.rounded_blocks = None         # kept (or not needed) by now
         return model

@@ -258,6 +258,7 @@ namespace pw {
 // CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
+  if (kind == 30) return bf16_matmul<T>();
 #if defined(__AVX512BF16__)
   switch (kind) {
     case 3: return matmul<Q4_1Tile, T>;

@@ -70,8 +70,13 @@ using QuantMatmul = void (*)(T* out, int64_t out_stride, const T* x, int64_t x_s
                              int64_t tokens, const uint8_t* tiles, int64_t N, int64_t K);
 
 // The kernel of a packed weight's kind (kernels/quant.py KINDS: a tile type, plus 100 for
-// int8 or 200 for int16 activations), or nullptr for a kind this build lacks.
+// int8 or 200 for int16 activations; 30 for plain bfloat16 tiles), or nullptr for a kind
+// this build lacks.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind);
+
+// Kind 30's kernel (bf16_matmul.cpp), for this build's tier.
+template <typename T>
+QuantMatmul<T> bf16_matmul();
 
 }  // namespace pw

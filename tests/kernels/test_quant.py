@@ -226,3 +226,27 @@ def test_a_weight_in_another_column_order_takes_x_in_that_order(native_lib):
     assert ((quant.matmul(x, weight).double() - ref).abs() <= 1e-5).all()
     with pytest.raises(ValueError, match="int64 \\[96\\]"):
         quant.QuantWeight.joined([weight], native_lib, order[:95])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 9, 21])
+def test_bf16_tiles_multiply_with_exact_products(native_lib, dtype, tokens):
+    """A bfloat16 checkpoint's weight as BF16 tiles: line j of a tile holds columns 2j and
+    2j + 1 of its 16 rows, a row's pair in one lane; every product exact, the sums float32
+    (float32 activations keep their precision: three bfloat16 parts, or float32 lanes)."""
+    g = torch.Generator().manual_seed(tokens)
+    w = torch.randn(48, 96, generator=g).bfloat16()
+    qw = quant.pack_bf16(w, native_lib)
+    assert qw.kind == quant.BF16 and tuple(qw.tiles.shape) == (3, 3, 1024)
+    lines = qw.tiles[1, 2].view(torch.bfloat16).view(16, 16, 2)        # [line, row, pair]
+    assert torch.equal(lines[5, 7], w[16 + 7, 64 + 10:64 + 12])
+    x = torch.randn(tokens, 96, generator=g).to(dtype)
+    exact = x.double() @ w.double().T
+    out = quant.matmul(x, qw)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-5)
+    else:                                # rounded once: within one bfloat16 step of exact
+        assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    with pytest.raises(ValueError, match="BF16 tiles"):
+        quant.pack_bf16(w[:40], native_lib)                  # rows not a multiple of 16

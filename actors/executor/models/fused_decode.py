@@ -10,13 +10,15 @@ Here each layer's program is encoded as int64 words: an opcode (program.Op's val
 its operands (pointers as integers, sizes, floats as a double's bits). It applies where
 every op of every layer encodes: the native library implements the op
 (pw_decode_stack_arity) and this file knows its operands, which for linears means quantized
-weights (with or without a bias), all serving the same number of tokens. Otherwise, and for tensor
+weights or BF16 tiles (with or without a bias), the quantized ones all serving the same
+number of tokens. Otherwise, and for tensor
 parallelism, other backends, steps with a prefill or with more than the linears'
 `quantized_max_tokens` tokens, the per-op path runs.
 """
 from __future__ import annotations
 
 import struct
+import sys
 
 import torch
 
@@ -51,10 +53,10 @@ class FusedDecode:
         for i, layer in enumerate(model.layers):
             if not enc.layer(layer, kv_caches[i], model.rope_tables[model.cfg.layer_rope[i]]):
                 return None
-        if len(enc.max_tokens) != 1:     # the per-op path would switch weights part-way
+        if len(enc.max_tokens) > 1:      # the per-op path would switch weights part-way
             return None
         return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch,
-                   enc.max_tokens.pop(), dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"),
+                   enc.max_tokens.pop() if enc.max_tokens else sys.maxsize, dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"),
                    head_rows)
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
@@ -129,7 +131,8 @@ class _Encoder:
         if q is None or any(s.kind not in quant.KINDS for s in q.segments) or \
                 bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
-        self.max_tokens.add(linear.quantized_max_tokens)
+        if q.kind != quant.BF16:        # BF16 tiles serve every step: no switch to make
+            self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
         return [q.table.data_ptr(), linear.out_features, linear.in_features,
                 0 if bias is None else bias.data_ptr(), linear.lora_slot]
