@@ -25,11 +25,15 @@ from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, 
 
 # bytes of one 32-weight block of each type pack() takes: the file's (Q4_0 ... IQ4_NL), or
 # its tile types' (gguf_blocks.py makes them of the K-quants and Q5_1)
+# FP8: an FP8 checkpoint's e4m3 codes (not a GGML type: pagewire's own id), a block a float32
+# scale then 32 codes (checkpoint_formats.py makes them).
+FP8 = 90
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
-                Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48}
+                Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48, FP8: 36}
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
 # float32), and the types whose quants are nibbles (Q4 tiles)
-_SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4), Q2_K: (4, 4)}
+_SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4), Q2_K: (4, 4),
+           FP8: (1, 4)}
 _NIBBLES = (Q4_1, Q4_K)
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
@@ -40,7 +44,7 @@ _KIND_OFFSET = {"exact": 0, "int8": 100, "int16": 200}
 # Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
 BF16 = 30
-KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in _SCALES), BF16)
+KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in _SCALES if t != FP8 or not o), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -123,8 +127,8 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding not in ROUNDINGS or ggml_type == FP8 and rounding != "exact":
+        raise ValueError(f"rounding must be one of {ROUNDINGS} (FP8: exact), got {rounding!r}")
     if ggml_type in AS_TILE_BLOCKS:
         ggml_type, raw = AS_TILE_BLOCKS[ggml_type](raw)
     nb, (arrays, width) = cols // 32, _SCALES[ggml_type]

@@ -11,9 +11,11 @@ actors/quant_config.py reads which), unpacked to their integer codes and then:
 A GPTQ act-order linear (desc_act: a g_idx that is not k // group_size) has its columns
 sorted by group first, stably, when that makes every 32 columns one group: the blocks hold
 the columns in that order, and the kernels take the activations' columns in it too
-(QuantWeight.order). A linear the blocks cannot hold — groups of other sizes, a row length
-not a multiple of 32, a code of -128 after the zero, FP8 — keeps only its float weights,
-exact; the float GEMMs multiply it.
+(QuantWeight.order). FP8 (e4m3, a scale per tensor or per output row) keeps its codes as
+they are, in blocks of 32 after their row's float32 scale (kernels/quant.py FP8). A linear
+the blocks cannot hold — groups of other sizes, a row length not a multiple of 32, a code of
+-128 after the zero, another FP8 encoding — keeps only its float weights, exact; the float
+GEMMs multiply it.
 """
 from __future__ import annotations
 
@@ -113,11 +115,28 @@ def _int_quantized(t: dict, s: Scheme) -> IntLinear:
                      torch.zeros(w.shape[1], dtype=torch.int64), 8)
 
 
-def _fp8_values(t: dict) -> torch.Tensor:
-    w = t["weight"].float()
+def _fp8_scale(t: dict) -> torch.Tensor:
+    """Per output row [N, 1] or per tensor [], float32."""
     scale = t.get("weight_scale", t.get("weight_scale_inv"))
-    scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
-    return w * scale
+    return scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float().reshape(())
+
+
+def _fp8_values(t: dict) -> torch.Tensor:
+    return t["weight"].float() * _fp8_scale(t)
+
+
+def _fp8_blocks(t: dict) -> tuple[int, torch.Tensor] | None:
+    """e4m3 codes per row in blocks of 32 after their row's scale (kernels/quant.py FP8),
+    which the kernels decode exactly: the same values as _fp8_values. None for other FP8
+    encodings or rows not a multiple of 32."""
+    w = t["weight"]
+    n, k = w.shape
+    if w.dtype != torch.float8_e4m3fn or k % 32:
+        return None
+    scale = _fp8_scale(t).expand(n, 1).contiguous()                        # [N, 1]
+    scales = scale.expand(n, k // 32).contiguous().view(torch.uint8).view(n, k // 32, 4)
+    codes = w.contiguous().view(torch.uint8).view(n, k // 32, 32)
+    return quant.FP8, torch.cat([scales, codes], -1).reshape(n, -1)
 
 
 # packing -> (the tensor that marks a quantized linear, the reader of its tensors)
@@ -171,7 +190,7 @@ def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Te
     """One quantized linear's (float32 weight [N, K], its blocks or None, the column order
     the blocks hold or None); the weight is the blocks' values where there are blocks."""
     if s.packing == "fp8":
-        return _fp8_values(tensors), None, None
+        return _fp8_values(tensors), _fp8_blocks(tensors), None
     linear = _READERS[s.packing][1](tensors, s)
     ordered, order = linear.in_group_order()
     blocks = blocks_of(ordered)

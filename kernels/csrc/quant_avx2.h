@@ -110,7 +110,17 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) store8(out + m * os + half * 8, acc[m]);
 }
 
-// Q8 tiles (Q8_0, Q6_K, Q5_K, Q2_K): byte [k][l] of a tile is column k of row l. Two chains a
+// 8 rows of a Q8 tile's column (8 bytes) as float32 lanes: int8 codes, or e4m3 (FP8).
+template <typename Tile>
+inline __m256 q8_lanes(const uint8_t* rows) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows));
+  if constexpr (Tile::kFp8)
+    return fp8_lanes(_mm256_cvtepu8_epi32(bytes));
+  else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// Q8 tiles (Q8_0, Q6_K, Q5_K, Q2_K, FP8): byte [k][l] of a tile is column k of row l. Two chains a
 // token: even and odd columns under one scale (Q8_0, Q5_K), or columns < 16 and >= 16 under
 // their own (Q6_K, Q2_K); plus each group's m * sum(x) (Q5_K, Q2_K).
 template <int M, typename Tile, typename Out>
@@ -128,10 +138,7 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
     for (int i = 0; i < 16; ++i) {
       const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
       const uint8_t* rows = tile + 8 * (half % 2);
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + 16 * k0))));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + 16 * k1))));
+      const __m256 w0 = q8_lanes<Tile>(rows + 16 * k0), w1 = q8_lanes<Tile>(rows + 16 * k1);
       for (int m = 0; m < M; ++m) {
         const float* xb = x + m * K + b * 32;
         first[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb + k0), first[m]);

@@ -164,6 +164,16 @@ void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_str
   }
 }
 
+// A Q8 tile's column of 16 rows (16 bytes) as float32 lanes: int8 codes, or e4m3 (FP8).
+template <typename Tile>
+inline __m512 q8_lanes(const uint8_t* column) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column));
+  if constexpr (Tile::kFp8)
+    return pw::fp8_lanes(_mm512_cvtepu8_epi32(bytes));
+  else
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
 // Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
 // columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16 and >= 16 under
 // their own (Q6_K).
@@ -180,10 +190,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       for (int i = 0; i < 16; ++i) {
         const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k0))));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * k1))));
+        const __m512 w0 = q8_lanes<Tile>(tile + 16 * k0), w1 = q8_lanes<Tile>(tile + 16 * k1);
         for (int m = 0; m < M; ++m) {
           const float* xb = xf + m * K + b * 32;
           first[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[k0]), first[m]);
@@ -253,7 +260,8 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
-// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13, Q6_K 14), plus 100 for int8 or
+// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13, Q6_K 14; FP8 90, BF16 30
+// tiles), plus 100 for int8 or
 // 200 for int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
 // CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
@@ -267,6 +275,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 13: return matmul<Q5_KTile, T>;
     case 14: return matmul<Q6_KTile, T>;
     case 10: return matmul<Q2_KTile, T>;
+    case 90: return matmul<FP8Tile, T>;
   }
 #elif defined(__AVX2__)
   switch (kind) {
@@ -276,6 +285,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case 13: return avx2::matmul<Q5_KTile, T>;
     case 14: return avx2::matmul<Q6_KTile, T>;
     case 10: return avx2::matmul<Q2_KTile, T>;
+    case 90: return avx2::matmul<FP8Tile, T>;
   }
 #endif
 #if defined(__AVX2__)

@@ -10,6 +10,8 @@
 //   Q6_K  512 bytes of int8,    d[16] f32 (columns 0-15), d[16] f32 (columns 16-31)
 //   Q5_K  512 bytes of int8,    d[16] f32,  m[16] f32             (d q + m; also Q5_1)
 //   Q2_K  512 bytes of int8,    d, d (columns 0-15, 16-31), m, m: f32 (d q + m)
+//   FP8   512 bytes of e4m3,    d[16] f32                          (d q; an FP8 checkpoint's
+//         codes, q decoded exactly to float32: kernels/quant.py FP8)
 #pragma once
 #include <immintrin.h>
 
@@ -23,11 +25,12 @@ namespace pw {
 // S: a scale's storage (uint16_t: fp16; float); kSplits: the column groups of a block with
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
-template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_>
+// kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them).
+template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false>
 struct Tile {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
-  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256;
+  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = kFp8_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
   static constexpr int minimum(int split) { return kSplits + split; }   // its array
@@ -62,6 +65,35 @@ using Q8_0Tile = Tile<512, 1, uint16_t, false>;
 using Q6_KTile = Tile<512, 2, float, false>;
 using Q5_KTile = Tile<512, 1, float, true>;
 using Q2_KTile = Tile<512, 2, float, true>;
+using FP8Tile = Tile<512, 1, float, false, true>;
+
+// e4m3 (fn) codes, widened to int32 lanes, as float32: a normal code's exponent and mantissa
+// bits moved into float32's and rebiased (120 = 127 - 7), a subnormal's mantissa times 2^-9;
+// both exact. (No NaN: a checkpoint's weights hold none.)
+#if defined(__AVX512F__)
+inline __m512 fp8_lanes(__m512i code) {
+  const __m512i mag = _mm512_and_si512(code, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512));
+  const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
+                                        normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(code, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+}
+#endif
+#if defined(__AVX2__)
+inline __m256 fp8_lanes(__m256i code) {
+  const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512));
+  const __m256 v = _mm256_blendv_ps(
+      normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+}
+#endif
 
 // out [T, N] = x [T, K] @ W^T from W's tiles (N a multiple of 16, K of 32), x and out rows
 // x_stride and out_stride apart.

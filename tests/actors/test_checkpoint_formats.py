@@ -102,8 +102,10 @@ def _w8a8(w, group):
     return {"weight": q, "weight_scale": scale.float()}, scale.float() * q.float()
 
 
-def _fp8(w, group):
+def _fp8(w, group, per_tensor=False):
     scale = w.abs().amax(1, keepdim=True) / 448
+    if per_tensor:
+        scale = scale.max()
     q = (w / scale).to(torch.float8_e4m3fn)
     return {"weight": q, "weight_scale": scale}, q.float() * scale
 
@@ -134,11 +136,14 @@ FORMATS = {
                              "num_bits": 8, "type": "int", "dynamic": True}}},
                          "ignore": ["lm_head"]}, lambda w: _w8a8(w, -1)),
     "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, lambda w: _fp8(w, -1)),
+    "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
+                       lambda w: _fp8(w, -1, per_tensor=True)),
 }
 # Formats whose codes the blocks hold: the layers' decode steps run the quantized kernels.
 BLOCKS = {"gptq-v1-4bit-g32": quant.Q4_1, "gptq-v2-4bit-channel": quant.Q4_1,
           "gptq-8bit-sym-g32": quant.Q8_0, "gptq-desc-act": quant.Q4_1, "awq-g32": quant.Q4_1,
-          "compressed-w4a16": quant.Q4_1, "compressed-w8a8": quant.Q8_0}
+          "compressed-w4a16": quant.Q4_1, "compressed-w8a8": quant.Q8_0, "fp8": quant.FP8,
+          "fp8-per-tensor": quant.FP8}
 
 
 def _write_quantized(path: str, fmt: str) -> str:
@@ -167,7 +172,7 @@ def _write_quantized(path: str, fmt: str) -> str:
     return float_dir
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "fp8"])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.startswith("fp8")])
 def test_unpacking_gives_the_codes_back(fmt):
     """Each reader returns the values the packer's codes, scales and zeros define, exactly, and
     so do the blocks made of them (these scales leave -scale * zero exact in float16)."""
@@ -247,3 +252,16 @@ def test_a_quantized_checkpoint_is_not_quantized_again(tiny_llama):
     _write_quantized(path, "awq-g32")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(path, dtype="float32", max_model_len=256, quantization="int4")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-per-tensor"])
+def test_each_rank_multiplies_its_share_of_fp8_blocks(tiny_llama, fmt, monkeypatch):
+    """An FP8 checkpoint's blocks are shared among ranks as the float weights are: rows of
+    qkv and gate_up, whole 32-column blocks of o_proj and down (320 intermediate rows: 160 a
+    rank). The LM head is not quantized in the file, so it stays float."""
+    from tests.helpers import rank_blocks
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")
+    path = tiny_llama((128, 4, 2, 64), intermediate_size=320)
+    _write_quantized(path, fmt)
+    for kinds in rank_blocks(path):
+        assert {n for n, k in kinds.items() if k == "float"} == {"lm_head"}, kinds

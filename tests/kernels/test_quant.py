@@ -250,3 +250,22 @@ def test_bf16_tiles_multiply_with_exact_products(native_lib, dtype, tokens):
         assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
     with pytest.raises(ValueError, match="BF16 tiles"):
         quant.pack_bf16(w[:40], native_lib)                  # rows not a multiple of 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_blocks_decode_every_e4m3_code_exactly(native_lib, dtype):
+    """An FP8 checkpoint's codes as blocks (a float32 scale per row, then 32 e4m3 codes):
+    every code but NaN, subnormals and negatives included, multiplies as its value times the
+    scale."""
+    from pagewire.executor.checkpoint_formats import _fp8_blocks, _fp8_values
+    codes = torch.tensor([c for c in range(256) if c & 0x7f != 0x7f], dtype=torch.uint8)
+    codes = torch.cat([codes, codes[:2]]).view(8, 32).repeat(2, 1)       # every code
+    w = torch.cat([codes.view(torch.float8_e4m3fn)] * 4, 1)                      # [16, 128]
+    t = {"weight": w, "weight_scale": torch.linspace(0.5, 2.0, 16)}
+    kind, raw = _fp8_blocks(t)
+    assert kind == quant.FP8 and tuple(raw.shape) == (16, 4 * 36)
+    x = torch.eye(128).to(dtype)                              # each column's values alone
+    out = quant.matmul(x, quant.pack(kind, raw, 128, native_lib)).float()
+    assert torch.equal(out, _fp8_values(t).T.to(dtype).float())
+    with pytest.raises(ValueError, match="FP8: exact"):
+        quant.pack(kind, raw, 128, native_lib, "int16")
