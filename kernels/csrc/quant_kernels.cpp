@@ -164,14 +164,65 @@ void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_str
   }
 }
 
-// A Q8 tile's column of 16 rows (16 bytes) as float32 lanes: int8 codes, or e4m3 (FP8).
-template <typename Tile>
+// A Q8 tile's column of 16 rows (16 bytes) as float32 lanes.
 inline __m512 q8_lanes(const uint8_t* column) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column));
-  if constexpr (Tile::kFp8)
-    return pw::fp8_lanes(_mm512_cvtepu8_epi32(bytes));
-  else
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// bfloat16 of the e4m3 codes 0-7 (exponent 0: m * 2^-9), indexed by a lane's low 5 bits.
+inline __m512i fp8_subnormals() {
+  alignas(64) uint16_t t[32] = {};
+  for (int i = 0; i < 8; ++i) t[i] = to_bf16(static_cast<float>(i) / 512);   // exact
+  return _mm512_load_si512(t);
+}
+
+// An FP8 tile's columns (2j, 2j + 1) of its 16 rows as bfloat16 pairs, a row a 32-bit lane
+// (vdpbf16ps's operand), exact: a normal code's exponent and mantissa moved into
+// bfloat16's and rebiased (120 = 127 - 7), a subnormal's from the table, then the sign.
+inline __m512bh fp8_pairs(const uint8_t* tile, int j, __m512i subnormals) {
+  const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j));
+  const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j + 16));
+  const __m512i c = _mm512_cvtepu8_epi16(
+      _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1)));
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4),
+                                          _mm512_set1_epi16(120 << 7));
+  const __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                                            normal, _mm512_permutexvar_epi16(mag, subnormals));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+  return (__m512bh)_mm512_or_si512(v, sign);
+}
+
+// Output groups [g0, g1) of FP8 tiles for M tokens with P parts, as q4_groups: the codes as
+// bfloat16 pairs on vdpbf16ps, then each block's scale.
+template <int M, int P, typename Tile, typename Out>
+void fp8_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
+                int64_t x_stride, const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+  const __m512i subnormals = fp8_subnormals();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+      __m512 even[M], odd[M];
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+      for (int j = 0; j < 16; j += 2) {
+        const __m512bh w0 = fp8_pairs(tile, j, subnormals);
+        const __m512bh w1 = fp8_pairs(tile, j + 1, subnormals);
+        for (int p = 0; p < P; ++p)
+          for (int m = 0; m < M; ++m) {
+            const bf16* xb = parts + p * part_stride + m * x_stride + b * 32 + 2 * j;
+            even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)bcast_pair(xb));
+            odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)bcast_pair(xb + 2));
+          }
+      }
+      const __m512 d = Tile::scales16(tile, 0);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), d, acc[m]);
+    }
+    for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
+  }
 }
 
 // Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
@@ -190,7 +241,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       for (int i = 0; i < 16; ++i) {
         const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
-        const __m512 w0 = q8_lanes<Tile>(tile + 16 * k0), w1 = q8_lanes<Tile>(tile + 16 * k1);
+        const __m512 w0 = q8_lanes(tile + 16 * k0), w1 = q8_lanes(tile + 16 * k1);
         for (int m = 0; m < M; ++m) {
           const float* xb = xf + m * K + b * 32;
           first[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[k0]), first[m]);
@@ -219,7 +270,13 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
            int64_t groups) {
   const int64_t nb = a.K / 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if constexpr (Tile::kQ4) {
+    if constexpr (Tile::kFp8) {
+      const bf16* x = a.parts.data() + t * a.K;
+      if (a.P == 1)
+        fp8_groups<M, 1, Tile>(out, os, x, a.T * a.K, a.K, packed, nb, g0, g1);
+      else
+        fp8_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, packed, nb, g0, g1);
+    } else if constexpr (Tile::kQ4) {
       const bf16* x = a.parts.data() + t * a.K;
       const float* sums = a.sums.data() + t * nb;
       if (a.P == 1)
@@ -236,7 +293,7 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
 template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kQ4 ? kParts : kFloat,
+  const Activations a(x, x_stride, tokens, K, Tile::kQ4 || Tile::kFp8 ? kParts : kFloat,
                       Tile::kMin ? Tile::kSplits : 0);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;

@@ -67,21 +67,10 @@ using Q5_KTile = Tile<512, 1, float, true>;
 using Q2_KTile = Tile<512, 2, float, true>;
 using FP8Tile = Tile<512, 1, float, false, true>;
 
-// e4m3 (fn) codes, widened to int32 lanes, as float32: a normal code's exponent and mantissa
-// bits moved into float32's and rebiased (120 = 127 - 7), a subnormal's mantissa times 2^-9;
-// both exact. (No NaN: a checkpoint's weights hold none.)
-#if defined(__AVX512F__)
-inline __m512 fp8_lanes(__m512i code) {
-  const __m512i mag = _mm512_and_si512(code, _mm512_set1_epi32(0x7f));
-  const __m512 normal = _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512));
-  const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
-                                        normal, sub);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(code, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-}
-#endif
+// e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
+// ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved
+// into float32's and rebiased (120 = 127 - 7), a subnormal's mantissa times 2^-9; both exact.
+// (No NaN: a checkpoint's weights hold none.)
 #if defined(__AVX2__)
 inline __m256 fp8_lanes(__m256i code) {
   const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
