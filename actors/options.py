@@ -145,8 +145,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "weights as stored (as blocks of the same values: see \"Models and start-up\"), a "
                "quantized checkpoint's and --quantization's blocks "
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
-               "steps use the dequantized copy; `0`: never (nor a bfloat16 checkpoint's BF16 "
-               "tiles, which otherwise serve every step); `-1`: every step, and linears on "
+               "steps use the dequantized copy (a bfloat16 checkpoint's BF16 tiles: in a bfloat16 "
+               "engine every step); `0`: never; `-1`: every step, and linears on "
                "blocks keep no dequantized copy (a fraction of the memory, slower prefill)"),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "

@@ -104,23 +104,36 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
 
 
 def keep_bf16_tiles(model: nn.Module, max_tokens: int, lib) -> int:
-    """Give each bfloat16 Linear that kept no blocks its weight as BF16 tiles
-    (kernels/quant.py pack_bf16) for every step, and drop its float copy: the native kernel
-    reads them 2-2.5x faster than oneDNN's per-call path at decode sizes and is within
-    0.75-0.95x of it at a prefill chunk's (bench/NOTES.md), and the weights are not held
-    twice. Not with --quantized-matmul-tokens 0 (the float path everywhere); returns the
-    bytes kept."""
-    if max_tokens == 0 or not quant.available(lib) or model.embed.weight.dtype != torch.bfloat16:
+    """Give each Linear that kept no blocks and whose weights are all bfloat16 values (a
+    bfloat16 checkpoint's) its weight as BF16 tiles (kernels/quant.py pack_bf16); returns
+    the bytes kept. Not with --quantized-matmul-tokens 0 (the float path everywhere).
+    - A bfloat16 engine's tiles serve every step and its float copy goes: the native kernel
+      reads them 2-2.5x faster than oneDNN's per-call path at decode sizes and is within
+      0.75-0.95x of it at a prefill chunk's (bench/NOTES.md), so the weights are not held
+      twice.
+    - A float32 engine (a CPU without a bfloat16 dot product runs bfloat16 checkpoints in
+      float32) reads the tiles, half its float32 bytes, for steps of up to `max_tokens`
+      tokens, exactly (float32 products of bfloat16 weights); larger steps keep oneDNN's
+      float32 GEMMs, which the float32 arithmetic of these tiers makes faster there. With -1
+      the tiles serve every step and the float copy goes."""
+    dtype = model.embed.weight.dtype
+    if max_tokens == 0 or not quant.available(lib) or dtype not in (torch.bfloat16,
+                                                                    torch.float32):
         return 0
+    every_step = dtype == torch.bfloat16 or max_tokens < 0
     kept = 0
     for linear in model.modules():
         w = linear.weight if isinstance(linear, Linear) and linear.quantized is None else None
-        if w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" \
-                and quant.packable(quant.BF16, *w.shape):
-            weight = quant.pack_bf16(w.detach(), lib)
-            linear.use_quantized(weight, sys.maxsize)
+        if w is None or w.device.type != "cpu" or not quant.packable(quant.BF16, *w.shape):
+            continue
+        tiles = w.detach().bfloat16()
+        if dtype == torch.float32 and not torch.equal(tiles.float(), w):
+            continue                                 # not bfloat16 values: would round
+        weight = quant.pack_bf16(tiles, lib)
+        linear.use_quantized(weight, sys.maxsize if every_step else max_tokens)
+        if every_step:
             linear.drop_float()
-            kept += weight.nbytes
+        kept += weight.nbytes
     return kept
 
 

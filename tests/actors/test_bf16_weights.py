@@ -55,3 +55,25 @@ def test_quantized_matmul_tokens_0_keeps_the_float_path(bf16_llama):
               quantized_matmul_tokens=0)
     model = llm.runner.model
     assert model.fused_decode is None and model.lm_head.quantized is None
+
+
+def test_a_float32_engine_reads_bfloat16_weights_as_tiles_for_small_steps(bf16_llama, tier):
+    """As a CPU without a bfloat16 dot product runs a bfloat16 checkpoint: float32, the
+    tiles (half the bytes) for steps of up to --quantized-matmul-tokens, exact, and the
+    float32 copy for larger ones."""
+    llm = LLM(bf16_llama, dtype="float32", kernels=tier, max_model_len=256, num_kv_blocks=64,
+              quantized_matmul_tokens=4)
+    model = llm.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.quantized.kind == quant.BF16 and m.quantized_max_tokens == 4 for m in linears)
+    assert all(m.packed is not None or m.weight is not None for m in linears)
+    assert model.fused_decode is not None and model.fused_decode.max_tokens == 4
+    oracle = HFOracle.from_dir(bf16_llama)
+    for prompt, tokens in zip(PROMPTS, _greedy(llm)):
+        assert_greedy_equal(tokens, *oracle.greedy(prompt, len(tokens)))
+
+
+def test_weights_that_are_not_bfloat16_values_keep_float32(tmp_path, smol_tokenizer_dir):
+    path = make_tiny_llama(str(tmp_path / "m"), smol_tokenizer_dir, vocab_size=512, seed=4)
+    llm = LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert all(m.quantized is None for m in llm.runner.model.modules() if isinstance(m, Linear))

@@ -131,7 +131,7 @@ class _Encoder:
         if q is None or any(s.kind not in quant.KINDS for s in q.segments) or \
                 bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
-        if q.kind != quant.BF16:        # BF16 tiles serve every step: no switch to make
+        if linear.quantized_max_tokens != sys.maxsize:    # else no switch to another path
             self.max_tokens.add(linear.quantized_max_tokens)
         self.scratch = max(self.scratch, linear.out_features)
         return [q.table.data_ptr(), linear.out_features, linear.in_features,
