@@ -33,7 +33,7 @@ from . import checkpoint_formats, weight_cache
 from .gguf_weights import read_blocks, read_gguf_weights, read_tensor
 from .models import MODELS
 from .load_quantization import round_linears
-from .parallel import TensorParallel, shard_blocks, shard_state
+from .parallel import TensorParallel, shard_blocks, shard_rows, shard_state
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -149,12 +149,19 @@ class LinearBlocks(NamedTuple):
 
 
 def _rank_shares(linears: dict[str, LinearBlocks], model) -> dict[str, LinearBlocks]:
-    """This rank's share of each linear of one type in column order (parallel.shard_blocks);
-    the others are not shared among ranks (yet): their float shares serve them."""
+    """This rank's share of each linear: of one type in column order by rows or whole block
+    columns (parallel.shard_blocks); mixed or column-ordered ones of qkv and gate_up by rows
+    (parallel.shard_rows). A row-parallel one in another column order is not shared (its
+    columns would be cut across the order): its float share serves it."""
     plain = {name: segments[0] for name, (segments, order) in linears.items()
              if len(segments) == 1 and order is None}
-    return {name: LinearBlocks([blocks], None) for name, blocks in
-            shard_blocks(plain, model.cfg, model.tp, quant.block_bytes).items()}
+    out = {name: LinearBlocks([blocks], None) for name, blocks in
+           shard_blocks(plain, model.cfg, model.tp, quant.block_bytes).items()}
+    for name, (segments, order) in linears.items():
+        rows = None if name in plain else shard_rows(segments, name, model.cfg, model.tp)
+        if rows:
+            out[name] = LinearBlocks(rows, order)
+    return out
 
 
 def _linear_blocks(info: ModelInfo, model) -> dict[str, LinearBlocks]:

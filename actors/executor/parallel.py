@@ -230,6 +230,31 @@ def shard_blocks(blocks: dict[str, tuple[int, torch.Tensor]], cfg, tp: TensorPar
     return out
 
 
+def shard_rows(segments: list[tuple[int, torch.Tensor]], name: str, cfg,
+               tp: TensorParallel) -> list[tuple[int, torch.Tensor]] | None:
+    """This rank's rows of a column-parallel Linear (qkv, gate_up) held as row segments of
+    blocks of one type each (Q4_K_M's qkv: Q4_K q and k rows, Q6_K v rows): the rows its
+    float share takes, each from its segment, in order, runs of one type joined. Columns
+    are not cut, so a column order (GPTQ act-order) holds for the share too. None for a
+    row-parallel Linear (its columns would be cut)."""
+    if not name.endswith(("attn.qkv", "mlp.gate_up")):
+        return None
+    total = sum(raw.shape[0] for _, raw in segments)
+    rows = Shares.of(cfg, tp).take(name + ".weight", torch.arange(total)[:, None])[:, 0]
+    out: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    for ggml_type, raw in segments:
+        mine = rows[(rows >= start) & (rows < start + raw.shape[0])] - start
+        start += raw.shape[0]
+        if not mine.numel():
+            continue
+        share = raw[mine]
+        if out and out[-1][0] == ggml_type:
+            share = torch.cat([out.pop()[1], share])
+        out.append((ggml_type, share.contiguous()))
+    return out
+
+
 def _whole_blocks(size: int, raw: torch.Tensor, cols: slice) -> torch.Tensor | None:
     """Columns [cols) of rows of `size`-byte 32-weight blocks, or None off block bounds."""
     if cols.start % 32 or cols.stop % 32:

@@ -28,7 +28,7 @@ using bf16 = uint16_t;
 
 namespace {
 
-constexpr int64_t kSerialMacs = 1 << 14;
+constexpr int64_t kSerialMacs = 1 << 14;   // multiply-adds below which one thread does it all
 constexpr int64_t kEntry = 6;     // int64 per (adapter, slot) in the table; see Entry
 constexpr int kTile = 4;          // rows of one adapter sharing each weight load
 constexpr int kRun = 4;           // rank rows of A a shrink work item reads

@@ -265,3 +265,18 @@ def test_each_rank_multiplies_its_share_of_fp8_blocks(tiny_llama, fmt, monkeypat
     _write_quantized(path, fmt)
     for kinds in rank_blocks(path):
         assert {n for n, k in kinds.items() if k == "float"} == {"lm_head"}, kinds
+
+
+def test_each_rank_takes_its_rows_of_act_order_blocks(tiny_llama, monkeypatch):
+    """GPTQ act-order: qkv and gate_up keep the checkpoint's column order and split by rows,
+    so each rank multiplies its rows' blocks in that order; o_proj and down would cut their
+    columns across the order, so their float shares serve them (and the unquantized LM
+    head)."""
+    from tests.helpers import rank_blocks
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")
+    path = tiny_llama((128, 4, 2, 64), intermediate_size=320)
+    _write_quantized(path, "gptq-desc-act")
+    for kinds in rank_blocks(path):
+        assert {n for n, k in kinds.items() if k == "float"} == {
+            "lm_head", *(f"layers.{i}.{m}" for i in (0, 1) for m in ("attn.o_proj", "mlp.down"))
+        }, kinds

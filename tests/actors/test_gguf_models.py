@@ -115,6 +115,16 @@ def test_tensor_parallel_ranks_multiply_their_share_of_the_files_blocks(tiny_lla
                                                                  "layers.1.mlp.down"}
         assert len(kinds) == 9
 
+def test_tensor_parallel_ranks_share_mixed_k_quant_linears(tiny_llama, tmp_path,
+                                                          tokenizer_meta):
+    """Q4_K_M's layer-0 qkv holds Q4_K rows (q, k) and Q6_K rows (v): each rank takes its
+    rows of each segment, so every linear of both ranks multiplies blocks."""
+    hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_K_M")
+    for kinds in rank_blocks(path):
+        assert set(kinds.values()) == {"blocks"}, kinds
+
+
 def test_tokenizer_and_chat_template_come_from_the_file(tiny_llama, tmp_path, smol_tokenizer_dir,
                                                         full_tokenizer_meta):
     from transformers import AutoTokenizer
