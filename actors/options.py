@@ -61,9 +61,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("served_model_name", "the id clients pass as `model`", "model's name"),
         Option("dtype", "`auto` (bfloat16 on a GPU, or where the backend's CPU tier "
                "multiplies it in hardware, AVX512-BF16 or AMX; else float32, faster there than "
-               "emulated "
-               "bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to it as "
-               "they load",
+               "emulated bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to "
+               "it as they load",
                choices=("auto", "bfloat16", "float16", "float32")),
         Option("max_model_len", "longest prompt + output; the default and the upper bound are the "
                "config's context (`max_position_embeddings` or GGUF `context_length`, times the "

@@ -133,10 +133,9 @@ def _fp8_blocks(t: dict) -> tuple[int, torch.Tensor] | None:
     n, k = w.shape
     if w.dtype != torch.float8_e4m3fn or k % 32:
         return None
-    scale = _fp8_scale(t).expand(n, 1).contiguous()                        # [N, 1]
-    scales = scale.expand(n, k // 32).contiguous().view(torch.uint8).view(n, k // 32, 4)
+    scales = _fp8_scale(t).expand(n, k // 32).contiguous().view(torch.uint8)   # [N, K/32 x 4]
     codes = w.contiguous().view(torch.uint8).view(n, k // 32, 32)
-    return quant.FP8, torch.cat([scales, codes], -1).reshape(n, -1)
+    return quant.FP8, torch.cat([scales.view(n, k // 32, 4), codes], -1).reshape(n, -1)
 
 
 # packing -> (the tensor that marks a quantized linear, the reader of its tensors)

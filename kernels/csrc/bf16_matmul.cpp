@@ -17,63 +17,23 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
 
 #include "bf16.h"
 #include "quant_tiles.h"
+#if defined(__AVX512BF16__)
+#include "quant_avx512.h"      // Activations (bfloat16 parts), bcast_pair, store_rows
+#elif defined(__AVX2__)
+#include "quant_avx2.h"        // Activations (float32), store8
+#endif
 
 namespace {
 
 using pw::bf16;
 constexpr int64_t kRows = 16, kTileBytes = 1024;
 
-// x [T, K] as the kernels read it: float32 (AVX2), or P bfloat16 parts whose sum is x.
-struct Input {
-  int64_t T, K, P;
-  std::vector<bf16> parts;     // [P][T][K]
-  std::vector<float> xf;       // [T][K]
-
-  template <typename In>
-  Input(const In* x, int64_t stride, int64_t T_, int64_t K_, bool as_parts)
-      : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1) {
-    if (!as_parts) {
-      xf.resize(T * K);
-      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t k = 0; k < K; ++k) xf[t * K + k] = pw::to_float(x[t * stride + k]);
-      });
-      return;
-    }
-    parts.resize(P * T * K);
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t k = 0; k < K; ++k) {
-          float rest = pw::to_float(x[t * stride + k]);
-          for (int64_t p = 0; p < P; ++p) {
-            bf16 part;
-            pw::from_float(rest, &part);
-            parts[(p * T + t) * K + k] = part;
-            rest -= pw::to_float(part);
-          }
-        }
-    });
-  }
-};
-
 #if defined(__AVX512BF16__)
+using namespace pw::avx512;
 constexpr int kChunk = 8;          // tokens a weight line is reused for (registers)
-
-inline __m512 pair(const bf16* x) {    // (x[0], x[1]) in every 32-bit lane
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_castsi512_ps(_mm512_set1_epi32(v));
-}
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void store16(bf16* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // Group g's 16 rows for M tokens (x rows K apart in each of P parts).
 template <int M, int P, typename Out>
@@ -89,11 +49,11 @@ void group(Out* out, int64_t os, const bf16* x, int64_t part_stride, int64_t K,
       for (int p = 0; p < P; ++p)
         for (int m = 0; m < M; ++m) {
           const bf16* xb = x + p * part_stride + m * K + b * 32 + 2 * j;
-          even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)pair(xb));
-          odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)pair(xb + 2));
+          even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)bcast_pair(xb));
+          odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)bcast_pair(xb + 2));
         }
     }
-  for (int m = 0; m < M; ++m) store16(out + m * os + g * kRows, _mm512_add_ps(even[m], odd[m]));
+  for (int m = 0; m < M; ++m) store_rows(out + m * os + g * kRows, _mm512_add_ps(even[m], odd[m]));
 }
 
 template <int P, typename Out>
@@ -114,7 +74,7 @@ void chunk(Out* out, int64_t os, const bf16* x, int64_t part_stride, int64_t K, 
 template <typename Out>
 void matmul(Out* out, int64_t os, const Out* x, int64_t xs, int64_t T, const uint8_t* tiles,
             int64_t N, int64_t K) {
-  const Input in(x, xs, T, K, true);
+  const Activations in(x, xs, T, K, kParts, 0);
   at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t t = 0; t < T; t += kChunk) {
@@ -129,14 +89,9 @@ void matmul(Out* out, int64_t os, const Out* x, int64_t xs, int64_t T, const uin
 }
 
 #elif defined(__AVX2__)
+using pw::avx2::Activations;
+using pw::avx2::store8;
 constexpr int kChunk = 4;          // tokens a weight line is reused for (16 ymm registers)
-
-inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
-inline void store8(bf16* out, __m256 v) {
-  alignas(32) float f[8];
-  _mm256_store_ps(f, v);
-  for (int i = 0; i < 8; ++i) pw::from_float(f[i], out + i);
-}
 
 // Rows 8 half .. 8 half + 7 of their group for M tokens: a line's 32 bytes of those rows
 // hold 8 pairs; the low bfloat16 of a lane is column 2j, the high 2j + 1.
@@ -164,7 +119,7 @@ void half_rows(Out* out, int64_t os, const float* x, int64_t K, const uint8_t* t
 template <typename Out>
 void matmul(Out* out, int64_t os, const Out* x, int64_t xs, int64_t T, const uint8_t* tiles,
             int64_t N, int64_t K) {
-  const Input in(x, xs, T, K, false);
+  const Activations in(x, xs, T, K, 0);
   at::parallel_for(0, N / 8, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t half = h0; half < h1; ++half)
       for (int64_t t = 0; t < T; t += kChunk) {

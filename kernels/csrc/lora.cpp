@@ -294,25 +294,26 @@ void add_spans(Y* const* ys, const float* mid, int64_t ld, const Tile& tile, int
 }
 
 // The step's tiles: each adapter's rows (in row order) cut into tiles of kTile. `entries`
-// holds one Entry per adapter that touches the linear; the tiles point into it.
+// holds one Entry per adapter that touches the linear (reserved: the tiles point into it).
 std::vector<Tile> make_tiles(std::vector<Entry>& entries, const int64_t* adapter_of_row,
                              int64_t tokens, const int64_t* table, int64_t slot,
                              int64_t num_slots) {
-  int64_t adapters = 0;
-  for (int64_t t = 0; t < tokens; ++t) adapters = std::max(adapters, adapter_of_row[t] + 1);
-  std::vector<std::vector<int64_t>> rows_of(adapters);
+  std::vector<int64_t> rows;                  // rows with an adapter, by adapter, then row
   for (int64_t t = 0; t < tokens; ++t)
-    if (adapter_of_row[t] >= 0) rows_of[adapter_of_row[t]].push_back(t);
-  entries.reserve(adapters);
+    if (adapter_of_row[t] >= 0) rows.push_back(t);
+  std::stable_sort(rows.begin(), rows.end(),
+                   [&](int64_t a, int64_t b) { return adapter_of_row[a] < adapter_of_row[b]; });
+  entries.reserve(rows.size());
   std::vector<Tile> tiles;
-  for (int64_t a = 0; a < adapters; ++a) {
+  for (size_t i = 0, end; i < rows.size(); i = end) {
+    const int64_t a = adapter_of_row[rows[i]];
+    for (end = i; end < rows.size() && adapter_of_row[rows[end]] == a;) ++end;
     const int64_t* w = table + (a * num_slots + slot) * kEntry;
-    if (rows_of[a].empty() || !w[0]) continue;
+    if (!w[0]) continue;                      // this adapter leaves the linear alone
     entries.emplace_back(w);
-    for (size_t i = 0; i < rows_of[a].size(); i += kTile) {
+    for (size_t j = i; j < end; j += kTile) {
       Tile tile{&entries.back(), {}, 0};
-      for (size_t j = i; j < std::min(rows_of[a].size(), i + kTile); ++j)
-        tile.rows[tile.count++] = rows_of[a][j];
+      for (size_t r = j; r < std::min(end, j + kTile); ++r) tile.rows[tile.count++] = rows[r];
       tiles.push_back(tile);
     }
   }

@@ -37,13 +37,16 @@ struct Activations {
   template <typename In>
   Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
       : T(T_), K(K_), xf(T_ * K_) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(x[t * x_stride + k]);
-    if (!groups) return;
-    const int64_t per_token = K / 32 * groups, width = 32 / groups;
+    const int64_t per_token = K / 32 * groups, width = groups ? 32 / groups : 32;
     sums.assign(T * per_token, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) sums[t * per_token + k / width] += xf[t * K + k];
+    // Token by token, split over the threads for a prefill chunk's (16 tokens each).
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t k = 0; k < K; ++k) {
+          xf[t * K + k] = to_float(x[t * x_stride + k]);
+          if (groups) sums[t * per_token + k / width] += xf[t * K + k];
+        }
+    });
   }
 };
 

@@ -27,6 +27,7 @@
 #include "quant_avx2.h"        // the exact kernels below AVX512-BF16
 #include "quant_int_avx2.h"    // int8 and int16 activations, on every tier
 #endif
+#include "quant_avx512.h"
 
 namespace {
 
@@ -37,16 +38,7 @@ constexpr int64_t kRows = 16;     // output rows per group (one zmm of float32 l
 constexpr int kMaxBatch = 8;
 
 #if defined(__AVX512BF16__)
-
-inline __m512 bcast_pair(const bf16* x) {    // (x[0], x[1]) in every 32-bit lane
-  int32_t v;
-  std::memcpy(&v, x, 4);
-  return _mm512_castsi512_ps(_mm512_set1_epi32(v));
-}
-
-inline void store_rows(bf16* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v));
-}
+using namespace pw::avx512;
 
 // bfloat16 of i & 15 for word i of 32: vpermw reads an index's low 5 bits, so a byte's low
 // nibble indexes it directly.
@@ -59,14 +51,6 @@ inline __m512i nibble_table() {
     t[i] = static_cast<uint16_t>(bits >> 16);   // small integers are exact in bfloat16
   }
   return _mm512_load_si512(t);
-}
-
-inline void store_rows(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-
-inline bf16 to_bf16(float x) {
-  bf16 out;
-  from_float(x, &out);
-  return out;
 }
 
 // acc[m] += each of block b's column groups' minimums (a lane per row) times token m's sum of
@@ -84,49 +68,6 @@ inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sum
       }
     }
 }
-
-// The activations as the kernels read them, for T tokens of K columns; each kernel has only
-// its own form built (`use`):
-//   kParts (Q4 tiles): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
-//     bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
-//     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
-//     and sums[t][b], the float32 sum of x over block b (Q4_1's minimum multiplies it);
-//   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead),
-//     and for minimums (Q5_K, Q2_K) sums[t][b][g] over each of a block's `groups` column groups.
-enum Use { kParts, kFloat };
-
-struct Activations {
-  int64_t T, K, P;
-  std::vector<bf16> parts;
-  std::vector<float> sums, xf;
-
-  template <typename In>
-  Activations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, Use use, int groups)
-      : T(T_), K(K_), P(std::is_same<In, float>::value ? 3 : 1) {
-    if (use == kFloat) {
-      xf.resize(T * K);
-      sums.assign(T * (K / 32) * groups, 0.f);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t k = 0; k < K; ++k) {
-          xf[t * K + k] = to_float(x[t * x_stride + k]);
-          if (groups) sums[(t * K + k) / (32 / groups)] += xf[t * K + k];
-        }
-      return;
-    }
-    parts.resize(P * T * K);
-    sums.assign(T * (K / 32), 0.f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) {
-        float rest = to_float(x[t * x_stride + k]);
-        sums[t * (K / 32) + k / 32] += rest;
-        for (int64_t p = 0; p < P; ++p) {
-          const bf16 part = to_bf16(rest);
-          parts[(p * T + t) * K + k] = part;
-          rest -= to_float(part);
-        }
-      }
-  }
-};
 
 // Output groups [g0, g1) of Q4 tiles for M tokens (rows `stride` apart in parts, sums, out)
 // with P parts.

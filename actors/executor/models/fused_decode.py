@@ -10,10 +10,9 @@ Here each layer's program is encoded as int64 words: an opcode (program.Op's val
 its operands (pointers as integers, sizes, floats as a double's bits). It applies where
 every op of every layer encodes: the native library implements the op
 (pw_decode_stack_arity) and this file knows its operands, which for linears means quantized
-weights or BF16 tiles (with or without a bias), the quantized ones all serving the same
-number of tokens. Otherwise, and for tensor
-parallelism, other backends, steps with a prefill or with more than the linears'
-`quantized_max_tokens` tokens, the per-op path runs.
+weights or BF16 tiles (with or without a bias), all serving the same number of tokens or
+every step. Otherwise, and for tensor parallelism, other backends, steps with a prefill or
+with more than the linears' `quantized_max_tokens` tokens, the per-op path runs.
 """
 from __future__ import annotations
 
@@ -55,9 +54,9 @@ class FusedDecode:
                 return None
         if len(enc.max_tokens) > 1:      # the per-op path would switch weights part-way
             return None
-        return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch,
-                   enc.max_tokens.pop() if enc.max_tokens else sys.maxsize, dtype, getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"),
-                   head_rows)
+        max_tokens = enc.max_tokens.pop() if enc.max_tokens else sys.maxsize
+        return cls(enc.words, kv_caches, model.cfg.hidden_size, enc.scratch, max_tokens, dtype,
+                   getattr(lib, f"pw_decode_stack_{_TYPES[dtype]}"), head_rows)
 
     def serves(self, tokens: int, batch: AttentionBatch, kv_caches) -> bool:
         return (tokens <= self.max_tokens and not batch.prefills and kv_caches is self.kv_caches
