@@ -4,7 +4,11 @@ kv_cache, sampling, quant_kernels, decode_stack, lora), compiled once per instru
 
 Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
 AVX512-BF16 machine also builds and tests its AVX-512 and AVX2 variants) against torch's
-headers (for at::parallel_for, so it runs on torch's own thread pool), and cached under
+headers (for at::parallel_for, so it runs on torch's own thread pool). The sources compile
+with -ffast-math, but the library links without it: GCC before 13 then adds crtfastmath.o,
+whose constructor would set flush-to-zero for the whole process that loads the library (every
+torch op of a user's process would round denormals to 0). The kernels' own exponentials stop
+at e^-87, above the smallest normal float. Built libraries are cached under
 $PAGEWIRE_CACHE_DIR/kernels (default ~/.cache/pagewire/kernels), keyed by the sources, the
 flags and torch's version. If no compiler is available (or PAGEWIRE_NATIVE=0), load()
 returns None and the torch reference runs.
@@ -33,8 +37,9 @@ _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
                          "quant_avx2.h",
                          "quant_int_avx2.h", "kv_quant.h", "paged_decode.h",
                          "paged_decode_avx2.h")]
-_FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-          "-Wno-unused-parameter"]
+_FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-fPIC", "-fopenmp",
+          "-Wno-unused-parameter"]                        # compiling each source
+_LINK = ["-shared", "-fopenmp"]                          # no -ffast-math: see above
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -71,11 +76,26 @@ def _cache_dir() -> str:
 
 
 def _build(target: str, flags: list[str]) -> None:
+    """Compile every source (at once: one compiler a source) with `flags`, then link."""
     torch_dir = os.path.dirname(torch.__file__)
     tmp = f"{target}.{os.getpid()}.tmp"
-    cmd = [os.environ.get("CXX", "g++"), *flags, f"-I{torch_dir}/include", *_SOURCES,
-           f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    objects = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        jobs = [subprocess.Popen([cxx, *flags, f"-I{torch_dir}/include", "-c", src, "-o", obj],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for src, obj in zip(_SOURCES, objects)]
+        outputs = [job.communicate()[0] for job in jobs]         # every job ended
+        for job, out in zip(jobs, outputs):
+            if job.returncode:
+                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=out)
+        subprocess.run([cxx, *_LINK, *objects, f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10",
+                        f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp],
+                       check=True, capture_output=True, text=True)
+    finally:
+        for obj in objects:
+            if os.path.exists(obj):
+                os.remove(obj)
     os.replace(tmp, target)
 
 
@@ -83,7 +103,7 @@ def library_path(tier: str) -> str:
     """Where `tier`'s build lives (built there if missing; the CPU need not run the tier)."""
     flags = [*_FLAGS, *tiers.compiler_flags(tier)]
     sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, *_HEADERS])
-    key = hashlib.sha256(sources + " ".join(flags).encode() + torch.__version__.encode()
+    key = hashlib.sha256(sources + " ".join(flags + _LINK).encode() + torch.__version__.encode()
                          ).hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"cpu_kernels-{tier}-{key}.so")
     if not os.path.exists(target):

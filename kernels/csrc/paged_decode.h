@@ -25,6 +25,10 @@ namespace pw::paged {
 // "no score yet" is a large finite negative, not -inf.
 constexpr float kNoScore = -1e30f;
 
+// e^x for x <= 0, from e^-87 down held there: never a denormal (the library is linked
+// without flush-to-zero, kernels/native.py), so no slow denormal arithmetic follows.
+inline float exp_normal(float x) { return std::exp(std::max(x, -87.f)); }
+
 // A hint every other 64-byte line: the line beside each comes with it, and a hint per line
 // cost more instructions than it saved (bench/NOTES.md).
 template <typename E>
@@ -219,10 +223,10 @@ inline void online_softmax(float* scores, float* m, float* l, float* acc, int64_
   for (int64_t h = 0; h < H; ++h) {
     float* sh = scores + h * bs;
     const float new_m = std::max(m[h], *std::max_element(sh, sh + n));
-    const float alpha = std::exp(m[h] - new_m);
+    const float alpha = exp_normal(m[h] - new_m);
     float sum = 0.f;
 #pragma omp simd simdlen(8) reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) { sh[t] = std::exp(sh[t] - new_m); sum += sh[t]; }
+    for (int64_t t = 0; t < n; ++t) { sh[t] = exp_normal(sh[t] - new_m); sum += sh[t]; }
     l[h] = l[h] * alpha + sum;
     m[h] = new_m;
     if (alpha != 1.f)
@@ -247,7 +251,7 @@ void merge_parts(T* out, const float* state, int64_t parts, int64_t width, int64
       total = 0.f;
       for (int64_t p = 0; p < parts; ++p) {
         const float* part = state + p * width;
-        const float w = std::exp(part[h] - top);
+        const float w = exp_normal(part[h] - top);
         total += part[H + h] * w;
         axpy(acc, w, part + 2 * H + h * D, D);
       }

@@ -3,6 +3,8 @@ model's greedy tokens with the native kernel set against the torch reference set
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,18 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def test_loading_a_tier_leaves_the_process_denormals_alone(native_lib):
+    """The library is linked without -ffast-math's crtfastmath, whose constructor would set
+    flush-to-zero for every thread of the process that loads it (a user's, offline)."""
+    code = ("import threading, torch; from pagewire.kernels import native; "
+            f"assert native.load({native_lib.tier!r}) is not None; "
+            "out = []; t = threading.Thread(target=lambda: out.append(torch.tensor([1e-40]) * 1)); "
+            "t.start(); t.join(); print(float(torch.tensor([1e-40]) * 1), float(out[0][0]))")
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert [float(v) for v in printed] == [pytest.approx(1e-40, rel=1e-3)] * 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
