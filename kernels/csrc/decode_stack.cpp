@@ -5,11 +5,13 @@
 // in the same order, so the results are bit-identical; only the Python/ctypes round trips of
 // a step are gone. There is no second copy of the decoder here: an op this file does not
 // implement makes the Python side keep the per-op path (pw_decode_stack_arity says -1).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "bf16.h"
+#include "lora.h"
 #include "quant_tiles.h"
 
 using bf16 = uint16_t;
@@ -43,10 +45,6 @@ void pw_decode_attention_q8_bf16(bf16*, const bf16*, const uint8_t*, const uint8
                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
                                  float, int64_t, float*);
-void pw_lora_delta_f32(float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
-                       const int64_t*, const int64_t*, int64_t, int64_t);
-void pw_lora_delta_bf16(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t,
-                        const int64_t*, const int64_t*, int64_t, int64_t);
 }
 
 namespace {
@@ -85,7 +83,6 @@ template <typename T> struct Kernels;
     static constexpr auto attend = pw_decode_attention_##sfx;                                \
     static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
     static constexpr auto write_q8 = pw_write_kv_q8_##sfx;                                   \
-    static constexpr auto lora = pw_lora_delta_##sfx;                                        \
   };
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
@@ -136,16 +133,26 @@ struct Machine {
     const int64_t* table = ptr<int64_t>(o[0]);   // kernels/quant.py QuantWeight.table
     const int64_t n = o[1], k = o[2];
     const T* x = table[1] ? in_order(ptr<int64_t>(table[1]), k) : cur;
-    // Each segment (tiles, kind, rows) into its own columns of out's rows, as quant.matmul;
-    // its kind is one of kernels/quant.py KINDS (fused_decode.py encodes no other).
-    for (int64_t s = 0, row = 0; s < table[0]; ++s) {
-      const int64_t* seg = table + 2 + 3 * s;
-      pw::quant_matmul<T>(seg[1])(out + row, n, x, k, tokens, ptr<uint8_t>(seg[0]), seg[2], k);
-      row += seg[2];
-    }
-    if (o[3]) add_bias(out, ptr<T>(o[3]), n);
-    if (lora_table && o[4] >= 0)
-      Kernels<T>::lora(out, n, cur, k, tokens, n, k, lora_rows, lora_table, o[4], lora_slots);
+    const T* bias = ptr<T>(o[3]);
+    // out's columns [16 g0, 16 g1): each segment (tiles, kind, rows) where it meets them,
+    // as quant.matmul multiplies the whole; its kind is one of kernels/quant.py KINDS
+    // (fused_decode.py encodes no other). Then the bias, as Linear.forward's out.add_(bias).
+    auto product = [&](int64_t g0, int64_t g1) {
+      for (int64_t s = 0, col = 0; s < table[0]; col += table[2 + 3 * s + 2], ++s) {
+        const int64_t* seg = table + 2 + 3 * s;
+        const int64_t lo = std::max(16 * g0, col), hi = std::min(16 * g1, col + seg[2]);
+        if (lo >= hi) continue;
+        const uint8_t* tiles = ptr<uint8_t>(seg[0]) + (lo - col) / 16 *
+                               pw::quant_group_bytes(seg[1], k);
+        pw::quant_matmul<T>(seg[1])(out + lo, n, x, k, tokens, tiles, hi - lo, k);
+      }
+      if (bias) add_bias(out, bias, n, 16 * g0, std::min(16 * g1, n));
+    };
+    if (lora_table && o[4] >= 0)   // the adapters' deltas beside it (of cur: column order)
+      pw::linear_with_lora<T>(out, n, cur, k, tokens, lora_rows, lora_table, o[4], lora_slots,
+                              {product, n / 16});
+    else
+      product(0, n / 16);
     cur = out, width = n;
   }
 
@@ -157,10 +164,10 @@ struct Machine {
     return ordered.data();
   }
 
-  // As Linear.forward's out.add_(bias): each sum in float32, rounded once to T.
-  void add_bias(T* out, const T* bias, int64_t n) {
+  // As Linear.forward's out.add_(bias), columns [j0, j1): each sum in float32, rounded once.
+  void add_bias(T* out, const T* bias, int64_t n, int64_t j0, int64_t j1) {
     for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t j = 0; j < n; ++j)
+      for (int64_t j = j0; j < j1; ++j)
         pw::from_float(pw::to_float(out[t * n + j]) + pw::to_float(bias[j]), &out[t * n + j]);
   }
 

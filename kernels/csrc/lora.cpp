@@ -1,7 +1,8 @@
 // LoRA deltas of one linear for a step's rows, each row with its own adapter (or none):
 // y[t] += scale * Bt_a^T (A_a x[t]) for a = adapter_of_row[t] >= 0. The per-op path
-// (kernels/ops.py CpuOps.lora_delta) and the fused decode interpreter (decode_stack.cpp) both
-// call it, for a single stream's row and a prefill chunk's thousands alike.
+// (kernels/ops.py CpuOps.lora_delta) calls it after a linear, for a prefill chunk's thousands
+// of rows as for one; the fused decode interpreter (decode_stack.cpp) with the linear's own
+// product in the same parallel region (lora.h linear_with_lora): one fork per linear.
 //
 // The weights come as float32, bfloat16 or float16 (the file's dtype, or the model's where
 // that is narrower: a step reads them all) and Bt holds only its nonzero spans: a fused
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "lora.h"
 
 using bf16 = uint16_t;
 
@@ -322,18 +324,23 @@ std::vector<Tile> make_tiles(std::vector<Entry>& entries, const int64_t* adapter
 
 // table: [adapters][num_slots][kEntry] int64 (Entry), A null where the adapter leaves that
 // linear alone. Two passes, their work items dealt to the threads in turn: mid = scale * x A^T
-// per (tile, run of rank rows), then y += mid Bt per (tile, chunk of columns).
+// per (tile, run of rank rows), then y += mid Bt per (tile, chunk of columns). `base`, when
+// given, writes the linear's own product into y (its `groups` of 16 columns, a share a call)
+// in the same parallel region, between the passes: y holds it before any delta is added.
 template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
-                int64_t slot, int64_t num_slots) {
+                int64_t slot, int64_t num_slots, const pw::BaseProduct* base) {
   std::vector<Entry> entries;
   const std::vector<Tile> tiles =
       make_tiles(entries, adapter_of_row, tokens, table, slot, num_slots);
   int64_t rank = 0, rows = 0;
   for (const Entry& e : entries) rank = std::max(rank, e.rank);
   for (const Tile& tile : tiles) rows += tile.count;
-  if (tiles.empty() || rank == 0) return;
+  if (tiles.empty() || rank == 0) {
+    if (base) base->run(0, base->groups);        // on its own threads
+    return;
+  }
   const int64_t count = static_cast<int64_t>(tiles.size());
   std::vector<float> mid(count * kTile * rank);
   const int64_t runs = (rank + kRun - 1) / kRun, chunks = (n + kChunk - 1) / kChunk;
@@ -354,14 +361,20 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
               std::min(kChunk, n - j0));
   };
   // One parallel region, the passes apart by a barrier: a single stream's row is bound by
-  // reading the adapter's weights, and two threads read them faster than one, but each
-  // region's fork and join costs about what a small linear's products do. Tiny work stays
-  // on the calling thread.
-  const int threads = rows * rank * (n + k) < kSerialMacs ? 1 : at::get_num_threads();
+  // reading the weights (the adapter's, and the base linear's beside them), two threads read
+  // them faster than one, and each region's fork and join costs about what a small linear's
+  // products do. Tiny work alone stays on the calling thread. Inside the region the base's
+  // own at::parallel_for runs inline (ATen does not nest), on this thread's share.
+  const int threads =
+      !base && rows * rank * (n + k) < kSerialMacs ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   {
     const int64_t id = omp_get_thread_num(), step = omp_get_num_threads();
     for (int64_t i = id; i < count * runs; i += step) shrink_item(i);
+    if (base) {
+      const int64_t g0 = base->groups * id / step, g1 = base->groups * (id + 1) / step;
+      if (g0 < g1) base->run(g0, g1);
+    }
 #pragma omp barrier
     for (int64_t i = id; i < count * chunks; i += step) expand_item(i);
   }
@@ -369,17 +382,36 @@ void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t to
 
 }  // namespace
 
+namespace pw {
+
+template <typename T>
+void linear_with_lora(T* y, int64_t n, const T* x, int64_t k, int64_t tokens,
+                      const int64_t* adapter_of_row, const int64_t* table, int64_t slot,
+                      int64_t num_slots, const BaseProduct& base) {
+  lora_delta(y, n, x, k, tokens, n, k, adapter_of_row, table, slot, num_slots, &base);
+}
+template void linear_with_lora<float>(float*, int64_t, const float*, int64_t, int64_t,
+                                      const int64_t*, const int64_t*, int64_t, int64_t,
+                                      const BaseProduct&);
+template void linear_with_lora<bf16>(bf16*, int64_t, const bf16*, int64_t, int64_t,
+                                     const int64_t*, const int64_t*, int64_t, int64_t,
+                                     const BaseProduct&);
+
+}  // namespace pw
+
 extern "C" {
 
 void pw_lora_delta_f32(float* y, int64_t y_stride, const float* x, int64_t x_stride,
                        int64_t tokens, int64_t n, int64_t k, const int64_t* adapter_of_row,
                        const int64_t* table, int64_t slot, int64_t num_slots) {
-  lora_delta(y, y_stride, x, x_stride, tokens, n, k, adapter_of_row, table, slot, num_slots);
+  lora_delta(y, y_stride, x, x_stride, tokens, n, k, adapter_of_row, table, slot, num_slots,
+             nullptr);
 }
 void pw_lora_delta_bf16(bf16* y, int64_t y_stride, const bf16* x, int64_t x_stride,
                         int64_t tokens, int64_t n, int64_t k, const int64_t* adapter_of_row,
                         const int64_t* table, int64_t slot, int64_t num_slots) {
-  lora_delta(y, y_stride, x, x_stride, tokens, n, k, adapter_of_row, table, slot, num_slots);
+  lora_delta(y, y_stride, x, x_stride, tokens, n, k, adapter_of_row, table, slot, num_slots,
+             nullptr);
 }
 
 }  // extern "C"

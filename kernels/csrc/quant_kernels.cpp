@@ -305,6 +305,21 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
   return nullptr;
 }
 
+int64_t quant_group_bytes(int64_t kind, int64_t K) {
+  int64_t tile = 0;
+  switch (kind == 30 ? 30 : kind % 100) {
+    case 30: tile = 16 * 32 * 2; break;              // bf16_matmul.cpp's BF16 tiles
+    case 3: tile = Q4_1Tile::kBytes; break;
+    case 8: tile = Q8_0Tile::kBytes; break;
+    case 12: tile = Q4_KTile::kBytes; break;
+    case 13: tile = Q5_KTile::kBytes; break;
+    case 14: tile = Q6_KTile::kBytes; break;
+    case 10: tile = Q2_KTile::kBytes; break;
+    case 90: tile = FP8Tile::kBytes; break;
+  }
+  return K / 32 * tile;
+}
+
 template QuantMatmul<float> quant_matmul<float>(int64_t);
 template QuantMatmul<bf16> quant_matmul<bf16>(int64_t);
 

@@ -96,6 +96,11 @@ using QuantMatmul = void (*)(T* out, int64_t out_stride, const T* x, int64_t x_s
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind);
 
+// Bytes of one group of 16 rows of a weight packed as `kind` with K columns (its K / 32
+// tiles, in every kind): rows [16 g, 16 g + 16) start g times this into the packed weight,
+// so a share of the rows multiplies as a weight of its own.
+int64_t quant_group_bytes(int64_t kind, int64_t K);
+
 // Kind 30's kernel (bf16_matmul.cpp), for this build's tier.
 template <typename T>
 QuantMatmul<T> bf16_matmul();

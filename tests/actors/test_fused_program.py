@@ -103,3 +103,55 @@ def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
     model = model_for(native_lib, torch.float32, extra, overrides)
     assert FusedDecode.build(model, allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16,
                                                       torch.float32)) is None
+
+
+def random_adapters(model, ranks: tuple[int, ...], g, dtype):
+    """A LoraBatch's adapters on every fused linear of every layer: random A and B^T blocks
+    per projection (kernels/lora.py LoraWeights), the table the native kernels read."""
+    from pagewire.executor.lora import PARTS, Loaded, _part_sizes, assign_slots
+    from pagewire.kernels.lora import LoraWeights
+    slots, out = assign_slots(model), []
+    for i, rank in enumerate(ranks):
+        weights = {}
+        for layer in model.layers:
+            for name in PARTS:
+                linear, sizes = layer.get_submodule(name), _part_sizes(layer, name)
+                cols = [sum(sizes[:j]) for j in range(len(sizes))]
+                a = (0.3 * torch.randn(rank * len(sizes), linear.in_features, generator=g))
+                blocks = [(c, 0.3 * torch.randn(rank, w, generator=g)) for c, w in zip(cols, sizes)]
+                weights[linear.lora_slot] = LoraWeights(a.to(dtype), [(c, b.to(dtype))
+                                                                      for c, b in blocks],
+                                                        1.5 + i, linear.out_features)
+        out.append(Loaded(weights, slots, generation=i))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interpreter_with_adapters_equals_the_per_op_path(tier, native_lib, dtype):
+    """Each linear's product and its rows' adapter deltas in one parallel region (lora.cpp
+    linear_with_lora, every split of the product's columns): the same values as the product
+    and then the deltas, per op. QKV biases too (added in each thread's columns); rows of two
+    adapters and of the base model mixed; a step of base rows only takes the product alone."""
+    from pagewire.executor.lora import LoraBatch
+    model = model_for(native_lib, dtype, {"architectures": ["Qwen2ForCausalLM"]})
+    caches = allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16, dtype)
+    g = torch.Generator().manual_seed(2)
+    adapters = random_adapters(model, (4, 8), g, dtype)      # numbers the linears' slots
+    fused = FusedDecode.build(model, caches)
+    for contexts, of_row in (([7], [1]), ([3, 30, 11, 5], [0, -1, 1, 0]), ([9, 2], [-1, -1])):
+        positions, batch = decode_batch(caches, contexts, g)
+        ids = torch.randint(0, 64, (len(contexts),), generator=g)
+        lora = LoraBatch(torch.tensor(of_row), adapters)
+        before = [c.clone() for c in caches]
+        with torch.inference_mode():
+            expected = model(ids, positions, caches, batch, lora)     # fused_decode unset
+            plain = model(ids, positions, [c.clone() for c in before], batch)
+            for cache, old in zip(caches, before):
+                cache.copy_(old)
+            model.fused_decode = fused
+            assert fused.serves(len(contexts), batch, caches)
+            got = model(ids, positions, caches, batch, lora)
+            model.fused_decode = None
+        assert torch.equal(got, expected), contexts
+        assert torch.equal(got[torch.tensor(of_row) < 0], plain[torch.tensor(of_row) < 0])
+        assert any(r >= 0 for r in of_row) == (not torch.equal(got, plain)), contexts
