@@ -11,7 +11,7 @@ import msgspec
 from pagewire.kernels import tiers
 
 from . import lora_files
-from .config_sections import KVTransferConfig, SpeculativeConfig, check_kv_compress
+from .config_sections import MAX_BATCH, KVTransferConfig, SpeculativeConfig, check_kv_compress
 from .model_info import ModelInfo, resolve_model
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -170,7 +170,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             num_kv_blocks=num_blocks,
             num_host_blocks=host_blocks, num_tier_blocks=tier_blocks, kv_block_bytes=per_block, served_model_name=self.served_model_name or info.name,
             quantized_activations=activations,
-            async_scheduling=self._async_scheduling())
+            async_scheduling=self._async_scheduling(), speculative_config=self._speculation())
+
+    def _speculation(self) -> SpeculativeConfig | None:
+        """--speculative-config with its batch limit decided for the executors' device."""
+        spec = self.speculative_config
+        if spec is None or spec.max_batch is not None:
+            return spec
+        return msgspec.structs.replace(
+            spec, max_batch=MAX_BATCH["cuda" if self._on_cuda() else "cpu"])
 
     def _check_speculation(self, target: ModelInfo, max_len: int) -> ModelInfo | None:
         """The draft model's description (method draft_model), or None."""

@@ -8,6 +8,13 @@ import json
 import msgspec
 
 
+# Speculation's default batch limit by device: on a CPU a verified draft row costs a good
+# part of a step beyond two sequences (bench/NOTES.md, session 17: copy-heavy prompts 1.37x at
+# 2 running, 1.07x at 4, free text 0.97x and 0.87x); on CUDA rows are nearly free (not
+# measured here: the previous default).
+MAX_BATCH = {"cpu": 2, "cuda": 8}
+
+
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """--speculative-config, as vLLM spells it (JSON). Drafts are proposed by the executor
     after each step (executor/speculation.py) and verified by the target in the next."""
@@ -17,7 +24,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     num_speculative_tokens: int = 3        # drafts verified per step, at most
     prompt_lookup_min: int = 3             # n-gram lengths matched (ngram, suffix)
     prompt_lookup_max: int = 4
-    max_batch: int = 8                     # more sequences running than this: no drafts
+    max_batch: int | None = None           # more sequences running than this: no drafts
+                                           # (None: MAX_BATCH of the executors' device)
     min_acceptance: float = 0.35           # a sequence accepting fewer drafts drafts rarely
     draft_layers: int | None = None        # self: the target's first layers that draft
                                            # (None: a quarter of them)
@@ -32,6 +40,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             raise ValueError("draft_layers must be at least 1")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 1..16")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

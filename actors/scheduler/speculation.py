@@ -18,6 +18,7 @@ from __future__ import annotations
 from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_scheduler import StepResult
 
+from ..config_sections import MAX_BATCH
 from .request import Request
 
 PROBE_EVERY = 8           # a sequence below min_acceptance still drafts this often
@@ -28,6 +29,8 @@ class DraftPolicy:
     def __init__(self, config):
         self.config = config             # SpeculativeConfig, or None: never drafts
         k = config.num_speculative_tokens if config else 0
+        # EngineConfig.resolve() sets it for the device; unresolved, a CPU's
+        self.max_batch = (config.max_batch or MAX_BATCH["cpu"]) if config else 0
         self.num_drafts = 0              # steps that verified drafts (vLLM: num_drafts)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -36,7 +39,7 @@ class DraftPolicy:
     def grant(self, req: Request, budget: int, num_running: int) -> int:
         """Drafts req verifies this step (0: a plain decode); called for a decode only."""
         cfg = self.config
-        if cfg is None or not req.num_drafts or num_running > cfg.max_batch:
+        if cfg is None or not req.num_drafts or num_running > self.max_batch:
             return 0
         if req.draft_acceptance < cfg.min_acceptance:
             req.draft_skips += 1

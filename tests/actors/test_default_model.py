@@ -62,7 +62,8 @@ def test_eos_ends_the_answer(llm):
 
 def test_ngram_speculation_keeps_the_greedy_answers(oracle):
     spec = LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "max_batch": 8})
     text = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
     asks = [f"Repeat this sentence exactly, twice: {text}", QUESTIONS[2]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -77,6 +77,24 @@ def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
     assert policy.grant(_req(), budget=10, num_running=5) == 0     # above max_batch
     assert policy.grant(_req(num_drafts=0), budget=10, num_running=1) == 0
     assert DraftPolicy(None).grant(_req(), 10, 1) == 0
+
+
+def test_the_batch_limit_defaults_by_device(tmp_path):
+    """A verified draft row costs a CPU a good part of a step: speculation is on up to 2
+    running sequences there (bench/NOTES.md), 8 on CUDA; a given limit stays."""
+    from pagewire.config import EngineConfig
+    from pagewire.config_sections import MAX_BATCH
+    from pagewire.model_info import resolve_model
+    info = resolve_model(None)
+    def limit(device="cpu", **kw):
+        cfg = EngineConfig(model_info=info, speculative_config=SpeculativeConfig(**kw),
+                           device=device).resolve()
+        return cfg.speculative_config.max_batch
+    assert limit() == MAX_BATCH["cpu"] == 2 and limit(max_batch=5) == 5
+    assert limit("cuda") == MAX_BATCH["cuda"] == 8          # resolving needs no GPU
+    assert DraftPolicy(SpeculativeConfig()).max_batch == 2
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        limit(max_batch=0)
     half = DraftPolicy(SpeculativeConfig(num_speculative_tokens=4))
     assert half.grant(_req(num_drafts=4, draft_acceptance=0.5), 10, 1) == 2   # likely right
 
@@ -124,7 +142,7 @@ def model(tmp_path_factory, smol_tokenizer_dir):
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(20, 45)), [100, 101, 100, 101]]
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch": 8}
 
 
 def _run(llm: LLM, params: SamplingParams) -> list[list[int]]:
@@ -254,7 +272,8 @@ def test_self_drafts_keep_outputs_and_the_whole_model_as_its_draft_is_always_rig
     for layers in (1, 2):                               # the tiny model has 2 layers
         llm = LLM(model, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=4,
                   speculative_config={"method": "self", "draft_layers": layers,
-                                      "num_speculative_tokens": 3, "min_acceptance": 0.0})
+                                      "num_speculative_tokens": 3, "min_acceptance": 0.0,
+                                      "max_batch": 8})
         out = _run(llm, params)
         d = llm.scheduler.drafts
         accepted[layers] = (d.num_accepted_tokens, d.num_draft_tokens)
@@ -275,7 +294,7 @@ def draft(tmp_path_factory, smol_tokenizer_dir):
 
 def _draft_model(path: str) -> dict:
     return {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
-            "min_acceptance": 0.0}
+            "min_acceptance": 0.0, "max_batch": 8}
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=30),

@@ -301,7 +301,7 @@ def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_l
     path = fuzz_llm.config.model_info.path
     draft = {"method": "draft_model", "model": path} if method == "draft_model" else {}
     spec = LLM(path, dtype="float32", num_kv_blocks=512, block_size=16,
-               speculative_config={"num_speculative_tokens": 8, **draft})
+               speculative_config={"num_speculative_tokens": 8, "max_batch": 8, **draft})
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     for out in outs:

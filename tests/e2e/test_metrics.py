@@ -23,7 +23,7 @@ def server():
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
         srv = Server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB",
                       "--kv-cache-dtype", "int8",
-                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "max_batch": 8}'],
                      run_parent)
         try:
             yield srv

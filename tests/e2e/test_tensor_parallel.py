@@ -106,7 +106,7 @@ def test_local_ranks_draft_with_a_draft_model(models):
     tokens, and every draft accepted; sampled drafts too (drawn from the target's own
     distribution: kept), which every rank must take as rank 0 drew them."""
     path = models["kv3-of-6-heads"]
-    spec = json.dumps({"method": "draft_model", "model": path})
+    spec = json.dumps({"method": "draft_model", "model": path, "max_batch": 8})
     with running_server([path, *F32, *TWO_RANKS, "--speculative-config", spec]) as srv:
         assert_matches_transformers(srv, path)
         drafted, accepted = spec_counters(srv)
