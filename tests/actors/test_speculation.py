@@ -79,16 +79,15 @@ def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
     assert DraftPolicy(None).grant(_req(), 10, 1) == 0
 
 
-def test_the_batch_limit_defaults_by_device(tmp_path):
+def test_the_batch_limit_defaults_by_device(model):
     """A verified draft row costs a CPU a good part of a step: speculation is on up to 2
     running sequences there (bench/NOTES.md), 8 on CUDA; a given limit stays."""
     from pagewire.config import EngineConfig
     from pagewire.config_sections import MAX_BATCH
-    from pagewire.model_info import resolve_model
-    info = resolve_model(None)
+
     def limit(device="cpu", **kw):
-        cfg = EngineConfig(model_info=info, speculative_config=SpeculativeConfig(**kw),
-                           device=device).resolve()
+        cfg = EngineConfig(model=model, speculative_config=SpeculativeConfig(**kw),
+                           device=device, num_kv_blocks=64).resolve()
         return cfg.speculative_config.max_batch
     assert limit() == MAX_BATCH["cpu"] == 2 and limit(max_batch=5) == 5
     assert limit("cuda") == MAX_BATCH["cuda"] == 8          # resolving needs no GPU
