@@ -4,7 +4,9 @@
 
 On the default model, with random rank-r adapters on all seven projections of every layer
 stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
-- single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter;
+- single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter,
+  --pairs pairs a round in alternating order (base first, then adapter first), so the host's
+  drift over a round weighs on both; the round's ratio is the median pair's;
 - mixed: 64 requests of 128 / 128 at once, all base vs four adapters mixed uniformly
   (--max-loras 4).
 Prints output tokens per second and the ratio adapter / base.
@@ -53,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--adapter-dtype", default="float32",
                     choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
@@ -67,10 +70,15 @@ def main() -> None:
                   enable_prefix_caching=False)
         run(llm, prompts[:2], [None, adapters[0]])                       # warm up
         for r in range(args.rounds):
-            base = run(llm, prompts[:1], [None])
-            lora = run(llm, prompts[:1], [adapters[0]])
-            print(f"round {r} single: base {base:.1f} tok/s, adapter {lora:.1f} tok/s, "
-                  f"{lora / base:.2f}x", flush=True)
+            pairs = []
+            for i in range(args.pairs):
+                order = [None, adapters[0]] if i % 2 == 0 else [adapters[0], None]
+                rate = {id(a): run(llm, prompts[:1], [a]) for a in order}
+                pairs.append((rate[id(None)], rate[id(adapters[0])]))
+            base, lora = sorted(pairs, key=lambda p: p[1] / p[0])[len(pairs) // 2]
+            print(f"round {r} single (median of {len(pairs)} pairs): base {base:.1f} tok/s, "
+                  f"adapter {lora:.1f} tok/s, {lora / base:.2f}x; pairs "
+                  f"{[round(b / a, 2) for a, b in pairs]}", flush=True)
             base = run(llm, prompts, [None] * 64)
             mixed = run(llm, prompts, [adapters[i % 4] for i in range(64)])
             print(f"round {r} mixed: base {base:.1f} tok/s, 4 adapters {mixed:.1f} tok/s, "
