@@ -118,21 +118,29 @@ inline __m512i fp8_subnormals() {
   return _mm512_load_si512(t);
 }
 
+// word i of 32 <- word (i % 2) * 16 + i / 2: a row's codes of two adjacent columns (16 bytes
+// apart in the tile) side by side, as vdpbf16ps pairs them.
+inline __m512i pair_order() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = static_cast<uint16_t>((i % 2) * 16 + i / 2);
+  return _mm512_load_si512(t);
+}
+
 // An FP8 tile's columns (2j, 2j + 1) of its 16 rows as bfloat16 pairs, a row a 32-bit lane
 // (vdpbf16ps's operand), exact: a normal code's exponent and mantissa moved into
-// bfloat16's and rebiased (120 = 127 - 7), a subnormal's from the table, then the sign.
-inline __m512bh fp8_pairs(const uint8_t* tile, int j, __m512i subnormals) {
-  const __m128i c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j));
-  const __m128i c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j + 16));
-  const __m512i c = _mm512_cvtepu8_epi16(
-      _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1)));
+// bfloat16's and rebiased (120 = 127 - 7), a subnormal's from the table, then the sign
+// (bit 7 of the code to bit 15, one bit-select).
+inline __m512bh fp8_pairs(const uint8_t* tile, int j, __m512i subnormals, __m512i order) {
+  const __m512i c = _mm512_permutexvar_epi16(
+      order, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j))));
   const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
   const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4),
                                           _mm512_set1_epi16(120 << 7));
   const __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
                                             normal, _mm512_permutexvar_epi16(mag, subnormals));
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-  return (__m512bh)_mm512_or_si512(v, sign);
+  // (v & ~0x8000) | (c << 8 & 0x8000): v's bit 15 is 0, c << 8 holds the sign there
+  return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_slli_epi16(c, 8),
+                                             _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);
 }
 
 // Output groups [g0, g1) of FP8 tiles for M tokens with P parts, as q4_groups: the codes as
@@ -140,7 +148,7 @@ inline __m512bh fp8_pairs(const uint8_t* tile, int j, __m512i subnormals) {
 template <int M, int P, typename Tile, typename Out>
 void fp8_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
                 int64_t x_stride, const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
-  const __m512i subnormals = fp8_subnormals();
+  const __m512i subnormals = fp8_subnormals(), order = pair_order();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
@@ -149,8 +157,8 @@ void fp8_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_st
       __m512 even[M], odd[M];
       for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
       for (int j = 0; j < 16; j += 2) {
-        const __m512bh w0 = fp8_pairs(tile, j, subnormals);
-        const __m512bh w1 = fp8_pairs(tile, j + 1, subnormals);
+        const __m512bh w0 = fp8_pairs(tile, j, subnormals, order);
+        const __m512bh w1 = fp8_pairs(tile, j + 1, subnormals, order);
         for (int p = 0; p < P; ++p)
           for (int m = 0; m < M; ++m) {
             const bf16* xb = parts + p * part_stride + m * x_stride + b * 32 + 2 * j;
