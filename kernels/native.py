@@ -76,19 +76,23 @@ def _cache_dir() -> str:
 
 
 def _build(target: str, flags: list[str]) -> None:
-    """Compile every source (at once: one compiler a source) with `flags`, then link."""
+    """Compile every source with `flags` (several at once), then link."""
     torch_dir = os.path.dirname(torch.__file__)
     tmp = f"{target}.{os.getpid()}.tmp"
     objects = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
     cxx = os.environ.get("CXX", "g++")
+    # One compiler per CPU at a time: each holds torch's headers (~0.5 GB).
+    at_once = max(1, min(len(_SOURCES), os.cpu_count() or 1))
     try:
-        jobs = [subprocess.Popen([cxx, *flags, f"-I{torch_dir}/include", "-c", src, "-o", obj],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for src, obj in zip(_SOURCES, objects)]
-        outputs = [job.communicate()[0] for job in jobs]         # every job ended
-        for job, out in zip(jobs, outputs):
-            if job.returncode:
-                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=out)
+        for i in range(0, len(_SOURCES), at_once):
+            jobs = [subprocess.Popen([cxx, *flags, f"-I{torch_dir}/include", "-c", src, "-o",
+                                      obj], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+                    for src, obj in zip(_SOURCES[i:i + at_once], objects[i:i + at_once])]
+            outputs = [job.communicate()[0] for job in jobs]     # every job ended
+            for job, out in zip(jobs, outputs):
+                if job.returncode:
+                    raise subprocess.CalledProcessError(job.returncode, job.args, stderr=out)
         subprocess.run([cxx, *_LINK, *objects, f"-L{torch_dir}/lib", "-ltorch_cpu", "-lc10",
                         f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp],
                        check=True, capture_output=True, text=True)

@@ -2,6 +2,7 @@
 model's greedy tokens with the native kernel set against the torch reference set."""
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -31,6 +32,22 @@ def test_loading_a_tier_leaves_the_process_denormals_alone(native_lib):
     printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True).stdout.split()
     assert [float(v) for v in printed] == [pytest.approx(1e-40, rel=1e-3)] * 2
+
+
+def test_without_a_compiler_the_torch_reference_runs_with_one_warning(tmp_path):
+    """No compiler (CXX names none) and nothing built yet: the CPU backend is the torch
+    reference, one warning says why, and nothing half-built is left in the cache."""
+    code = ("import logging, torch; logging.basicConfig(); "
+            "from pagewire.kernels.ops import select_ops; "
+            "print(select_ops(torch.device('cpu')).name)")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"),
+           "PAGEWIRE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, check=True)
+    assert done.stdout.split() == ["torch"]
+    assert done.stderr.count("native CPU kernels unavailable, using the torch reference") == 1
+    assert [p.name for p in (tmp_path / "cache" / "kernels").iterdir()
+            if not p.name.endswith(".lock")] == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
