@@ -69,42 +69,6 @@ inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sum
     }
 }
 
-// Output groups [g0, g1) of Q4 tiles for M tokens (rows `stride` apart in parts, sums, out)
-// with P parts.
-template <int M, int P, typename Tile, typename Out>
-void q4_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
-               int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
-               int64_t g0, int64_t g1) {
-  const __m512i table = nibble_table();
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-      __m512 lo_sum[M], hi_sum[M];
-      for (int m = 0; m < M; ++m) lo_sum[m] = hi_sum[m] = _mm512_setzero_ps();
-      for (int j = 0; j < 8; ++j) {
-        const __m512i w = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j)));
-        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(w, table);
-        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
-        for (int p = 0; p < P; ++p)
-          for (int m = 0; m < M; ++m) {
-            const bf16* xb = parts + p * part_stride + m * x_stride + b * 32 + 2 * j;
-            lo_sum[m] = _mm512_dpbf16_ps(lo_sum[m], lo, (__m512bh)bcast_pair(xb));
-            hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, (__m512bh)bcast_pair(xb + 16));
-          }
-      }
-      // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
-      const __m512 d = Tile::scales16(tile, 0);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_sum[m], hi_sum[m]), d, acc[m]);
-      add_minimums<Tile>(acc, tile, sums, nb, b);
-    }
-    for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
-  }
-}
-
 // A Q8 tile's column of 16 rows (16 bytes) as float32 lanes.
 inline __m512 q8_lanes(const uint8_t* column) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column));
@@ -143,32 +107,63 @@ inline __m512bh fp8_pairs(const uint8_t* tile, int j, __m512i subnormals, __m512
                                              _mm512_set1_epi16(static_cast<short>(0x8000)), 0xf8);
 }
 
-// Output groups [g0, g1) of FP8 tiles for M tokens with P parts, as q4_groups: the codes as
-// bfloat16 pairs on vdpbf16ps, then each block's scale.
-template <int M, int P, typename Tile, typename Out>
-void fp8_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
-                int64_t x_stride, const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+// The tiles vdpbf16ps multiplies as stored, through a decoder: each of a block's 8 steps s
+// gives two vectors of bfloat16 pairs (a row's pair a 32-bit lane), w0 for the x pair at
+// x0(s) and w1 for the one at x1(s).
+// Q4: the 32 bytes of step s hold columns (2s, 2s + 1) in their low nibbles, (2s + 16,
+// 2s + 17) in their high ones; a nibble indexes its bfloat16 value.
+struct Nibbles {
+  const __m512i table = nibble_table();
+  static constexpr int x0(int s) { return 2 * s; }
+  static constexpr int x1(int s) { return 2 * s + 16; }
+  void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * s)));
+    w0 = (__m512bh)_mm512_permutexvar_epi16(w, table);
+    w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  }
+};
+
+// FP8: step s decodes columns (4s, 4s + 1) and (4s + 2, 4s + 3).
+struct Fp8Codes {
   const __m512i subnormals = fp8_subnormals(), order = pair_order();
+  static constexpr int x0(int s) { return 4 * s; }
+  static constexpr int x1(int s) { return 4 * s + 2; }
+  void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
+    w0 = fp8_pairs(tile, 2 * s, subnormals, order);
+    w1 = fp8_pairs(tile, 2 * s + 1, subnormals, order);
+  }
+};
+
+// Output groups [g0, g1) of Q4 or FP8 tiles for M tokens (rows x_stride apart in each of P
+// parts): two chains a token (the two vectors of a step), then each block's scale and, for
+// tiles with minimums, m * sum(x) (sum of x * (d q + m) = d * sum(x q) + m * sum(x)).
+template <int M, int P, typename Tile, typename Decode, typename Out>
+void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
+                 int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
+                 int64_t g0, int64_t g1) {
+  const Decode decode;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* tile = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
-      __m512 even[M], odd[M];
-      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-      for (int j = 0; j < 16; j += 2) {
-        const __m512bh w0 = fp8_pairs(tile, j, subnormals, order);
-        const __m512bh w1 = fp8_pairs(tile, j + 1, subnormals, order);
+      __m512 sum0[M], sum1[M];
+      for (int m = 0; m < M; ++m) sum0[m] = sum1[m] = _mm512_setzero_ps();
+      for (int s = 0; s < 8; ++s) {
+        __m512bh w0, w1;
+        decode(tile, s, w0, w1);
         for (int p = 0; p < P; ++p)
           for (int m = 0; m < M; ++m) {
-            const bf16* xb = parts + p * part_stride + m * x_stride + b * 32 + 2 * j;
-            even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)bcast_pair(xb));
-            odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)bcast_pair(xb + 2));
+            const bf16* xb = parts + p * part_stride + m * x_stride + b * 32;
+            sum0[m] = _mm512_dpbf16_ps(sum0[m], w0, (__m512bh)bcast_pair(xb + Decode::x0(s)));
+            sum1[m] = _mm512_dpbf16_ps(sum1[m], w1, (__m512bh)bcast_pair(xb + Decode::x1(s)));
           }
       }
       const __m512 d = Tile::scales16(tile, 0);
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(even[m], odd[m]), d, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(sum0[m], sum1[m]), d, acc[m]);
+      add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
@@ -219,19 +214,14 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
            int64_t groups) {
   const int64_t nb = a.K / 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if constexpr (Tile::kFp8) {
+    if constexpr (Tile::kQ4 || Tile::kFp8) {
+      using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, Nibbles>;
       const bf16* x = a.parts.data() + t * a.K;
+      const float* sums = Tile::kMin ? a.sums.data() + t * nb : nullptr;
       if (a.P == 1)
-        fp8_groups<M, 1, Tile>(out, os, x, a.T * a.K, a.K, packed, nb, g0, g1);
+        pair_groups<M, 1, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
       else
-        fp8_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, packed, nb, g0, g1);
-    } else if constexpr (Tile::kQ4) {
-      const bf16* x = a.parts.data() + t * a.K;
-      const float* sums = a.sums.data() + t * nb;
-      if (a.P == 1)
-        q4_groups<M, 1, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
-      else
-        q4_groups<M, 3, Tile>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+        pair_groups<M, 3, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
     } else {
       const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
