@@ -150,7 +150,7 @@ struct Machine {
     };
     if (lora_table && o[4] >= 0)   // the adapters' deltas beside it (of cur: column order)
       pw::linear_with_lora<T>(out, n, cur, k, tokens, lora_rows, lora_table, o[4], lora_slots,
-                              {product, n / 16});
+                              pw::BaseProduct::of(product, n / 16));
     else
       product(0, n / 16);
     cur = out, width = n;

@@ -2,15 +2,23 @@
 // product and its rows' adapter deltas in one parallel region (lora.cpp).
 #pragma once
 #include <cstdint>
-#include <functional>
 
 namespace pw {
 
 // A linear's own product by groups of 16 output columns: run(g0, g1) writes columns
-// [16 g0, 16 g1) of every row of y (bias included), for any split of [0, groups).
+// [16 g0, 16 g1) of every row of y (bias included), for any split of [0, groups). It refers
+// to the caller's callable (no copy, no allocation: one per adapted linear a step).
 struct BaseProduct {
-  std::function<void(int64_t, int64_t)> run;
+  void (*call)(const void*, int64_t, int64_t);
+  const void* callable;
   int64_t groups;
+
+  void run(int64_t g0, int64_t g1) const { call(callable, g0, g1); }
+  template <typename F>
+  static BaseProduct of(const F& f, int64_t groups) {
+    return {[](const void* c, int64_t g0, int64_t g1) { (*static_cast<const F*>(c))(g0, g1); },
+            &f, groups};
+  }
 };
 
 // y [tokens, n] = base's product, then += each row's adapter delta of x [tokens, k] for
