@@ -74,8 +74,13 @@ class QuantWeight:
         self.rows = sum(s.rows for s in segments)
         self.kernels = {dtype: lib.typed("pw_quant_matmul", dtype)
                         for dtype in (torch.bfloat16, torch.float32)}
-        self.table = torch.tensor([len(segments), 0 if order is None else order.data_ptr(),
-                                   *[v for s in segments for v in
+        self.refresh_table()
+
+    def refresh_table(self) -> None:
+        """`table` from the segments' tiles where they are now (after a move)."""
+        self.table = torch.tensor([len(self.segments),
+                                   0 if self.order is None else self.order.data_ptr(),
+                                   *[v for s in self.segments for v in
                                      (s.tiles.data_ptr(), s.kind, s.rows)]])
 
     @classmethod

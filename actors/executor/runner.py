@@ -25,6 +25,7 @@ from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
 from .. import kv_tier_files
+from . import huge_pages
 from ..config import EngineConfig, default_threads
 from .cuda_graphs import DecodeGraphs, GraphLora
 from .decode_layout import batch_to, decode_tables
@@ -121,6 +122,7 @@ class ModelRunner:
                            ROUNDINGS[config.quantized_activations])
             keep_bf16_tiles(model, config.quantized_matmul_tokens, ops.lib)
             pack_linears(model, upcast=not ops.lib.bf16_dot)
+            huge_pages.back_model(model)    # after packing: the tiles a step streams
         model.rounded_blocks = None         # kept (or not needed) by now
         return model
 
