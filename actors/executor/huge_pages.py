@@ -1,10 +1,11 @@
-"""A CPU model's packed weights on 2 MiB pages: a decode step streams every tile once, and
-over 4 KiB pages each page costs a TLB miss and stops the hardware prefetcher at its end, so
-the same kernel reads the same bytes faster from huge pages (bench/NOTES.md "Weights on huge
-pages"). The tiles of every quantized or bfloat16-tiled linear (kernels/quant.py QuantWeight)
-move into one anonymous mapping advised MADV_HUGEPAGE before it is written, so the kernel
-backs it with huge pages as it is filled (where THP is not "never"). Run before anything
-takes the tiles' addresses (the fused decode's tables). PAGEWIRE_HUGE_PAGES=0 leaves them."""
+"""Weights a CPU decode step streams, on 2 MiB pages: over 4 KiB pages each page costs a TLB
+miss and stops the hardware prefetcher at its end, so the same kernel reads the same bytes
+faster from huge pages (bench/NOTES.md "Weights on huge pages"). move() puts tensors into one
+private anonymous mapping advised MADV_HUGEPAGE before it is written, so the kernel backs it
+with huge pages as it is filled (where THP is not "never"): the tiles of every quantized or
+bfloat16-tiled linear (kernels/quant.py QuantWeight; back_model, before anything takes their
+addresses) and each loaded LoRA adapter's A and B^T (executor/lora.py Loaded).
+PAGEWIRE_HUGE_PAGES=0 leaves them where they are."""
 from __future__ import annotations
 
 import logging
@@ -45,23 +46,40 @@ def _arena(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     return mapping, whole[skip:skip + nbytes]
 
 
+def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
+    """Move the CPU tensors into one mapping on huge pages, each from a cache line, values
+    unchanged (`set_`: every holder of a tensor reads the new place; views taken before keep
+    the old storage). Returns the mapping, which the caller keeps as long as the tensors
+    live; None when turned off, or when they fill less than one huge page (the page would
+    be mostly empty memory: a tiny model's, a small adapter's)."""
+    if not _enabled():
+        return None
+    sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors]
+    if sum(sizes) < HUGE_PAGE:
+        return None
+    mapping, arena = _arena(sum(sizes))
+    offset = 0
+    for t, size in zip(tensors, sizes):
+        if not t.is_contiguous():
+            raise ValueError("huge_pages.move: contiguous tensors only")
+        view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        t.set_(view)
+        offset += size
+    return mapping
+
+
 def back_model(model: torch.nn.Module) -> int:
     """Move the model's tiles onto huge pages (their values unchanged; each QuantWeight's
     table rewritten to the new addresses); returns the bytes moved."""
     weights = _tiled(model)
     tiles = [s.tiles for w in weights for s in w.segments]
-    if not _enabled() or not tiles:
+    mapping = move(tiles)
+    if mapping is None:
         return 0
-    sizes = [(t.numel() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tiles]
-    mapping, arena = _arena(sum(sizes))
-    offset = 0
-    for t, size in zip(tiles, sizes):
-        view = arena[offset:offset + t.numel()].view(t.shape)
-        view.copy_(t)
-        t.set_(view)               # every holder of the tensor now reads the arena
-        offset += size
     for w in weights:
         w.refresh_table()
     model.huge_page_arena = mapping
-    log.info("weights: %d MiB of tiles on 2 MiB pages", offset >> 20)
-    return offset
+    nbytes = sum(t.numel() for t in tiles)
+    log.info("weights: %d MiB of tiles on 2 MiB pages", nbytes >> 20)
+    return nbytes

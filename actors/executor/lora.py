@@ -22,6 +22,7 @@ from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights, stacked_dense
 from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, read_adapter
+from . import huge_pages
 from .parallel import split_range
 
 # Each fused Linear of a layer -> the projections it holds, in its output order.
@@ -110,6 +111,12 @@ class Loaded:
 
     def __init__(self, weights: Weights, num_slots: int, generation: int):
         self.weights, self.generation = weights, generation
+        # One mapping on huge pages for the adapter's A and B^T: a decode step reads them
+        # all, in short runs between the base linears' products (huge_pages.py).
+        self.arena = huge_pages.move([t for lw in weights.values() if lw.a.device.type == "cpu"
+                                      for t in (lw.a, lw.bt)])
+        for lw in weights.values():
+            lw.refresh_views()
         self.table = torch.zeros(num_slots, ENTRY, dtype=torch.int64)    # kernels/lora.py
         for slot, lw in weights.items():
             self.table[slot] = torch.tensor(lw.entry())

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -85,12 +86,43 @@ inline Vec vload_x(const bf16* p) { return vload_bf16(p); }
 inline void add_store(float* y, Vec v) { vstore(y, vadd(vload(y), v)); }
 inline void add_store(bf16* y, Vec v) { vstore_bf16(y, vadd(vload_bf16(y), v)); }
 
+#if defined(__AVX512BF16__)
+// shrink_tile for bfloat16 x and A: 32 products a vdpbf16ps (each exact in float32, as the
+// float path's), summed in pairs before the accumulator.
+template <int M, int R>
+void shrink_pairs(float* mid, int64_t ld, const bf16* const* xs, const bf16* a, int64_t k,
+                  float scale) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= k; j += 32) {
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xs[m] + j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_loadu_si512(a + r * k + j);
+      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], av, xv[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = _mm512_reduce_add_ps(acc[m][r]);
+      for (int64_t i = j; i < k; ++i) s += pw::to_float(a[r * k + i]) * pw::to_float(xs[m][i]);
+      mid[m * ld + r] = scale * s;
+    }
+}
+#endif
+
 // mid[m * ld + r] = scale * <xs[m], a row r> for m < M tile rows, r < R rank rows of a (row
 // stride k): M x R accumulators, each x and weight vector loaded once for all of them.
 template <typename X, Kind K, int M, int R>
 void shrink_tile(float* mid, int64_t ld, const X* const* xs, const void* a_rows, int64_t k,
                  float scale) {
   const auto* a = static_cast<const typename W<K>::T*>(a_rows);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<X, bf16> && K == kBF16)
+    return shrink_pairs<M, R>(mid, ld, xs, a, k, scale);
+#endif
   Vec acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = vzero();
@@ -234,31 +266,37 @@ void add_spans(Y* const* ys, const float* mid, int64_t ld, const Tile& tile, int
   }
 }
 
-// The step's tiles: each adapter's rows (in row order) cut into tiles of kTile. `entries`
-// holds one Entry per adapter that touches the linear (reserved: the tiles point into it).
-std::vector<Tile> make_tiles(std::vector<Entry>& entries, const int64_t* adapter_of_row,
-                             int64_t tokens, const int64_t* table, int64_t slot,
-                             int64_t num_slots) {
-  std::vector<int64_t> rows;                  // rows with an adapter, by adapter, then row
-  for (int64_t t = 0; t < tokens; ++t)
-    if (adapter_of_row[t] >= 0) rows.push_back(t);
-  std::stable_sort(rows.begin(), rows.end(),
-                   [&](int64_t a, int64_t b) { return adapter_of_row[a] < adapter_of_row[b]; });
-  entries.reserve(rows.size());
+// A call's tiles and buffers, kept between the calls of one calling thread: a decode step
+// makes one call per adapted linear, and allocating them anew each time costs about what a
+// single row's shrink does.
+struct Scratch {
+  std::vector<int64_t> rows;      // rows with an adapter, by adapter, then row
+  std::vector<Entry> entries;     // one per adapter that touches the linear (tiles point in)
   std::vector<Tile> tiles;
-  for (size_t i = 0, end; i < rows.size(); i = end) {
-    const int64_t a = adapter_of_row[rows[i]];
-    for (end = i; end < rows.size() && adapter_of_row[rows[end]] == a;) ++end;
+  std::vector<float> mid;
+};
+
+// The step's tiles: each adapter's rows (in row order) cut into tiles of kTile.
+void make_tiles(Scratch& s, const int64_t* adapter_of_row, int64_t tokens,
+                const int64_t* table, int64_t slot, int64_t num_slots) {
+  s.rows.clear(), s.entries.clear(), s.tiles.clear();
+  for (int64_t t = 0; t < tokens; ++t)
+    if (adapter_of_row[t] >= 0) s.rows.push_back(t);
+  std::stable_sort(s.rows.begin(), s.rows.end(),
+                   [&](int64_t a, int64_t b) { return adapter_of_row[a] < adapter_of_row[b]; });
+  s.entries.reserve(s.rows.size());           // no reallocation: tiles point into it
+  for (size_t i = 0, end; i < s.rows.size(); i = end) {
+    const int64_t a = adapter_of_row[s.rows[i]];
+    for (end = i; end < s.rows.size() && adapter_of_row[s.rows[end]] == a;) ++end;
     const int64_t* w = table + (a * num_slots + slot) * kEntry;
     if (!w[0]) continue;                      // this adapter leaves the linear alone
-    entries.emplace_back(w);
+    s.entries.emplace_back(w);
     for (size_t j = i; j < end; j += kTile) {
-      Tile tile{&entries.back(), {}, 0};
-      for (size_t r = j; r < std::min(end, j + kTile); ++r) tile.rows[tile.count++] = rows[r];
-      tiles.push_back(tile);
+      Tile tile{&s.entries.back(), {}, 0};
+      for (size_t r = j; r < std::min(end, j + kTile); ++r) tile.rows[tile.count++] = s.rows[r];
+      s.tiles.push_back(tile);
     }
   }
-  return tiles;
 }
 
 // table: [adapters][num_slots][kEntry] int64 (Entry), A null where the adapter leaves that
@@ -270,18 +308,19 @@ template <typename T>
 void lora_delta(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t tokens,
                 int64_t n, int64_t k, const int64_t* adapter_of_row, const int64_t* table,
                 int64_t slot, int64_t num_slots, const pw::BaseProduct* base) {
-  std::vector<Entry> entries;
-  const std::vector<Tile> tiles =
-      make_tiles(entries, adapter_of_row, tokens, table, slot, num_slots);
+  static thread_local Scratch scratch;
+  make_tiles(scratch, adapter_of_row, tokens, table, slot, num_slots);
+  const std::vector<Tile>& tiles = scratch.tiles;
   int64_t rank = 0, rows = 0;
-  for (const Entry& e : entries) rank = std::max(rank, e.rank);
+  for (const Entry& e : scratch.entries) rank = std::max(rank, e.rank);
   for (const Tile& tile : tiles) rows += tile.count;
   if (tiles.empty() || rank == 0) {
     if (base) base->run(0, base->groups);        // on its own threads
     return;
   }
   const int64_t count = static_cast<int64_t>(tiles.size());
-  std::vector<float> mid(count * kTile * rank);
+  std::vector<float>& mid = scratch.mid;       // every value read is written first
+  if (mid.size() < static_cast<size_t>(count * kTile * rank)) mid.resize(count * kTile * rank);
   const int64_t runs = (rank + kRun - 1) / kRun, chunks = (n + kChunk - 1) / kChunk;
   auto shrink_item = [&](int64_t i) {
     const Tile& tile = tiles[i / runs];

@@ -67,3 +67,36 @@ def test_turned_off_nothing_moves(monkeypatch):
     assert huge_pages.back_model(model) == 0
     assert model[0].quantized.tiles.data_ptr() == address
     assert huge_pages.back_model(torch.nn.Sequential(Linear(8, 8))) == 0   # no tiles at all
+
+
+def test_less_than_a_huge_page_stays(monkeypatch):
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
+    small = torch.arange(1000, dtype=torch.float32)
+    address = small.data_ptr()
+    assert huge_pages.move([small]) is None and small.data_ptr() == address
+
+
+def test_an_adapter_moves_with_its_views_and_table(monkeypatch):
+    """A loaded adapter's A and B^T (executor/lora.py Loaded): parts are views of the moved
+    B^T, the native table points at the new places, the torch reference's deltas unchanged."""
+    from pagewire.executor.lora import Loaded
+    from pagewire.kernels.lora import LoraWeights, lora_delta
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(32, 4096, generator=g)                        # 512 KiB each, 4 linears
+    weights = {slot: LoraWeights(a.clone(), [(0, torch.randn(16, 3000, generator=g)),
+                                             (3000, torch.randn(16, 1000, generator=g))],
+                                 0.5, 4000)
+               for slot in range(4)}
+    x, rows = torch.randn(3, 4096, generator=g), torch.tensor([0, 2])
+    before = torch.zeros(3, 4000)
+    lora_delta(before, x, [(weights, rows)], 2)
+    loaded = Loaded(weights, num_slots=4, generation=0)
+    assert loaded.arena is not None
+    lw = weights[2]
+    assert lw.a.data_ptr() % 64 == 0 and loaded.table[2, 0].item() == lw.a.data_ptr()
+    assert loaded.table[2, 1].item() == lw.bt.data_ptr()
+    assert lw.parts[1][3].data_ptr() == lw.bt.data_ptr() + 16 * 3000 * 4   # a view of bt
+    after = torch.zeros(3, 4000)
+    lora_delta(after, x, [(weights, rows)], 2)
+    assert torch.equal(after, before)
