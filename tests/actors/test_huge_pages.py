@@ -11,8 +11,12 @@ from pagewire.kernels import native, quant
 from pagewire.kernels.linear import Linear
 
 
-def _model(lib) -> torch.nn.Module:
+@pytest.fixture
+def tiled_model() -> torch.nn.Module:
     """Two tiled linears (3 MiB of tiles: one whole huge page at least) and a float one."""
+    lib = native.load()
+    if lib is None or not quant.available(lib):
+        pytest.skip("no native quantized matmuls here")
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(Linear(512, 2048), Linear(512, 1024), Linear(8, 8))
     for linear in model[:2]:
@@ -34,12 +38,9 @@ def _huge_bytes(start: int, end: int) -> int:
     return total
 
 
-def test_tiles_move_onto_huge_pages_with_values_and_tables_kept(monkeypatch):
-    lib = native.load()
-    if lib is None or not quant.available(lib):
-        pytest.skip("no native quantized matmuls here")
+def test_tiles_move_onto_huge_pages_with_values_and_tables_kept(monkeypatch, tiled_model):
     monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
-    model = _model(lib)
+    model = tiled_model
     x = torch.randn(3, 512).bfloat16()
     before = [quant.matmul(x, m.quantized) for m in model[:2]]
     tiles = [m.quantized.tiles for m in model[:2]]
@@ -57,12 +58,9 @@ def test_tiles_move_onto_huge_pages_with_values_and_tables_kept(monkeypatch):
         assert _huge_bytes(start, start + moved) >= huge_pages.HUGE_PAGE
 
 
-def test_turned_off_nothing_moves(monkeypatch):
-    lib = native.load()
-    if lib is None or not quant.available(lib):
-        pytest.skip("no native quantized matmuls here")
+def test_turned_off_nothing_moves(monkeypatch, tiled_model):
     monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "0")
-    model = _model(lib)
+    model = tiled_model
     address = model[0].quantized.tiles.data_ptr()
     assert huge_pages.back_model(model) == 0
     assert model[0].quantized.tiles.data_ptr() == address
