@@ -25,8 +25,8 @@ from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
 from .. import kv_tier_files
-from . import huge_pages
 from ..config import EngineConfig, default_threads
+from . import huge_pages
 from .cuda_graphs import DecodeGraphs, GraphLora
 from .decode_layout import batch_to, decode_tables
 from .grammar import Matchers

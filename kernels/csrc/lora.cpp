@@ -88,7 +88,7 @@ inline void add_store(bf16* y, Vec v) { vstore_bf16(y, vadd(vload_bf16(y), v)); 
 
 #if defined(__AVX512BF16__)
 // shrink_tile for bfloat16 x and A: 32 products a vdpbf16ps (each exact in float32, as the
-// float path's), summed in pairs before the accumulator.
+// float path's; a denormal input reads as zero), summed in pairs before the accumulator.
 template <int M, int R>
 void shrink_pairs(float* mid, int64_t ld, const bf16* const* xs, const bf16* a, int64_t k,
                   float scale) {
