@@ -1,6 +1,12 @@
 """LoRA adapters against the base model alone, side by side in one engine (alternating).
 
     python bench/lora.py [--rank 16] [--rounds 2] [--adapter-dtype float32|bfloat16|float16]
+    python bench/lora.py --model-1b /tmp/llama-1b --single-only   # a larger base model
+
+--model-1b DIR writes (once) a random-weight bfloat16 Llama of ~1.1B parameters there (hidden
+2048, 16 layers, intermediate 8192, 32 / 8 heads, the default model's tokenizer) and runs on
+it instead of the default model: the adapter's share of a step's bytes is what sets the
+single stream's ratio, and it is ~10x smaller there. --single-only skips the 64-request run.
 
 On the default model, with random rank-r adapters on all seven projections of every layer
 stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
@@ -28,8 +34,9 @@ from pagewire.lora_files import projection_shapes
 from pagewire.model_info import resolve_model
 
 
-def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype) -> str:
-    info = resolve_model(None)
+def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype,
+                 model: str | None = None) -> str:
+    info = resolve_model(model)
     os.makedirs(path)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none"}, f)
@@ -41,6 +48,22 @@ def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype) -> str:
             weights[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.02).to(dtype)
             weights[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.02).to(dtype)
     save_file(weights, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+def random_1b(path: str) -> str:
+    """A random-weight ~1.1B Llama in bfloat16 at `path` (written once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagewire.hf_tokenizer import load_tokenizer
+    if not os.path.exists(os.path.join(path, "config.json")):
+        config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                             num_hidden_layers=16, num_attention_heads=32,
+                             num_key_value_heads=8, head_dim=64, max_position_embeddings=2048,
+                             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+        load_tokenizer(resolve_model(None)).save_pretrained(path)
     return path
 
 
@@ -58,15 +81,18 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--adapter-dtype", default="float32",
                     choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--model-1b", metavar="DIR")
+    ap.add_argument("--single-only", action="store_true")
     args = ap.parse_args()
     dtype = getattr(torch, args.adapter_dtype)
+    model = random_1b(args.model_1b) if args.model_1b else None
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(64)]
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(f"{tmp}/a{i}", args.rank, i,
-                                                                dtype))
+                                                                dtype, model))
                     for i in range(4)]
-        llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=args.rank,
+        llm = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank,
                   enable_prefix_caching=False)
         run(llm, prompts[:2], [None, adapters[0]])                       # warm up
         for r in range(args.rounds):
@@ -79,6 +105,8 @@ def main() -> None:
             print(f"round {r} single (median of {len(pairs)} pairs): base {base:.1f} tok/s, "
                   f"adapter {lora:.1f} tok/s, {lora / base:.2f}x; pairs "
                   f"{[round(b / a, 2) for a, b in pairs]}", flush=True)
+            if args.single_only:
+                continue
             base = run(llm, prompts, [None] * 64)
             mixed = run(llm, prompts, [adapters[i % 4] for i in range(64)])
             print(f"round {r} mixed: base {base:.1f} tok/s, 4 adapters {mixed:.1f} tok/s, "
