@@ -40,16 +40,17 @@ class LoraWeights:
             spans += [(col, w, offset + i * w) for i in range(r)]
             r0, offset = r0 + r, offset + r * w
         check(r0 == a.shape[0], "LoRA weights: the blocks' ranks must sum to A's rows")
-        self.refresh_views()
         cols = sorted((col, col + b.shape[1]) for col, b in blocks)
         check(all(end <= start for (_, end), (start, _) in zip(cols, cols[1:])),
               "LoRA weights: blocks of B^T share no column (the native kernel adds each once)")
         self.spans = torch.tensor(spans, dtype=torch.int64)
 
-    def refresh_views(self) -> None:
-        """`parts` as views of `bt` where it is now (after executor/huge_pages.py moved it)."""
-        self.parts = [(r0, r1, col, self.bt[offset:offset + (r1 - r0) * w].view(r1 - r0, w))
-                      for r0, r1, col, offset, w in self._blocks]
+    @property
+    def parts(self) -> list[tuple[int, int, int, torch.Tensor]]:
+        """The blocks (r0, r1, col, Bt_j [r1 - r0, w_j]) as views of `bt` wherever it is now
+        (executor/huge_pages.py may move it)."""
+        return [(r0, r1, col, self.bt[offset:offset + (r1 - r0) * w].view(r1 - r0, w))
+                for r0, r1, col, offset, w in self._blocks]
 
     def entry(self) -> list[int]:
         """The native table's row: (A, Bt, spans pointers, R, Kind, scale as float64 bits)."""

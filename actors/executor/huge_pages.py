@@ -26,12 +26,8 @@ def _enabled() -> bool:
 
 
 def _tiled(model: torch.nn.Module) -> list:
-    """Every QuantWeight of the model's linears, once."""
-    seen: dict[int, object] = {}
-    for module in model.modules():
-        weight = getattr(module, "quantized", None)
-        if weight is not None and hasattr(weight, "segments"):
-            seen.setdefault(id(weight), weight)
+    """Every QuantWeight of the model's linears (kernels/linear.py Linear.quantized), once."""
+    seen = {id(w): w for m in model.modules() if (w := getattr(m, "quantized", None)) is not None}
     return list(seen.values())
 
 
@@ -51,18 +47,16 @@ def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
     unchanged (`set_`: every holder of a tensor reads the new place; views taken before keep
     the old storage). Returns the mapping, which the caller keeps as long as the tensors
     live; None when turned off, or when they fill less than one huge page (the page would
-    be mostly empty memory: a tiny model's, a small adapter's)."""
-    if not _enabled():
-        return None
-    sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors]
-    if sum(sizes) < HUGE_PAGE:
+    be mostly empty memory: a tiny model's, a small adapter's). Each tensor once in the list."""
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("huge_pages.move: contiguous tensors only")
+    sizes = [(t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors]
+    if not _enabled() or sum(sizes) < HUGE_PAGE:
         return None
     mapping, arena = _arena(sum(sizes))
     offset = 0
     for t, size in zip(tensors, sizes):
-        if not t.is_contiguous():
-            raise ValueError("huge_pages.move: contiguous tensors only")
-        view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         t.set_(view)
         offset += size
@@ -73,13 +67,14 @@ def back_model(model: torch.nn.Module) -> int:
     """Move the model's tiles onto huge pages (their values unchanged; each QuantWeight's
     table rewritten to the new addresses); returns the bytes moved."""
     weights = _tiled(model)
-    tiles = [s.tiles for w in weights for s in w.segments]
+    # once each: a joined weight (fused q|k|v) shares its parts' segment tensors
+    tiles = list({id(s.tiles): s.tiles for w in weights for s in w.segments}.values())
     mapping = move(tiles)
     if mapping is None:
         return 0
     for w in weights:
         w.refresh_table()
     model.huge_page_arena = mapping
-    nbytes = sum(t.numel() for t in tiles)
+    nbytes = sum(t.nbytes for t in tiles)
     log.info("weights: %d MiB of tiles on 2 MiB pages", nbytes >> 20)
     return nbytes

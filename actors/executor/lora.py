@@ -115,8 +115,6 @@ class Loaded:
         # all, in short runs between the base linears' products (huge_pages.py).
         self.arena = huge_pages.move([t for lw in weights.values() if lw.a.device.type == "cpu"
                                       for t in (lw.a, lw.bt)])
-        for lw in weights.values():
-            lw.refresh_views()
         self.table = torch.zeros(num_slots, ENTRY, dtype=torch.int64)    # kernels/lora.py
         for slot, lw in weights.items():
             self.table[slot] = torch.tensor(lw.entry())
