@@ -119,10 +119,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"({info.max_model_len} tokens, from its config)")
         if max_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_len}")
+        self._check_choices(info, max_len)
+        draft = self._check_speculation(info, max_len)
+        per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len)
+        tier_blocks = self._check_tier(per_block)
+        self._check_transfer(info)
+        self._check_parallel()
+        self._check_chat()
+        check_kv_compress(self, info)
+        lora_files.check_options(self, info)
+        return msgspec.structs.replace(
+            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
+            num_kv_blocks=num_blocks, num_host_blocks=host_blocks, num_tier_blocks=tier_blocks,
+            kv_block_bytes=per_block, served_model_name=self.served_model_name or info.name,
+            quantized_activations=activations,
+            async_scheduling=self._async_scheduling(), speculative_config=self._speculation())
+
+    def _check_choices(self, info: ModelInfo, max_len: int) -> None:
+        """The options that name one of a set, or a count, each on its own."""
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        draft = self._check_speculation(info, max_len)
-        # A draft model's K/V sits beside the target's in every block (the same block ids).
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
                              f"{self.quantization!r}")
@@ -132,7 +148,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        # Context parallelism: a block's tokens are spread over its ranks.
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.quantized_matmul_tokens < -1:
+            raise ValueError("quantized_matmul_tokens must be -1 (every step), 0 (none) or "
+                             f"positive, got {self.quantized_matmul_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
+                             f"max_model_len ({max_len})")
+
+    def _kv_pool(self, info: ModelInfo, draft: ModelInfo | None, dtype: str,
+                 max_len: int) -> tuple[int, int, int]:
+        """(bytes of a block, device blocks, host swap blocks). A draft model's K/V sits beside
+        the target's in every block (the same block ids); under context parallelism a block's
+        tokens are spread over its ranks."""
         per_block = self.block_size * sum(
             m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.kv_cache_dtype != "auto")
             for m in (info, draft) if m is not None) // self._check_context_parallel(info)
@@ -144,33 +177,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"the KV cache ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
                 f"sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
                 f"--max-model-len")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
         host_blocks = self.swap_space // per_block
         if self.preemption_mode == "swap" and host_blocks == 0:
             raise ValueError("preemption_mode swap needs --swap-space")
-        tier_blocks = self._check_tier(per_block)
-        self._check_transfer(info)
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.quantized_matmul_tokens < -1:
-            raise ValueError("quantized_matmul_tokens must be -1 (every step), 0 (none) or "
-                             f"positive, got {self.quantized_matmul_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
-                             f"max_model_len ({max_len})")
-        self._check_parallel()
-        self._check_chat()
-        check_kv_compress(self, info)
-        lora_files.check_options(self, info)
-        return msgspec.structs.replace(
-            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
-            num_kv_blocks=num_blocks,
-            num_host_blocks=host_blocks, num_tier_blocks=tier_blocks, kv_block_bytes=per_block, served_model_name=self.served_model_name or info.name,
-            quantized_activations=activations,
-            async_scheduling=self._async_scheduling(), speculative_config=self._speculation())
+        return per_block, num_blocks, host_blocks
 
     def _speculation(self) -> SpeculativeConfig | None:
         """--speculative-config with its batch limit decided for the executors' device."""

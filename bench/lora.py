@@ -2,6 +2,7 @@
 
     python bench/lora.py [--rank 16] [--rounds 2] [--adapter-dtype float32|bfloat16|float16]
     python bench/lora.py --model-1b /tmp/llama-1b --single-only   # a larger base model
+    python bench/lora.py --targets q_proj,v_proj                   # PEFT's default for Llama
 
 --model-1b DIR writes (once) a random-weight bfloat16 Llama of ~1.1B parameters there (hidden
 2048, 16 layers, intermediate 8192, 32 / 8 heads, the default model's tokenizer) and runs on
@@ -9,7 +10,7 @@ it instead of the default model: the adapter's share of a step's bytes is what s
 single stream's ratio, and it is ~10x smaller there. --single-only skips the 64-request run.
 
 On the default model, with random rank-r adapters on all seven projections of every layer
-stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
+(or the --targets named) stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
 - single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter,
   --pairs pairs a round in alternating order (base first, then adapter first), so the host's
   drift over a round weighs on both; the round's ratio is the median pair's;
@@ -35,7 +36,7 @@ from pagewire.model_info import resolve_model
 
 
 def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype,
-                 model: str | None = None) -> str:
+                 model: str | None = None, targets: tuple[str, ...] | None = None) -> str:
     info = resolve_model(model)
     os.makedirs(path)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
@@ -43,6 +44,8 @@ def make_adapter(path: str, rank: int, seed: int, dtype: torch.dtype,
     g, weights = torch.Generator().manual_seed(seed), {}
     for layer in range(info.num_layers):
         for proj, (out, inp) in projection_shapes(info).items():
+            if targets is not None and proj not in targets:
+                continue
             kind = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{kind}.{proj}"
             weights[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.02).to(dtype)
@@ -83,14 +86,16 @@ def main() -> None:
                     choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--model-1b", metavar="DIR")
     ap.add_argument("--single-only", action="store_true")
+    ap.add_argument("--targets", help="projections adapted, comma-separated (default: all seven)")
     args = ap.parse_args()
     dtype = getattr(torch, args.adapter_dtype)
     model = random_1b(args.model_1b) if args.model_1b else None
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(64)]
     with tempfile.TemporaryDirectory() as tmp:
+        targets = tuple(args.targets.split(",")) if args.targets else None
         adapters = [LoRARequest(f"a{i}", i + 1, make_adapter(f"{tmp}/a{i}", args.rank, i,
-                                                                dtype, model))
+                                                                dtype, model, targets))
                     for i in range(4)]
         llm = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank,
                   enable_prefix_caching=False)

@@ -16,6 +16,7 @@ import itertools
 import os
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights, stacked_dense
@@ -121,8 +122,9 @@ class Loaded:
 
 
 class Adapters:
-    """The loaded adapters by load id, least recently used first, and the stacked weights
-    of the last KEPT_STACKS adapter sets steps used (by their loads' generations in order)."""
+    """The loaded adapters by load id, least recently used first, the stacked weights of the
+    last KEPT_STACKS adapter sets steps used (by their loads' generations in order), and the
+    last step's LoraBatch."""
 
     def __init__(self, model, info, max_rank: int, capacity: int):
         self.model, self.info, self.max_rank, self.capacity = model, info, max_rank, capacity
@@ -130,6 +132,30 @@ class Adapters:
         self.loaded: OrderedDict[int, Loaded] = OrderedDict()
         self.stacks: OrderedDict[tuple[int, ...], Stacks] = OrderedDict()
         self.generations = itertools.count()
+        self.last: tuple[tuple, LoraBatch] | None = None
+
+    def batch(self, spans: list[tuple[int, int, LoraRef]], num_rows: int,
+              device: torch.device) -> LoraBatch:
+        """The LoraBatch of a step whose rows [row, row + n) are adapter ref's, for each
+        (row, n, ref) in `spans`; the rest are the base model's. A step laid out as the last
+        one, with the same loads (every step of a decode stream), gets the last one's."""
+        index: dict[int, int] = {}                   # load id -> index in the step's adapters
+        adapters = []
+        for _, _, ref in spans:
+            if ref.id not in index:
+                index[ref.id] = len(adapters)
+                adapters.append(self.get(ref))
+        key = (num_rows, tuple((row, n, adapters[index[ref.id]].generation)
+                               for row, n, ref in spans))
+        if self.last is not None and self.last[0] == key:
+            return self.last[1]
+        of_row = np.full(num_rows, -1, dtype=np.int64)
+        for row, n, ref in spans:
+            of_row[row:row + n] = index[ref.id]
+        batch = LoraBatch(torch.from_numpy(of_row).to(device), adapters,
+                          self.stacks_for(adapters))
+        self.last = (key, batch)
+        return batch
 
     def get(self, ref: LoraRef) -> Loaded:
         """The adapter, loaded now if need be. A step uses at most max_loras <= capacity
@@ -141,6 +167,7 @@ class Adapters:
                              self.num_slots, next(self.generations))
             while len(self.loaded) >= self.capacity:
                 gone = self.loaded.popitem(last=False)[1].generation
+                self.last = None                      # nor does a batch keep it alive
                 self.stacks = OrderedDict((key, stacks) for key, stacks in self.stacks.items()
                                           if gone not in key)     # its memory goes with it
         self.loaded[ref.id] = adapter

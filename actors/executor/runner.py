@@ -289,16 +289,8 @@ class ModelRunner:
         """The step's rows and their adapters (None: every row is the base model's)."""
         if self.adapters is None or all(seq.lora is None for _, seq, _ in rows):
             return None
-        index: dict[int, int] = {}                   # load id -> index in the step's adapters
-        adapters, of_row = [], np.full(num_rows, -1, dtype=np.int64)
-        for _, seq, row in rows:
-            if seq.lora is not None:
-                if seq.lora.id not in index:
-                    index[seq.lora.id] = len(adapters)
-                    adapters.append(self.adapters.get(seq.lora))
-                of_row[row:row + seq.num_scheduled] = index[seq.lora.id]
-        return LoraBatch(torch.from_numpy(of_row).to(self.device), adapters,
-                         self.adapters.stacks_for(adapters))
+        return self.adapters.batch([(row, seq.num_scheduled, seq.lora) for _, seq, row in rows
+                                    if seq.lora is not None], num_rows, self.device)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:

@@ -64,6 +64,36 @@ class _Seq:
         self.num_output = 0
 
 
+# SchedulerStats' cumulative counters -> (metric, help): vLLM's names, pagewire's own beside.
+COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "preemptions": ("vllm:num_preemptions", "Cumulative number of preemptions."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens."),
+    "spec_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",
+                             "Number of accepted tokens."),
+    "external_prefix_cache_queries": (
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache (the disk KV tier) queries, in tokens."),
+    "external_prefix_cache_hits": (
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache (the disk KV tier) hits, in tokens."),
+    "kv_offload_stores": ("pagewire:kv_offload_stores", "KV blocks written to the disk tier."),
+    "kv_offload_loads": ("pagewire:kv_offload_loads",
+                         "KV blocks planned to load from the disk tier."),
+    "kv_offload_load_failures": (
+        "pagewire:kv_offload_load_failures",
+        "Disk tier loads that found a block missing or damaged (recomputed)."),
+    "kv_offload_bytes_stored": ("pagewire:kv_offload_stored_bytes",
+                                "Bytes of K/V written to the disk tier."),
+    "kv_offload_bytes_loaded": ("pagewire:kv_offload_loaded_bytes",
+                                "Bytes of K/V loaded from the disk tier."),
+}
+
+
 class GatewayMetrics:
     """The gateway's registry. Hooks, all taking an optional monotonic `now` (tests):
     on_request_start / on_request_end around an HTTP request, on_tokens for each TextDelta of a
@@ -72,72 +102,57 @@ class GatewayMetrics:
     def __init__(self, model_name: str, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 2048, num_speculative_tokens: int = 1,
                  max_loras: int | None = None):
-        self.registry = r = CollectorRegistry()
-        self.labels = labels = {"model_name": model_name, "engine": "0"}
-        names = list(labels)
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self._scheduler_metrics(max_num_batched_tokens, num_speculative_tokens)
+        self._request_metrics(max_model_len)
+        r = self.registry
+        self.in_flight = Gauge("pagewire:requests_in_flight",
+                               "HTTP generation requests being handled by the gateway.",
+                               registry=r)
+        self.backend = Gauge("pagewire:backend_info",
+                             "The executors' kernel backend (device and CPU tier) and dtype: 1.",
+                             ["backend", "dtype"], registry=r)
+        self.seqs: dict[SeqId, _Seq] = {}
+        self.max_loras, self.lora_labels = max_loras, None
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r) if max_loras else None
 
-        def gauge(name, doc):
-            return Gauge(name, doc, names, registry=r).labels(**labels)
+    def _labelled(self, kind, name: str, doc: str, **kwargs):
+        """A metric of the model's labels (vLLM's model_name and engine), those values set."""
+        return kind(name, doc, list(self.labels), registry=self.registry,
+                    **kwargs).labels(**self.labels)
 
-        def counter(name, doc):
-            return Counter(name, doc, names, registry=r).labels(**labels)
-
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**labels)
-
-        self.labels = labels
-        # From the scheduler.
-        self.num_running = gauge("vllm:num_requests_running", "Number of requests running.")
-        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
-                              "KV cache usage. 1 means 100 percent usage.")
-        self.counters = {
-            "prompt_tokens": counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
-            "generation_tokens": counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed."),
-            "preemptions": counter("vllm:num_preemptions", "Cumulative number of preemptions."),
-            "prefix_cache_queries": counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in tokens."),
-            "prefix_cache_hits": counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in tokens."),
-            "spec_drafts": counter("vllm:spec_decode_num_drafts",
-                                   "Number of spec decoding drafts."),
-            "spec_draft_tokens": counter("vllm:spec_decode_num_draft_tokens",
-                                         "Number of draft tokens."),
-            "spec_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
-                                            "Number of accepted tokens."),
-            "external_prefix_cache_queries": counter(
-                "vllm:external_prefix_cache_queries",
-                "External prefix cache (the disk KV tier) queries, in tokens."),
-            "external_prefix_cache_hits": counter(
-                "vllm:external_prefix_cache_hits",
-                "External prefix cache (the disk KV tier) hits, in tokens."),
-            "kv_offload_stores": counter("pagewire:kv_offload_stores",
-                                         "KV blocks written to the disk tier."),
-            "kv_offload_loads": counter("pagewire:kv_offload_loads",
-                                        "KV blocks planned to load from the disk tier."),
-            "kv_offload_load_failures": counter(
-                "pagewire:kv_offload_load_failures",
-                "Disk tier loads that found a block missing or damaged (recomputed)."),
-            "kv_offload_bytes_stored": counter("pagewire:kv_offload_stored_bytes",
-                                               "Bytes of K/V written to the disk tier."),
-            "kv_offload_bytes_loaded": counter("pagewire:kv_offload_loaded_bytes",
-                                               "Bytes of K/V loaded from the disk tier."),
-        }
-        self.tier_blocks = gauge("pagewire:kv_offload_blocks", "KV blocks in the disk tier.")
+    def _scheduler_metrics(self, max_num_batched_tokens: int,
+                           num_speculative_tokens: int) -> None:
+        """What SchedulerStats reports: gauges, counters (COUNTERS) and histograms."""
+        r, names = self.registry, list(self.labels)
+        self.num_running = self._labelled(Gauge, "vllm:num_requests_running",
+                                          "Number of requests running.")
+        self.num_waiting = self._labelled(Gauge, "vllm:num_requests_waiting",
+                                          "Number of requests waiting.")
+        self.kv_usage = self._labelled(Gauge, "vllm:kv_cache_usage_perc",
+                                       "KV cache usage. 1 means 100 percent usage.")
+        self.counters = {key: self._labelled(Counter, name, doc)
+                         for key, (name, doc) in COUNTERS.items()}
+        self.last_counts = {name: 0 for name in self.counters}
+        self.tier_blocks = self._labelled(Gauge, "pagewire:kv_offload_blocks",
+                                          "KV blocks in the disk tier.")
         self.accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", names + ["position"], registry=r)
         for pos in range(num_speculative_tokens):         # present from the start, as vLLM
-            self.accepted_per_pos.labels(**labels, position=str(pos))
+            self.accepted_per_pos.labels(**self.labels, position=str(pos))
         self.last_per_pos: list[int] = []
-        self.last_counts = {name: 0 for name in self.counters}
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine step.",
-                                          buckets_pow2(max_num_batched_tokens))
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent waiting in the queue, in seconds.",
-                                    LATENCY_BUCKETS)
+        self.iteration_tokens = self._labelled(
+            Histogram, "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine step.",
+            buckets=buckets_pow2(max_num_batched_tokens))
+        self.queue_time = self._labelled(
+            Histogram, "vllm:request_queue_time_seconds",
+            "Histogram of time spent waiting in the queue, in seconds.", buckets=LATENCY_BUCKETS)
         self.step_duration = Histogram(
             "pagewire:step_duration_seconds", "Time from a step plan sent to its result received.",
             buckets=STEP_BUCKETS, registry=r)
@@ -145,7 +160,12 @@ class GatewayMetrics:
                                       "Messages received by the scheduler, by type.", ["type"],
                                       registry=r)
         self.last_inbox: dict[str, int] = {}
-        # Measured here.
+
+    def _request_metrics(self, max_model_len: int) -> None:
+        """What the gateway measures of each sequence."""
+        def histogram(name, doc, buckets):
+            return self._labelled(Histogram, name, doc, buckets=buckets)
+
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
@@ -159,21 +179,9 @@ class GatewayMetrics:
                                     "Number of generation tokens processed.",
                                     buckets_1_2_5(max_model_len))
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               names + ["finished_reason"], registry=r)
+                               list(self.labels) + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):   # present from the start, as vLLM
-            self.success.labels(**labels, finished_reason=reason)
-        self.in_flight = Gauge("pagewire:requests_in_flight",
-                               "HTTP generation requests being handled by the gateway.",
-                               registry=r)
-        self.backend = Gauge("pagewire:backend_info",
-                             "The executors' kernel backend (device and CPU tier) and dtype: 1.",
-                             ["backend", "dtype"], registry=r)
-        self.seqs: dict[SeqId, _Seq] = {}
-        self.max_loras, self.lora_labels = max_loras, None
-        self.lora_info = Gauge(
-            "vllm:lora_requests_info", "Running stats on lora requests.",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            registry=r) if max_loras else None
+            self.success.labels(**self.labels, finished_reason=reason)
 
     def set_backend(self, backend: str, dtype: str) -> None:
         self.backend.labels(backend=backend, dtype=dtype).set(1)

@@ -245,6 +245,33 @@ def test_triton_steps_with_the_same_adapters_reuse_their_stacked_weights(base, a
     assert list(llm.runner.adapters.stacks) == [tuple(a.generation for a in batches[0].adapters)]
 
 
+def test_a_decode_streams_steps_share_one_lora_batch(base, adapters):
+    """Each decode step of one stream lays its row out as the step before did, with the same
+    load: it gets that step's LoraBatch again. The prefill, another adapter and a reload after
+    an eviction (a new load) each make a new one."""
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=256, block_size=4,
+              enable_lora=True, max_loras=1, max_cpu_loras=1)
+    batches, lora_batch = [], llm.runner._lora_batch
+
+    def recording(*args):
+        batches.append(lora_batch(*args))
+        return batches[-1]
+    llm.runner._lora_batch = recording
+    first, second = (LoRARequest(n, i + 1, adapters[n])
+                     for i, n in enumerate(("attn-qv", "all-rslora")))
+    tokens = _greedy(llm, [PROMPTS[0]], [first], n=5)[0]
+    assert_greedy_equal(tokens, *merged_oracle(base, first.lora_path).greedy(PROMPTS[0], 5))
+    prefill, *decodes = batches
+    assert len(decodes) == 4 and all(b is decodes[0] for b in decodes)
+    assert decodes[0] is not prefill and decodes[0].adapter_of_row.tolist() == [0]
+    for lora, generation in ((second, 1), (first, 2)):   # each load evicts the other
+        del batches[:]
+        _greedy(llm, [PROMPTS[0]], [lora], n=3)
+        assert {b.adapters[0].generation for b in batches} == {generation}
+        assert decodes[0] not in batches
+        assert llm.runner.adapters.last[1] is batches[-1]
+
+
 def test_lora_requests_info_names_the_running_and_waiting_adapters():
     from prometheus_client import generate_latest
     from pagewire.gateway.metrics import GatewayMetrics
