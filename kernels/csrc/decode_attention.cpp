@@ -73,8 +73,8 @@ inline void decode_tile(Head<kD>* heads, const bf16* q, const bf16* k0, const bf
     transpose16(kt);                          // kt[i] lane t = key t's dims 32z + 2i, + 1
     for (int i = 0; i < kTile; ++i) {
       // The next tile's rows, a line per step: spread over the arithmetic (a burst of
-      // prefetches stalls on the few outstanding misses a core may have).
-      __builtin_prefetch(k_next + i * row_stride + 32 * z);
+      // prefetches stalls on the few outstanding misses a core may have). Into L2: decode_seq.
+      __builtin_prefetch(k_next + i * row_stride + 32 * z, 0, 2);
       for (int g = 0; g < NG; ++g) {
         int32_t pair;
         std::memcpy(&pair, q + g * kD + 32 * z + 2 * i, 4);
@@ -102,7 +102,7 @@ inline void decode_tile(Head<kD>* heads, const bf16* q, const bf16* k0, const bf
       const bf16* ra = v0 + 2 * kp * row_stride + 16 * c;
       vt[c] = value_pair(ra, 2 * kp < valid, ra + row_stride, 2 * kp + 1 < valid);
       constexpr int kLines = kD / 32;      // 64-byte lines per row: C = 2 kLines steps here
-      __builtin_prefetch(v_next + (2 * kp + c / kLines) * row_stride + 32 * (c % kLines));
+      __builtin_prefetch(v_next + (2 * kp + c / kLines) * row_stride + 32 * (c % kLines), 0, 2);
     }
     for (int g = 0; g < NG; ++g) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[g][kp]));
@@ -131,7 +131,9 @@ void decode_seq(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cac
     const int64_t slot0 = table[key0 / bs] * bs + key0 % bs;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, ctx - key0));
     // Blocks are scattered, so no hardware prefetcher guesses the next one: fetch the rows
-    // kAhead tiles on while this one is computed.
+    // kAhead tiles on while this one is computed, into L2 (prefetcht1). Hints into L1 each
+    // hold one of the few L1 miss buffers until their line arrives: from DRAM a thread then
+    // read ~8 GB/s of cache, against ~13 with L2 hints (bench/NOTES.md, session 19).
     const int64_t ahead = key0 + kAhead * kTile;
     const int64_t next = ahead < ctx ? (table[ahead / bs] * bs + ahead % bs) * row_stride : -1;
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(key0)));
