@@ -167,7 +167,7 @@ class Adapters:
                              self.num_slots, next(self.generations))
             while len(self.loaded) >= self.capacity:
                 gone = self.loaded.popitem(last=False)[1].generation
-                self.last = None                      # nor does a batch keep it alive
+                self.last = None             # the last batch may hold it: let it go too
                 self.stacks = OrderedDict((key, stacks) for key, stacks in self.stacks.items()
                                           if gone not in key)     # its memory goes with it
         self.loaded[ref.id] = adapter
