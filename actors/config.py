@@ -149,9 +149,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+            raise ValueError("scheduling_policy must be fcfs or priority, got "
+                             f"{self.scheduling_policy!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+            raise ValueError("preemption_mode must be auto, recompute or swap, got "
+                             f"{self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.quantized_matmul_tokens < -1:

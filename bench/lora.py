@@ -10,7 +10,8 @@ it instead of the default model: the adapter's share of a step's bytes is what s
 single stream's ratio, and it is ~10x smaller there. --single-only skips the 64-request run.
 
 On the default model, with random rank-r adapters on all seven projections of every layer
-(or the --targets named) stored as --adapter-dtype (written to a temporary directory), greedy, ignore_eos:
+(or the --targets named) stored as --adapter-dtype (written to a temporary directory),
+greedy, ignore_eos:
 - single: one stream, 128 random prompt tokens then 128 output tokens, base vs one adapter,
   --pairs pairs a round in alternating order (base first, then adapter first), so the host's
   drift over a round weighs on both; the round's ratio is the median pair's;

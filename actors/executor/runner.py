@@ -287,10 +287,11 @@ class ModelRunner:
     def _lora_batch(self, rows: list[tuple[SeqId, SeqState, int]],
                     num_rows: int) -> LoraBatch | None:
         """The step's rows and their adapters (None: every row is the base model's)."""
-        if self.adapters is None or all(seq.lora is None for _, seq, _ in rows):
+        if self.adapters is None:
             return None
-        return self.adapters.batch([(row, seq.num_scheduled, seq.lora) for _, seq, row in rows
-                                    if seq.lora is not None], num_rows, self.device)
+        spans = [(row, seq.num_scheduled, seq.lora) for _, seq, row in rows
+                 if seq.lora is not None]
+        return self.adapters.batch(spans, num_rows, self.device) if spans else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:
