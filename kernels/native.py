@@ -209,11 +209,13 @@ class Library:
         return (out, sums) if lse else out
 
     def prefill_attention_serves(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether prefill_attention takes these: bfloat16, head dim 64 or 128, blocks of a
-        multiple of 16 tokens, and a build with AVX512-BF16."""
-        _, block_size, _, head_dim = k_cache.shape
-        return (self.bf16_dot and q.dtype == k_cache.dtype == torch.bfloat16
-                and head_dim in (64, 128) and block_size % 16 == 0 and q.device.type == "cpu")
+        """Whether prefill_attention takes these: bfloat16 queries over a bfloat16 or
+        quantized cache, head dim 64 or 128, blocks of a multiple of 16 tokens, and a build
+        with AVX512-BF16."""
+        block_size, head_dim = k_cache.shape[1], kv_quant.head_dim(k_cache)
+        return (self.bf16_dot and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+                and (k_cache.dtype == torch.bfloat16 or kv_quant.is_quantized(k_cache))
+                and head_dim in (64, 128) and block_size % 16 == 0)
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           chunks: torch.Tensor, tables: torch.Tensor, scale: float,
@@ -222,13 +224,20 @@ class Library:
         q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
         chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
         table in `tables`); a chunk's queries are positions ctx - n .. ctx - 1. Writes those rows
-        of out. Only what prefill_attention_serves accepts."""
+        of out. Only what prefill_attention_serves accepts. A quantized cache's blocks that
+        `tables` names are dequantized to bfloat16 first: the values the torch reference
+        attends."""
         _check_cpu(q, k_cache, v_cache, chunks, tables, out)
+        if kv_quant.is_quantized(k_cache):
+            blocks, tables = torch.unique(tables, return_inverse=True)
+            k_cache = kv_quant.dequantize(k_cache[blocks], torch.bfloat16)  # [U, bs, Hkv, D]
+            v_cache = kv_quant.dequantize(v_cache[blocks], torch.bfloat16)
         _, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1 \
                 or q.stride(1) != head_dim or out.stride(2) != 1 or out.stride(1) != head_dim \
-                or num_heads % num_kv_heads or out.dtype != q.dtype:
+                or num_heads % num_kv_heads or out.dtype != q.dtype \
+                or not q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16:
             raise ValueError("prefill_attention: bad strides, dtypes or head counts")
         if chunks.dtype != torch.int64 or not chunks.is_contiguous() or chunks.shape[1:] != (4,) \
                 or tables.dtype != torch.int64 or not tables.is_contiguous():

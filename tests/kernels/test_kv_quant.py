@@ -136,3 +136,40 @@ def test_native_int8_decode_reads_nothing_past_the_context(native_lib, d, hq, hk
                                Variant(window=window))
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_native_prefill_over_an_int8_cache_attends_what_the_reference_does(native_lib,
+                                                                             monkeypatch, window):
+    """A step of prefill chunks (fresh prompts, and chunks after context written earlier) over
+    an int8 cache: the native backend's output is the torch reference's over the same codes,
+    and where the tier has the bfloat16 prefill kernel, that kernel ran it."""
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan, paged_attention
+    from pagewire.kernels.ops import CpuOps
+    g = torch.Generator().manual_seed(3)
+    bs, hq, hkv, d = 16, 6, 2, 64
+    chunks = [(1, 1), (17, 17), (70, 33), (130, 64)]            # (context, queries)
+    need = [-(-ctx // bs) for ctx, _ in chunks]
+    cache = torch.zeros(2, sum(need) + 1, bs, hkv, d + 4, dtype=torch.int8)
+    ids = torch.randperm(cache.shape[1], generator=g)
+    spans, slots, start, used = [], [], 0, 0
+    for (ctx, n), blocks in zip(chunks, need):
+        table = ids[used:used + blocks]
+        slot = table[torch.arange(ctx) // bs] * bs + torch.arange(ctx) % bs
+        if ctx > n:                                             # context of earlier steps
+            write_kv(cache, *torch.randn(2, ctx - n, hkv, d, generator=g), slot[:ctx - n])
+        spans.append(PrefillSpan(start, n, ctx, table))
+        slots.append(slot[ctx - n:])
+        start, used = start + n, used + blocks
+    batch = AttentionBatch(torch.cat(slots), 0, None, None, spans)
+    q = torch.randn(start, hq, d, generator=g).bfloat16()
+    k, v = torch.randn(2, start, hkv, d, generator=g).bfloat16()
+    kernel_calls = []
+    real = native_lib.prefill_attention
+    monkeypatch.setattr(native_lib, "prefill_attention",
+                        lambda *a: kernel_calls.append(1) or real(*a))
+    out = CpuOps(native_lib).attention(q, k, v, cache, batch, 0.125, Variant(window=window))
+    ref = paged_attention(q, k, v, cache, batch, 0.125, write=lambda *a: None,
+                          variant=Variant(window=window))        # the codes the backend wrote
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert len(kernel_calls) == (1 if native_lib.bf16_dot else 0)
