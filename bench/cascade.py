@@ -1,11 +1,12 @@
 """Cascade attention (kernels/cascade.py), side by side with plain decode attention.
 
     python bench/cascade.py kernel [--rows 2,4,8,16,32] [--prefix 64,128,256,512,1024]
+                                   [--dtype float32|bfloat16]
     python bench/cascade.py engine [--requests 16] [--prefix 1024] [--tokens 64] [--rounds 2]
 
 `kernel`: one layer's decode attention of B rows under a P-token shared prefix (each row 16
-tokens of its own after it), the default model's heads (9 query, 3 KV, head dim 64), float32
-cache, the backend this CPU picks: microseconds a layer plain vs cascade (30 layers' caches,
+tokens of its own after it), the default model's heads (9 query, 3 KV, head dim 64), a float32
+(or --dtype bfloat16) cache, the backend this CPU picks: microseconds a layer plain vs cascade (30 layers' caches,
 so the keys come from DRAM as in a real step), best of 5. Where the ratio crosses 1 sets
 cascade.CPU_THRESHOLDS.
 
@@ -23,26 +24,27 @@ import time
 import torch
 
 
-def kernel(rows: list[int], prefixes: list[int], layers: int = 30) -> None:
+def kernel(rows: list[int], prefixes: list[int], dtype: str, layers: int = 30) -> None:
     from pagewire.kernels.attention import AttentionBatch
     from pagewire.kernels.cascade import SharedPrefix
     from pagewire.kernels.ops import select_ops
     ops = select_ops(torch.device("cpu"), "auto")
     bs, hq, hkv, d, own = 16, 9, 3, 64, 16
-    print(f"backend {ops.backend}, {torch.get_num_threads()} threads")
+    print(f"backend {ops.backend}, {torch.get_num_threads()} threads, {dtype} cache")
     print("rows  prefix  plain_us  cascade_us  ratio")
     for p in prefixes:
         for b in rows:
             nb = p // bs
             blocks = nb + b * (own // bs + 1) + 1
             # One cache per layer, as a step reads them: out of the CPU's caches, from DRAM.
-            caches = [torch.randn(2, blocks, bs, hkv, d) for _ in range(layers)]
+            caches = [torch.randn(2, blocks, bs, hkv, d).to(getattr(torch, dtype))
+                      for _ in range(layers)]
             prefix = torch.arange(nb)
             tables = torch.stack([torch.cat([prefix, nb + torch.arange(i * 2, i * 2 + 2)])
                                   for i in range(b)])
             lens = torch.full((b,), p + own, dtype=torch.int64)
-            q = torch.randn(b, hq, d)
-            empty = torch.zeros(0, hkv, d)
+            q = torch.randn(b, hq, d).to(getattr(torch, dtype))
+            empty = torch.zeros(0, hkv, d).to(getattr(torch, dtype))
 
             def step(cascade):
                 batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), b, tables, lens, [],
@@ -98,6 +100,7 @@ def main() -> None:
     k = sub.add_parser("kernel")
     k.add_argument("--rows", default="2,4,8,16,32")
     k.add_argument("--prefix", default="64,128,256,512,1024")
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e = sub.add_parser("engine")
     e.add_argument("--requests", type=int, default=16)
     e.add_argument("--prefix", type=int, default=1024)
@@ -105,7 +108,8 @@ def main() -> None:
     e.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     if args.what == "kernel":
-        kernel([int(x) for x in args.rows.split(",")], [int(x) for x in args.prefix.split(",")])
+        kernel([int(x) for x in args.rows.split(",")], [int(x) for x in args.prefix.split(",")],
+               args.dtype)
     else:
         engine(args.requests, args.prefix, args.tokens, args.rounds)
 

@@ -119,7 +119,7 @@ int64_t pw_avx512_bf16() {
 int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
                                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                                        int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                       float);  // decode_attention.cpp
+                                       float, float*);  // decode_attention.cpp
 
 // out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
 void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,
@@ -170,9 +170,9 @@ void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,
                               int64_t D, int64_t bs, int64_t table_stride, int64_t q_stride,
                               int64_t out_stride, float scale, int64_t window, float softcap,
                               float* lse) {
-  if (!lse && pw_decode_attention_tiled_bf16(out, q, k_cache, v_cache, block_tables,
-                                             context_lens, B, Hq, Hkv, D, bs, table_stride,
-                                             q_stride, out_stride, scale, window, softcap))
+  if (pw_decode_attention_tiled_bf16(out, q, k_cache, v_cache, block_tables, context_lens, B,
+                                     Hq, Hkv, D, bs, table_stride, q_stride, out_stride, scale,
+                                     window, softcap, lse))
     return;
   pw::paged::decode_attention<bf16, pw::paged::PlainCache<bf16>>(
       out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs, table_stride,

@@ -16,6 +16,7 @@
 
 #include "bf16.h"
 #include "decode_tiles_bf16.h"
+#include "paged_decode.h"     // DecodeItems
 #include "decode_tiles_int8.h"
 
 namespace pw {
@@ -26,38 +27,39 @@ using namespace pw::decode;
 
 constexpr int64_t kAhead = 1;      // tiles ahead that decode prefetches
 
-// One sequence's kv heads [h0, h1) (and their G query heads each) over its context.
+// The online softmax of one sequence's kv heads [h0, h1) (and their G query heads each) over
+// its keys [lo, hi) (lo a block boundary or the context's start, hi a block boundary or its
+// end), those before `first` (a window's start) left out: heads [(h1 - h0) G] start empty.
 template <typename Tiles, int kD>
-void decode_seq(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
-                const typename Tiles::E* v_cache, const int64_t* table, int64_t ctx, int64_t h0,
-                int64_t h1, int64_t Hkv, int64_t G, int64_t bs, float scale, int64_t window,
-                Seq<kD>& seq) {
+void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cache,
+                  const typename Tiles::E* v_cache, const int64_t* table, int64_t lo,
+                  int64_t hi, int64_t first, int64_t h0, int64_t h1, int64_t Hkv, int64_t G,
+                  int64_t bs, float scale, Seq<kD>& seq) {
   using E = typename Tiles::E;
   constexpr int kChunk = kD == 64 ? 4 : 2;    // query heads per pass: accumulators in registers
   constexpr int64_t kHead = kD + Tiles::kExtra;
-  const int64_t row_stride = Hkv * kHead, first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-  seq.heads.resize((h1 - h0) * G);
-  for (Head<kD>& h : seq.heads) {
-    std::memset(h.out, 0, sizeof(h.out));
-    std::memset(h.l, 0, sizeof(h.l));
-    h.m = kNoScore;
+  const int64_t row_stride = Hkv * kHead;
+  for (int64_t i = 0; i < (h1 - h0) * G; ++i) {
+    std::memset(heads[i].out, 0, sizeof(heads[i].out));
+    std::memset(heads[i].l, 0, sizeof(heads[i].l));
+    heads[i].m = kNoScore;
   }
   seq.q = q + h0 * G * kD;
   seq.scale = scale;
   Tiles::prepare(seq, (h1 - h0) * G);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t key0 = first / kTile * kTile; key0 < ctx; key0 += kTile) {
+  for (int64_t key0 = std::max(lo, first) / kTile * kTile; key0 < hi; key0 += kTile) {
     const int64_t slot0 = table[key0 / bs] * bs + key0 % bs;
-    const int valid = static_cast<int>(std::min<int64_t>(kTile, ctx - key0));
+    const int valid = static_cast<int>(std::min<int64_t>(kTile, hi - key0));
     // Blocks are scattered, so no hardware prefetcher guesses the next one: fetch the rows
     // kAhead tiles on while this one is computed, into L2 (prefetcht1). Hints into L1 each
     // hold one of the few L1 miss buffers until their line arrives: from DRAM a thread then
     // read ~8 GB/s of cache, against ~13 with L2 hints (bench/NOTES.md, session 19).
     const int64_t ahead = key0 + kAhead * kTile;
-    const int64_t next = ahead < ctx ? (table[ahead / bs] * bs + ahead % bs) * row_stride : -1;
+    const int64_t next = ahead < hi ? (table[ahead / bs] * bs + ahead % bs) * row_stride : -1;
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(key0)));
     const __mmask16 seen =
-        _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(ctx))) &
+        _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(hi))) &
         _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(first)));
     for (int64_t j = h0; j < h1; ++j) {
       const E* k0 = k_cache + slot0 * row_stride + j * kHead;
@@ -66,7 +68,7 @@ void decode_seq(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
       const E *kn = k_cache + pre, *vn = v_cache + pre;
       for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
         const int64_t h = (j - h0) * G + g0;
-        Head<kD>* hs = seq.heads.data() + h;
+        Head<kD>* hs = heads + h;
         switch (std::min<int64_t>(kChunk, G - g0)) {
           case 1: Tiles::template tile<kD, 1>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid); break;
           case 2: Tiles::template tile<kD, 2>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid); break;
@@ -77,28 +79,85 @@ void decode_seq(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
       }
     }
   }
-  for (int64_t i = 0; i < (h1 - h0) * G; ++i) {
-    const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(seq.heads[i].l));
-    Tiles::template finish<kD>(seq.heads[i].out, inv, out + (h0 * G + i) * kD);
-  }
 }
 
+// One query head's output from its states over `parts` ranges of the context (`stride` Heads
+// apart): each rescaled to the largest maximum, summed, normalized. lse (if not null): the
+// log of its sum of exp(score), kNoScore where it attended nothing (paged_decode.h's too).
+template <typename Tiles, int kD>
+void finish_head(bf16* out, const Head<kD>* part, int64_t parts, int64_t stride, float* lse) {
+  float top = kNoScore, total = 0.f;
+  for (int64_t p = 0; p < parts; ++p) top = std::max(top, part[p * stride].m);
+  alignas(64) float acc[kD];
+  const float* sum = part->out;                 // one part (the usual case): its own sums
+  if (parts == 1) {
+    total = _mm512_reduce_add_ps(_mm512_load_ps(part->l));
+  } else {
+    std::memset(acc, 0, sizeof(acc));
+    for (int64_t p = 0; p < parts; ++p) {
+      const Head<kD>& h = part[p * stride];
+      const float w = std::exp(std::max(h.m - top, -87.f));
+      total += w * _mm512_reduce_add_ps(_mm512_load_ps(h.l));
+      for (int c = 0; c < kD / 16; ++c)
+        _mm512_store_ps(acc + 16 * c, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_load_ps(h.out + 16 * c),
+                                                      _mm512_load_ps(acc + 16 * c)));
+    }
+    sum = acc;
+  }
+  Tiles::template finish<kD>(sum, total > 0.f ? 1.f / total : 0.f, out);
+  if (lse) *lse = total > 0.f ? top + std::log(total) : kNoScore;
+}
+
+// Work items as paged_decode.h's row kernels take them (DecodeItems): whole sequences when
+// there are enough; else split by kv head, and long contexts of a batch still too small for
+// the threads split into parts whose states finish_head merges.
 template <typename Tiles, int kD>
 void decode_attention(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
                       const typename Tiles::E* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t bs,
                       int64_t table_stride, int64_t q_stride, int64_t out_stride, float scale,
-                      int64_t window) {
-  // Whole sequences per work item when there are enough of them; a small batch is split by
-  // kv head so every thread has work.
-  const int64_t splits = B < 2 * at::get_num_threads() ? Hkv : 1;
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+                      int64_t window, float* lse) {
+  const int64_t G = Hq / Hkv;
+  auto first = [&](int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : int64_t{0};
+  };
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < B; ++b)
+    max_blocks = std::max(max_blocks, (context_lens[b] + bs - 1) / bs - first(b) / bs);
+  const paged::DecodeItems items(B, Hkv, max_blocks);
+  std::vector<Head<kD>> states(items.parts > 1 ? items.count(B) * Hq : 0);   // Hq an item
+  auto lse_of = [&](int64_t b, int64_t h) { return lse ? lse + b * Hq + h : nullptr; };
+  at::parallel_for(0, items.count(B), 1, [&](int64_t begin, int64_t end) {
     Seq<kD> seq;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / splits, part = item % splits;
-      decode_seq<Tiles, kD>(out + b * out_stride, q + b * q_stride, k_cache, v_cache,
-                            block_tables + b * table_stride, context_lens[b], part * Hkv / splits,
-                            (part + 1) * Hkv / splits, Hkv, Hq / Hkv, bs, scale, window, seq);
+      const int64_t b = item / (items.splits * items.parts);
+      const int64_t split = item / items.parts % items.splits, p = item % items.parts;
+      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
+      const int64_t b0 = first(b) / bs, nblk = (context_lens[b] + bs - 1) / bs - b0;
+      const int64_t lo = (b0 + p * nblk / items.parts) * bs;
+      const int64_t hi = std::min(context_lens[b], (b0 + (p + 1) * nblk / items.parts) * bs);
+      Head<kD>* heads = states.data() + item * Hq;
+      if (items.parts == 1) {
+        seq.heads.resize((h1 - h0) * G);
+        heads = seq.heads.data();
+      }
+      attend_range<Tiles, kD>(heads, q + b * q_stride, k_cache, v_cache,
+                              block_tables + b * table_stride, lo, hi, first(b), h0, h1, Hkv, G,
+                              bs, scale, seq);
+      for (int64_t i = 0; items.parts == 1 && i < (h1 - h0) * G; ++i)
+        finish_head<Tiles, kD>(out + b * out_stride + (h0 * G + i) * kD, heads + i, 1, 0,
+                               lse_of(b, h0 * G + i));
+    }
+  });
+  if (items.parts == 1) return;
+  at::parallel_for(0, B * items.splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t seq_item = begin; seq_item < end; ++seq_item) {
+      const int64_t b = seq_item / items.splits, split = seq_item % items.splits;
+      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
+      const Head<kD>* part0 = states.data() + seq_item * items.parts * Hq;
+      for (int64_t i = 0; i < (h1 - h0) * G; ++i)
+        finish_head<Tiles, kD>(out + b * out_stride + (h0 * G + i) * kD, part0 + i, items.parts,
+                               Hq, lse_of(b, h0 * G + i));
     }
   });
 }
@@ -117,13 +176,13 @@ int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
                                        const int64_t* block_tables, const int64_t* context_lens,
                                        int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                        int64_t table_stride, int64_t q_stride, int64_t out_stride,
-                                       float scale, int64_t window, float softcap) {
+                                       float scale, int64_t window, float softcap, float* lse) {
 #if defined(__AVX512BF16__)
   if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
   using pw::Bf16Tiles;
   auto fn = D == 64 ? pw::decode_attention<Bf16Tiles, 64> : pw::decode_attention<Bf16Tiles, 128>;
   fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
-     q_stride, out_stride, scale, window);
+     q_stride, out_stride, scale, window, lse);
   return 1;
 #else
   return 0;
@@ -137,13 +196,13 @@ int64_t pw_decode_attention_tiled_int8(pw::bf16* out, const pw::bf16* q, const u
                                        const int64_t* context_lens, int64_t B, int64_t Hq,
                                        int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
                                        int64_t q_stride, int64_t out_stride, float scale,
-                                       int64_t window, float softcap) {
+                                       int64_t window, float softcap, float* lse) {
 #if defined(__AVX512BF16__)
   if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
   using pw::Int8Tiles;
   auto fn = D == 64 ? pw::decode_attention<Int8Tiles, 64> : pw::decode_attention<Int8Tiles, 128>;
   fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
-     q_stride, out_stride, scale, window);
+     q_stride, out_stride, scale, window, lse);
   return 1;
 #else
   return 0;

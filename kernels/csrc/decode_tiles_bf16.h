@@ -24,7 +24,7 @@ struct Bf16Tiles {
   // the accumulators in registers. `seen`: the keys that count; `valid`: keys whose value
   // rows may be read (the rest are 0).
   template <int kD, int NG>
-  static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h, const bf16* k0,
+  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h, const bf16* k0,
                    const bf16* v0, const bf16* k_next, const bf16* v_next, int64_t row_stride,
                    __mmask16 seen, int valid) {
     constexpr int C = kD / 16;

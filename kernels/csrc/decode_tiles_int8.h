@@ -64,7 +64,7 @@ struct Int8Tiles {
 
   // As Bf16Tiles::tile, on codes; row_stride in bytes.
   template <int kD, int NG>
-  static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h, const uint8_t* k0,
+  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h, const uint8_t* k0,
                    const uint8_t* v0, const uint8_t* k_next, const uint8_t* v_next,
                    int64_t row_stride, __mmask16 seen, int /*valid: codes past it are finite*/) {
     constexpr int C = kD / 16;

@@ -105,37 +105,48 @@ def test_native_decode_over_a_quantized_cache_matches_torch(native_lib, dtype, a
         torch.testing.assert_close(out.float(), ref, **tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
 @pytest.mark.parametrize("d, hq, hkv, window", [(64, 9, 3, None), (64, 10, 2, 40),
                                                 (128, 6, 2, None), (128, 5, 1, 21)])
-def test_native_int8_decode_reads_nothing_past_the_context(native_lib, d, hq, hkv, window):
-    """bfloat16 queries over an int8 cache (AVX512-BF16's tiled kernel): query groups that
-    leave a partial chunk of heads, contexts that end inside a tile, and the unwritten rows
-    after them holding NaN scales and the extreme code: the output is the reference's over
-    the written rows alone."""
+def test_native_tiled_decode_reads_nothing_past_the_context(native_lib, cache_dtype, d, hq, hkv,
+                                                            window):
+    """bfloat16 queries over an int8 or bfloat16 cache (AVX512-BF16's tiled kernels): query
+    groups that leave a partial chunk of heads, contexts that end inside a tile, a long one
+    that a batch of one splits into parts, and the unwritten rows after each context holding
+    NaN (int8: NaN scales and the extreme code): output and log-sum-exp are the reference's
+    over the written rows alone."""
     g = torch.Generator().manual_seed(d + hq)
-    bs, lens = 32, [1, 15, 16, 33, 70, 200]
+    bs, lens = 32, [1, 15, 16, 33, 70, 600]
     width = -(-max(lens) // bs)
-    cache = torch.zeros(2, len(lens) * width + 1, bs, hkv, d + 4, dtype=torch.int8)
+    extra = 4 if cache_dtype == torch.int8 else 0
+    cache = torch.zeros(2, len(lens) * width + 1, bs, hkv, d + extra, dtype=cache_dtype)
     tables = torch.randperm(cache.shape[1], generator=g)[:len(lens) * width].view(len(lens), width)
     slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs
                        for b, n in enumerate(lens)])
     kv = torch.randn(2, slots.numel(), hkv, d, generator=g) * 2
-    write_kv(cache, kv[0], kv[1], slots)
+    write_kv(cache, kv[0].to(cache.dtype) if extra == 0 else kv[0],
+             kv[1].to(cache.dtype) if extra == 0 else kv[1], slots)
     clean = cache.clone()
     unwritten = torch.ones(cache.shape[1] * bs, dtype=torch.bool)
     unwritten[slots] = False
-    rows = cache.view(2, -1, hkv, d + 4).view(torch.uint8)
-    rows[:, unwritten, :, :d] = 0x80                            # code -128
-    rows[:, unwritten, :, d:] = 0xFF                            # a NaN scale
+    rows = cache.view(2, -1, hkv, d + extra)
+    if cache_dtype == torch.int8:
+        rows.view(torch.uint8)[:, unwritten, :, :d] = 0x80      # code -128
+        rows.view(torch.uint8)[:, unwritten, :, d:] = 0xFF      # a NaN scale
+    else:
+        rows[:, unwritten] = float("nan")
     q = (torch.randn(len(lens), hq, d, generator=g) * 3).to(torch.bfloat16)
     ctx = torch.tensor(lens)
-    for part in (slice(0, 1), slice(None)):                     # split by kv head, and not
-        out = native_lib.decode_attention(q[part], cache[0], cache[1], tables[part].contiguous(),
-                                          ctx[part].contiguous(), 0.125, window)
-        ref = decode_attention(q[part].float(), clean, tables[part], ctx[part], 0.125,
-                               Variant(window=window))
+    for part in (slice(0, 1), slice(5, 6), slice(None)):        # by kv head, parts, whole rows
+        out, lse = native_lib.decode_attention(q[part], cache[0], cache[1],
+                                               tables[part].contiguous(), ctx[part].contiguous(),
+                                               0.125, window, lse=True)
+        ref, ref_lse = decode_attention(q[part].float(), clean.float() if extra == 0 else clean,
+                                        tables[part], ctx[part], 0.125, Variant(window=window),
+                                        lse=True)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("window", [None, 20])
