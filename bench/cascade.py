@@ -6,9 +6,9 @@
 
 `kernel`: one layer's decode attention of B rows under a P-token shared prefix (each row 16
 tokens of its own after it), the default model's heads (9 query, 3 KV, head dim 64), a float32
-(or --dtype bfloat16) cache, the backend this CPU picks: microseconds a layer plain vs cascade (30 layers' caches,
-so the keys come from DRAM as in a real step), best of 5. Where the ratio crosses 1 sets
-cascade.CPU_THRESHOLDS.
+(or --dtype bfloat16) cache, the backend this CPU picks: microseconds a layer plain vs cascade
+(30 layers' caches, so the keys come from DRAM as in a real step), best of 5. Where the ratio
+crosses 1 sets cascade.CPU_THRESHOLDS.
 
 `engine`: the default model, `--requests` requests under one shared prompt of `--prefix`
 tokens (cached by a first request, as an earlier user would leave it), `--tokens` greedy

@@ -3,9 +3,10 @@
 // One query per sequence, so no query block to put on the lanes: the 16 keys of a tile
 // are transposed instead (Kt[i] lane t = key t's i-th dword of dims: a bfloat16 pair or four
 // codes; 64 shuffles per 16x16 dwords, shared by the kv head's G query heads), scores come
-// out one lane per key, and the softmax and P . V run as in prefill_attention.cpp. Replaces per-key horizontal sums
-// (cpu_kernels.cpp's kernel, which keeps float32 caches, other head dims, blocks not a
-// multiple of 16 and soft-capped scores; paged_decode.h those and the float8 caches). A tile
+// out one lane per key, and the softmax and P . V run as in prefill_attention.cpp. Replaces
+// per-key horizontal sums (cpu_kernels.cpp's kernel, which keeps float32 caches, other head
+// dims, blocks not a multiple of 16 and soft-capped scores; paged_decode.h those and the
+// float8 caches). A tile
 // kind (Bf16Tiles, Int8Tiles) says how a tile's keys and values are read and multiplied;
 // decode_seq walks a sequence's tiles the same way for both.
 #include <ATen/Parallel.h>
@@ -13,10 +14,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 #include "decode_tiles_bf16.h"
 #include "paged_decode.h"     // DecodeItems
+#include "decode_tiles_fp8.h"
 #include "decode_tiles_int8.h"
 
 namespace pw {
@@ -69,12 +72,15 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
       for (int64_t g0 = 0; g0 < G; g0 += kChunk) {
         const int64_t h = (j - h0) * G + g0;
         Head<kD>* hs = heads + h;
+        auto tile = [&](auto ng) {
+          Tiles::template tile<kD, decltype(ng)::value>(hs, seq, h, k0, v0, kn, vn, row_stride,
+                                                        seen, valid);
+        };
         switch (std::min<int64_t>(kChunk, G - g0)) {
-          case 1: Tiles::template tile<kD, 1>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid); break;
-          case 2: Tiles::template tile<kD, 2>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid); break;
-          case 3: Tiles::template tile<kD, 3>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid); break;
-          default:
-            Tiles::template tile<kD, kChunk>(hs, seq, h, k0, v0, kn, vn, row_stride, seen, valid);
+          case 1: tile(std::integral_constant<int, 1>{}); break;
+          case 2: tile(std::integral_constant<int, 2>{}); break;
+          case 3: tile(std::integral_constant<int, 3>{}); break;
+          default: tile(std::integral_constant<int, kChunk>{});
         }
       }
     }
@@ -98,9 +104,10 @@ void finish_head(bf16* out, const Head<kD>* part, int64_t parts, int64_t stride,
       const Head<kD>& h = part[p * stride];
       const float w = std::exp(std::max(h.m - top, -87.f));
       total += w * _mm512_reduce_add_ps(_mm512_load_ps(h.l));
-      for (int c = 0; c < kD / 16; ++c)
-        _mm512_store_ps(acc + 16 * c, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_load_ps(h.out + 16 * c),
-                                                      _mm512_load_ps(acc + 16 * c)));
+      for (int c = 0; c < kD / 16; ++c) {
+        const __m512 a = _mm512_load_ps(acc + 16 * c), x = _mm512_load_ps(h.out + 16 * c);
+        _mm512_store_ps(acc + 16 * c, _mm512_fmadd_ps(_mm512_set1_ps(w), x, a));
+      }
     }
     sum = acc;
   }
@@ -189,18 +196,24 @@ int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
 #endif
 }
 
-// The same over an int8 cache (kv_quant.h's kInt8 rows), called first by
+// The same over a cache of one-byte codes of `kind` (kv_quant.h), called first by
 // pw_decode_attention_q8_bf16 (kv_cache.cpp), with the same limits.
-int64_t pw_decode_attention_tiled_int8(pw::bf16* out, const pw::bf16* q, const uint8_t* k_cache,
-                                       const uint8_t* v_cache, const int64_t* block_tables,
-                                       const int64_t* context_lens, int64_t B, int64_t Hq,
-                                       int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
-                                       int64_t q_stride, int64_t out_stride, float scale,
-                                       int64_t window, float softcap, float* lse) {
+int64_t pw_decode_attention_tiled_q8(pw::bf16* out, const pw::bf16* q, const uint8_t* k_cache,
+                                     const uint8_t* v_cache, const int64_t* block_tables,
+                                     const int64_t* context_lens, int64_t B, int64_t Hq,
+                                     int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
+                                     int64_t q_stride, int64_t out_stride, float scale,
+                                     int64_t window, float softcap, int64_t kind, float* lse) {
 #if defined(__AVX512BF16__)
   if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
-  using pw::Int8Tiles;
-  auto fn = D == 64 ? pw::decode_attention<Int8Tiles, 64> : pw::decode_attention<Int8Tiles, 128>;
+  using pw::Int8Tiles, pw::Fp8Tiles, pw::kvq::kE4M3, pw::kvq::kE5M2;
+  auto pick = [&](auto tiles) {
+    using Tiles = decltype(tiles);
+    return D == 64 ? pw::decode_attention<Tiles, 64> : pw::decode_attention<Tiles, 128>;
+  };
+  auto fn = kind == pw::kvq::kInt8 ? pick(Int8Tiles{})
+            : kind == kE4M3        ? pick(Fp8Tiles<kE4M3>{})
+                                   : pick(Fp8Tiles<kE5M2>{});
   fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
      q_stride, out_stride, scale, window, lse);
   return 1;

@@ -1,8 +1,8 @@
 // What decode_attention.cpp's tile kinds share (AVX512-BF16 builds only): the 16x16 dword
 // transpose that puts a tile's keys on the lanes, a query head's online-softmax state, and a
-// thread's state for one sequence. decode_tiles_bf16.h and decode_tiles_int8.h are the kinds:
-// each says how a tile's keys and values are read and multiplied, and how a head's output is
-// written.
+// thread's state for one sequence, and for caches of codes their scales and value layout.
+// decode_tiles_bf16.h, decode_tiles_int8.h and decode_tiles_fp8.h are the kinds: each says
+// how a tile's keys and values are read and multiplied, and how a head's output is written.
 #pragma once
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -86,6 +86,49 @@ struct Seq {
   std::vector<int32_t> hi_sum;   // 128 sum(hi): what hi . (k + 128) counts beyond hi . k
   std::vector<float> qscale;     // the float one unit of q is, times `scale`
 };
+
+// Caches of one-byte codes (kv_quant.h: each head's kD codes, then its float32 scale).
+
+// The scales of a tile's 16 rows (row0: the first row's head, rows row_stride bytes apart).
+template <int kD>
+inline __m512 row_scales(const uint8_t* row0, int64_t row_stride) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i at = _mm512_add_epi32(
+      _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(row_stride))),
+      _mm512_set1_epi32(kD));
+  return _mm512_i32gather_ps(at, row0, 1);
+}
+
+// Two keys' rows of codes, 64 at a time (w), interleaved for P . V: byte unpacks work within
+// 128-bit lanes, so half[c'] (c' = 0..3, 32 bytes: 16 pairs of codes (a, b)) holds dims
+// 64w + 0..7 then 16..23 (c' = 0), 32..39 then 48..55 (1), 8..15 then 24..31 (2), 40..47
+// then 56..63 (3). A row not `live` reads as zeros.
+inline void interleave_rows(const uint8_t* a, bool a_live, const uint8_t* b, bool b_live,
+                            __m256i* half) {
+  const __m512i x = _mm512_maskz_loadu_epi8(a_live ? ~0ull : 0, a);
+  const __m512i y = _mm512_maskz_loadu_epi8(b_live ? ~0ull : 0, b);
+  const __m512i lo = _mm512_unpacklo_epi8(x, y), hi = _mm512_unpackhi_epi8(x, y);
+  half[0] = _mm512_castsi512_si256(lo);
+  half[1] = _mm512_extracti64x4_epi64(lo, 1);
+  half[2] = _mm512_castsi512_si256(hi);
+  half[3] = _mm512_extracti64x4_epi64(hi, 1);
+}
+
+// out [kD] accumulated in interleave_rows' order (accumulator c = 4w + c', 16 lanes), times
+// inv -> bfloat16 o in dim order: c' = 0 and 2's low halves are dims 0..15, their high
+// halves 16..31; c' = 1 and 3 the same 32 further on.
+template <int kD>
+inline void finish_interleaved(const float* out, float inv, bf16* o) {
+  const __m512 f = _mm512_set1_ps(inv);
+  for (int w = 0; w < kD / 64; ++w) {
+    __m512 a[4];
+    for (int c = 0; c < 4; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(out + 64 * w + 16 * c), f);
+    store_bf16(o + 64 * w, _mm512_shuffle_f32x4(a[0], a[2], 0x44));
+    store_bf16(o + 64 * w + 16, _mm512_shuffle_f32x4(a[0], a[2], 0xEE));
+    store_bf16(o + 64 * w + 32, _mm512_shuffle_f32x4(a[1], a[3], 0x44));
+    store_bf16(o + 64 * w + 48, _mm512_shuffle_f32x4(a[1], a[3], 0xEE));
+  }
+}
 
 }  // namespace pw::decode
 #endif

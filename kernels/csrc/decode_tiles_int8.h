@@ -37,8 +37,10 @@ struct Int8Tiles {
       for (int c = 0; c < kD / 16; ++c) {
         const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(x[c], _mm512_set1_ps(inv)));
         const __m512i hi = _mm512_srai_epi32(v, 8);            // v = 256 hi + lo, lo unsigned
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_lo[h * kD + 16 * c]), _mm512_cvtepi32_epi8(v));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_hi[h * kD + 16 * c]), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_lo[h * kD + 16 * c]),
+                         _mm512_cvtepi32_epi8(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_hi[h * kD + 16 * c]),
+                         _mm512_cvtepi32_epi8(hi));
         sum = _mm512_add_epi32(sum, hi);
       }
       seq.hi_sum[h] = 128 * _mm512_reduce_add_epi32(sum);
@@ -46,36 +48,23 @@ struct Int8Tiles {
     }
   }
 
-  // A tile's P . V takes two keys' rows 64 codes at a time: byte unpacks interleave them in
-  // 128-bit lanes, so of the accumulators c = 4w + c' (16 lanes each) c' = 0 and 2 hold dims
-  // 64w + 0..7 and 8..15 in their low halves, 16..23 and 24..31 in their high; c' = 1 and 3
-  // the same 32 further on. out (normalized by inv) -> bfloat16 o in dim order.
   template <int kD>
   static void finish(const float* out, float inv, bf16* o) {
-    const __m512 f = _mm512_set1_ps(inv);
-    for (int w = 0; w < kD / 64; ++w) {
-      __m512 a[4];
-      for (int c = 0; c < 4; ++c) a[c] = _mm512_mul_ps(_mm512_load_ps(out + 64 * w + 16 * c), f);
-      const __m512 d[4] = {_mm512_shuffle_f32x4(a[0], a[2], 0x44), _mm512_shuffle_f32x4(a[0], a[2], 0xEE),
-                           _mm512_shuffle_f32x4(a[1], a[3], 0x44), _mm512_shuffle_f32x4(a[1], a[3], 0xEE)};
-      for (int c = 0; c < 4; ++c) store_bf16(o + 64 * w + 16 * c, d[c]);
-    }
+    finish_interleaved<kD>(out, inv, o);
   }
 
   // As Bf16Tiles::tile, on codes; row_stride in bytes.
   template <int kD, int NG>
-  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h, const uint8_t* k0,
-                   const uint8_t* v0, const uint8_t* k_next, const uint8_t* v_next,
-                   int64_t row_stride, __mmask16 seen, int /*valid: codes past it are finite*/) {
+  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h,
+                                             const uint8_t* k0, const uint8_t* v0,
+                                             const uint8_t* k_next, const uint8_t* v_next,
+                                             int64_t row_stride, __mmask16 seen,
+                                             int /*valid: codes past it are finite*/) {
     constexpr int C = kD / 16;
     constexpr int64_t kLast = kD + kExtra - 1;   // a row's last byte: hints cover both ends
     // The rows' scales, gathered first: the scores do not wait for them.
-    const __m512i scale_at = _mm512_add_epi32(
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32(static_cast<int32_t>(row_stride))),
-        _mm512_set1_epi32(kD));
-    const __m512 k_scale = _mm512_i32gather_ps(scale_at, k0, 1);
-    const __m512 v_scale = _mm512_i32gather_ps(scale_at, v0, 1);
+    const __m512 k_scale = row_scales<kD>(k0, row_stride);
+    const __m512 v_scale = row_scales<kD>(v0, row_stride);
     // Scores on vpdpbusd (unsigned x signed bytes, four products a lane): lo . k, and
     // hi . (k + 128) less 128 sum(hi), so a transpose serves 64 dims and no code is widened.
     const uint8_t* qlo = seq.q_lo.data() + h * kD;
@@ -126,13 +115,9 @@ struct Int8Tiles {
       __m512i vt[C];                            // keys 2kp, 2kp + 1 as int16 pairs (finish's order)
       const uint8_t* ra = v0 + 2 * kp * row_stride;
       for (int w = 0; w < kD / 64; ++w) {
-        const __m512i a = _mm512_loadu_si512(ra + 64 * w);
-        const __m512i b = _mm512_loadu_si512(ra + row_stride + 64 * w);
-        const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
-        vt[4 * w] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));
-        vt[4 * w + 1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-        vt[4 * w + 2] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));
-        vt[4 * w + 3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        __m256i half[4];
+        interleave_rows(ra + 64 * w, true, ra + row_stride + 64 * w, true, half);
+        for (int c = 0; c < 4; ++c) vt[4 * w + c] = _mm512_cvtepi8_epi16(half[c]);
       }
       for (int64_t off = 0; off <= kLast; off += 64) {   // rows are 4-byte aligned: this covers
         __builtin_prefetch(v_next + 2 * kp * row_stride + off, 0, 2);
@@ -146,8 +131,9 @@ struct Int8Tiles {
     for (int g = 0; g < NG; ++g)
       for (int c = 0; c < C; ++c) {
         float* o = heads[g].out + 16 * c;
+        const __m512 kept = _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(alpha[g]));
         _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][c]), _mm512_set1_ps(unit[g]),
-                                           _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(alpha[g]))));
+                                           kept));
       }
   }
 };

@@ -14,10 +14,10 @@
 #include "kv_quant.h"
 #include "paged_decode.h"
 
-extern "C" int64_t pw_decode_attention_tiled_int8(
+extern "C" int64_t pw_decode_attention_tiled_q8(
     pw::bf16*, const pw::bf16*, const uint8_t*, const uint8_t*, const int64_t*, const int64_t*,
     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-    float, float*);  // decode_attention.cpp
+    float, int64_t, float*);  // decode_attention.cpp
 
 namespace {
 
@@ -49,10 +49,9 @@ void decode_quantized(T* out, const T* q, const uint8_t* k_cache, const uint8_t*
                       float softcap, int64_t kind, float* lse) {
   using pw::paged::decode_attention;
   if constexpr (std::is_same_v<T, bf16>)
-    if (kind == kvq::kInt8 &&
-        pw_decode_attention_tiled_int8(out, q, k_cache, v_cache, block_tables, context_lens, B,
-                                       Hq, Hkv, D, bs, table_stride, q_stride, out_stride, scale,
-                                       window, softcap, lse))
+    if (pw_decode_attention_tiled_q8(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq,
+                                     Hkv, D, bs, table_stride, q_stride, out_stride, scale,
+                                     window, softcap, kind, lse))
       return;
   auto fn = kind == kvq::kInt8   ? decode_attention<T, kvq::Cache<kvq::kInt8>>
             : kind == kvq::kE4M3 ? decode_attention<T, kvq::Cache<kvq::kE4M3>>

@@ -105,20 +105,20 @@ def test_native_decode_over_a_quantized_cache_matches_torch(native_lib, dtype, a
         torch.testing.assert_close(out.float(), ref, **tol)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [*KINDS, torch.bfloat16])
 @pytest.mark.parametrize("d, hq, hkv, window", [(64, 9, 3, None), (64, 10, 2, 40),
                                                 (128, 6, 2, None), (128, 5, 1, 21)])
 def test_native_tiled_decode_reads_nothing_past_the_context(native_lib, cache_dtype, d, hq, hkv,
                                                             window):
-    """bfloat16 queries over an int8 or bfloat16 cache (AVX512-BF16's tiled kernels): query
-    groups that leave a partial chunk of heads, contexts that end inside a tile, a long one
-    that a batch of one splits into parts, and the unwritten rows after each context holding
-    NaN (int8: NaN scales and the extreme code): output and log-sum-exp are the reference's
-    over the written rows alone."""
+    """bfloat16 queries over a quantized or bfloat16 cache (AVX512-BF16's tiled kernels):
+    query groups that leave a partial chunk of heads, contexts that end inside a tile, a long
+    one that a batch of one splits into parts, and the unwritten rows after each context
+    holding NaN (quantized: NaN scales, and codes of -128, or NaN for float8): output and
+    log-sum-exp are the reference's over the written rows alone."""
     g = torch.Generator().manual_seed(d + hq)
     bs, lens = 32, [1, 15, 16, 33, 70, 600]
     width = -(-max(lens) // bs)
-    extra = 4 if cache_dtype == torch.int8 else 0
+    extra = 0 if cache_dtype == torch.bfloat16 else 4
     cache = torch.zeros(2, len(lens) * width + 1, bs, hkv, d + extra, dtype=cache_dtype)
     tables = torch.randperm(cache.shape[1], generator=g)[:len(lens) * width].view(len(lens), width)
     slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs
@@ -130,8 +130,8 @@ def test_native_tiled_decode_reads_nothing_past_the_context(native_lib, cache_dt
     unwritten = torch.ones(cache.shape[1] * bs, dtype=torch.bool)
     unwritten[slots] = False
     rows = cache.view(2, -1, hkv, d + extra)
-    if cache_dtype == torch.int8:
-        rows.view(torch.uint8)[:, unwritten, :, :d] = 0x80      # code -128
+    if extra:
+        rows.view(torch.uint8)[:, unwritten, :, :d] = 0x80 if cache_dtype == torch.int8 else 0xFF
         rows.view(torch.uint8)[:, unwritten, :, d:] = 0xFF      # a NaN scale
     else:
         rows[:, unwritten] = float("nan")
