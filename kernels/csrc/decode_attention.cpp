@@ -31,13 +31,12 @@ using namespace pw::decode;
 constexpr int64_t kAhead = 1;      // tiles ahead that decode prefetches
 
 // The online softmax of one sequence's kv heads [h0, h1) (and their G query heads each) over
-// its keys [lo, hi) (lo a block boundary or the context's start, hi a block boundary or its
-// end), those before `first` (a window's start) left out: heads [(h1 - h0) G] start empty.
+// its keys [lo, hi) (a DecodeItems item's): heads [(h1 - h0) G] start empty.
 template <typename Tiles, int kD>
 void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cache,
                   const typename Tiles::E* v_cache, const int64_t* table, int64_t lo,
-                  int64_t hi, int64_t first, int64_t h0, int64_t h1, int64_t Hkv, int64_t G,
-                  int64_t bs, float scale, Seq<kD>& seq) {
+                  int64_t hi, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t bs,
+                  float scale, Seq<kD>& seq) {
   using E = typename Tiles::E;
   constexpr int kChunk = kD == 64 ? 4 : 2;    // query heads per pass: accumulators in registers
   constexpr int64_t kHead = kD + Tiles::kExtra;
@@ -51,7 +50,7 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
   seq.scale = scale;
   Tiles::prepare(seq, (h1 - h0) * G);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t key0 = std::max(lo, first) / kTile * kTile; key0 < hi; key0 += kTile) {
+  for (int64_t key0 = lo / kTile * kTile; key0 < hi; key0 += kTile) {
     const int64_t slot0 = table[key0 / bs] * bs + key0 % bs;
     const int valid = static_cast<int>(std::min<int64_t>(kTile, hi - key0));
     // Blocks are scattered, so no hardware prefetcher guesses the next one: fetch the rows
@@ -63,7 +62,7 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(key0)));
     const __mmask16 seen =
         _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(hi))) &
-        _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(first)));
+        _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(lo)));
     for (int64_t j = h0; j < h1; ++j) {
       const E* k0 = k_cache + slot0 * row_stride + j * kHead;
       const E* v0 = v_cache + slot0 * row_stride + j * kHead;
@@ -125,48 +124,50 @@ void decode_attention(bf16* out, const bf16* q, const typename Tiles::E* k_cache
                       int64_t table_stride, int64_t q_stride, int64_t out_stride, float scale,
                       int64_t window, float* lse) {
   const int64_t G = Hq / Hkv;
-  auto first = [&](int64_t b) {
-    return window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : int64_t{0};
+  const paged::DecodeItems items(context_lens, B, Hkv, bs, window);
+  std::vector<Head<kD>> states(items.parts > 1 ? items.count() * Hq : 0);   // Hq an item
+  auto finish = [&](const paged::DecodeItems::Item& it, const Head<kD>* part0) {
+    for (int64_t i = 0; i < (it.h1 - it.h0) * G; ++i) {
+      const int64_t h = it.h0 * G + i;
+      finish_head<Tiles, kD>(out + it.b * out_stride + h * kD, part0 + i, items.parts, Hq,
+                             lse ? lse + it.b * Hq + h : nullptr);
+    }
   };
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < B; ++b)
-    max_blocks = std::max(max_blocks, (context_lens[b] + bs - 1) / bs - first(b) / bs);
-  const paged::DecodeItems items(B, Hkv, max_blocks);
-  std::vector<Head<kD>> states(items.parts > 1 ? items.count(B) * Hq : 0);   // Hq an item
-  auto lse_of = [&](int64_t b, int64_t h) { return lse ? lse + b * Hq + h : nullptr; };
-  at::parallel_for(0, items.count(B), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
     Seq<kD> seq;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (items.splits * items.parts);
-      const int64_t split = item / items.parts % items.splits, p = item % items.parts;
-      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
-      const int64_t b0 = first(b) / bs, nblk = (context_lens[b] + bs - 1) / bs - b0;
-      const int64_t lo = (b0 + p * nblk / items.parts) * bs;
-      const int64_t hi = std::min(context_lens[b], (b0 + (p + 1) * nblk / items.parts) * bs);
-      Head<kD>* heads = states.data() + item * Hq;
+    for (int64_t i = begin; i < end; ++i) {
+      const paged::DecodeItems::Item it = items.item(i);
+      Head<kD>* heads = states.data() + i * Hq;
       if (items.parts == 1) {
-        seq.heads.resize((h1 - h0) * G);
+        seq.heads.resize((it.h1 - it.h0) * G);
         heads = seq.heads.data();
       }
-      attend_range<Tiles, kD>(heads, q + b * q_stride, k_cache, v_cache,
-                              block_tables + b * table_stride, lo, hi, first(b), h0, h1, Hkv, G,
-                              bs, scale, seq);
-      for (int64_t i = 0; items.parts == 1 && i < (h1 - h0) * G; ++i)
-        finish_head<Tiles, kD>(out + b * out_stride + (h0 * G + i) * kD, heads + i, 1, 0,
-                               lse_of(b, h0 * G + i));
+      attend_range<Tiles, kD>(heads, q + it.b * q_stride, k_cache, v_cache,
+                              block_tables + it.b * table_stride, it.lo, it.hi, it.h0, it.h1,
+                              Hkv, G, bs, scale, seq);
+      if (items.parts == 1) finish(it, heads);
     }
   });
   if (items.parts == 1) return;
   at::parallel_for(0, B * items.splits, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t seq_item = begin; seq_item < end; ++seq_item) {
-      const int64_t b = seq_item / items.splits, split = seq_item % items.splits;
-      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
-      const Head<kD>* part0 = states.data() + seq_item * items.parts * Hq;
-      for (int64_t i = 0; i < (h1 - h0) * G; ++i)
-        finish_head<Tiles, kD>(out + b * out_stride + (h0 * G + i) * kD, part0 + i, items.parts,
-                               Hq, lse_of(b, h0 * G + i));
-    }
+    for (int64_t s = begin; s < end; ++s)
+      finish(items.item(s * items.parts), states.data() + s * items.parts * Hq);
   });
+}
+
+// Runs what the tiled kernels take (D 64 or 128, blocks a multiple of 16, no soft-cap) and
+// returns 1; else 0, doing nothing.
+template <typename Tiles>
+int64_t run_tiled(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
+                  const typename Tiles::E* v_cache, const int64_t* block_tables,
+                  const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                  int64_t bs, int64_t table_stride, int64_t q_stride, int64_t out_stride,
+                  float scale, int64_t window, float softcap, float* lse) {
+  if (bs % kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
+  auto fn = D == 64 ? decode_attention<Tiles, 64> : decode_attention<Tiles, 128>;
+  fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
+     q_stride, out_stride, scale, window, lse);
+  return 1;
 }
 #endif
 
@@ -185,12 +186,9 @@ int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
                                        int64_t table_stride, int64_t q_stride, int64_t out_stride,
                                        float scale, int64_t window, float softcap, float* lse) {
 #if defined(__AVX512BF16__)
-  if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
-  using pw::Bf16Tiles;
-  auto fn = D == 64 ? pw::decode_attention<Bf16Tiles, 64> : pw::decode_attention<Bf16Tiles, 128>;
-  fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
-     q_stride, out_stride, scale, window, lse);
-  return 1;
+  return pw::run_tiled<pw::Bf16Tiles>(out, q, k_cache, v_cache, block_tables, context_lens, B,
+                                      Hq, Hkv, D, bs, table_stride, q_stride, out_stride, scale,
+                                      window, softcap, lse);
 #else
   return 0;
 #endif
@@ -205,18 +203,12 @@ int64_t pw_decode_attention_tiled_q8(pw::bf16* out, const pw::bf16* q, const uin
                                      int64_t q_stride, int64_t out_stride, float scale,
                                      int64_t window, float softcap, int64_t kind, float* lse) {
 #if defined(__AVX512BF16__)
-  if (bs % pw::kTile != 0 || softcap > 0.f || (D != 64 && D != 128)) return 0;
   using pw::Int8Tiles, pw::Fp8Tiles, pw::kvq::kE4M3, pw::kvq::kE5M2;
-  auto pick = [&](auto tiles) {
-    using Tiles = decltype(tiles);
-    return D == 64 ? pw::decode_attention<Tiles, 64> : pw::decode_attention<Tiles, 128>;
-  };
-  auto fn = kind == pw::kvq::kInt8 ? pick(Int8Tiles{})
-            : kind == kE4M3        ? pick(Fp8Tiles<kE4M3>{})
-                                   : pick(Fp8Tiles<kE5M2>{});
-  fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, bs, table_stride,
-     q_stride, out_stride, scale, window, lse);
-  return 1;
+  auto fn = kind == pw::kvq::kInt8 ? pw::run_tiled<Int8Tiles>
+            : kind == kE4M3        ? pw::run_tiled<Fp8Tiles<kE4M3>>
+                                   : pw::run_tiled<Fp8Tiles<kE5M2>>;
+  return fn(out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs,
+            table_stride, q_stride, out_stride, scale, window, softcap, lse);
 #else
   return 0;
 #endif

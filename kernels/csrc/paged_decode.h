@@ -307,18 +307,43 @@ void attend_range(float* m, float* l, float* acc, const T* q, const typename C::
 // Whole sequences when there are enough of them (each token row is then read once); a small
 // batch is split by kv head, and where that still leaves a thread short of two items, long
 // contexts are split into parts of at least kPartBlocks blocks, their softmax states merged.
+// Items i * parts .. + parts - 1 are one (sequence, kv heads)'s parts. Also the tiled
+// kernels' (decode_attention.cpp). window > 0: only the last `window` keys are attended.
 constexpr int64_t kPartBlocks = 8;
 
-struct DecodeItems {
+class DecodeItems {
+ public:
+  struct Item {
+    int64_t b, h0, h1, lo, hi;   // sequence, kv heads, keys [lo, hi) (lo >= a window's start)
+  };
   int64_t splits, parts;
-  DecodeItems(int64_t B, int64_t Hkv, int64_t max_blocks) {
+
+  DecodeItems(const int64_t* context_lens, int64_t B, int64_t Hkv, int64_t bs, int64_t window)
+      : lens_(context_lens), B_(B), Hkv_(Hkv), bs_(bs), window_(window) {
+    int64_t max_blocks = 0;
+    for (int64_t b = 0; b < B; ++b)
+      max_blocks = std::max(max_blocks, (lens_[b] + bs - 1) / bs - first(b) / bs);
     const int64_t want = 2 * at::get_num_threads();
     splits = B < want ? Hkv : 1;
     parts = B * splits >= want ? 1
             : std::clamp<int64_t>((want + B * splits - 1) / (B * splits), 1,
                                   std::max<int64_t>(1, max_blocks / kPartBlocks));
   }
-  int64_t count(int64_t B) const { return B * splits * parts; }
+  int64_t count() const { return B_ * splits * parts; }
+  Item item(int64_t i) const {
+    const int64_t b = i / (splits * parts), split = i / parts % splits, p = i % parts;
+    const int64_t b0 = first(b) / bs_, nblk = (lens_[b] + bs_ - 1) / bs_ - b0;
+    return {b, split * Hkv_ / splits, (split + 1) * Hkv_ / splits,
+            std::max(first(b), (b0 + p * nblk / parts) * bs_),
+            std::min(lens_[b], (b0 + (p + 1) * nblk / parts) * bs_)};
+  }
+
+ private:
+  int64_t first(int64_t b) const {
+    return window_ > 0 ? std::max<int64_t>(0, lens_[b] - window_) : int64_t{0};
+  }
+  const int64_t* lens_;
+  int64_t B_, Hkv_, bs_, window_;
 };
 
 // window > 0: only the last `window` positions are attended (sliding-window layers).
@@ -331,43 +356,32 @@ void decode_attention(T* out, const T* q, const typename C::E* k_cache,
                       int64_t q_stride, int64_t out_stride, float scale, int64_t window,
                       float softcap, float* lse) {
   const int64_t G = Hq / Hkv;
-  auto first = [&](int64_t b) {
-    return window > 0 ? std::max<int64_t>(0, context_lens[b] - window) : int64_t{0};
-  };
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < B; ++b)
-    max_blocks = std::max(max_blocks, (context_lens[b] + bs - 1) / bs - first(b) / bs);
-  const DecodeItems items(B, Hkv, max_blocks);
+  const DecodeItems items(context_lens, B, Hkv, bs, window);
   const int64_t width = Hq * (D + 2);          // an item's m [H], l [H], acc [H, D]
   // Each item sets its own state first: left uninitialized here.
-  const std::unique_ptr<float[]> state(new float[items.count(B) * width]);
+  const std::unique_ptr<float[]> state(new float[items.count() * width]);
   auto fn = D == 64 ? attend_range<T, C, 64> : D == 128 ? attend_range<T, C, 128>
                                                         : attend_range<T, C, 0>;
-  at::parallel_for(0, items.count(B), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (items.splits * items.parts);
-      const int64_t split = item / items.parts % items.splits, p = item % items.parts;
-      const int64_t h0 = split * Hkv / items.splits, h1 = (split + 1) * Hkv / items.splits;
-      const int64_t H = (h1 - h0) * G, b0 = first(b) / bs;
-      const int64_t nblk = (context_lens[b] + bs - 1) / bs - b0;
-      const int64_t lo = std::max(first(b), (b0 + p * nblk / items.parts) * bs);
-      const int64_t hi = std::min(context_lens[b], (b0 + (p + 1) * nblk / items.parts) * bs);
-      float* m = state.get() + item * width;
+  at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const DecodeItems::Item it = items.item(i);
+      const int64_t H = (it.h1 - it.h0) * G;
+      float* m = state.get() + i * width;
       std::fill(m, m + H, kNoScore);
       std::fill(m + H, m + 2 * H + H * D, 0.f);
-      if (lo < hi)
-        fn(m, m + H, m + 2 * H, q + b * q_stride, k_cache, v_cache,
-           block_tables + b * table_stride, lo, hi, h0, h1, Hkv, G, D, bs, scale, softcap);
+      if (it.lo < it.hi)
+        fn(m, m + H, m + 2 * H, q + it.b * q_stride, k_cache, v_cache,
+           block_tables + it.b * table_stride, it.lo, it.hi, it.h0, it.h1, Hkv, G, D, bs, scale,
+           softcap);
     }
   });
   at::parallel_for(0, B * items.splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
-    for (int64_t bs_item = begin; bs_item < end; ++bs_item) {
-      const int64_t split = bs_item % items.splits, b = bs_item / items.splits;
-      const int64_t h0 = split * Hkv / items.splits;
-      const int64_t H = ((split + 1) * Hkv / items.splits - h0) * G;
-      merge_parts(out + b * out_stride + h0 * G * D, state.get() + bs_item * items.parts * width,
-                  items.parts, width, H, D, acc.data(), lse ? lse + b * Hq + h0 * G : nullptr);
+    for (int64_t s = begin; s < end; ++s) {
+      const DecodeItems::Item it = items.item(s * items.parts);
+      merge_parts(out + it.b * out_stride + it.h0 * G * D, state.get() + s * items.parts * width,
+                  items.parts, width, (it.h1 - it.h0) * G, D, acc.data(),
+                  lse ? lse + it.b * Hq + it.h0 * G : nullptr);
     }
   });
 }
