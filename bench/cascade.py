@@ -30,6 +30,7 @@ def kernel(rows: list[int], prefixes: list[int], dtype: str, layers: int = 30) -
     from pagewire.kernels.ops import select_ops
     ops = select_ops(torch.device("cpu"), "auto")
     bs, hq, hkv, d, own = 16, 9, 3, 64, 16
+    dt = getattr(torch, dtype)
     print(f"backend {ops.backend}, {torch.get_num_threads()} threads, {dtype} cache")
     print("rows  prefix  plain_us  cascade_us  ratio")
     for p in prefixes:
@@ -37,14 +38,13 @@ def kernel(rows: list[int], prefixes: list[int], dtype: str, layers: int = 30) -
             nb = p // bs
             blocks = nb + b * (own // bs + 1) + 1
             # One cache per layer, as a step reads them: out of the CPU's caches, from DRAM.
-            caches = [torch.randn(2, blocks, bs, hkv, d).to(getattr(torch, dtype))
-                      for _ in range(layers)]
+            caches = [torch.randn(2, blocks, bs, hkv, d).to(dt) for _ in range(layers)]
             prefix = torch.arange(nb)
             tables = torch.stack([torch.cat([prefix, nb + torch.arange(i * 2, i * 2 + 2)])
                                   for i in range(b)])
             lens = torch.full((b,), p + own, dtype=torch.int64)
-            q = torch.randn(b, hq, d).to(getattr(torch, dtype))
-            empty = torch.zeros(0, hkv, d).to(getattr(torch, dtype))
+            q = torch.randn(b, hq, d).to(dt)
+            empty = torch.zeros(0, hkv, d, dtype=dt)
 
             def step(cascade):
                 batch = AttentionBatch(torch.zeros(0, dtype=torch.int64), b, tables, lens, [],

@@ -1,14 +1,14 @@
-// Decode attention over the paged KV cache, bfloat16 or int8 codes (decode_tiles.h).
+// Decode attention over the paged KV cache: bfloat16, int8 or float8 (decode_tiles.h).
 //
 // One query per sequence, so no query block to put on the lanes: the 16 keys of a tile
 // are transposed instead (Kt[i] lane t = key t's i-th dword of dims: a bfloat16 pair or four
 // codes; 64 shuffles per 16x16 dwords, shared by the kv head's G query heads), scores come
 // out one lane per key, and the softmax and P . V run as in prefill_attention.cpp. Replaces
 // per-key horizontal sums (cpu_kernels.cpp's kernel, which keeps float32 caches, other head
-// dims, blocks not a multiple of 16 and soft-capped scores; paged_decode.h those and the
-// float8 caches). A tile
-// kind (Bf16Tiles, Int8Tiles) says how a tile's keys and values are read and multiplied;
-// decode_seq walks a sequence's tiles the same way for both.
+// dims, blocks not a multiple of 16 and soft-capped scores: paged_decode.h's row kernels).
+// A tile kind (Bf16Tiles, Fp8Tiles, Int8Tiles: decode_tiles*.h) says how a tile's keys and
+// values are read and multiplied; attend_range walks a sequence's tiles the same way for all,
+// over paged_decode.h's work items.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -36,7 +36,7 @@ template <typename Tiles, int kD>
 void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cache,
                   const typename Tiles::E* v_cache, const int64_t* table, int64_t lo,
                   int64_t hi, int64_t h0, int64_t h1, int64_t Hkv, int64_t G, int64_t bs,
-                  float scale, Seq<kD>& seq) {
+                  float scale, typename Tiles::template Query<kD>& query) {
   using E = typename Tiles::E;
   constexpr int kChunk = kD == 64 ? 4 : 2;    // query heads per pass: accumulators in registers
   constexpr int64_t kHead = kD + Tiles::kExtra;
@@ -46,9 +46,7 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
     std::memset(heads[i].l, 0, sizeof(heads[i].l));
     heads[i].m = kNoScore;
   }
-  seq.q = q + h0 * G * kD;
-  seq.scale = scale;
-  Tiles::prepare(seq, (h1 - h0) * G);
+  query.set(q + h0 * G * kD, (h1 - h0) * G, scale);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t key0 = lo / kTile * kTile; key0 < hi; key0 += kTile) {
     const int64_t slot0 = table[key0 / bs] * bs + key0 % bs;
@@ -72,7 +70,7 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
         const int64_t h = (j - h0) * G + g0;
         Head<kD>* hs = heads + h;
         auto tile = [&](auto ng) {
-          Tiles::template tile<kD, decltype(ng)::value>(hs, seq, h, k0, v0, kn, vn, row_stride,
+          Tiles::template tile<kD, decltype(ng)::value>(hs, query, h, k0, v0, kn, vn, row_stride,
                                                         seen, valid);
         };
         switch (std::min<int64_t>(kChunk, G - g0)) {
@@ -134,17 +132,18 @@ void decode_attention(bf16* out, const bf16* q, const typename Tiles::E* k_cache
     }
   };
   at::parallel_for(0, items.count(), 1, [&](int64_t begin, int64_t end) {
-    Seq<kD> seq;
+    std::vector<Head<kD>> own;                    // one part an item: states finished at once
+    typename Tiles::template Query<kD> query;
     for (int64_t i = begin; i < end; ++i) {
       const paged::DecodeItems::Item it = items.item(i);
       Head<kD>* heads = states.data() + i * Hq;
       if (items.parts == 1) {
-        seq.heads.resize((it.h1 - it.h0) * G);
-        heads = seq.heads.data();
+        own.resize((it.h1 - it.h0) * G);
+        heads = own.data();
       }
       attend_range<Tiles, kD>(heads, q + it.b * q_stride, k_cache, v_cache,
                               block_tables + it.b * table_stride, it.lo, it.hi, it.h0, it.h1,
-                              Hkv, G, bs, scale, seq);
+                              Hkv, G, bs, scale, query);
       if (items.parts == 1) finish(it, heads);
     }
   });

@@ -1,6 +1,7 @@
 // What decode_attention.cpp's tile kinds share (AVX512-BF16 builds only): the 16x16 dword
-// transpose that puts a tile's keys on the lanes, a query head's online-softmax state, and a
-// thread's state for one sequence, and for caches of codes their scales and value layout.
+// transpose that puts a tile's keys on the lanes, a query head's online-softmax state, and
+// for caches of codes their scales and value layout. Each kind also says how it holds a
+// sequence's query (its Query, set once an item).
 // decode_tiles_bf16.h, decode_tiles_int8.h and decode_tiles_fp8.h are the kinds: each says
 // how a tile's keys and values are read and multiplied, and how a head's output is written.
 #pragma once
@@ -73,20 +74,6 @@ inline __m512 softmax_step(Head<kD>& h, __m512 sg, __mmask16 seen, __m512& alpha
   _mm512_store_ps(h.l, _mm512_fmadd_ps(_mm512_load_ps(h.l), alpha, p));
   return p;
 }
-
-// A thread's state for one sequence: its query heads' running states, and the query as the
-// tile kind multiplies it.
-template <int kD>
-struct Seq {
-  std::vector<Head<kD>> heads;
-  const bf16* q;                 // the sequence's first query head handled here
-  float scale;                   // of scores
-  // int8 caches: each query head rounded to 15 bits, q = 256 hi + lo (lo unsigned), and
-  std::vector<uint8_t> q_lo;
-  std::vector<int8_t> q_hi;
-  std::vector<int32_t> hi_sum;   // 128 sum(hi): what hi . (k + 128) counts beyond hi . k
-  std::vector<float> qscale;     // the float one unit of q is, times `scale`
-};
 
 // Caches of one-byte codes (kv_quant.h: each head's kD codes, then its float32 scale).
 

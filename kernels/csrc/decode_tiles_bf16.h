@@ -54,28 +54,33 @@ struct BfTiles {
   using E = typename Rows::E;
   static constexpr int64_t kExtra = Rows::kExtra;
   template <int kD>
-  static void prepare(Seq<kD>&, int64_t) {}
+  struct Query {                 // the query heads as they are
+    const bf16* q;               // the first head handled
+    float scale;                 // of scores
+    void set(const bf16* first, int64_t /*heads*/, float s) { q = first, scale = s; }
+  };
   template <int kD>
   static void finish(const float* out, float inv, bf16* o) {
     Rows::template finish<kD>(out, inv, o);
   }
 
-  // NG query heads (from seq's head h) of kv head `k0`'s tile of 16 keys: scores (16 dim
+  // NG query heads (from the query's head h) of kv head `k0`'s tile of 16 keys: scores (16 dim
   // pairs of the tile transposed at a time, in registers), the online softmax, and P . V with
   // the accumulators in registers. `seen`: the keys that count; `valid`: keys whose value
   // rows may be read (the rest are 0). Not inlined: inside decode_attention.cpp's driver the
   // hot case ran ~12 % slower.
   template <int kD, int NG>
-  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h,
+  __attribute__((noinline)) static void tile(Head<kD>* heads, const Query<kD>& query, int64_t h,
                                              const E* k0, const E* v0, const E* k_next,
                                              const E* v_next, int64_t row_stride,
                                              __mmask16 seen, int valid) {
     constexpr int C = kD / 16;
     // Gathered scales are asked for first, so the scores do not wait for them; plain factors
     // after the scores, where the registers are free.
+    auto tile_scales = [&] { return Rows::template scales<kD>(k0, v0, row_stride, query.scale); };
     TileScales scales;
-    if constexpr (Rows::kScaled) scales = Rows::template scales<kD>(k0, v0, row_stride, seq.scale);
-    const bf16* q = seq.q + h * kD;
+    if constexpr (Rows::kScaled) scales = tile_scales();
+    const bf16* q = query.q + h * kD;
     __m512 s[NG];
     for (int g = 0; g < NG; ++g) s[g] = _mm512_setzero_ps();
     for (int z = 0; z < kD / 32; ++z) {
@@ -91,7 +96,7 @@ struct BfTiles {
         }
       }
     }
-    if constexpr (!Rows::kScaled) scales = Rows::template scales<kD>(k0, v0, row_stride, seq.scale);
+    if constexpr (!Rows::kScaled) scales = tile_scales();
     alignas(64) uint32_t pp[NG][kTile / 2];     // probabilities as bf16 key pairs
     __m512 acc[NG][C];
     for (int g = 0; g < NG; ++g) {

@@ -20,33 +20,41 @@ struct Int8Tiles {
   static constexpr int64_t kExtra = kvq::kScaleBytes;
   static constexpr float kTop = 32767.f;
 
+  // The query heads rounded to 15 bits each, q = 256 hi + lo (lo unsigned).
   template <int kD>
-  static void prepare(Seq<kD>& seq, int64_t H) {
-    seq.q_lo.resize(H * kD);
-    seq.q_hi.resize(H * kD);
-    seq.hi_sum.resize(H);
-    seq.qscale.resize(H);
-    for (int64_t h = 0; h < H; ++h) {
-      __m512 x[kD / 16], top = _mm512_setzero_ps();
-      for (int c = 0; c < kD / 16; ++c) {
-        x[c] = to_floats(seq.q + h * kD + 16 * c);
-        top = _mm512_max_ps(top, _mm512_abs_ps(x[c]));
+  struct Query {
+    std::vector<uint8_t> q_lo;
+    std::vector<int8_t> q_hi;
+    std::vector<int32_t> hi_sum;   // 128 sum(hi): what hi . (k + 128) counts beyond hi . k
+    std::vector<float> qscale;     // the float one unit of q is, times the scores' scale
+
+    void set(const bf16* q, int64_t H, float scale) {
+      q_lo.resize(H * kD);
+      q_hi.resize(H * kD);
+      hi_sum.resize(H);
+      qscale.resize(H);
+      for (int64_t h = 0; h < H; ++h) {
+        __m512 x[kD / 16], top = _mm512_setzero_ps();
+        for (int c = 0; c < kD / 16; ++c) {
+          x[c] = to_floats(q + h * kD + 16 * c);
+          top = _mm512_max_ps(top, _mm512_abs_ps(x[c]));
+        }
+        const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? kTop / amax : 0.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < kD / 16; ++c) {
+          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(x[c], _mm512_set1_ps(inv)));
+          const __m512i hi = _mm512_srai_epi32(v, 8);          // v = 256 hi + lo, lo unsigned
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(&q_lo[h * kD + 16 * c]),
+                           _mm512_cvtepi32_epi8(v));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(&q_hi[h * kD + 16 * c]),
+                           _mm512_cvtepi32_epi8(hi));
+          sum = _mm512_add_epi32(sum, hi);
+        }
+        hi_sum[h] = 128 * _mm512_reduce_add_epi32(sum);
+        qscale[h] = amax / kTop * scale;
       }
-      const float amax = _mm512_reduce_max_ps(top), inv = amax > 0.f ? kTop / amax : 0.f;
-      __m512i sum = _mm512_setzero_si512();
-      for (int c = 0; c < kD / 16; ++c) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(x[c], _mm512_set1_ps(inv)));
-        const __m512i hi = _mm512_srai_epi32(v, 8);            // v = 256 hi + lo, lo unsigned
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_lo[h * kD + 16 * c]),
-                         _mm512_cvtepi32_epi8(v));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&seq.q_hi[h * kD + 16 * c]),
-                         _mm512_cvtepi32_epi8(hi));
-        sum = _mm512_add_epi32(sum, hi);
-      }
-      seq.hi_sum[h] = 128 * _mm512_reduce_add_epi32(sum);
-      seq.qscale[h] = amax / kTop * seq.scale;
     }
-  }
+  };
 
   template <int kD>
   static void finish(const float* out, float inv, bf16* o) {
@@ -55,7 +63,7 @@ struct Int8Tiles {
 
   // As Bf16Tiles::tile, on codes; row_stride in bytes.
   template <int kD, int NG>
-  __attribute__((noinline)) static void tile(Head<kD>* heads, const Seq<kD>& seq, int64_t h,
+  __attribute__((noinline)) static void tile(Head<kD>* heads, const Query<kD>& query, int64_t h,
                                              const uint8_t* k0, const uint8_t* v0,
                                              const uint8_t* k_next, const uint8_t* v_next,
                                              int64_t row_stride, __mmask16 seen,
@@ -67,8 +75,8 @@ struct Int8Tiles {
     const __m512 v_scale = row_scales<kD>(v0, row_stride);
     // Scores on vpdpbusd (unsigned x signed bytes, four products a lane): lo . k, and
     // hi . (k + 128) less 128 sum(hi), so a transpose serves 64 dims and no code is widened.
-    const uint8_t* qlo = seq.q_lo.data() + h * kD;
-    const int8_t* qhi = seq.q_hi.data() + h * kD;
+    const uint8_t* qlo = query.q_lo.data() + h * kD;
+    const int8_t* qhi = query.q_hi.data() + h * kD;
     __m512i s_lo[NG], s_hi[NG];
     for (int g = 0; g < NG; ++g) s_lo[g] = s_hi[g] = _mm512_setzero_si512();
     for (int z = 0; z < kD / 64; ++z) {
@@ -91,14 +99,14 @@ struct Int8Tiles {
     __m512i s[NG];
     for (int g = 0; g < NG; ++g)
       s[g] = _mm512_add_epi32(
-          _mm512_slli_epi32(_mm512_sub_epi32(s_hi[g], _mm512_set1_epi32(seq.hi_sum[h + g])), 8),
+          _mm512_slli_epi32(_mm512_sub_epi32(s_hi[g], _mm512_set1_epi32(query.hi_sum[h + g])), 8),
           s_lo[g]);
     alignas(64) uint32_t pp[NG][kTile / 2];     // probabilities x value scales, int16 key pairs
     float unit[NG], alpha[NG];
     for (int g = 0; g < NG; ++g) {
       const __m512 sg = _mm512_mask_mul_ps(
           _mm512_set1_ps(kNoScore), seen, _mm512_cvtepi32_ps(s[g]),
-          _mm512_mul_ps(k_scale, _mm512_set1_ps(seq.qscale[h + g])));
+          _mm512_mul_ps(k_scale, _mm512_set1_ps(query.qscale[h + g])));
       __m512 a;
       const __m512 pv = _mm512_maskz_mul_ps(seen, softmax_step(heads[g], sg, seen, a), v_scale);
       alpha[g] = _mm512_cvtss_f32(a);

@@ -124,8 +124,9 @@ def test_native_tiled_decode_reads_nothing_past_the_context(native_lib, cache_dt
     slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs
                        for b, n in enumerate(lens)])
     kv = torch.randn(2, slots.numel(), hkv, d, generator=g) * 2
-    write_kv(cache, kv[0].to(cache.dtype) if extra == 0 else kv[0],
-             kv[1].to(cache.dtype) if extra == 0 else kv[1], slots)
+    if not extra:                                               # a plain cache: its own dtype
+        kv = kv.to(cache_dtype)
+    write_kv(cache, kv[0], kv[1], slots)
     clean = cache.clone()
     unwritten = torch.ones(cache.shape[1] * bs, dtype=torch.bool)
     unwritten[slots] = False
