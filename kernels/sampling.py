@@ -132,8 +132,8 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor,
          lib: native.Library | None = None) -> torch.Tensor:
     """Per row of logits [S, V], the first token whose cumulative softmax probability reaches
     uniforms [S] or [S, 1] (in (0, 1]) of the total; -inf logits weigh nothing. `lib`'s native
-    kernel where it serves (AVX512-BF16 tiers: one fused pass per row, no [S, V] temporaries),
-    else the search."""
+    kernel where it serves (float32 logits on the CPU, every tier: three passes over each row
+    while it sits in L2, no [S, V] temporaries), else the search."""
     if lib is not None and lib.sample_serves(logits):
         return lib.sample_rows(logits, uniforms)
     return draw_by_search(logits, uniforms)

@@ -1,13 +1,22 @@
 // The widest float32 vector a tier has (AVX-512's 16 lanes, else AVX2's 8) and what the
-// LoRA kernel (lora.cpp) does with it: loads from float32, bfloat16 and float16, FMA, sums,
-// and bfloat16 stores rounded as pw::from_float rounds (bf16.h). The tier is the build's:
-// each tier's library compiles its own copy.
+// LoRA kernel (lora.cpp) and the sampler (sampling.cpp) do with it: loads from float32,
+// bfloat16 and float16, FMA, sums, maxima, e^x, lanes picked by whether a value is -inf, and
+// bfloat16 stores rounded as pw::from_float rounds (bf16.h). The tier is the build's: each
+// tier's library compiles its own copy.
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace pw::vec {
+
+constexpr uint32_t kMinusInfBits = 0xff800000u;   // -inf, compared as bits: -ffast-math may
+                                                  // fold comparisons with infinities away
+// e^x for x <= 0 as 2^n * 2^f, f = x log2 e - n in [-0.5, 0.5] (a degree-6 polynomial, rel.
+// error ~1e-7); x stops at -87, so the result is a normal float (the library runs without
+// flush-to-zero) and n fits the exponent field.
+constexpr float kExpPoly[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                              2.4022651e-1f, 6.9314718e-1f, 1.f};
 
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -26,6 +35,22 @@ inline Vec vload_f16(const uint16_t* p) {
 }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_lane(Vec v) { return _mm512_reduce_max_ps(v); }
+// Lanes of `a` where x is not -inf, of `b` where it is.
+inline Vec vlive_or(Vec x, Vec a, Vec b) {
+  const __mmask16 live = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(x),
+                                                  _mm512_set1_epi32(kMinusInfBits));
+  return _mm512_mask_mov_ps(b, live, a);
+}
+inline Vec vexp(Vec x) {
+  const Vec t = _mm512_mul_ps(_mm512_max_ps(x, vset1(-87.f)), vset1(1.44269504f));
+  const Vec n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = _mm512_sub_ps(t, n);
+  Vec p = vset1(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, vset1(kExpPoly[i]));
+  return _mm512_scalef_ps(p, n);
+}
 // Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
 inline void vstore_bf16(uint16_t* p, Vec v) {
   const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
@@ -58,6 +83,28 @@ inline float vsum(Vec v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_lane(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+// Lanes of `a` where x is not -inf, of `b` where it is.
+inline Vec vlive_or(Vec x, Vec a, Vec b) {
+  const __m256i dead = _mm256_cmpeq_epi32(_mm256_castps_si256(x),
+                                          _mm256_set1_epi32(static_cast<int>(kMinusInfBits)));
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(dead));
+}
+inline Vec vexp(Vec x) {
+  const Vec t = _mm256_mul_ps(_mm256_max_ps(x, vset1(-87.f)), vset1(1.44269504f));
+  const Vec n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec f = _mm256_sub_ps(t, n);
+  Vec p = vset1(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, vset1(kExpPoly[i]));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                           _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));     // 2^n, n in [-126, 0]
+}
 // Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
 inline void vstore_bf16(uint16_t* p, Vec v) {
   const __m256i bits = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);

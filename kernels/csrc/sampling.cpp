@@ -1,50 +1,64 @@
 // Drawing one token per row by inverting its cumulative distribution (the sampler's random
 // rows, actors/executor/sampler.py): the first token whose running sum of exp(x - max)
-// reaches u times the row's total. torch needed a softmax, a cumulative sum and a search,
-// four passes over [S, V] float32 with S x V temporaries (~14 ms at 128 x 49152 here); this
-// makes three passes over each row while it sits in L2, rows spread over the threads.
-// Built with the bf16 kernels (it shares their vector exp, attention_tiles.h).
+// reaches u times the row's total. torch needs a softmax, a cumulative sum and a search:
+// four passes over [S, V] float32 with S x V temporaries; this makes three passes over each
+// row while it sits in L2, rows spread over the threads, on each tier's widest vectors
+// (float_vec.h).
 #include <ATen/Parallel.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
-#include "attention_tiles.h"
+#include "float_vec.h"
 
 namespace {
 
-#if defined(__AVX512BF16__)
-constexpr uint32_t kMinusInf = 0xff800000u;   // masked tokens (bans, top-k/top-p, min-p)
+using namespace pw::vec;
+constexpr int64_t kChunk = 16;          // tokens a partial sum of the search's first level
+static_assert(kChunk % kLanes == 0);
+constexpr float kNoScore = -1e30f;      // below any logit; finite under -ffast-math
 
-// Lanes [0, n) of x[0..15] that hold a logit other than -inf (compared as bits: the library is
-// built with -ffast-math, under which comparisons with infinities may be folded away).
-inline __mmask16 live_lanes(const float* x, int64_t n, __m512* v) {
-  const __mmask16 in = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
-  *v = _mm512_maskz_loadu_ps(in, x);
-  return _mm512_mask_cmpneq_epi32_mask(in, _mm512_castps_si512(*v), _mm512_set1_epi32(kMinusInf));
+// Whether a logit weighs anything (-inf: masked by bans, top-k/top-p, min-p, grammars).
+inline bool live(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return bits != kMinusInfBits;
 }
 
-// `weights` gets exp(x - max) (0 for -inf and past V), `sums` each 16-token chunk's sum.
+// `weights` gets exp(x - max) (0 for -inf and past V), `sums` each chunk's sum.
 int64_t draw_row(const float* x, int64_t V, float u, std::vector<float>& weights,
                  std::vector<float>& sums) {
-  const int64_t chunks = (V + 15) / 16;
-  weights.resize(chunks * 16);
+  const int64_t chunks = (V + kChunk - 1) / kChunk, whole = V / kLanes * kLanes;
+  weights.resize(chunks * kChunk);
   sums.resize(chunks);
-  __m512 top = _mm512_set1_ps(pw::kNoScore), v;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask16 live = live_lanes(x + 16 * c, V - 16 * c, &v);
-    top = _mm512_mask_max_ps(top, live, top, v);
+  float* w = weights.data();
+  Vec top = vset1(kNoScore);
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const Vec v = vload(x + i);
+    top = vmax(top, vlive_or(v, v, top));
   }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  float max = vmax_lane(top);
+  for (int64_t i = whole; i < V; ++i) max = live(x[i]) ? std::max(max, x[i]) : max;
+  // The last chunk's logits padded with -inf, so every chunk is read as whole vectors.
+  uint32_t pad_bits[kChunk];
+  std::fill(pad_bits, pad_bits + kChunk, kMinusInfBits);
+  std::memcpy(pad_bits, x + (chunks - 1) * kChunk, (V - (chunks - 1) * kChunk) * sizeof(float));
+  float padded[kChunk];
+  std::memcpy(padded, pad_bits, sizeof padded);
+  const Vec minus_max = vset1(-max);
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask16 live = live_lanes(x + 16 * c, V - 16 * c, &v);
-    const __m512 e = _mm512_maskz_mov_ps(live, pw::exp_ps(_mm512_sub_ps(v, m)));
-    _mm512_storeu_ps(weights.data() + 16 * c, e);
-    sums[c] = _mm512_reduce_add_ps(e);
+    const float* src = c + 1 < chunks ? x + c * kChunk : padded;
+    Vec sum = vzero();
+    for (int64_t i = 0; i < kChunk; i += kLanes) {
+      const Vec v = vload(src + i);
+      const Vec e = vlive_or(v, vexp(vadd(v, minus_max)), vzero());
+      vstore(w + c * kChunk + i, e);
+      sum = vadd(sum, e);
+    }
+    sums[c] = vsum(sum);
     total += sums[c];
   }
   // The chunk that crosses u * total, then the token inside it. u > 0, so a token of weight
@@ -60,16 +74,15 @@ int64_t draw_row(const float* x, int64_t V, float u, std::vector<float>& weights
     cum += sums[c];
   }
   if (c == chunks) c = last_chunk;
-  int64_t last = 16 * c;
-  for (int64_t i = 16 * c; i < 16 * c + 16; ++i) {   // weights past V are 0
-    if (weights[i] <= 0.f) continue;
+  int64_t last = kChunk * c;
+  for (int64_t i = kChunk * c; i < kChunk * c + kChunk; ++i) {   // weights past V are 0
+    if (w[i] <= 0.f) continue;
     last = i;
-    cum += weights[i];
+    cum += w[i];
     if (cum >= target) return i;
   }
   return last;
 }
-#endif
 
 }  // namespace
 
@@ -78,13 +91,11 @@ extern "C" {
 // logits [rows, V] float32, rows `stride` apart; u [rows] in (0, 1]; out [rows] int64.
 void pw_sample_rows(const float* logits, int64_t rows, int64_t V, int64_t stride, const float* u,
                     int64_t* out) {
-#if defined(__AVX512BF16__)
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights, sums;
     for (int64_t r = begin; r < end; ++r)
       out[r] = draw_row(logits + r * stride, V, u[r], weights, sums);
   });
-#endif
 }
 
 }  // extern "C"
