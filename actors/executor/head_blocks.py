@@ -18,6 +18,7 @@ import torch
 from pagewire.kernels.kv_compress import HeadBatch, Observed, choose_kept
 
 from ..scheduler.head_tables import blocks_for
+from .kv_blocks import allocate_kv_cache
 
 
 class HeadBlocks:
@@ -125,9 +126,8 @@ class Compressor:
     def allocate(self, num_blocks: int, width: int, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
         """The zeroed pool [2, num_blocks H, bs, 1, width] (kv_blocks.allocate_kv_cache: why
-        zeroed)."""
-        return torch.zeros((2, num_blocks * self.rows, self.bs, 1, width), dtype=dtype,
-                           device=device)
+        zeroed, and on huge pages on a CPU)."""
+        return allocate_kv_cache(1, num_blocks * self.rows, self.bs, 1, width, dtype, device)[0]
 
     def layout(self, order) -> HeadBatch:
         """The step's rows for `order` (runner._layout's sequences, decodes first): reserves

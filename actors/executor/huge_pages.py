@@ -4,8 +4,10 @@ faster from huge pages (bench/NOTES.md "Weights on huge pages"). move() puts ten
 private anonymous mapping advised MADV_HUGEPAGE before it is written, so the kernel backs it
 with huge pages as it is filled (where THP is not "never"): the tiles of every quantized or
 bfloat16-tiled linear (kernels/quant.py QuantWeight; back_model, before anything takes their
-addresses) and each loaded LoRA adapter's A and B^T (executor/lora.py Loaded).
-PAGEWIRE_HUGE_PAGES=0 leaves them where they are."""
+addresses) and each loaded LoRA adapter's A and B^T (executor/lora.py Loaded). zeros() makes
+the CPU KV pool there: decode reads its blocks scattered, a few KiB each, so on 4 KiB pages
+nearly every block costs a TLB miss ("The KV pool on huge pages"). PAGEWIRE_HUGE_PAGES=0
+leaves all of them on ordinary pages."""
 from __future__ import annotations
 
 import logging
@@ -61,6 +63,19 @@ def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
         t.set_(view)
         offset += size
     return mapping
+
+
+def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """`count` zeroed tensors of `shape` in one mapping on huge pages, each from a cache line,
+    every page touched now; None when turned off or smaller than a huge page. The tensors
+    keep the mapping alive (their storage holds it)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    if not _enabled() or count * size < HUGE_PAGE:
+        return None
+    _, arena = _arena(count * size)
+    arena.zero_()
+    return [arena[i * size:i * size + nbytes].view(dtype).view(shape) for i in range(count)]
 
 
 def back_model(model: torch.nn.Module) -> int:

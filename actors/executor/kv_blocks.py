@@ -4,7 +4,13 @@ writes and a KV transfer sends. A block's bytes are its K/V rows in every cache 
 the caches hold them (quantized KV's scales included)."""
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from . import huge_pages
+
+log = logging.getLogger(__name__)
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -14,8 +20,12 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     for a quantized cache, kernels/kv_quant.py). Zeroing touches every
     page now: a first write into an untouched page later would fault mid-step (measured: a
     64-token cache write went from 0.03 ms to 6.5 ms), and never-written slots must read as
-    zeros, not NaN garbage that a masked score times a value would spread."""
+    zeros, not NaN garbage that a masked score times a value would spread. A CPU pool lies on
+    huge pages where it fills one (huge_pages.zeros)."""
     shape = (2, num_blocks, block_size, num_kv_heads, width)
+    if device.type == "cpu" and (caches := huge_pages.zeros(num_layers, shape, dtype)):
+        log.info("KV cache: %d MiB on 2 MiB pages", sum(c.nbytes for c in caches) >> 20)
+        return caches
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

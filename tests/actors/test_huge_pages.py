@@ -98,3 +98,27 @@ def test_an_adapter_moves_with_its_views_and_table(monkeypatch):
     after = torch.zeros(3, 4000)
     lora_delta(after, x, [(weights, rows)], 2)
     assert torch.equal(after, before)
+
+
+def test_the_cpu_kv_pool_lies_on_huge_pages_zeroed(monkeypatch):
+    """allocate_kv_cache: each layer's [2, blocks, bs, Hkv, width] zeroed in one mapping on
+    huge pages, a cache line apart at least, writable apart; off, or under a huge page, plain
+    tensors as before."""
+    from pagewire.executor.kv_blocks import allocate_kv_cache
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
+    caches = allocate_kv_cache(3, 257, 16, 2, 68, torch.int8)    # 1.1 MiB a layer
+    assert [c.shape for c in caches] == [(2, 257, 16, 2, 68)] * 3
+    assert all(c.dtype == torch.int8 and c.is_contiguous() and not c.any() for c in caches)
+    starts = [c.data_ptr() for c in caches]
+    assert starts[0] % huge_pages.HUGE_PAGE == 0
+    assert starts[1] - starts[0] == starts[2] - starts[1] == (caches[0].nbytes + 63) // 64 * 64
+    caches[1][1, 256] = 7                                       # the last row of a layer
+    assert caches[0].sum() == 0 and caches[2].sum() == 0 and caches[1].sum() == 7 * 16 * 2 * 68
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if os.path.exists(thp) and "[never]" not in open(thp).read():
+        assert _huge_bytes(starts[0], starts[2] + caches[2].nbytes) >= huge_pages.HUGE_PAGE
+    assert huge_pages.zeros(2, (2, 8, 16, 2, 64), torch.bfloat16) is None   # 64 KiB a layer
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "0")
+    assert huge_pages.zeros(3, (2, 257, 16, 2, 68), torch.int8) is None
+    plain = allocate_kv_cache(3, 257, 16, 2, 68, torch.int8)
+    assert [c.shape for c in plain] == [(2, 257, 16, 2, 68)] * 3 and not any(c.any() for c in plain)
