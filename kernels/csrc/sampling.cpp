@@ -91,6 +91,7 @@ extern "C" {
 // logits [rows, V] float32, rows `stride` apart; u [rows] in (0, 1]; out [rows] int64.
 void pw_sample_rows(const float* logits, int64_t rows, int64_t V, int64_t stride, const float* u,
                     int64_t* out) {
+  if (V <= 0) return;                   // no token to draw (kernels/native.py never asks)
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights, sums;
     for (int64_t r = begin; r < end; ++r)
