@@ -43,14 +43,12 @@ inline Vec vlive_or(Vec x, Vec a, Vec b) {
                                                   _mm512_set1_epi32(kMinusInfBits));
   return _mm512_mask_mov_ps(b, live, a);
 }
-inline Vec vexp(Vec x) {
-  const Vec t = _mm512_mul_ps(_mm512_max_ps(x, vset1(-87.f)), vset1(1.44269504f));
-  const Vec n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec f = _mm512_sub_ps(t, n);
-  Vec p = vset1(kExpPoly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, vset1(kExpPoly[i]));
-  return _mm512_scalef_ps(p, n);
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vround(Vec x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline Vec vtimes_pow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }   // p * 2^n
 // Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
 inline void vstore_bf16(uint16_t* p, Vec v) {
   const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
@@ -95,15 +93,13 @@ inline Vec vlive_or(Vec x, Vec a, Vec b) {
                                           _mm256_set1_epi32(static_cast<int>(kMinusInfBits)));
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(dead));
 }
-inline Vec vexp(Vec x) {
-  const Vec t = _mm256_mul_ps(_mm256_max_ps(x, vset1(-87.f)), vset1(1.44269504f));
-  const Vec n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec f = _mm256_sub_ps(t, n);
-  Vec p = vset1(kExpPoly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, vset1(kExpPoly[i]));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                           _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));     // 2^n, n in [-126, 0]
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vround(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vtimes_pow2(Vec p, Vec n) {   // p * 2^n for integral n in [-126, 127]
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 // Rounded to nearest even as pw::from_float rounds (NaN kept quiet), every lane.
 inline void vstore_bf16(uint16_t* p, Vec v) {
@@ -118,5 +114,14 @@ inline void vstore_bf16(uint16_t* p, Vec v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif
+
+inline Vec vexp(Vec x) {    // see kExpPoly; x >= -87 keeps n >= -126
+  const Vec t = vmul(vmax(x, vset1(-87.f)), vset1(1.44269504f));
+  const Vec n = vround(t);
+  const Vec f = vsub(t, n);
+  Vec p = vset1(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = vfma(p, f, vset1(kExpPoly[i]));
+  return vtimes_pow2(p, n);
+}
 
 }  // namespace pw::vec
