@@ -105,9 +105,9 @@ void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
 
 extern "C" {
 
-// 1 when this build has the AVX512-BF16 kernels (prefill_attention, decode_attention,
-// sampling, quant_kernels, decode_stack's quantized linears); without them (0) they do
-// nothing and callers take the torch or float paths.
+// 1 when this build has the AVX512-BF16 kernels (prefill_attention, decode_attention's
+// tiles, quant_kernels' bfloat16 products, decode_stack's quantized linears); without them
+// (0) those do nothing and callers take the torch or float paths.
 int64_t pw_avx512_bf16() {
 #if defined(__AVX512BF16__)
   return 1;
