@@ -42,11 +42,10 @@ int64_t draw_row(const float* x, int64_t V, float u, std::vector<float>& weights
   float max = vmax_lane(top);
   for (int64_t i = whole; i < V; ++i) max = live(x[i]) ? std::max(max, x[i]) : max;
   // The last chunk's logits padded with -inf, so every chunk is read as whole vectors.
-  uint32_t pad_bits[kChunk];
-  std::fill(pad_bits, pad_bits + kChunk, kMinusInfBits);
-  std::memcpy(pad_bits, x + (chunks - 1) * kChunk, (V - (chunks - 1) * kChunk) * sizeof(float));
-  float padded[kChunk];
-  std::memcpy(padded, pad_bits, sizeof padded);
+  float padded[kChunk], minus_inf;
+  std::memcpy(&minus_inf, &kMinusInfBits, 4);
+  std::fill(padded, padded + kChunk, minus_inf);
+  std::copy(x + (chunks - 1) * kChunk, x + V, padded);
   const Vec minus_max = vset1(-max);
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
