@@ -58,6 +58,12 @@ class AttentionBatch:
                                for s, o in zip(self.prefills, offsets)], dtype=torch.int64)
         return chunks.view(-1, 4), torch.cat([s.block_table for s in self.prefills])
 
+    @functools.cached_property
+    def packed_prefill_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct blocks packed_prefills' tables name [U], and those tables as indices
+        into them: what a quantized cache's native prefill dequantizes (found once a step)."""
+        return torch.unique(self.packed_prefills[1], return_inverse=True)
+
 
 @dataclass(frozen=True)
 class Variant:

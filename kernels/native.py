@@ -219,17 +219,20 @@ class Library:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           chunks: torch.Tensor, tables: torch.Tensor, scale: float,
-                          window: int | None, out: torch.Tensor) -> None:
+                          window: int | None, out: torch.Tensor,
+                          blocks: torch.Tensor | None = None) -> None:
         """Causal attention of prefill chunks whose keys and values are already in the cache.
         q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
         chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
         table in `tables`); a chunk's queries are positions ctx - n .. ctx - 1. Writes those rows
         of out. Only what prefill_attention_serves accepts. A quantized cache's blocks that
         `tables` names are dequantized to bfloat16 first: the values the torch reference
-        attends."""
+        attends. `blocks` (quantized caches): those blocks [U], `tables` then indexing them
+        (AttentionBatch.packed_prefill_blocks, found once a step); found here if None."""
         _check_cpu(q, k_cache, v_cache, chunks, tables, out)
         if kv_quant.is_quantized(k_cache):
-            blocks, tables = torch.unique(tables, return_inverse=True)
+            if blocks is None:
+                blocks, tables = torch.unique(tables, return_inverse=True)
             k_cache = kv_quant.dequantize(k_cache[blocks], torch.bfloat16)  # [U, bs, Hkv, D]
             v_cache = kv_quant.dequantize(v_cache[blocks], torch.bfloat16)
         _, num_heads, head_dim = q.shape

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import activation, attention, cascade, native, norm, rotary, tiers
+from . import activation, attention, cascade, kv_quant, native, norm, rotary, tiers
 from . import lora as lora_kernels
 
 
@@ -122,8 +122,11 @@ class CpuOps(TorchOps):
         if variant.softcap is not None or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
+        blocks = None
+        if kv_quant.is_quantized(cache[0]):
+            blocks, tables = batch.packed_prefill_blocks
         self.lib.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
-                                   out)
+                                   out, blocks)
         return True
 
     def _decode(self, q, cache, tables, lens, scale, variant, lse=False):

@@ -22,6 +22,10 @@ HUGE_PAGE = 2 << 20
 _ALIGN = 64            # each tensor's start: a cache line, as the kernels' loads expect
 
 
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 def _enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and \
         os.environ.get("PAGEWIRE_HUGE_PAGES", "1") not in ("0", "false", "no")
@@ -52,7 +56,7 @@ def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
     be mostly empty memory: a tiny model's, a small adapter's). Each tensor once in the list."""
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("huge_pages.move: contiguous tensors only")
-    sizes = [(t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors]
+    sizes = [_aligned(t.nbytes) for t in tensors]
     if not _enabled() or sum(sizes) < HUGE_PAGE:
         return None
     mapping, arena = _arena(sum(sizes))
@@ -70,7 +74,7 @@ def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.
     every page touched now; None when turned off or smaller than a huge page. The tensors
     keep the mapping alive (their storage holds it)."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
-    size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    size = _aligned(nbytes)
     if not _enabled() or count * size < HUGE_PAGE:
         return None
     _, arena = _arena(count * size)

@@ -18,7 +18,7 @@
 
 #include "bf16.h"
 #include "decode_tiles_bf16.h"
-#include "paged_decode.h"     // DecodeItems
+#include "paged_decode.h"     // DecodeItems, exp_normal
 #include "decode_tiles_fp8.h"
 #include "decode_tiles_int8.h"
 
@@ -99,7 +99,7 @@ void finish_head(bf16* out, const Head<kD>* part, int64_t parts, int64_t stride,
     std::memset(acc, 0, sizeof(acc));
     for (int64_t p = 0; p < parts; ++p) {
       const Head<kD>& h = part[p * stride];
-      const float w = std::exp(std::max(h.m - top, -87.f));
+      const float w = paged::exp_normal(h.m - top);
       total += w * _mm512_reduce_add_ps(_mm512_load_ps(h.l));
       for (int c = 0; c < kD / 16; ++c) {
         const __m512 a = _mm512_load_ps(acc + 16 * c), x = _mm512_load_ps(h.out + 16 * c);
