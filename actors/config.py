@@ -55,8 +55,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_tokenizers: int = 1
     threads: int | None = None               # torch threads in the executor; None: all cores
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
-    quantized_matmul_tokens: int = 16        # steps up to this many tokens use GGUF weights as
-                                             # stored; 0: never; -1: every step (no float copy)
+    quantized_matmul_tokens: int | None = None   # steps up to this many tokens use GGUF weights
+                                             # as stored; 0: never; -1: every step (no float
+                                             # copy); None: auto (executor/loader.py)
     quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
@@ -156,7 +157,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                              f"{self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.quantized_matmul_tokens < -1:
+        if self.quantized_matmul_tokens is not None and self.quantized_matmul_tokens < -1:
             raise ValueError("quantized_matmul_tokens must be -1 (every step), 0 (none) or "
                              f"positive, got {self.quantized_matmul_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:

@@ -146,7 +146,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
                "steps use the dequantized copy (a bfloat16 checkpoint's BF16 tiles: in a bfloat16 "
                "engine every step); `0`: never; `-1`: every step, and linears on "
-               "blocks keep no dequantized copy (a fraction of the memory, slower prefill)"),
+               "blocks keep no dequantized copy (a fraction of the memory; slower prefill where "
+               "the CPU has a bfloat16 dot product); `auto`: `-1` for blocks that meet int16 "
+               "activations on `avx2` (their integer GEMM outruns float32 there), else `16`",
+               "auto", parse=lambda text: None if text == "auto" else int(text)),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "

@@ -111,6 +111,15 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
         and cols % 32 == 0
 
 
+def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library) -> bool:
+    """Whether a weight's blocks multiply large steps (prefill chunks, big batches) faster
+    than oneDNN's float32 GEMM on a dense copy: int16 activations (every segment) on the
+    avx2 tier, where csrc/quant_gemm_avx2.h's 256-bit vpmaddwd GEMM does twice a float32
+    FMA's multiply-adds. Not on avx512, whose oneDNN FMAs are 512 bits wide (Intel's two
+    512-bit units), nor where oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
+    return lib.tier == "avx2" and all(s.kind // 100 == 2 for s in weight.segments)
+
+
 def block_bytes(ggml_type: int) -> int:
     """Bytes of one 32-weight block of a type pack() takes (the K-quants: k_quant_blocks')."""
     return _BLOCK_BYTES[ggml_type]

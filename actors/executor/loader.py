@@ -67,14 +67,21 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
     return model.eval()
 
 
-def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
+# --quantized-matmul-tokens auto (None): steps of up to this many tokens multiply the blocks,
+# larger ones oneDNN's dense copy, where the blocks' integer GEMM is no faster (every weight
+# but those quant.blocks_serve_large_steps names: they serve every step, with no dense copy).
+AUTO_MATMUL_TOKENS = 16
+
+
+def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None, lib,
                    roundings: dict[int, str] | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
     Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
     quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
     up to `max_tokens` tokens (-1: every step, and those Linears drop their float copies:
-    called before pack_linears, which then packs none of them); returns the bytes kept.
+    called before pack_linears, which then packs none of them; None: auto, per weight: -1
+    where its blocks' GEMM is the faster, else AUTO_MATMUL_TOKENS); returns the bytes kept.
     Only where the activations are bfloat16 or float32 (the kernels' dtypes). `lib`: the
     backend's native library; `roundings`: GGML type -> how its weights meet the
     activations (kernels/quant.py ROUNDINGS; a type not named: exact)."""
@@ -96,14 +103,16 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int, lib,
             weight = quant.QuantWeight.joined(
                 [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
                  for t, rows in segments], lib, order)
-            linear.use_quantized(weight, max_tokens if max_tokens > 0 else sys.maxsize)
-            if max_tokens < 0:
+            tokens = max_tokens if max_tokens is not None else \
+                -1 if quant.blocks_serve_large_steps(weight, lib) else AUTO_MATMUL_TOKENS
+            linear.use_quantized(weight, tokens if tokens > 0 else sys.maxsize)
+            if tokens < 0:
                 linear.drop_float()
             kept += weight.nbytes
     return kept
 
 
-def keep_bf16_tiles(model: nn.Module, max_tokens: int, lib) -> int:
+def keep_bf16_tiles(model: nn.Module, max_tokens: int | None, lib) -> int:
     """Give each Linear that kept no blocks and whose weights are all bfloat16 values (a
     bfloat16 checkpoint's) its weight as BF16 tiles (kernels/quant.py pack_bf16); returns
     the bytes kept. Not with --quantized-matmul-tokens 0 (the float path everywhere).
@@ -117,6 +126,7 @@ def keep_bf16_tiles(model: nn.Module, max_tokens: int, lib) -> int:
       float32 GEMMs, which the float32 arithmetic of these tiers makes faster there. With -1
       the tiles serve every step and the float copy goes."""
     dtype = model.embed.weight.dtype
+    max_tokens = AUTO_MATMUL_TOKENS if max_tokens is None else max_tokens
     if max_tokens == 0 or not quant.available(lib) or dtype not in (torch.bfloat16,
                                                                     torch.float32):
         return 0

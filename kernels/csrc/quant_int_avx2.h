@@ -24,6 +24,7 @@
 #include "bf16.h"
 #include "quant_avx2.h"     // store8, add_minimums, kRows, kMaxBatch
 #include "quant_tiles.h"
+#include "quant_gemm_avx2.h"   // int16 activations from kGemmFrom tokens
 
 namespace pw::avx2 {
 
@@ -255,6 +256,9 @@ template <int P, typename Tile, typename T>
 void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                 const uint8_t* packed, int64_t N, int64_t K) {
   constexpr int kBatch = IntGroups<1, P, Tile, T>::kBatch;
+  if constexpr (P == 2)
+    if (tokens >= kGemmFrom)
+      return matmul_int16_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   const IntActivations<P> a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;

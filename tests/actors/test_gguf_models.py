@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -261,3 +262,31 @@ def test_llama3_rope_freqs_tensor_scales_the_rope(tmp_path, tokenizer_meta):
                           SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     theirs, logits = HFOracle(model).greedy(prompt, 10)
     assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, "llama3 rope_freqs")
+
+
+def test_int16_blocks_serve_every_step_on_the_avx2_tier(tiny_llama, tmp_path,
+                                                                  tokenizer_meta, tier):
+    """--quantized-matmul-tokens auto: on `avx2` (int16 activations) the blocks' integer GEMM
+    multiplies the prefill too and no linear keeps a float copy; the greedy tokens still
+    match transformers'. Elsewhere steps of up to 16 tokens take the blocks (int16 ones on
+    `avx512`, exact ones on the bfloat16 tiers) and the float copy stays for larger ones."""
+    from transformers import AutoModelForCausalLM
+    from pagewire.kernels import tiers
+    hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_1")
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256, kernels=tier)
+    gemm = tier == "avx2"
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, Linear)]
+    kind = 0 if tiers.has_bf16_dot(tier) else 2
+    assert [m.quantized.kind // 100 for m in linears] == [kind] * len(linears)
+    assert [m.packed is None and m.weight is None for m in linears] == [gemm] * len(linears)
+    assert {m.quantized_max_tokens for m in linears} == {sys.maxsize if gemm else 16}
+    oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf",
+                                                           dtype=torch.float32))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (13, 60)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{tier} {len(prompt)}")

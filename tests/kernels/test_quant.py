@@ -128,7 +128,7 @@ def test_shapes_that_cannot_be_packed(native_lib):
 
 
 @pytest.mark.parametrize("qtype", ALL)
-@pytest.mark.parametrize("tokens", [1, 3, 8, 13])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13, 101])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rounding, top", [("int8", 127), ("int16", 127 * 128)])
 def test_integer_activation_products_are_within_their_rounding(native_lib, qtype, tokens, dtype,
@@ -136,7 +136,9 @@ def test_integer_activation_products_are_within_their_rounding(native_lib, qtype
     """Activations rounded per 32-column block to int8 (scale max|x| / 127) or int16 (max|x| /
     16256) move each by at most max|x_block| / (2 top): the output stays within sum over
     blocks of that times sum|w| (plus the output's own rounding), and the weights are the
-    file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass."""
+    file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass; from
+    12, int16 steps take the GEMM (csrc/quant_gemm_avx2.h): 13 is four of its 3-token
+    kernels and one of 1, 101 a chunk of 96 tokens, then 3 + 2."""
     rng = np.random.default_rng(tokens)
     cols = cols_of(qtype, 96)
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
