@@ -2,11 +2,13 @@
 offline throughput, prefill and memory, one tier per child process.
 
     python bench/tiers.py [--tiers avx2,avx512,avx512_bf16] [--dtypes auto,bfloat16] [--runs 1]
+                          [--matmul-tokens auto,16]
 
 Per (tier, dtype): single stream = 128 random prompt tokens then 128 greedy (output tok/s over
 the whole request, as `pagewire bench latency` counts); throughput = 64 such requests at once
 (output tok/s); prefill = one 1,024-token prompt (prompt tok/s); RSS after loading and at the
-end (peak). `--dtype auto` is each tier's own choice (bfloat16 only with a bf16 dot product).
+end (peak). `--dtype auto` is each tier's own choice (bfloat16 only with a bf16 dot product);
+`--matmul-tokens`: the --quantized-matmul-tokens values to run each with (auto: the default).
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ def rss_mb() -> float:
     return kb / 1024
 
 
-def measure(tier: str, dtype: str) -> dict:
+def measure(tier: str, dtype: str, matmul_tokens: str) -> dict:
     """In the child: load the default model on `tier` and time the three workloads."""
     import random
 
     from pagewire import LLM, SamplingParams
     llm = LLM(kernels=tier, dtype=dtype, max_model_len=2048, kv_cache_memory=1 << 30,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False,
+              quantized_matmul_tokens=None if matmul_tokens == "auto" else int(matmul_tokens))
     out = {"backend": llm.runner.model.ops.backend, "dtype": llm.config.dtype,
            "rss_loaded_mb": rss_mb()}
     rng = random.Random(0)
@@ -57,7 +60,8 @@ def main() -> None:
     ap.add_argument("--tiers", default=",".join(tiers.runnable()))
     ap.add_argument("--dtypes", default="auto")
     ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--matmul-tokens", default="auto")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child)))
@@ -66,14 +70,16 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for _ in range(args.runs):
         for tier in args.tiers.split(","):
-            for dtype in args.dtypes.split(","):
-                proc = subprocess.run([sys.executable, __file__, "--child", tier, dtype],
+            for dtype, tokens in ((d, t) for d in args.dtypes.split(",")
+                                  for t in args.matmul_tokens.split(",")):
+                proc = subprocess.run([sys.executable, __file__, "--child", tier, dtype, tokens],
                                       capture_output=True, text=True)
                 if proc.returncode:
                     print(f"| {tier} {dtype}: failed: {proc.stderr[-500:]} |")
                     continue
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
-                print(f"| {tier} ({r['backend']}, {r['dtype']}) | {r['single_tok_s']} tok/s | "
+                shown = "" if tokens == "auto" else f", matmul tokens {tokens}"
+                print(f"| {tier} ({r['backend']}, {r['dtype']}{shown}) | {r['single_tok_s']} tok/s | "
                       f"{r['throughput_tok_s']} tok/s | {r['prefill_tok_s']} tok/s | "
                       f"{r['rss_loaded_mb']:.0f} / {r['rss_peak_mb']:.0f} MB |", flush=True)
 

@@ -6,8 +6,8 @@
 // issues beside vpaddd, where vfmadd231ps is 8; at these sizes both are bound by the
 // arithmetic, not the bytes read (bench/NOTES.md).
 //
-// Each token's activations are rounded per 32-column block to 15 bits (scale max|x| / 16256:
-// quant_int_avx2.h's IntActivations<2>, the same values). A 16-row group's tiles are widened
+// Each token's activations are rounded per 32-column block to 15 bits (scale max|x| / 16256,
+// as the small kernels' IntActivations<2>: RoundedRows below rounds for both). A 16-row group's tiles are widened
 // once per chunk of tokens into a panel of int16 pairs, whatever their tile type: per block
 // and 8-row half, 16 steps s of 8 rows x (column 2s, 2s + 1) as one register, so
 // vpmaddwd(panel, broadcast x pair) adds a row's two products into its int32 lane. A block's
@@ -34,44 +34,48 @@ constexpr int kGemmTokens = 3;    // tokens a kernel call keeps in registers (2 
 // From this many tokens of a step the GEMM beats the small kernels (quant_int_avx2.h), whose
 // every pass of 4 tokens reads all the tiles again.
 constexpr int64_t kGemmFrom = 12;
+constexpr float kInt16Top = 127.f * 128.f;   // 16256: two int8 planes, 128 hi + lo
 
-// x rounded as IntActivations<2> rounds it (r = nearbyint(x * 16256 / max|x|) per block),
-// vectorized and split over the threads: the int16 values, each block's unit and the sums
-// of the unrounded x over each of a block's `groups` column groups.
-struct Int16Rows {
+// x rounded per 32-column block to integers of at most `top` (r = nearbyint(x * top /
+// max|x|): 16256 for int16 activations, 127 for int8; quant_int_avx2.h's IntActivations
+// split them into planes), split over the threads: the values, each block's unit and the
+// sums of the unrounded x over each of a block's `groups` column groups.
+struct RoundedRows {
   int64_t T, K, nb, groups;
-  std::vector<int16_t> q;          // [T][K]
+  std::vector<int16_t> value;      // [T][K]
   std::vector<float> scale;        // [T][nb]
   std::vector<float> sum;          // [T][nb][groups]
 
   template <typename In>
-  Int16Rows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups_)
-      : T(T_), K(K_), nb(K_ / 32), groups(groups_), q(T_ * K_), scale(T_ * nb),
+  RoundedRows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups_, float top)
+      : T(T_), K(K_), nb(K_ / 32), groups(groups_), value(T_ * K_), scale(T_ * nb),
         sum(T_ * nb * groups_) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
       float v[32];
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t b = 0; b < nb; ++b) {
           const In* row = x + t * x_stride + b * 32;
-          __m256 top = _mm256_setzero_ps();
-          const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
           for (int k = 0; k < 32; ++k) v[k] = to_float(row[k]);
+          __m256 peaks = _mm256_setzero_ps();
           for (int k = 0; k < 32; k += 8)
-            top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(v + k), abs_mask));
-          alignas(32) float tops[8];
-          _mm256_store_ps(tops, top);
-          const float m = *std::max_element(tops, tops + 8);
-          const float inv = m > 0.f ? 16256.f / m : 0.f;
+            peaks = _mm256_max_ps(peaks, _mm256_and_ps(_mm256_loadu_ps(v + k), abs_mask));
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, peaks);
+          const float peak = *std::max_element(lanes, lanes + 8);
+          const __m256 inv = _mm256_set1_ps(peak > 0.f ? top / peak : 0.f);
+          auto rounded = [&](int k) {       // nearbyint, as the default rounding mode does
+            return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k), inv),
+                                                      _MM_FROUND_TO_NEAREST_INT));
+          };
           for (int k = 0; k < 32; k += 16) {
-            const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(v + k), _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT));
-            const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(_mm256_loadu_ps(v + k + 8), _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT));
             // packs interleaves 128-bit halves: put them back in column order
-            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + t * K + b * 32 + k), packed);
+            const __m256i packed = _mm256_permute4x64_epi64(
+                _mm256_packs_epi32(rounded(k), rounded(k + 8)), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(value.data() + t * K + b * 32 + k),
+                                packed);
           }
-          scale[t * nb + b] = m / 16256.f;
+          scale[t * nb + b] = peak / top;
           float* s = sum.data() + (t * nb + b) * groups;
           for (int g = 0; g < groups; ++g) {
             float total = 0.f;
@@ -136,7 +140,7 @@ struct Panel {
 
 // out rows t .. t + M - 1, the group's 16 columns, from its panel.
 template <int M, typename Tile, typename Out>
-void gemm_tokens(Out* out, int64_t os, const Int16Rows& a, int64_t t, const Panel<Tile>& p) {
+void gemm_tokens(Out* out, int64_t os, const RoundedRows& a, int64_t t, const Panel<Tile>& p) {
   constexpr int kSteps = 16 / Tile::kSplits;
   __m256 acc[2][M];                   // [rows 0-7, rows 8-15][token]
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
@@ -144,7 +148,7 @@ void gemm_tokens(Out* out, int64_t os, const Int16Rows& a, int64_t t, const Pane
     const __m256i* w = reinterpret_cast<const __m256i*>(p.q.data() + b * 512);
     const int32_t* x[M];
     for (int m = 0; m < M; ++m)
-      x[m] = reinterpret_cast<const int32_t*>(a.q.data() + (t + m) * a.K + b * 32);
+      x[m] = reinterpret_cast<const int32_t*>(a.value.data() + (t + m) * a.K + b * 32);
     for (int s = 0; s < Tile::kSplits; ++s) {
       __m256i sum[2][M];
       for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
@@ -182,7 +186,7 @@ void gemm_tokens(Out* out, int64_t os, const Int16Rows& a, int64_t t, const Pane
 template <typename Tile, typename T>
 void matmul_int16_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                        const uint8_t* packed, int64_t N, int64_t K) {
-  const Int16Rows a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1);
+  const RoundedRows a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1, kInt16Top);
   const int64_t nb = K / 32;
   for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
     const int64_t t1 = std::min(tokens, t0 + kGemmChunk);

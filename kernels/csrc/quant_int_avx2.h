@@ -28,42 +28,24 @@
 
 namespace pw::avx2 {
 
+// The rounded values (RoundedRows: `value`, each block's `scale` = the last plane's unit,
+// `sum`) split into P int8 planes.
 template <int P>
-struct IntActivations {
-  static constexpr float kTop = P == 1 ? 127.f : 127.f * 128.f;
-  int64_t T, K;
+struct IntActivations : RoundedRows {
   std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
-  std::vector<int16_t> whole;      // [T][K] the rounded value itself (P = 2 only)
-  std::vector<float> scale;        // [T][K / 32]: the last plane's unit
-  std::vector<float> sum;          // [T][K / 32][groups]: the sum of x over each column group
 
   const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
 
   // groups: the column groups of a block a tile's minimums need sums of (Q2_K: 2 of 16).
   template <typename In>
   IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
-      : T(T_), K(K_), q(T_ * P * K_), whole(P == 2 ? T_ * K_ : 0), scale(T_ * (K_ / 32)),
-        sum(T_ * (K_ / 32) * groups, 0.f) {
-    float v[32];
+      : RoundedRows(x, x_stride, T_, K_, groups, P == 1 ? 127.f : kInt16Top), q(T_ * P * K_) {
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < K / 32; ++b) {
-        float top = 0.f;
-        float* total = sum.data() + (t * (K / 32) + b) * groups;
-        for (int k = 0; k < 32; ++k) {
-          v[k] = to_float(x[t * x_stride + b * 32 + k]);
-          top = std::max(top, std::fabs(v[k]));
-          total[k / (32 / groups)] += v[k];
-        }
-        const float inv = top > 0.f ? kTop / top : 0.f;
-        for (int k = 0; k < 32; ++k) {
-          const int32_t r = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-          const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
-          q[(t * P) * K + b * 32 + k] = static_cast<int8_t>(hi);
-          if (P == 1) continue;
-          q[(t * P + 1) * K + b * 32 + k] = static_cast<int8_t>(r - 128 * hi);
-          whole[t * K + b * 32 + k] = static_cast<int16_t>(r);
-        }
-        scale[t * (K / 32) + b] = top / kTop;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t r = value[t * K + k];
+        const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
+        q[(t * P) * K + k] = static_cast<int8_t>(hi);
+        if (P == 2) q[(t * P + 1) * K + k] = static_cast<int8_t>(r - 128 * hi);
       }
   }
 };
@@ -167,7 +149,7 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
             for (int m = 0; m < M; ++m) {
               int64_t quad;
-              std::memcpy(&quad, a.whole.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
+              std::memcpy(&quad, a.value.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
               const __m256i xq = _mm256_set1_epi64x(quad);
               sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
               sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
