@@ -1,18 +1,20 @@
 // Large steps (prefill chunks, big decode batches) of the quantized matmuls with int16
-// activations, on every tier from AVX2 up: a GEMM on the tiles as stored, so a GGUF model
-// needs no dequantized float copy on CPUs without a bfloat16 dot product.
+// activations (built into every tier from AVX2 up): a GEMM on the tiles as stored, so on the
+// avx2 tier a GGUF model needs no dequantized float copy (kernels/quant.py
+// blocks_serve_large_steps).
 //
 // Why integers: on AVX2 a vpmaddwd is 16 multiply-adds (8 lanes of two int16 products) and
 // issues beside vpaddd, where vfmadd231ps is 8; at these sizes both are bound by the
 // arithmetic, not the bytes read (bench/NOTES.md).
 //
 // Each token's activations are rounded per 32-column block to 15 bits (scale max|x| / 16256,
-// as the small kernels' IntActivations<2>: RoundedRows below rounds for both). A 16-row group's tiles are widened
-// once per chunk of tokens into a panel of int16 pairs, whatever their tile type: per block
-// and 8-row half, 16 steps s of 8 rows x (column 2s, 2s + 1) as one register, so
-// vpmaddwd(panel, broadcast x pair) adds a row's two products into its int32 lane. A block's
-// (or split's) int32 sums (<= 16 * 2 * 128 * 16256 < 2^31) then meet the scales in float32:
-// acc += sum * d * scale(x) (+ m * sum(x) for tiles with minimums), as the small kernels do.
+// as the small kernels' IntActivations<2>: RoundedRows below rounds for both). A 16-row
+// group's tiles are widened once per chunk of tokens into a panel of int16 pairs, whatever
+// their tile type: per block and 8-row half, 16 steps s of 8 rows x (column 2s, 2s + 1) as
+// one register, so vpmaddwd(panel, broadcast x pair) adds a row's two products into its
+// int32 lane. A block's (or split's) int32 sums (<= 16 * 2 * 128 * 16256 < 2^31) then meet
+// the scales in float32: acc += sum * d * scale(x) (+ m * sum(x) for tiles with minimums),
+// as the small kernels do.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -128,7 +130,8 @@ struct Panel {
     const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int j = 0; j < 8; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
       // [rows 0-3 c01 | rows 0-3 c23 | rows 4-7 c01 | rows 4-7 c23] -> c01 rows 0-7 | c23
       const __m256i pairs = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);
       _mm256_storeu_si256(out + 2 * j, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(pairs)));
