@@ -61,7 +61,9 @@ def decode_step(runner, contexts: list[int], seed: int):
     return ids, lens - 1, AttentionBatch(slots, len(contexts), tables, lens, [])
 
 
-@pytest.mark.parametrize("contexts", [[1], [37], [300], [5, 129, 17, 64, 250]])
+# 14 rows: from 12 tokens int16 linears take the GEMM (csrc/quant_gemm_avx2.h), in both paths
+@pytest.mark.parametrize("contexts", [[1], [37], [300], [5, 129, 17, 64, 250],
+                                      [2 + 5 * i for i in range(14)]])
 def test_fused_stack_equals_the_per_op_path(runner, contexts):
     model = runner.model
     fused = model.fused_decode
