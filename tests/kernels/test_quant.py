@@ -139,8 +139,19 @@ def test_integer_activation_products_are_within_their_rounding(native_lib, qtype
     file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass; from
     12, int16 steps take the GEMM (csrc/quant_gemm_avx2.h): 13 is four of its 3-token
     kernels and one of 1, 101 a chunk of 96 tokens, then 3 + 2."""
+    _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols_of(qtype, 96))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K", "Q2_K"])
+def test_int16_gemm_on_long_rows(native_lib, qtype):
+    """The GEMM over rows of 33-40 blocks (the default model's down projection has 48), with
+    and without minimums and with two scales a block (Q6_K, Q2_K)."""
+    cols = 1280 if qtype in K_QUANTS else 1056
+    _assert_within_rounding(native_lib, qtype, 20, torch.float32, "int16", 127 * 128, cols)
+
+
+def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols):
     rng = np.random.default_rng(tokens)
-    cols = cols_of(qtype, 96)
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
     weight = quant.pack(TYPES[qtype], raw, cols, native_lib, rounding)
     offset = {"int8": 100, "int16": 200}[rounding]
