@@ -31,6 +31,16 @@ def gib(text: str | int | float) -> int:
         return parse_bytes(text)
 
 
+def tokens_or_auto(text: str) -> int | None:
+    """--quantized-matmul-tokens: a count, or `auto` (None: executor/loader.py decides)."""
+    if text.strip() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number of tokens or `auto`, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     field: str                           # the EngineConfig field ("" for --config)
@@ -149,7 +159,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "blocks keep no dequantized copy (a fraction of the memory; slower prefill where "
                "the CPU has a bfloat16 dot product); `auto`: `-1` for blocks that meet int16 "
                "activations on `avx2` (their integer GEMM outruns float32 there), else `16`",
-               "auto", parse=lambda text: None if text == "auto" else int(text)),
+               "auto", parse=tokens_or_auto),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "

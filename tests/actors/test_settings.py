@@ -34,6 +34,16 @@ def test_json_config_and_bad_values(tmp_path):
         settings.build({}, {"PAGEWIRE_MAX_NUM_SEQS": "lots"})
 
 
+def test_quantized_matmul_tokens_takes_a_count_or_auto():
+    assert settings.build({}, {}).quantized_matmul_tokens is None           # auto
+    env = {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "-1"}
+    assert settings.build({}, env).quantized_matmul_tokens == -1
+    assert settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "auto"}) \
+        .quantized_matmul_tokens is None
+    with pytest.raises(ValueError, match="whole number of tokens or `auto`"):
+        settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "many"})
+
+
 def test_effective_configuration_redacts_keys():
     line = settings.effective(settings.build({"api_keys": ["secret-1", "secret-2"]}, {}))
     assert "secret" not in line and json.loads(line)["api_keys"] == ["<2 keys>"]
