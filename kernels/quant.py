@@ -117,7 +117,8 @@ def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library) -> bool:
     avx2 tier, where csrc/quant_gemm_avx2.h's 256-bit vpmaddwd GEMM does twice a float32
     FMA's multiply-adds. Not on avx512, whose oneDNN FMAs are 512 bits wide (Intel's two
     512-bit units), nor where oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
-    return lib.tier == "avx2" and all(s.kind // 100 == 2 for s in weight.segments)
+    int16 = _KIND_OFFSET["int16"]
+    return lib.tier == "avx2" and all(s.kind - s.kind % 100 == int16 for s in weight.segments)
 
 
 def block_bytes(ggml_type: int) -> int:

@@ -67,8 +67,8 @@ def decode_step(runner, contexts: list[int], seed: int):
 def test_fused_stack_equals_the_per_op_path(runner, contexts):
     model = runner.model
     fused = model.fused_decode
-    # auto: int16 blocks serve every step on the avx2 tier (loader.py)
-    every_step = model.lm_head.quantized.kind // 100 == 2 and model.ops.lib.tier == "avx2"
+    # auto: blocks that serve large steps serve every step (loader.py)
+    every_step = quant.blocks_serve_large_steps(model.lm_head.quantized, model.ops.lib)
     assert fused is not None and fused.max_tokens == \
         (sys.maxsize if every_step else AUTO_MATMUL_TOKENS)
     ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
