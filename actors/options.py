@@ -158,7 +158,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "engine every step); `0`: never; `-1`: every step, and linears on "
                "blocks keep no dequantized copy (a fraction of the memory; slower prefill where "
                "the CPU has a bfloat16 dot product); `auto`: `-1` for blocks that meet int16 "
-               "activations on `avx2` (their integer GEMM outruns float32 there), else `16`",
+               "activations on `avx2` where the core's int16 multiply-adds outrun its float32 FMAs "
+               "(timed at start), else `16`",
                "auto", parse=tokens_or_auto),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "

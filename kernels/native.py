@@ -1,6 +1,6 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-kv_cache, sampling, quant_kernels, decode_stack, lora), compiled once per instruction-set tier
-(kernels/tiers.py) on first use and called via ctypes.
+kv_cache, sampling, quant_kernels, bf16_matmul, decode_stack, lora, core_rates), compiled
+once per instruction-set tier (kernels/tiers.py) on first use and called via ctypes.
 
 Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
 AVX512-BF16 machine also builds and tests its AVX-512 and AVX2 variants) against torch's
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
                          "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "bf16_matmul.cpp",
-                         "decode_stack.cpp", "lora.cpp")]
+                         "decode_stack.cpp", "lora.cpp", "core_rates.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("bf16.h", "attention_tiles.h", "quant_tiles.h", "quant_avx512.h",
                          "quant_avx2.h", "lora.h", "float_vec.h",
@@ -146,6 +146,8 @@ def load(tier: str | None = None) -> "Library | None":
     cdll.pw_quant_matmuls.restype = ctypes.c_int64
     cdll.pw_decode_stack_arity.argtypes = [_i64]
     cdll.pw_decode_stack_arity.restype = ctypes.c_int64
+    cdll.pw_int16_mac_ratio.argtypes = [_i64]
+    cdll.pw_int16_mac_ratio.restype = ctypes.c_double
     return Library(cdll, tier)
 
 
@@ -165,6 +167,15 @@ class Library:
 
     def __repr__(self) -> str:
         return f"native.Library({self.tier})"
+
+    @functools.cached_property
+    def int16_mac_ratio(self) -> float:
+        """Multiply-adds a second of 256-bit int16 products (vpmaddwd + vpaddd) over float32
+        FMAs' on the calling core (csrc/core_rates.cpp: ~0.5 ms, measured once a library)."""
+        ratio = self.cdll.pw_int16_mac_ratio(8)
+        log.info("int16 products run %.2fx the multiply-adds of float32 FMAs on this core",
+                 ratio)
+        return ratio
 
     def typed(self, name: str, dtype: torch.dtype):
         """The library's `name`_f32 or `name`_bf16 function for tensors of `dtype`."""

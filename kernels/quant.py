@@ -111,14 +111,23 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
         and cols % 32 == 0
 
 
+# The least int16 / float32 multiply-add rate (native.Library.int16_mac_ratio) at which the
+# int16 GEMM beats oneDNN's float32 GEMM: its panels, rounding and per-block scales cost
+# ~20 % beside the products (bench/NOTES.md), so a core whose vpmaddwd does no more than its
+# FMAs (Haswell, Zen 1 and 2: ~1x or less) keeps the dense copy; Zen 3 and 4 measure ~1.6x.
+INT16_GEMM_MIN_RATIO = 1.25
+
+
 def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library) -> bool:
     """Whether a weight's blocks multiply large steps (prefill chunks, big batches) faster
     than oneDNN's float32 GEMM on a dense copy: int16 activations (every segment) on the
-    avx2 tier, where csrc/quant_gemm_avx2.h's 256-bit vpmaddwd GEMM does twice a float32
-    FMA's multiply-adds. Not on avx512, whose oneDNN FMAs are 512 bits wide (Intel's two
-    512-bit units), nor where oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
+    avx2 tier, on a core that issues csrc/quant_gemm_avx2.h's 256-bit vpmaddwd (16
+    multiply-adds) at least INT16_GEMM_MIN_RATIO times as fast as float32 FMAs (8). Not on
+    avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
+    oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
     int16 = _KIND_OFFSET["int16"]
-    return lib.tier == "avx2" and all(s.kind - s.kind % 100 == int16 for s in weight.segments)
+    return lib.tier == "avx2" and all(s.kind - s.kind % 100 == int16 for s in weight.segments) \
+        and lib.int16_mac_ratio >= INT16_GEMM_MIN_RATIO
 
 
 def block_bytes(ggml_type: int) -> int:

@@ -264,14 +264,17 @@ def test_llama3_rope_freqs_tensor_scales_the_rope(tmp_path, tokenizer_meta):
     assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, "llama3 rope_freqs")
 
 
-def test_int16_blocks_serve_every_step_on_the_avx2_tier(tiny_llama, tmp_path,
-                                                                  tokenizer_meta, tier):
-    """--quantized-matmul-tokens auto: on `avx2` (int16 activations) the blocks' integer GEMM
-    multiplies the prefill too and no linear keeps a float copy; the greedy tokens still
-    match transformers'. Elsewhere steps of up to 16 tokens take the blocks (int16 ones on
-    `avx512`, exact ones on the bfloat16 tiers) and the float copy stays for larger ones."""
+def test_int16_blocks_serve_every_step_on_the_avx2_tier(tiny_llama, tmp_path, tokenizer_meta,
+                                                        tier, monkeypatch):
+    """--quantized-matmul-tokens auto, on a core whose int16 products outrun its FMAs (the
+    rate forced, so every machine tests this path): on `avx2` (int16 activations) the blocks'
+    integer GEMM multiplies the prefill too and no linear keeps a float copy; the greedy
+    tokens still match transformers'. Elsewhere steps of up to 16 tokens take the blocks
+    (int16 ones on `avx512`, exact ones on the bfloat16 tiers) and the float copy stays for
+    larger ones."""
     from transformers import AutoModelForCausalLM
-    from pagewire.kernels import tiers
+    from pagewire.kernels import native, tiers
+    monkeypatch.setattr(native.load(tier), "int16_mac_ratio", 1.7)
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_1")
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256, kernels=tier)
@@ -290,3 +293,28 @@ def test_int16_blocks_serve_every_step_on_the_avx2_tier(tiny_llama, tmp_path,
     for prompt, out in zip(prompts, outs):
         theirs, logits = oracle.greedy(prompt, 8)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{tier} {len(prompt)}")
+
+
+@pytest.mark.parametrize("tier", ["avx2"], indirect=True)
+def test_slow_int16_products_keep_dense_copies_for_large_steps(tiny_llama, tmp_path,
+                                                                tokenizer_meta, tier,
+                                                                monkeypatch):
+    """The same model on a core whose vpmaddwd does no more than its FMAs (Haswell, Zen 1):
+    auto keeps the float copies for steps over 16 tokens, and the greedy tokens of a prompt
+    that takes them equal those of --quantized-matmul-tokens 16."""
+    from pagewire.kernels import native
+    monkeypatch.setattr(native.load(tier), "int16_mac_ratio", 1.0)
+    hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
+    path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_1")
+    prompt = [random.Random(8).randrange(3, 512) for _ in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    for matmul_tokens in (None, 16):
+        llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256, kernels=tier,
+                  quantized_matmul_tokens=matmul_tokens)
+        linears = [m for m in llm.runner.model.modules() if isinstance(m, Linear)]
+        assert all(m.packed is not None or m.weight is not None for m in linears)
+        assert {m.quantized_max_tokens for m in linears} == {16}
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+        tokens.append(out.outputs[0].token_ids)
+    assert tokens[0] == tokens[1]

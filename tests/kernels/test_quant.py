@@ -150,6 +150,30 @@ def test_int16_gemm_on_long_rows(native_lib, qtype):
     _assert_within_rounding(native_lib, qtype, 20, torch.float32, "int16", 127 * 128, cols)
 
 
+def test_the_int16_multiply_add_rate_is_measured(native_lib):
+    """csrc/core_rates.cpp times vpmaddwd + vpaddd against FMAs on this core: a plausible
+    ratio (16 multiply-adds an instruction against 8, at a quarter to twice the issue rate),
+    measured once a library."""
+    ratio = native_lib.int16_mac_ratio
+    assert 0.2 < ratio < 5
+    assert native_lib.int16_mac_ratio is ratio
+
+
+@pytest.mark.parametrize("rounding", ["exact", "int16"])
+def test_blocks_serve_large_steps_where_int16_products_outrun_fmas(native_lib, monkeypatch,
+                                                                   rounding):
+    """Only int16 blocks on the avx2 tier take the GEMM for large steps, and only on a core
+    whose int16 multiply-adds run INT16_GEMM_MIN_RATIO times its FMAs' (Zen 3 and 4 do, Zen 1
+    and Haswell do not): elsewhere a dense float32 copy serves them."""
+    rng = np.random.default_rng(0)
+    raw, _ = blocks_of(rng.standard_normal((48, 64)) * 0.1, "Q4_1")
+    weight = quant.pack(TYPES["Q4_1"], raw, 64, native_lib, rounding)
+    gemm = rounding == "int16" and native_lib.tier == "avx2"
+    for ratio, fast in ((1.7, True), (quant.INT16_GEMM_MIN_RATIO, True), (1.0, False)):
+        monkeypatch.setattr(native_lib, "int16_mac_ratio", ratio)
+        assert quant.blocks_serve_large_steps(weight, native_lib) == (gemm and fast), ratio
+
+
 def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols):
     rng = np.random.default_rng(tokens)
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
