@@ -53,6 +53,18 @@ def test_single_streams_match_transformers(llm, oracle):
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, question)
 
 
+def test_each_tier_matches_transformers(tier, oracle):
+    """The same answers on every native tier this CPU runs, each with its own kernels for the
+    blocks (int16 activations on avx2 and avx512; on avx2, where this core's int16 products
+    outrun its FMAs, the prompts too go through the blocks' GEMM)."""
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20, kernels=tier)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS[3:5]]
+    for question, out in zip(QUESTIONS[3:5], llm.chat(conversations, params)):
+        theirs, logits = oracle.greedy(out.prompt_token_ids, 16)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{tier}: {question}")
+
+
 def test_eos_ends_the_answer(llm):
     (out,) = llm.chat([{"role": "user", "content": QUESTIONS[0]}],
                       SamplingParams(temperature=0, max_tokens=64))
