@@ -113,7 +113,7 @@ class Scheduler:
         elif s.num_sequences > 1:
             req.seq_id, req.fork_leader = SeqId(msg.req_id, PROMPT), True
         self.requests[req.seq_id] = req
-        bisect.insort(self.waiting, req, key=lambda r: r.key)
+        self._enqueue(req)
         if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
             self._count_prompt(req)
             self._fork(req)                            # (_finish takes it out of waiting)
@@ -228,14 +228,12 @@ class Scheduler:
                 self.arrivals.wait(req)
                 continue
             if fresh and req.kv_transfer is not None and req.kv_transfer.remote_prefill:
-                self.tables.release(req)      # no room yet to pull its prefill engine's blocks
-                req.num_computed = 0
+                self._forget_blocks(req)      # no room yet to pull its prefill engine's blocks
                 break
             n = req.num_pending
             if n == 0 and req.prompt_open:     # all it has is its held-back last token
                 if fresh:
-                    self.tables.release(req)
-                    req.num_computed = 0
+                    self._forget_blocks(req)
                 i += 1
                 continue
             if n > budget and not self.config.enable_chunked_prefill:
@@ -243,8 +241,7 @@ class Scheduler:
             n = min(n, budget)
             if n == 0 or not self.tables.grow(req, n):
                 if fresh:                      # give back the cached prefix it mapped
-                    self.tables.release(req)
-                    req.num_computed = 0
+                    self._forget_blocks(req)
                 break
             self.waiting.pop(i)
             if lora is not None:
@@ -253,7 +250,7 @@ class Scheduler:
             if not req.scheduled_before:
                 req.scheduled_before = True
                 self.first_scheduled.append(req.arrival_time)
-            bisect.insort(self.running, req, key=lambda r: r.key)
+            self._enqueue(req)
             admitted.append(req)
             budget -= n
         return admitted
@@ -266,8 +263,7 @@ class Scheduler:
             return False
         holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
         for req in holders:
-            self.tables.release(req)
-            req.num_computed = 0
+            self._forget_blocks(req)
         return bool(holders)
 
     def _make_room_for_priority(self) -> None:
@@ -291,9 +287,9 @@ class Scheduler:
         if mode != "recompute" and self.tables.swap_out(req):
             req.status = Status.SWAPPED
         else:
-            self.tables.release(req)
-            req.status, req.num_computed = Status.WAITING, 0
-        bisect.insort(self.waiting, req, key=lambda r: r.key)
+            self._forget_blocks(req)
+            req.status = Status.WAITING
+        self._enqueue(req)
         self.num_preemptions += 1
 
     def _drop_from_executor(self, req: Request, preempted: bool = False) -> None:
@@ -386,7 +382,18 @@ class Scheduler:
 
     def _back_in_line(self, req: Request) -> None:
         req.status = Status.WAITING
-        bisect.insort(self.waiting, req, key=lambda r: r.key)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Into its status's queue (running, else waiting), in key order."""
+        queue = self.running if req.status is Status.RUNNING else self.waiting
+        bisect.insort(queue, req, key=lambda r: r.key)
+
+    def _forget_blocks(self, req: Request) -> None:
+        """Give back req's device blocks: it computes from its first token again (cheaply,
+        where its blocks stay in the prefix cache)."""
+        self.tables.release(req)
+        req.num_computed = 0
 
     def _count_prompt(self, req: Request) -> None:
         req.prompt_counted = True       # forks and beams copy the flag: one count per prompt
@@ -423,8 +430,7 @@ class Scheduler:
         """A forked sequence joins: it shares its parent's blocks and queues by its status."""
         self.tables.share(child)
         self.requests[child.seq_id] = child
-        bisect.insort(self.running if child.status is Status.RUNNING else self.waiting, child,
-                      key=lambda r: r.key)
+        self._enqueue(child)
 
     def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
         """Every live beam has its candidates: keep the best `width` continuations (forking a
