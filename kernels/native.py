@@ -68,7 +68,8 @@ _SIGNATURES = {
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _cache_dir() -> str:
+def kernel_cache_dir() -> str:
+    """Where built libraries live (made if missing)."""
     root = os.environ.get("PAGEWIRE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagewire")
     path = os.path.join(root, "kernels")
@@ -110,7 +111,7 @@ def library_path(tier: str) -> str:
     sources = b"".join(open(path, "rb").read() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(sources + " ".join(flags + _LINK).encode() + torch.__version__.encode()
                          ).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"cpu_kernels-{tier}-{key}.so")
+    target = os.path.join(kernel_cache_dir(), f"cpu_kernels-{tier}-{key}.so")
     if not os.path.exists(target):
         with open(target + ".lock", "w") as lock:   # several executors may start at once
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -144,3 +144,14 @@ def rank_blocks(path: str, quantization: str = "none", size: int = 2) -> list[di
                 assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), name
         out.append(kinds)
     return out
+
+
+def use_private_cache(tmp_path, monkeypatch) -> None:
+    """Point PAGEWIRE_CACHE_DIR at a fresh directory, so what a test's throwaway models leave
+    (converted tokenizers and weights, rounded blocks) stays out of ~/.cache, but keep the
+    built kernels' directory: a fresh one would compile each tier's library again."""
+    from pagewire.kernels import native
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(native.kernel_cache_dir())
+    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(cache))

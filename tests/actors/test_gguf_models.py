@@ -17,7 +17,7 @@ from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
 from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
-from tests.helpers import HFOracle, assert_greedy_equal, rank_blocks
+from tests.helpers import HFOracle, assert_greedy_equal, rank_blocks, use_private_cache
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def tokenizer_meta(full_tokenizer_meta) -> dict:
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """Converted tokenizers and weights of these throwaway models stay out of ~/.cache."""
-    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(tmp_path / "cache"))
+    use_private_cache(tmp_path, monkeypatch)
 
 
 def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:

@@ -13,13 +13,13 @@ from pagewire import LLM, SamplingParams
 from pagewire.executor.load_quantization import round_weight
 from pagewire.kernels import quant
 from pagewire.kernels.linear import Linear
-from tests.helpers import HFOracle, assert_greedy_equal
+from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """The blocks these throwaway models round are cached out of ~/.cache."""
-    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(tmp_path / "cache"))
+    use_private_cache(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("ggml, levels", [(quant.Q8_0, 255), (quant.Q4_1, 16)])
