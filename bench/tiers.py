@@ -31,9 +31,10 @@ def measure(tier: str, dtype: str, matmul_tokens: str) -> dict:
     import random
 
     from pagewire import LLM, SamplingParams
+    from pagewire.options import tokens_or_auto
     llm = LLM(kernels=tier, dtype=dtype, max_model_len=2048, kv_cache_memory=1 << 30,
               enable_prefix_caching=False,
-              quantized_matmul_tokens=None if matmul_tokens == "auto" else int(matmul_tokens))
+              quantized_matmul_tokens=tokens_or_auto(matmul_tokens))
     out = {"backend": llm.runner.model.ops.backend, "dtype": llm.config.dtype,
            "rss_loaded_mb": rss_mb()}
     rng = random.Random(0)

@@ -182,7 +182,7 @@ void pass(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* 
 template <typename Tile, typename T>
 void matmul(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 0);
+  const Activations a(x, x_stride, tokens, K, Tile::kSumGroups);
   for (int64_t t = 0; t < tokens; t += kMaxBatch) {
     T* o = out + t * out_stride;
     switch (std::min<int64_t>(kMaxBatch, tokens - t)) {

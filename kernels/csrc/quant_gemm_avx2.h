@@ -41,7 +41,7 @@ constexpr float kInt16Top = 127.f * 128.f;   // 16256: two int8 planes, 128 hi +
 // x rounded per 32-column block to integers of at most `top` (r = nearbyint(x * top /
 // max|x|): 16256 for int16 activations, 127 for int8; quant_int_avx2.h's IntActivations
 // split them into planes), split over the threads: the values, each block's unit and the
-// sums of the unrounded x over each of a block's `groups` column groups.
+// sums of the unrounded x over each of a block's `groups` column groups (0: none).
 struct RoundedRows {
   int64_t T, K, nb, groups;
   std::vector<int16_t> value;      // [T][K]
@@ -189,7 +189,7 @@ void gemm_tokens(Out* out, int64_t os, const RoundedRows& a, int64_t t, const Pa
 template <typename Tile, typename T>
 void matmul_int16_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                        const uint8_t* packed, int64_t N, int64_t K) {
-  const RoundedRows a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1, kInt16Top);
+  const RoundedRows a(x, x_stride, tokens, K, Tile::kSumGroups, kInt16Top);
   const int64_t nb = K / 32;
   for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
     const int64_t t1 = std::min(tokens, t0 + kGemmChunk);

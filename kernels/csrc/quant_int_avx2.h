@@ -36,7 +36,7 @@ struct IntActivations : RoundedRows {
 
   const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
 
-  // groups: the column groups of a block a tile's minimums need sums of (Q2_K: 2 of 16).
+  // groups: the column groups of a block a tile's minimums need sums of (Tile::kSumGroups).
   template <typename In>
   IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
       : RoundedRows(x, x_stride, T_, K_, groups, P == 1 ? 127.f : kInt16Top), q(T_ * P * K_) {
@@ -241,7 +241,7 @@ void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
   if constexpr (P == 2)
     if (tokens >= kGemmFrom)
       return matmul_int16_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
-  const IntActivations<P> a(x, x_stride, tokens, K, Tile::kMin ? Tile::kSplits : 1);
+  const IntActivations<P> a(x, x_stride, tokens, K, Tile::kSumGroups);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
     const int64_t m = std::min<int64_t>(kBatch, tokens - t);

@@ -233,7 +233,7 @@ template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
   const Activations a(x, x_stride, tokens, K, Tile::kQ4 || Tile::kFp8 ? kParts : kFloat,
-                      Tile::kMin ? Tile::kSplits : 0);
+                      Tile::kSumGroups);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
     const int64_t g = N / kRows;

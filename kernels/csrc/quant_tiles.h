@@ -32,6 +32,8 @@ struct Tile {
   static constexpr int kSplits = kSplits_;
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = kFp8_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
+  // The column groups of a block whose activation sums the minimums meet (0: none needed).
+  static constexpr int kSumGroups = kMin ? kSplits : 0;
   static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
   static constexpr int minimum(int split) { return kSplits + split; }   // its array
 
