@@ -4,7 +4,7 @@
 
 The default model's GGUF is dequantized by transformers and saved as a float32 Hugging Face
 directory (bench/quantize_at_load.py float_checkpoint); each Hugging Face format is that
-directory rewritten by the test suite's packers (tests/actors/test_checkpoint_formats.py:
+directory rewritten by the packers the test suite uses (actors/testing/checkpoints.py:
 round to nearest, the format's own packing), `int8` / `int4` are `--quantization` at load,
 `bf16` the float directory in bfloat16 (BF16 tiles), `bf16-onednn` the same on oneDNN
 (`--quantized-matmul-tokens 0`).
@@ -28,8 +28,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))       # bench's own modules
 
 from kv_quant import TEXT, next_token_logprobs               # noqa: E402
 from quantize_at_load import float_checkpoint, rate           # noqa: E402
@@ -52,11 +51,11 @@ def engine_args(fmt: str) -> tuple[str | None, dict]:
         return float_checkpoint(), {} if fmt == "bf16" else {"quantization": fmt}
     path = os.path.join(WORK, fmt)
     if not os.path.isfile(os.path.join(path, "config.json")):
-        from tests.actors.test_checkpoint_formats import _write_quantized
+        from pagewire.testing.checkpoints import write_quantized
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(path + "-float", ignore_errors=True)
         shutil.copytree(float_checkpoint(), path)
-        _write_quantized(path, fmt)
+        write_quantized(path, fmt)
         shutil.rmtree(path + "-float")
     return path, {}
 

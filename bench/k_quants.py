@@ -3,10 +3,10 @@
 The default model's rows (576 columns) are not whole 256-weight superblocks, so llama.cpp
 falls back to other types for nearly all of its tensors. This makes a random-weight Llama
 whose every row is (hidden 1024, intermediate 2816, 8 layers, the default model's 49,152-token
-vocabulary), writes it as F32 GGUF (tests/gguf_writer.py), and has llama.cpp's own quantizer
-(the peer's llama-cpp-python) turn it into each of `--types` (llama.cpp's mixes: Q4_K_M puts
-Q6_K in v_proj and down_proj of some layers and in the LM head). Then, one engine at a time,
-alternating: a single stream of 128 random prompt tokens and 128 greedy tokens:
+vocabulary), writes it as F32 GGUF (actors/testing/gguf_writer.py), and has llama.cpp's own
+quantizer (the peer's llama-cpp-python) turn it into each of `--types` (llama.cpp's mixes:
+Q4_K_M puts Q6_K in v_proj and down_proj of some layers and in the LM head). Then, one engine
+at a time, alternating: a single stream of 128 random prompt tokens and 128 greedy tokens:
   pagewire  `pagewire bench latency` (as stored: the default)
   floats    the same with `--quantized-matmul-tokens 0` (the dequantized copies: what every
             K-quant did before)
@@ -35,10 +35,9 @@ def make_f32(path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, os.path.join(HERE, ".."))
     from pagewire.gguf_header import read_gguf_header
     from pagewire.model_info import default_model_path
-    from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
+    from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
     meta = read_gguf_header(default_model_path()).metadata
     tokenizer = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
     cfg = LlamaConfig(vocab_size=len(tokenizer["tokenizer.ggml.tokens"]), **SHAPE,

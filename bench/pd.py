@@ -18,16 +18,12 @@ import concurrent.futures
 import json
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.server import Server, free_port  # noqa: E402
-from tests.e2e.test_disagg import Router  # noqa: E402
+from pagewire.testing.server import Router, Server, free_port
 
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:

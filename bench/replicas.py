@@ -20,14 +20,11 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.server import Server, free_port  # noqa: E402
+from pagewire.testing.server import Server, free_port
 
 
 def post(url: str, body: dict) -> None:

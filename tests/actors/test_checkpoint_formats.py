@@ -1,8 +1,8 @@
 """Quantized Hugging Face checkpoints (actors/quant_config.py, executor/checkpoint_formats.py).
 
-The fixtures are written here: each format's packer from known integer codes (GPTQ v1 and
-v2, AWQ's interleaved nibbles, compressed-tensors pack-quantized and int-quantized, FP8).
-Unpacking gives the codes back exactly; a tiny model saved in each format gives
+The fixtures come from pagewire.testing.checkpoints (actors/testing/checkpoints.py): each
+format's packer from known integer codes (GPTQ v1 and v2, AWQ's interleaved nibbles,
+compressed-tensors pack-quantized and int-quantized, FP8). Unpacking gives the codes back exactly; a tiny model saved in each format gives
 transformers' greedy tokens on the same model with the dequantized float weights, its decode
 steps on the blocks where the format has them; every unsupported variant is refused at start
 naming its detail."""
@@ -11,165 +11,22 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pagewire import LLM, SamplingParams
 from pagewire.executor import checkpoint_formats as cf
 from pagewire.kernels import quant
 from pagewire.quant_config import read_scheme
+from pagewire.testing.checkpoints import FORMATS, write_quantized
 from tests.helpers import HFOracle, assert_greedy_equal
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def _short(scale: torch.Tensor) -> torch.Tensor:
-    """float16 scales with 6 mantissa bits: -scale * zero (zero < 16) is exact in float16, so
-    the blocks hold these fixtures' values exactly (a checkpoint's other scales: the minimum
-    is rounded to float16, checkpoint_formats.py)."""
-    return (scale.half().view(torch.int16) & ~0xF).view(torch.float16).float()
-
-
-def _codes(w: torch.Tensor, bits: int, group: int, symmetric: bool):
-    """Round w [N, K] to codes [N, K], float16 scales [N, G] and zeros [N, G] (per group)."""
-    n, k = w.shape
-    size = k if group == -1 else group
-    b = w.view(n, k // size, size)
-    top = (1 << bits) - 1
-    if symmetric:
-        scale = _short(b.abs().amax(-1) / (top // 2))
-        zero = torch.full(scale.shape, (top + 1) // 2)
-    else:
-        lo, hi = b.amin(-1), b.amax(-1)
-        scale = _short((hi - lo) / top)
-        zero = (-lo / scale).round().clamp(1, top)       # >= 1: GPTQ v1 stores zero - 1
-    low = 1 if symmetric else 0          # symmetric: codes within +-(2^(bits-1) - 1) of zero
-    codes = (b / scale[..., None] + zero[..., None]).round().clamp(low, top)
-    return codes.view(n, k).to(torch.int32), scale.half(), zero.to(torch.int32)
-
-
-def _pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Codes along `dim` into int32 words, the first in the low bits."""
-    per = 32 // bits
-    c = codes.movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], -1, per).to(torch.int64)
-    words = sum(c[..., i] << (bits * i) for i in range(per))
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    return words.movedim(-1, dim).contiguous()
-
-
-def _gptq(w, bits, group, v1=True, sym=False, perm=None):
-    codes, scale, zero = _codes(w, bits, group, sym)
-    k = w.shape[1]
-    g_idx = torch.arange(k) // (k if group == -1 else group)
-    if perm is not None:        # act-order: column k's group is g_idx[perm][k]
-        codes, g_idx = codes[:, perm], g_idx[perm]
-    values = scale.float()[:, g_idx] * (codes - zero[:, g_idx]).float()
-    tensors = {"qweight": _pack(codes.T, bits, 0), "qzeros": _pack(zero.T - int(v1), bits, 1),
-               "scales": scale.T.contiguous(), "g_idx": g_idx.int()}
-    return tensors, values
-
-
-def _awq(w, group):
-    codes, scale, zero = _codes(w, 4, group, False)
-    values = scale.float().repeat_interleave(group, 1) * \
-        (codes - zero.repeat_interleave(group, 1)).float()
-    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
-
-    def interleave(x):            # [R, C] -> nibble i of each word holds column order[i]
-        return x.view(x.shape[0], -1, 8)[..., order].reshape(x.shape[0], -1)
-    return {"qweight": _pack(interleave(codes.T.contiguous()), 4, 1),
-            "qzeros": _pack(interleave(zero.T.contiguous()), 4, 1),
-            "scales": scale.T.contiguous()}, values
-
-
-def _w4a16(w, group):
-    codes, scale, zero = _codes(w, 4, group, True)
-    size = w.shape[1] if group == -1 else group
-    scale = scale.bfloat16()                               # as llm-compressor writes them
-    values = scale.float().repeat_interleave(size, 1) * (codes - 8).float()
-    return {"weight_packed": _pack(codes, 4, 1), "weight_scale": scale,
-            "weight_shape": torch.tensor(list(w.shape))}, values
-
-
-def _w8a8(w, group):
-    codes, scale, _ = _codes(w, 8, -1, True)
-    q = (codes - 128).clamp(-127, 127).to(torch.int8)
-    return {"weight": q, "weight_scale": scale.float()}, scale.float() * q.float()
-
-
-def _fp8(w, group, per_tensor=False):
-    scale = w.abs().amax(1, keepdim=True) / 448
-    if per_tensor:
-        scale = scale.max()
-    q = (w / scale).to(torch.float8_e4m3fn)
-    return {"weight": q, "weight_scale": scale}, q.float() * scale
-
-
-FORMATS = {
-    "gptq-v1-4bit-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
-                          "desc_act": False, "sym": False}, lambda w: _gptq(w, 4, 32)),
-    "gptq-v2-4bit-channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False,
-                              "checkpoint_format": "gptq_v2"},
-                             lambda w: _gptq(w, 4, -1, v1=False)),
-    "gptq-8bit-sym-g32": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": True},
-                          lambda w: _gptq(w, 8, 32, sym=True)),
-    "gptq-desc-act": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
-                       "sym": False},
-                      lambda w: _gptq(w, 4, 32, perm=torch.randperm(
-                          w.shape[1], generator=torch.Generator().manual_seed(w.shape[1])))),
-    "awq-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                 "version": "gemm"}, lambda w: _awq(w, 32)),
-    "compressed-w4a16": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-                          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                              "num_bits": 4, "type": "int", "symmetric": True,
-                              "strategy": "group", "group_size": 32}}},
-                          "ignore": ["lm_head"]}, lambda w: _w4a16(w, 32)),
-    "compressed-w8a8": ({"quant_method": "compressed-tensors", "format": "int-quantized",
-                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                             "num_bits": 8, "type": "int", "symmetric": True,
-                             "strategy": "channel"}, "input_activations": {
-                             "num_bits": 8, "type": "int", "dynamic": True}}},
-                         "ignore": ["lm_head"]}, lambda w: _w8a8(w, -1)),
-    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, lambda w: _fp8(w, -1)),
-    "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
-                       lambda w: _fp8(w, -1, per_tensor=True)),
-}
 # Formats whose codes the blocks hold: the layers' decode steps run the quantized kernels.
 BLOCKS = {"gptq-v1-4bit-g32": quant.Q4_1, "gptq-v2-4bit-channel": quant.Q4_1,
           "gptq-8bit-sym-g32": quant.Q8_0, "gptq-desc-act": quant.Q4_1, "awq-g32": quant.Q4_1,
           "compressed-w4a16": quant.Q4_1, "compressed-w8a8": quant.Q8_0, "fp8": quant.FP8,
           "fp8-per-tensor": quant.FP8}
-
-
-def _write_quantized(path: str, fmt: str) -> str:
-    """Rewrite the float checkpoint at `path` in `fmt`; a float copy with the dequantized
-    weights goes to path + "-float" (transformers' model)."""
-    qcfg, packer = FORMATS[fmt]
-    weights = load_file(os.path.join(path, "model.safetensors"))
-    floats, packed = dict(weights), {}
-    for name, w in weights.items():
-        prefix = name[: -len(".weight")]
-        if not any(prefix.endswith(lin) for lin in LINEARS):
-            packed[name] = w
-            continue
-        tensors, values = packer(w)
-        floats[name] = values.float().contiguous()
-        packed.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-    float_dir = path + "-float"
-    shutil.copytree(path, float_dir)
-    save_file(floats, os.path.join(float_dir, "model.safetensors"))
-    save_file(packed, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qcfg
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return float_dir
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.startswith("fp8")])
@@ -201,7 +58,7 @@ def _prompts():
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_a_quantized_checkpoint_matches_transformers_on_its_float_values(tiny_llama, fmt):
     path = tiny_llama()
-    float_dir = _write_quantized(path, fmt)
+    float_dir = write_quantized(path, fmt)
     llm = LLM(path, dtype="float32", num_kv_blocks=128, max_model_len=256)
     model = llm.runner.model
     if quant.available(model.ops.lib):
@@ -249,7 +106,7 @@ def test_unsupported_variants_are_refused_naming_the_detail(tiny_llama, qcfg, de
 
 def test_a_quantized_checkpoint_is_not_quantized_again(tiny_llama):
     path = tiny_llama()
-    _write_quantized(path, "awq-g32")
+    write_quantized(path, "awq-g32")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(path, dtype="float32", max_model_len=256, quantization="int4")
 
@@ -262,7 +119,7 @@ def test_each_rank_multiplies_its_share_of_fp8_blocks(tiny_llama, fmt, monkeypat
     from tests.helpers import rank_blocks
     monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")
     path = tiny_llama((128, 4, 2, 64), intermediate_size=320)
-    _write_quantized(path, fmt)
+    write_quantized(path, fmt)
     for kinds in rank_blocks(path):
         assert {n for n, k in kinds.items() if k == "float"} == {"lm_head"}, kinds
 
@@ -275,7 +132,7 @@ def test_each_rank_takes_its_rows_of_act_order_blocks(tiny_llama, monkeypatch):
     from tests.helpers import rank_blocks
     monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")
     path = tiny_llama((128, 4, 2, 64), intermediate_size=320)
-    _write_quantized(path, "gptq-desc-act")
+    write_quantized(path, "gptq-desc-act")
     for kinds in rank_blocks(path):
         assert {n for n, k in kinds.items() if k == "float"} == {
             "lm_head", *(f"layers.{i}.{m}" for i in (0, 1) for m in ("attn.o_proj", "mlp.down"))

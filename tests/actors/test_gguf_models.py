@@ -1,6 +1,7 @@
 """Whole tiny models written as GGUF files the way llama.cpp's converter writes them
-(tests/gguf_writer.py), loaded by us: Llama end to end against transformers, and the Qwen and
-Gemma families' tensors under the Hugging Face names and values their checkpoints hold."""
+(actors/testing/gguf_writer.py), loaded by us: Llama end to end against transformers, and the
+Qwen and Gemma families' tensors under the Hugging Face names and values their checkpoints
+hold."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pagewire.executor.gguf_weights import read_gguf_weights
 from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
-from tests.gguf_writer import TOKENIZER_KEYS, write_gguf
+from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
 from tests.helpers import HFOracle, assert_greedy_equal, rank_blocks, use_private_cache
 
 

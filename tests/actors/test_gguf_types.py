@@ -9,7 +9,7 @@ import torch
 
 from pagewire.executor.gguf_weights import read_tensor
 from pagewire.gguf_header import read_gguf_header
-from tests.gguf_writer import k_quant_from_parts
+from pagewire.testing.gguf_writer import k_quant_from_parts
 
 # Largest error allowed against the original weights, as a fraction of each block's max |w|:
 # half a step of the format (Q4_0's 16 steps reach -8d..7d, so the far end clips by one more).

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
-from tests.e2e.server import free_port, running_server
+from pagewire.testing.server import Router, free_port, running_server
 from tests.e2e.test_kv_tier import _scrape
 from tests.e2e.test_metrics import get
 from tests.helpers import make_tiny_llama
@@ -44,33 +42,6 @@ def _tokens(base: str, stream: bool = False) -> list[str]:
     events = [json.loads(line[6:]) for line in raw.decode().splitlines()
               if line.startswith("data: {")]
     return [t for e in events for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
-
-
-class Router:
-    def __init__(self, prefill: str, *decode: str, healthy_enough: bool = False):
-        """healthy_enough: wait only for the router to answer (an engine may be down)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "router",
-                                      "--prefill", prefill, "--decode", *decode,
-                                      "--port", str(self.port)])
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return                              # every engine answers
-            except urllib.error.HTTPError:
-                if healthy_enough:                      # 503: the router is up
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("router did not become healthy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def test_router_prefill_and_decode_engines_give_one_engines_tokens(tmp_path, smol_tokenizer_dir):

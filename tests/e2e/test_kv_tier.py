@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.e2e.server import running_server
+from pagewire.testing.server import running_server
 from tests.e2e.test_metrics import get
 from tests.helpers import make_tiny_llama
 

@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
+from pagewire.testing.server import TWO_RANKS, Server, running_server
 from tests.actors.test_lora import MLP, make_adapter, merged_oracle
-from tests.e2e.server import TWO_RANKS, Server, running_server
 from tests.helpers import assert_greedy_equal, make_tiny_llama
 
 pytestmark = pytest.mark.slow

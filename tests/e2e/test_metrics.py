@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.server import Server
+from pagewire.testing.server import Server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

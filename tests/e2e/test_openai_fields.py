@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.server import openai_client, running_server
+from pagewire.testing.server import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

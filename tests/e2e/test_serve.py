@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-from tests.e2e.server import Server, alive, child_pids, cmdline, openai_client, running_server
+from pagewire.testing.server import (Server, alive, child_pids, cmdline, openai_client,
+                                     running_server)
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

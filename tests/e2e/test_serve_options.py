@@ -8,7 +8,7 @@ import os
 import openai
 import pytest
 
-from tests.e2e.server import Server, running_server
+from pagewire.testing.server import Server, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

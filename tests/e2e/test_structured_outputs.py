@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.e2e.server import openai_client, running_server
+from pagewire.testing.server import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.server import alive, child_pids, cmdline, openai_client, running_server
+from pagewire.testing.server import alive, child_pids, cmdline, openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

@@ -18,8 +18,8 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.server import (TWO_RANKS, Server, alive, child_pids, cmdline, free_port,
-                              running_server)
+from pagewire.testing.server import (TWO_RANKS, Server, alive, child_pids, cmdline, free_port,
+                                     running_server)
 from tests.helpers import HFOracle, assert_greedy_equal, make_tiny_llama
 
 pytestmark = pytest.mark.slow

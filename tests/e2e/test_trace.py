@@ -15,11 +15,11 @@ import msgspec
 import pytest
 
 from pagewire.replay import replay
+from pagewire.testing.server import openai_client, running_server
 from pagewire.trace_tools import decode
 from pagewire.wire.channels import encode
 from pagewire.wire.to_scheduler import NewRequest
 from pagewire.wire.trace import TraceWriter, read_trace, set_recording, trace_files
-from tests.e2e.server import openai_client, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

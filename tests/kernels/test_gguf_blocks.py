@@ -72,9 +72,9 @@ def test_blocks_become_a_tile_types_blocks_of_the_same_values(qtype):
 
 
 def test_k_quants_from_known_parts():
-    """Blocks packed of known scales, minimums and quants (tests/gguf_writer.py) give those
-    weights exactly."""
-    from tests.gguf_writer import k_quant_from_parts
+    """Blocks packed of known scales, minimums and quants (actors/testing/gguf_writer.py) give
+    those weights exactly."""
+    from pagewire.testing.gguf_writer import k_quant_from_parts
     for qtype, kind in (("Q4_K", gb.Q4_K), ("Q6_K", gb.Q6_K)):
         blocks, w = k_quant_from_parts(qtype, 6, np.random.default_rng(7))
         tile, raw = gb.k_quant_blocks(kind, torch.from_numpy(blocks.reshape(2, -1)))
@@ -94,7 +94,7 @@ def test_q4_0_keeps_its_nibbles_and_scale():
 def test_the_writers_iq4_nl_is_near_the_weights():
     """d = max |w| / 127: a value is at most half the widest gap between levels (24) from
     one, or 127 - 113 = 14 units above the top level (a block's largest positive value)."""
-    from tests.gguf_writer import quantize_iq4_nl
+    from pagewire.testing.gguf_writer import quantize_iq4_nl
     w = np.random.default_rng(5).standard_normal((2, 64)).astype(np.float32)
     back = gguf.quants.dequantize(quantize_iq4_nl(w), gguf.GGMLQuantizationType.IQ4_NL)
     block_max = np.abs(w.reshape(2, 2, 32)).max(-1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Write Hugging Face weights as a GGUF file the way llama.cpp's converter does, for tests.
+"""Write Hugging Face weights as a GGUF file the way llama.cpp's converter does (tests, bench).
 
 Tensor names come from gguf-py's own TensorNameMap (llama.cpp's table, not ours); Q and K are
 permuted for arch llama and gemma norms stored plus one, as convert_hf_to_gguf.py does; the

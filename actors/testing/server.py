@@ -1,4 +1,5 @@
-"""Start `pagewire serve` as a real process for a test, and end it by pid."""
+"""`pagewire serve` and `pagewire router` started as real processes for a test or a benchmark,
+listening on 127.0.0.1 and ended by pid; and /proc look-ups of the processes they start."""
 from __future__ import annotations
 
 import contextlib
@@ -10,13 +11,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 from pagewire.config import visible_gpus
 
 # Two tensor-parallel ranks need two GPUs (NCCL); with fewer they share the CPU (gloo).
 TWO_RANKS = ["-tp", "2"] + (["--device", "cpu"] if visible_gpus() < 2 else [])
-import urllib.error
-import urllib.request
 
 
 def free_port() -> int:
@@ -92,6 +93,35 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+class Router:
+    """`pagewire router` in front of a prefill engine and decode engines (their URLs)."""
+
+    def __init__(self, prefill: str, *decode: str, healthy_enough: bool = False):
+        """healthy_enough: wait only for the router to answer (an engine may be down)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "router",
+                                      "--prefill", prefill, "--decode", *decode,
+                                      "--port", str(self.port)])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return                              # every engine answers
+            except urllib.error.HTTPError:
+                if healthy_enough:                      # 503: the router is up
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("router did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 @contextlib.contextmanager
