@@ -56,6 +56,9 @@ def test_tensor_parallel_sums_each_half():
 
 def test_every_operand_names_a_submodule():
     model = LlamaForCausalLM(config("Gemma2ForCausalLM", hidden_activation="gelu_pytorch_tanh"))
-    for step in model.layers[0].program:
-        if step.arg:
-            model.layers[0].get_submodule(step.arg)
+    layer = model.layers[0]
+    assert list(layer.program) == GEMMA2             # the layer runs the declared program
+    operands = {step.arg for step in layer.program if step.arg}
+    assert len(operands) == 9
+    for name in operands:
+        layer.get_submodule(name)                    # AttributeError when it names nothing
