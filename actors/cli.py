@@ -22,7 +22,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """`pagewire serve`'s flags alone (the README's options tables list exactly these)."""
+    """`pagewire serve`'s flags alone (docs/serving.md's options tables list exactly these)."""
     parser = argparse.ArgumentParser(prog="pagewire serve", argument_default=argparse.SUPPRESS)
     options.add_flags(parser, serve=True)
     return parser

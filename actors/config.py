@@ -275,7 +275,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def _async_scheduling(self) -> bool:
         """auto: pipelined steps where a GPU runs them (the GPU idles while the scheduler
         plans); on a CPU the scheduler's work takes cores from the step and two plans in flight
-        measured no faster (bench/NOTES.md)."""
+        measured no faster (bench/NOTES.md "Pipelined steps")."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         if self.speculative_config is not None:     # drafts are planned from the last result
@@ -362,7 +362,8 @@ def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
     than bfloat16 activations: ~1.6x the exact kernels' single stream there, the same answers),
     exact on those with one (their exact kernels are the fast ones). int8 (Q4 weights) and
     int8-all (Q8_0 too: llama.cpp's arithmetic) are faster still but garble the default
-    model's answers, as llama.cpp's own do (bench/NOTES.md): they are taken only by name."""
+    model's answers, as llama.cpp's own do (bench/NOTES.md "int16 and int8 activations"):
+    they are taken only by name."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"quantized_activations must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{activations!r}")

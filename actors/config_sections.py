@@ -9,9 +9,9 @@ import msgspec
 
 
 # Speculation's default batch limit by device: on a CPU a verified draft row costs a good
-# part of a step beyond two sequences (bench/NOTES.md, session 17: copy-heavy prompts 1.37x at
-# 2 running, 1.07x at 4, free text 0.97x and 0.87x); on CUDA rows are nearly free (not
-# measured here: the previous default).
+# part of a step beyond two sequences (bench/NOTES.md "Speculative decoding": copy-heavy
+# prompts 1.37x at 2 running, 1.07x at 4, free text 0.97x and 0.87x); on CUDA rows are nearly
+# free (not measured here: the previous default).
 MAX_BATCH = {"cpu": 2, "cuda": 8}
 
 

@@ -279,7 +279,8 @@ class LLM:
     def _execute(self, plan) -> Future:
         """The step: on the executor thread when plans overlap (async scheduling), else here.
         OpenMP keeps a thread team per calling thread, and once a second thread had run the
-        steps, a CPU step took twice as long on two cores (bench/NOTES.md, session 15)."""
+        steps, a CPU step took twice as long on two cores (bench/NOTES.md "Threads and OpenMP
+        teams")."""
         if self.config.async_scheduling:
             return self._executor.submit(self.runner.execute, plan)
         future: Future = Future()

@@ -2,8 +2,8 @@
 
 Each Option names an EngineConfig field and says what it means; from these declarations come
 the command-line flags and their help (cli.py), the `PAGEWIRE_<FIELD>` environment variables
-and the config-file keys (settings.py), the README's options tables (readme_tables(); a test
-fails when the README differs) and what the configuration digest covers (`decides_outputs`).
+and the config-file keys (settings.py), docs/serving.md's options tables (options_tables(); a
+test fails when the guide differs) and what the configuration digest covers (`decides_outputs`).
 EngineConfig (config.py) holds the types and defaults; a test checks that every settable
 field has exactly one declaration here. Imports no torch.
 """
@@ -44,8 +44,8 @@ def tokens_or_auto(text: str) -> int | None:
 @dataclass(frozen=True)
 class Option:
     field: str                           # the EngineConfig field ("" for --config)
-    meaning: str                         # README markdown; the flag's help without backticks
-    default: str | None = None           # as the README shows it (None: from EngineConfig)
+    meaning: str                         # docs markdown; the flag's help without backticks
+    default: str | None = None           # as docs/serving.md shows it (None: from EngineConfig)
     flags: tuple[str, ...] = ()          # () -> ("--field-name",); bools: see _bool_flag
     choices: tuple[str, ...] = ()
     parse: Callable | None = None        # text (flag, environment, file) -> value
@@ -306,8 +306,8 @@ def _argument(o: Option) -> tuple[tuple[str, ...], dict]:
     return o.names, {"dest": o.field, "type": parse, **choices}
 
 
-def readme_tables() -> str:
-    """The README's options tables, one per group, as they must read."""
+def options_tables() -> str:
+    """docs/serving.md's options tables, one per group, as they must read."""
     out = []
     for name, group in GROUPS.items():
         out += [f"**{name[0].upper()}{name[1:]}**", "", "| option | default | meaning |", "|---|---|---|"]

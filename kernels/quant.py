@@ -113,8 +113,9 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
 
 # The least int16 / float32 multiply-add rate (native.Library.int16_mac_ratio) at which the
 # int16 GEMM beats oneDNN's float32 GEMM: its panels, rounding and per-block scales cost
-# ~20 % beside the products (bench/NOTES.md), so a core whose vpmaddwd does no more than its
-# FMAs (Haswell, Zen 1 and 2: ~1x or less) keeps the dense copy; Zen 3 and 4 measure ~1.6x.
+# ~20 % beside the products (bench/NOTES.md "int16 GEMM on AVX2"), so a core whose vpmaddwd
+# does no more than its FMAs (Haswell, Zen 1 and 2: ~1x or less) keeps the dense copy; Zen 3
+# and 4 measure ~1.6x.
 INT16_GEMM_MIN_RATIO = 1.25
 
 

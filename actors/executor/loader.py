@@ -118,8 +118,8 @@ def keep_bf16_tiles(model: nn.Module, max_tokens: int | None, lib) -> int:
     the bytes kept. Not with --quantized-matmul-tokens 0 (the float path everywhere).
     - A bfloat16 engine's tiles serve every step and its float copy goes: the native kernel
       reads them 2-2.5x faster than oneDNN's per-call path at decode sizes and is within
-      0.75-0.95x of it at a prefill chunk's (bench/NOTES.md), so the weights are not held
-      twice.
+      0.75-0.95x of it at a prefill chunk's (bench/NOTES.md "BF16 tiles"), so the weights are
+      not held twice.
     - A float32 engine (a CPU without a bfloat16 dot product runs bfloat16 checkpoints in
       float32) reads the tiles, half its float32 bytes, for steps of up to `max_tokens`
       tokens, exactly (float32 products of bfloat16 weights); larger steps keep oneDNN's

@@ -130,7 +130,7 @@ CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "add_generation
 # step the request runs (stop strings are searched in each new text, logit_bias entries
 # applied to each row of logits, tools rendered and compiled into a constraint), so a client
 # may not ask for unbounded amounts. vLLM caps none of these; OpenAI documents up to 4 stop
-# strings and 128 tools. README "Request limits" lists them.
+# strings and 128 tools. docs/api.md "Request limits" lists them.
 LIST_CAPS = {"stop": 64, "stop_token_ids": 1024, "bad_words": 256, "logit_bias": 1024,
              "allowed_token_ids": 262144, "messages": 4096, "content": 256, "prompt": 1024,
              "tools": 128}

@@ -4,7 +4,8 @@
 // (quant_gemm_avx2.h) beats oneDNN's float32 one on the avx2 tier depends on it. A vpmaddwd
 // is 16 multiply-adds and an FMA 8, but cores issue them at different rates: where vpmaddwd
 // runs on two pipes beside vpaddd (Zen 3, Zen 4, Skylake) the ratio is well above 1, where it
-// has one pipe or half-width units (Haswell, Zen 1, Zen 2) about 1 or below (bench/NOTES.md).
+// has one pipe or half-width units (Haswell, Zen 1, Zen 2) about 1 or below (bench/NOTES.md
+// "int16 GEMM on AVX2").
 //
 // Written in assembly so that what is timed is exactly the instructions named: compilers
 // hoist, share or spill such loops (GCC turned one into stack round trips). Both loops hold

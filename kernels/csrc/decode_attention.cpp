@@ -54,7 +54,7 @@ void attend_range(Head<kD>* heads, const bf16* q, const typename Tiles::E* k_cac
     // Blocks are scattered, so no hardware prefetcher guesses the next one: fetch the rows
     // kAhead tiles on while this one is computed, into L2 (prefetcht1). Hints into L1 each
     // hold one of the few L1 miss buffers until their line arrives: from DRAM a thread then
-    // read ~8 GB/s of cache, against ~13 with L2 hints (bench/NOTES.md, session 19).
+    // read ~8 GB/s of cache, against ~13 with L2 hints (bench/NOTES.md "Decode attention").
     const int64_t ahead = key0 + kAhead * kTile;
     const int64_t next = ahead < hi ? (table[ahead / bs] * bs + ahead % bs) * row_stride : -1;
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(key0)));

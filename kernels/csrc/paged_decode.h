@@ -30,7 +30,7 @@ constexpr float kNoScore = -1e30f;
 inline float exp_normal(float x) { return std::exp(std::max(x, -87.f)); }
 
 // A hint every other 64-byte line: the line beside each comes with it, and a hint per line
-// cost more instructions than it saved (bench/NOTES.md).
+// cost more instructions than it saved (bench/NOTES.md "Decode attention").
 template <typename E>
 inline void prefetch_rows(const E* rows, int64_t n, int64_t row_stride, int64_t row_bytes) {
   for (int64_t t = 0; t < n; ++t)

@@ -5,7 +5,7 @@
 //
 // Why integers: on AVX2 a vpmaddwd is 16 multiply-adds (8 lanes of two int16 products) and
 // issues beside vpaddd, where vfmadd231ps is 8; at these sizes both are bound by the
-// arithmetic, not the bytes read (bench/NOTES.md).
+// arithmetic, not the bytes read (bench/NOTES.md "int16 GEMM on AVX2").
 //
 // Each token's activations are rounded per 32-column block to 15 bits (scale max|x| / 16256,
 // as the small kernels' IntActivations<2>: RoundedRows below rounds for both). A 16-row

@@ -54,19 +54,19 @@ def test_a_bad_option_exits_2_before_anything_starts(monkeypatch):
     assert main(["serve"]) == 2
 
 
-def test_readme_options_tables_are_the_declared_options_and_every_field_has_one():
-    """The README's options tables are generated from options.py (a flag added, removed or
-    reworded without the README fails here); every settable EngineConfig field is declared
+def test_docs_options_tables_are_the_declared_options_and_every_field_has_one():
+    """docs/serving.md's options tables are generated from options.py (a flag added, removed
+    or reworded without the guide fails here); every settable EngineConfig field is declared
     exactly once, and `pagewire serve` has exactly the declared flags."""
     import os
 
     from pagewire.cli import serve_parser
     from pagewire.config import EngineConfig
-    from pagewire.options import BY_FIELD, DERIVED, OPTIONS, readme_tables
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    assert readme_tables() in readme, (
-        "README options tables differ from actors/options.py; regenerate with: python -c "
-        "'from pagewire.options import readme_tables; print(readme_tables())'")
+    from pagewire.options import BY_FIELD, DERIVED, OPTIONS, options_tables
+    guide = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "serving.md")).read()
+    assert options_tables() in guide, (
+        "docs/serving.md's options tables differ from actors/options.py; regenerate with: "
+        "python -c 'from pagewire.options import options_tables; print(options_tables())'")
     fields = [o.field for o in OPTIONS if o.field]
     assert sorted(fields) == sorted(set(EngineConfig.__struct_fields__) - set(DERIVED))
     assert len(fields) == len(set(fields)) == len(BY_FIELD)

@@ -81,7 +81,8 @@ def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
 
 def test_the_batch_limit_defaults_by_device(model):
     """A verified draft row costs a CPU a good part of a step: speculation is on up to 2
-    running sequences there (bench/NOTES.md), 8 on CUDA; a given limit stays."""
+    running sequences there (bench/NOTES.md "Speculative decoding"), 8 on CUDA; a given limit
+    stays."""
     from pagewire.config import EngineConfig
     from pagewire.config_sections import MAX_BATCH
 
