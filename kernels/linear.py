@@ -11,6 +11,11 @@ the float weight, where arithmetic rather than bytes read bounds the matmul.
 On a CPU without a bfloat16 dot product (AVX2, AVX-512 before BF16) oneDNN packs no bfloat16
 weight and torch's bfloat16 matmul is emulated (below 1 GFLOP/s): pack(upcast=True) keeps a
 bfloat16 model's dense weight in float32 and multiplies in float32, rounding the output back.
+
+A row-parallel projection under tensor parallelism (`float_partial=True`) returns its partial
+sum in float32, unrounded, whatever the activations' dtype: the ranks' partials are summed in
+float32 and rounded once (parallel.TensorParallel.all_reduce), as one rank's output is. Summing
+bfloat16 partials rounded each rank's share and then their sum, and changed greedy answers.
 """
 from __future__ import annotations
 
@@ -31,6 +36,11 @@ class Linear(nn.Linear):
     quantized_max_tokens: int = 0
     lora_slot: int = -1         # its index in a step's LoRA table (executor/lora.py); -1: none
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 float_partial: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.float_partial = float_partial    # forward returns float32 (see the module doc)
+
     def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
         """upcast: multiply in float32 whatever the weight's dtype. Nothing to pack after
         drop_float()."""
@@ -39,7 +49,7 @@ class Linear(nn.Linear):
             return
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()    # a tensor, not a Parameter
-        if upcast and weight.dtype != torch.float32:
+        if (upcast or self.float_partial) and weight.dtype != torch.float32:
             weight, bias = weight.float(), None if bias is None else bias.float()
         self.packed_bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -57,14 +67,17 @@ class Linear(nn.Linear):
         self.weight, self.packed, self.packed_bias = None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.float32 if self.float_partial else x.dtype
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
-            out = quant.matmul(x, self.quantized)
+            out = quant.matmul(x.to(out_dtype), self.quantized)   # float32 x: float32 out
             return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             dtype = self.packed.dtype
             out = torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed, self.packed_bias,
                                                      "none", [], "")
-            return out.to(x.dtype)
+            return out.to(out_dtype)
+        if out_dtype != x.dtype:
+            return _float_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -72,6 +85,17 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             extra += f", quantized up to {self.quantized_max_tokens} tokens"
         return super().extra_repr() + extra
+
+
+def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """x @ weight^T (+ bias) in float32 without rounding the products' sums: on CUDA the GEMM
+    writes its float32 accumulators (mm's out_dtype); elsewhere both operands are widened
+    (exact for bfloat16 and float16 values)."""
+    if x.is_cuda:
+        out = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    else:
+        out = F.linear(x.float(), weight.float())
+    return out if bias is None else out.add_(bias)
 
 
 def pack_linears(model: nn.Module, upcast: bool = False) -> int:

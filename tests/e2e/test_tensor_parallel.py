@@ -126,6 +126,45 @@ def test_default_model_matches_transformers(default_hf_model):
         assert_matches_transformers(srv, HFOracle(default_hf_model), prompts)
 
 
+# bfloat16 logits of this model's top tokens lie below 16 in magnitude: 1/16 is one rounding
+# step there. Two logits that close tie in bfloat16 up to a step, and the order in which the
+# ranks' float32 partials were summed may pick either.
+BF16_LOGIT_STEP = 1 / 16
+
+
+def greedy_chat(srv: Server, question: str) -> list[dict]:
+    """The greedy answer's tokens, each with its top two (token, logprob)."""
+    code, reply, _ = srv.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": question}], "max_tokens": 20,
+        "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
+    assert code == 200, reply
+    return reply["choices"][0]["logprobs"]["content"]
+
+
+def test_bfloat16_ranks_answer_as_one_rank():
+    """-tp 2 in bfloat16: the row-parallel partials are summed in float32 and rounded once,
+    so the default model's chat answers (test_default_model's questions, one at a time) equal
+    one rank's, but where one rank's own top two logits lie within a bfloat16 step (after
+    which nothing more is compared). Summed in bfloat16 (before), the answer to the cooking
+    question parted at its 17th token with one rank's top two 0.25 apart."""
+    from tests.actors.test_default_model import QUESTIONS
+    args = ["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
+    answers = {}
+    for ranks in ([], TWO_RANKS):
+        with running_server([*args, *ranks]) as srv:
+            answers[bool(ranks)] = [greedy_chat(srv, q) for q in QUESTIONS]
+    for question, one, two in zip(QUESTIONS, answers[False], answers[True]):
+        assert len(one) == len(two) == 20, question
+        for i, (a, b) in enumerate(zip(one, two)):
+            if a["token"] == b["token"]:
+                continue
+            (t1, lp1), (t2, lp2) = [(t["token"], t["logprob"]) for t in a["top_logprobs"]]
+            assert b["token"] in (t1, t2) and lp1 - lp2 <= BF16_LOGIT_STEP, (
+                f"{question!r} parted at token {i}: one rank {a['token']!r}, two ranks "
+                f"{b['token']!r}; one rank's top two {t1!r} {lp1:.4f}, {t2!r} {lp2:.4f}")
+            break
+
+
 def stream_until_error(srv: Server, kill) -> dict:
     """Start a long stream, call kill() once tokens flow; return the error event it ends
     with."""

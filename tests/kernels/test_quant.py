@@ -114,6 +114,31 @@ def test_linear_uses_the_quantized_weight_up_to_max_tokens(native_lib):
         Linear(32, 32).use_quantized(weight, 4)
 
 
+def test_a_float_partial_linear_returns_unrounded_float32_sums(native_lib):
+    """A row-parallel projection under tensor parallelism (float_partial) gives float32 sums
+    from bfloat16 activations on each path: the blocks (small steps), the dense weight before
+    packing, and the packed one (packed in float32 for it)."""
+    rng = np.random.default_rng(3)
+    raw, w = blocks_of(rng.standard_normal((32, 64)), "Q4_1")
+    linear = Linear(64, 32, bias=False, float_partial=True).bfloat16()
+    with torch.no_grad():
+        linear.weight.copy_(w.bfloat16())
+    small, large = torch.randn(4, 64).bfloat16(), torch.randn(40, 64).bfloat16()
+    ref = large.double() @ linear.weight.double().T
+    dense = linear.forward(large)
+    assert dense.dtype == torch.float32
+    assert torch.equal(dense, torch.nn.functional.linear(large.float(), linear.weight.float()))
+    weight = quant.pack(quant.Q4_1, raw, 64, native_lib)
+    linear.use_quantized(weight, max_tokens=4)
+    assert torch.equal(linear.forward(small), quant.matmul(small.float(), weight))
+    linear.pack()
+    assert linear.packed.dtype == torch.float32
+    packed = linear.forward(large)
+    assert packed.dtype == torch.float32
+    assert ((packed.double() - ref).abs() <= ref.abs() * 1e-5 + 1e-5).all()
+    assert not torch.equal(packed, packed.bfloat16().float())      # not rounded to bfloat16
+
+
 def test_shapes_that_cannot_be_packed(native_lib):
     assert quant.packable(quant.Q4_1, 48, 96)
     assert not quant.packable(quant.Q4_1, 40, 96)            # rows: groups of 16

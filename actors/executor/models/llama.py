@@ -48,7 +48,8 @@ class Attention(nn.Module):
         self.q_size = share.num_q * cfg.head_dim
         self.kv_size = share.num_kv * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
+                             float_partial=tp.size > 1)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
@@ -65,7 +66,7 @@ class MLP(nn.Module):
         start, end = split_range(cfg.intermediate_size, tp.size, tp.rank)
         self.tp = tp
         self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False)
-        self.down = Linear(end - start, cfg.hidden_size, bias=False)
+        self.down = Linear(end - start, cfg.hidden_size, bias=False, float_partial=tp.size > 1)
 
 
 class DecoderLayer(nn.Module):

@@ -30,7 +30,8 @@ class Op(IntEnum):
     ATTEND = 6       # write k, v to the paged cache, x = paged attention of q
     SILU_MUL = 7     # x = silu(gate) * up
     GELU_MUL = 8     # x = gelu_tanh(gate) * up
-    ALL_REDUCE = 9   # x = sum of x over the tensor-parallel ranks
+    ALL_REDUCE = 9   # x = sum of x over the tensor-parallel ranks: the row-parallel linear
+                     # before it leaves float32 partials, summed in float32, rounded once
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def _norm(ops, norm, s: State) -> None:
 
 
 def _linear(ops, linear, s: State) -> None:
-    y = linear.forward(s.x)
+    y = linear.forward(s.x)                # float32 from a row-parallel linear (ALL_REDUCE)
     if s.lora is not None and linear.lora_slot >= 0:
-        ops.lora_delta(y, s.x, s.lora, linear.lora_slot)
+        ops.lora_delta(y, s.x.to(y.dtype), s.lora, linear.lora_slot)
     s.x = y
 
 
@@ -114,7 +115,7 @@ def _gelu_mul(ops, _, s: State) -> None:
 
 
 def _all_reduce(ops, tp, s: State) -> None:
-    s.x = tp.all_reduce(s.x)
+    s.x = tp.all_reduce(s.x).to(s.residual.dtype)       # float32 partials, rounded once
 
 
 RUN = {Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.LINEAR: _linear, Op.QK_NORM: _qk_norm,
