@@ -82,15 +82,17 @@ class LLM:
     def __init__(self, model: str | None = None, **options):
         self.config = msgspec.convert(dict(options, model=model), EngineConfig).resolve()
         self.tokenizer = load_tokenizer(self.config.model_info)
+        # The core first: its tier index scans the disk tier before the executor opens it.
+        core = SchedulerCore(self.config, tier_present=kv_tier_files.present(self.config))
         # What the KV server and puller threads tell the scheduler (kv_transfer.py).
         self._notices: queue.SimpleQueue = queue.SimpleQueue()
         self.runner = ModelRunner(self.config, notify=self._notices.put)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
-        executor = InProcessExecutor(lambda plan: self.runner.execute(plan),   # looked up per
-                                     on_thread=self.config.async_scheduling,  # step: wrappable
+        # runner.execute is looked up at each step, so a wrapper set on the runner later runs.
+        executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
+                                     on_thread=self.config.async_scheduling,
                                      thread_init=lambda: torch.set_num_threads(threads))
-        self.engine = StepEngine(SchedulerCore(
-            self.config, tier_present=kv_tier_files.present(self.config)), executor)
+        self.engine = StepEngine(core, executor)
         self.scheduler = self.engine.scheduler
         self.detokenizer = Detokenizer(self.tokenizer)
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),

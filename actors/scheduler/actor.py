@@ -174,8 +174,8 @@ class SchedulerLoop:
     def __init__(self, env):
         self.env = env
         core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
-        self.engine = StepEngine(core, SocketExecutor([env.push("executor-0")]))
         self.inbox = env.pull("scheduler", SchedulerInbox)
+        self.engine = StepEngine(core, SocketExecutor([env.push("executor-0")]))
         self.pushes = {"detokenizer": env.push("detokenizer")}
         self.stats = StatsReporter(self.engine.scheduler, env.push("gateway").send)
 
