@@ -42,11 +42,12 @@ class SchedulerReplay(Replay):
         # finds nothing and is computed, as the recording's may not have been).
         scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.kv_offload_dir \
             else None
+        core = SchedulerCore(config)
         self.runner = ModelRunner(msgspec.structs.replace(
             config, kv_offload_dir=scratch, kv_transfer_config=None))
         # Each plan runs when its result is asked for: plans run in order, and a plan that
         # diverges from the recording is reported before it runs.
-        self.engine = StepEngine(SchedulerCore(config), InProcessExecutor(self.runner.execute))
+        self.engine = StepEngine(core, InProcessExecutor(self.runner.execute))
 
     def receive(self, msg) -> None:
         if isinstance(msg, StepResult):
