@@ -27,9 +27,9 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 
 
 def add_arguments(sub) -> None:
-    from .cli import _engine_args
+    from .cli import add_engine_args
     tp = sub.add_parser("throughput", help="offline throughput on a random dataset")
-    _engine_args(tp)
+    add_engine_args(tp)
     tp.add_argument("--dataset-name", default="random", choices=["random"])
     tp.add_argument("--random-input-len", type=int, default=1024)
     tp.add_argument("--random-output-len", type=int, default=128)
@@ -38,7 +38,7 @@ def add_arguments(sub) -> None:
     tp.add_argument("--output-json", default=None)
     tp.set_defaults(bench=throughput)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
-    _engine_args(lat)
+    add_engine_args(lat)
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--batch-size", type=int, default=8)
@@ -51,9 +51,9 @@ def add_arguments(sub) -> None:
 def _llm(args):
     import msgspec
 
-    from .cli import _config
+    from .cli import config_from_args
     from .llm import LLM
-    fields = {k: v for k, v in msgspec.structs.asdict(_config(args)).items()
+    fields = {k: v for k, v in msgspec.structs.asdict(config_from_args(args)).items()
               if v is not None and k not in ("model", "model_info", "draft_model_info", "run_dir")}
     return LLM(getattr(args, "model", None), **fields)
 

@@ -16,7 +16,7 @@ from .config import EngineConfig
 from .process import setup_logging
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `bench` (declared in options.py)."""
     options.add_flags(p, serve=False)
 
@@ -28,7 +28,7 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
     flags = {k: v for k, v in vars(args).items() if k in options.BY_FIELD}
     return settings.build(flags, config_file=getattr(args, "config_file", None))
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("supervisor")
     log = logging.getLogger("supervisor")
     try:
-        config = _config(args).resolve()
+        config = config_from_args(args).resolve()
     except (ValueError, OSError) as e:
         log.error("%s", e)
         return 2

@@ -1,9 +1,10 @@
 """The offline API: LLM(model).generate(prompts, SamplingParams(...)).
 
 Runs the same tokenizer, scheduler, executor and detokenizer cores as the server, in this
-process and without sockets: a batch job pays no IPC and needs no run directory. The executor
-runs plans on a thread of its own, so with async scheduling the next step is planned (and the
-last one's tokens detokenized) while a step runs, as in the server.
+process and without sockets: a batch job pays no IPC and needs no run directory. The scheduler
+core runs in the step engine (scheduler/engine.py) as in the server, against the executor in
+this process; with async scheduling the executor runs plans on a thread of its own, so the next
+step is planned (and the last one's tokens detokenized) while a step runs, as in the server.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import itertools
 import queue
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,6 +36,7 @@ from .executor.runner import ModelRunner
 from .hf_tokenizer import load_tokenizer
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
+from .scheduler.engine import InProcessExecutor, StepEngine
 from .tokenizer import RequestTokenizer
 
 Prompt = str | list[int] | dict
@@ -73,25 +74,29 @@ class LLM:
     """An engine in this process. Keyword options are EngineConfig's (dtype, max_model_len,
     max_num_seqs, block_size, kv_cache_memory, ...).
 
-    A driver over the same cores the server's actors run (tokenizer, scheduler core,
-    detokenizer): messages move between them through an in-process queue instead of sockets,
-    so stop strings, n / best_of, beams and aborts behave exactly as served."""
+    A driver over the same cores the server's actors run (tokenizer, the scheduler's step
+    engine, detokenizer): messages move between them through an in-process queue instead of
+    sockets, so stop strings, n / best_of, beams and aborts behave exactly as served.
+    `scheduler` and `runner` are there to inspect; the driver itself only moves messages."""
 
     def __init__(self, model: str | None = None, **options):
         self.config = msgspec.convert(dict(options, model=model), EngineConfig).resolve()
         self.tokenizer = load_tokenizer(self.config.model_info)
+        # The core first: its tier index scans the disk tier before the executor opens it.
         core = SchedulerCore(self.config, tier_present=kv_tier_files.present(self.config))
-        self.detokenizer = Detokenizer(self.tokenizer)
-        self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
-                      "scheduler": core, "detokenizer": self.detokenizer}
-        self.core, self.scheduler = core, core.sched
         # What the KV server and puller threads tell the scheduler (kv_transfer.py).
         self._notices: queue.SimpleQueue = queue.SimpleQueue()
         self.runner = ModelRunner(self.config, notify=self._notices.put)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
-        self._executor = ThreadPoolExecutor(1, "pagewire-executor",
-                                            initializer=lambda: torch.set_num_threads(threads))
-        self._steps: deque[Future] = deque()   # plans submitted, oldest first; run in order
+        # runner.execute is looked up at each step, so a wrapper set on the runner later runs.
+        executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
+                                     on_thread=self.config.async_scheduling,
+                                     thread_init=lambda: torch.set_num_threads(threads))
+        self.engine = StepEngine(core, executor)
+        self.scheduler = self.engine.scheduler
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
+                      "scheduler": self.engine, "detokenizer": self.detokenizer}
         self._ids = itertools.count()
         self._prompts: dict[str, str | None] = {}     # prompt text, until the request starts
         self._live: dict[str, RequestOutput] = {}
@@ -213,7 +218,7 @@ class LLM:
     def _step_if_any(self) -> bool:
         """Run a step if one can be planned; requests that finished go to _streamed."""
         self._submit_plans()
-        ran = bool(self._steps)
+        ran = bool(self.engine.num_in_flight)
         if ran:
             self._apply_oldest_step()
         finished, self._finished = self._finished, []
@@ -254,41 +259,27 @@ class LLM:
         retried = False
         while True:
             self._submit_plans()
-            if self._steps:
+            if self.engine.num_in_flight:
                 break
             if self._finished:               # a notice ended a request (a pull that failed)
                 break
-            if self.scheduler.arrivals.pulling:   # nothing runs until blocks come from a prefill
-                self._deliver([("scheduler", self._notices.get())])     # engine (or not)
+            if self.engine.waiting_for_arrivals():   # nothing runs until blocks come from a
+                self._deliver([("scheduler", self._notices.get())])   # prefill engine (or not)
             elif retried:
                 raise RuntimeError("scheduler has unfinished requests but nothing to run")
             else:                # a schedule that only preempted plans nothing: plan again
                 retried = True
-        if self._steps:
+        if self.engine.num_in_flight:
             self._apply_oldest_step()
         finished, self._finished = self._finished, []
         return finished
 
     def _submit_plans(self) -> None:
-        """Hand the scheduler what the KV threads said, then the executor every plan it makes
-        (up to the plans in flight it allows)."""
+        """Hand the scheduler what the KV threads said, then let the engine plan and send the
+        executor every plan it may (up to the plans in flight it allows)."""
         self._take_notices()
-        while (plan := self.core.plan()) is not None:
-            self._steps.append(self._execute(plan))
-
-    def _execute(self, plan) -> Future:
-        """The step: on the executor thread when plans overlap (async scheduling), else here.
-        OpenMP keeps a thread team per calling thread, and once a second thread had run the
-        steps, a CPU step took twice as long on two cores (bench/NOTES.md "Threads and OpenMP
-        teams")."""
-        if self.config.async_scheduling:
-            return self._executor.submit(self.runner.execute, plan)
-        future: Future = Future()
-        try:
-            future.set_result(self.runner.execute(plan))
-        except Exception as e:           # raised where the result is taken, as from a thread
-            future.set_exception(e)
-        return future
+        while self.engine.plan() is not None:
+            pass
 
     def _take_notices(self) -> None:
         """Leases the KV server ended, pulls the puller finished: to the scheduler."""
@@ -296,8 +287,8 @@ class LLM:
             self._deliver([("scheduler", self._notices.get())])
 
     def _apply_oldest_step(self) -> None:
-        """Wait for the oldest submitted step and hand its result to the scheduler core."""
-        self._deliver([("scheduler", self._steps.popleft().result())])
+        """Wait for the oldest plan's result and hand it to the scheduler's engine."""
+        self._deliver([("scheduler", self.engine.next_result())])
 
     def _deliver(self, sends: Sends) -> None:
         """Move messages between the cores, in order, as the actors' sockets would, until
@@ -367,10 +358,10 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         while any(r not in done for r in req_ids):
             done.update((o.request_id, o) for o in self.step())
-        while self._steps:         # a step planned ahead of sequences that have ended
+        while self.engine.num_in_flight:   # a step planned ahead of sequences that have ended
             self._apply_oldest_step()
-        while not self._live and self.scheduler.has_work():   # plans of their own: leases
-            self.step()                                       # to serve, blocks to store
+        while not self._live and self.engine.has_work():   # plans of their own: leases to
+            self.step()                                    # serve, blocks to store
         return [done[r] for r in req_ids]
 
 

@@ -11,7 +11,6 @@ The configuration is the recorded one; a model whose weights changed since is re
 from __future__ import annotations
 
 import tempfile
-from collections import deque
 
 import msgspec
 
@@ -28,40 +27,44 @@ __all__ = ["replay", "differing_ids", "CannotReplay"]
 
 
 class SchedulerReplay(Replay):
-    """Drives the scheduler core (scheduler/core.py) as the actor loop did, with a fresh
-    executor running each plan."""
+    """Drives the step engine (scheduler/engine.py) as the actor loop did, with a fresh
+    executor in this process: where the recording sent a plan, the engine plans (compared with
+    the recorded plan); where a result came, the new executor's result for the oldest plan in
+    flight is compared with the recorded one and handed to the engine in its place."""
 
     def __init__(self, config: EngineConfig):
         super().__init__()
         from .executor.runner import ModelRunner
         from .scheduler.core import SchedulerCore
+        from .scheduler.engine import InProcessExecutor, StepEngine
         # The executor keeps to itself: a disk tier of its own (never the recorded engine's
         # directory, which that engine may still be using), no KV server or pulls (a pull
         # finds nothing and is computed, as the recording's may not have been).
         scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.kv_offload_dir \
             else None
-        self.core = SchedulerCore(config)
+        core = SchedulerCore(config)
         self.runner = ModelRunner(msgspec.structs.replace(
             config, kv_offload_dir=scratch, kv_transfer_config=None))
-        self.results: deque[StepResult] = deque()
+        # Each plan runs when its result is asked for: plans run in order, and a plan that
+        # diverges from the recording is reported before it runs.
+        self.engine = StepEngine(core, InProcessExecutor(self.runner.execute))
 
     def receive(self, msg) -> None:
         if isinstance(msg, StepResult):
-            if not self.results:
+            if not self.engine.num_in_flight:
                 raise CannotReplay("the recording holds a step result for a plan it does not "
                                    "hold: it starts mid-run")
-            ours = self.results.popleft()
+            ours = self.engine.next_result()
             if ours != msg:
                 raise Divergence(self.index, "the executor's step result", msg, ours)
             msg = ours
-        self.route(self.core.handle(msg))
+        self.route(self.engine.handle(msg))
 
     def expect(self, channel: str, recorded) -> None:
         if isinstance(recorded, StepPlan):         # the recorded loop planned here: so do we
-            plan = self.core.plan()
+            plan = self.engine.plan()
             if plan != recorded:
                 raise Divergence(self.index, f"plan sent to {channel}", recorded, plan)
-            self.results.append(self.runner.execute(plan))
         elif channel != "gateway":                 # scheduler statistics carry timings
             super().expect(channel, recorded)
 

@@ -41,14 +41,14 @@ def _secure(sock: zmq.Socket, keys: str | None, server: bool) -> None:
     engines): the server is the engine key, a puller the executor key."""
     if not keys:
         return
-    from .ranks import _load
+    from .ranks import load_curve_keys
     if server:
-        public, secret = _load(keys, "engine", True)
+        public, secret = load_curve_keys(keys, "engine", True)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
     else:
-        public, secret = _load(keys, "executor", True)
+        public, secret = load_curve_keys(keys, "executor", True)
         sock.curve_secretkey, sock.curve_publickey = secret, public
-        sock.curve_serverkey = _load(keys, "engine", False)[0]
+        sock.curve_serverkey = load_curve_keys(keys, "engine", False)[0]
 
 
 class KvServer:

@@ -56,7 +56,8 @@ def make_keys(directory: str) -> list[str]:
     return paths
 
 
-def _load(directory: str, name: str, secret: bool) -> tuple[bytes, bytes | None]:
+def load_curve_keys(directory: str, name: str, secret: bool) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of `name`'s CURVE key pair in `directory` (`pagewire keys`)."""
     path = os.path.join(directory, f"{name}.key_secret" if secret else f"{name}.key")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} is missing (make the keys with `pagewire keys DIR`)")
@@ -90,8 +91,9 @@ class RankServer:
         if address.startswith("tcp://"):
             self.auth = ThreadAuthenticator(ctx)
             self.auth.start()
-            self.auth.configure_curve_callback("*", _Admit(_load(keys, "executor", False)[0]))
-            public, secret = _load(keys, "engine", True)
+            executor_key = load_curve_keys(keys, "executor", False)[0]
+            self.auth.configure_curve_callback("*", _Admit(executor_key))
+            public, secret = load_curve_keys(keys, "engine", True)
             self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
             self.sock.curve_server = True
         self.sock.bind(address)
@@ -187,9 +189,9 @@ class RankClient:
             if not keys:
                 raise AttachFailed("attaching over TCP needs --curve-keys DIR (with "
                                    "executor.key_secret and engine.key from `pagewire keys`)")
-            public, secret = _load(keys, "executor", True)
+            public, secret = load_curve_keys(keys, "executor", True)
             self.sock.curve_secretkey, self.sock.curve_publickey = secret, public
-            self.sock.curve_serverkey = _load(keys, "engine", False)[0]
+            self.sock.curve_serverkey = load_curve_keys(keys, "engine", False)[0]
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self.sock.connect(address)
         self.decoder = make_decoder(RankInbox)

@@ -1,9 +1,9 @@
-"""The scheduler actor: the step loop.
+"""The scheduler actor: the socket driver of the step engine (engine.py).
 
-    drain inbox (NewRequest, Abort, StepResult) -> core.plan() -> plan to every executor
-    -> ... StepResult -> core.handle() -> TokenDeltas to the detokenizer
+    drain inbox (NewRequest, Abort, StepResult) -> engine.handle() -> TokenDeltas to the
+    detokenizer; engine.plan() -> the plan to executor-0 (SocketExecutor)
 
-With async scheduling two plans are in flight (core.py): the next step is planned and queued
+With async scheduling two plans are in flight (engine.py): the next step is planned and queued
 at the executor while the current one runs. The inbox is drained without blocking while there
 is work to plan, and blocks when waiting for a result or when idle (with a timeout while a
 metrics report or log line is due).
@@ -26,6 +26,7 @@ from pagewire.wire.to_scheduler import AbortAll, SchedulerInbox, StepResult
 
 from .. import kv_tier_files
 from .core import SchedulerCore
+from .engine import SocketExecutor, StepEngine
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -167,21 +168,21 @@ class StatsReporter:
 
 
 class SchedulerLoop:
-    """Moves messages between the inbox, the scheduler core and the executors; the behaviour
-    is the core's (core.py)."""
+    """Moves messages between the inbox, the step engine and the sockets; the behaviour is the
+    engine's and its core's (engine.py, core.py)."""
 
     def __init__(self, env):
         self.env = env
-        self.core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
+        core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
         self.inbox = env.pull("scheduler", SchedulerInbox)
-        self.executors = [env.push("executor-0")]
+        self.engine = StepEngine(core, SocketExecutor([env.push("executor-0")]))
         self.pushes = {"detokenizer": env.push("detokenizer")}
-        self.stats = StatsReporter(self.core.sched, env.push("gateway").send)
+        self.stats = StatsReporter(self.engine.scheduler, env.push("gateway").send)
 
     def run(self) -> None:
         wait: float | None = 0.0       # tick() at once: heartbeats and reports start now
         while True:
-            can_plan = self.core.can_plan()
+            can_plan = self.engine.can_plan()
             msg = self.inbox.recv(0 if can_plan else None if wait is None else int(wait * 1000) + 1)
             while msg is not None:
                 self.stats.on_message(msg)
@@ -189,15 +190,13 @@ class SchedulerLoop:
                     self.stats.on_result()
                 elif isinstance(msg, AbortAll):
                     log.warning("aborting every request: %s", msg.reason)
-                for channel, out in self.core.handle(msg):
+                for channel, out in self.engine.handle(msg):
                     self.pushes[channel].send(out)
                 msg = self.inbox.recv(0)
-            plan = self.core.plan()
+            plan = self.engine.plan()           # sent to the executors
             if plan is not None:
-                for executor in self.executors:
-                    executor.send(plan)
                 self.stats.on_plan(plan)
-            busy = self.core.busy()
+            busy = self.engine.busy()
             wait = self.stats.tick(busy)
             self.env.heartbeat(self.stats.step_running_for())
 

@@ -31,10 +31,13 @@ class Request:
     `num_in_flight` more are scheduled in plans whose results have not come back, and
     `num_placeholders` of those plans' rows sample a token the executor appends itself (the
     scheduler learns it from the result). Tokens [num_computed + num_in_flight, target_len +
-    num_placeholders) are still to plan. A fork leader (a prompt that will split into n
-    sequences) targets all but the last prompt token; every other request targets all its
-    tokens. `on_executor` says
-    the executor holds this request's state; `num_blocks_sent` is how much of the block table
+    num_placeholders) are still to plan. (The step engine's ledger is the record of plans in
+    flight; `num_in_flight` is this sequence's share of them, kept here because every plan
+    needs it for every sequence, where the next plan writes, and because a preemption or an
+    abort zeroes it, dropping that work, while the plans stay in the ledger.) A fork leader
+    (a prompt that will split into n sequences) targets all but the last prompt token; every
+    other request targets all its tokens. `on_executor` says the executor holds this
+    request's state; `num_blocks_sent` is how much of the block table
     it holds unchanged. `block_hashes` cover the full blocks of token_ids computed so far
     (prefix caching); the first `num_committed` are committed to the block manager. With a
     sliding window the first `num_dropped` entries of block_ids are no longer this request's

@@ -19,8 +19,10 @@ tokens included, as vLLM counts), num_generation_tokens (tokens sampled), num_pr
 tables.prefix_queries / prefix_hits, and first_scheduled (the arrival times of the requests the
 latest schedule() ran for the first time).
 
-Each schedule() is answered by one update(plan, result), in plan order, and a plan may be made
-before the previous one's result is applied (pipelined steps, core.py): it then assumes that
+Each schedule() is answered by one update(plan, rows, result), in plan order, where `rows` are
+what schedule() returned beside the plan (the step engine keeps both in its ledger of plans in
+flight, engine.py: the scheduler holds no record of plans of its own). A plan may be made
+before the previous one's result is applied (pipelined steps): it then assumes that
 every running sequence whose planned tokens reach its end gets one more token (a placeholder
 the executor fills in itself, since it runs plans in order), and plans nothing past a token
 that ends the sequence by max_tokens. add() and abort() may come at any time; update() skips
@@ -47,6 +49,10 @@ from .speculation import DraftPolicy
 
 _FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 
+# A plan's sequences with the tokens each was scheduled for: what update() needs of the plan
+# besides the StepPlan. Kept by the step engine's ledger until the plan's result comes.
+StepRows = list[tuple[Request, int]]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, tier_present: list[bytes] | None = None):
@@ -62,8 +68,6 @@ class Scheduler:
         self.waiting: list[Request] = []         # sorted by key
         self.running: list[Request] = []         # sorted by key
         self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
-        # step id -> its plan's sequences with the tokens each was scheduled for
-        self.in_flight: dict[int, list[tuple[Request, int]]] = {}
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[SeqId] = []
@@ -156,15 +160,16 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
-        """Decide the next step. Returns None when there is nothing to run."""
+    def schedule(self, steps_in_flight: int = 0) -> tuple[StepPlan, StepRows] | None:
+        """Decide the next step, given how many plans are in flight (their results not yet
+        applied): the plan and its rows (for update()), or None when there is nothing to run."""
         budget = self.config.max_num_batched_tokens
         self.first_scheduled = []
         self._make_room_for_priority()
         scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
             scheduled += self._admit_waiting(budget)
-            if not scheduled and self._release_waiting_blocks():
+            if not scheduled and not steps_in_flight and self._release_waiting_blocks():
                 scheduled += self._admit_waiting(budget)
         tier = self.tables.tier.take_work() if self.tables.tier is not None else None
         pulls, leases = self.tables.take_pulls(), self.tables.take_leases()
@@ -172,7 +177,7 @@ class Scheduler:
         if not (scheduled or tier or pulls or leases):
             return None
         self.step_id += 1
-        self.in_flight[self.step_id] = [(req, req.num_scheduled) for req in scheduled]
+        rows = [(req, req.num_scheduled) for req in scheduled]
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
                         self.preempted_ids, tier, leases, pulls)
@@ -180,7 +185,7 @@ class Scheduler:
         for req in scheduled:
             entry = req.send_planned()
             (plan.new if isinstance(entry, NewSeq) else plan.running).append(entry)
-        return plan
+        return plan, rows
 
     def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
         scheduled, preempted, i = [], False, 0
@@ -256,10 +261,11 @@ class Scheduler:
         return admitted
 
     def _release_waiting_blocks(self) -> bool:
-        """Nothing runs or will: if waiting sequences hold device blocks (loaded from the disk
-        tier, swapped in) that the first in line needs, they give them back (and recompute
-        from the prefix cache) rather than wait on each other forever."""
-        if self.running or self.in_flight or self.arrivals.loading:
+        """Nothing runs or will (no plan in flight either: the caller checks): if waiting
+        sequences hold device blocks (loaded from the disk tier, swapped in) that the first in
+        line needs, they give them back (and recompute from the prefix cache) rather than wait
+        on each other forever."""
+        if self.running or self.arrivals.loading:
             return False
         holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
         for req in holders:
@@ -321,11 +327,12 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[TokenDelta]:
-        """Apply the executor's result for `plan`; returns the token deltas."""
+    def update(self, plan: StepPlan, scheduled: StepRows,
+               result: StepResult) -> list[TokenDelta]:
+        """Apply the executor's result for `plan` (with the rows schedule() returned for it);
+        returns the token deltas."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
-        scheduled = self.in_flight.pop(plan.step_id)
         for req in self.arrivals.tier_loaded(plan, result):
             self._back_in_line(req)
         if result.error is not None:
@@ -452,7 +459,7 @@ class Scheduler:
         return [TokenDelta(out_id, tokens, reason)
                 for out_id, (tokens, reason) in zip(group.output_ids, group.results())]
 
-    def _fail_step(self, scheduled: list[Request], error: str) -> list[TokenDelta]:
+    def _fail_step(self, scheduled: StepRows, error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
         deltas = []
         for req, _ in scheduled:

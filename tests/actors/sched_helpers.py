@@ -10,6 +10,7 @@ from pagewire.executor.seq_table import SeqTable
 from pagewire.model_info import ModelInfo
 from pagewire.wire.ids import PROMPT, SeqId, beam
 from pagewire.scheduler.core import SchedulerCore
+from pagewire.scheduler.engine import StepEngine
 from pagewire.wire.sampling import SamplingParams
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import StepPlan
@@ -34,23 +35,38 @@ def names(seq_ids) -> list[str]:
     return [str(s) for s in seq_ids]
 
 
-class Driven:
-    """A scheduler core behind messages, and the executor's sequence table running its plans.
+class HeldPlans:
+    """An executor handle that keeps the plans sent to it for Driven.run() to execute."""
 
-    add / abort / abort_all / update send the core a message and return the TokenDeltas it
-    sends the detokenizer; schedule() is the core's plan(); run() executes the oldest plan not
+    def __init__(self):
+        self.not_run: deque[StepPlan] = deque()
+
+    def send(self, plan: StepPlan) -> None:
+        self.not_run.append(plan)
+
+    def collect(self, ticket) -> StepResult:
+        raise AssertionError("Driven sends results as messages, as over sockets")
+
+
+class Driven:
+    """A step engine behind messages, and the executor's sequence table running its plans.
+
+    add / abort / abort_all / update send the engine a message and return the TokenDeltas it
+    sends the detokenizer; schedule() is the engine's plan(); run() executes the oldest plan not
     yet run. The scheduler's state (running, waiting, kv, counters) reads through."""
 
     def __init__(self, config: EngineConfig, depth: int | None = 1):
-        self.core = SchedulerCore(config, depth)
+        self.core = SchedulerCore(config)
+        self.held = HeldPlans()
+        self.engine = StepEngine(self.core, self.held, depth)
         self.executor = SeqTable(list(config.model_info.eos_token_ids))
-        self.not_run: deque[StepPlan] = deque()
+        self.not_run = self.held.not_run
 
     def __getattr__(self, name):
         return getattr(self.core.sched, name)
 
     def send(self, msg) -> list[TokenDelta]:
-        return [d for _, out in self.core.handle(msg) for d in out.deltas]
+        return [d for _, out in self.engine.handle(msg) for d in out.deltas]
 
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         return self.send(msg)
@@ -62,10 +78,7 @@ class Driven:
         return self.send(AbortAll("test"))
 
     def schedule(self) -> StepPlan | None:
-        plan = self.core.plan()
-        if plan is not None:
-            self.not_run.append(plan)
-        return plan
+        return self.engine.plan()
 
     def run(self, tokens: dict[str, int] | None = None, default: int = 5,
             result: StepResult | None = None, model=None) -> StepResult:

@@ -341,10 +341,10 @@ def test_cli_flag_sets_the_option():
     class Stop(Exception):
         pass
 
-    with mock.patch.object(cli, "_config", side_effect=Stop) as config:
+    with mock.patch.object(cli, "config_from_args", side_effect=Stop) as config:
         with pytest.raises(Stop):
             cli.main(["serve", "--metrics-require-api-key"])
-    assert cli._config(config.call_args.args[0]).metrics_require_api_key is True
+    assert cli.config_from_args(config.call_args.args[0]).metrics_require_api_key is True
     assert EngineConfig().metrics_require_api_key is False
 
 

@@ -37,7 +37,7 @@ def test_nothing_is_planned_past_a_max_tokens_end():
     assert [(d.token_ids, d.finish_reason) for d in deltas] == [([5], None), ([5], "length")]
     sched.add(new("b", 4, max_tokens=1))
     only = sched.schedule()
-    assert sched.schedule() is None and sched.core.stalled   # its one token is in flight
+    assert sched.schedule() is None and sched.engine.stalled   # its one token is in flight
     assert [d.finish_reason for d in sched.update(only, sched.run())] == ["length"]
     assert sched.schedule() is None and not sched.has_work()
     assert_pool_whole(sched)
@@ -70,7 +70,7 @@ def test_an_abort_with_two_steps_in_flight_frees_everything_and_ignores_both_res
     assert [d.finish_reason for d in sched.abort(["a"])] == ["abort"]
     assert sched.kv.num_free == sched.kv.num_blocks         # freed at once
     assert sched.update(first, sched.run()) == [] and sched.update(second, sched.run()) == []
-    assert not sched.has_work() and sched.core.in_flight == type(sched.core.in_flight)()
+    assert not sched.has_work() and sched.engine.num_in_flight == 0
     assert_pool_whole(sched)
 
 
@@ -107,9 +107,9 @@ def run_to_end(sched, requests) -> tuple[dict, int]:
     ahead = 0
     for r in requests:
         sched.add(r)
-    while sched.core.busy():
+    while sched.engine.busy():
         while sched.schedule() is not None:
-            ahead += len(sched.core.in_flight) > 1
+            ahead += sched.engine.num_in_flight > 1
         plan = sched.not_run[0]
         for d in sched.update(plan, sched.run(model=deterministic)):
             tokens, _ = out.setdefault(str(d.seq_id), [[], None])
@@ -164,7 +164,7 @@ def test_offline_engine_pipelines_and_a_step_left_with_only_stopped_rows_runs_em
         assert (alone.outputs[0].token_ids, alone.outputs[0].finish_reason) == ([7], "stop")
         outs = llm.generate([[5, 6, 9], [11, 12, 13, 14, 15], [8] * 9], greedy)
         outputs.append([o.outputs[0].token_ids for o in outs])
-        assert not llm.core.in_flight and llm.scheduler.kv.num_free == 64
+        assert llm.engine.num_in_flight == 0 and llm.scheduler.kv.num_free == 64
     assert outputs[0] == outputs[1] and all(len(t) == 12 for t in outputs[0])
 
 
@@ -192,4 +192,4 @@ def test_step_durations_count_a_queued_step_from_the_result_before_it():
 def test_async_scheduling_is_on_by_default_only_on_a_gpu(device, asked, resolved):
     sched = make_scheduler(device=device, async_scheduling=asked, depth=None)
     assert sched.config.async_scheduling is resolved
-    assert sched.core.depth == (2 if resolved else 1)
+    assert sched.engine.depth == (2 if resolved else 1)
