@@ -14,6 +14,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "pagewire_api.h"
+
 namespace {
 
 #define PW_RATE_CLOBBERS "memory", "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", \

@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "paged_decode.h"
+#include "pagewire_api.h"
 
 namespace {
 
@@ -115,11 +116,6 @@ int64_t pw_avx512_bf16() {
   return 0;
 #endif
 }
-
-int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
-                                       const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                                       int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                       float, float*);  // decode_attention.cpp
 
 // out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
 void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,

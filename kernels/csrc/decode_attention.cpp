@@ -21,6 +21,7 @@
 #include "paged_decode.h"     // DecodeItems, exp_normal
 #include "decode_tiles_fp8.h"
 #include "decode_tiles_int8.h"
+#include "pagewire_api.h"
 
 namespace pw {
 namespace {

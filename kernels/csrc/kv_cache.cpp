@@ -13,11 +13,7 @@
 #include "bf16.h"
 #include "kv_quant.h"
 #include "paged_decode.h"
-
-extern "C" int64_t pw_decode_attention_tiled_q8(
-    pw::bf16*, const pw::bf16*, const uint8_t*, const uint8_t*, const int64_t*, const int64_t*,
-    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-    float, int64_t, float*);  // decode_attention.cpp
+#include "pagewire_api.h"
 
 namespace {
 

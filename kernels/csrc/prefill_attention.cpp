@@ -29,6 +29,7 @@
 
 #include "attention_tiles.h"
 #include "bf16.h"
+#include "pagewire_api.h"
 
 namespace pw {
 namespace {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "float_vec.h"
+#include "pagewire_api.h"
 
 namespace {
 
