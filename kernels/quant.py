@@ -43,7 +43,7 @@ _NIBBLES = (Q4_1, Q4_K)
 ROUNDINGS = ("exact", "int16", "int8")
 # A packed weight's kind: its tile type plus its rounding's PwRounding (the native entry point
 # and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).
-_KIND_OFFSET = {rounding: _ROUNDING[rounding.upper()] for rounding in ROUNDINGS}
+_KIND_OFFSET = {rounding: _ROUNDING[rounding.upper()] for rounding in ("exact", "int8", "int16")}
 # Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
 BF16 = _TILE["BF16"]
