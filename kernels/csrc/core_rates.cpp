@@ -56,7 +56,7 @@ double rate() {
 
 }  // namespace
 
-extern "C" {
+extern "C" {   // the entry point's contract: pagewire_api.h
 
 // The ratio of the best of `rounds` timings of each loop, alternated so that a clock change
 // or an interruption spoils one round of one kind, not the answer.

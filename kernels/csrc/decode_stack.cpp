@@ -233,7 +233,7 @@ void decode_stack(T* x, T* residual, const int64_t* program, int64_t length, int
 
 extern "C" {
 
-// pagewire_api.h documents both.
+// pagewire_api.h documents both entry points.
 #define PW_DECODE_STACK(name, type)                                                          \
   void name(type* x, type* residual, const int64_t* program, int64_t length, int64_t hidden, \
             int64_t scratch, const int64_t* positions, const int64_t* slots,                 \

@@ -380,7 +380,7 @@ template void linear_with_lora<bf16>(bf16*, int64_t, const bf16*, int64_t, int64
 
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
 void pw_lora_delta_f32(float* y, int64_t y_stride, const float* x, int64_t x_stride,
                        int64_t tokens, int64_t n, int64_t k, const int64_t* adapter_of_row,

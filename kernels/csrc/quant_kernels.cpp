@@ -325,11 +325,9 @@ template QuantMatmul<bf16> quant_matmul<bf16>(int64_t);
 
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
-// out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
-// out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32) as `kind`
-// (kernels/quant.py checks it is one this build has: pw_quant_matmuls).
+// W packed as above.
 #define PW_QUANT_MATMUL(type, sfx)                                                           \
   void pw_quant_matmul_##sfx(int64_t kind, type* out, int64_t out_stride, const type* x,     \
                              int64_t x_stride, int64_t T, const uint8_t* packed, int64_t N,  \
@@ -339,7 +337,6 @@ extern "C" {
 PW_QUANT_MATMUL(float, f32)
 PW_QUANT_MATMUL(bf16, bf16)
 
-// Whether this build has the quantized matmuls (every tier from AVX2 up).
 int64_t pw_quant_matmuls() {
 #if defined(__AVX512BF16__) || defined(__AVX2__)
   return 1;
