@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from .native_api import API
+
 # --kv-cache-dtype: the 1-byte cache dtypes ("fp8" is e4m3, as in vLLM).
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
           "fp8_e5m2": torch.float8_e5m2}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}   # csrc/kv_quant.h Kind
+_CODES = API.enums["PwKvCache"]                 # csrc/pagewire_api.h
+PLAIN = _CODES["PLAIN"]     # the fused decode's code for a cache of the activations' dtype
+KINDS = {torch.int8: _CODES["INT8"], torch.float8_e4m3fn: _CODES["E4M3"],
+         torch.float8_e5m2: _CODES["E5M2"]}
 SCALE_BYTES = 4
 
 

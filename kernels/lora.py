@@ -12,10 +12,13 @@ import functools
 import torch
 
 from ._triton import HAS_TRITON, check, check_same_device, next_pow2, require_triton, tl, triton
+from .native_api import API
 
-# The weight dtypes csrc/lora.cpp reads, by its Kind codes.
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ENTRY = 6                      # int64 per (adapter, slot) in the native table
+# The weight dtypes csrc/lora.cpp reads, by their codes (csrc/pagewire_api.h PwLoraWeights).
+_CODES = API.enums["PwLoraWeights"]
+KINDS = {torch.float32: _CODES["F32"], torch.bfloat16: _CODES["BF16"],
+         torch.float16: _CODES["F16"]}
+ENTRY = API.enums["PwLoraTable"]["ENTRY"]   # int64 per (adapter, slot) in the native table
 
 
 class LoraWeights:

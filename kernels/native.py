@@ -1,6 +1,7 @@
 """Native CPU kernels (csrc/*.cpp: cpu_kernels, prefill_attention, decode_attention,
-kv_cache, sampling, quant_kernels, bf16_matmul, decode_stack, lora, core_rates), compiled
-once per instruction-set tier (kernels/tiers.py) on first use and called via ctypes.
+kv_cache, sampling, quant_kernels, bf16_matmul, decode_stack, lora, core_rates, api_table),
+compiled once per instruction-set tier (kernels/tiers.py) on first use and called via ctypes
+with the prototypes native_api.py reads from their one declaration, csrc/pagewire_api.h.
 
 Each tier's library is built with g++ -O3 and that tier's -m flags (not -march=native, so an
 AVX512-BF16 machine also builds and tests its AVX-512 and AVX2 variants) against torch's
@@ -25,16 +26,16 @@ import subprocess
 
 import torch
 
-from . import kv_quant, tiers
+from . import kv_quant, native_api, tiers
 
 log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
                          "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "bf16_matmul.cpp",
-                         "decode_stack.cpp", "lora.cpp", "core_rates.cpp")]
+                         "decode_stack.cpp", "lora.cpp", "core_rates.cpp", "api_table.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
-            for name in ("bf16.h", "attention_tiles.h", "quant_tiles.h", "quant_avx512.h",
-                         "quant_avx2.h", "lora.h", "float_vec.h",
+            for name in ("pagewire_api.h", "bf16.h", "attention_tiles.h", "quant_tiles.h",
+                         "quant_avx512.h", "quant_avx2.h", "lora.h", "float_vec.h",
                          "quant_int_avx2.h", "quant_gemm_avx2.h", "kv_quant.h", "paged_decode.h",
                          "paged_decode_avx2.h", "decode_tiles.h",
                          "decode_tiles_bf16.h", "decode_tiles_int8.h", "decode_tiles_fp8.h")]
@@ -42,29 +43,6 @@ _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-fPIC", "-fopenm
           "-Wno-unused-parameter"]                        # compiling each source
 _LINK = ["-shared", "-fopenmp"]                          # no -ffast-math: see above
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "pw_decode_attention_f32": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _ptr],
-    "pw_decode_attention_bf16": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _ptr],
-    "pw_prefill_attention_bf16": [_ptr] * 6 + [_i64] * 7 + [_f32, _i64],
-    "pw_sample_rows": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
-    "pw_write_kv": [_ptr] * 5 + [_i64] * 4,
-    **{f"pw_write_kv_q8_{t}": [_ptr] * 5 + [_i64] * 6 for t in ("f32", "bf16")},
-    **{f"pw_decode_attention_q8_{t}": [_ptr] * 6 + [_i64] * 8 + [_f32, _i64, _f32, _i64, _ptr]
-       for t in ("f32", "bf16")},
-    "pw_add_rms_norm_f32": [_ptr] * 4 + [_i64] * 3 + [_f32],
-    "pw_add_rms_norm_bf16": [_ptr] * 4 + [_i64] * 3 + [_f32],
-    "pw_rope_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
-    "pw_rope_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64],
-    "pw_silu_and_mul_f32": [_ptr, _ptr, _i64, _i64],
-    "pw_silu_and_mul_bf16": [_ptr, _ptr, _i64, _i64],
-    **{f"pw_quant_matmul_{t}": [_i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64]
-       for t in ("f32", "bf16")},
-    **{f"pw_decode_stack_{t}": [_ptr] * 3 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2
-       + [_ptr, _ptr, _i64] for t in ("f32", "bf16")},
-    **{f"pw_lora_delta_{t}": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64]
-       for t in ("f32", "bf16")},
-}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -140,16 +118,8 @@ def load(tier: str | None = None) -> "Library | None":
         log.warning("native CPU kernels unavailable, using the torch reference: %s",
                     detail[-2000:])
         return None
-    for name, argtypes in _SIGNATURES.items():
-        getattr(cdll, name).argtypes = argtypes
-        getattr(cdll, name).restype = None
-    cdll.pw_avx512_bf16.restype = ctypes.c_int64
-    cdll.pw_quant_matmuls.restype = ctypes.c_int64
-    cdll.pw_decode_stack_arity.argtypes = [_i64]
-    cdll.pw_decode_stack_arity.restype = ctypes.c_int64
-    cdll.pw_int16_mac_ratio.argtypes = [_i64]
-    cdll.pw_int16_mac_ratio.restype = ctypes.c_double
-    return Library(cdll, tier)
+    # A library that disagrees with the header is a bug, not a missing compiler: it raises.
+    return Library(native_api.bind(cdll), tier)
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
@@ -159,9 +129,10 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
 
 
 class Library:
-    """One tier's build, loaded: its kernels with the checks their memory safety needs."""
+    """One tier's build, loaded: its kernels with the checks their memory safety needs.
+    `cdll`: the entry points pagewire_api.h declares, typed (native_api.bind)."""
 
-    def __init__(self, cdll: ctypes.CDLL, tier: str):
+    def __init__(self, cdll: native_api.Bound, tier: str):
         self.cdll, self.tier = cdll, tier
         self.bf16_dot = bool(cdll.pw_avx512_bf16())          # asked once, not per step
         self.quant_matmuls = bool(cdll.pw_quant_matmuls())

@@ -19,15 +19,18 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
+from . import native, native_api
 from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
                           Q8_0)
 
+# The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
+# declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
+_TILE, _ROUNDING = native_api.API.enums["PwTile"], native_api.API.enums["PwRounding"]
 # bytes of one 32-weight block of each type pack() takes: the file's (Q4_0 ... IQ4_NL), or
 # its tile types' (gguf_blocks.py makes them of the K-quants and Q5_1)
 # FP8: an FP8 checkpoint's e4m3 codes (not a GGML type: pagewire's own id), a block a float32
 # scale then 32 codes (checkpoint_formats.py makes them).
-FP8 = 90
+FP8 = _TILE["FP8"]
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
                 Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48, FP8: 36}
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
@@ -38,12 +41,12 @@ _NIBBLES = (Q4_1, Q4_K)
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
 ROUNDINGS = ("exact", "int16", "int8")
-# A packed weight's kind: its tile type plus 100 for int8 or 200 for int16 activations (the
-# native entry point and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).
-_KIND_OFFSET = {"exact": 0, "int8": 100, "int16": 200}
+# A packed weight's kind: its tile type plus its rounding's PwRounding (the native entry point
+# and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).
+_KIND_OFFSET = {rounding: _ROUNDING[rounding.upper()] for rounding in ("exact", "int8", "int16")}
 # Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
-BF16 = 30
+BF16 = _TILE["BF16"]
 KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in _SCALES if t != FP8 or not o), BF16)
 _ROWS = 16                                   # output rows per tile
 
@@ -127,8 +130,14 @@ def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library) -> bool:
     avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
     oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
     int16 = _KIND_OFFSET["int16"]
-    return lib.tier == "avx2" and all(s.kind - s.kind % 100 == int16 for s in weight.segments) \
+    return lib.tier == "avx2" and all(s.kind - _tile_type(s.kind) == int16
+                                      for s in weight.segments) \
         and lib.int16_mac_ratio >= INT16_GEMM_MIN_RATIO
+
+
+def _tile_type(kind: int) -> int:
+    """A kind's tile type (pagewire_api.h: every PwTile is below PW_ROUNDING_INT8)."""
+    return kind % _ROUNDING["INT8"]
 
 
 def block_bytes(ggml_type: int) -> int:

@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "pagewire_api.h"
+
 namespace {
 
 #define PW_RATE_CLOBBERS "memory", "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", \
@@ -55,7 +57,7 @@ double rate() {
 
 }  // namespace
 
-extern "C" {
+extern "C" {   // the entry point's contract: pagewire_api.h
 
 // The ratio of the best of `rounds` timings of each loop, alternated so that a clock change
 // or an interruption spoils one round of one kind, not the answer.

@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "paged_decode.h"
+#include "pagewire_api.h"
 
 namespace {
 
@@ -103,11 +104,8 @@ void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
 
 }  // namespace
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
-// 1 when this build has the AVX512-BF16 kernels (prefill_attention, decode_attention's
-// tiles, quant_kernels' bfloat16 products, decode_stack's quantized linears); without them
-// (0) those do nothing and callers take the torch or float paths.
 int64_t pw_avx512_bf16() {
 #if defined(__AVX512BF16__)
   return 1;
@@ -116,12 +114,6 @@ int64_t pw_avx512_bf16() {
 #endif
 }
 
-int64_t pw_decode_attention_tiled_bf16(bf16*, const bf16*, const bf16*, const bf16*,
-                                       const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                                       int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                       float, float*);  // decode_attention.cpp
-
-// out [T, H]; residual [T, H] (updated in place) or null; x rows x_stride apart.
 void pw_add_rms_norm_f32(float* out, float* residual, const float* x, const float* w,
                          int64_t tokens, int64_t hidden, int64_t x_stride, float eps) {
   add_rms_norm(out, residual, x, w, tokens, hidden, x_stride, eps);
@@ -131,7 +123,6 @@ void pw_add_rms_norm_bf16(bf16* out, bf16* residual, const bf16* x, const bf16* 
   add_rms_norm(out, residual, x, w, tokens, hidden, x_stride, eps);
 }
 
-// qkv [T, row_stride]: the first `heads` heads of each row (queries then keys) are rotated.
 void pw_rope_f32(float* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
                  int64_t tokens, int64_t heads, int64_t D) {
   rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
@@ -141,7 +132,6 @@ void pw_rope_bf16(bf16* qkv, int64_t row_stride, const float* cos_sin, const int
   rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
 }
 
-// gate_up [T, 2I] (gate first) -> out [T, I].
 void pw_silu_and_mul_f32(float* out, const float* gate_up, int64_t tokens, int64_t inter) {
   silu_and_mul(out, gate_up, tokens, inter);
 }
@@ -149,10 +139,6 @@ void pw_silu_and_mul_bf16(bf16* out, const bf16* gate_up, int64_t tokens, int64_
   silu_and_mul(out, gate_up, tokens, inter);
 }
 
-// out, q: [B, Hq, D] (token stride q_stride / out_stride, heads contiguous);
-// block_tables: [B, table_stride] int64; context_lens: [B] int64 (tokens to attend, >= 1);
-// window > 0: a sliding window; softcap > 0: capped scores; lse (if not null): [B, Hq]
-// each row's log-sum-exp of scores, for cascade attention's merge.
 void pw_decode_attention_f32(float* out, const float* q, const float* k_cache,
                              const float* v_cache, const int64_t* block_tables,
                              const int64_t* context_lens, int64_t B, int64_t Hq, int64_t Hkv,

@@ -21,6 +21,7 @@
 #include "paged_decode.h"     // DecodeItems, exp_normal
 #include "decode_tiles_fp8.h"
 #include "decode_tiles_int8.h"
+#include "pagewire_api.h"
 
 namespace pw {
 namespace {
@@ -173,11 +174,8 @@ int64_t run_tiled(bf16* out, const bf16* q, const typename Tiles::E* k_cache,
 }  // namespace
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
-// As pw_decode_attention_bf16 (cpu_kernels.cpp), which calls this first: returns 0, doing
-// nothing, for what this kernel does not take (D not 64 or 128, bs % 16 != 0, a soft-cap, or
-// a build without AVX512-BF16).
 int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
                                        const pw::bf16* k_cache, const pw::bf16* v_cache,
                                        const int64_t* block_tables, const int64_t* context_lens,
@@ -193,8 +191,6 @@ int64_t pw_decode_attention_tiled_bf16(pw::bf16* out, const pw::bf16* q,
 #endif
 }
 
-// The same over a cache of one-byte codes of `kind` (kv_quant.h), called first by
-// pw_decode_attention_q8_bf16 (kv_cache.cpp), with the same limits.
 int64_t pw_decode_attention_tiled_q8(pw::bf16* out, const pw::bf16* q, const uint8_t* k_cache,
                                      const uint8_t* v_cache, const int64_t* block_tables,
                                      const int64_t* context_lens, int64_t B, int64_t Hq,

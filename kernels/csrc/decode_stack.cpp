@@ -12,63 +12,21 @@
 
 #include "bf16.h"
 #include "lora.h"
+#include "pagewire_api.h"
 #include "quant_tiles.h"
 
 using bf16 = uint16_t;
 
-extern "C" {
-void pw_add_rms_norm_f32(float*, float*, const float*, const float*, int64_t, int64_t, int64_t,
-                         float);
-void pw_add_rms_norm_bf16(bf16*, bf16*, const bf16*, const bf16*, int64_t, int64_t, int64_t,
-                          float);
-void pw_rope_f32(float*, int64_t, const float*, const int64_t*, int64_t, int64_t, int64_t);
-void pw_rope_bf16(bf16*, int64_t, const float*, const int64_t*, int64_t, int64_t, int64_t);
-void pw_silu_and_mul_f32(float*, const float*, int64_t, int64_t);
-void pw_silu_and_mul_bf16(bf16*, const bf16*, int64_t, int64_t);
-void pw_decode_attention_f32(float*, const float*, const float*, const float*, const int64_t*,
-                             const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, int64_t, float, int64_t, float, float*);
-void pw_decode_attention_bf16(bf16*, const bf16*, const bf16*, const bf16*, const int64_t*,
-                              const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, float, int64_t, float, float*);
-void pw_write_kv(char*, char*, const char*, const char*, const int64_t*, int64_t, int64_t,
-                 int64_t, int64_t);
-void pw_write_kv_q8_f32(uint8_t*, uint8_t*, const float*, const float*, const int64_t*, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t);
-void pw_write_kv_q8_bf16(uint8_t*, uint8_t*, const bf16*, const bf16*, const int64_t*, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, int64_t);
-void pw_decode_attention_q8_f32(float*, const float*, const uint8_t*, const uint8_t*,
-                                const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                                int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
-                                int64_t, float*);
-void pw_decode_attention_q8_bf16(bf16*, const bf16*, const uint8_t*, const uint8_t*,
-                                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-                                 float, int64_t, float*);
-}
-
 namespace {
 
-// Opcodes: program.Op's values. Operands follow each, in the order listed.
-enum Op : int64_t {
-  kAddNorm = 1,   // weight, eps bits
-  kNorm = 2,      // weight, eps bits
-  kLinear = 3,    // segments (kernels/quant.py QuantWeight.table), N, K, bias (0: none),
-                  // LoRA slot (-1: none)
-  kRope = 5,      // cos|sin table, rotated heads, head dim
-  kAttend = 6,    // k cache, v cache, Hq, Hkv, D, block size, window, scale bits, softcap bits,
-                  // cache kind (-1: of the activations' type; else kv_quant.h's Kind), head
-                  // rows (0: a paged cache of Hkv heads; 1: KV-Compress's rows of one head)
-  kSiluMul = 7,   // (none)
-};
-
+// The operands each opcode (pagewire_api.h PwOp, which lists them) takes here.
 int64_t arity(int64_t op) {
   switch (op) {
-    case kAddNorm: case kNorm: return 2;
-    case kLinear: return 5;
-    case kRope: return 3;
-    case kAttend: return 11;
-    case kSiluMul: return 0;
+    case PW_OP_ADD_NORM: case PW_OP_NORM: return 2;
+    case PW_OP_LINEAR: return 5;
+    case PW_OP_ROPE: return 3;
+    case PW_OP_ATTEND: return 11;
+    case PW_OP_SILU_MUL: return 0;
     default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
   }
 }
@@ -180,7 +138,7 @@ struct Machine {
     const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d, kind = o[9];
     if (o[10]) return attend_head_rows(o);
     T* out = next();
-    if (kind >= 0) {          // quantized as written (kv_cache.cpp)
+    if (kind != PW_KV_CACHE_PLAIN) {          // quantized as written (kv_cache.cpp)
       auto* kc = reinterpret_cast<uint8_t*>(o[0]);
       auto* vc = reinterpret_cast<uint8_t*>(o[1]);
       Kernels<T>::write_q8(kc, vc, cur + q_width, cur + q_width + hkv * d, slots, tokens, hkv, d,
@@ -214,7 +172,7 @@ struct Machine {
     for (int64_t t = 0; t < tokens; ++t) {
       const T* k = cur + t * width + q_width;
       std::memcpy(&queries[t * q_width], cur + t * width, q_width * sizeof(T));
-      if (kind >= 0) {
+      if (kind != PW_KV_CACHE_PLAIN) {
         Kernels<T>::write_q8(reinterpret_cast<uint8_t*>(o[0]), reinterpret_cast<uint8_t*>(o[1]),
                              k, k + hkv * d, row_slots + t * hkv, hkv, 1, d, d, d, kind);
       } else {
@@ -224,7 +182,7 @@ struct Machine {
                     row_slots + t * hkv, hkv, row, row, row);
       }
     }
-    if (kind >= 0) {
+    if (kind != PW_KV_CACHE_PLAIN) {
       Kernels<T>::attend_q8(out, queries.data(), reinterpret_cast<uint8_t*>(o[0]),
                             reinterpret_cast<uint8_t*>(o[1]), row_tables, row_lens, rows, g, 1,
                             d, o[5], table_stride, g * d, g * d, real(o[7]), o[6], real(o[8]),
@@ -245,12 +203,12 @@ struct Machine {
 
   void step(int64_t op, const int64_t* o) {
     switch (op) {
-      case kAddNorm: add_norm(o, true); break;
-      case kNorm: add_norm(o, false); break;
-      case kLinear: linear(o); break;
-      case kRope: rope(o); break;
-      case kAttend: attend(o); break;
-      case kSiluMul: silu_mul(); break;
+      case PW_OP_ADD_NORM: add_norm(o, true); break;
+      case PW_OP_NORM: add_norm(o, false); break;
+      case PW_OP_LINEAR: linear(o); break;
+      case PW_OP_ROPE: rope(o); break;
+      case PW_OP_ATTEND: attend(o); break;
+      case PW_OP_SILU_MUL: silu_mul(); break;
     }
   }
 };
@@ -275,12 +233,7 @@ void decode_stack(T* x, T* residual, const int64_t* program, int64_t length, int
 
 extern "C" {
 
-// x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the
-// residual stream out (the final norm adds x to it). program: `length` int64 words, every
-// layer's ops in turn (opcode, operands). scratch: the widest value an op makes (elements a
-// token). One decode token per sequence: positions, slots, lens [T]; tables [T, table_stride]
-// (KV-Compress's head rows: slots, lens [layers, T Hkv]; tables [layers, T Hkv, table_stride]).
-// lora_rows [T], lora_table [adapters, lora_slots, 3]: each row's adapter (lora.cpp), or null.
+// pagewire_api.h documents both entry points.
 #define PW_DECODE_STACK(name, type)                                                          \
   void name(type* x, type* residual, const int64_t* program, int64_t length, int64_t hidden, \
             int64_t scratch, const int64_t* positions, const int64_t* slots,                 \
@@ -293,7 +246,6 @@ extern "C" {
 PW_DECODE_STACK(pw_decode_stack_f32, float)
 PW_DECODE_STACK(pw_decode_stack_bf16, bf16)
 
-// The operands `op` takes, or -1 where this interpreter does not implement it.
 int64_t pw_decode_stack_arity(int64_t op) { return arity(op); }
 
 }  // extern "C"

@@ -13,11 +13,7 @@
 #include "bf16.h"
 #include "kv_quant.h"
 #include "paged_decode.h"
-
-extern "C" int64_t pw_decode_attention_tiled_q8(
-    pw::bf16*, const pw::bf16*, const uint8_t*, const uint8_t*, const int64_t*, const int64_t*,
-    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t,
-    float, int64_t, float*);  // decode_attention.cpp
+#include "pagewire_api.h"
 
 namespace {
 
@@ -62,11 +58,9 @@ void decode_quantized(T* out, const T* q, const uint8_t* k_cache, const uint8_t*
 
 }  // namespace
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
-// Copy each token's keys and values (row_bytes each, rows `k_stride` / `v_stride` bytes apart)
-// into cache slot slots[t] (rows row_bytes apart). Slots are distinct, so tokens are
-// independent.
+// Slots are distinct, so tokens are independent.
 void pw_write_kv(char* k_cache, char* v_cache, const char* k, const char* v,
                  const int64_t* slots, int64_t T, int64_t row_bytes, int64_t k_stride,
                  int64_t v_stride) {
@@ -76,8 +70,6 @@ void pw_write_kv(char* k_cache, char* v_cache, const char* k, const char* v,
   }
 }
 
-// As pw_write_kv into a quantized cache of `kind` (kv_quant.h): k, v [T, Hkv, D] with token
-// rows `k_stride` / `v_stride` elements apart, each head's D values contiguous.
 #define PW_WRITE_KV_Q8(T, sfx)                                                                \
   void pw_write_kv_q8_##sfx(uint8_t* k_cache, uint8_t* v_cache, const T* k, const T* v,        \
                             const int64_t* slots, int64_t tokens, int64_t Hkv, int64_t D,     \
@@ -88,7 +80,6 @@ void pw_write_kv(char* k_cache, char* v_cache, const char* k, const char* v,
 PW_WRITE_KV_Q8(float, f32)
 PW_WRITE_KV_Q8(bf16, bf16)
 
-// As pw_decode_attention_* (cpu_kernels.cpp) over a quantized cache of `kind`.
 #define PW_DECODE_Q8(T, sfx)                                                                  \
   void pw_decode_attention_q8_##sfx(T* out, const T* q, const uint8_t* k_cache,               \
                                     const uint8_t* v_cache, const int64_t* block_tables,      \

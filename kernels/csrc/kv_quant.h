@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pagewire_api.h"
+
 namespace pw::kvq {
 
-enum Kind : int64_t { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
+enum Kind : int64_t { kInt8 = PW_KV_CACHE_INT8, kE4M3 = PW_KV_CACHE_E4M3,
+                      kE5M2 = PW_KV_CACHE_E5M2 };   // pagewire_api.h PwKvCache
 constexpr int64_t kScaleBytes = 4;
 
 inline float qmax(Kind kind) {

@@ -27,6 +27,7 @@
 #include "bf16.h"
 #include "float_vec.h"
 #include "lora.h"
+#include "pagewire_api.h"
 
 using bf16 = uint16_t;
 
@@ -35,11 +36,13 @@ namespace {
 using namespace pw::vec;
 
 constexpr int64_t kSerialMacs = 1 << 14;   // multiply-adds below which one thread does it all
-constexpr int64_t kEntry = 6;     // int64 per (adapter, slot) in the table; see Entry
+constexpr int64_t kEntry = PW_LORA_TABLE_ENTRY;   // int64 per (adapter, slot); see Entry
 constexpr int kTile = 4;          // rows of one adapter sharing each weight load
 constexpr int kRun = 4;           // rank rows of A a shrink work item reads
 constexpr int64_t kChunk = 256;   // output columns an expand work item writes
-enum Kind : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum Kind : int64_t {   // pagewire_api.h PwLoraWeights
+  kF32 = PW_LORA_WEIGHTS_F32, kBF16 = PW_LORA_WEIGHTS_BF16, kF16 = PW_LORA_WEIGHTS_F16
+};
 
 // One adapter's weights for one linear: A [R, K], Bt's packed spans, spans [R, 3] int64
 // (col, width, offset), R, the weights' Kind, and alpha / r as float64 bits.
@@ -377,7 +380,7 @@ template void linear_with_lora<bf16>(bf16*, int64_t, const bf16*, int64_t, int64
 
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
 void pw_lora_delta_f32(float* y, int64_t y_stride, const float* x, int64_t x_stride,
                        int64_t tokens, int64_t n, int64_t k, const int64_t* adapter_of_row,

@@ -29,6 +29,7 @@
 
 #include "attention_tiles.h"
 #include "bf16.h"
+#include "pagewire_api.h"
 
 namespace pw {
 namespace {
@@ -235,11 +236,8 @@ void prefill_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16
 }  // namespace
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry point's contract: pagewire_api.h
 
-// out, q: [T, Hq, D] bf16 (rows out_stride / q_stride apart, heads contiguous); caches
-// [num_blocks, bs, Hkv, D] bf16 contiguous, bs % 16 == 0; chunks [num_chunks, 4] int64 (first
-// row, queries, context, offset of its block table in `tables`). D is 64 or 128.
 void pw_prefill_attention_bf16(pw::bf16* out, const pw::bf16* q, const pw::bf16* k_cache,
                                const pw::bf16* v_cache, const int64_t* tables,
                                const int64_t* chunks, int64_t num_chunks, int64_t Hq,

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "pagewire_api.h"
 #include "quant_tiles.h"
 #if defined(__AVX2__)
 #include "quant_avx2.h"        // the exact kernels below AVX512-BF16
@@ -256,64 +257,65 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
-// Kinds: GGML type ids (Q4_1 3, Q8_0 8, Q2_K 10, Q4_K 12, Q5_K 13, Q6_K 14; FP8 90, BF16 30
-// tiles), plus 100 for int8 or
-// 200 for int16 activations (kernels/quant.py KINDS). The exact kernels are AVX512-BF16's where the
-// CPU has it, else AVX2's; the integer ones AVX2's on every tier.
+// Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
+// AVX512-BF16's where the CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
-  if (kind == 30) return bf16_matmul<T>();
+  if (kind == PW_TILE_BF16) return bf16_matmul<T>();
 #if defined(__AVX512BF16__)
   switch (kind) {
-    case 3: return matmul<Q4_1Tile, T>;
-    case 8: return matmul<Q8_0Tile, T>;
-    case 12: return matmul<Q4_KTile, T>;
-    case 13: return matmul<Q5_KTile, T>;
-    case 14: return matmul<Q6_KTile, T>;
-    case 10: return matmul<Q2_KTile, T>;
-    case 90: return matmul<FP8Tile, T>;
+    case PW_TILE_Q4_1: return matmul<Q4_1Tile, T>;
+    case PW_TILE_Q8_0: return matmul<Q8_0Tile, T>;
+    case PW_TILE_Q4_K: return matmul<Q4_KTile, T>;
+    case PW_TILE_Q5_K: return matmul<Q5_KTile, T>;
+    case PW_TILE_Q6_K: return matmul<Q6_KTile, T>;
+    case PW_TILE_Q2_K: return matmul<Q2_KTile, T>;
+    case PW_TILE_FP8: return matmul<FP8Tile, T>;
   }
 #elif defined(__AVX2__)
   switch (kind) {
-    case 3: return avx2::matmul<Q4_1Tile, T>;
-    case 8: return avx2::matmul<Q8_0Tile, T>;
-    case 12: return avx2::matmul<Q4_KTile, T>;
-    case 13: return avx2::matmul<Q5_KTile, T>;
-    case 14: return avx2::matmul<Q6_KTile, T>;
-    case 10: return avx2::matmul<Q2_KTile, T>;
-    case 90: return avx2::matmul<FP8Tile, T>;
+    case PW_TILE_Q4_1: return avx2::matmul<Q4_1Tile, T>;
+    case PW_TILE_Q8_0: return avx2::matmul<Q8_0Tile, T>;
+    case PW_TILE_Q4_K: return avx2::matmul<Q4_KTile, T>;
+    case PW_TILE_Q5_K: return avx2::matmul<Q5_KTile, T>;
+    case PW_TILE_Q6_K: return avx2::matmul<Q6_KTile, T>;
+    case PW_TILE_Q2_K: return avx2::matmul<Q2_KTile, T>;
+    case PW_TILE_FP8: return avx2::matmul<FP8Tile, T>;
   }
 #endif
 #if defined(__AVX2__)
   switch (kind) {
-    case 103: return avx2::matmul_int<1, Q4_1Tile, T>;
-    case 108: return avx2::matmul_int<1, Q8_0Tile, T>;
-    case 112: return avx2::matmul_int<1, Q4_KTile, T>;
-    case 113: return avx2::matmul_int<1, Q5_KTile, T>;
-    case 114: return avx2::matmul_int<1, Q6_KTile, T>;
-    case 110: return avx2::matmul_int<1, Q2_KTile, T>;
-    case 203: return avx2::matmul_int<2, Q4_1Tile, T>;
-    case 208: return avx2::matmul_int<2, Q8_0Tile, T>;
-    case 212: return avx2::matmul_int<2, Q4_KTile, T>;
-    case 213: return avx2::matmul_int<2, Q5_KTile, T>;
-    case 214: return avx2::matmul_int<2, Q6_KTile, T>;
-    case 210: return avx2::matmul_int<2, Q2_KTile, T>;
+    case PW_TILE_Q4_1 + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q4_1Tile, T>;
+    case PW_TILE_Q8_0 + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q8_0Tile, T>;
+    case PW_TILE_Q4_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q4_KTile, T>;
+    case PW_TILE_Q5_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q5_KTile, T>;
+    case PW_TILE_Q6_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q6_KTile, T>;
+    case PW_TILE_Q2_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q2_KTile, T>;
+    case PW_TILE_Q4_1 + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q4_1Tile, T>;
+    case PW_TILE_Q8_0 + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q8_0Tile, T>;
+    case PW_TILE_Q4_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q4_KTile, T>;
+    case PW_TILE_Q5_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q5_KTile, T>;
+    case PW_TILE_Q6_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q6_KTile, T>;
+    case PW_TILE_Q2_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q2_KTile, T>;
   }
 #endif
   return nullptr;
 }
 
+static_assert(PW_TILE_BF16 < PW_ROUNDING_INT8 && PW_TILE_FP8 < PW_ROUNDING_INT8,
+              "kind % PW_ROUNDING_INT8 is a kind's tile type");
+
 int64_t quant_group_bytes(int64_t kind, int64_t K) {
   int64_t tile = 0;
-  switch (kind == 30 ? 30 : kind % 100) {
-    case 30: tile = 16 * 32 * 2; break;              // bf16_matmul.cpp's BF16 tiles
-    case 3: tile = Q4_1Tile::kBytes; break;
-    case 8: tile = Q8_0Tile::kBytes; break;
-    case 12: tile = Q4_KTile::kBytes; break;
-    case 13: tile = Q5_KTile::kBytes; break;
-    case 14: tile = Q6_KTile::kBytes; break;
-    case 10: tile = Q2_KTile::kBytes; break;
-    case 90: tile = FP8Tile::kBytes; break;
+  switch (kind % PW_ROUNDING_INT8) {   // its tile type
+    case PW_TILE_BF16: tile = 16 * 32 * 2; break;              // bf16_matmul.cpp's BF16 tiles
+    case PW_TILE_Q4_1: tile = Q4_1Tile::kBytes; break;
+    case PW_TILE_Q8_0: tile = Q8_0Tile::kBytes; break;
+    case PW_TILE_Q4_K: tile = Q4_KTile::kBytes; break;
+    case PW_TILE_Q5_K: tile = Q5_KTile::kBytes; break;
+    case PW_TILE_Q6_K: tile = Q6_KTile::kBytes; break;
+    case PW_TILE_Q2_K: tile = Q2_KTile::kBytes; break;
+    case PW_TILE_FP8: tile = FP8Tile::kBytes; break;
   }
   return K / 32 * tile;
 }
@@ -323,11 +325,9 @@ template QuantMatmul<bf16> quant_matmul<bf16>(int64_t);
 
 }  // namespace pw
 
-extern "C" {
+extern "C" {   // the entry points' contracts: pagewire_api.h
 
-// out [T, N] = x [T, K] @ W^T, x and out both bfloat16 or both float32 (rows x_stride and
-// out_stride apart); W [N, K] packed as above (N a multiple of 16, K of 32) as `kind`
-// (kernels/quant.py checks it is one this build has: pw_quant_matmuls).
+// W packed as above.
 #define PW_QUANT_MATMUL(type, sfx)                                                           \
   void pw_quant_matmul_##sfx(int64_t kind, type* out, int64_t out_stride, const type* x,     \
                              int64_t x_stride, int64_t T, const uint8_t* packed, int64_t N,  \
@@ -337,7 +337,6 @@ extern "C" {
 PW_QUANT_MATMUL(float, f32)
 PW_QUANT_MATMUL(bf16, bf16)
 
-// Whether this build has the quantized matmuls (every tier from AVX2 up).
 int64_t pw_quant_matmuls() {
 #if defined(__AVX512BF16__) || defined(__AVX2__)
   return 1;

@@ -92,9 +92,8 @@ template <typename T>
 using QuantMatmul = void (*)(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                              int64_t tokens, const uint8_t* tiles, int64_t N, int64_t K);
 
-// The kernel of a packed weight's kind (kernels/quant.py KINDS: a tile type, plus 100 for
-// int8 or 200 for int16 activations; 30 for plain bfloat16 tiles), or nullptr for a kind
-// this build lacks.
+// The kernel of a packed weight's kind (pagewire_api.h: a PwTile plus a PwRounding), or
+// nullptr for a kind this build lacks.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind);
 
@@ -103,7 +102,7 @@ QuantMatmul<T> quant_matmul(int64_t kind);
 // so a share of the rows multiplies as a weight of its own.
 int64_t quant_group_bytes(int64_t kind, int64_t K);
 
-// Kind 30's kernel (bf16_matmul.cpp), for this build's tier.
+// PW_TILE_BF16's kernel (bf16_matmul.cpp), for this build's tier.
 template <typename T>
 QuantMatmul<T> bf16_matmul();
 

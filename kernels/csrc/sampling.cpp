@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "float_vec.h"
+#include "pagewire_api.h"
 
 namespace {
 
@@ -85,9 +86,8 @@ int64_t draw_row(const float* x, int64_t V, float u, std::vector<float>& weights
 
 }  // namespace
 
-extern "C" {
+extern "C" {   // the entry point's contract: pagewire_api.h
 
-// logits [rows, V] float32, rows `stride` apart; u [rows] in (0, 1]; out [rows] int64.
 void pw_sample_rows(const float* logits, int64_t rows, int64_t V, int64_t stride, const float* u,
                     int64_t* out) {
   if (V <= 0) return;                   // no token to draw (kernels/native.py never asks)

@@ -144,8 +144,9 @@ class _Encoder:
 
     def attend(self, attn) -> list[int] | None:
         cache = self.kv_cache          # [2, num_blocks, bs, Hkv, D (+ 4)]; head rows: Hkv 1
-        # kv_quant's Kind of a quantized cache; -1: a cache of the activations' dtype.
-        kind = kv_quant.KINDS.get(cache.dtype, -1 if cache.dtype == self.dtype else None)
+        # kv_quant's Kind of a quantized cache, or PLAIN: a cache of the activations' dtype.
+        kind = kv_quant.KINDS.get(cache.dtype,
+                                  kv_quant.PLAIN if cache.dtype == self.dtype else None)
         if kind is None:
             return None
         return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,

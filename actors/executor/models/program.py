@@ -12,26 +12,17 @@ submodule an op uses (a norm, a linear, the attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
+from pagewire.kernels.native_api import API
 
-
-class Op(IntEnum):
-    """The opcodes. The values are the native interpreter's too (csrc/decode_stack.cpp)."""
-    ADD_NORM = 1     # residual += x (x alone in the first layer), x = rms_norm(residual)
-    NORM = 2         # x = rms_norm(x), the residual untouched (sandwich norms)
-    LINEAR = 3       # x = x @ W^T (+ bias) (+ the rows' LoRA deltas)
-    QK_NORM = 4      # rms_norm of each query and key head of qkv, in place
-    ROPE = 5         # rotate q and k of qkv by position; x becomes (q, k, v)
-    ATTEND = 6       # write k, v to the paged cache, x = paged attention of q
-    SILU_MUL = 7     # x = silu(gate) * up
-    GELU_MUL = 8     # x = gelu_tanh(gate) * up
-    ALL_REDUCE = 9   # x = sum of x over the tensor-parallel ranks: the row-parallel linear
-                     # before it leaves float32 partials, summed in float32, rounded once
+# The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, ROPE, ATTEND, SILU_MUL, GELU_MUL, ALL_REDUCE),
+# declared with what each does and their values in kernels/csrc/pagewire_api.h (PwOp), which
+# the native interpreter (csrc/decode_stack.cpp) reads too.
+Op = API.int_enum("PwOp", "Op", __name__)
 
 
 @dataclass(frozen=True)
