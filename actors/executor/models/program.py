@@ -77,7 +77,7 @@ def _norm(ops, norm, s: State) -> None:
 
 
 def _linear(ops, linear, s: State) -> None:
-    y = linear.forward(s.x)
+    y = ops.linear(linear, s.x)
     if s.lora is not None and linear.lora_slot >= 0:
         ops.lora_delta(y, s.x, s.lora, linear.lora_slot)
     s.x = y
