@@ -80,6 +80,25 @@ def test_every_listed_exception_still_branches():
     assert set(EXCEPTIONS) - used == set()
 
 
+# What the runner used to set on a model from outside; the model now takes its kernels and
+# context-parallel group at construction and its fused program from the backend's
+# prepare_caches (use_fused_decode), and load returns the rounded blocks beside the model.
+MODEL_STATE = {"ops", "fused_decode", "cp", "rounded_blocks", "huge_page_arena"}
+
+
+def test_nothing_sets_a_models_kernels_or_programs_from_outside():
+    found = []
+    for rel, tree in _outside_the_backend():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            found += [f"{rel}:{node.lineno}: {ast.unparse(t)}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr in MODEL_STATE
+                      and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
+    assert found == []
+
+
 def test_the_walk_finds_the_branches_it_forbids():
     """The check itself: each spelling it is meant to catch is caught, a KV tier's None test
     is not."""
