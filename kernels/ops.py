@@ -9,10 +9,10 @@ CpuOps runs one instruction-set tier's native kernels (kernels/tiers.py, kernels
 (any tier up to the CPU's own). TritonOps runs the Triton kernels, on CUDA. Every backend
 has the same methods and contracts; `backend` names it for logs and metrics.
 
-Code outside the backend (this module, tiers.py, native.py, triton_ops.py and the executor's
-backend.py, which lays a model out for it) never asks which backend, tier or device it runs
-on: it asks the backend's `capabilities` (tests/kernels/test_backend_boundary.py holds it to
-that).
+Only the backend's modules (this one, tiers.py, native.py, triton_ops.py) name a tier, a
+device type or a backend. Everything else, the executor's backend.py (which lays a model out
+for the kernels) included, asks the kernel set's `capabilities` (Capabilities below);
+tests/kernels/test_backend_boundary.py holds the code to that.
 """
 from __future__ import annotations
 
