@@ -285,7 +285,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def _device(self) -> str:
         """A CPU tier (--kernels cpu, avx2, ...) runs on the CPU: auto means cpu there, also
         on a machine with a GPU, and cuda is refused."""
-        if self.kernels not in ("cpu", *tiers.TIERS):
+        if not tiers.runs_on_cpu(self.kernels):
             return self.device
         if self.device == "cuda":
             raise ValueError(f"--kernels {self.kernels} runs on the CPU: it does not combine "
@@ -293,20 +293,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         return "cpu"
 
     def _on_cuda(self) -> bool:
-        """Whether the executors will run on CUDA (parallel.resolve_device decides the same
-        with torch); the driver's /proc entry stands in for CUDA here, which imports no torch."""
+        """Whether the executors will run on CUDA (kernels/ops.py resolve_device decides the
+        same with torch); the driver's /proc entry stands in for CUDA here, which imports no
+        torch."""
         return self.device == "cuda" or (self.device == "auto"
                                          and os.path.exists("/proc/driver/nvidia/version"))
 
     def _check_kernels(self) -> str | None:
         """The CPU tier the executors will run (None: none), checked before any actor
         starts: a named tier this CPU cannot run is refused here."""
-        if self.kernels not in tiers.BACKENDS:
-            raise ValueError(f"kernels must be one of {', '.join(tiers.BACKENDS)}, got "
-                             f"{self.kernels!r}")
-        if self.kernels in tiers.TIERS:
-            return tiers.resolve(self.kernels)
-        return tiers.best()
+        return tiers.tier_to_run(self.kernels)
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -358,9 +354,7 @@ ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-act
 
 
 def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
-    """auto: int16 on tiers without a bfloat16 dot product (15 bits a 32-column block, finer
-    than bfloat16 activations: ~1.6x the exact kernels' single stream there, the same answers),
-    exact on those with one (their exact kernels are the fast ones). int8 (Q4 weights) and
+    """auto: the tier's default (kernels/tiers.py default_activations). int8 (Q4 weights) and
     int8-all (Q8_0 too: llama.cpp's arithmetic) are faster still but garble the default
     model's answers, as llama.cpp's own do (bench/NOTES.md "int16 and int8 activations"):
     they are taken only by name."""
@@ -368,7 +362,7 @@ def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
         raise ValueError(f"quantized_activations must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{activations!r}")
     if activations == "auto":
-        return "exact" if tiers.has_bf16_dot(tier) else "int16"
+        return tiers.default_activations(tier)
     return activations
 
 
@@ -385,10 +379,9 @@ def visible_gpus() -> int:
 
 
 def _resolve_dtype(dtype: str, tier: str | None, cuda: bool) -> str:
-    """auto: bfloat16 on a GPU, or where the CPU tier multiplies it in hardware; else float32
-    (emulated bfloat16 arithmetic is far slower than float32's)."""
+    """auto: the backend's default for the device and tier (kernels/tiers.py default_dtype)."""
     if dtype == "auto":
-        return "bfloat16" if cuda or tiers.has_bf16_dot(tier) else "float32"
+        return tiers.default_dtype(tier, cuda)
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     return dtype

@@ -43,9 +43,9 @@ class Linear(nn.Linear):
 
     def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
         """upcast: multiply in float32 whatever the weight's dtype. Nothing to pack after
-        drop_float()."""
-        if self.weight is None or self.weight.device.type != "cpu" \
-                or not torch.backends.mkldnn.is_available():
+        drop_float(). A host-memory weight's: only the native CPU backend's prepare packs
+        (its Capabilities.native_weights)."""
+        if self.weight is None or not torch.backends.mkldnn.is_available():
             return
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()    # a tensor, not a Parameter

@@ -1,6 +1,6 @@
 """The one dispatch point: which backend (kernel set) a model runs, chosen once per process.
 
-    ops = select_ops(device, "auto")   # torch | cpu | avx2 | avx512 | avx512_bf16 | amx | triton
+    ops = select_ops(device, "auto")   # torch | cpu | avx2 | avx512 | avx512_bf16 | triton
     ops.attention(q, k, v, kv_cache, batch, scale)
 
 TorchOps is plain torch on any device: the reference every other backend is tested against.
@@ -8,22 +8,66 @@ CpuOps runs one instruction-set tier's native kernels (kernels/tiers.py, kernels
 "cpu" (and "auto" on a CPU) is the best tier this CPU runs, a tier's name forces that tier
 (any tier up to the CPU's own). TritonOps runs the Triton kernels, on CUDA. Every backend
 has the same methods and contracts; `backend` names it for logs and metrics.
+
+Only the backend's modules (this one, tiers.py, native.py, triton_ops.py) name a tier, a
+device type or a backend. Everything else, the executor's backend.py (which lays a model out
+for the kernels) included, asks the kernel set's `capabilities` (Capabilities below);
+tests/kernels/test_backend_boundary.py holds the code to that.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import activation, attention, cascade, kv_quant, native, norm, rotary, tiers
+from . import activation, attention, cascade, kv_quant, native, norm, quant, rotary, sampling
+from . import tiers
 from . import lora as lora_kernels
 
 
 _PLAIN = attention.PLAIN
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend on its device does, for the code that prepares and runs a model there.
+    Each field is a decision that used to be spelled as a tier, device or backend name."""
+    host_memory: bool = True        # its tensors are host memory: pools may lie on huge pages
+    native_weights: bool = False    # lays linears out for the native CPU kernels (prepare):
+    #                                 blocks as stored, BF16 tiles, oneDNN-packed dense weights
+    bf16_dot: bool = False          # multiplies bfloat16 in hardware (else dense weights of a
+    #                                 bfloat16 model are packed as float32)
+    block_kinds: frozenset = frozenset()   # packed weight kinds (quant.KINDS) it multiplies
+    int16_large_steps: bool = False   # int16 blocks may serve large steps too, where the core's
+    #                                   int16 GEMM outruns oneDNN (quant.blocks_serve_large_steps)
+    fused_decode: bool = False      # runs a decode step's every layer in one native call
+    graphs: bool = False            # replays decode steps as CUDA graphs
+    lora_in_graphs: bool = False    # takes LoRA inputs as static graph buffers (GraphLora)
+
+
+def _on_host(device: torch.device | None) -> bool:
+    return device is None or device.type == "cpu"
+
+
 class TorchOps:
     name = backend = "torch"
     lib = None                          # the native library, for backends that have one
     cascade_thresholds = cascade.CPU_THRESHOLDS     # (rows, tokens): when a cascade pays
+
+    def __init__(self, device: torch.device | None = None):
+        """device: where it runs (None: the CPU); a GPU's steps may be graphs."""
+        host = _on_host(device)
+        self.capabilities = Capabilities(host_memory=host, bf16_dot=not host, graphs=not host)
+
+    def linear(self, linear, x):
+        """x @ W^T (+ bias) through the layout prepare gave the Linear (kernels/linear.py):
+        its blocks or tiles for steps up to its `quantized_max_tokens`, else its packed or
+        plain float weight."""
+        return linear.forward(x)
+
+    def sample(self, logits, params, uniforms):
+        """kernels/sampling.py sample(): one token a row, native where the backend has it."""
+        return sampling.sample(logits, params, uniforms, self.lib)
 
     def add_rms_norm(self, x, residual, weight, eps):
         return norm.add_rms_norm(x, residual, weight, eps)
@@ -84,6 +128,12 @@ class CpuOps(TorchOps):
 
     def __init__(self, lib: native.Library):
         self.lib, self.backend = lib, f"cpu-{lib.tier}"
+        blocks = quant.available(lib)
+        self.capabilities = Capabilities(
+            native_weights=True, bf16_dot=lib.bf16_dot, fused_decode=True,
+            block_kinds=frozenset(quant.KINDS) if blocks else frozenset(),
+            # csrc/quant_gemm_avx2.h: the avx2 tier's int16 GEMM; wider tiers' oneDNN wins
+            int16_large_steps=blocks and lib.tier == "avx2")
 
     def add_rms_norm(self, x, residual, weight, eps):
         return self.lib.add_rms_norm(x, residual, weight, eps)
@@ -143,11 +193,28 @@ def select_ops(device: torch.device, name: str = "auto") -> TorchOps:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch":
-        return TorchOps()
-    if name == "cpu" or name in tiers.TIERS:     # load(None): the best tier, or None + warning
+        return TorchOps(device)
+    if tiers.runs_on_cpu(name):     # load(None): the best tier, or None + warning
         lib = native.load(None if name == "cpu" else tiers.resolve(name))
-        return CpuOps(lib) if lib is not None else TorchOps()
+        return CpuOps(lib) if lib is not None else TorchOps(device)
     if name == "triton":
         from .triton_ops import TritonOps
-        return TritonOps()
+        return TritonOps(device)
     raise ValueError(f"unknown backend {name!r} ({', '.join(tiers.BACKENDS)})")
+
+
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device tensor-parallel rank `rank` runs on (--device: auto, cpu, cuda): on CUDA a
+    GPU of its own (NCCL takes one rank a GPU; config refuses more local ranks than GPUs)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def collective_library(device: torch.device) -> str:
+    """torch.distributed's backend for ranks on `device`: NCCL between GPUs, else gloo."""
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -122,16 +122,17 @@ def packable(ggml_type: int, rows: int, cols: int) -> bool:
 INT16_GEMM_MIN_RATIO = 1.25
 
 
-def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library) -> bool:
+def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library,
+                             int16_gemm: bool) -> bool:
     """Whether a weight's blocks multiply large steps (prefill chunks, big batches) faster
-    than oneDNN's float32 GEMM on a dense copy: int16 activations (every segment) on the
-    avx2 tier, on a core that issues csrc/quant_gemm_avx2.h's 256-bit vpmaddwd (16
+    than oneDNN's float32 GEMM on a dense copy: int16 activations (every segment) where the
+    backend has the int16 GEMM for them (`int16_gemm`: its capabilities' int16_large_steps,
+    the avx2 tier's), on a core that issues csrc/quant_gemm_avx2.h's 256-bit vpmaddwd (16
     multiply-adds) at least INT16_GEMM_MIN_RATIO times as fast as float32 FMAs (8). Not on
     avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
-    oneDNN's bfloat16 GEMM runs (avx512_bf16, amx)."""
+    oneDNN's bfloat16 GEMM runs (avx512_bf16)."""
     int16 = _KIND_OFFSET["int16"]
-    return lib.tier == "avx2" and all(s.kind - _tile_type(s.kind) == int16
-                                      for s in weight.segments) \
+    return int16_gemm and all(s.kind - _tile_type(s.kind) == int16 for s in weight.segments) \
         and lib.int16_mac_ratio >= INT16_GEMM_MIN_RATIO
 
 

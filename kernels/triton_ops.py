@@ -3,6 +3,8 @@ write, then one decode and one varlen prefill launch). Runs on CUDA; on CPU only
 Triton interpreter (TRITON_INTERPRET=1, as the tests run it)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .activation import triton_silu_and_mul
 from .attention import PLAIN
 from .attention_triton import (triton_decode_attention, triton_decode_lse,
@@ -18,6 +20,10 @@ from .rotary import triton_rope_table_
 class TritonOps(TorchOps):
     name = backend = "triton"
     cascade_thresholds = CUDA_THRESHOLDS
+
+    def __init__(self, device=None):
+        super().__init__(device)
+        self.capabilities = replace(self.capabilities, lora_in_graphs=True)
 
     def add_rms_norm(self, x, residual, weight, eps):
         """As TorchOps.add_rms_norm; residual (when given) is updated in place."""

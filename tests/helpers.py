@@ -116,20 +116,20 @@ def rank_blocks(path: str, quantization: str = "none", size: int = 2) -> list[di
     collective) and keep its quantized blocks; per rank {Linear name: "blocks" or "float"},
     after checking that each rank's blocks multiply as its float share of the weights
     does. Also checks every rank holds the single-rank model's values, shared."""
-    from pagewire.executor.loader import keep_quantized, load_model
+    from pagewire.executor.loader import keep_quantized, load_model, read_model
     from pagewire.executor.parallel import Shares, TensorParallel
     from pagewire.kernels import quant
     from pagewire.kernels.ops import select_ops
     from pagewire.kernels.linear import Linear
     from pagewire.model_info import resolve_model
 
-    info, lib = resolve_model(path), select_ops(torch.device("cpu"), "auto").lib
+    info, ops = resolve_model(path), select_ops(torch.device("cpu"), "auto")
     whole = load_model(info, "float32", quantization=quantization).state_dict()
     out = []
     for rank in range(size):
         tp = TensorParallel(rank, size)
-        model = load_model(info, "float32", tp, quantization)
-        keep_quantized(model, info, 16, lib)
+        model, rounded = read_model(info, "float32", tp, quantization, ops)
+        keep_quantized(model, info, 16, rounded=rounded)
         shares, kinds = Shares.of(model.cfg, tp), {}
         for name, w in model.state_dict().items():
             assert torch.equal(w, shares.take(name, whole[name])), name

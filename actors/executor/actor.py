@@ -16,13 +16,14 @@ import torch.distributed as dist
 import zmq
 
 import pagewire
+from pagewire.kernels.ops import resolve_device
 from pagewire.wire.channels import PushChannel
 from pagewire.wire.to_executor import AttachHello, AttachWelcome, ExecutorInbox
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, parse_tcp
 from ..model_info import ModelInfo
-from .parallel import init_group, resolve_device
+from .parallel import init_group
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
 from .runner import ModelRunner
 
@@ -62,7 +63,7 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
     so the engine core restarts (and in-flight requests fail) rather than go on."""
     inbox = env.pull(f"executor-{env.index}", ExecutorInbox)
     results = env.push("scheduler")
-    env.ready(runner.model.ops.backend)
+    env.ready(runner.backend.name)
     if ranks is not None:
         ranks.loaded()
     while True:

@@ -43,7 +43,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if capture and device.type == "cuda":
+        if capture:                 # the backend asks for it only where graphs run (CUDA)
             self._capture_all()
 
     def fits(self, batch: int, width: int) -> bool:

@@ -40,7 +40,9 @@ def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) ->
 
 
 def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
-    if dev.type == "cpu":
+    """The batch's tensors on `dev`; the batch itself where they are there already (the
+    runner lays batches out in host memory)."""
+    if batch.slot_mapping.device == dev:
         return batch
     return AttentionBatch(
         batch.slot_mapping.to(dev), batch.num_decode_tokens,

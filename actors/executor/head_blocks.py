@@ -124,9 +124,9 @@ class Compressor:
                    config.kv_compress_rate, config.kv_compress_window)
 
     def allocate(self, num_blocks: int, width: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+                 device: torch.device | None) -> torch.Tensor:
         """The zeroed pool [2, num_blocks H, bs, 1, width] (kv_blocks.allocate_kv_cache: why
-        zeroed, and on huge pages on a CPU)."""
+        zeroed, and on huge pages in host memory: device None)."""
         return allocate_kv_cache(1, num_blocks * self.rows, self.bs, 1, width, dtype, device)[0]
 
     def layout(self, order) -> HeadBatch:

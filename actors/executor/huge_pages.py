@@ -82,9 +82,10 @@ def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.
     return [arena[i * size:i * size + nbytes].view(dtype).view(shape) for i in range(count)]
 
 
-def back_model(model: torch.nn.Module) -> int:
+def back_model(model: torch.nn.Module, keep: list) -> int:
     """Move the model's tiles onto huge pages (their values unchanged; each QuantWeight's
-    table rewritten to the new addresses); returns the bytes moved."""
+    table rewritten to the new addresses); returns the bytes moved. The mapping goes into
+    `keep`, which must live as long as the model (the backend that prepared it keeps it)."""
     weights = _tiled(model)
     # once each: a joined weight (fused q|k|v) shares its parts' segment tensors
     tiles = list({id(s.tiles): s.tiles for w in weights for s in w.segments}.values())
@@ -93,7 +94,7 @@ def back_model(model: torch.nn.Module) -> int:
         return 0
     for w in weights:
         w.refresh_table()
-    model.huge_page_arena = mapping
+    keep.append(mapping)
     nbytes = sum(t.nbytes for t in tiles)
     log.info("weights: %d MiB of tiles on 2 MiB pages", nbytes >> 20)
     return nbytes

@@ -15,15 +15,16 @@ log = logging.getLogger(__name__)
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       width: int, dtype: torch.dtype,
-                      device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+                      device: torch.device | None = None) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, Hkv, width] tensor per layer (width: D, or D + 4
     for a quantized cache, kernels/kv_quant.py). Zeroing touches every
     page now: a first write into an untouched page later would fault mid-step (measured: a
     64-token cache write went from 0.03 ms to 6.5 ms), and never-written slots must read as
     zeros, not NaN garbage that a masked score times a value would spread. A CPU pool lies on
-    huge pages where it fills one (huge_pages.zeros)."""
+    huge pages where it fills one (huge_pages.zeros). device None: host memory, the pool a
+    backend with Capabilities.host_memory runs on (Backend.kv_device); else that device's."""
     shape = (2, num_blocks, block_size, num_kv_heads, width)
-    if device.type == "cpu" and (caches := huge_pages.zeros(num_layers, shape, dtype)):
+    if device is None and (caches := huge_pages.zeros(num_layers, shape, dtype)):
         log.info("KV cache: %d MiB on 2 MiB pages", sum(c.nbytes for c in caches) >> 20)
         return caches
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -38,33 +38,47 @@ from .parallel import TensorParallel, shard_blocks, shard_rows, shard_state
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+class LoadedModel(NamedTuple):
+    """A loaded model and, with --quantization, the blocks its linears were rounded to (for
+    keep_quantized; None otherwise)."""
+    model: nn.Module
+    rounded_blocks: dict | None
+
+
 def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
-               quantization: str = "none") -> nn.Module:
+               quantization: str = "none", ops=None, cp=None) -> nn.Module:
+    """read_model()'s model alone."""
+    return read_model(info, dtype, tp, quantization, ops, cp).model
+
+
+def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
+               quantization: str = "none", ops=None, cp=None) -> LoadedModel:
     """Build the model for `info` and fill it with weights cast to `dtype` (this rank's share
     of them under tensor parallelism). `quantization` int8|int4 rounds the linears of the
     whole weights before they are shared (load_quantization.py): every rank count holds the
-    same values, and the blocks wait in `model.rounded_blocks` for keep_quantized."""
+    same values, and the blocks come back beside the model for keep_quantized. `ops`, `cp`:
+    the backend's kernel set and the context-parallel group the model is built with."""
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
     model_cls = MODELS[info.architecture]
     torch_dtype = _DTYPES[dtype]
-    tp = tp or TensorParallel()
+    tp, rounded = tp or TensorParallel(), None
     with _one_thread():
         cfg, weights = _read_weights(info, model_cls, torch_dtype)
         with _no_init():
-            model = model_cls(cfg, tp)
+            model = model_cls(cfg, tp, ops, cp)
         state = model_cls.fuse_weights(weights, cfg)
         del weights
         if quantization != "none":
             linears = [n for n, m in model.named_modules() if isinstance(m, Linear)]
-            model.rounded_blocks = round_linears(state, linears, quantization, info.digest)
+            rounded = round_linears(state, linears, quantization, info.digest)
         state = {k: w.to(torch_dtype) for k, w in shard_state(state, cfg, tp).items()}
         missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
     if missing:
         raise ValueError(f"weights missing from {info.path}: {', '.join(missing[:5])}")
     model.reset_buffers()
-    return model.eval()
+    return LoadedModel(model.eval(), rounded)
 
 
 # --quantized-matmul-tokens auto (None): steps of up to this many tokens multiply the blocks,
@@ -73,19 +87,20 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
 AUTO_MATMUL_TOKENS = 16
 
 
-def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None, lib,
-                   roundings: dict[int, str] | None = None) -> int:
+def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
+                   roundings: dict[int, str] | None = None, rounded: dict | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
     Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
-    (checkpoint_formats.py), or those --quantization rounded (`model.rounded_blocks`) — a
-    quantized copy of its weight, this rank's share of it (kernels/quant.py), for steps of
-    up to `max_tokens` tokens (-1: every step, and those Linears drop their float copies:
-    called before pack_linears, which then packs none of them; None: auto, per weight: -1
-    where its blocks' GEMM is the faster, else AUTO_MATMUL_TOKENS); returns the bytes kept.
-    Only where the activations are bfloat16 or float32 (the kernels' dtypes). `lib`: the
-    backend's native library; `roundings`: GGML type -> how its weights meet the
-    activations (kernels/quant.py ROUNDINGS; a type not named: exact)."""
-    rounded, model.rounded_blocks = getattr(model, "rounded_blocks", None), None
+    (checkpoint_formats.py), or those --quantization rounded (`rounded`: read_model()'s
+    rounded_blocks) — a quantized copy of its weight, this rank's share of it
+    (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
+    Linears drop their float copies: called before pack_linears, which then packs none of
+    them; None: auto, per weight: -1 where its blocks' GEMM is the faster, else
+    AUTO_MATMUL_TOKENS); returns the bytes kept. Only where the activations are bfloat16 or
+    float32 (the kernels' dtypes), for the model's backend (`model.ops`: its native library
+    and capabilities); `roundings`: GGML type -> how its weights meet the activations
+    (kernels/quant.py ROUNDINGS; a type not named: exact)."""
+    lib, int16_gemm = model.ops.lib, model.ops.capabilities.int16_large_steps
     if max_tokens == 0 or not quant.available(lib) \
             or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
         return 0
@@ -104,7 +119,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None, li
                 [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
                  for t, rows in segments], lib, order)
             tokens = max_tokens if max_tokens is not None else \
-                -1 if quant.blocks_serve_large_steps(weight, lib) else AUTO_MATMUL_TOKENS
+                -1 if quant.blocks_serve_large_steps(weight, lib, int16_gemm) \
+                else AUTO_MATMUL_TOKENS
             linear.use_quantized(weight, tokens if tokens > 0 else sys.maxsize)
             if tokens < 0:
                 linear.drop_float()
@@ -112,7 +128,7 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None, li
     return kept
 
 
-def keep_bf16_tiles(model: nn.Module, max_tokens: int | None, lib) -> int:
+def keep_bf16_tiles(model: nn.Module, max_tokens: int | None) -> int:
     """Give each Linear that kept no blocks and whose weights are all bfloat16 values (a
     bfloat16 checkpoint's) its weight as BF16 tiles (kernels/quant.py pack_bf16); returns
     the bytes kept. Not with --quantized-matmul-tokens 0 (the float path everywhere).
@@ -124,8 +140,9 @@ def keep_bf16_tiles(model: nn.Module, max_tokens: int | None, lib) -> int:
       float32) reads the tiles, half its float32 bytes, for steps of up to `max_tokens`
       tokens, exactly (float32 products of bfloat16 weights); larger steps keep oneDNN's
       float32 GEMMs, which the float32 arithmetic of these tiers makes faster there. With -1
-      the tiles serve every step and the float copy goes."""
-    dtype = model.embed.weight.dtype
+      the tiles serve every step and the float copy goes.
+    For the model's backend (`model.ops`), whose prepare calls it for host-memory weights."""
+    dtype, lib = model.embed.weight.dtype, model.ops.lib
     max_tokens = AUTO_MATMUL_TOKENS if max_tokens is None else max_tokens
     if max_tokens == 0 or not quant.available(lib) or dtype not in (torch.bfloat16,
                                                                     torch.float32):
@@ -134,7 +151,7 @@ def keep_bf16_tiles(model: nn.Module, max_tokens: int | None, lib) -> int:
     kept = 0
     for linear in model.modules():
         w = linear.weight if isinstance(linear, Linear) and linear.quantized is None else None
-        if w is None or w.device.type != "cpu" or not quant.packable(quant.BF16, *w.shape):
+        if w is None or not quant.packable(quant.BF16, *w.shape):
             continue
         tiles = w.detach().bfloat16()
         if dtype == torch.float32 and not torch.equal(tiles.float(), w):

@@ -110,12 +110,14 @@ class Loaded:
     """One load of an adapter: its weights and their table for the native kernels.
     `generation` is this load's alone (a reload of the same adapter gets a new one)."""
 
-    def __init__(self, weights: Weights, num_slots: int, generation: int):
+    def __init__(self, weights: Weights, num_slots: int, generation: int,
+                 host_memory: bool = True):
+        """host_memory: the weights are host memory (the backend's capabilities say so)."""
         self.weights, self.generation = weights, generation
         # One mapping on huge pages for the adapter's A and B^T: a decode step reads them
         # all, in short runs between the base linears' products (huge_pages.py).
-        self.arena = huge_pages.move([t for lw in weights.values() if lw.a.device.type == "cpu"
-                                      for t in (lw.a, lw.bt)])
+        self.arena = huge_pages.move([t for lw in weights.values() for t in (lw.a, lw.bt)]) \
+            if host_memory else None
         self.table = torch.zeros(num_slots, ENTRY, dtype=torch.int64)    # kernels/lora.py
         for slot, lw in weights.items():
             self.table[slot] = torch.tensor(lw.entry())
@@ -164,7 +166,8 @@ class Adapters:
         if adapter is None:
             file = read_adapter(ref.path, self.info, self.max_rank)
             adapter = Loaded(load_weights(ref.path, file.shapes, file.scale, self.model),
-                             self.num_slots, next(self.generations))
+                             self.num_slots, next(self.generations),
+                             self.model.ops.capabilities.host_memory)
             while len(self.loaded) >= self.capacity:
                 gone = self.loaded.popitem(last=False)[1].generation
                 self.last = None             # the last batch may hold it: let it go too

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagewire.kernels.ops import collective_library
+
 
 def split_range(n: int, size: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's share of n items; the first n % size ranks get one more."""
@@ -136,18 +138,6 @@ def context_groups(tp: TensorParallel, size: int) -> ContextParallel:
     return mine
 
 
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device tensor-parallel rank `rank` runs on: on CUDA a GPU of its own (NCCL takes
-    one rank a GPU; config refuses more local ranks than GPUs)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cuda":
-        return torch.device(name)
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def init_group(address: str, rank: int, size: int, timeout: float,
                device: torch.device) -> TensorParallel:
     """Join the gloo (CPU) or NCCL (CUDA) group at tcp://host:port (rank 0 hosts its store),
@@ -156,8 +146,7 @@ def init_group(address: str, rank: int, size: int, timeout: float,
     host = address.removeprefix("tcp://").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,
+    dist.init_process_group(collective_library(device), init_method=address, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
     return TensorParallel(rank, size, dist.group.WORLD)
 

@@ -14,11 +14,10 @@ import numpy as np
 import torch
 import zmq
 
-from pagewire.kernels import kv_quant, quant
+from pagewire.kernels import kv_quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.context_parallel import local_batch
-from pagewire.kernels.linear import pack_linears
-from pagewire.kernels.ops import select_ops
+from pagewire.kernels.ops import resolve_device
 from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
@@ -26,32 +25,23 @@ from pagewire.wire.to_scheduler import StepResult
 
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
-from . import huge_pages
-from .cuda_graphs import DecodeGraphs, GraphLora
-from .decode_layout import batch_to, decode_tables
+from .backend import Backend
+from .cuda_graphs import DecodeGraphs
+from .decode_layout import decode_tables
 from .grammar import Matchers
 from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .kv_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
-from .loader import _DTYPES, keep_bf16_tiles, keep_quantized, load_model
+from .loader import _DTYPES
 from .lora import Adapters, LoraBatch
-from .models.fused_decode import FusedDecode
-from .parallel import TensorParallel, context_groups, resolve_device
+from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
-from .sampler import DraftedSpan, LogprobRequest, SamplingBatch, sample
+from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState, SeqTable
 from .speculation import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
-# How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
-# --quantized-activations; a type not named multiplies them exactly.
-_Q4 = (quant.Q4_0, quant.Q4_1, quant.Q4_K)          # multiplied as nibble tiles; the rest
-_Q8 = (quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL, quant.Q2_K, quant.Q5_K,   # as int8
-       quant.Q6_K)
-ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
-             "int8": dict.fromkeys(_Q4, "int8"),
-             "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8")}
 
 
 def _release_freed_memory() -> None:
@@ -74,16 +64,13 @@ class ModelRunner:
         self.config, self.tp = config, tp or TensorParallel()
         self.block_size = config.block_size
         self.device = resolve_device(config.device, self.tp.rank)
+        # Every device- and tier-dependent choice below is the backend's (backend.py).
+        self.backend = Backend(self.device, config.kernels)
         # Context parallelism: this rank holds block_size / size tokens of each block.
         dcp = config.decode_context_parallel_size
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
-        self.model = self._prepare(config.model_info)
-        for layer in self.model.layers if self.cp else ():
-            layer.attn.cp = self.cp
-        ops = self.model.ops
-        quantized = f", quantized activations {config.quantized_activations}" \
-            if ops.name == "cpu" else ""           # only the native backends multiply GGUF blocks
-        log.info("backend %s (dtype %s%s)", ops.backend, config.dtype, quantized)
+        self.model = self.backend.load(config.model_info, config, self.tp, self.cp)
+        log.info("%s", self.backend.describe(config))
         # Before the fused decode program is encoded: it names each linear's LoRA slot.
         self.adapters = Adapters(self.model, config.model_info, config.max_lora_rank,
                                  config.max_cpu_loras or config.max_loras) \
@@ -106,25 +93,9 @@ class ModelRunner:
         self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
                              self.all_caches[0], self.tp) if config.kv_offload_dir else None
         self.kv_server, self.kv_puller = self._transfer(notify)
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1 \
-                and self.compressor is None:
-            self.graphs = self.decode_graphs(capture=True)
+        self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
+            config, self.tp.size, self.compressor is not None) else None
         _release_freed_memory()
-
-    def _prepare(self, info) -> torch.nn.Module:
-        """A model loaded on the device, its kernels chosen and its weights laid out for them."""
-        config = self.config
-        model = load_model(info, config.dtype, self.tp, config.quantization).to(self.device)
-        model.ops = ops = select_ops(self.device, config.kernels)
-        if ops.name == "cpu":     # blocks first: a Linear that keeps only them packs nothing
-            keep_quantized(model, info, config.quantized_matmul_tokens, ops.lib,
-                           ROUNDINGS[config.quantized_activations])
-            keep_bf16_tiles(model, config.quantized_matmul_tokens, ops.lib)
-            pack_linears(model, upcast=not ops.lib.bf16_dot)
-            huge_pages.back_model(model)    # after packing: the tiles a step streams
-        model.rounded_blocks = None         # kept (or not needed) by now
-        return model
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
@@ -134,14 +105,15 @@ class ModelRunner:
                                              cfg.head_dim)
         layout = (self.block_size // self.config.decode_context_parallel_size,
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
+        kv_device = self.backend.kv_device
         if self.compressor is not None:       # one pool of head rows for every layer
-            pool = self.compressor.allocate(config.num_kv_blocks + 1, width, dtype, self.device)
+            pool = self.compressor.allocate(config.num_kv_blocks + 1, width, dtype, kv_device)
             caches = [pool] * cfg.num_layers
-            model.fused_decode = FusedDecode.build(model, caches, head_rows=True)
+            self.backend.prepare_caches(model, caches, head_rows=True)
             return caches, []
         on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
-                                      self.device)
-        model.fused_decode = FusedDecode.build(model, on_device)
+                                      kv_device)
+        self.backend.prepare_caches(model, on_device)
         host = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
                                  *layout) if config.num_host_blocks else []
         return on_device, host
@@ -167,7 +139,7 @@ class ModelRunner:
         if spec.method == "self":
             return InStepDraft.of_target(self.model, self.kv_caches, spec.draft_layers,
                                          self.block_size, self.tp)
-        draft = self._prepare(self.config.draft_model_info)
+        draft = self.backend.load(self.config.draft_model_info, self.config, self.tp)
         caches, host = self._caches(draft)
         log.info("draft model %s (%d layers)", self.config.draft_model_info.path,
                  draft.cfg.num_layers)
@@ -175,14 +147,10 @@ class ModelRunner:
                            mirrors=True, host_caches=host, tp=self.tp)
 
     def decode_graphs(self, capture: bool) -> DecodeGraphs:
-        """Decode graphs (capture=False: their buffers and padding, run eagerly). With
-        adapters on the Triton backend, the graphs take static LoRA inputs (GraphLora)."""
-        cfg = self.config
-        width = -(-cfg.max_model_len // self.block_size)
-        lora = GraphLora.of(self.model, cfg.max_num_seqs, cfg.max_loras, cfg.max_lora_rank) \
-            if self.adapters is not None and self.model.ops.name == "triton" else None
-        return DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs, width,
-                            self.block_size, self.scratch_block, capture, lora)
+        """Decode graphs (capture=False: their buffers and padding, run eagerly): the
+        backend's (Backend.decode_graphs)."""
+        return self.backend.decode_graphs(self.model, self.kv_caches, self.config,
+                                          self.scratch_block, capture, self.adapters is not None)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -249,7 +217,7 @@ class ModelRunner:
             if seq.draft_probs:
                 spans.append(DraftedSpan(r, list(seq.verifying), torch.stack(seq.draft_probs)))
             r += 1 + len(seq.verifying)
-        tokens = self.tp.broadcast(sample(logits, batch, self.model.ops.lib, spans))
+        tokens = self.tp.broadcast(self.backend.sample(logits, batch, spans))
         flat, first, produced, extra, r = tokens.tolist(), [], [], {}, 0
         for sid, seq in sample_seqs:
             k = len(seq.verifying)
@@ -302,12 +270,9 @@ class ModelRunner:
                 and graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
             return graphs.run(input_ids, positions, batch.slot_mapping,
                               batch.decode_block_tables, batch.decode_context_lens, lora)
-        dev = self.device
         if self.cp is not None:
             batch = local_batch(batch, self.cp.rank, self.cp.size, self.block_size)
-        if dev.type != "cpu":
-            batch = batch_to(batch, dev)
-            input_ids, positions = input_ids.to(dev), positions.to(dev)
+        input_ids, positions, batch = self.backend.to_device(input_ids, positions, batch)
         return self.model(input_ids, positions, self.kv_caches, batch, lora)
 
     def _move_blocks(self, plan: StepPlan) -> dict[SeqId, int] | None:
@@ -364,7 +329,7 @@ class ModelRunner:
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate(slots or [np.zeros(0, np.int64)])),
             num_decode_tokens=len(decodes), prefills=prefills,
-            **decode_tables(decodes, bs, None if cascade else self.model.ops.cascade_thresholds))
+            **decode_tables(decodes, bs, None if cascade else self.backend.ops.cascade_thresholds))
         if self.compressor is not None:
             batch.heads = self.compressor.layout(order)
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,

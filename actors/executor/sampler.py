@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from pagewire.kernels import sampling
+from pagewire.kernels.ops import TorchOps
 from pagewire.wire.sampling import SamplingParams
 
 from .logits_processors import apply_logits_processors
 
+_REFERENCE = TorchOps()             # sample()'s kernels where no backend is given
 _MIX = 0x9E3779B97F4A7C15
 _SALT = 0xBF58476D1CE4E5B9
 
@@ -50,11 +52,12 @@ class DraftedSpan:
     q: torch.Tensor                     # [k, V] float32
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None,
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
            spans: list[DraftedSpan] = ()) -> torch.Tensor:
-    """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `lib`: the backend's
-    native library (kernels/native.py), or None. A span's rows get its kept drafts then the
-    token rejection sampling drew (kernels/sampling.py), the rows after that as sampled."""
+    """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `ops`: the backend's
+    kernel set, whose sample() draws the rows (None: the torch reference's). A span's rows
+    get its kept drafts then the token rejection sampling drew (kernels/sampling.py), the
+    rows after that as sampled."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
@@ -65,8 +68,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, lib=None,
     rows = [s.row + i for s in spans for i in range(len(s.drafts) + 1)]
     p = sampling.probabilities(logits[rows], sampling_tensors([batch.params[r] for r in rows])) \
         if rows else None
-    tokens = sampling.sample(logits, sampling_tensors(batch.params),
-                             _uniforms(batch, logits.device), lib)
+    tokens = (ops or _REFERENCE).sample(logits, sampling_tensors(batch.params),
+                                        _uniforms(batch, logits.device))
     if rows:
         _judge(tokens, p.cpu(), spans, rows, batch)
     return tokens

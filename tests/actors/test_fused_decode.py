@@ -68,17 +68,18 @@ def test_fused_stack_equals_the_per_op_path(runner, contexts):
     model = runner.model
     fused = model.fused_decode
     # auto: blocks that serve large steps serve every step (loader.py)
-    every_step = quant.blocks_serve_large_steps(model.lm_head.quantized, model.ops.lib)
+    every_step = quant.blocks_serve_large_steps(
+        model.lm_head.quantized, model.ops.lib, model.ops.capabilities.int16_large_steps)
     assert fused is not None and fused.max_tokens == \
         (sys.maxsize if every_step else AUTO_MATMUL_TOKENS)
     ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
     caches = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
-        model.fused_decode = None
+        model.use_fused_decode(None)
         try:
             expected = model(ids, positions, runner.kv_caches, batch)
         finally:
-            model.fused_decode = fused
+            model.use_fused_decode(fused)
         written = [c.clone() for c in runner.kv_caches]
         for cache, before in zip(runner.kv_caches, caches):
             cache.copy_(before)

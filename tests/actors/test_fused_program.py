@@ -27,13 +27,12 @@ def model_for(lib, dtype, extra: dict, overrides: dict | None = None):
     for key, value in (overrides or {}).items():
         setattr(cfg, key, value)
     g = torch.Generator().manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg, ops=CpuOps(lib))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
                     else 0.2 * torch.randn(p.shape, generator=g))
     model.to(dtype).reset_buffers()                # rope tables stay float32
-    model.ops = CpuOps(lib)
     for linear in (m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head):
         linear.use_quantized(random_q8_0(linear, lib, g), MAX_TOKENS)
     return model
@@ -86,10 +85,10 @@ def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, over
             written = [c.clone() for c in caches]
             for cache, old in zip(caches, before):
                 cache.copy_(old)
-            model.fused_decode = fused
+            model.use_fused_decode(fused)
             assert fused.serves(len(contexts), batch, caches)
             got = model(ids, positions, caches, batch)
-            model.fused_decode = None
+            model.use_fused_decode(None)
         assert torch.equal(got, expected), contexts
         assert all(torch.equal(c, w) for c, w in zip(caches, written))
 
@@ -148,10 +147,10 @@ def test_interpreter_with_adapters_equals_the_per_op_path(tier, native_lib, dtyp
             plain = model(ids, positions, [c.clone() for c in before], batch)
             for cache, old in zip(caches, before):
                 cache.copy_(old)
-            model.fused_decode = fused
+            model.use_fused_decode(fused)
             assert fused.serves(len(contexts), batch, caches)
             got = model(ids, positions, caches, batch, lora)
-            model.fused_decode = None
+            model.use_fused_decode(None)
         assert torch.equal(got, expected), contexts
         assert torch.equal(got[torch.tensor(of_row) < 0], plain[torch.tensor(of_row) < 0])
         assert any(r >= 0 for r in of_row) == (not torch.equal(got, plain)), contexts

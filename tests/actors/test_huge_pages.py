@@ -45,7 +45,9 @@ def test_tiles_move_onto_huge_pages_with_values_and_tables_kept(monkeypatch, til
     before = [quant.matmul(x, m.quantized) for m in model[:2]]
     tiles = [m.quantized.tiles for m in model[:2]]
     copies = [t.clone() for t in tiles]
-    moved = huge_pages.back_model(model)
+    kept = []
+    moved = huge_pages.back_model(model, kept)
+    assert len(kept) == 1                                        # the mapping, for its owner
     assert moved == sum(t.numel() for t in copies)                # 64-byte multiples already
     for m, t, copy, out in zip(model[:2], tiles, copies, before):
         assert m.quantized.tiles is t and torch.equal(t, copy)    # the same tensor, same values
@@ -62,9 +64,9 @@ def test_turned_off_nothing_moves(monkeypatch, tiled_model):
     monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "0")
     model = tiled_model
     address = model[0].quantized.tiles.data_ptr()
-    assert huge_pages.back_model(model) == 0
+    assert huge_pages.back_model(model, []) == 0
     assert model[0].quantized.tiles.data_ptr() == address
-    assert huge_pages.back_model(torch.nn.Sequential(Linear(8, 8))) == 0   # no tiles at all
+    assert huge_pages.back_model(torch.nn.Sequential(Linear(8, 8)), []) == 0   # no tiles at all
 
 
 def test_less_than_a_huge_page_stays(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
+from pagewire.kernels.ops import CpuOps
 
 gguf = pytest.importorskip("gguf")
 # every type pack() takes, by the tile type it multiplies as
@@ -194,9 +195,12 @@ def test_blocks_serve_large_steps_where_int16_products_outrun_fmas(native_lib, m
     raw, _ = blocks_of(rng.standard_normal((48, 64)) * 0.1, "Q4_1")
     weight = quant.pack(TYPES["Q4_1"], raw, 64, native_lib, rounding)
     gemm = rounding == "int16" and native_lib.tier == "avx2"
+    int16_gemm = CpuOps(native_lib).capabilities.int16_large_steps
+    assert int16_gemm == (native_lib.tier == "avx2")          # the backend's record says so
     for ratio, fast in ((1.7, True), (quant.INT16_GEMM_MIN_RATIO, True), (1.0, False)):
         monkeypatch.setattr(native_lib, "int16_mac_ratio", ratio)
-        assert quant.blocks_serve_large_steps(weight, native_lib) == (gemm and fast), ratio
+        assert quant.blocks_serve_large_steps(weight, native_lib, int16_gemm) == \
+            (gemm and fast), ratio
 
 
 def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols):

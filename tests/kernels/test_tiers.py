@@ -18,7 +18,7 @@ SAPPHIRE_RAPIDS = frozenset(ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"})
     (ZEN3, ("avx2",)),
     (SKYLAKE_SP, ("avx2", "avx512")),
     (ZEN4, ("avx2", "avx512", "avx512_bf16")),
-    (SAPPHIRE_RAPIDS, ("avx2", "avx512", "avx512_bf16", "amx")),
+    (SAPPHIRE_RAPIDS, ("avx2", "avx512", "avx512_bf16")),   # no AMX tier: avx512_bf16's
     (frozenset({"fp", "asimd"}), ()),                       # aarch64: no tier, torch runs
     (frozenset(BASE - {"fma"}), ()),                        # AVX2 without FMA is no tier
     (frozenset(ZEN3 | {"amx_tile", "amx_bf16", "amx_int8"}), ("avx2",)),   # tiers stack
@@ -31,8 +31,8 @@ def test_each_tier_builds_with_the_flags_of_those_below_it():
     assert tiers.compiler_flags("avx2") == ["-mavx2", "-mfma", "-mf16c"]
     bf16 = tiers.compiler_flags("avx512_bf16")
     assert bf16[:3] == ["-mavx2", "-mfma", "-mf16c"] and "-mavx512bw" in bf16
-    assert "-mavx512bf16" in bf16 and "-mamx-tile" not in bf16
-    assert tiers.compiler_flags("amx")[-3:] == ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+    assert "-mavx512bf16" in bf16 and not any("amx" in flag for flag in bf16)
+    assert tiers.TIERS[-1] == "avx512_bf16"                  # amx was folded into it
     with pytest.raises(ValueError, match="unknown CPU tier 'sse'"):
         tiers.compiler_flags("sse")
 
@@ -48,10 +48,23 @@ def test_resolve_refuses_a_tier_above_the_cpu(monkeypatch):
         tiers.resolve("cpu")
 
 
+def test_amx_is_another_name_for_avx512_bf16(monkeypatch):
+    """The amx tier had no kernel of its own (the avx512_bf16 build with AMX flags): it was
+    folded into avx512_bf16, and `--kernels amx` still names that tier."""
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    assert tiers.resolve("amx") == tiers.best() == "avx512_bf16"
+    assert "amx" in tiers.BACKENDS and tiers.runs_on_cpu("amx")
+    assert tiers.named_tier("amx") == "avx512_bf16" and tiers.named_tier("cpu") is None
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: SKYLAKE_SP)
+    with pytest.raises(ValueError, match=r"--kernels amx \(now avx512_bf16\): this CPU runs "
+                                         "avx2, avx512"):
+        tiers.resolve("amx")
+
+
 def test_dtype_auto_is_bfloat16_only_with_a_bf16_dot_product_or_on_a_gpu():
     assert [_resolve_dtype("auto", t, False) for t in (None, *tiers.TIERS)] == \
-        ["float32", "float32", "float32", "bfloat16", "bfloat16"]
-    assert [_resolve_dtype("auto", t, True) for t in (None, *tiers.TIERS)] == ["bfloat16"] * 5
+        ["float32", "float32", "float32", "bfloat16"]
+    assert [_resolve_dtype("auto", t, True) for t in (None, *tiers.TIERS)] == ["bfloat16"] * 4
     assert _resolve_dtype("bfloat16", "avx2", False) == "bfloat16"       # asked for: kept
     assert _resolve_dtype("float32", None, True) == "float32"
 
@@ -63,6 +76,10 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
         EngineConfig(kernels="avx3").resolve()
     with pytest.raises(ValueError, match="this CPU runs avx2"):
         EngineConfig(kernels="amx").resolve()
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    assert EngineConfig(kernels="amx").resolve().dtype == "bfloat16"   # avx512_bf16's
+    assert EngineConfig(kernels="amx")._device() == "cpu"
+    monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
     assert EngineConfig(kernels="avx2").resolve().dtype == "float32"
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN4)
     assert EngineConfig().resolve().dtype == "bfloat16"
@@ -73,9 +90,8 @@ def test_quantized_activations_int16_below_a_bf16_dot_product_and_int8_only_by_n
     assert _resolve_activations("auto", "auto", "avx2") == "int16"
     assert _resolve_activations("auto", "float32", "avx512") == "int16"
     assert _resolve_activations("auto", "auto", "avx512_bf16") == "exact"
-    assert _resolve_activations("auto", "auto", "amx") == "exact"
     assert _resolve_activations("exact", "auto", "avx2") == "exact"
-    assert _resolve_activations("int8", "float32", "amx") == "int8"
+    assert _resolve_activations("int8", "float32", "avx512_bf16") == "int8"
     assert _resolve_activations("int8-all", "auto", "avx2") == "int8-all"
     with pytest.raises(ValueError, match="must be one of auto, exact, int16, int8, int8-all"):
         _resolve_activations("fp8", "auto", "avx2")

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from pagewire.kernels import kv_quant, quant
+from pagewire.kernels import kv_quant
 from pagewire.kernels.attention import AttentionBatch
 
 from .program import Op
@@ -44,11 +44,13 @@ class FusedDecode:
               head_rows: bool = False) -> "FusedDecode | None":
         """The fused path for this model and these caches, or None where it does not apply.
         head_rows: the caches are KV-Compress's pool (kernels/kv_compress.py), every layer's."""
-        lib = model.ops.lib.cdll if model.ops.name == "cpu" else None
+        caps = model.ops.capabilities
         dtype = model.embed.weight.dtype                   # the activations'
-        if lib is None or dtype not in _TYPES or not all(c.is_contiguous() for c in kv_caches):
+        if not caps.fused_decode or dtype not in _TYPES or \
+                not all(c.is_contiguous() for c in kv_caches):
             return None
-        enc = _Encoder(model, dtype, lib.pw_decode_stack_arity, head_rows)
+        lib = model.ops.lib.cdll
+        enc = _Encoder(model, dtype, lib.pw_decode_stack_arity, head_rows, caps.block_kinds)
         for i, layer in enumerate(model.layers):
             if not enc.layer(layer, kv_caches[i], model.rope_tables[model.cfg.layer_rope[i]]):
                 return None
@@ -102,8 +104,9 @@ def _real(value: float) -> int:
 class _Encoder:
     """Encodes layers' programs one op at a time; an op it cannot encode refuses the model."""
 
-    def __init__(self, model, dtype: torch.dtype, arity, head_rows: bool):
+    def __init__(self, model, dtype: torch.dtype, arity, head_rows: bool, kinds: frozenset):
         self.model, self.dtype, self.arity, self.head_rows = model, dtype, arity, head_rows
+        self.kinds = kinds          # the weight kinds the backend multiplies as stored
         self.words: list[int] = []
         self.scratch = model.cfg.hidden_size   # the widest value an op makes, a token
         self.max_tokens: set[int] = set()
@@ -127,7 +130,7 @@ class _Encoder:
 
     def linear(self, linear) -> list[int] | None:
         q, bias = linear.quantized, linear.bias
-        if q is None or any(s.kind not in quant.KINDS for s in q.segments) or \
+        if q is None or any(s.kind not in self.kinds for s in q.segments) or \
                 bias is not None and (bias.dtype != self.dtype or not bias.is_contiguous()):
             return None
         if linear.quantized_max_tokens != sys.maxsize:    # else no switch to another path

@@ -38,10 +38,9 @@ class Attention(nn.Module):
     o_proj row-parallel, summed over ranks. Its weights and sizes; the layer's program runs it.
     `cp`: the ranks its KV head's tokens are split over (context parallelism), or None."""
 
-    cp = None
-
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int, cp=None):
         super().__init__()
+        self.cp = cp
         share = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = share.num_q, share.num_kv, cfg.head_dim
@@ -73,10 +72,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block, its ops declared in program.py. With sandwich norms (Gemma) the
     attention and MLP outputs are normed too, before they join the residual stream."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int, cp=None):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, tp, layer)
+        self.attn = Attention(cfg, tp, layer, cp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)        # before the MLP
         self.mlp = MLP(cfg, tp)
         self.post_attn_norm = self.post_mlp_norm = None
@@ -99,17 +98,20 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     config_class = LlamaConfig
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel | None = None, ops=None, cp=None):
+        """ops: the backend's kernel set (kernels/ops.py; None: the torch reference), which
+        every op of the forward calls; cp: the context-parallel group (parallel.py), or None."""
         super().__init__()
         self.cfg, self.tp = cfg, tp or TensorParallel()
         v0, v1 = self.tp.vocab(cfg.vocab_size)                   # this rank's vocabulary rows
         self.embed = nn.Embedding(v1 - v0, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i, cp)
+                                    for i in range(cfg.num_layers))
         self.num_kv_heads = self.layers[0].attn.num_kv_heads     # this rank's, for its KV cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
-        self.ops = TorchOps()     # the kernel set; the runner picks one for the device
-        self.fused_decode = None  # set by the runner where fused_decode.py applies
+        self.ops = ops if ops is not None else TorchOps()
+        self._fused = None        # fused_decode.py's program, where the backend built one
         self.register_buffer("cos_sin", None, persistent=False)
         self.rope_tables: list[torch.Tensor] = []
         self.reset_buffers()
@@ -128,6 +130,17 @@ class LlamaForCausalLM(nn.Module):
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
 
+    @property
+    def fused_decode(self):
+        """The fused decode program (fused_decode.py FusedDecode) small decode steps over its
+        caches take, or None: the per-op path runs every step."""
+        return self._fused
+
+    def use_fused_decode(self, fused) -> None:
+        """The backend's prepare gives the model its fused decode program once the KV caches
+        it encodes exist (executor/backend.py); None turns the fused path off."""
+        self._fused = fused
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)    # moves the cos_sin buffer (table 0); the others follow
         self.rope_tables = [self.cos_sin] + [fn(t) for t in self.rope_tables[1:]]
@@ -142,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        fused = self.fused_decode
+        fused = self._fused
         if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call
         else:
@@ -156,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows)."""
-        logits = self.tp.gather_vocab(self.lm_head.forward(hidden).float(), self.cfg.vocab_size)
+        logits = self.tp.gather_vocab(self.ops.linear(self.lm_head, hidden).float(),
+                                      self.cfg.vocab_size)
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -69,7 +69,7 @@ def _norm(ops, norm, s: State) -> None:
 
 
 def _linear(ops, linear, s: State) -> None:
-    y = linear.forward(s.x)                # float32 from a row-parallel linear (ALL_REDUCE)
+    y = ops.linear(linear, s.x)            # float32 from a row-parallel linear (ALL_REDUCE)
     if s.lora is not None and linear.lora_slot >= 0:
         ops.lora_delta(y, s.x.to(y.dtype), s.lora, linear.lora_slot)
     s.x = y

@@ -1,0 +1,122 @@
+"""The executor's backend: the kernel set for one (device, tier), and every choice that depends
+on it, in one place.
+
+kernels/ops.py select_ops picks the kernels once per process (CPU tier, Triton or the torch
+reference) and states what they do in a Capabilities record. This object lays each model out
+for them and answers the runner's device- and tier-dependent questions from that record, so
+the runner, the loader and the model code never ask which device, tier or backend they run on
+(tests/kernels/test_backend_boundary.py):
+
+    backend = Backend(device, config.kernels)
+    model = backend.load(info, config, tp, cp)        # built with its kernels, weights laid out
+    backend.prepare_caches(model, kv_caches)          # its fused decode program, if any
+    backend.captures_graphs(config, tp_size, ...)     # CUDA graphs or eager steps
+    ids, positions, batch = backend.to_device(ids, positions, batch)
+    tokens = backend.sample(logits, sampling_batch, spans)
+"""
+from __future__ import annotations
+
+import torch
+
+from pagewire.kernels import quant
+from pagewire.kernels.attention import AttentionBatch
+from pagewire.kernels.linear import pack_linears
+from pagewire.kernels.ops import select_ops
+
+from . import huge_pages
+from .cuda_graphs import DecodeGraphs, GraphLora
+from .decode_layout import batch_to
+from .loader import keep_bf16_tiles, keep_quantized, read_model
+from .models.fused_decode import FusedDecode
+from .sampler import sample
+
+# How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
+# --quantized-activations; a type not named multiplies them exactly.
+_Q4 = (quant.Q4_0, quant.Q4_1, quant.Q4_K)          # multiplied as nibble tiles; the rest
+_Q8 = (quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL, quant.Q2_K, quant.Q5_K,   # as int8
+       quant.Q6_K)
+ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
+             "int8": dict.fromkeys(_Q4, "int8"),
+             "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8")}
+
+
+class Backend:
+    """One per executor process: `ops` (the kernels every model op calls), `capabilities`
+    (what they do), `name` (for logs, metrics and Ready)."""
+
+    def __init__(self, device: torch.device, kernels: str = "auto"):
+        self.device = device
+        self.ops = select_ops(device, kernels)
+        self.capabilities = self.ops.capabilities
+        self.name = self.ops.backend
+        self._arenas: list = []     # huge-page mappings under prepared models' tiles
+
+    def describe(self, config) -> str:
+        """The log line's details: the dtype and, where stored blocks are multiplied, how."""
+        quantized = f", quantized activations {config.quantized_activations}" \
+            if self.capabilities.native_weights else ""
+        return f"backend {self.name} (dtype {config.dtype}{quantized})"
+
+    def load(self, info, config, tp, cp=None) -> torch.nn.Module:
+        """The model for `info` on the device, built with this backend's kernels (and `cp`,
+        the context-parallel group, or None), its weights laid out for them."""
+        model, rounded = read_model(info, config.dtype, tp, config.quantization, self.ops, cp)
+        model = model.to(self.device)
+        self.prepare(model, info, config, rounded)
+        return model
+
+    def prepare(self, model, info, config, rounded=None) -> None:
+        """Weight layouts for the native CPU kernels: stored (or --quantization `rounded`)
+        blocks first, since a Linear that keeps only them packs nothing; BF16 tiles; oneDNN's
+        packed dense weights (float32 without a bfloat16 dot product); then the tiles a step
+        streams onto huge pages, after packing. Other backends run the weights as loaded."""
+        caps = self.capabilities
+        if not caps.native_weights:
+            return
+        keep_quantized(model, info, config.quantized_matmul_tokens,
+                       ROUNDINGS[config.quantized_activations], rounded)
+        keep_bf16_tiles(model, config.quantized_matmul_tokens)
+        pack_linears(model, upcast=not caps.bf16_dot)
+        huge_pages.back_model(model, self._arenas)
+
+    @property
+    def kv_device(self) -> torch.device | None:
+        """Where KV pools go (kv_blocks.allocate_kv_cache): None for host memory, which it
+        may put on huge pages; else the device."""
+        return None if self.capabilities.host_memory else self.device
+
+    @staticmethod
+    def prepare_caches(model, kv_caches: list[torch.Tensor], head_rows: bool = False) -> None:
+        """Give the model its fused decode program over these caches, where its kernels have
+        one and every op of its layers encodes (fused_decode.py); else none."""
+        model.use_fused_decode(FusedDecode.build(model, kv_caches, head_rows=head_rows))
+
+    def captures_graphs(self, config, tp_size: int, compressed: bool) -> bool:
+        """Whether decode steps replay CUDA graphs: where the backend has them, not with
+        --enforce-eager, tensor parallelism or KV-Compress (its layouts change every step)."""
+        return self.capabilities.graphs and not config.enforce_eager and tp_size == 1 \
+            and not compressed
+
+    def decode_graphs(self, model, kv_caches, config, scratch_block: int, capture: bool,
+                      with_adapters: bool) -> DecodeGraphs:
+        """Decode graphs (capture=False: their buffers and padding, run eagerly). With
+        adapters, where the kernels take LoRA inputs as static buffers, the graphs do
+        (GraphLora); else steps with adapters run eagerly."""
+        width = -(-config.max_model_len // config.block_size)
+        lora = GraphLora.of(model, config.max_num_seqs, config.max_loras,
+                            config.max_lora_rank) \
+            if with_adapters and self.capabilities.lora_in_graphs else None
+        return DecodeGraphs(model, kv_caches, config.max_num_seqs, width, config.block_size,
+                            scratch_block, capture, lora)
+
+    def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """A step's inputs (laid out in host memory) where the kernels read them."""
+        if self.capabilities.host_memory:
+            return input_ids, positions, batch
+        dev = self.device
+        return input_ids.to(dev), positions.to(dev), batch_to(batch, dev)
+
+    def sample(self, logits: torch.Tensor, batch, spans=()) -> torch.Tensor:
+        """sampler.sample through this backend's kernels."""
+        return sample(logits, batch, self.ops, spans)
