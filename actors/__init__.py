@@ -4,7 +4,7 @@
     llm = LLM()                      # the embedded SmolLM2-135M-Instruct
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
 """
-from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.sampling_params import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint, StructuredOutputsParams
 
 __version__ = "0.1.0"

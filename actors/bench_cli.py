@@ -59,7 +59,7 @@ def _llm(args):
 
 
 def throughput(args) -> dict:
-    from pagewire.wire.sampling import SamplingParams
+    from pagewire.wire.sampling_params import SamplingParams
     llm = _llm(args)
     reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                            args.random_range_ratio, getattr(args, "seed", 0),
@@ -87,7 +87,7 @@ def throughput(args) -> dict:
 
 
 def latency(args) -> dict:
-    from pagewire.wire.sampling import SamplingParams
+    from pagewire.wire.sampling_params import SamplingParams
     llm = _llm(args)
     rng = random.Random(getattr(args, "seed", 0))
     vocab = llm.config.model_info.vocab_size

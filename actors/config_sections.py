@@ -17,7 +17,7 @@ MAX_BATCH = {"cpu": 2, "cuda": 8}
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """--speculative-config, as vLLM spells it (JSON). Drafts are proposed by the executor
-    after each step (executor/speculation.py) and verified by the target in the next."""
+    after each step (executor/draft_proposers.py) and verified by the target in the next."""
     method: str = "ngram"                  # ngram | suffix | self | draft_model
     model: str | None = None               # draft_model: a GGUF or HF directory sharing the
                                            # target's tokenizer

@@ -15,7 +15,7 @@ from tokenizers.decoders import DecodeStream
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
-from pagewire.wire.sampling import LogprobsChunk
+from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_detokenizer import (DetokenizerInbox, DetokStart, PromptGrew, TokenDelta,
                                           TokenDeltas)
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob

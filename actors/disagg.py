@@ -5,7 +5,7 @@ ignores it."""
 from __future__ import annotations
 
 from pagewire.wire.kv_transfer import KvSource, KvTransfer
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 
 
 def request_transfer(config, params: dict | None, sampling: SamplingParams) -> KvTransfer | None:

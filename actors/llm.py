@@ -22,7 +22,7 @@ import torch
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import SamplingParams, best_of
+from pagewire.wire.sampling_params import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
 from pagewire.wire.to_scheduler import Abort, NewRequest

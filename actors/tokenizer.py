@@ -3,7 +3,7 @@
 A request that cannot be served is answered from here (RequestFailed straight to the gateway)
 and never reaches the scheduler. Otherwise the detokenizer learns of the request first
 (DetokStart), then the scheduler gets it (NewRequest). A request with structured outputs
-waits here for its grammar (actors/grammar.py): compiled on a thread pool while the actor
+waits here for its grammar (actors/grammar_compiler.py): compiled on a thread pool while the actor
 goes on with other messages, and a bad or too slow constraint is a 400 from here.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from pagewire.wire.channels import Sends
-from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.sampling_params import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint
 from pagewire.wire.to_detokenizer import DetokStart, PromptGrew
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
@@ -22,7 +22,7 @@ from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizePi
                                         TokenizeRequest, TokenizerInbox)
 
 from .config import EngineConfig
-from .grammar import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
+from .grammar_compiler import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
 from .hf_tokenizer import load_tokenizer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer

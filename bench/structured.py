@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from pagewire import LLM, SamplingParams, StructuredOutputsParams
-from pagewire.executor.grammar import Matchers
+from pagewire.executor.grammar_matchers import Matchers
 from pagewire.executor.sampler import apply_bitmasks
-from pagewire.grammar import GrammarCompiler
+from pagewire.grammar_compiler import GrammarCompiler
 from pagewire.hf_tokenizer import load_tokenizer
 from pagewire.model_info import resolve_model
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import activation, attention, cascade, kv_quant, native, norm, quant, rotary, sampling
+from . import activation, attention, cascade, kv_quant, native, norm, quant, rotary, token_sampling
 from . import tiers
 from . import lora as lora_kernels
 
@@ -66,8 +66,8 @@ class TorchOps:
         return linear.forward(x)
 
     def sample(self, logits, params, uniforms):
-        """kernels/sampling.py sample(): one token a row, native where the backend has it."""
-        return sampling.sample(logits, params, uniforms, self.lib)
+        """kernels/token_sampling.py sample(): one token a row, native where the backend has it."""
+        return token_sampling.sample(logits, params, uniforms, self.lib)
 
     def add_rms_norm(self, x, residual, weight, eps):
         return norm.add_rms_norm(x, residual, weight, eps)

@@ -2,6 +2,6 @@
 
 Imports only msgspec, zmq and the standard library.
 """
-from .sampling import InvalidParam, SamplingParams
+from .sampling_params import InvalidParam, SamplingParams
 
 __all__ = ["InvalidParam", "SamplingParams"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from .ids import SeqId
-from .sampling import LogprobsChunk
+from .sampling_params import LogprobsChunk
 
 
 class DetokStart(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

@@ -13,7 +13,7 @@ import msgspec
 from .ids import SeqId
 from .kv_transfer import KvLease, KvSource
 from .lora import LoraRef
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class NewSeq(msgspec.Struct, array_like=True, gc=False):

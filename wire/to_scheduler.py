@@ -7,7 +7,7 @@ import msgspec
 from .ids import SeqId
 from .kv_transfer import KvLeaseEnded, KvPulled, KvTransfer
 from .lora import LoraRef
-from .sampling import LogprobsChunk, SamplingParams
+from .sampling_params import LogprobsChunk, SamplingParams
 
 
 class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

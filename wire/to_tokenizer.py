@@ -5,7 +5,7 @@ import msgspec
 
 from .kv_transfer import KvTransfer
 from .lora import LoraRef
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):

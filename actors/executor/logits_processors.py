@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 
 
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],

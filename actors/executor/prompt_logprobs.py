@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagewire.wire.ids import SeqId
-from pagewire.wire.sampling import LogprobsChunk
+from pagewire.wire.sampling_params import LogprobsChunk
 
 _CHUNK_ROWS = 256
 

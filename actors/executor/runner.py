@@ -19,7 +19,7 @@ from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.context_parallel import local_batch
 from pagewire.kernels.ops import resolve_device
 from pagewire.wire.ids import SeqId
-from pagewire.wire.sampling import LogprobsChunk
+from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
@@ -28,10 +28,10 @@ from ..config import EngineConfig, default_threads
 from .backend import Backend
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
-from .grammar import Matchers
+from .grammar_matchers import Matchers
 from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
-from .kv_tier import DiskTier
+from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
 from .loader import _DTYPES
 from .lora import Adapters, LoraBatch
@@ -39,7 +39,7 @@ from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState, SeqTable
-from .speculation import InStepDraft, Proposer, accepted
+from .draft_proposers import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
 

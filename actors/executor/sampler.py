@@ -1,9 +1,9 @@
 """The engine's side of sampling: SamplingParams and request state turned into what the
-kernels' sampler (pagewire.kernels.sampling) takes, and the log-probabilities rows ask for.
+kernels' sampler (pagewire.kernels.token_sampling) takes, and the log-probabilities rows ask for.
 
 Before the kernels see the logits, the logits processors (penalties, logit bias, allowed ids,
 bad words), the bans (EOS before min_tokens) and the grammar bitmasks of constrained rows
-(executor/grammar.py) apply here. Random rows draw with one uniform
+(executor/grammar_matchers.py) apply here. Random rows draw with one uniform
 per row: a seeded row's comes from a generator seeded by (seed, output index), so the same seed
 gives the same tokens whatever else shares the batch, and a request resumed after preemption
 draws exactly what it would have drawn. Unseeded rows take theirs from one call on torch's
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagewire.kernels import sampling
+from pagewire.kernels import token_sampling
 from pagewire.kernels.ops import TorchOps
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 
 from .logits_processors import apply_logits_processors
 
@@ -46,7 +46,7 @@ class SamplingBatch:
 @dataclass
 class DraftedSpan:
     """A sequence whose drafts a model drew from distributions q (a random request's drafts,
-    executor/speculation.py): its rows from `row` on are judged by rejection sampling."""
+    executor/draft_proposers.py): its rows from `row` on are judged by rejection sampling."""
     row: int
     drafts: list[int]
     q: torch.Tensor                     # [k, V] float32
@@ -56,7 +56,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
            spans: list[DraftedSpan] = ()) -> torch.Tensor:
     """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `ops`: the backend's
     kernel set, whose sample() draws the rows (None: the torch reference's). A span's rows
-    get its kept drafts then the token rejection sampling drew (kernels/sampling.py), the
+    get its kept drafts then the token rejection sampling drew (kernels/token_sampling.py), the
     rows after that as sampled."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
@@ -66,7 +66,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
     if batch.all_greedy:                # no parameters to build, no uniforms drawn
         return logits.argmax(dim=-1)
     rows = [s.row + i for s in spans for i in range(len(s.drafts) + 1)]
-    p = sampling.probabilities(logits[rows], sampling_tensors([batch.params[r] for r in rows])) \
+    p = token_sampling.probabilities(logits[rows], sampling_tensors([batch.params[r] for r in rows])) \
         if rows else None
     tokens = (ops or _REFERENCE).sample(logits, sampling_tensors(batch.params),
                                         _uniforms(batch, logits.device))
@@ -86,16 +86,16 @@ def _judge(tokens: torch.Tensor, p: torch.Tensor, spans: list[DraftedSpan], rows
     at = 0
     for span in spans:
         k = len(span.drafts)
-        out = sampling.rejection_sample(p[at:at + k + 1], span.q.cpu(), span.drafts,
+        out = token_sampling.rejection_sample(p[at:at + k + 1], span.q.cpu(), span.drafts,
                                         accept_u[at:at + k], draw_u[at:at + k + 1])
         tokens[span.row:span.row + len(out)] = torch.tensor(out, device=tokens.device)
         at += k + 1
 
 
-def sampling_tensors(params: list[SamplingParams]) -> sampling.SamplingTensors:
+def sampling_tensors(params: list[SamplingParams]) -> token_sampling.SamplingTensors:
     """The kernels' per-row parameters, on the CPU (the kernels' sampler reads them there to
     skip the stages no row uses)."""
-    return sampling.SamplingTensors(
+    return token_sampling.SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),

@@ -5,11 +5,11 @@ step computes and which sequences sample, and keeps the tokens sampled. Plans ap
 order they come. A plan may have been made before the previous one's result reached the
 scheduler (pipelined steps): its decode rows then read the tokens appended here. A sequence
 whose last token stopped it (EOS, a stop token id: the scheduler's own rule,
-wire.sampling.stops_on) is left out of such a row, and so is one whose step failed; the
+wire.sampling_params.stops_on) is left out of such a row, and so is one whose step failed; the
 scheduler has ended both and ignores them. A constrained sequence carries its grammar matcher
-(executor/grammar.py), advanced by each token appended; a token its grammar refuses fails
+(executor/grammar_matchers.py), advanced by each token appended; a token its grammar refuses fails
 that sequence alone. Speculative decoding: after a sequence samples, the proposer
-(executor/speculation.py) leaves drafts in it; a plan that schedules a sequence past its
+(executor/draft_proposers.py) leaves drafts in it; a plan that schedules a sequence past its
 known tokens verifies that many of them (`verifying`), and the step appends the tokens
 verified, computed positions advancing only over accepted drafts.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pagewire.wire.ids import SeqId
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import SamplingParams, stops_on
+from pagewire.wire.sampling_params import SamplingParams, stops_on
 from pagewire.wire.to_executor import StepPlan
 
 
@@ -34,7 +34,7 @@ class SeqState:
     stopped: bool = False           # its last sampled token ends it
     matcher: object | None = None   # llguidance.LLMatcher of a constrained sequence
     drafts: list[int] = field(default_factory=list)      # proposed after its last sample
-    ngrams: object | None = None    # executor/speculation.py NgramIndex of its tokens
+    ngrams: object | None = None    # executor/draft_proposers.py NgramIndex of its tokens
     num_draft_slots: int = 0        # drafts this step verifies (model drafts: filled in it)
     verifying: list[int] = field(default_factory=list)   # the drafts this step computes
     # A random request's model drafts: the distributions each was drawn from ([V] each), for
@@ -64,8 +64,8 @@ class SeqState:
 class SeqTable:
     def __init__(self, eos_ids: list[int], matchers=None, proposer=None):
         self.eos_ids = frozenset(eos_ids)
-        self.matchers = matchers            # executor/grammar.py Matchers; None: unconstrained
-        self.proposer = proposer            # executor/speculation.py Proposer; None: no drafts
+        self.matchers = matchers            # executor/grammar_matchers.py Matchers; None: unconstrained
+        self.proposer = proposer            # executor/draft_proposers.py Proposer; None: no drafts
         # methods self, draft_model: drafts come from a model during the step that verifies
         # them (the runner fills `verifying`), not from a proposal after a step
         self.drafts_in_step = proposer is not None and proposer.model_drafting

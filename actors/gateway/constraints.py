@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.sampling_params import InvalidParam
 from pagewire.wire.structured import InvalidConstraint, StructuredOutputsParams
 
 

@@ -6,7 +6,7 @@ import json
 
 import msgspec
 
-from pagewire.wire.sampling import InvalidParam, SamplingParams
+from pagewire.wire.sampling_params import InvalidParam, SamplingParams
 from pagewire.wire.to_tokenizer import ChatMessage
 
 from .constraints import ConstraintFields, constraint, requested_constraints

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from pagewire.wire.ids import SeqId, output_ids
-from pagewire.wire.sampling import best_of
+from pagewire.wire.sampling_params import best_of
 from pagewire.wire.to_gateway import RequestFailed, TextDelta
 from pagewire.wire.to_tokenizer import TokenizeRequest
 

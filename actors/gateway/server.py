@@ -23,7 +23,7 @@ from aiohttp import web
 from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.sampling_params import InvalidParam
 from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort

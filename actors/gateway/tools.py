@@ -16,7 +16,7 @@ import uuid
 
 import msgspec
 
-from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.sampling_params import InvalidParam
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from pagewire.wire.ids import SeqId, beam as beam_id, output_ids
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 
 from .request import Request
 

@@ -9,7 +9,7 @@ from pagewire.wire.kv_transfer import KvLease, KvSource
 from pagewire.wire.to_executor import KvLoad
 
 from .kv_manager import BlockManager, block_hashes
-from .kv_tier import TierIndex
+from .tier_index import TierIndex
 from .request import Request
 
 

@@ -9,7 +9,7 @@ import msgspec
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
-from pagewire.wire.sampling import LogprobsChunk, SamplingParams, stops_on
+from pagewire.wire.sampling_params import LogprobsChunk, SamplingParams, stops_on
 from pagewire.wire.to_executor import NewSeq, RunSeq
 from pagewire.wire.to_scheduler import NewRequest
 

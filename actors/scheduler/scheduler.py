@@ -77,7 +77,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
         self.num_generation_tokens = 0
-        self.drafts = DraftPolicy(config.speculative_config)   # speculation.py; its counters
+        self.drafts = DraftPolicy(config.speculative_config)   # scheduler/speculation.py; its counters
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:

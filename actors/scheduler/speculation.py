@@ -15,7 +15,7 @@ k * acceptance of its drafts.
 """
 from __future__ import annotations
 
-from pagewire.wire.sampling import LogprobsChunk
+from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config_sections import MAX_BATCH

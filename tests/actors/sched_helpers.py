@@ -11,7 +11,7 @@ from pagewire.model_info import ModelInfo
 from pagewire.wire.ids import PROMPT, SeqId, beam
 from pagewire.scheduler.core import SchedulerCore
 from pagewire.scheduler.engine import StepEngine
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult

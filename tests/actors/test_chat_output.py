@@ -11,7 +11,7 @@ import pytest
 from pagewire.gateway.chat_output import ChatOutput, split_reasoning
 from pagewire.gateway.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool,
                                     ToolPlan, calls_of, plan_tools)
-from pagewire.wire.sampling import InvalidParam
+from pagewire.wire.sampling_params import InvalidParam
 
 TOOLS = [Tool(function=FunctionDef(name="f", parameters={"type": "object", "properties": {
     "x": {"type": "integer"}}})), Tool(function=FunctionDef(name="g"))]

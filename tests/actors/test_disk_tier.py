@@ -12,7 +12,7 @@ import torch
 
 from pagewire import LLM, SamplingParams
 from pagewire import kv_tier_files as files
-from pagewire.executor.kv_tier import DiskTier
+from pagewire.executor.disk_tier import DiskTier
 from pagewire.executor.parallel import TensorParallel
 from pagewire.scheduler.kv_manager import block_hashes
 from pagewire.wire.ids import SeqId

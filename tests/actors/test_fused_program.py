@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewire.executor.models.config import LlamaConfig
+from pagewire.executor.models.model_config import LlamaConfig
 from pagewire.executor.models.fused_decode import FusedDecode
 from pagewire.executor.models.llama import LlamaForCausalLM
 from pagewire.executor.kv_blocks import allocate_kv_cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagewire.executor.models.config import LlamaConfig
+from pagewire.executor.models.model_config import LlamaConfig
 from pagewire.executor.models.llama import LlamaForCausalLM
 from pagewire.executor.models.program import Op, Step, layer_program
 

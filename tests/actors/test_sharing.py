@@ -248,7 +248,7 @@ def test_a_fork_shares_no_mutable_slot_with_its_parent():
     own (Request.SHARED / COPIED / FRESH): a slot added later must be placed, and no list of
     the fork is its parent's."""
     from pagewire.scheduler.request import Request
-    from pagewire.wire.sampling import SamplingParams
+    from pagewire.wire.sampling_params import SamplingParams
     slots = Request.SHARED + Request.COPIED + Request.FRESH
     assert sorted(slots) == sorted(Request.__slots__) and len(set(slots)) == len(slots)
     parent = Request(sid("p#prompt"), [1, 2, 3], SamplingParams(n=2), 0.0, 64)

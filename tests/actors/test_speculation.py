@@ -11,7 +11,7 @@ import torch
 
 from pagewire import LLM, SamplingParams
 from pagewire.config import SpeculativeConfig
-from pagewire.executor.speculation import Proposer, accepted
+from pagewire.executor.draft_proposers import Proposer, accepted
 from pagewire.scheduler.speculation import PROBE_EVERY, DraftPolicy
 
 

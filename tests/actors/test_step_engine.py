@@ -122,8 +122,8 @@ def test_next_result_collects_the_oldest_plans_result_from_the_handle():
 
 def test_the_stop_rule_is_one_function_both_sides_call():
     """EOS and stop ids end a sequence in the scheduler (it finishes it) and in the executor
-    (a row planned ahead of the stop is not run): one rule, wire.sampling.stops_on."""
+    (a row planned ahead of the stop is not run): one rule, wire.sampling_params.stops_on."""
     from pagewire.executor import seq_table
     from pagewire.scheduler import request
-    from pagewire.wire import sampling
+    from pagewire.wire import sampling_params as sampling
     assert seq_table.stops_on is sampling.stops_on and request.stops_on is sampling.stops_on

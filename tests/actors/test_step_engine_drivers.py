@@ -13,7 +13,7 @@ from pagewire.config import EngineConfig
 from pagewire.scheduler.engine import StepEngine
 from pagewire.wire.channels import encode
 from pagewire.wire.replay import Divergence, decode
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import NewRequest, StepResult
 

@@ -1,5 +1,5 @@
 """Structured outputs: the constraint's shape (wire/structured.py), its compile in the
-tokenizer actor (actors/grammar.py), the executor's masks and matchers, and a fuzz run of a
+tokenizer actor (actors/grammar_compiler.py), the executor's masks and matchers, and a fuzz run of a
 random-weight model at temperature 1 whose every finished output must match its constraint."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pagewire import StructuredOutputsParams as S
 from pagewire.config import EngineConfig
 from pagewire.executor.sampler import apply_bitmasks
 from pagewire.executor.seq_table import SeqState, SeqTable
-from pagewire.grammar import result_of
+from pagewire.grammar_compiler import result_of
 from pagewire.tokenizer import RequestTokenizer
 from pagewire.wire.structured import MAX_CHOICES, MAX_CONSTRAINT_CHARS
 from pagewire.wire.to_gateway import RequestFailed
@@ -263,7 +263,7 @@ def _allowed(matchers, matcher) -> list[int]:
 
 
 def test_a_constraint_after_reasoning_starts_at_the_end_of_the_block(config, rt):
-    from pagewire.executor.grammar import Matchers
+    from pagewire.executor.grammar_matchers import Matchers
     from pagewire.wire.to_executor import NewSeq, StepPlan
     info = config.model_info
     matchers = Matchers(info, info.vocab_size, info.eos_token_ids)

@@ -15,7 +15,7 @@ from pagewire.kernels.attention import (AttentionBatch, PrefillSpan, Variant, ca
                                         reference_attention)
 from pagewire.kernels.kv_compress import attention_mass, choose_kept, compressed_attention
 from pagewire.kernels.ops import select_ops
-from pagewire.wire.sampling import SamplingParams
+from pagewire.wire.sampling_params import SamplingParams
 
 BS, LAYERS, POOL_BLOCKS = 4, 2, 48
 

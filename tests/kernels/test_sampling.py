@@ -1,4 +1,4 @@
-"""The kernels' sampler (pagewire.kernels.sampling): exactly which tokens each cut keeps, and
+"""The kernels' sampler (pagewire.kernels.token_sampling): exactly which tokens each cut keeps, and
 which token the inverse-CDF draw picks for a given uniform, so every outcome is asserted
 exactly; the native draw against the search where the CPU has it."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagewire.kernels.sampling import (SamplingTensors, draw, draw_by_search,
+from pagewire.kernels.token_sampling import (SamplingTensors, draw, draw_by_search,
                                        rejection_sample, sample, sampling_logits)
 
 # A fixed, clearly ordered distribution over 8 tokens (descending in a shuffled order).

@@ -23,7 +23,7 @@ from pagewire.kernels.cache import triton_write_kv, write_kv
 from pagewire.kernels.norm import add_rms_norm, triton_add_rms_norm
 from pagewire.kernels.ops import TorchOps, select_ops
 from pagewire.kernels.rotary import apply_rope, rope_cos_sin, triton_rope, triton_rope_table_
-from pagewire.kernels.sampling import top_k_top_p_mask, triton_top_k_top_p_mask
+from pagewire.kernels.token_sampling import top_k_top_p_mask, triton_top_k_top_p_mask
 
 pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

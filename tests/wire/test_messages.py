@@ -186,7 +186,7 @@ def test_default_sampling_params_encode_compactly():
 
 
 def test_wire_imports_no_torch():
-    code = ("import sys, pagewire.wire, pagewire.wire.channels, pagewire.wire.sampling, "
+    code = ("import sys, pagewire.wire, pagewire.wire.channels, pagewire.wire.sampling_params, "
             "pagewire.wire.to_detokenizer, pagewire.wire.to_executor, pagewire.wire.to_gateway, "
             "pagewire.wire.to_scheduler, pagewire.wire.to_supervisor, pagewire.wire.to_tokenizer; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -17,7 +17,7 @@ from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 from ..parallel import TensorParallel, split_range
 from . import program
-from .config import LlamaConfig
+from .model_config import LlamaConfig
 from .weights import fuse_weights, linear_sources
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]

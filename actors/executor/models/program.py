@@ -32,7 +32,7 @@ class Step:
 
 
 def layer_program(cfg, tp_size: int = 1) -> tuple[Step, ...]:
-    """The layer's ops for `cfg` (models/config.py LlamaConfig): pre-norm attention then MLP,
+    """The layer's ops for `cfg` (models/model_config.py LlamaConfig): pre-norm attention then MLP,
     each output summed over ranks (only with tensor parallelism: the sum of one rank is x)."""
     reduce = (Step(Op.ALL_REDUCE),) if tp_size > 1 else ()
     steps = [Step(Op.ADD_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv")]

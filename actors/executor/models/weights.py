@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import LlamaConfig
+from .model_config import LlamaConfig
 
 # Hugging Face layer norm name -> ours, per family. Llama's post_attention_layernorm is the
 # norm before the MLP; Gemma's normalizes the attention output (its pre-MLP norm is

@@ -1,5 +1,5 @@
 """The executor's grammar matchers: one per constrained sequence, built from the grammar the
-tokenizer actor compiled (actors/grammar.py), advanced by each token the sequence samples.
+tokenizer actor compiled (actors/grammar_compiler.py), advanced by each token the sequence samples.
 
 A sequence that arrives in a NewSeq (new, forked, or back after preemption) gets a fresh
 matcher that consumes its output tokens so far, so forks and recomputes need no matcher state
@@ -19,7 +19,7 @@ import numpy as np
 
 from pagewire.wire.structured import StructuredOutputsParams
 
-from ..grammar import find, llg_tokenizer
+from ..grammar_compiler import find, llg_tokenizer
 from ..hf_tokenizer import load_tokenizer
 
 _PRISTINE_ENTRIES = 256      # unstarted matchers kept by grammar digest (copied per sequence)

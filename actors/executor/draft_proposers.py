@@ -18,7 +18,7 @@ gives; the first sampled token that differs from its draft is kept, the rest dro
 A model drafts a greedy request's tokens as its argmax (one-hot, as above). For a random
 request it draws each draft from its own distribution q after the request's temperature,
 top-k, top-p and min-p, keeps q, and the step judges those drafts by rejection sampling
-against the target's distribution p (executor/sampler.py, kernels/sampling.py): draft x kept
+against the target's distribution p (executor/sampler.py, kernels/token_sampling.py): draft x kept
 with probability min(1, p(x) / q(x)), else a token from max(p - q, 0). Outputs follow the
 target's distribution exactly and a seed reproduces them, but a seeded request's tokens are
 not those of decoding without drafts (other uniforms decide them); it accepts 1 - TV(p, q)
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewire.kernels import sampling
+from pagewire.kernels import token_sampling
 
 from .decode_layout import batch_to, decode_batch
 from .sampler import sampling_tensors, uniforms
@@ -154,10 +154,10 @@ class InStepDraft:
         rand = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         if rand:
             params = [seqs[i].sampling for i in rand]
-            q = sampling.probabilities(logits[rand], sampling_tensors(params))   # [R, V']
+            q = token_sampling.probabilities(logits[rand], sampling_tensors(params))   # [R, V']
             index = [seqs[i].num_output_tokens + len(seqs[i].verifying) for i in rand]
             u = uniforms(params, index, q.device, salt=3)
-            tokens[rand] = sampling.draw_by_search(q.log(), u).to(tokens.device)
+            tokens[rand] = token_sampling.draw_by_search(q.log(), u).to(tokens.device)
             q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
             for i, row in zip(rand, q):
                 seqs[i].draft_probs.append(row)

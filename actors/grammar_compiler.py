@@ -1,5 +1,5 @@
 """Grammars for structured outputs: a constraint (wire/structured.py) compiled and checked in
-the tokenizer actor, then matched token by token in the executor (executor/grammar.py).
+the tokenizer actor, then matched token by token in the executor (executor/grammar_matchers.py).
 
 The library is llguidance: it has no Python dependencies (xgrammar imports torch, which the
 tokenizer actor never loads), never raises on a bad grammar or a refused token (the matcher
