@@ -62,7 +62,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
     enforce_eager: bool = False              # no CUDA graphs
     disable_cascade_attn: bool = False       # decode rows never attend a shared prefix once
-    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/core.py);
+    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/engine.py);
                                              # None: on where a CUDA driver is present
     actor_nice: int = 10                     # niceness of every actor but the executors
     restart_budget: int = 5                  # actor restarts allowed within restart_window...

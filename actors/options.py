@@ -139,8 +139,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     ),
     "kernels and devices": (
         Option("kernels", "the backend: `auto` (the best native CPU tier, Triton on CUDA), "
-               "`cpu` (the best tier), a tier by name (`avx2`, `avx512`, `avx512_bf16`, `amx`: "
-               "any up to this CPU's own; a higher one is refused at start), `torch` (the "
+               "`cpu` (the best tier), a tier by name (`avx2`, `avx512`, `avx512_bf16`; `amx` is "
+               "another name for `avx512_bf16`: any up to this CPU's own; a higher one is "
+               "refused at start), `torch` (the "
                "reference), `triton`; `cpu` and the tiers run on the CPU, also where a GPU is "
                "(`--device cuda` with them is refused)",
                choices=tuple(tiers.BACKENDS)),
@@ -167,7 +168,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "AVX2; `int8`: Q4_0/Q4_1/Q4_K weights take activations rounded to int8 per 32 "
                "columns (about 3x fewer instructions a weight), Q8_0 ones stay exact; "
                "`int8-all`: Q8_0 too, llama.cpp's own arithmetic; `auto`: `int16` on tiers without a bfloat16 dot "
-               "product (`avx2`, `avx512`), `exact` on `avx512_bf16` and `amx` (int8 rounding "
+               "product (`avx2`, `avx512`), `exact` on `avx512_bf16` (int8 rounding "
                "garbles the default model's answers, as it does in llama.cpp: see \"Kernels and "
                "devices\")",
                choices=ACTIVATIONS),
