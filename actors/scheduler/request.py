@@ -1,5 +1,4 @@
-"""The scheduler's records of a request and of its sequences, and whether a new request may
-queue."""
+"""The scheduler's records of a request and of its sequences."""
 from __future__ import annotations
 
 import enum
@@ -8,18 +7,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pagewire.wire.ids import PROMPT, SeqId, output_ids
+from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling import LogprobsChunk, SamplingParams, stops_on
 from pagewire.wire.to_executor import NewSeq, RunSeq
-from pagewire.wire.to_scheduler import NewRequest
-
-from .prompt_stream import StreamState
 
 if TYPE_CHECKING:        # the feature records, defined beside each feature's scheduler module
     from .beam import BeamGroup
     from .head_tables import CompressState
+    from .prompt_stream import StreamState
     from .speculation import DraftState
 
 _arrivals = itertools.count()
@@ -316,35 +313,3 @@ class Sequence:
         child.block_ids, child.block_hashes = list(self.block_ids), list(self.block_hashes)
         child.new_token_ids = list(self.new_token_ids)
         return child
-
-
-def open_request(msg: NewRequest, max_model_len: int, priority: int) -> Sequence:
-    """A new request's record and its first sequence: its only one, or the fork leader of
-    n / best_of outputs (a beam search's first beam gets its id from its BeamGroup)."""
-    req = Request(msg.req_id, len(msg.prompt_token_ids), msg.sampling, msg.arrival_time,
-                  max_model_len, priority, msg.cache_salt, msg.lora)
-    req.transfer = msg.kv_transfer
-    if msg.prompt_open:
-        req.stream = StreamState()
-    seq = Sequence(SeqId(msg.req_id), req, list(msg.prompt_token_ids))
-    if msg.sampling.num_sequences > 1 and not msg.sampling.use_beam_search:
-        seq.seq_id, seq.fork_leader = SeqId(msg.req_id, PROMPT), True
-    return seq
-
-
-def queue_refusal(msg: NewRequest, config,
-                  waiting: list["Sequence"]) -> tuple[str, str] | None:
-    """(finish reason, error) for a request that can never run or finds the queue full;
-    `config`: the EngineConfig (max_model_len and the queue limits)."""
-    limit = config.max_model_len
-    if len(msg.prompt_token_ids) >= limit:
-        return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
-                         f"max_model_len={limit}")
-    max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
-    if max_reqs is not None and len(waiting) >= max_reqs:
-        return "rejected", f"the queue is full ({max_reqs} requests waiting)"
-    if max_tokens is not None:
-        queued = sum(r.num_pending for r in waiting) + len(msg.prompt_token_ids)
-        if queued > max_tokens:
-            return "rejected", f"the queue is full (over {max_tokens} prompt tokens waiting)"
-    return None

@@ -30,10 +30,7 @@ sequences that ended or were preempted meanwhile (their in-flight work is droppe
 """
 from __future__ import annotations
 
-import bisect
-from collections import OrderedDict
-
-from pagewire.wire.ids import PROMPT, SeqId, output_ids
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_executor import NewSeq, StepPlan
@@ -44,11 +41,10 @@ from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
 from .head_tables import CompressedTables
+from .live_requests import LiveRequests
 from .prompt_stream import extend_prompt
-from .request import Request, Sequence, Status, open_request, queue_refusal
+from .request import Sequence, Status
 from .speculation import DraftPolicy
-
-_FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 
 # A plan's sequences with the tokens each was scheduled for: what update() needs of the plan
 # besides the StepPlan. Kept by the step engine's ledger until the plan's result comes.
@@ -64,17 +60,15 @@ class Scheduler:
         self.kv = self.tables.device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
-        self.requests: dict[str, Request] = {}   # every live request (one with live sequences)
-        self.seqs: dict[SeqId, Sequence] = {}    # their live sequences, by id
-        self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
-        self.waiting: list[Sequence] = []        # sorted by key
-        self.running: list[Sequence] = []        # sorted by key
+        self.live = LiveRequests()               # live_requests.py; its tables by name here
+        # (the same objects, only ever changed in place)
+        self.requests, self.seqs, self.groups = self.live.requests, self.live.seqs, self.live.groups
+        self.waiting, self.running = self.live.waiting, self.live.running
         self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[SeqId] = []
         self.preempted_ids: list[SeqId] = []
-        self.aborted_early: OrderedDict[SeqId, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
@@ -97,25 +91,9 @@ class Scheduler:
 
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         """Queue a request. Returns final deltas at once if it can never run or is refused."""
-        s = msg.sampling
-        outputs = output_ids(msg.req_id, s.num_outputs)
-        early = [o for o in outputs if o in self.aborted_early]
-        if early or msg.req_id in self.requests:   # or a duplicate
-            for o in early:
-                del self.aborted_early[o]
-            return [TokenDelta(o, [], "abort") for o in outputs]
-        refusal = queue_refusal(msg, self.config, self.waiting)
-        if refusal:
-            reason, error = refusal
-            return [TokenDelta(o, [], reason, error) for o in outputs]
-        priority = msg.priority if self.by_priority else 0
-        seq = open_request(msg, self.config.max_model_len, priority)
-        if s.use_beam_search:
-            group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, seq.max_tokens)
-            seq.seq_id, seq.request.group = group.new_id(), group
-            group.live.append(seq)
-        self.requests[msg.req_id] = seq.request
-        self._track(seq)
+        seq, refused = self.live.open(msg, self.config)
+        if seq is None:
+            return refused
         if seq.fork_leader and seq.num_pending == 0:   # a one-token prompt: fork right away
             self._count_prompt(seq)
             self._fork(seq)                            # (_finish takes it out of waiting)
@@ -137,24 +115,13 @@ class Scheduler:
         by any of its output ids). Every id gets a final "abort" delta, known or not, so the
         detokenizer can forget it."""
         for sid in seq_ids:
-            prompt = SeqId(sid.req, PROMPT)
-            if sid in self.seqs:
-                self._finish(self.seqs[sid])
-            elif sid.req in self.groups:
-                for beam in list(self.groups.pop(sid.req).live):
-                    self._finish(beam)
-            elif prompt in self.seqs:
-                self._finish(self.seqs[prompt])
-            elif sid not in self.aborted_early:
-                self.aborted_early[sid] = None
-                if len(self.aborted_early) > _FORGET_ABORTS:
-                    self.aborted_early.popitem(last=False)
+            for seq in self.live.ended_by_abort(sid):
+                self._finish(seq)
         return [TokenDelta(sid, [], "abort") for sid in seq_ids]
 
     def abort_all(self) -> list[TokenDelta]:
         """End every request, by the output ids the detokenizer and gateway know."""
-        ids = dict.fromkeys(i for seq in self.seqs.values() for i in seq.output_ids)
-        return self.abort(list(ids))
+        return self.abort(self.live.output_ids())
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -256,7 +223,7 @@ class Scheduler:
             if not seq.request.scheduled_before:
                 seq.request.scheduled_before = True
                 self.first_scheduled.append(seq.request.arrival_time)
-            self._enqueue(seq)
+            self.live.enqueue(seq)
             admitted.append(seq)
             budget -= n
         return admitted
@@ -296,7 +263,7 @@ class Scheduler:
         else:
             self._forget_blocks(seq)
             seq.status = Status.WAITING
-        self._enqueue(seq)
+        self.live.enqueue(seq)
         self.num_preemptions += 1
 
     def _drop_from_executor(self, seq: Sequence, preempted: bool = False) -> None:
@@ -309,24 +276,15 @@ class Scheduler:
     def _finish(self, seq: Sequence, lease: bool = False) -> None:
         """Remove a sequence wherever it is and free its blocks (or, `lease`, hold them for a
         decode engine to pull: kv_transfer.py)."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq.status in (Status.WAITING, Status.SWAPPED):
-            self.waiting.remove(seq)
-        elif seq.status is Status.LOADING:
+        if seq.status is Status.LOADING:
             self.arrivals.abandon(seq)
+        self.live.dequeue(seq)
         if lease:
             self.tables.lease(seq)
         self.tables.release(seq)
         self._drop_from_executor(seq)
         seq.status = Status.FINISHED
-        del self.seqs[seq.seq_id]
-        req = seq.request
-        req.seqs.remove(seq)
-        if not req.seqs:
-            del self.requests[req.req_id]
-        if req.group is not None and seq in req.group.live:
-            req.group.live.remove(seq)
+        self.live.forget(seq)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -393,12 +351,7 @@ class Scheduler:
 
     def _back_in_line(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self._enqueue(seq)
-
-    def _enqueue(self, seq: Sequence) -> None:
-        """Into its status's queue (running, else waiting), in key order."""
-        queue = self.running if seq.status is Status.RUNNING else self.waiting
-        bisect.insort(queue, seq, key=lambda r: r.key)
+        self.live.enqueue(seq)
 
     def _forget_blocks(self, seq: Sequence) -> None:
         """Give back seq's device blocks: it computes from its first token again (cheaply,
@@ -441,13 +394,7 @@ class Scheduler:
     def _adopt(self, child: Sequence) -> None:
         """A forked sequence joins: it shares its parent's blocks and queues by its status."""
         self.tables.share(child)
-        self._track(child)
-
-    def _track(self, seq: Sequence) -> None:
-        """A new sequence of a live request: known by its id, and queued by its status."""
-        seq.request.seqs.append(seq)
-        self.seqs[seq.seq_id] = seq
-        self._enqueue(seq)
+        self.live.track(child)
 
     def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
         """Every live beam has its candidates: keep the best `width` continuations (forking a
