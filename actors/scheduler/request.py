@@ -86,7 +86,8 @@ class Request:
         limit = self.sampling.max_tokens
         return room if limit is None else min(limit, room)
 
-    def fresh_prompt_logprobs(self, chunk: LogprobsChunk, num_computed: int) -> LogprobsChunk | None:
+    def fresh_prompt_logprobs(self, chunk: LogprobsChunk,
+                              num_computed: int) -> LogprobsChunk | None:
         """The part of a step's prompt logprobs not sent before (a recomputed sequence computes
         them again), marked sent; None if none. `num_computed`: the sequence's, before this
         step's: the chunk covers prompt tokens num_computed + 1 onward."""

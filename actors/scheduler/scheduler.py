@@ -1,5 +1,10 @@
 """The scheduler: the only owner of request state and of the KV block tables.
 
+Its records: a Request and the Sequences it owns (request.py; n / best_of forks and beams are
+sequences of one request), feature state in records beside each feature's module (drafts in
+speculation.py, compression in head_tables.py, a streamed prompt in prompt_stream.py), and
+the index of live ones with a new request's admission (live_requests.py).
+
 Each step, schedule() picks which tokens of which sequences run under one token budget shared
 by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
 arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
