@@ -122,6 +122,29 @@ def test_children_get_consecutive_seeds(sched_factory):
     run_to_end(sched)
 
 
+def test_forks_and_beams_are_sequences_of_one_request(sched_factory):
+    """n forks and beams reference their request's record (prompt, sampling, priority,
+    arrival) instead of copying it; a request without a feature holds none of its records."""
+    sched = sched_factory(num_blocks=32, block_size=4)
+    sched.add(new("p", 5, n=2, temperature=1.0, seed=41, max_tokens=3))
+    sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
+    step(sched, default=30)
+    req = sched.requests["p"]
+    assert [str(s.seq_id) for s in req.seqs] == ["p", "p#1"] == \
+        [str(s.seq_id) for s in sched.seqs.values() if s.request is req]
+    assert (req.req_id, req.num_prompt_tokens, req.sampling.n, req.max_tokens) == ("p", 5, 2, 3)
+    assert [s.sampling.seed for s in req.seqs] == [41, 42]        # each fork's own sampling
+    beams = sched.requests["q"]
+    assert beams.group is sched.groups["q"] and len(beams.seqs) == 3
+    assert sorted(names(b.seq_id for b in beams.seqs)) == \
+        sorted(names(b.seq_id for b in beams.group.live)) == ["q#beam0", "q#beam1", "q#beam2"]
+    for seq in sched.seqs.values():
+        assert (seq.spec, seq.compress, seq.request.stream, seq.request.transfer) == \
+            (None, None, None, None)
+    run_to_end(sched)
+    assert not sched.requests and not sched.seqs and not req.seqs
+
+
 def test_beam_search_forks_and_frees_beams(sched_factory):
     sched = sched_factory(num_blocks=32, block_size=4, max_len=64)
     sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
