@@ -32,10 +32,12 @@ class LiveRequests:
         self.running: list[Sequence] = []        # sorted by key
         self.aborted_early: OrderedDict[SeqId, None] = OrderedDict()
 
-    def open(self, msg: NewRequest, config) -> tuple[Sequence | None, list[TokenDelta]]:
+    def open(self, msg: NewRequest, config,
+             by_priority: bool) -> tuple[Sequence | None, list[TokenDelta]]:
         """A new request's first sequence, tracked and queued; or None and its outputs' final
         deltas if it was aborted before it came, is a duplicate, can never run or finds the
-        queue full. `config`: the EngineConfig."""
+        queue full. `config`: the EngineConfig; `by_priority`: the priority policy is on (else
+        every request's priority is 0)."""
         outputs = output_ids(msg.req_id, msg.sampling.num_outputs)
         early = [o for o in outputs if o in self.aborted_early]
         if early or msg.req_id in self.requests:   # or a duplicate
@@ -46,7 +48,7 @@ class LiveRequests:
         if refusal:
             reason, error = refusal
             return None, [TokenDelta(o, [], reason, error) for o in outputs]
-        priority = msg.priority if config.scheduling_policy == "priority" else 0
+        priority = msg.priority if by_priority else 0
         seq = open_request(msg, config.max_model_len, priority)
         if msg.sampling.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, msg.sampling,

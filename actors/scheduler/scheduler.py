@@ -96,7 +96,7 @@ class Scheduler:
 
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         """Queue a request. Returns final deltas at once if it can never run or is refused."""
-        seq, refused = self.live.open(msg, self.config)
+        seq, refused = self.live.open(msg, self.config, self.by_priority)
         if seq is None:
             return refused
         if seq.fork_leader and seq.num_pending == 0:   # a one-token prompt: fork right away
@@ -250,7 +250,8 @@ class Scheduler:
         first waiting one while that one lacks the blocks for its next chunk."""
         if not self.by_priority:
             return
-        while self.waiting and self.running and self.running[-1].key[0] > self.waiting[0].key[0]:
+        while self.waiting and self.running and \
+                self.running[-1].request.priority > self.waiting[0].request.priority:
             head = self.waiting[0]
             need = self.kv.blocks_needed(min(head.num_pending, self.config.max_num_batched_tokens)
                                          + head.num_computed, len(head.block_ids))
