@@ -153,6 +153,7 @@ class Sequence:
         self.spec: DraftState | None = None
         self.compress: CompressState | None = None
 
+    # The request's, read through: its sequences queue, count and stop alike.
     @property
     def key(self) -> tuple[int, int]:
         return self.request.key
