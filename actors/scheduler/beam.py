@@ -22,6 +22,8 @@ class BeamGroup:
         self.length_penalty = sampling.length_penalty
         self.max_tokens = max_tokens
         self.live: list[Sequence] = []
+        # This step's (token ids, logprobs) of each live beam whose row came back.
+        self.candidates: dict[SeqId, tuple[list[int], list[float]]] = {}
         self.done: list[tuple[float, list[int], str]] = []     # (score, output ids, reason)
         self._ids = itertools.count()
 
@@ -32,8 +34,12 @@ class BeamGroup:
     def output_ids(self) -> list[SeqId]:
         return output_ids(self.req_id, self.n)
 
+    def offer(self, beam: Sequence, top_ids: list[int], top_logprobs: list[float]) -> None:
+        """A beam's row came back: its best continuations (the executor's top 2*width)."""
+        self.candidates[beam.seq_id] = (top_ids, top_logprobs)
+
     def ready(self) -> bool:
-        return all(b.candidates is not None for b in self.live)
+        return all(b.seq_id in self.candidates for b in self.live)
 
     def score(self, cum_logprob: float, length: int) -> float:
         return cum_logprob / max(1, length) ** self.length_penalty
@@ -42,8 +48,8 @@ class BeamGroup:
         """The next step's (beam, token, cumulative logprob), best first, at most `width`.
         Candidates ending in a stop token among the best `width` become finished hypotheses."""
         candidates = sorted(
-            ((beam.cum_logprob + lp, i, beam, token)
-             for i, beam in enumerate(self.live) for token, lp in zip(*beam.candidates)),
+            ((beam.cum_logprob + lp, i, beam, token) for i, beam in enumerate(self.live)
+             for token, lp in zip(*self.candidates[beam.seq_id])),
             key=lambda c: (-c[0], c[1]))
         chosen = []
         for rank, (cum, _, beam, token) in enumerate(candidates):
@@ -74,7 +80,7 @@ class BeamGroup:
                 forks.append(child)
                 live.append(extend_beam(child, token, cum))
             live.append(extend_beam(beam, *picks[0]))
-        self.live = live
+        self.live, self.candidates = live, {}
         return forks, dropped
 
     def retire_full_length(self) -> list[Sequence]:
@@ -108,7 +114,7 @@ class BeamGroup:
 def extend_beam(beam: Sequence, token: int, cum: float) -> Sequence:
     """Append a chosen token to a beam (and to what its executor learns next step)."""
     beam.token_ids.append(token)
-    beam.cum_logprob, beam.candidates = cum, None
+    beam.cum_logprob = cum
     if beam.on_executor:
         beam.new_token_ids.append(token)
     return beam

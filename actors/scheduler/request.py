@@ -127,7 +127,7 @@ class Sequence:
                  "num_scheduled", "num_in_flight", "num_placeholders", "block_ids",
                  "num_blocks_sent", "on_executor", "block_hashes", "num_committed",
                  "num_dropped", "host_block_ids", "fork_leader", "cum_logprob",
-                 "new_token_ids", "candidates", "spec", "compress")
+                 "new_token_ids", "spec", "compress")
 
     def __init__(self, seq_id: SeqId, request: Request, token_ids: list[int],
                  sampling: SamplingParams | None = None):
@@ -149,7 +149,6 @@ class Sequence:
         self.fork_leader = False
         self.cum_logprob = 0.0
         self.new_token_ids: list[int] = []    # chosen here, not yet sent to the executor
-        self.candidates = None                # a beam's (token ids, logprobs) this step
         self.spec: DraftState | None = None
         self.compress: CompressState | None = None
 
@@ -289,7 +288,7 @@ class Sequence:
     SHARED = ("request", "status", "num_computed", "num_committed", "num_dropped",
               "cum_logprob")
     COPIED = ("token_ids", "block_ids", "block_hashes", "new_token_ids")   # lists, copied
-    FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids", "candidates",
+    FRESH = ("seq_id", "sampling", "fork_leader", "host_block_ids",
              "on_executor", "num_blocks_sent", "num_scheduled", "num_in_flight",
              "num_placeholders", "spec", "compress")
     # (the fork's own: forks happen with nothing in flight, and never under KV-Compress)

@@ -330,7 +330,7 @@ class Scheduler:
                 if reached_end:
                     self._fork(seq)
             elif row is not None and seq.request.group is not None:
-                seq.candidates = (result.top_ids[row], result.top_logprobs[row])
+                seq.request.group.offer(seq, result.top_ids[row], result.top_logprobs[row])
                 if seq.request.group not in groups:
                     groups.append(seq.request.group)
             elif row is not None and result.errors and seq.seq_id in result.errors:

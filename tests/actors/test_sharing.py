@@ -278,12 +278,11 @@ def test_a_fork_shares_no_mutable_slot_with_its_parent():
     req = Request("p", 3, SamplingParams(n=2), 0.0, 64)
     parent = Sequence(sid("p#prompt"), req, [1, 2, 3])
     parent.block_ids, parent.block_hashes, parent.host_block_ids = [4], [b"h"], [7]
-    parent.candidates = ([1], [0.5])
     child = parent.fork(sid("p#1"), SamplingParams(seed=1))
     for name in Sequence.__slots__:
         value = getattr(child, name)
         if isinstance(value, (list, dict, tuple)) and value:
             assert value is not getattr(parent, name), name
     assert (child.token_ids, child.block_ids, child.host_block_ids) == ([1, 2, 3], [4], [])
-    assert str(child.seq_id) == "p#1" and not child.on_executor and child.candidates is None
+    assert str(child.seq_id) == "p#1" and not child.on_executor
     assert child.request is req and child.sampling.seed == 1 and parent.sampling.n == 2
