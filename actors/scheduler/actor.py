@@ -220,5 +220,5 @@ def _tier_stats(tables, config) -> dict[str, int]:
                 kv_offload_bytes_loaded=tier.hits * size, kv_offload_blocks=len(tier))
 
 
-def _adapters(requests) -> list[str]:
-    return sorted({r.lora.name for r in requests if r.lora is not None})
+def _adapters(seqs) -> list[str]:
+    return sorted({s.request.lora.name for s in seqs if s.request.lora is not None})

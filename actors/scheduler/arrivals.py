@@ -15,40 +15,40 @@ from pagewire.wire.to_executor import KvLoad, StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
 from .block_tables import BlockTables
-from .request import Request, Status
+from .request import Sequence, Status
 
 
 class Arrivals:
     def __init__(self, tables: BlockTables):
         self.tables = tables
-        self.loading: dict[SeqId, Request] = {}
+        self.loading: dict[SeqId, Sequence] = {}
         # Pulls under way, with the blocks of a sequence that ended meanwhile.
         self.pulling: dict[SeqId, tuple[KvLoad, list[int] | None]] = {}
 
-    def wait(self, req: Request) -> None:
-        """req's blocks will arrive (map_cached_prefix planned their load or pull)."""
-        req.status, self.loading[req.seq_id] = Status.LOADING, req
+    def wait(self, seq: Sequence) -> None:
+        """seq's blocks will arrive (map_cached_prefix planned their load or pull)."""
+        seq.status, self.loading[seq.seq_id] = Status.LOADING, seq
 
     def planned(self, pulls: list[KvLoad]) -> None:
         self.pulling.update((load.seq_id, (load, None)) for load in pulls)
 
-    def abandon(self, req: Request) -> None:
-        """A waiting req ends: it stops waiting, and keeps no blocks a pull may still write
+    def abandon(self, seq: Sequence) -> None:
+        """A waiting seq ends: it stops waiting, and keeps no blocks a pull may still write
         (they are freed when the pull ends)."""
-        del self.loading[req.seq_id]
-        if req.seq_id in self.pulling:
-            self.pulling[req.seq_id] = (self.pulling[req.seq_id][0], req.block_ids)
-            req.block_ids = []
+        del self.loading[seq.seq_id]
+        if seq.seq_id in self.pulling:
+            self.pulling[seq.seq_id] = (self.pulling[seq.seq_id][0], seq.block_ids)
+            seq.block_ids = []
 
-    def tier_loaded(self, plan: StepPlan, result: StepResult) -> list[Request]:
+    def tier_loaded(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """The step's disk-tier loads came back: their sequences, to put back in line."""
         loaded = result.kv_loaded or {}
         loads = plan.tier.loads if plan.tier is not None else []
         back = [self._arrived(load, loaded.get(load.seq_id, 0), result.error is not None)
                 for load in loads]
-        return [req for req in back if req is not None]
+        return [seq for seq in back if seq is not None]
 
-    def pulled(self, msg: KvPulled) -> list[tuple[Request, KvLoad, bool]]:
+    def pulled(self, msg: KvPulled) -> list[tuple[Sequence, KvLoad, bool]]:
         """A plan's pulls ended: (sequence to put back in line, its pull, whether it came
         short) for each still waiting."""
         back = []
@@ -57,12 +57,12 @@ class Arrivals:
             if orphaned is not None:
                 self.tables.device.free(orphaned[::-1])
             elif load is not None:
-                req = self._arrived(load, num_ok, False)
-                if req is not None:
-                    back.append((req, load, num_ok < len(load.hashes)))
+                seq = self._arrived(load, num_ok, False)
+                if seq is not None:
+                    back.append((seq, load, num_ok < len(load.hashes)))
         return back
 
-    def _arrived(self, load: KvLoad, num_ok: int, step_failed: bool) -> Request | None:
-        req = self.loading.pop(load.seq_id, None)
-        self.tables.finish_load(load, num_ok, req, step_failed)
-        return req
+    def _arrived(self, load: KvLoad, num_ok: int, step_failed: bool) -> Sequence | None:
+        seq = self.loading.pop(load.seq_id, None)
+        self.tables.finish_load(load, num_ok, seq, step_failed)
+        return seq

@@ -1,6 +1,6 @@
 """Beam search bookkeeping: which candidates survive each step, and the final ranking.
 
-A BeamGroup holds the live beams of one request (each a scheduler Request sharing blocks with
+A BeamGroup holds the live beams of one request (each a scheduler Sequence sharing blocks with
 its siblings) and the finished hypotheses. The scheduler calls choose() once every live beam
 has its candidates (the executor's top 2*width tokens): advance() extends, forks and drops
 beams, and the scheduler adopts the forks and ends the dropped.
@@ -12,7 +12,7 @@ import itertools
 from pagewire.wire.ids import SeqId, beam as beam_id, output_ids
 from pagewire.wire.sampling_params import SamplingParams
 
-from .request import Request
+from .request import Sequence
 
 
 class BeamGroup:
@@ -21,7 +21,9 @@ class BeamGroup:
         self.width, self.n = sampling.num_sequences, sampling.n
         self.length_penalty = sampling.length_penalty
         self.max_tokens = max_tokens
-        self.live: list[Request] = []
+        self.live: list[Sequence] = []
+        # This step's (token ids, logprobs) of each live beam whose row came back.
+        self.candidates: dict[SeqId, tuple[list[int], list[float]]] = {}
         self.done: list[tuple[float, list[int], str]] = []     # (score, output ids, reason)
         self._ids = itertools.count()
 
@@ -32,18 +34,22 @@ class BeamGroup:
     def output_ids(self) -> list[SeqId]:
         return output_ids(self.req_id, self.n)
 
+    def offer(self, beam: Sequence, top_ids: list[int], top_logprobs: list[float]) -> None:
+        """A beam's row came back: its best continuations (the executor's top 2*width)."""
+        self.candidates[beam.seq_id] = (top_ids, top_logprobs)
+
     def ready(self) -> bool:
-        return all(b.candidates is not None for b in self.live)
+        return all(b.seq_id in self.candidates for b in self.live)
 
     def score(self, cum_logprob: float, length: int) -> float:
         return cum_logprob / max(1, length) ** self.length_penalty
 
-    def choose(self, stop_ids: frozenset[int]) -> list[tuple[Request, int, float]]:
+    def choose(self, stop_ids: frozenset[int]) -> list[tuple[Sequence, int, float]]:
         """The next step's (beam, token, cumulative logprob), best first, at most `width`.
         Candidates ending in a stop token among the best `width` become finished hypotheses."""
         candidates = sorted(
-            ((beam.cum_logprob + lp, i, beam, token)
-             for i, beam in enumerate(self.live) for token, lp in zip(*beam.candidates)),
+            ((beam.cum_logprob + lp, i, beam, token) for i, beam in enumerate(self.live)
+             for token, lp in zip(*self.candidates[beam.seq_id])),
             key=lambda c: (-c[0], c[1]))
         chosen = []
         for rank, (cum, _, beam, token) in enumerate(candidates):
@@ -57,7 +63,7 @@ class BeamGroup:
             chosen.append((beam, token, cum))
         return chosen
 
-    def advance(self, stop_ids: frozenset[int]) -> tuple[list[Request], list[Request]]:
+    def advance(self, stop_ids: frozenset[int]) -> tuple[list[Sequence], list[Sequence]]:
         """Keep the best `width` continuations: a beam chosen once is extended, one chosen
         more often forks (the forks extended too), one not chosen drops out. Returns (the
         forks, for the caller to adopt; the beams dropped, for it to end); `live` becomes
@@ -74,10 +80,10 @@ class BeamGroup:
                 forks.append(child)
                 live.append(extend_beam(child, token, cum))
             live.append(extend_beam(beam, *picks[0]))
-        self.live = live
+        self.live, self.candidates = live, {}
         return forks, dropped
 
-    def retire_full_length(self) -> list[Request]:
+    def retire_full_length(self) -> list[Sequence]:
         """Live beams that reached max_tokens become finished hypotheses; returns them."""
         full = [b for b in self.live if b.num_output_tokens >= self.max_tokens]
         for beam in full:
@@ -105,10 +111,10 @@ class BeamGroup:
         return [(outputs, reason) for _, outputs, reason in pool[: self.n]]
 
 
-def extend_beam(beam: Request, token: int, cum: float) -> Request:
+def extend_beam(beam: Sequence, token: int, cum: float) -> Sequence:
     """Append a chosen token to a beam (and to what its executor learns next step)."""
     beam.token_ids.append(token)
-    beam.cum_logprob, beam.candidates = cum, None
+    beam.cum_logprob = cum
     if beam.on_executor:
         beam.new_token_ids.append(token)
     return beam

@@ -9,14 +9,28 @@ tokens then computed, `heads_at`), and the table keeps that many blocks, freeing
 
 When: a step compresses a sequence when it samples (its known tokens all computed) and at
 least `window` tokens were computed since the last compression (or since it began). While
-that step runs the sequence plans nothing more (Request.num_pending is 0): the next plan's
+that step runs the sequence plans nothing more (Sequence.num_pending is 0): the next plan's
 table depends on the result.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .block_tables import BlockTables
 from .kv_manager import BlockManager
-from .request import Request
+from .request import Sequence
+
+
+@dataclass(slots=True)
+class CompressState:
+    """A sequence's compression (Sequence.compress), made when its table first grows under
+    KV-Compress, dropped with its blocks. `head_lens`: its head rows' lengths after its latest
+    compression (None: none yet), covering its first `heads_at` tokens; `next`: the next plan
+    compresses it; `in_flight`: a plan in flight does."""
+    head_lens: list[int] | None = None
+    heads_at: int = 0
+    next: bool = False
+    in_flight: bool = False
 
 
 def blocks_for(lens, block_size: int) -> int:
@@ -38,37 +52,41 @@ class CompressedTables(BlockTables):
         return cls(device, info.num_layers * info.num_kv_heads, config.kv_compress_window,
                    config.kv_cache_dtype)
 
-    def blocks_needed(self, req: Request, num_tokens: int) -> int:
-        """Blocks req's table needs for its first num_tokens tokens."""
-        if req.head_lens is None:
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks seq's table needs for its first num_tokens tokens."""
+        state = seq.compress
+        if state is None or state.head_lens is None:
             return -(-num_tokens // self.block_size)
-        more = num_tokens - req.heads_at
-        return blocks_for([n + more for n in req.head_lens], self.block_size)
+        more = num_tokens - state.heads_at
+        return blocks_for([n + more for n in state.head_lens], self.block_size)
 
-    def grow(self, req: Request, n: int) -> bool:
-        need = self.blocks_needed(req, req.num_planned + n) - len(req.block_ids)
+    def grow(self, seq: Sequence, n: int) -> bool:
+        need = self.blocks_needed(seq, seq.num_planned + n) - len(seq.block_ids)
         if need > self.device.num_free:
             return False
-        req.block_ids += self.device.allocate(max(need, 0))
-        end = req.num_planned + n
-        req.compress_next = end >= req.target_len and not req.prompt_open \
-            and end - req.heads_at >= self.every
+        seq.block_ids += self.device.allocate(max(need, 0))
+        if seq.compress is None:
+            seq.compress = CompressState()
+        end = seq.num_planned + n
+        seq.compress.next = end >= seq.target_len and not seq.request.prompt_open \
+            and end - seq.compress.heads_at >= self.every
         return True
 
-    def compressed(self, req: Request, lens: list[int]) -> None:
-        """A compression's result: req's rows hold `lens` tokens; its table keeps the blocks
+    def compressed(self, seq: Sequence, lens: list[int]) -> None:
+        """A compression's result: seq's rows hold `lens` tokens; its table keeps the blocks
         they fill (the executor packed them there) and frees the rest."""
         if len(lens) != self.rows:
-            raise ValueError(f"{req.seq_id}: {len(lens)} head rows compressed, not {self.rows}")
-        req.head_lens, req.heads_at, req.compressing = list(lens), req.num_computed, False
+            raise ValueError(f"{seq.seq_id}: {len(lens)} head rows compressed, not {self.rows}")
+        state = seq.compress = seq.compress or CompressState()
+        state.head_lens, state.heads_at, state.in_flight = list(lens), seq.num_computed, False
         keep = blocks_for(lens, self.block_size)
-        self.device.free(req.block_ids[keep:][::-1])
-        del req.block_ids[keep:]
-        req.num_blocks_sent = min(req.num_blocks_sent, keep)
+        self.device.free(seq.block_ids[keep:][::-1])
+        del seq.block_ids[keep:]
+        seq.num_blocks_sent = min(seq.num_blocks_sent, keep)
 
-    def release(self, req: Request) -> None:
-        super().release(req)
-        req.head_lens, req.heads_at, req.compressing, req.compress_next = None, 0, False, False
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        seq.compress = None
 
-    def swap_out(self, req: Request) -> bool:
+    def swap_out(self, seq: Sequence) -> bool:
         return False            # preempted sequences are recomputed (and compressed again)

@@ -1,5 +1,10 @@
 """The scheduler: the only owner of request state and of the KV block tables.
 
+Its records: a Request and the Sequences it owns (request.py; n / best_of forks and beams are
+sequences of one request), feature state in records beside each feature's module (drafts in
+speculation.py, compression in head_tables.py, a streamed prompt in prompt_stream.py), and
+the index of live ones with a new request's admission (live_requests.py).
+
 Each step, schedule() picks which tokens of which sequences run under one token budget shared
 by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
 arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
@@ -30,10 +35,7 @@ sequences that ended or were preempted meanwhile (their in-flight work is droppe
 """
 from __future__ import annotations
 
-import bisect
-from collections import OrderedDict
-
-from pagewire.wire.ids import PROMPT, SeqId, output_ids
+from pagewire.wire.ids import SeqId
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_executor import NewSeq, StepPlan
@@ -44,14 +46,14 @@ from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
 from .head_tables import CompressedTables
-from .request import Request, Status, queue_refusal
+from .live_requests import LiveRequests
+from .prompt_stream import extend_prompt
+from .request import Sequence, Status
 from .speculation import DraftPolicy
-
-_FORGET_ABORTS = 10_000   # aborted-before-arrival ids remembered
 
 # A plan's sequences with the tokens each was scheduled for: what update() needs of the plan
 # besides the StepPlan. Kept by the step engine's ledger until the plan's result comes.
-StepRows = list[tuple[Request, int]]
+StepRows = list[tuple[Sequence, int]]
 
 
 class Scheduler:
@@ -63,16 +65,15 @@ class Scheduler:
         self.kv = self.tables.device
         self.eos_ids = frozenset(config.model_info.eos_token_ids)
         self.by_priority = config.scheduling_policy == "priority"
-        self.requests: dict[SeqId, Request] = {}   # every live sequence, by its id
-        self.groups: dict[str, BeamGroup] = {}   # beam searches, by request id
-        self.waiting: list[Request] = []         # sorted by key
-        self.running: list[Request] = []         # sorted by key
+        self.live = LiveRequests()               # live_requests.py; its tables by name here
+        # (the same objects, only ever changed in place)
+        self.requests, self.seqs, self.groups = self.live.requests, self.live.seqs, self.live.groups
+        self.waiting, self.running = self.live.waiting, self.live.running
         self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[SeqId] = []
         self.preempted_ids: list[SeqId] = []
-        self.aborted_early: OrderedDict[SeqId, None] = OrderedDict()
         self.step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
@@ -95,43 +96,23 @@ class Scheduler:
 
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         """Queue a request. Returns final deltas at once if it can never run or is refused."""
-        s = msg.sampling
-        outputs = output_ids(msg.req_id, s.num_outputs)
-        early = [o for o in outputs if o in self.aborted_early]
-        if early or any(sid.req == msg.req_id for sid in self.requests):   # or a duplicate
-            for o in early:
-                del self.aborted_early[o]
-            return [TokenDelta(o, [], "abort") for o in outputs]
-        refusal = queue_refusal(msg, self.config, self.waiting)
-        if refusal:
-            reason, error = refusal
-            return [TokenDelta(o, [], reason, error) for o in outputs]
-        priority = msg.priority if self.by_priority else 0
-        req = Request(SeqId(msg.req_id), msg.prompt_token_ids, s, msg.arrival_time,
-                      self.config.max_model_len, priority, msg.cache_salt, msg.lora)
-        req.kv_transfer, req.prompt_open = msg.kv_transfer, msg.prompt_open
-        if s.use_beam_search:
-            group = self.groups[msg.req_id] = BeamGroup(msg.req_id, s, req.max_tokens)
-            req.seq_id, req.group = group.new_id(), group
-            group.live.append(req)
-        elif s.num_sequences > 1:
-            req.seq_id, req.fork_leader = SeqId(msg.req_id, PROMPT), True
-        self.requests[req.seq_id] = req
-        self._enqueue(req)
-        if req.fork_leader and req.num_pending == 0:   # a one-token prompt: fork right away
-            self._count_prompt(req)
-            self._fork(req)                            # (_finish takes it out of waiting)
+        seq, refused = self.live.open(msg, self.config, self.by_priority)
+        if seq is None:
+            return refused
+        if seq.fork_leader and seq.num_pending == 0:   # a one-token prompt: fork right away
+            self._count_prompt(seq)
+            self._fork(seq)                            # (_finish takes it out of waiting)
         return []
 
     def extend(self, msg: PromptPiece) -> list[TokenDelta]:
         """More of an open prompt (streaming input). Ignored once the request has ended."""
-        req = self.requests.get(SeqId(msg.req_id))
-        if req is None or not req.prompt_open:
+        seq = self.seqs.get(SeqId(msg.req_id))
+        if seq is None or not seq.request.prompt_open:
             return []
-        if len(req.token_ids) + len(msg.token_ids) >= self.config.max_model_len:
-            return self._fail(req, f"the streamed prompt grew past max_model_len="
+        if len(seq.token_ids) + len(msg.token_ids) >= self.config.max_model_len:
+            return self._fail(seq, f"the streamed prompt grew past max_model_len="
                                    f"{self.config.max_model_len}")
-        req.extend_prompt(msg.token_ids, msg.last, self.config.max_model_len)
+        extend_prompt(seq, msg.token_ids, msg.last, self.config.max_model_len)
         return []
 
     def abort(self, seq_ids: list[SeqId]) -> list[TokenDelta]:
@@ -139,24 +120,13 @@ class Scheduler:
         by any of its output ids). Every id gets a final "abort" delta, known or not, so the
         detokenizer can forget it."""
         for sid in seq_ids:
-            prompt = SeqId(sid.req, PROMPT)
-            if sid in self.requests:
-                self._finish(self.requests[sid])
-            elif sid.req in self.groups:
-                for beam in list(self.groups.pop(sid.req).live):
-                    self._finish(beam)
-            elif prompt in self.requests:
-                self._finish(self.requests[prompt])
-            elif sid not in self.aborted_early:
-                self.aborted_early[sid] = None
-                if len(self.aborted_early) > _FORGET_ABORTS:
-                    self.aborted_early.popitem(last=False)
+            for seq in self.live.ended_by_abort(sid):
+                self._finish(seq)
         return [TokenDelta(sid, [], "abort") for sid in seq_ids]
 
     def abort_all(self) -> list[TokenDelta]:
         """End every request, by the output ids the detokenizer and gateway know."""
-        ids = dict.fromkeys(i for req in self.requests.values() for i in req.output_ids)
-        return self.abort(list(ids))
+        return self.abort(self.live.output_ids())
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -177,86 +147,89 @@ class Scheduler:
         if not (scheduled or tier or pulls or leases):
             return None
         self.step_id += 1
-        rows = [(req, req.num_scheduled) for req in scheduled]
+        rows = [(seq, seq.num_scheduled) for seq in scheduled]
         copies, swap_out, swap_in = self.tables.take_copies()
         plan = StepPlan(self.step_id, [], [], self.to_drop, copies, swap_out, swap_in,
                         self.preempted_ids, tier, leases, pulls)
         self.to_drop, self.preempted_ids = [], []
-        for req in scheduled:
-            entry = req.send_planned()
+        for seq in scheduled:
+            entry = seq.send_planned()
             (plan.new if isinstance(entry, NewSeq) else plan.running).append(entry)
         return plan, rows
 
-    def _schedule_running(self, budget: int) -> tuple[list[Request], int, bool]:
+    def _schedule_running(self, budget: int) -> tuple[list[Sequence], int, bool]:
         scheduled, preempted, i = [], False, 0
         while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_pending, budget)
-            k = self.drafts.grant(req, budget - 1, len(self.running)) if n == 1 else 0
-            grown = n > 0 and self.tables.grow(req, n + k)
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            k = self.drafts.grant(seq, budget - 1, len(self.running)) if n == 1 else 0
+            grown = n > 0 and self.tables.grow(seq, n + k)
             if not grown and k:        # no room for the drafts' slots: a plain decode
-                k, grown = 0, self.tables.grow(req, n)
+                k, grown = 0, self.tables.grow(seq, n)
             if n == 0:                 # a beam waiting for its siblings' candidates
                 i += 1
             elif grown:
-                req.num_scheduled, req.num_draft_slots = n + k, k
-                scheduled.append(req)
+                seq.num_scheduled = n + k
+                if seq.spec is not None:
+                    seq.spec.num_slots = k
+                scheduled.append(seq)
                 budget -= n + k
                 i += 1
             else:
                 # Out of blocks: preempt from the back (lowest priority, latest arrival; never
-                # one already scheduled this step) until req fits or is preempted itself.
+                # one already scheduled this step) until seq fits or is preempted itself.
                 self._preempt(self.running[-1])
                 preempted = True
         return scheduled, budget, preempted
 
-    def _admit_waiting(self, budget: int) -> list[Request]:
+    def _admit_waiting(self, budget: int) -> list[Sequence]:
         """Waiting sequences that start (or resume) in this step, in admission order. One whose
         adapter would make the running sequences' adapters more than max_loras waits, and
         those behind it go ahead."""
         admitted, i = [], 0
-        loras = {r.lora.id for r in self.running if r.lora is not None}
+        loras = {r.request.lora.id for r in self.running if r.request.lora is not None}
         while i < len(self.waiting) and budget > 0 and \
                 len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[i]
-            lora = req.lora.id if req.lora is not None else None
+            seq = self.waiting[i]
+            lora = seq.request.lora.id if seq.request.lora is not None else None
             if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
                 i += 1
                 continue
-            if req.status is Status.SWAPPED:
-                if not self.tables.swap_in(req):
+            if seq.status is Status.SWAPPED:
+                if not self.tables.swap_in(seq):
                     break
-                req.status = Status.WAITING    # blocks back on the device; first in line
-            fresh = not req.block_ids
-            if fresh and self.tables.map_cached_prefix(req):   # it waits for its blocks
+                seq.status = Status.WAITING    # blocks back on the device; first in line
+            fresh = not seq.block_ids
+            if fresh and self.tables.map_cached_prefix(seq):   # it waits for its blocks
                 self.waiting.pop(i)
-                self.arrivals.wait(req)
+                self.arrivals.wait(seq)
                 continue
-            if fresh and req.kv_transfer is not None and req.kv_transfer.remote_prefill:
-                self._forget_blocks(req)      # no room yet to pull its prefill engine's blocks
+            transfer = seq.request.transfer
+            if fresh and transfer is not None and transfer.remote_prefill:
+                self._forget_blocks(seq)      # no room yet to pull its prefill engine's blocks
                 break
-            n = req.num_pending
-            if n == 0 and req.prompt_open:     # all it has is its held-back last token
+            n = seq.num_pending
+            if n == 0 and seq.request.prompt_open:     # all it has is its held-back last token
                 if fresh:
-                    self._forget_blocks(req)
+                    self._forget_blocks(seq)
                 i += 1
                 continue
             if n > budget and not self.config.enable_chunked_prefill:
                 n = 0
             n = min(n, budget)
-            if n == 0 or not self.tables.grow(req, n):
+            if n == 0 or not self.tables.grow(seq, n):
                 if fresh:                      # give back the cached prefix it mapped
-                    self._forget_blocks(req)
+                    self._forget_blocks(seq)
                 break
             self.waiting.pop(i)
             if lora is not None:
                 loras.add(lora)
-            req.status, req.num_scheduled = Status.RUNNING, n
-            if not req.scheduled_before:
-                req.scheduled_before = True
-                self.first_scheduled.append(req.arrival_time)
-            self._enqueue(req)
-            admitted.append(req)
+            seq.status, seq.num_scheduled = Status.RUNNING, n
+            if not seq.request.scheduled_before:
+                seq.request.scheduled_before = True
+                self.first_scheduled.append(seq.request.arrival_time)
+            self.live.enqueue(seq)
+            admitted.append(seq)
             budget -= n
         return admitted
 
@@ -268,8 +241,8 @@ class Scheduler:
         if self.running or self.arrivals.loading:
             return False
         holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
-        for req in holders:
-            self._forget_blocks(req)
+        for seq in holders:
+            self._forget_blocks(seq)
         return bool(holders)
 
     def _make_room_for_priority(self) -> None:
@@ -277,7 +250,8 @@ class Scheduler:
         first waiting one while that one lacks the blocks for its next chunk."""
         if not self.by_priority:
             return
-        while self.waiting and self.running and self.running[-1].priority > self.waiting[0].priority:
+        while self.waiting and self.running and \
+                self.running[-1].request.priority > self.waiting[0].request.priority:
             head = self.waiting[0]
             need = self.kv.blocks_needed(min(head.num_pending, self.config.max_num_batched_tokens)
                                          + head.num_computed, len(head.block_ids))
@@ -286,44 +260,37 @@ class Scheduler:
                 break
             self._preempt(self.running[-1])
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._drop_from_executor(req, preempted=True)
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_from_executor(seq, preempted=True)
         mode = self.config.preemption_mode
-        if mode != "recompute" and self.tables.swap_out(req):
-            req.status = Status.SWAPPED
+        if mode != "recompute" and self.tables.swap_out(seq):
+            seq.status = Status.SWAPPED
         else:
-            self._forget_blocks(req)
-            req.status = Status.WAITING
-        self._enqueue(req)
+            self._forget_blocks(seq)
+            seq.status = Status.WAITING
+        self.live.enqueue(seq)
         self.num_preemptions += 1
 
-    def _drop_from_executor(self, req: Request, preempted: bool = False) -> None:
-        """The executor forgets req with the next plan; its steps in flight are ignored."""
-        req.reset_in_flight()
-        if req.on_executor:
-            (self.preempted_ids if preempted else self.to_drop).append(req.seq_id)
-            req.on_executor = False
-            req.new_token_ids, req.num_drafts = [], 0    # its drafts went with its state
-            req.new_prompt_ids = []                      # a NewSeq carries the whole prompt
+    def _drop_from_executor(self, seq: Sequence, preempted: bool = False) -> None:
+        """The executor forgets seq with the next plan; its steps in flight are ignored."""
+        seq.reset_in_flight()
+        if seq.on_executor:
+            (self.preempted_ids if preempted else self.to_drop).append(seq.seq_id)
+            seq.dropped_from_executor()
 
-    def _finish(self, req: Request, lease: bool = False) -> None:
+    def _finish(self, seq: Sequence, lease: bool = False) -> None:
         """Remove a sequence wherever it is and free its blocks (or, `lease`, hold them for a
         decode engine to pull: kv_transfer.py)."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req.status in (Status.WAITING, Status.SWAPPED):
-            self.waiting.remove(req)
-        elif req.status is Status.LOADING:
-            self.arrivals.abandon(req)
+        if seq.status is Status.LOADING:
+            self.arrivals.abandon(seq)
+        self.live.dequeue(seq)
         if lease:
-            self.tables.lease(req)
-        self.tables.release(req)
-        self._drop_from_executor(req)
-        req.status = Status.FINISHED
-        del self.requests[req.seq_id]
-        if req.group is not None and req in req.group.live:
-            req.group.live.remove(req)
+            self.tables.lease(seq)
+        self.tables.release(seq)
+        self._drop_from_executor(seq)
+        seq.status = Status.FINISHED
+        self.live.forget(seq)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -333,44 +300,45 @@ class Scheduler:
         returns the token deltas."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
-        for req in self.arrivals.tier_loaded(plan, result):
-            self._back_in_line(req)
+        for seq in self.arrivals.tier_loaded(plan, result):
+            self._back_in_line(seq)
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
         deltas, groups = [], []
         # A sequence preempted while in this step is RUNNING again only from a plan made after
         # this result (at most two plans are in flight): the status check tells them apart.
-        for req, n in scheduled:
-            if req.status is not Status.RUNNING:   # ended or preempted meanwhile
+        for seq, n in scheduled:
+            if seq.status is not Status.RUNNING:   # ended or preempted meanwhile
                 continue
-            if result.prompt_logprobs and req.seq_id in result.prompt_logprobs:
-                fresh = req.fresh_prompt_logprobs(result.prompt_logprobs[req.seq_id])
+            if result.prompt_logprobs and seq.seq_id in result.prompt_logprobs:
+                fresh = seq.request.fresh_prompt_logprobs(result.prompt_logprobs[seq.seq_id],
+                                                          seq.num_computed)
                 if fresh is not None:
-                    deltas += [TokenDelta(i, [], prompt_logprobs=fresh) for i in req.output_ids]
-            req.num_in_flight -= n
-            req.num_computed += n - req.num_draft_slots    # drafts count once accepted
-            if result.head_lens and req.seq_id in result.head_lens:
-                self.tables.compressed(req, result.head_lens[req.seq_id])
-            self.tables.commit(req)
-            self.tables.drop_behind_window(req)
-            reached_end = req.num_computed == req.target_len
-            if not req.prompt_counted and reached_end and not req.prompt_open:
-                self._count_prompt(req)
-            row = rows.get(req.seq_id)
-            if req.fork_leader:
+                    deltas += [TokenDelta(i, [], prompt_logprobs=fresh) for i in seq.output_ids]
+            seq.num_in_flight -= n
+            seq.num_computed += n - seq.num_draft_slots    # drafts count once accepted
+            if result.head_lens and seq.seq_id in result.head_lens:
+                self.tables.compressed(seq, result.head_lens[seq.seq_id])
+            self.tables.commit(seq)
+            self.tables.drop_behind_window(seq)
+            reached_end = seq.num_computed == seq.target_len
+            if not seq.request.prompt_counted and reached_end and not seq.request.prompt_open:
+                self._count_prompt(seq)
+            row = rows.get(seq.seq_id)
+            if seq.fork_leader:
                 if reached_end:
-                    self._fork(req)
-            elif row is not None and req.group is not None:
-                req.candidates = (result.top_ids[row], result.top_logprobs[row])
-                if req.group not in groups:
-                    groups.append(req.group)
-            elif row is not None and result.errors and req.seq_id in result.errors:
-                self._finish(req)
-                deltas.append(TokenDelta(req.seq_id, [], "error", result.errors[req.seq_id]))
+                    self._fork(seq)
+            elif row is not None and seq.request.group is not None:
+                seq.request.group.offer(seq, result.top_ids[row], result.top_logprobs[row])
+                if seq.request.group not in groups:
+                    groups.append(seq.request.group)
+            elif row is not None and result.errors and seq.seq_id in result.errors:
+                self._finish(seq)
+                deltas.append(TokenDelta(seq.seq_id, [], "error", result.errors[seq.seq_id]))
             elif row is not None:
-                req.num_placeholders -= 1
-                deltas.append(self._append(req, result, row))
+                seq.num_placeholders -= 1
+                deltas.append(self._append(seq, result, row))
         for group in groups:
             if group.ready():
                 deltas += self._advance_beams(group)
@@ -380,52 +348,48 @@ class Scheduler:
         """A plan's pulls from prefill engines ended: their sequences wait in line again (or,
         a pull falling short under kv_load_failure_policy fail, end with an error)."""
         deltas = []
-        for req, load, short in self.arrivals.pulled(msg):
-            self._back_in_line(req)
+        for seq, load, short in self.arrivals.pulled(msg):
+            self._back_in_line(seq)
             if short and self.config.kv_transfer_config.kv_load_failure_policy == "fail":
-                deltas += self._fail(req, f"the prefill engine's KV ({load.source.address}, "
+                deltas += self._fail(seq, f"the prefill engine's KV ({load.source.address}, "
                                      f"lease {load.source.lease}) could not be pulled")
         return deltas
 
-    def _back_in_line(self, req: Request) -> None:
-        req.status = Status.WAITING
-        self._enqueue(req)
+    def _back_in_line(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.live.enqueue(seq)
 
-    def _enqueue(self, req: Request) -> None:
-        """Into its status's queue (running, else waiting), in key order."""
-        queue = self.running if req.status is Status.RUNNING else self.waiting
-        bisect.insort(queue, req, key=lambda r: r.key)
-
-    def _forget_blocks(self, req: Request) -> None:
-        """Give back req's device blocks: it computes from its first token again (cheaply,
+    def _forget_blocks(self, seq: Sequence) -> None:
+        """Give back seq's device blocks: it computes from its first token again (cheaply,
         where its blocks stay in the prefix cache)."""
-        self.tables.release(req)
-        req.num_computed = 0
+        self.tables.release(seq)
+        seq.num_computed = 0
 
-    def _count_prompt(self, req: Request) -> None:
-        req.prompt_counted = True       # forks and beams copy the flag: one count per prompt
-        self.num_prompt_tokens += req.num_prompt_tokens
+    def _count_prompt(self, seq: Sequence) -> None:
+        seq.request.prompt_counted = True    # the request's: one count per prompt
+        self.num_prompt_tokens += seq.num_prompt_tokens
 
-    def _append(self, req: Request, result: StepResult, row: int) -> TokenDelta:
+    def _append(self, seq: Sequence, result: StepResult, row: int) -> TokenDelta:
         """Append the row's token (and the drafts it verified, speculative decoding); the
         sequence ends at the first token that ends it."""
-        tokens = self.drafts.tokens_of(req, result, row)
-        appended, reason = req.append_verified(tokens, self.eos_ids)
+        tokens = self.drafts.tokens_of(seq, result, row)
+        appended, reason = seq.append_verified(tokens, self.eos_ids)
         self.num_generation_tokens += len(appended)
         if len(tokens) > 1:
-            self.tables.commit(req)
+            self.tables.commit(seq)
         logprobs = None
         if result.logprobs is not None:
-            logprobs = self.drafts.logprobs_of(req, result, row, len(appended))
-            req.cum_logprob += sum(logprobs.logprobs)
-            if req.sampling.logprobs is None:
+            logprobs = self.drafts.logprobs_of(seq, result, row, len(appended))
+            seq.cum_logprob += sum(logprobs.logprobs)
+            if seq.sampling.logprobs is None:
                 logprobs = None
         if reason:
-            self._finish(req, lease=req.kv_transfer is not None and req.kv_transfer.remote_decode)
-        cum = req.cum_logprob if reason and req.sampling.logprobs is not None else None
-        return TokenDelta(req.seq_id, appended, reason, None, cum, logprobs)
+            transfer = seq.request.transfer
+            self._finish(seq, lease=transfer is not None and transfer.remote_decode)
+        cum = seq.cum_logprob if reason and seq.sampling.logprobs is not None else None
+        return TokenDelta(seq.seq_id, appended, reason, None, cum, logprobs)
 
-    def _fork(self, leader: Request) -> None:
+    def _fork(self, leader: Sequence) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first
         write (the last prompt token) copies the shared partial block."""
         for child in leader.output_forks():
@@ -433,11 +397,10 @@ class Scheduler:
             self._adopt(child)
         self._finish(leader)
 
-    def _adopt(self, child: Request) -> None:
+    def _adopt(self, child: Sequence) -> None:
         """A forked sequence joins: it shares its parent's blocks and queues by its status."""
         self.tables.share(child)
-        self.requests[child.seq_id] = child
-        self._enqueue(child)
+        self.live.track(child)
 
     def _advance_beams(self, group: BeamGroup) -> list[TokenDelta]:
         """Every live beam has its candidates: keep the best `width` continuations (forking a
@@ -462,18 +425,18 @@ class Scheduler:
     def _fail_step(self, scheduled: StepRows, error: str) -> list[TokenDelta]:
         """The executor could not run the step: fail every request it held."""
         deltas = []
-        for req, _ in scheduled:
-            if req.status is Status.RUNNING:
-                deltas += self._fail(req, error)
+        for seq, _ in scheduled:
+            if seq.status is Status.RUNNING:
+                deltas += self._fail(seq, error)
         return deltas
 
-    def _fail(self, req: Request, error: str) -> list[TokenDelta]:
-        """End req's request (a beam search's whole group) with an error."""
-        ids = req.output_ids
-        if req.group is not None:
+    def _fail(self, seq: Sequence, error: str) -> list[TokenDelta]:
+        """End seq's request (a beam search's whole group) with an error."""
+        ids = seq.output_ids
+        if seq.request.group is not None:
             self.abort(ids)
         else:
-            self._finish(req)
+            self._finish(seq)
         return [TokenDelta(i, [], "error", error) for i in ids]
 
     def end_lease(self, msg: KvLeaseEnded) -> list[TokenDelta]:

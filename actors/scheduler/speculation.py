@@ -15,14 +15,25 @@ k * acceptance of its drafts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config_sections import MAX_BATCH
-from .request import Request
+from .request import Sequence
 
 PROBE_EVERY = 8           # a sequence below min_acceptance still drafts this often
 _DECAY = 0.7              # weight of the past in a sequence's acceptance average
+
+
+@dataclass(slots=True)
+class DraftState:
+    """A sequence's drafts (Sequence.spec), made when the executor first says it holds some."""
+    num_drafts: int = 0           # draft tokens the executor holds for it
+    num_slots: int = 0            # of which the plan in flight verifies
+    acceptance: float = 1.0       # moving average of drafts accepted (0..1)
+    skips: int = 0                # steps it did not draft (low acceptance)
 
 
 class DraftPolicy:
@@ -36,37 +47,42 @@ class DraftPolicy:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k  # drafts accepted at position i (cumulative)
 
-    def grant(self, req: Request, budget: int, num_running: int) -> int:
-        """Drafts req verifies this step (0: a plain decode); called for a decode only."""
-        cfg = self.config
-        if cfg is None or not req.num_drafts or num_running > self.max_batch:
+    def grant(self, seq: Sequence, budget: int, num_running: int) -> int:
+        """Drafts seq verifies this step (0: a plain decode); called for a decode only. The
+        caller records a grant in seq.spec.num_slots (a grant implies seq.spec)."""
+        cfg, spec = self.config, seq.spec
+        if cfg is None or spec is None or not spec.num_drafts or num_running > self.max_batch:
             return 0
-        if req.draft_acceptance < cfg.min_acceptance:
-            req.draft_skips += 1
-            if req.draft_skips % PROBE_EVERY:
+        if spec.acceptance < cfg.min_acceptance:
+            spec.skips += 1
+            if spec.skips % PROBE_EVERY:
                 return 0
-        room = req.max_tokens - req.num_output_tokens - 1     # the step samples one more
+        room = seq.max_tokens - seq.num_output_tokens - 1     # the step samples one more
         # Each draft costs a row whether or not it is accepted: verify as many as the
         # sequence's acceptance says are likely to be right (at least one).
-        likely = max(1, round(cfg.num_speculative_tokens * req.draft_acceptance))
-        return max(0, min(req.num_drafts, budget, room, likely))
+        likely = max(1, round(cfg.num_speculative_tokens * spec.acceptance))
+        return max(0, min(spec.num_drafts, budget, room, likely))
 
-    def tokens_of(self, req: Request, result: StepResult, row: int) -> list[int]:
-        """req's tokens in the result (one, or the drafts it verified and the next), with the
+    def tokens_of(self, seq: Sequence, result: StepResult, row: int) -> list[int]:
+        """seq's tokens in the result (one, or the drafts it verified and the next), with the
         verification recorded and the executor's new draft count kept."""
-        extra = (result.extra_token_ids or {}).get(req.seq_id, [])
-        if req.num_draft_slots:
-            self.verified(req, len(extra))
-            req.num_draft_slots = 0
-        req.num_drafts = (result.num_drafts or {}).get(req.seq_id, 0)
+        extra = (result.extra_token_ids or {}).get(seq.seq_id, [])
+        num_drafts = (result.num_drafts or {}).get(seq.seq_id, 0)
+        if seq.spec is None and num_drafts:
+            seq.spec = DraftState()
+        if seq.spec is not None:
+            if seq.spec.num_slots:
+                self.verified(seq.spec, len(extra))
+                seq.spec.num_slots = 0
+            seq.spec.num_drafts = num_drafts
         return [result.token_ids[row]] + extra
 
     @staticmethod
-    def logprobs_of(req: Request, result: StepResult, row: int, count: int) -> LogprobsChunk:
-        """The log-probabilities of req's first `count` tokens in the result."""
+    def logprobs_of(seq: Sequence, result: StepResult, row: int, count: int) -> LogprobsChunk:
+        """The log-probabilities of seq's first `count` tokens in the result."""
         chunk = LogprobsChunk([result.token_ids[row]], [result.logprobs[row]],
                               [result.top_ids[row]], [result.top_logprobs[row]])
-        extra = (result.extra_logprobs or {}).get(req.seq_id)
+        extra = (result.extra_logprobs or {}).get(seq.seq_id)
         if extra is not None and count > 1:
             n = count - 1
             chunk = LogprobsChunk(chunk.token_ids + extra.token_ids[:n],
@@ -75,12 +91,12 @@ class DraftPolicy:
                                   chunk.top_logprobs + extra.top_logprobs[:n])
         return chunk
 
-    def verified(self, req: Request, accepted: int) -> None:
-        """The step verified req.num_draft_slots drafts and accepted the first `accepted`."""
-        k = req.num_draft_slots
+    def verified(self, spec: DraftState, accepted: int) -> None:
+        """The step verified spec.num_slots drafts and accepted the first `accepted`."""
+        k = spec.num_slots
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
-        req.draft_acceptance = _DECAY * req.draft_acceptance + (1 - _DECAY) * accepted / k
+        spec.acceptance = _DECAY * spec.acceptance + (1 - _DECAY) * accepted / k

@@ -148,7 +148,7 @@ def test_an_abort_while_pulling_holds_the_table_until_the_pull_ends():
     assert pull.seq_id == sid("d") and pull.block_ids == [0, 1] and len(pull.hashes) == 2
     assert s.kv.num_free == 8 - 3                    # its whole table: 3 blocks
     s.update(plan, s.run())                          # the step goes on; the pull does too
-    assert s.requests[sid("d")].status is Status.LOADING and s.schedule() is None
+    assert s.seqs[sid("d")].status is Status.LOADING and s.schedule() is None
     s.abort(["d"])
     assert s.kv.num_free == 8 - 3                    # the puller may still write them
     s.send(KvPulled({sid("d"): 2}))

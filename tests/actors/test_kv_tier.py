@@ -60,7 +60,7 @@ def test_committed_blocks_are_stored_once_by_the_next_plan():
 def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs():
     s, plan = asked_again_after_eviction()
     assert plan.new == [] and plan.tier.loads == [KvLoad(sid("a2"), [0, 1], hashes(100, 9))]
-    assert s.requests[sid("a2")].status is Status.LOADING and not s.waiting
+    assert s.seqs[sid("a2")].status is Status.LOADING and not s.waiting
     assert s.schedule() is None       # nothing else to plan until the load's result
     assert s.kv.lookup(hashes(100, 9)) == []          # the pool lost it: "big" evicted it
     s.update(plan, s.run())

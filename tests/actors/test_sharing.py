@@ -18,7 +18,7 @@ def sched_factory():
         return made[-1]
     yield make
     for sched in made:
-        for rid in list(sched.requests) + list(sched.groups):
+        for rid in list(sched.seqs) + list(sched.groups):
             sched.abort([rid])
         sched.schedule()   # drop the executor state list
         assert_pool_whole(sched)
@@ -122,6 +122,29 @@ def test_children_get_consecutive_seeds(sched_factory):
     run_to_end(sched)
 
 
+def test_forks_and_beams_are_sequences_of_one_request(sched_factory):
+    """n forks and beams reference their request's record (prompt, sampling, priority,
+    arrival) instead of copying it; a request without a feature holds none of its records."""
+    sched = sched_factory(num_blocks=32, block_size=4)
+    sched.add(new("p", 5, n=2, temperature=1.0, seed=41, max_tokens=3))
+    sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
+    step(sched, default=30)
+    req = sched.requests["p"]
+    assert [str(s.seq_id) for s in req.seqs] == ["p", "p#1"] == \
+        [str(s.seq_id) for s in sched.seqs.values() if s.request is req]
+    assert (req.req_id, req.num_prompt_tokens, req.sampling.n, req.max_tokens) == ("p", 5, 2, 3)
+    assert [s.sampling.seed for s in req.seqs] == [41, 42]        # each fork's own sampling
+    beams = sched.requests["q"]
+    assert beams.group is sched.groups["q"] and len(beams.seqs) == 3
+    assert sorted(names(b.seq_id for b in beams.seqs)) == \
+        sorted(names(b.seq_id for b in beams.group.live)) == ["q#beam0", "q#beam1", "q#beam2"]
+    for seq in sched.seqs.values():
+        assert (seq.spec, seq.compress, seq.request.stream, seq.request.transfer) == \
+            (None, None, None, None)
+    run_to_end(sched)
+    assert not sched.requests and not sched.seqs and not req.seqs
+
+
 def test_beam_search_forks_and_frees_beams(sched_factory):
     sched = sched_factory(num_blocks=32, block_size=4, max_len=64)
     sched.add(new("q", 6, n=2, use_beam_search=True, best_of=3, max_tokens=3))
@@ -150,7 +173,7 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     # beam1 is chosen twice (fork beam3), beam2 once, beam0 not at all: freed.
     live = sorted((str(b.seq_id), b.token_ids[6:]) for b in sched.groups["q"].live)
     assert live == [("q#beam1", [31, 50]), ("q#beam2", [32, 60]), ("q#beam3", [31, 51])]
-    assert sid("q#beam0") not in sched.requests and names(sched.to_drop) == ["q#beam0"]
+    assert sid("q#beam0") not in sched.seqs and names(sched.to_drop) == ["q#beam0"]
     run_to_end(sched)
 
 
@@ -207,7 +230,8 @@ def test_queue_limits_refuse_new_requests(sched_factory):
     (d,) = sched.add(new("c", 10))
     assert (str(d.seq_id), d.finish_reason) == ("c", "rejected") and "2 requests" in d.error
     sched.waiting.pop()   # leave one waiting: now the token limit binds
-    sched.requests.pop(sid("b"))
+    sched.seqs.pop(sid("b"))
+    sched.requests.pop("b")
     (d,) = sched.add(new("d", 95))
     assert d.finish_reason == "rejected" and "100 prompt tokens" in d.error
     ds = sched.add(new("e", 10, n=2))
@@ -221,7 +245,7 @@ def test_decodes_keep_flowing_while_a_long_prompt_is_chunked(sched_factory):
     step(sched)
     sched.add(new("long", 120, max_tokens=1))
     steps = 0
-    while sid("long") in sched.requests:
+    while sid("long") in sched.seqs:
         plan, _ = step(sched)
         counts = {str(r.seq_id): r.num_scheduled for r in plan.running} | \
                  {str(s.seq_id): s.num_scheduled for s in plan.new}
@@ -244,20 +268,21 @@ def test_abort_all_ends_every_request_by_its_output_ids(sched_factory):
 
 
 def test_a_fork_shares_no_mutable_slot_with_its_parent():
-    """Every slot of a sequence is either shared as an immutable value, copied, or the fork's
-    own (Request.SHARED / COPIED / FRESH): a slot added later must be placed, and no list of
-    the fork is its parent's."""
-    from pagewire.scheduler.request import Request
+    """Every slot of a sequence is either shared as an immutable value (or the request both
+    belong to), copied, or the fork's own (Sequence.SHARED / COPIED / FRESH): a slot added
+    later must be placed, and no list of the fork is its parent's."""
+    from pagewire.scheduler.request import Request, Sequence
     from pagewire.wire.sampling_params import SamplingParams
-    slots = Request.SHARED + Request.COPIED + Request.FRESH
-    assert sorted(slots) == sorted(Request.__slots__) and len(set(slots)) == len(slots)
-    parent = Request(sid("p#prompt"), [1, 2, 3], SamplingParams(n=2), 0.0, 64)
+    slots = Sequence.SHARED + Sequence.COPIED + Sequence.FRESH
+    assert sorted(slots) == sorted(Sequence.__slots__) and len(set(slots)) == len(slots)
+    req = Request("p", 3, SamplingParams(n=2), 0.0, 64)
+    parent = Sequence(sid("p#prompt"), req, [1, 2, 3])
     parent.block_ids, parent.block_hashes, parent.host_block_ids = [4], [b"h"], [7]
-    parent.candidates = ([1], [0.5])
     child = parent.fork(sid("p#1"), SamplingParams(seed=1))
-    for name in Request.__slots__:
+    for name in Sequence.__slots__:
         value = getattr(child, name)
         if isinstance(value, (list, dict, tuple)) and value:
             assert value is not getattr(parent, name), name
     assert (child.token_ids, child.block_ids, child.host_block_ids) == ([1, 2, 3], [4], [])
-    assert str(child.seq_id) == "p#1" and not child.on_executor and child.candidates is None
+    assert str(child.seq_id) == "p#1" and not child.on_executor
+    assert child.request is req and child.sampling.seed == 1 and parent.sampling.n == 2

@@ -15,7 +15,7 @@ def test_blocks_behind_the_window_are_freed_in_order():
     sched = make_scheduler(num_blocks=8, block_size=4, window=8, chunked=False, max_len=32)
     sched.add(new("a", 10, max_tokens=12))
     step(sched)                                   # 10 computed: all of blocks 0-2 visible
-    req = sched.requests[sid("a")]
+    req = sched.seqs[sid("a")]
     assert (req.block_ids, req.num_dropped, sched.kv.num_free) == ([0, 1, 2], 0, 5)
     step(sched)                                   # 11 computed
     step(sched)                                   # 12: the next token sees 5..12: block 0 out

@@ -12,7 +12,7 @@ import torch
 from pagewire import LLM, SamplingParams
 from pagewire.config import SpeculativeConfig
 from pagewire.executor.draft_proposers import Proposer, accepted
-from pagewire.scheduler.speculation import PROBE_EVERY, DraftPolicy
+from pagewire.scheduler.speculation import PROBE_EVERY, DraftPolicy, DraftState
 
 
 def _propose(tokens, min_n=1, max_n=4, k=3):
@@ -63,10 +63,11 @@ def test_accepted_counts_the_leading_matches():
     assert accepted([], [3]) == 0
 
 
-def _req(**kw):
-    base = dict(num_drafts=3, draft_acceptance=1.0, draft_skips=0, max_tokens=100,
-                num_output_tokens=0, num_draft_slots=0)
-    return SimpleNamespace(**(base | kw))
+def _req(num_drafts=3, draft_acceptance=1.0, draft_skips=0, max_tokens=100,
+         num_output_tokens=0, num_draft_slots=0):
+    """A sequence as the draft policy reads it: its drafts' state, and its room to generate."""
+    spec = DraftState(num_drafts, num_draft_slots, draft_acceptance, draft_skips)
+    return SimpleNamespace(spec=spec, max_tokens=max_tokens, num_output_tokens=num_output_tokens)
 
 
 def test_the_policy_grants_within_budget_max_tokens_and_batch_size():
@@ -99,13 +100,28 @@ def test_the_batch_limit_defaults_by_device(model):
     assert half.grant(_req(num_drafts=4, draft_acceptance=0.5), 10, 1) == 2   # likely right
 
 
+def test_draft_state_exists_once_the_executor_holds_drafts():
+    """A sequence's DraftState (seq.spec) is made by the first result saying the executor
+    drafted for it; until then it gets no grant and holds no draft record."""
+    from pagewire.wire.ids import SeqId
+    from pagewire.wire.to_scheduler import StepResult
+    policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=2))
+    seq = SimpleNamespace(seq_id=SeqId("a"), spec=None, max_tokens=100, num_output_tokens=0)
+    assert policy.grant(seq, 10, 1) == 0
+    assert policy.tokens_of(seq, StepResult(1, [seq.seq_id], [7]), 0) == [7]
+    assert seq.spec is None
+    drafted = StepResult(2, [seq.seq_id], [8], num_drafts={seq.seq_id: 2})
+    assert policy.tokens_of(seq, drafted, 0) == [8]
+    assert seq.spec == DraftState(num_drafts=2) and policy.grant(seq, 10, 1) == 2
+
+
 def test_a_sequence_that_rarely_accepts_drafts_only_every_probe_steps():
     policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=2, min_acceptance=0.5))
     req = _req(num_draft_slots=2, num_drafts=2)
     for _ in range(4):
-        req.num_draft_slots = 2
-        policy.verified(req, 0)
-    assert req.draft_acceptance < 0.5
+        req.spec.num_slots = 2
+        policy.verified(req.spec, 0)
+    assert req.spec.acceptance < 0.5
     grants = [policy.grant(req, 10, 1) for _ in range(2 * PROBE_EVERY)]
     assert grants.count(0) == 2 * PROBE_EVERY - 2 and grants.count(1) == 2   # probes: one
     assert (policy.num_drafts, policy.num_draft_tokens, policy.num_accepted_tokens) == (4, 8, 0)
