@@ -63,8 +63,8 @@ def throughput(args) -> dict:
     llm = _llm(args)
     reqs = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                            args.random_range_ratio, getattr(args, "seed", 0),
-                           llm.config.model_info.vocab_size)
-    limit = llm.config.max_model_len
+                           llm.config.model.model_info.vocab_size)
+    limit = llm.config.model.max_model_len
     reqs = [(p[: limit - o], o) for p, o in reqs]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o, ignore_eos=True)
               for _, o in reqs]
@@ -90,7 +90,7 @@ def latency(args) -> dict:
     from pagewire.wire.sampling_params import SamplingParams
     llm = _llm(args)
     rng = random.Random(getattr(args, "seed", 0))
-    vocab = llm.config.model_info.vocab_size
+    vocab = llm.config.model.model_info.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.input_len)]}
                for _ in range(args.batch_size)]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len,

@@ -13,7 +13,7 @@ import argparse
 import json
 import logging
 
-from .config import EngineConfig
+from .config import FIELD_SECTION
 
 COMMANDS = ("trace", "replay", "executor", "keys", "router")
 
@@ -22,7 +22,7 @@ def _override(text: str) -> tuple[str, object]:
     """OPTION=VALUE for `pagewire replay --set`: VALUE as JSON, else as a string."""
     key, sep, value = text.partition("=")
     key = key.strip().lstrip("-").replace("-", "_")
-    if not sep or key not in EngineConfig.__struct_fields__:
+    if not sep or key not in FIELD_SECTION:
         raise argparse.ArgumentTypeError(f"{text!r}: expected OPTION=VALUE with an engine option")
     try:
         return key, json.loads(value)

@@ -11,7 +11,14 @@ import msgspec
 from pagewire.kernels import tiers
 
 from . import lora_files
-from .config_sections import MAX_BATCH, KVTransferConfig, SpeculativeConfig, check_kv_compress
+from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES, DEVICES, DTYPES,
+                              EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
+                              MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
+                              SECTIONS, SWAP, TOP_LEVEL, WHOLE_SECTIONS, CacheConfig,
+                              DeviceConfig, KVTransferConfig, LoraConfig, ModelConfig,
+                              ObservabilityConfig, ParallelConfig, SchedulerConfig,
+                              ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
+                              check_kv_transfer, group_by_section)
 from .model_info import ModelInfo, resolve_model
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -28,93 +35,35 @@ def parse_bytes(text: str | int) -> int:
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
-    model: str | None = None                 # path to a GGUF file or HF directory; None: default
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "auto"                      # auto | bfloat16 | float16 | float32
-    max_model_len: int | None = None         # None: the model's own context length
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
-    num_kv_blocks: int | None = None         # overrides kv_cache_memory
-    kv_cache_dtype: str = "auto"             # auto | int8 | fp8 | fp8_e4m3 | fp8_e5m2
-    quantization: str = "none"               # none | int8 | int4: linears rounded at load
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    swap_space: int = 0                      # bytes of host-memory KV tier for preemption
-    preemption_mode: str = "auto"            # auto (swap if it fits, else recompute) | recompute | swap
-    kv_offload_dir: str | None = None        # the disk KV tier's directory; None: no tier
-    kv_offload_size: int = 4 * 2**30         # its bound in bytes (all ranks' files together)
-    kv_compress_rate: float | None = None    # KV-Compress: share of each sequence's KV kept
-    kv_compress_window: int = 64             # its latest tokens every head keeps
-    scheduling_policy: str = "fcfs"          # fcfs | priority (lower `priority` first)
-    max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
-    max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
-    num_tokenizers: int = 1
-    threads: int | None = None               # torch threads in the executor; None: all cores
-    kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
-    quantized_matmul_tokens: int | None = None   # steps up to this many tokens use GGUF weights
-                                             # as stored; 0: never; -1: every step (no float
-                                             # copy); None: auto (executor/loader.py)
-    quantized_activations: str = "auto"      # auto | exact | int16 | int8 (Q4 weights) | int8-all
-    device: str = "auto"                     # auto (cuda if present, else cpu) | cpu | cuda
-    enforce_eager: bool = False              # no CUDA graphs
-    disable_cascade_attn: bool = False       # decode rows never attend a shared prefix once
-    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/engine.py);
-                                             # None: on where a CUDA driver is present
-    actor_nice: int = 10                     # niceness of every actor but the executors
-    restart_budget: int = 5                  # actor restarts allowed within restart_window...
-    restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
-    seed: int = 0                            # the executor's random state for unseeded sampling
-    tensor_parallel_size: int = 1            # executor ranks, each holding a share of the model
-    decode_context_parallel_size: int = 1    # ranks of a KV head splitting its tokens
-    executors: str = "local"                 # "local": the engine starts every rank;
-                                             # "external": ranks 1.. attach at `listen`
-    listen: str | None = None                # tcp://HOST:PORT where external ranks attach
-    curve_keys: str | None = None            # directory from `pagewire keys` (TCP needs it)
-    attach_timeout: float = 300.0            # seconds rank 0 waits for external ranks
-    tp_timeout: float = 30.0                 # a collective waiting longer than this fails
-    trace_dir: str | None = None             # record every actor's messages here
-    trace_redact: bool = False               # blank prompts and outputs in traces
-    trace_segment_bytes: int = 64 * 2**20    # a trace file rotates past this size...
-    trace_max_segments: int = 8              # ...and each actor keeps this many
-    drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
-    api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
-    cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
-    metrics_require_api_key: bool = False    # GET /metrics behind the API key check too
-    chat_template: str | None = None         # a Jinja file replacing the model's chat template
-    enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
-    tool_call_parser: str | None = None      # hermes | llama3_json | mistral
-    reasoning_parser: str | None = None      # deepseek_r1 | qwen3: <think> blocks apart
+    """The engine's options by section. An actor receives only the sections it reads
+    (ACTOR_SECTIONS, for_actor()); the others are None there. The options keep their flat
+    names everywhere a user meets them (flags, PAGEWIRE_<FIELD>, config files, LLM(**options),
+    the effective-configuration log line): from_options(), flat(), get() and replace() take and
+    give those names, FIELD_SECTION says which section holds each."""
+    model: ModelConfig | None = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig | None = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig | None = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig | None = msgspec.field(default_factory=ParallelConfig)
+    device: DeviceConfig | None = msgspec.field(default_factory=DeviceConfig)
+    server: ServerConfig | None = msgspec.field(default_factory=ServerConfig)
+    observability: ObservabilityConfig | None = msgspec.field(default_factory=ObservabilityConfig)
+    lora: LoraConfig | None = msgspec.field(default_factory=LoraConfig)
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
     kv_transfer_config: KVTransferConfig | None = None    # disaggregated prefill/decode
-    enable_lora: bool = False                # serve LoRA adapters beside the base model
-    lora_modules: list[str] = []             # name=path (or JSON) adapters served from start
-    max_loras: int = 1                       # distinct adapters in one step
-    max_lora_rank: int = 16                  # adapters of higher rank are refused
-    max_cpu_loras: int | None = None         # adapters kept loaded (LRU); None: max_loras
-    allow_runtime_lora_updating: bool = False   # POST /v1/load_lora_adapter, unload_...
-    lora_root: str | None = None             # run-time loads only from under this directory
+    # What every actor's process reads as it starts (process.py):
+    actor_nice: int = 10                     # niceness of every actor but the executors
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
-    # Filled in by resolve():
-    model_info: ModelInfo | None = None
-    draft_model_info: ModelInfo | None = None    # speculative method draft_model's
-    num_host_blocks: int = 0
-    num_tier_blocks: int = 0                 # blocks the disk tier holds at most
-    kv_block_bytes: int = 0                  # one block's K/V over all layers and ranks
-    backend: str = ""                        # executor 0's, as it reported it (gateway metric)
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with the model read, dtype, context and KV pool size decided.
         Raises ValueError with a clear message if the options do not fit together."""
-        info = self.model_info or resolve_model(self.model)
+        info = self.model.model_info or resolve_model(self.model.model)
         tier = self._check_kernels()
-        self = msgspec.structs.replace(self, device=self._device())   # what follows reads it
-        dtype = _resolve_dtype(self.dtype, tier, self._on_cuda())
-        activations = _resolve_activations(self.quantized_activations, self.dtype, tier)
-        max_len = self.max_model_len or info.max_model_len
+        self = self.replace(device=self._device())   # what follows reads it
+        dtype = _resolve_dtype(self.model.dtype, tier, self._on_cuda())
+        activations = _resolve_activations(self.device.quantized_activations, self.model.dtype,
+                                           tier)
+        max_len = self.model.max_model_len or info.max_model_len
         if max_len > info.max_model_len:
             raise ValueError(f"max_model_len={max_len} is longer than the model's context "
                              f"({info.max_model_len} tokens, from its config)")
@@ -124,43 +73,42 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         draft = self._check_speculation(info, max_len)
         per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len)
         tier_blocks = self._check_tier(per_block)
-        self._check_transfer(info)
+        check_kv_transfer(self, info)
         self._check_parallel()
         self._check_chat()
         check_kv_compress(self, info)
         lora_files.check_options(self, info)
-        return msgspec.structs.replace(
-            self, model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
+        resolved = self.replace(
+            model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
             num_kv_blocks=num_blocks, num_host_blocks=host_blocks, num_tier_blocks=tier_blocks,
-            kv_block_bytes=per_block, served_model_name=self.served_model_name or info.name,
+            kv_block_bytes=per_block, served_model_name=self.model.served_model_name or info.name,
             quantized_activations=activations,
             async_scheduling=self._async_scheduling(), speculative_config=self._speculation())
+        return resolved.replace(config_digest=resolved.digest())
 
     def _check_choices(self, info: ModelInfo, max_len: int) -> None:
         """The options that name one of a set, or a count, each on its own."""
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got "
-                             f"{self.quantization!r}")
-        if self.quantization != "none" and (info.format == "gguf" or info.stored_quantization):
+        model, cache, scheduler = self.model, self.cache, self.scheduler
+        if cache.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two up to 128, got {cache.block_size}")
+        check_choice("quantization", model.quantization, QUANTIZATIONS)
+        if model.quantization != "none" and (info.format == "gguf" or info.stored_quantization):
             raise ValueError("--quantization rounds a float checkpoint as it loads; this "
                              "checkpoint's weights are already quantized (its blocks are used)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("scheduling_policy must be fcfs or priority, got "
-                             f"{self.scheduling_policy!r}")
-        if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ValueError("preemption_mode must be auto, recompute or swap, got "
-                             f"{self.preemption_mode!r}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        check_choice("kv_cache_dtype", cache.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("scheduling_policy", scheduler.scheduling_policy, SCHEDULING_POLICIES)
+        check_choice("preemption_mode", cache.preemption_mode, PREEMPTION_MODES)
+        check_choice("device", self.device.device, DEVICES)
+        for name in ("tool_call_parser", "reasoning_parser"):
+            if self.get(name) is not None:
+                check_choice(name, self.get(name), CHOICES[name])
+        if scheduler.max_num_batched_tokens < 1 or scheduler.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.quantized_matmul_tokens is not None and self.quantized_matmul_tokens < -1:
+        matmul_tokens = self.device.quantized_matmul_tokens
+        if matmul_tokens is not None and matmul_tokens < -1:
             raise ValueError("quantized_matmul_tokens must be -1 (every step), 0 (none) or "
-                             f"positive, got {self.quantized_matmul_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+                             f"positive, got {matmul_tokens}")
+        if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < max_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")
 
@@ -169,19 +117,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         """(bytes of a block, device blocks, host swap blocks). A draft model's K/V sits beside
         the target's in every block (the same block ids); under context parallelism a block's
         tokens are spread over its ranks."""
-        per_block = self.block_size * sum(
-            m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.kv_cache_dtype != "auto")
+        per_block = self.cache.block_size * sum(
+            m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.cache.kv_cache_dtype != "auto")
             for m in (info, draft) if m is not None) // self._check_context_parallel(info)
-        num_blocks = self.num_kv_blocks
+        num_blocks = self.cache.num_kv_blocks
         if num_blocks is None:
-            num_blocks = self.kv_cache_memory // per_block
-        if num_blocks * self.block_size < max_len:
+            num_blocks = self.cache.kv_cache_memory // per_block
+        if num_blocks * self.cache.block_size < max_len:
             raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {self.block_size} tokens) cannot hold one "
-                f"sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
+                f"the KV cache ({num_blocks} blocks of {self.cache.block_size} tokens) cannot "
+                f"hold one sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
                 f"--max-model-len")
-        host_blocks = self.swap_space // per_block
-        if self.preemption_mode == "swap" and host_blocks == 0:
+        host_blocks = self.cache.swap_space // per_block
+        if self.cache.preemption_mode == SWAP and host_blocks == 0:
             raise ValueError("preemption_mode swap needs --swap-space")
         return per_block, num_blocks, host_blocks
 
@@ -199,12 +147,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if spec is None:
             return None
         spec.check()
-        if self.async_scheduling:
+        if self.scheduler.async_scheduling:
             raise ValueError("--speculative-config and --async-scheduling do not combine: a "
                              "step's token count is known only from the previous result")
         if spec.model is None:
             return None
-        draft = self.draft_model_info or resolve_model(spec.model)
+        draft = self.model.draft_model_info or resolve_model(spec.model)
         # It reads the target's block tables: blocks the target's window frees must be ones
         # the draft no longer reads, and every position the target reaches must be one it has.
         if draft.sliding_window != target.sliding_window:
@@ -217,67 +165,52 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def _check_tier(self, per_block: int) -> int:
         """Blocks the disk tier may hold (0: no tier)."""
-        if self.kv_offload_dir is None:
+        if self.cache.kv_offload_dir is None:
             return 0
-        if not self.enable_prefix_caching:
+        if not self.cache.enable_prefix_caching:
             raise ValueError("--kv-offload-dir keeps prefix-cache blocks: it needs prefix caching")
-        blocks = self.kv_offload_size // per_block
+        blocks = self.cache.kv_offload_size // per_block
         if blocks < 1:
-            raise ValueError(f"--kv-offload-size {self.kv_offload_size} bytes holds no block "
+            raise ValueError(f"--kv-offload-size {self.cache.kv_offload_size} bytes holds no block "
                              f"({per_block} bytes each)")
         return blocks
-
-    def _check_transfer(self, info: ModelInfo) -> None:
-        transfer = self.kv_transfer_config
-        if transfer is None:
-            return
-        transfer.check()
-        if info.sliding_window is not None:
-            raise ValueError("--kv-transfer-config with a sliding-window model is not built yet")
-        if transfer.produces and not self.curve_keys and not transfer.kv_ip.startswith("127."):
-            raise ValueError(f"a KV server on {transfer.kv_ip} needs --curve-keys DIR (the same "
-                             "`pagewire keys` directory on both engines): blocks are authenticated")
-        if not self.enable_prefix_caching:
-            raise ValueError("--kv-transfer-config names blocks by their prefix-cache hashes: "
-                             "it needs prefix caching")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("--kv-transfer-config with tensor parallelism is not built yet")
 
     def _check_context_parallel(self, info: ModelInfo) -> int:
         """The context-parallel size, checked: ranks that would each hold a KV head's tokens
         (tensor parallelism with fewer KV heads than ranks) split them instead."""
-        size = self.decode_context_parallel_size
+        size = self.parallel.decode_context_parallel_size
         if size == 1:
             return 1
-        replicas = self.tensor_parallel_size // info.num_kv_heads
+        replicas = self.parallel.tensor_parallel_size // info.num_kv_heads
         if size < 1 or replicas < 2 or replicas % size:
             raise ValueError(f"--decode-context-parallel-size {size} needs tensor parallelism "
                              f"with each KV head on a multiple of {size} ranks (this model has "
-                             f"{info.num_kv_heads} KV heads, -tp {self.tensor_parallel_size})")
-        if self.block_size % size:
-            raise ValueError(f"--block-size {self.block_size} must be a multiple of "
+                             f"{info.num_kv_heads} KV heads, "
+                             f"-tp {self.parallel.tensor_parallel_size})")
+        if self.cache.block_size % size:
+            raise ValueError(f"--block-size {self.cache.block_size} must be a multiple of "
                              f"--decode-context-parallel-size {size}")
         unbuilt = {"a sliding-window model": info.sliding_window is not None or
                    info.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
                    "--speculative-config": self.speculative_config is not None,
-                   "--kv-offload-dir": self.kv_offload_dir is not None}
+                   "--kv-offload-dir": self.cache.kv_offload_dir is not None}
         for what, given in unbuilt.items():
             if given:
                 raise ValueError(f"--decode-context-parallel-size with {what} is not built yet")
         return size
 
     def _check_chat(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+        if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"--chat-template {self.chat_template}: no such file")
+        if self.server.chat_template is not None and not os.path.isfile(self.server.chat_template):
+            raise ValueError(f"--chat-template {self.server.chat_template}: no such file")
 
     def _async_scheduling(self) -> bool:
         """auto: pipelined steps where a GPU runs them (the GPU idles while the scheduler
         plans); on a CPU the scheduler's work takes cores from the step and two plans in flight
         measured no faster (bench/NOTES.md "Pipelined steps")."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
+        if self.scheduler.async_scheduling is not None:
+            return self.scheduler.async_scheduling
         if self.speculative_config is not None:     # drafts are planned from the last result
             return False
         return self._on_cuda()
@@ -285,72 +218,128 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def _device(self) -> str:
         """A CPU tier (--kernels cpu, avx2, ...) runs on the CPU: auto means cpu there, also
         on a machine with a GPU, and cuda is refused."""
-        if not tiers.runs_on_cpu(self.kernels):
-            return self.device
-        if self.device == "cuda":
-            raise ValueError(f"--kernels {self.kernels} runs on the CPU: it does not combine "
-                             "with --device cuda")
+        if not tiers.runs_on_cpu(self.device.kernels):
+            return self.device.device
+        if self.device.device == "cuda":
+            raise ValueError(f"--kernels {self.device.kernels} runs on the CPU: it does not "
+                             "combine with --device cuda")
         return "cpu"
 
     def _on_cuda(self) -> bool:
         """Whether the executors will run on CUDA (kernels/ops.py resolve_device decides the
         same with torch); the driver's /proc entry stands in for CUDA here, which imports no
         torch."""
-        return self.device == "cuda" or (self.device == "auto"
+        return self.device.device == "cuda" or (self.device.device == "auto"
                                          and os.path.exists("/proc/driver/nvidia/version"))
 
     def _check_kernels(self) -> str | None:
         """The CPU tier the executors will run (None: none), checked before any actor
         starts: a named tier this CPU cannot run is refused here."""
-        return tiers.tier_to_run(self.kernels)
+        return tiers.tier_to_run(self.device.kernels)
 
     def _check_parallel(self) -> None:
-        if self.tensor_parallel_size < 1:
+        parallel = self.parallel
+        if parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
-        if self.executors not in ("local", "external"):
-            raise ValueError(f"executors must be local or external, got {self.executors!r}")
-        if self.executors == "external":
-            if self.tensor_parallel_size < 2:
+        check_choice("executors", parallel.executors, EXECUTORS)
+        if parallel.executors == EXTERNAL:
+            if parallel.tensor_parallel_size < 2:
                 raise ValueError("--executors external needs --tensor-parallel-size 2 or more")
-            if not self.listen:
+            if not parallel.listen:
                 raise ValueError("--executors external needs --listen tcp://HOST:PORT")
-        if self.listen:
-            parse_tcp(self.listen)
-            if not self.curve_keys:
-                raise ValueError(f"--listen {self.listen} needs --curve-keys DIR (make the keys "
-                                 "with `pagewire keys DIR`): executors are authenticated")
-        gpus = visible_gpus() if self._on_cuda() and self.executors == "local" else 0
-        if 0 < gpus < self.tensor_parallel_size:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs each rank "
-                             f"on a GPU of its own (NCCL cannot share one) and {gpus} "
+        if parallel.listen:
+            parse_tcp(parallel.listen)
+            if not parallel.curve_keys:
+                raise ValueError(f"--listen {parallel.listen} needs --curve-keys DIR (make the "
+                                 "keys with `pagewire keys DIR`): executors are authenticated")
+        gpus = visible_gpus() if self._on_cuda() and parallel.executors == LOCAL else 0
+        if 0 < gpus < parallel.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {parallel.tensor_parallel_size} runs each "
+                             f"rank on a GPU of its own (NCCL cannot share one) and {gpus} "
                              f"{'is' if gpus == 1 else 'are'} visible: fewer ranks, or "
                              "--device cpu")
 
     def digest(self) -> str:
-        """What decides the engine's outputs, hashed: replays compare it. Which fields count
-        is declared with the options (options.DIGESTED): addresses, keys, restarts, tracing
-        and the like are left out."""
+        """What decides the engine's outputs, hashed (in trace headers). Which fields count is
+        declared with the options (options.DIGESTED): addresses, keys, restarts, tracing and
+        the like are left out. resolve() keeps it as observability.config_digest, so an actor
+        holding some sections records the engine's digest, not its part's."""
         from .options import DIGESTED
-        values = {k: v for k, v in msgspec.structs.asdict(self).items() if k in DIGESTED}
+        values = {k: v for k, v in self.flat().items() if k in DIGESTED}
         return hashlib.sha256(msgspec.json.encode(values)).hexdigest()[:16]
 
     def public(self) -> "EngineConfig":
         """This configuration as it may leave the process (into a trace header, to an attached
         executor): no API keys, no trace directory."""
-        return msgspec.structs.replace(self, api_keys=[], trace_dir=None)
+        return self.replace(**{k: v for k, v in (("api_keys", []), ("trace_dir", None))
+                               if self.get(k, _ABSENT) is not _ABSENT})
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 
     @staticmethod
     def from_json(data: bytes) -> "EngineConfig":
-        return msgspec.json.decode(data, type=EngineConfig)
+        """Sections as to_json() writes them, or the flat object of one field per option that
+        traces recorded before the sections (pagewire replay reads those too)."""
+        raw = msgspec.json.decode(data)
+        if set(raw) - set(EngineConfig.__struct_fields__):
+            return EngineConfig.from_options(**raw)
+        return msgspec.convert(raw, EngineConfig)
 
+    @staticmethod
+    def from_options(strict: bool = True, **options) -> "EngineConfig":
+        """An EngineConfig from flat option values (LLM(**options), the settings' sources,
+        tests); strict=False converts text ("8") as the flags and files give it. Names that
+        are no option are ignored, as they always were."""
+        by_section = group_by_section({k: v for k, v in options.items() if k in FIELD_SECTION})
+        top = by_section.pop("", {})
+        for name in WHOLE_SECTIONS:
+            if top.get(name) is not None:
+                top[name] = msgspec.convert(top[name], WHOLE_SECTIONS[name], strict=strict)
+        sections = {s: msgspec.convert(v, SECTIONS[s], strict=strict)
+                    for s, v in by_section.items()}
+        return EngineConfig(**sections, **top)
+
+    def flat(self) -> dict:
+        """{option: value} over the sections held, in section order."""
+        values = {}
+        for name in EngineConfig.__struct_fields__:
+            part = getattr(self, name)
+            if name in SECTIONS:
+                values.update(msgspec.structs.asdict(part) if part is not None else {})
+            else:
+                values[name] = part
+        return values
+
+    def get(self, name: str, default=None):
+        """One option's value by its flat name (default where its section is not held)."""
+        section = FIELD_SECTION[name]
+        holder = getattr(self, section) if section else self
+        return default if holder is None else getattr(holder, name)
+
+    def replace(self, **options) -> "EngineConfig":
+        """A copy with options (flat names) changed, each in its section."""
+        by_section = group_by_section(options)
+        changes = by_section.pop("", {})
+        for section, values in by_section.items():
+            changes[section] = msgspec.structs.replace(getattr(self, section), **values)
+        return msgspec.structs.replace(self, **changes)
+
+    def with_sections(self, **sections) -> "EngineConfig":
+        """A copy with whole sections (by section name) set or removed (None)."""
+        return msgspec.structs.replace(self, **sections)
+
+    def for_actor(self, role: str) -> "EngineConfig":
+        """What one actor receives: the sections its code reads (ACTOR_SECTIONS), None others."""
+        held = ACTOR_SECTIONS[role]
+        return self.with_sections(**{s: None for s in (*SECTIONS, *WHOLE_SECTIONS)
+                                     if s not in held})
+
+
+_ABSENT = object()
+assert set(EngineConfig.__struct_fields__) == {*SECTIONS, *TOP_LEVEL}
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")    # kernels/kv_quant.py
-QUANTIZATIONS = ("none", "int8", "int4")          # executor/load_quantization.py
-ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
 
 
 def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
@@ -358,9 +347,7 @@ def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
     int8-all (Q8_0 too: llama.cpp's arithmetic) are faster still but garble the default
     model's answers, as llama.cpp's own do (bench/NOTES.md "int16 and int8 activations"):
     they are taken only by name."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"quantized_activations must be one of {', '.join(ACTIVATIONS)}, got "
-                         f"{activations!r}")
+    check_choice("quantized_activations", activations, ACTIVATIONS)
     if activations == "auto":
         return tiers.default_activations(tier)
     return activations
@@ -382,8 +369,7 @@ def _resolve_dtype(dtype: str, tier: str | None, cuda: bool) -> str:
     """auto: the backend's default for the device and tier (kernels/tiers.py default_dtype)."""
     if dtype == "auto":
         return tiers.default_dtype(tier, cuda)
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    check_choice("dtype", dtype, DTYPES)
     return dtype
 
 

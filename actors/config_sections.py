@@ -1,11 +1,145 @@
-"""The options given as JSON objects (vLLM's spelling): --speculative-config and
---kv-transfer-config, each a frozen struct checked on its own; EngineConfig holds them.
-Imports no torch."""
+"""EngineConfig's sections (vLLM's ModelConfig, CacheConfig, ... shape): each a frozen struct of
+the options one part of the engine reads, with its choice lists declared once beside the field
+they bound (the checks, options.py's flag choices and the code comparing against a choice all
+use the same tuple). The options given as JSON objects (vLLM's spelling), --speculative-config
+and --kv-transfer-config, are sections of their own, None when off. Imports no torch."""
 from __future__ import annotations
 
 import json
 
 import msgspec
+
+from .model_info import ModelInfo
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "int8", "int4")          # executor/load_quantization.py
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")    # kernels/kv_quant.py
+PREEMPTION_MODES = AUTO_PREEMPTION, RECOMPUTE, SWAP = ("auto", "recompute", "swap")
+SCHEDULING_POLICIES = FCFS, PRIORITY = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
+EXECUTORS = LOCAL, EXTERNAL = ("local", "external")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")       # gateway/tools.py PARSERS
+REASONING_PARSERS = ("deepseek_r1", "qwen3")                    # gateway/chat_output.py
+SPECULATIVE_METHODS = ("ngram", "suffix", "self", "draft_model")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Refuse a value outside its declared choices, naming them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+class _Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Section):
+    """What model runs and how its weights and outputs are numbered: every actor reads it."""
+    model: str | None = None                 # path to a GGUF file or HF directory; None: default
+    served_model_name: str | None = None
+    dtype: str = "auto"                      # DTYPES
+    max_model_len: int | None = None         # None: the model's own context length
+    quantization: str = "none"               # QUANTIZATIONS: linears rounded at load
+    seed: int = 0                            # the executor's random state for unseeded sampling
+    model_info: ModelInfo | None = None      # filled in by resolve()
+    draft_model_info: ModelInfo | None = None    # speculative method draft_model's (resolve())
+
+
+class CacheConfig(_Section):
+    """The KV pool, its tiers and what its blocks hold."""
+    block_size: int = 16                     # BLOCK_SIZES
+    kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
+    num_kv_blocks: int | None = None         # overrides kv_cache_memory
+    kv_cache_dtype: str = "auto"             # KV_CACHE_DTYPES
+    enable_prefix_caching: bool = True
+    swap_space: int = 0                      # bytes of host-memory KV tier for preemption
+    preemption_mode: str = AUTO_PREEMPTION   # PREEMPTION_MODES: auto swaps if it fits
+    kv_offload_dir: str | None = None        # the disk KV tier's directory; None: no tier
+    kv_offload_size: int = 4 * 2**30         # its bound in bytes (all ranks' files together)
+    kv_compress_rate: float | None = None    # KV-Compress: share of each sequence's KV kept
+    kv_compress_window: int = 64             # its latest tokens every head keeps
+    num_host_blocks: int = 0                 # filled in by resolve()
+    num_tier_blocks: int = 0                 # blocks the disk tier holds at most (resolve())
+    kv_block_bytes: int = 0                  # one block's K/V over all layers and ranks
+
+
+class SchedulerConfig(_Section):
+    """What each step may hold and who waits."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/engine.py);
+                                             # None: on where a CUDA driver is present
+    scheduling_policy: str = FCFS            # SCHEDULING_POLICIES (priority: lower first)
+    max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
+    max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
+
+
+class DeviceConfig(_Section):
+    """Where the executors run and with which kernels."""
+    device: str = "auto"                     # DEVICES: auto (cuda if present, else cpu)
+    kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
+    threads: int | None = None               # torch threads in the executor; None: all cores
+    quantized_matmul_tokens: int | None = None   # steps up to this many tokens use GGUF weights
+                                             # as stored; 0: never; -1: every step (no float
+                                             # copy); None: auto (executor/loader.py)
+    quantized_activations: str = "auto"      # ACTIVATIONS
+    enforce_eager: bool = False              # no CUDA graphs
+    disable_cascade_attn: bool = False       # decode rows never attend a shared prefix once
+    backend: str = ""                        # executor 0's, as it reported it (gateway metric)
+
+
+class ParallelConfig(_Section):
+    """Executor ranks: how many, how the model and its tokens split, how remote ones attach."""
+    tensor_parallel_size: int = 1            # executor ranks, each holding a share of the model
+    decode_context_parallel_size: int = 1    # ranks of a KV head splitting its tokens
+    executors: str = LOCAL                   # EXECUTORS: local: the engine starts every rank;
+                                             # external: ranks 1.. attach at `listen`
+    listen: str | None = None                # tcp://HOST:PORT where external ranks attach
+    curve_keys: str | None = None            # directory from `pagewire keys` (TCP needs it)
+    attach_timeout: float = 300.0            # seconds rank 0 waits for external ranks
+    tp_timeout: float = 30.0                 # a collective waiting longer than this fails
+
+
+class ServerConfig(_Section):
+    """The HTTP edge, its tokenizers and chat handling, and the supervisor's restart policy."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_tokenizers: int = 1
+    drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
+    restart_budget: int = 5                  # actor restarts allowed within restart_window...
+    restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
+    api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
+    cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
+    metrics_require_api_key: bool = False    # GET /metrics behind the API key check too
+    chat_template: str | None = None         # a Jinja file replacing the model's chat template
+    enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
+    tool_call_parser: str | None = None      # TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None      # REASONING_PARSERS: <think> blocks apart
+
+
+class ObservabilityConfig(_Section):
+    """Tracing: every actor records its messages when trace_dir is set."""
+    trace_dir: str | None = None             # record every actor's messages here
+    trace_redact: bool = False               # blank prompts and outputs in traces
+    trace_segment_bytes: int = 64 * 2**20    # a trace file rotates past this size...
+    trace_max_segments: int = 8              # ...and each actor keeps this many
+    config_digest: str = ""                  # EngineConfig.digest(), kept by resolve()
+
+
+class LoraConfig(_Section):
+    """LoRA adapters served beside the base model."""
+    enable_lora: bool = False
+    lora_modules: list[str] = []             # name=path (or JSON) adapters served from start
+    max_loras: int = 1                       # distinct adapters in one step
+    max_lora_rank: int = 16                  # adapters of higher rank are refused
+    max_cpu_loras: int | None = None         # adapters kept loaded (LRU); None: max_loras
+    allow_runtime_lora_updating: bool = False   # POST /v1/load_lora_adapter, unload_...
+    lora_root: str | None = None             # run-time loads only from under this directory
 
 
 # Speculation's default batch limit by device: on a CPU a verified draft row costs a good
@@ -31,9 +165,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
                                            # (None: a quarter of them)
 
     def check(self) -> None:
-        if self.method not in ("ngram", "suffix", "self", "draft_model"):
-            raise ValueError(f"speculative method must be ngram, suffix, self or draft_model, "
-                             f"got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be {', '.join(SPECULATIVE_METHODS[:-1])} "
+                             f"or {SPECULATIVE_METHODS[-1]}, got {self.method!r}")
         if (self.model is None) == (self.method == "draft_model"):
             raise ValueError("speculative `model` goes with method draft_model (and it needs one)")
         if self.draft_layers is not None and self.draft_layers < 1:
@@ -60,11 +194,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     def check(self) -> None:
         if self.kv_connector != "PagewireConnector":
             raise ValueError(f"kv_connector must be PagewireConnector, got {self.kv_connector!r}")
-        if self.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got "
-                             f"{self.kv_role!r}")
-        if self.kv_load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("kv_load_failure_policy must be recompute or fail")
+        check_choice("kv_role", self.kv_role, KV_ROLES)
+        check_choice("kv_load_failure_policy", self.kv_load_failure_policy,
+                     KV_LOAD_FAILURE_POLICIES)
         unknown = set(self.kv_connector_extra_config) - {"lease_seconds", "pull_timeout"}
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
@@ -86,6 +218,41 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         return float(self.kv_connector_extra_config.get("pull_timeout", 10.0))
 
 
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig, "device": DeviceConfig, "server": ServerConfig,
+            "observability": ObservabilityConfig, "lora": LoraConfig}
+WHOLE_SECTIONS = {"speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
+# EngineConfig's fields besides the sections: the options that are whole sections, and what
+# every actor's process reads as it starts (process.py).
+TOP_LEVEL = (*WHOLE_SECTIONS, "actor_nice", "run_dir")
+# Each option's section by its flat name ("": a field of EngineConfig itself).
+FIELD_SECTION = {**{f: s for s, c in SECTIONS.items() for f in c.__struct_fields__},
+                 **{f: "" for f in TOP_LEVEL}}
+# The sections each actor's code reads (the supervisor, the offline LLM and replays of the
+# scheduler hold them all; process.py's start reads model, observability and the top-level
+# fields in every actor). The scheduler holds the executor's: its trace must replay with a
+# fresh executor (replay.py), and kv_tier_files reads the device and parallel sections.
+_EXECUTOR = ("model", "cache", "scheduler", "parallel", "device", "observability", "lora",
+             "speculative_config", "kv_transfer_config")
+ACTOR_SECTIONS = {
+    "executor": _EXECUTOR,
+    "scheduler": _EXECUTOR,
+    "tokenizer": ("model", "cache", "server", "observability"),
+    "detokenizer": ("model", "observability"),
+    "gateway": ("model", "cache", "scheduler", "device", "server", "observability", "lora",
+                "speculative_config", "kv_transfer_config"),
+}
+CHOICES = {"tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS}
+
+
+def group_by_section(options: dict) -> dict[str, dict]:
+    """Flat option values, {section: {option: value}} ("": EngineConfig's own fields)."""
+    grouped: dict[str, dict] = {}
+    for name, value in options.items():
+        grouped.setdefault(FIELD_SECTION[name], {})[name] = value
+    return grouped
+
+
 def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -96,28 +263,47 @@ def parse_json_object(text: str) -> dict:
     return value
 
 
+def check_kv_transfer(config, info) -> None:
+    """--kv-transfer-config, checked against the rest of the configuration."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
+        return
+    transfer.check()
+    if info.sliding_window is not None:
+        raise ValueError("--kv-transfer-config with a sliding-window model is not built yet")
+    remote = not transfer.kv_ip.startswith("127.")
+    if transfer.produces and not config.parallel.curve_keys and remote:
+        raise ValueError(f"a KV server on {transfer.kv_ip} needs --curve-keys DIR (the same "
+                         "`pagewire keys` directory on both engines): blocks are authenticated")
+    if not config.cache.enable_prefix_caching:
+        raise ValueError("--kv-transfer-config names blocks by their prefix-cache hashes: "
+                         "it needs prefix caching")
+    if config.parallel.tensor_parallel_size != 1:
+        raise ValueError("--kv-transfer-config with tensor parallelism is not built yet")
+
+
 def check_kv_compress(config, info) -> None:
     """KV-Compress (--kv-compress-rate) and what it does not combine with, refused by name:
     blocks of compressed sequences hold no whole prefix (prefix caching, the disk tier,
     disaggregation), are no sequence's but their own (swapping moves whole blocks; forks and
     beams are refused per request), and their rows are one rank's (tensor and context
     parallelism); drafts and sliding windows would need evictions aware of them."""
-    rate = config.kv_compress_rate
+    rate = config.cache.kv_compress_rate
     if rate is None:
         return
     if not 0 < rate <= 1:
         raise ValueError(f"--kv-compress-rate must be in (0, 1], got {rate}")
-    if config.kv_compress_window < 1:
+    if config.cache.kv_compress_window < 1:
         raise ValueError(f"--kv-compress-window must be at least 1, got "
-                         f"{config.kv_compress_window}")
-    if config.enable_prefix_caching:
+                         f"{config.cache.kv_compress_window}")
+    if config.cache.enable_prefix_caching:
         raise ValueError("--kv-compress-rate needs --no-enable-prefix-caching: a compressed "
                          "sequence's blocks hold no whole prefix to share")
-    unbuilt = {"--tensor-parallel-size > 1": config.tensor_parallel_size > 1,
+    unbuilt = {"--tensor-parallel-size > 1": config.parallel.tensor_parallel_size > 1,
                "--speculative-config": config.speculative_config is not None,
-               "--kv-offload-dir": config.kv_offload_dir is not None,
+               "--kv-offload-dir": config.cache.kv_offload_dir is not None,
                "--kv-transfer-config": config.kv_transfer_config is not None,
-               "--preemption-mode swap": config.preemption_mode == "swap",
+               "--preemption-mode swap": config.cache.preemption_mode == "swap",
                "a sliding-window model": info.sliding_window is not None or
                info.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")}
     for what, given in unbuilt.items():

@@ -173,7 +173,7 @@ class Detokenizer:
 
 
 def run(env) -> None:
-    detok = Detokenizer(load_tokenizer(env.config.model_info))
+    detok = Detokenizer(load_tokenizer(env.config.model.model_info))
     inbox = env.pull("detokenizer", DetokenizerInbox)
     pushes = {name: env.push(name) for name in ("gateway", "scheduler")}
     env.ready()

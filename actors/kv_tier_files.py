@@ -30,24 +30,24 @@ LAYOUT_VERSION = 1                           # bump when the payload's layout ch
 def layout_key(config, rank: int) -> str:
     """Everything besides a block's hash that decides its bytes on this rank, as a name: the
     disk tier's directory, and what two engines compare before a KV transfer."""
-    info, draft = config.model_info, config.draft_model_info
+    info, draft = config.model.model_info, config.model.draft_model_info
     what = {"layout": LAYOUT_VERSION, "weights": info.digest,
-            "draft": draft.digest if draft is not None else None, "dtype": config.dtype,
-            "kv": config.kv_cache_dtype, "quantization": config.quantization,
-            "activations": config.quantized_activations, "block_size": config.block_size}
+            "draft": draft.digest if draft is not None else None, "dtype": config.model.dtype,
+            "kv": config.cache.kv_cache_dtype, "quantization": config.model.quantization,
+            "activations": config.device.quantized_activations, "block_size": config.cache.block_size}
     name = hashlib.sha256(msgspec.json.encode(what)).hexdigest()[:16]
-    return f"{name}-tp{rank}of{config.tensor_parallel_size}"
+    return f"{name}-tp{rank}of{config.parallel.tensor_parallel_size}"
 
 
 def tier_directory(config, rank: int) -> str:
     """The directory of one rank's files under --kv-offload-dir."""
-    return os.path.join(config.kv_offload_dir, layout_key(config, rank))
+    return os.path.join(config.cache.kv_offload_dir, layout_key(config, rank))
 
 
 def present(config) -> list[bytes] | None:
     """What the scheduler's tier index starts from: the hashes rank 0 holds (another rank
     missing one fails that load, which then computes), or None without a tier."""
-    return scan(tier_directory(config, 0)) if config.kv_offload_dir else None
+    return scan(tier_directory(config, 0)) if config.cache.kv_offload_dir else None
 
 
 def file_path(directory: str, block_hash: bytes) -> str:

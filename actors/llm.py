@@ -15,8 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
-
 import torch
 
 from pagewire.wire.channels import Sends
@@ -80,8 +78,8 @@ class LLM:
     `scheduler` and `runner` are there to inspect; the driver itself only moves messages."""
 
     def __init__(self, model: str | None = None, **options):
-        self.config = msgspec.convert(dict(options, model=model), EngineConfig).resolve()
-        self.tokenizer = load_tokenizer(self.config.model_info)
+        self.config = EngineConfig.from_options(**options, model=model).resolve()
+        self.tokenizer = load_tokenizer(self.config.model.model_info)
         # The core first: its tier index scans the disk tier before the executor opens it.
         core = SchedulerCore(self.config, tier_present=kv_tier_files.present(self.config))
         # What the KV server and puller threads tell the scheduler (kv_transfer.py).
@@ -90,7 +88,7 @@ class LLM:
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
         # runner.execute is looked up at each step, so a wrapper set on the runner later runs.
         executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
-                                     on_thread=self.config.async_scheduling,
+                                     on_thread=self.config.scheduler.async_scheduling,
                                      thread_init=lambda: torch.set_num_threads(threads))
         self.engine = StepEngine(core, executor)
         self.scheduler = self.engine.scheduler
@@ -230,11 +228,11 @@ class LLM:
         int id, path) is one load of its own."""
         if request is None:
             return None
-        if not self.config.enable_lora:
+        if not self.config.lora.enable_lora:
             raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
         key = (request.lora_name, request.lora_int_id, request.lora_path)
         if key not in self._loras:
-            read_adapter(request.lora_path, self.config.model_info, self.config.max_lora_rank)
+            read_adapter(request.lora_path, self.config.model.model_info, self.config.lora.max_lora_rank)
             self._loras[key] = LoraRef(request.lora_name, len(self._loras) + 1,
                                        request.lora_path, adapter_digest(request.lora_path))
         return self._loras[key]

@@ -165,19 +165,19 @@ def parse_module(text: str) -> tuple[str, str]:
 
 def check_options(config, info: ModelInfo) -> None:
     """The LoRA options fit together, and every --lora-modules adapter can be served."""
-    if config.lora_modules and not config.enable_lora:
+    if config.lora.lora_modules and not config.lora.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    if not config.enable_lora:
+    if not config.lora.enable_lora:
         return
-    if config.max_loras < 1 or config.max_lora_rank < 1:
+    if config.lora.max_loras < 1 or config.lora.max_lora_rank < 1:
         raise ValueError("--max-loras and --max-lora-rank must be positive")
-    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+    if config.lora.max_cpu_loras is not None and config.lora.max_cpu_loras < config.lora.max_loras:
         raise ValueError("--max-cpu-loras must be at least --max-loras")
-    names = [parse_module(m)[0] for m in config.lora_modules]
+    names = [parse_module(m)[0] for m in config.lora.lora_modules]
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules names an adapter twice: {names}")
-    for name, path in map(parse_module, config.lora_modules):
+    for name, path in map(parse_module, config.lora.lora_modules):
         try:
-            read_adapter(path, info, config.max_lora_rank)
+            read_adapter(path, info, config.lora.max_lora_rank)
         except InvalidAdapter as e:
             raise ValueError(f"--lora-modules {name}: {e}") from None

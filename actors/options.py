@@ -17,8 +17,10 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from .config import ACTIVATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, parse_bytes
-from .config_sections import parse_json_object
+from .config import FIELD_SECTION, SECTIONS, EngineConfig, parse_bytes
+from .config_sections import (ACTIVATIONS, DEVICES, DTYPES, EXECUTORS, KV_CACHE_DTYPES,
+                              PREEMPTION_MODES, QUANTIZATIONS, REASONING_PARSERS,
+                              SCHEDULING_POLICIES, TOOL_CALL_PARSERS, parse_json_object)
 
 
 def gib(text: str | int | float) -> int:
@@ -43,7 +45,8 @@ def tokens_or_auto(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class Option:
-    field: str                           # the EngineConfig field ("" for --config)
+    field: str                           # the option's flat name ("" for --config); its
+                                         # EngineConfig section: config.FIELD_SECTION
     meaning: str                         # docs markdown; the flag's help without backticks
     default: str | None = None           # as docs/serving.md shows it (None: from EngineConfig)
     flags: tuple[str, ...] = ()          # () -> ("--field-name",); bools: see _bool_flag
@@ -73,7 +76,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "multiplies it in hardware, AVX512-BF16 or AMX; else float32, faster there than "
                "emulated bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to "
                "it as they load",
-               choices=("auto", "bfloat16", "float16", "float32")),
+               choices=DTYPES),
         Option("max_model_len", "longest prompt + output; the default and the upper bound are the "
                "config's context (`max_position_embeddings` or GGUF `context_length`, times the "
                "factor of a linear, dynamic or yarn rope scaling)", "model's context"),
@@ -95,7 +98,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                flags=("--no-enable-prefix-caching",)),
         Option("swap_space", "host-memory KV tier for preemption, GiB (or `512MiB`)", parse=gib),
         Option("preemption_mode", "`auto` (swap when the host tier has room, else recompute), "
-               "`recompute`, `swap`", choices=("auto", "recompute", "swap")),
+               "`recompute`, `swap`", choices=PREEMPTION_MODES),
         Option("kv_transfer_config", "disaggregated prefill and decode, as JSON: `{\"kv_role\": "
                "\"kv_producer\", \"kv_ip\": \"10.0.0.5\", \"kv_port\": 14579}` on a prefill "
                "engine, `\"kv_consumer\"` on a decode engine; `kv_load_failure_policy` "
@@ -131,7 +134,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "auto",
                flags=("--async-scheduling", "--no-async-scheduling")),
         Option("scheduling_policy", "`fcfs` or `priority` (request field `priority`, lower first; "
-               "preempts lower-priority work when blocks run short)", choices=("fcfs", "priority")),
+               "preempts lower-priority work when blocks run short)", choices=SCHEDULING_POLICIES),
         Option("max_num_queued_reqs", "beyond this many waiting requests, new ones get 503 at once",
                "unlimited"),
         Option("max_num_queued_tokens", "beyond this many waiting prompt tokens, new requests get "
@@ -146,7 +149,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(`--device cuda` with them is refused)",
                choices=tuple(tiers.BACKENDS)),
         Option("device", "`auto` (CUDA when present, else CPU), `cpu` or `cuda`",
-               choices=("auto", "cpu", "cuda")),
+               choices=DEVICES),
         Option("threads", "torch threads of the executor", "all cores", decides_outputs=False),
         Option("enforce_eager", "no CUDA graphs: every decode step runs eagerly"),
         Option("disable_cascade_attn", "no cascade attention: decode rows under one shared "
@@ -180,7 +183,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "of each holding them all: N times the context in the same KV memory (see "
                "\"Context parallelism\")", flags=("--decode-context-parallel-size", "-dcp")),
         Option("executors", "`local`: the engine starts every rank; `external`: ranks 1.. attach "
-               "with `pagewire executor --attach`", choices=("local", "external"), **_RUN),
+               "with `pagewire executor --attach`", choices=EXECUTORS, **_RUN),
         Option("listen", "`tcp://HOST:PORT` where external executors attach (an explicit address; "
                "torch.distributed uses PORT+1)", "none", **_RUN),
         Option("curve_keys", "directory from `pagewire keys DIR`; required with `--listen`", "none",
@@ -210,11 +213,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("tool_call_parser", "the model's tool-call syntax: `hermes` (`<tool_call>` JSON "
                "`</tool_call>`: Qwen, Hermes), `llama3_json` (a JSON object, Llama 3.x), "
                "`mistral` (`[TOOL_CALLS]` and a JSON list)", "none",
-               choices=("hermes", "llama3_json", "mistral"), **_RUN),
+               choices=TOOL_CALL_PARSERS, **_RUN),
         Option("reasoning_parser", "return a reasoning model's `<think>` block as "
                "`reasoning_content` apart from `content` (`deepseek_r1`: the output starts in "
                "the block; `qwen3`: it opens with `<think>`); an output constraint applies from "
-               "the block's end", "none", choices=("deepseek_r1", "qwen3"), serve_only=True),
+               "the block's end", "none", choices=REASONING_PARSERS, serve_only=True),
     ),
     "LoRA adapters": (
         Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "
@@ -257,18 +260,24 @@ OPTIONS: tuple[Option, ...] = tuple(o for group in GROUPS.values() for o in grou
 BY_FIELD = {o.field: o for o in OPTIONS if o.field}
 # Fields resolve() derives, never set by hand.
 DERIVED = ("model_info", "draft_model_info", "num_host_blocks", "num_tier_blocks", "kv_block_bytes",
-           "run_dir", "backend")
-DIGESTED = frozenset(f for f in EngineConfig.__struct_fields__
+           "run_dir", "backend", "config_digest")
+DIGESTED = frozenset(f for f in FIELD_SECTION
                      if f in DERIVED and f not in ("run_dir", "backend", "num_tier_blocks",
-                                                   "kv_block_bytes")
+                                                   "kv_block_bytes", "config_digest")
                      or f in BY_FIELD and BY_FIELD[f].decides_outputs)
 _DEFAULTS = EngineConfig()
+
+
+def annotation(field: str) -> str:
+    """An option's declared type, as written in its section (a string: postponed annotations)."""
+    section = FIELD_SECTION[field]
+    return (SECTIONS[section] if section else EngineConfig).__annotations__[field]
 
 
 def shown_default(o: Option) -> str:
     if o.default is not None:
         return o.default
-    value = getattr(_DEFAULTS, o.field)
+    value = _DEFAULTS.get(o.field)
     if isinstance(value, bool):
         return "on" if value else "off"
     return "—" if value is None else str(value)
@@ -293,7 +302,7 @@ def _argument(o: Option) -> tuple[tuple[str, ...], dict]:
         return o.names, {"dest": "config_file"}
     if o.names == ("model",):                   # the positional MODEL (its name is its dest)
         return o.names, {"nargs": "?"}
-    kind = EngineConfig.__annotations__[o.field]
+    kind = annotation(o.field)
     if kind.startswith("bool"):
         if len(o.names) == 2:                   # --x / --no-x: argparse adds the --no- form
             return o.names[:1], {"dest": o.field, "action": argparse.BooleanOptionalAction}
@@ -335,6 +344,6 @@ def convert(values: dict) -> EngineConfig:
     values = {k: BY_FIELD[k].parse(v) if isinstance(v, str) and BY_FIELD[k].parse else v
               for k, v in values.items()}
     try:
-        return msgspec.convert(values, EngineConfig, strict=False)
+        return EngineConfig.from_options(strict=False, **values)
     except msgspec.ValidationError as e:
         raise ValueError(f"bad option: {e}") from None

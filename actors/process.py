@@ -99,15 +99,16 @@ class ActorEnv:
 
 def open_tracer(config: EngineConfig, actor: str) -> TraceWriter | None:
     """This actor's trace writer when the engine records (--trace DIR)."""
-    if not config.trace_dir:
+    if not config.observability.trace_dir:
         return None
+    info, tracing = config.model.model_info, config.observability
     header = TraceHeader(version=FORMAT_VERSION, actor=actor, pid=os.getpid(), segment=0,
-                         config_digest=config.digest(),
-                         model_id=f"{config.model_info.name}@{config.model_info.digest}",
+                         config_digest=tracing.config_digest or config.digest(),
+                         model_id=f"{info.name}@{info.digest}",
                          config_json=config.public().to_json().decode(), started=time.time(),
-                         redacted=config.trace_redact)
-    return TraceWriter(config.trace_dir, header, config.trace_segment_bytes,
-                       config.trace_max_segments)
+                         redacted=tracing.trace_redact)
+    return TraceWriter(tracing.trace_dir, header, tracing.trace_segment_bytes,
+                       tracing.trace_max_segments)
 
 
 def die_with_parent() -> None:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import tempfile
 
-import msgspec
-
 from pagewire.wire.replay import (CannotReplay, Divergence, Replay, decode, differing_ids,
                                   recorded)
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 from pagewire.wire.trace import TraceHeader
 
-from .config import EngineConfig
+from .config import SECTIONS, EngineConfig
 from .model_info import resolve_model
 
 __all__ = ["replay", "differing_ids", "CannotReplay"]
@@ -40,11 +38,10 @@ class SchedulerReplay(Replay):
         # The executor keeps to itself: a disk tier of its own (never the recorded engine's
         # directory, which that engine may still be using), no KV server or pulls (a pull
         # finds nothing and is computed, as the recording's may not have been).
-        scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.kv_offload_dir \
+        scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.cache.kv_offload_dir \
             else None
         core = SchedulerCore(config)
-        self.runner = ModelRunner(msgspec.structs.replace(
-            config, kv_offload_dir=scratch, kv_transfer_config=None))
+        self.runner = ModelRunner(config.replace(kv_offload_dir=scratch, kv_transfer_config=None))
         # Each plan runs when its result is asked for: plans run in order, and a plan that
         # diverges from the recording is reported before it runs.
         self.engine = StepEngine(core, InProcessExecutor(self.runner.execute))
@@ -74,7 +71,7 @@ class DetokenizerReplay(Replay):
         super().__init__()
         from .detokenizer import Detokenizer
         from .hf_tokenizer import load_tokenizer
-        self.core = Detokenizer(load_tokenizer(config.model_info))
+        self.core = Detokenizer(load_tokenizer(config.model.model_info))
 
     def receive(self, msg) -> None:
         self.route(self.core.handle(msg))
@@ -85,7 +82,7 @@ class TokenizerReplay(Replay):
         super().__init__()
         from .hf_tokenizer import load_tokenizer
         from .tokenizer import RequestTokenizer
-        self.core = RequestTokenizer(config, load_tokenizer(config.model_info))
+        self.core = RequestTokenizer(config, load_tokenizer(config.model.model_info))
 
     def receive(self, msg) -> None:
         self.route(self.core.handle(msg))
@@ -99,18 +96,25 @@ def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, l
     """The recorded configuration with `overrides` applied, and what they changed."""
     config = EngineConfig.from_json(header.config_json.encode())
     recorded_digest = header.model_id.rsplit("@", 1)[1]
-    info = resolve_model(overrides.get("model", config.model))
+    info = resolve_model(overrides.get("model", config.model.model))
     if info.digest != recorded_digest:
         raise CannotReplay(f"the model changed since the recording: it had weights "
                            f"{recorded_digest}, {info.path} now has {info.digest}; replay "
                            "needs the same model")
-    changed = [f"{k}: {getattr(config, k)!r} -> {v!r}" for k, v in overrides.items()
-               if getattr(config, k) != v]
+    changed = [f"{k}: {config.get(k)!r} -> {v!r}" for k, v in overrides.items()
+               if config.get(k) != v]
+    # An actor records the sections it holds (config.ACTOR_SECTIONS), resolved as they were.
+    # Resolving again (to apply overrides) reads every section: the absent ones take their
+    # defaults meanwhile and are dropped after.
+    absent = [s for s in SECTIONS if getattr(config, s) is None]
+    if absent and not overrides:
+        return config, []
+    config = config.with_sections(**{s: SECTIONS[s]() for s in absent})
     fresh = {"model_info": None} if "model" in overrides else {}     # re-read a new path
     if "speculative_config" in overrides:
         fresh["draft_model_info"] = None
-    config = msgspec.structs.replace(config, **overrides, **fresh).resolve()
-    return config, changed
+    config = config.replace(**overrides, **fresh).resolve()
+    return config.with_sections(**{s: None for s in absent}), changed
 
 
 def replay(directory: str, actor: str, overrides: dict | None = None) -> int:

@@ -48,6 +48,6 @@ def build(flags: dict, environ: Mapping[str, str] | None = None,
 
 def effective(config: EngineConfig) -> str:
     """The configuration as one JSON line for the log, API keys redacted."""
-    values = {k: getattr(config, k) for k in BY_FIELD}
+    values = {k: config.get(k) for k in BY_FIELD}
     values["api_keys"] = [f"<{len(values['api_keys'])} keys>"] if values["api_keys"] else []
     return msgspec.json.encode(values).decode()

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 
-import msgspec
 import zmq
 
 from pagewire.wire.channels import PullChannel, PushChannel, ipc_address, make_run_dir
@@ -40,7 +39,8 @@ from pagewire.wire.to_scheduler import AbortAll
 from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready, SupervisorInbox
 from pagewire.wire.trace import set_recording
 
-from .config import EngineConfig
+from .config import ACTOR_SECTIONS, EngineConfig
+from .config_sections import EXTERNAL
 from .process import FATAL_EXIT_CODE, HEARTBEAT_TIMEOUT, STOP_SIGNAL
 from .sd_notify import notify, watchdog_period
 
@@ -80,7 +80,6 @@ class Supervisor:
         self.stop_requested = False
         self.ctx = zmq.Context()
         self.inbox: PullChannel | None = None
-        self.config_path = ""
         self.watchdog_period = watchdog_period()
         self.next_ping = 0.0
         # starting -> serving <-> recovering. Starting: any failure stops the server (exit 1).
@@ -95,9 +94,9 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             self.start()
-            log.info("serving %s on http://%s:%d", self.config.served_model_name,
-                     self.config.host, self.config.port)
-            notify(f"READY=1\nSTATUS=serving {self.config.served_model_name}")
+            log.info("serving %s on http://%s:%d", self.config.model.served_model_name,
+                     self.config.server.host, self.config.server.port)
+            notify(f"READY=1\nSTATUS=serving {self.config.model.served_model_name}")
             self.state = "serving"
             self.watch()
             return 0
@@ -115,45 +114,56 @@ class Supervisor:
 
     def start(self) -> None:
         run_dir = make_run_dir(os.environ.get("RUNTIME_DIRECTORY"))
-        self.config = msgspec.structs.replace(self.config, run_dir=run_dir)
-        self.config_path = os.path.join(run_dir, "config.json")
-        with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-            f.write(self.config.to_json())
+        self.config = self.config.replace(run_dir=run_dir)
+        self._write_configs()
         self.inbox = PullChannel(self.ctx, ipc_address(run_dir, "supervisor"), SupervisorInbox)
         self.gateway_channel = PushChannel(self.ctx, ipc_address(run_dir, "gateway"))
         self.scheduler_channel = PushChannel(self.ctx, ipc_address(run_dir, "scheduler"))
-        if self.config.trace_dir:              # recording is on from the start with --trace
-            set_recording(self.config.trace_dir, True)
-        notify(f"STATUS=loading {self.config.served_model_name}")
-        for role, index in self._core() + [("tokenizer", i) for i in range(self.config.num_tokenizers)]:
+        if self.config.observability.trace_dir:      # recording is on from the start (--trace)
+            set_recording(self.config.observability.trace_dir, True)
+        notify(f"STATUS=loading {self.config.model.served_model_name}")
+        tokenizers = [("tokenizer", i) for i in range(self.config.server.num_tokenizers)]
+        for role, index in self._core() + tokenizers:
             self._spawn(role, index)
         self._await_ready()
         notify("STATUS=starting the gateway")
-        with open(self.config_path, "wb") as f:         # with the backend rank 0 reported
-            f.write(self.config.to_json())
+        self._write_configs()                           # with the backend rank 0 reported
         self._spawn("gateway", 0)
         self._await_ready()
 
     def _core(self) -> list[tuple[str, int]]:
         """The engine core, restarted together. With --executors external only rank 0 is
         ours: the other ranks attach to it (and again after a restart)."""
-        ranks = 1 if self.config.executors == "external" else self.config.tensor_parallel_size
+        parallel = self.config.parallel
+        ranks = 1 if parallel.executors == EXTERNAL else parallel.tensor_parallel_size
         return [("executor", r) for r in range(ranks)] + [("scheduler", 0), ("detokenizer", 0)]
+
+    def _config_path(self, role: str) -> str:
+        return os.path.join(self.config.run_dir, f"config-{role}.json")
+
+    def _write_configs(self) -> None:
+        """Each role's configuration file: the sections its actors read (config.for_actor),
+        private to this user (the gateway's holds the API keys)."""
+        for role in ACTOR_SECTIONS:
+            fd = os.open(self._config_path(role), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(fd, "wb") as f:
+                f.write(self.config.for_actor(role).to_json())
 
     def _spawn(self, role: str, index: int) -> None:
         name = actor_name(role, index)
         self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "pagewire.process", role, self.config_path, str(index)])
+            [sys.executable, "-m", "pagewire.process", role, self._config_path(role), str(index)])
         self.ready.discard(name)
         self.last_beat[name] = time.monotonic()
 
     def _await_ready(self) -> None:
         """Wait until every actor started so far has said Ready."""
         deadline = time.monotonic() + START_TIMEOUT
-        if self.config.executors == "external" and "executor 0" not in self.ready:
-            deadline += self.config.attach_timeout   # rank 0 waits for the attached ranks
-            notify(f"STATUS=waiting for executor ranks 1..{self.config.tensor_parallel_size - 1}"
-                   f" to attach at {self.config.listen}")
+        parallel = self.config.parallel
+        if parallel.executors == EXTERNAL and "executor 0" not in self.ready:
+            deadline += parallel.attach_timeout   # rank 0 waits for the attached ranks
+            notify(f"STATUS=waiting for executor ranks 1..{parallel.tensor_parallel_size - 1}"
+                   f" to attach at {parallel.listen}")
         while len(self.ready) < len(self.children):
             if self.stop_requested:
                 raise ActorFailed("stopped while starting")
@@ -181,7 +191,7 @@ class Supervisor:
             log.info("%s ready (pid %d)%s", msg.actor, msg.pid,
                      f", backend {msg.backend}" if msg.backend else "")
             if msg.backend and msg.actor == "executor 0":
-                self.config = msgspec.structs.replace(self.config, backend=msg.backend)
+                self.config = self.config.replace(backend=msg.backend)
         elif isinstance(msg, Heartbeat):
             self.last_beat[msg.actor] = time.monotonic()
             if msg.actor == "scheduler":
@@ -236,13 +246,13 @@ class Supervisor:
         self.state = "serving"
 
     def _charge_restart(self, reason: str) -> None:
-        now = time.monotonic()
+        now, server = time.monotonic(), self.config.server
         self.restarts.append(now)
-        while self.restarts and now - self.restarts[0] > self.config.restart_window:
+        while self.restarts and now - self.restarts[0] > server.restart_window:
             self.restarts.popleft()
-        if len(self.restarts) > self.config.restart_budget:
+        if len(self.restarts) > server.restart_budget:
             raise ActorFailed(f"{reason}; over the restart budget "
-                              f"({self.config.restart_budget} in {self.config.restart_window:.0f}s)")
+                              f"({server.restart_budget} in {server.restart_window:.0f}s)")
         log.error("%s; restarting", reason)
 
     def _restart(self, name: str, reason: str) -> None:
@@ -285,7 +295,7 @@ class Supervisor:
             self._spawn(role, index)
         self._await_ready()
         self.gateway_channel.send(EngineEvent("up", "engine restarted"))
-        notify(f"STATUS=serving {self.config.served_model_name}")
+        notify(f"STATUS=serving {self.config.model.served_model_name}")
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -294,7 +304,7 @@ class Supervisor:
         gateway = self.children.pop("gateway", None)
         if gateway is not None:
             notify("STATUS=draining")
-            _terminate([gateway], self.config.drain_timeout + STOP_TIMEOUT)
+            _terminate([gateway], self.config.server.drain_timeout + STOP_TIMEOUT)
         _terminate(list(self.children.values()), STOP_TIMEOUT)
         self.children.clear()
         for channel in (self.inbox, getattr(self, "gateway_channel", None),

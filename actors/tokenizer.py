@@ -37,17 +37,17 @@ class RequestTokenizer:
 
     def __init__(self, config: EngineConfig, tokenizer, background: bool = False):
         self.tokenizer = tokenizer
-        self.max_model_len = config.max_model_len
-        self.vocab_size = config.model_info.vocab_size
-        self.kv_compress = config.kv_compress_rate is not None
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.model_info.vocab_size
+        self.kv_compress = config.cache.kv_compress_rate is not None
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size,
-                                        config.model_info.eos_token_ids)
+                                        config.model.model_info.eos_token_ids)
         self.background = background
         # With a reasoning parser, a constraint applies from the end of the <think> block.
         self.reasoning_end = tokenizer.encode("</think>", add_special_tokens=False) \
-            if config.reasoning_parser else None
-        if config.chat_template is not None:       # --chat-template: in place of the model's
-            with open(config.chat_template) as f:
+            if config.server.reasoning_parser else None
+        if config.server.chat_template is not None:       # --chat-template: in place of the model's
+            with open(config.server.chat_template) as f:
                 tokenizer.chat_template = f.read()
         self.compiling: list[tuple] = []      # (future, DetokStart, NewRequest, deadline)
 
@@ -261,7 +261,7 @@ class RequestTokenizer:
 
 
 def run(env) -> None:
-    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model_info),
+    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model.model_info),
                                  background=True)
     inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
     pushes = {name: env.push(name) for name in ("scheduler", "detokenizer", "gateway")}

@@ -91,7 +91,7 @@ def linear_bytes(lin, batch: int) -> int:
 def decode_batch(runner, batch: int, context: int):
     bs = runner.block_size
     width = -(-context // bs)
-    blocks = torch.randperm(runner.config.num_kv_blocks)[:batch * width].view(batch, width)
+    blocks = torch.randperm(runner.config.cache.num_kv_blocks)[:batch * width].view(batch, width)
     lens = torch.full((batch,), context, dtype=torch.int64)
     slots = blocks[:, -1] * bs + (context - 1) % bs
     return AttentionBatch(slots, batch, blocks, lens, []), blocks, lens
@@ -147,7 +147,7 @@ def main() -> None:
           "attention ms/layer | attention GB/s |\n|---|---|---|---|---|---|---|---|---|")
     for b in batches:
         for c in contexts:
-            if b * c > runner.config.num_kv_blocks * runner.block_size:
+            if b * c > runner.config.cache.num_kv_blocks * runner.block_size:
                 print(f"| {b} | {c} | (KV pool too small) |||||||")
                 continue
             t, flops, nbytes, ta, kv_layer = step_row(runner, b, c)

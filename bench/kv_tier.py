@@ -75,10 +75,10 @@ def main() -> None:
 
 
 def report(args, times, loaded, failures, restarted, startup) -> None:
-    block = restarted.config.kv_block_bytes
+    block = restarted.config.cache.kv_block_bytes
     print(f"workload: {args.prefix}-token prefix + {args.suffix} tokens, 1 output token; "
           f"pool {args.pool_blocks} blocks; a block is {block / 2**20:.2f} MiB "
-          f"(dtype {restarted.config.dtype})")
+          f"(dtype {restarted.config.model.dtype})")
     for name, label in (("recompute", "evicted, recomputed"), ("tier", "evicted, from tier"),
                         ("restart", "restarted, from tier"), ("pool", "in the pool")):
         print(f"  TTFT {label:22}: " + " ".join(f"{t * 1000:7.1f}" for t in times[name]) + " ms")

@@ -35,7 +35,7 @@ def measure(tier: str, dtype: str, matmul_tokens: str) -> dict:
     llm = LLM(kernels=tier, dtype=dtype, max_model_len=2048, kv_cache_memory=1 << 30,
               enable_prefix_caching=False,
               quantized_matmul_tokens=tokens_or_auto(matmul_tokens))
-    out = {"backend": llm.runner.model.ops.backend, "dtype": llm.config.dtype,
+    out = {"backend": llm.runner.model.ops.backend, "dtype": llm.config.model.dtype,
            "rss_loaded_mb": rss_mb()}
     rng = random.Random(0)
     prompt = lambda n: {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(n)]}

@@ -11,7 +11,6 @@ import socket
 import threading
 import traceback
 
-import msgspec
 import torch.distributed as dist
 import zmq
 
@@ -22,6 +21,7 @@ from pagewire.wire.to_executor import AttachHello, AttachWelcome, ExecutorInbox
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, parse_tcp
+from ..config_sections import EXTERNAL
 from ..model_info import ModelInfo
 from .parallel import init_group
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
@@ -33,7 +33,7 @@ LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within
 
 def run(env) -> None:
     config = env.config
-    if config.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1:
         # The KV server's and puller's threads tell the scheduler on a socket of their own
         # (shared by the two under a lock: a ZeroMQ socket is one thread's at a time).
         notices, lock = PushChannel(env.ctx, env.address("scheduler")), threading.Lock()
@@ -44,15 +44,15 @@ def run(env) -> None:
         serve_steps(env, ModelRunner(config, notify=notify))
     elif env.index == 0:
         server = admit_ranks(env)
-        tp = init_group(server.welcome.dist_address, 0, config.tensor_parallel_size,
-                        config.tp_timeout, resolve_device(config.device, 0))
+        tp = init_group(server.welcome.dist_address, 0, config.parallel.tensor_parallel_size,
+                        config.parallel.tp_timeout, resolve_device(config.device.device, 0))
         serve_steps(env, ModelRunner(config, tp), server)
     else:
         client = RankClient(env.ctx, env.address("ranks"), env.index)
-        welcome = client.attach(hello(config.model_info, env.index, config.tensor_parallel_size,
-                                      config.dtype), LOCAL_ATTACH_TIMEOUT)
-        tp = init_group(welcome.dist_address, env.index, config.tensor_parallel_size,
-                        config.tp_timeout, resolve_device(config.device, env.index))
+        welcome = client.attach(hello(config.model.model_info, env.index, config.parallel.tensor_parallel_size,
+                                      config.model.dtype), LOCAL_ATTACH_TIMEOUT)
+        tp = init_group(welcome.dist_address, env.index, config.parallel.tensor_parallel_size,
+                        config.parallel.tp_timeout, resolve_device(config.device.device, env.index))
         runner = ModelRunner(config, tp)
         env.ready()
         follow_steps(runner, client, env.heartbeat)
@@ -113,21 +113,21 @@ def follow_steps(runner: ModelRunner, client: RankClient, heartbeat) -> None:
 def admit_ranks(env) -> RankServer:
     """Rank 0: wait until every other rank has attached (heartbeating meanwhile)."""
     config = env.config
-    external = config.executors == "external"
+    external = config.parallel.executors == EXTERNAL
     if external:
-        address = config.listen
+        address = config.parallel.listen
         host, port = parse_tcp(address)
         dist_address = f"tcp://{host}:{port + 1}"
     else:
         address = env.address("ranks")
         dist_address = f"tcp://127.0.0.1:{_free_port()}"
     welcome = AttachWelcome(config.public().to_json().decode(), dist_address)
-    server = RankServer(env.ctx, address, config.tensor_parallel_size,
-                        lambda h: refusal(config, h), welcome, config.curve_keys)
+    server = RankServer(env.ctx, address, config.parallel.tensor_parallel_size,
+                        lambda h: refusal(config, h), welcome, config.parallel.curve_keys)
     if external:
         log.info("waiting for executor ranks 1..%d to attach at %s",
-                 config.tensor_parallel_size - 1, address)
-    server.await_ranks(config.attach_timeout if external else LOCAL_ATTACH_TIMEOUT,
+                 config.parallel.tensor_parallel_size - 1, address)
+    server.await_ranks(config.parallel.attach_timeout if external else LOCAL_ATTACH_TIMEOUT,
                        env.heartbeat)
     return server
 
@@ -142,7 +142,7 @@ def hello(info: ModelInfo, rank: int, tensor_parallel_size: int = 0,
 
 def refusal(config: EngineConfig, h: AttachHello) -> str | None:
     """Why an executor cannot join this engine, or None."""
-    size, info = config.tensor_parallel_size, config.model_info
+    size, info = config.parallel.tensor_parallel_size, config.model.model_info
     if h.version != pagewire.__version__:
         return f"the engine runs pagewire {pagewire.__version__}, the executor {h.version}"
     if h.tensor_parallel_size and h.tensor_parallel_size != size:
@@ -153,8 +153,8 @@ def refusal(config: EngineConfig, h: AttachHello) -> str | None:
     if h.model_digest != info.digest:
         return (f"the engine serves {info.name} (weights {info.digest}), the executor has "
                 f"{h.model_name} (weights {h.model_digest})")
-    if h.dtype and h.dtype != config.dtype:
-        return f"the engine runs --dtype {config.dtype}, the executor asked for {h.dtype}"
+    if h.dtype and h.dtype != config.model.dtype:
+        return f"the engine runs --dtype {config.model.dtype}, the executor asked for {h.dtype}"
     return None
 
 
@@ -174,12 +174,12 @@ def attached(address: str, rank: int, info: ModelInfo, keys: str | None, timeout
         client = RankClient(ctx, address, rank, keys)
         try:
             welcome = client.attach(hello(info, rank, tensor_parallel_size, dtype), timeout)
-            config = msgspec.structs.replace(EngineConfig.from_json(welcome.config_json.encode()),
-                                             model_info=info, threads=threads)
+            config = EngineConfig.from_json(welcome.config_json.encode()).replace(
+                model_info=info, threads=threads)
             log.info("attached to %s as rank %d of %d", address, rank,
-                     config.tensor_parallel_size)
-            tp = init_group(welcome.dist_address, rank, config.tensor_parallel_size,
-                            config.tp_timeout, resolve_device(config.device, rank))
+                     config.parallel.tensor_parallel_size)
+            tp = init_group(welcome.dist_address, rank, config.parallel.tensor_parallel_size,
+                            config.parallel.tp_timeout, resolve_device(config.device.device, rank))
             follow_steps(ModelRunner(config, tp), client, lambda: None)
         except AttachFailed:
             raise

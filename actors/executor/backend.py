@@ -7,7 +7,7 @@ for them and answers the runner's device- and tier-dependent questions from that
 the runner, the loader and the model code never ask which device, tier or backend they run on
 (tests/kernels/test_backend_boundary.py):
 
-    backend = Backend(device, config.kernels)
+    backend = Backend(device, config.device.kernels)
     model = backend.load(info, config, tp, cp)        # built with its kernels, weights laid out
     backend.prepare_caches(model, kv_caches)          # its fused decode program, if any
     backend.captures_graphs(config, tp_size, ...)     # CUDA graphs or eager steps
@@ -53,14 +53,14 @@ class Backend:
 
     def describe(self, config) -> str:
         """The log line's details: the dtype and, where stored blocks are multiplied, how."""
-        quantized = f", quantized activations {config.quantized_activations}" \
+        quantized = f", quantized activations {config.device.quantized_activations}" \
             if self.capabilities.native_weights else ""
-        return f"backend {self.name} (dtype {config.dtype}{quantized})"
+        return f"backend {self.name} (dtype {config.model.dtype}{quantized})"
 
     def load(self, info, config, tp, cp=None) -> torch.nn.Module:
         """The model for `info` on the device, built with this backend's kernels (and `cp`,
         the context-parallel group, or None), its weights laid out for them."""
-        model, rounded = read_model(info, config.dtype, tp, config.quantization, self.ops, cp)
+        model, rounded = read_model(info, config.model.dtype, tp, config.model.quantization, self.ops, cp)
         model = model.to(self.device)
         self.prepare(model, info, config, rounded)
         return model
@@ -73,9 +73,9 @@ class Backend:
         caps = self.capabilities
         if not caps.native_weights:
             return
-        keep_quantized(model, info, config.quantized_matmul_tokens,
-                       ROUNDINGS[config.quantized_activations], rounded)
-        keep_bf16_tiles(model, config.quantized_matmul_tokens)
+        keep_quantized(model, info, config.device.quantized_matmul_tokens,
+                       ROUNDINGS[config.device.quantized_activations], rounded)
+        keep_bf16_tiles(model, config.device.quantized_matmul_tokens)
         pack_linears(model, upcast=not caps.bf16_dot)
         huge_pages.back_model(model, self._arenas)
 
@@ -94,7 +94,7 @@ class Backend:
     def captures_graphs(self, config, tp_size: int, compressed: bool) -> bool:
         """Whether decode steps replay CUDA graphs: where the backend has them, not with
         --enforce-eager, tensor parallelism or KV-Compress (its layouts change every step)."""
-        return self.capabilities.graphs and not config.enforce_eager and tp_size == 1 \
+        return self.capabilities.graphs and not config.device.enforce_eager and tp_size == 1 \
             and not compressed
 
     def decode_graphs(self, model, kv_caches, config, scratch_block: int, capture: bool,
@@ -102,11 +102,11 @@ class Backend:
         """Decode graphs (capture=False: their buffers and padding, run eagerly). With
         adapters, where the kernels take LoRA inputs as static buffers, the graphs do
         (GraphLora); else steps with adapters run eagerly."""
-        width = -(-config.max_model_len // config.block_size)
-        lora = GraphLora.of(model, config.max_num_seqs, config.max_loras,
-                            config.max_lora_rank) \
+        width = -(-config.model.max_model_len // config.cache.block_size)
+        lora = GraphLora.of(model, config.scheduler.max_num_seqs, config.lora.max_loras,
+                            config.lora.max_lora_rank) \
             if with_adapters and self.capabilities.lora_in_graphs else None
-        return DecodeGraphs(model, kv_caches, config.max_num_seqs, width, config.block_size,
+        return DecodeGraphs(model, kv_caches, config.scheduler.max_num_seqs, width, config.cache.block_size,
                             scratch_block, capture, lora)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor,

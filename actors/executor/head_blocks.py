@@ -120,8 +120,8 @@ class Compressor:
 
     @classmethod
     def of(cls, config, model) -> "Compressor":
-        return cls(model.cfg.num_layers, model.num_kv_heads, config.block_size,
-                   config.kv_compress_rate, config.kv_compress_window)
+        return cls(model.cfg.num_layers, model.num_kv_heads, config.cache.block_size,
+                   config.cache.kv_compress_rate, config.cache.kv_compress_window)
 
     def allocate(self, num_blocks: int, width: int, dtype: torch.dtype,
                  device: torch.device | None) -> torch.Tensor:

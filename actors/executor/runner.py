@@ -25,6 +25,7 @@ from pagewire.wire.to_scheduler import StepResult
 
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
+from ..config_sections import LOCAL
 from .backend import Backend
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
@@ -58,31 +59,32 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None, notify=None):
         """notify(msg): how the KV server and puller threads (kv_transfer.py) tell the
         scheduler a lease ended or pulls did."""
-        ranks_here = config.tensor_parallel_size if config.executors == "local" else 1
-        torch.set_num_threads(config.threads or default_threads(ranks_here))
-        torch.manual_seed(config.seed)   # unseeded sampling replays exactly from a trace
+        parallel = config.parallel
+        ranks_here = parallel.tensor_parallel_size if parallel.executors == LOCAL else 1
+        torch.set_num_threads(config.device.threads or default_threads(ranks_here))
+        torch.manual_seed(config.model.seed)   # unseeded sampling replays exactly from a trace
         self.config, self.tp = config, tp or TensorParallel()
-        self.block_size = config.block_size
-        self.device = resolve_device(config.device, self.tp.rank)
+        self.block_size = config.cache.block_size
+        self.device = resolve_device(config.device.device, self.tp.rank)
         # Every device- and tier-dependent choice below is the backend's (backend.py).
-        self.backend = Backend(self.device, config.kernels)
+        self.backend = Backend(self.device, config.device.kernels)
         # Context parallelism: this rank holds block_size / size tokens of each block.
-        dcp = config.decode_context_parallel_size
+        dcp = config.parallel.decode_context_parallel_size
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
-        self.model = self.backend.load(config.model_info, config, self.tp, self.cp)
+        self.model = self.backend.load(config.model.model_info, config, self.tp, self.cp)
         log.info("%s", self.backend.describe(config))
         # Before the fused decode program is encoded: it names each linear's LoRA slot.
-        self.adapters = Adapters(self.model, config.model_info, config.max_lora_rank,
-                                 config.max_cpu_loras or config.max_loras) \
-            if config.enable_lora else None
+        self.adapters = Adapters(self.model, config.model.model_info, config.lora.max_lora_rank,
+                                 config.lora.max_cpu_loras or config.lora.max_loras) \
+            if config.lora.enable_lora else None
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
-        self.scratch_block = config.num_kv_blocks
+        self.scratch_block = config.cache.num_kv_blocks
         self.compressor = Compressor.of(config, self.model) \
-            if config.kv_compress_rate is not None else None
+            if config.cache.kv_compress_rate is not None else None
         self.kv_caches, self.host_caches = self._caches(self.model)
-        self.eos_ids = list(config.model_info.eos_token_ids)
+        self.eos_ids = list(config.model.model_info.eos_token_ids)
         # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
-        self.matchers = Matchers(config.model_info, config.model_info.vocab_size,
+        self.matchers = Matchers(config.model.model_info, config.model.model_info.vocab_size,
                                  self.eos_ids) if self.tp.rank == 0 else None
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
@@ -91,7 +93,7 @@ class ModelRunner:
         draft_device, draft_host = self.drafter.own_caches() if self.drafter else ([], [])
         self.all_caches = (self.kv_caches + draft_device, self.host_caches + draft_host)
         self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
-                             self.all_caches[0], self.tp) if config.kv_offload_dir else None
+                             self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
         self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
             config, self.tp.size, self.compressor is not None) else None
@@ -101,21 +103,21 @@ class ModelRunner:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
         (the swap tier, if any); its fused decode path is built over the former."""
         config, cfg = self.config, model.cfg
-        dtype, width = kv_quant.cache_layout(config.kv_cache_dtype, _DTYPES[config.dtype],
+        dtype, width = kv_quant.cache_layout(config.cache.kv_cache_dtype, _DTYPES[config.model.dtype],
                                              cfg.head_dim)
-        layout = (self.block_size // self.config.decode_context_parallel_size,
+        layout = (self.block_size // self.config.parallel.decode_context_parallel_size,
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
         kv_device = self.backend.kv_device
         if self.compressor is not None:       # one pool of head rows for every layer
-            pool = self.compressor.allocate(config.num_kv_blocks + 1, width, dtype, kv_device)
+            pool = self.compressor.allocate(config.cache.num_kv_blocks + 1, width, dtype, kv_device)
             caches = [pool] * cfg.num_layers
             self.backend.prepare_caches(model, caches, head_rows=True)
             return caches, []
-        on_device = allocate_kv_cache(cfg.num_layers, config.num_kv_blocks + 1, *layout,
+        on_device = allocate_kv_cache(cfg.num_layers, config.cache.num_kv_blocks + 1, *layout,
                                       kv_device)
         self.backend.prepare_caches(model, on_device)
-        host = allocate_kv_cache(cfg.num_layers, config.num_host_blocks,
-                                 *layout) if config.num_host_blocks else []
+        host = allocate_kv_cache(cfg.num_layers, config.cache.num_host_blocks,
+                                 *layout) if config.cache.num_host_blocks else []
         return on_device, host
 
     def _transfer(self, notify) -> tuple[KvServer | None, KvPuller | None]:
@@ -125,7 +127,7 @@ class ModelRunner:
             return None, None
         blocks = BlockBytes(self.all_caches[0])
         layout = kv_tier_files.layout_key(self.config, self.tp.rank)
-        ctx, keys = zmq.Context.instance(), self.config.curve_keys
+        ctx, keys = zmq.Context.instance(), self.config.parallel.curve_keys
         server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
                           transfer.lease_seconds, notify, keys) if transfer.produces else None
         puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, notify, keys) \
@@ -139,9 +141,9 @@ class ModelRunner:
         if spec.method == "self":
             return InStepDraft.of_target(self.model, self.kv_caches, spec.draft_layers,
                                          self.block_size, self.tp)
-        draft = self.backend.load(self.config.draft_model_info, self.config, self.tp)
+        draft = self.backend.load(self.config.model.draft_model_info, self.config, self.tp)
         caches, host = self._caches(draft)
-        log.info("draft model %s (%d layers)", self.config.draft_model_info.path,
+        log.info("draft model %s (%d layers)", self.config.model.draft_model_info.path,
                  draft.cfg.num_layers)
         return InStepDraft(draft, caches, self.block_size, self.model.cfg.vocab_size,
                            mirrors=True, host_caches=host, tp=self.tp)
@@ -325,7 +327,7 @@ class ModelRunner:
             if seq.samples:               # the last position; every drafted one too
                 sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))
-        cascade = self.config.disable_cascade_attn or self.compressor is not None
+        cascade = self.config.device.disable_cascade_attn or self.compressor is not None
         batch = AttentionBatch(
             slot_mapping=torch.from_numpy(np.concatenate(slots or [np.zeros(0, np.int64)])),
             num_decode_tokens=len(decodes), prefills=prefills,

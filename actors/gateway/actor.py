@@ -17,7 +17,7 @@ async def _serve(env) -> None:
     pump = asyncio.get_running_loop().create_task(gateway.pump())
     runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, env.config.host, env.config.port).start()
+    await web.TCPSite(runner, env.config.server.host, env.config.server.port).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, STOP_SIGNAL):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -25,7 +25,7 @@ async def _serve(env) -> None:
     beat = asyncio.get_running_loop().create_task(_heartbeats(env))
     await stop.wait()
     beat.cancel()
-    await gateway.drain(env.config.drain_timeout)
+    await gateway.drain(env.config.server.drain_timeout)
     await runner.cleanup()
     pump.cancel()
 

@@ -38,7 +38,7 @@ class LoraRoutes:
         self.gateway, self.config = gateway, gateway.config
         self.ids = itertools.count(1)
         self.adapters: dict[str, LoraRef] = {}
-        for name, path in map(parse_module, self.config.lora_modules):   # checked at start
+        for name, path in map(parse_module, self.config.lora.lora_modules):   # checked at start
             self.adapters[name] = LoraRef(name, next(self.ids), path, adapter_digest(path))
 
     def routes(self) -> list:
@@ -56,13 +56,13 @@ class LoraRoutes:
     def model_entries(self, created: int) -> list[dict]:
         return [{"id": ref.name, "object": "model", "created": created, "owned_by": "pagewire",
                  "root": ref.path, "parent": self.gateway.model_name,
-                 "max_model_len": self.config.max_model_len}
+                 "max_model_len": self.config.model.max_model_len}
                 for ref in self.adapters.values()]
 
     def _check_updating(self) -> None:
-        if not self.config.enable_lora:
+        if not self.config.lora.enable_lora:
             raise ApiError(400, "LoRA adapters need a server started with --enable-lora")
-        if not self.config.allow_runtime_lora_updating:
+        if not self.config.lora.allow_runtime_lora_updating:
             raise ApiError(404, "loading adapters at run time is off (start the server with "
                            "--allow-runtime-lora-updating)")
 
@@ -74,13 +74,13 @@ class LoraRoutes:
         if body.lora_name in self.adapters and not body.load_inplace:
             raise ApiError(400, f"The lora adapter '{body.lora_name}' has already been loaded "
                            "(load_inplace replaces it).", "lora_name")
-        root = self.config.lora_root
+        root = self.config.lora.lora_root
         path = os.path.realpath(body.lora_path)
         if root is not None and os.path.commonpath([path, os.path.realpath(root)]) != \
                 os.path.realpath(root):
             raise ApiError(400, f"{body.lora_path} is outside --lora-root {root}", "lora_path")
         try:
-            read_adapter(path, self.config.model_info, self.config.max_lora_rank)
+            read_adapter(path, self.config.model.model_info, self.config.lora.max_lora_rank)
         except InvalidAdapter as e:
             raise ApiError(400, str(e), "lora_path") from None
         self.adapters[body.lora_name] = LoraRef(body.lora_name, next(self.ids), path,

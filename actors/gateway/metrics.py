@@ -189,13 +189,13 @@ class GatewayMetrics:
     def set_cache_config(self, config) -> None:
         """vllm:cache_config_info: the KV cache's settings as labels (vLLM's names; the
         "gpu" blocks are the device pool's, "cpu" the swap tier's), value 1."""
-        labels = {**self.labels, "block_size": config.block_size,
-                  "cache_dtype": config.kv_cache_dtype,
-                  "enable_prefix_caching": config.enable_prefix_caching,
-                  "num_gpu_blocks": config.num_kv_blocks,
-                  "num_cpu_blocks": config.num_host_blocks,
-                  "swap_space": config.swap_space / 2**30,
-                  "sliding_window": config.model_info.sliding_window}
+        labels = {**self.labels, "block_size": config.cache.block_size,
+                  "cache_dtype": config.cache.kv_cache_dtype,
+                  "enable_prefix_caching": config.cache.enable_prefix_caching,
+                  "num_gpu_blocks": config.cache.num_kv_blocks,
+                  "num_cpu_blocks": config.cache.num_host_blocks,
+                  "swap_space": config.cache.swap_space / 2**30,
+                  "sliding_window": config.model.model_info.sliding_window}
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               list(labels), registry=self.registry).labels(
                   **{k: str(v) for k, v in labels.items()}).set(1)

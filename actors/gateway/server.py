@@ -51,14 +51,14 @@ _json = msgspec.json.Encoder()
 class Gateway:
     def __init__(self, config, address, tracer=None):
         self.config = config
-        self.model_name = config.served_model_name
+        self.model_name = config.model.served_model_name
         self.created = int(time.time())
         self.tracer = tracer
         ctx, actx = zmq.Context(), zmq.asyncio.Context()
         self.inbox = AsyncPullChannel(actx, address("gateway"), GatewayInbox, tracer=tracer,
                                       name="gateway")
         self.tokenizers = PushChannel(ctx, [address(f"tokenizer-{i}")
-                                            for i in range(config.num_tokenizers)],
+                                            for i in range(config.server.num_tokenizers)],
                                       tracer=tracer, name="tokenizer")
         self.scheduler = PushChannel(ctx, address("scheduler"), tracer=tracer, name="scheduler")
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
@@ -68,11 +68,11 @@ class Gateway:
         self.engine_down: str | None = None         # why the engine core is restarting
         self.step_running_for = 0.0
         spec = config.speculative_config
-        self.metrics = GatewayMetrics(self.model_name, config.max_model_len,
-                                      config.max_num_batched_tokens,
+        self.metrics = GatewayMetrics(self.model_name, config.model.max_model_len,
+                                      config.scheduler.max_num_batched_tokens,
                                       spec.num_speculative_tokens if spec else 1,
-                                      config.max_loras if config.enable_lora else None)
-        self.metrics.set_backend(config.backend or "unknown", config.dtype)
+                                      config.lora.max_loras if config.lora.enable_lora else None)
+        self.metrics.set_backend(config.device.backend or "unknown", config.model.dtype)
         self.metrics.set_cache_config(config)
         self.loras = LoraRoutes(self)
         self.stream_input = StreamInputRoutes(self, PushChannel(
@@ -110,7 +110,7 @@ class Gateway:
     async def errors(self, request: web.Request, handler):
         try:
             if request.path.startswith(("/v1/", "/tokenize", "/detokenize", "/admin/")) or (
-                    request.path == "/metrics" and self.config.metrics_require_api_key):
+                    request.path == "/metrics" and self.config.server.metrics_require_api_key):
                 self.api_key(request)
             response = await handler(request)
         except ApiError as e:
@@ -160,8 +160,8 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         entry = {"id": self.model_name, "object": "model", "created": self.created,
-                 "owned_by": "pagewire", "root": self.config.model_info.path, "parent": None,
-                 "max_model_len": self.config.max_model_len}
+                 "owned_by": "pagewire", "root": self.config.model.model_info.path, "parent": None,
+                 "max_model_len": self.config.model.max_model_len}
         return web.json_response({"object": "list",
                                   "data": [entry, *self.loras.model_entries(self.created)]})
 
@@ -206,7 +206,7 @@ class Gateway:
                         lora.name if lora else self.model_name,
                         logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
                         token_ids=body.return_tokens_as_token_ids, tools=tools,
-                        reasoning_parser=self.config.reasoning_parser)
+                        reasoning_parser=self.config.server.reasoning_parser)
         return await self.serve(request, body, fmt, [sub])
 
     def kv_transfer(self, body, sampling, num_prompts: int) -> KvTransfer | None:
@@ -222,12 +222,12 @@ class Gateway:
     def api_key(self, request: web.Request) -> str | None:
         """The request's bearer key, checked against every configured key in constant time.
         Raises 401 when keys are configured and none matches."""
-        if not self.config.api_keys:
+        if not self.config.server.api_keys:
             return None
         header = request.headers.get("Authorization", "")
         given = header[7:].strip() if header[:7].lower() == "bearer " else ""
         matched = None
-        for key in self.config.api_keys:     # no early exit: timing does not tell which key
+        for key in self.config.server.api_keys:     # no early exit: timing does not tell which key
             if hmac.compare_digest(given.encode(), key.encode()):
                 matched = key
         if matched is None:
@@ -238,7 +238,7 @@ class Gateway:
         """The request's cache salt. With cache_salt_per_api_key, each API key gets its own
         salt (derived from the key, never the key itself) so tenants never share KV blocks,
         whatever salt a client sends."""
-        key = self.api_key(request) if self.config.cache_salt_per_api_key else None
+        key = self.api_key(request) if self.config.server.cache_salt_per_api_key else None
         if key is None:
             return body.cache_salt
         tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]

@@ -34,7 +34,7 @@ class StreamInputRoutes:
     def __init__(self, gateway, channel: PushChannel):
         self.gateway, self.channel = gateway, channel
         self.sessions: dict[str, str] = {}      # client request_id -> the engine's request id
-        self.vocab_size = gateway.config.model_info.vocab_size
+        self.vocab_size = gateway.config.model.model_info.vocab_size
 
     def routes(self) -> list:
         return [web.post("/v1/completions/{request_id}/input", self.piece)]

@@ -68,7 +68,7 @@ class TokenizeRoutes:
             add_special_tokens=body.add_special_tokens,
             add_generation_prompt=body.add_generation_prompt))
         return web.json_response({
-            "count": len(reply.token_ids), "max_model_len": self.gateway.config.max_model_len,
+            "count": len(reply.token_ids), "max_model_len": self.gateway.config.model.max_model_len,
             "tokens": reply.token_ids,
             "token_strs": reply.token_strs if body.return_token_strs else None})
 
@@ -84,7 +84,7 @@ class TokenizeRoutes:
     async def trace(self, request: web.Request) -> web.Response:
         """Recording on or off at run time (every actor checks the flag file within a second).
         Behind the API key; only for a server started with --trace DIR."""
-        trace_dir = self.gateway.config.trace_dir
+        trace_dir = self.gateway.config.observability.trace_dir
         if not trace_dir:
             raise ApiError(409, "recording needs a server started with --trace DIR",
                            error_type="ConflictError")

@@ -82,10 +82,10 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
     if choice not in (None, "auto"):
         raise InvalidParam("tool_choice", f"tool_choice must be none, auto, required or a "
                            f"named function, got {choice!r}")
-    if not (config.enable_auto_tool_choice and config.tool_call_parser):
+    if not (config.server.enable_auto_tool_choice and config.server.tool_call_parser):
         raise InvalidParam("tool_choice", '"auto" tool choice requires '
                            "--enable-auto-tool-choice and --tool-call-parser to be set")
-    return ToolPlan(template_tools=dicts, mode="auto", parser=config.tool_call_parser)
+    return ToolPlan(template_tools=dicts, mode="auto", parser=config.server.tool_call_parser)
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:

@@ -214,7 +214,7 @@ def _tier_stats(tables, config) -> dict[str, int]:
     tier = tables.tier
     if tier is None:
         return external
-    size = config.kv_block_bytes
+    size = config.cache.kv_block_bytes
     return dict(external, kv_offload_stores=tier.stores, kv_offload_loads=tier.loads,
                 kv_offload_load_failures=tier.failures, kv_offload_bytes_stored=tier.stores * size,
                 kv_offload_bytes_loaded=tier.hits * size, kv_offload_blocks=len(tier))

@@ -37,12 +37,12 @@ class BlockTables:
     @classmethod
     def of(cls, config, tier_present: list[bytes] | None = None) -> "BlockTables":
         """The device pool, host tier and disk tier index an EngineConfig asks for."""
-        device = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        host = BlockManager(config.num_host_blocks, config.block_size, enable_caching=False) \
-            if config.num_host_blocks else None
-        tier = TierIndex(config.num_tier_blocks, tier_present or []) \
-            if config.kv_offload_dir else None
-        return cls(device, host, config.model_info.sliding_window, config.kv_cache_dtype, tier)
+        device = BlockManager(config.cache.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        host = BlockManager(config.cache.num_host_blocks, config.cache.block_size, enable_caching=False) \
+            if config.cache.num_host_blocks else None
+        tier = TierIndex(config.cache.num_tier_blocks, tier_present or []) \
+            if config.cache.kv_offload_dir else None
+        return cls(device, host, config.model.model_info.sliding_window, config.cache.kv_cache_dtype, tier)
 
     def take_copies(self) -> tuple[list, list, list]:
         out = (self.copies, self.swaps_out, self.swaps_in)

@@ -101,7 +101,7 @@ class StepEngine:
     def __init__(self, core: SchedulerCore, executor: ExecutorHandle, depth: int | None = None):
         self.core = core
         self.executor = executor
-        self.depth = depth or (2 if core.config.async_scheduling else 1)  # plans in flight, at most
+        self.depth = depth or (2 if core.config.scheduler.async_scheduling else 1)  # plans in flight, at most
         self.ledger: deque[InFlight] = deque()
         # Set when planning found nothing to run while a plan is in flight: only a message
         # (that plan's result, an arrival, an abort) can change that, so do not retry before.

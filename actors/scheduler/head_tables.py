@@ -47,10 +47,10 @@ class CompressedTables(BlockTables):
 
     @classmethod
     def of(cls, config, tier_present=None) -> "CompressedTables":
-        info = config.model_info
-        device = BlockManager(config.num_kv_blocks, config.block_size, enable_caching=False)
-        return cls(device, info.num_layers * info.num_kv_heads, config.kv_compress_window,
-                   config.kv_cache_dtype)
+        info = config.model.model_info
+        device = BlockManager(config.cache.num_kv_blocks, config.cache.block_size, enable_caching=False)
+        return cls(device, info.num_layers * info.num_kv_heads, config.cache.kv_compress_window,
+                   config.cache.kv_cache_dtype)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks seq's table needs for its first num_tokens tokens."""

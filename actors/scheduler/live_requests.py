@@ -49,7 +49,7 @@ class LiveRequests:
             reason, error = refusal
             return None, [TokenDelta(o, [], reason, error) for o in outputs]
         priority = msg.priority if by_priority else 0
-        seq = open_request(msg, config.max_model_len, priority)
+        seq = open_request(msg, config.model.max_model_len, priority)
         if msg.sampling.use_beam_search:
             group = self.groups[msg.req_id] = BeamGroup(msg.req_id, msg.sampling,
                                                         seq.max_tokens)
@@ -126,11 +126,11 @@ def queue_refusal(msg: NewRequest, config,
                   waiting: list[Sequence]) -> tuple[str, str] | None:
     """(finish reason, error) for a request that can never run or finds the queue full;
     `config`: the EngineConfig (max_model_len and the queue limits)."""
-    limit = config.max_model_len
+    limit = config.model.max_model_len
     if len(msg.prompt_token_ids) >= limit:
         return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
                          f"max_model_len={limit}")
-    max_reqs, max_tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+    max_reqs, max_tokens = config.scheduler.max_num_queued_reqs, config.scheduler.max_num_queued_tokens
     if max_reqs is not None and len(waiting) >= max_reqs:
         return "rejected", f"the queue is full ({max_reqs} requests waiting)"
     if max_tokens is not None:

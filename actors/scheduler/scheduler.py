@@ -42,6 +42,7 @@ from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
+from ..config_sections import PRIORITY, RECOMPUTE
 from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
@@ -60,11 +61,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, tier_present: list[bytes] | None = None):
         """tier_present: the block hashes the disk tier held at start (kv_tier_files.scan)."""
         self.config = config
-        tables = BlockTables if config.kv_compress_rate is None else CompressedTables
+        tables = BlockTables if config.cache.kv_compress_rate is None else CompressedTables
         self.tables = tables.of(config, tier_present)
         self.kv = self.tables.device
-        self.eos_ids = frozenset(config.model_info.eos_token_ids)
-        self.by_priority = config.scheduling_policy == "priority"
+        self.eos_ids = frozenset(config.model.model_info.eos_token_ids)
+        self.by_priority = config.scheduler.scheduling_policy == PRIORITY
         self.live = LiveRequests()               # live_requests.py; its tables by name here
         # (the same objects, only ever changed in place)
         self.requests, self.seqs, self.groups = self.live.requests, self.live.seqs, self.live.groups
@@ -109,10 +110,10 @@ class Scheduler:
         seq = self.seqs.get(SeqId(msg.req_id))
         if seq is None or not seq.request.prompt_open:
             return []
-        if len(seq.token_ids) + len(msg.token_ids) >= self.config.max_model_len:
+        if len(seq.token_ids) + len(msg.token_ids) >= self.config.model.max_model_len:
             return self._fail(seq, f"the streamed prompt grew past max_model_len="
-                                   f"{self.config.max_model_len}")
-        extend_prompt(seq, msg.token_ids, msg.last, self.config.max_model_len)
+                                   f"{self.config.model.max_model_len}")
+        extend_prompt(seq, msg.token_ids, msg.last, self.config.model.max_model_len)
         return []
 
     def abort(self, seq_ids: list[SeqId]) -> list[TokenDelta]:
@@ -133,7 +134,7 @@ class Scheduler:
     def schedule(self, steps_in_flight: int = 0) -> tuple[StepPlan, StepRows] | None:
         """Decide the next step, given how many plans are in flight (their results not yet
         applied): the plan and its rows (for update()), or None when there is nothing to run."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.scheduler.max_num_batched_tokens
         self.first_scheduled = []
         self._make_room_for_priority()
         scheduled, budget, preempted = self._schedule_running(budget)
@@ -189,10 +190,10 @@ class Scheduler:
         admitted, i = [], 0
         loras = {r.request.lora.id for r in self.running if r.request.lora is not None}
         while i < len(self.waiting) and budget > 0 and \
-                len(self.running) < self.config.max_num_seqs:
+                len(self.running) < self.config.scheduler.max_num_seqs:
             seq = self.waiting[i]
             lora = seq.request.lora.id if seq.request.lora is not None else None
-            if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
+            if lora is not None and lora not in loras and len(loras) >= self.config.lora.max_loras:
                 i += 1
                 continue
             if seq.status is Status.SWAPPED:
@@ -214,7 +215,7 @@ class Scheduler:
                     self._forget_blocks(seq)
                 i += 1
                 continue
-            if n > budget and not self.config.enable_chunked_prefill:
+            if n > budget and not self.config.scheduler.enable_chunked_prefill:
                 n = 0
             n = min(n, budget)
             if n == 0 or not self.tables.grow(seq, n):
@@ -253,18 +254,18 @@ class Scheduler:
         while self.waiting and self.running and \
                 self.running[-1].request.priority > self.waiting[0].request.priority:
             head = self.waiting[0]
-            need = self.kv.blocks_needed(min(head.num_pending, self.config.max_num_batched_tokens)
+            need = self.kv.blocks_needed(min(head.num_pending, self.config.scheduler.max_num_batched_tokens)
                                          + head.num_computed, len(head.block_ids))
             if need + len(head.host_block_ids) <= self.kv.num_free \
-                    and len(self.running) < self.config.max_num_seqs:
+                    and len(self.running) < self.config.scheduler.max_num_seqs:
                 break
             self._preempt(self.running[-1])
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._drop_from_executor(seq, preempted=True)
-        mode = self.config.preemption_mode
-        if mode != "recompute" and self.tables.swap_out(seq):
+        mode = self.config.cache.preemption_mode
+        if mode != RECOMPUTE and self.tables.swap_out(seq):
             seq.status = Status.SWAPPED
         else:
             self._forget_blocks(seq)

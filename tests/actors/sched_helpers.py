@@ -59,7 +59,7 @@ class Driven:
         self.core = SchedulerCore(config)
         self.held = HeldPlans()
         self.engine = StepEngine(self.core, self.held, depth)
-        self.executor = SeqTable(list(config.model_info.eos_token_ids))
+        self.executor = SeqTable(list(config.model.model_info.eos_token_ids))
         self.not_run = self.held.not_run
 
     def __getattr__(self, name):
@@ -122,7 +122,7 @@ def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=6
     info = ModelInfo(path="/dev/null", format="hf", name="m", architecture="LlamaForCausalLM",
                      max_model_len=max_len, vocab_size=100, num_layers=1, num_kv_heads=1,
                      head_dim=8, eos_token_ids=[EOS], digest="0", sliding_window=window)
-    config = EngineConfig(model_info=info, num_kv_blocks=num_blocks, block_size=block_size,
+    config = EngineConfig.from_options(model_info=info, num_kv_blocks=num_blocks, block_size=block_size,
                           max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           enable_chunked_prefill=chunked, **options).resolve()
     return Driven(config, depth)

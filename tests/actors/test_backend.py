@@ -44,7 +44,7 @@ def test_graphs_and_pools_follow_the_capabilities():
     on_gpu = Backend(CUDA, "torch")
     assert on_gpu.kv_device == CUDA
     assert on_gpu.captures_graphs(config, 1, False)
-    assert not on_gpu.captures_graphs(EngineConfig(enforce_eager=True), 1, False)
+    assert not on_gpu.captures_graphs(EngineConfig.from_options(enforce_eager=True), 1, False)
     assert not on_gpu.captures_graphs(config, 2, False)    # tensor parallelism: eager
     assert not on_gpu.captures_graphs(config, 1, True)     # KV-Compress: eager
     ids, positions = torch.arange(3), torch.arange(3)

@@ -4,10 +4,10 @@ same message as the whole text however the text is cut."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
+from pagewire.config import EngineConfig
 from pagewire.gateway.chat_output import ChatOutput, split_reasoning
 from pagewire.gateway.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool,
                                     ToolPlan, calls_of, plan_tools)
@@ -15,8 +15,8 @@ from pagewire.wire.sampling_params import InvalidParam
 
 TOOLS = [Tool(function=FunctionDef(name="f", parameters={"type": "object", "properties": {
     "x": {"type": "integer"}}})), Tool(function=FunctionDef(name="g"))]
-AUTO = SimpleNamespace(enable_auto_tool_choice=True, tool_call_parser="hermes")
-OFF = SimpleNamespace(enable_auto_tool_choice=False, tool_call_parser=None)
+AUTO = EngineConfig.from_options(enable_auto_tool_choice=True, tool_call_parser="hermes")
+OFF = EngineConfig.from_options(enable_auto_tool_choice=False, tool_call_parser=None)
 
 
 def test_tool_choice_plans():

@@ -46,7 +46,7 @@ def decode_step(runner, contexts: list[int], seed: int):
     filled with random keys and values."""
     g = torch.Generator().manual_seed(seed)
     bs, width = runner.block_size, -(-max(contexts) // runner.block_size)
-    blocks = torch.randperm(runner.config.num_kv_blocks, generator=g)[:len(contexts) * width]
+    blocks = torch.randperm(runner.config.cache.num_kv_blocks, generator=g)[:len(contexts) * width]
     tables = blocks.view(len(contexts), width).contiguous()
     lens = torch.tensor(contexts, dtype=torch.int64)
     slots = torch.stack([tables[i, (c - 1) // bs] * bs + (c - 1) % bs

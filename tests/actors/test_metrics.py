@@ -286,8 +286,8 @@ def test_reports_once_a_second_while_busy_and_once_on_idle(caplog):
 
 def _gateway(run_dir: str, **options):
     from pagewire.gateway.server import Gateway
-    info = make_scheduler().config.model_info
-    config = EngineConfig(model_info=info, num_kv_blocks=16, block_size=4, run_dir=run_dir,
+    info = make_scheduler().config.model.model_info
+    config = EngineConfig.from_options(model_info=info, num_kv_blocks=16, block_size=4, run_dir=run_dir,
                           served_model_name="tiny", **options).resolve()
     return Gateway(config, lambda name: ipc_address(run_dir, name)), config
 
@@ -344,8 +344,8 @@ def test_cli_flag_sets_the_option():
     with mock.patch.object(cli, "config_from_args", side_effect=Stop) as config:
         with pytest.raises(Stop):
             cli.main(["serve", "--metrics-require-api-key"])
-    assert cli.config_from_args(config.call_args.args[0]).metrics_require_api_key is True
-    assert EngineConfig().metrics_require_api_key is False
+    assert cli.config_from_args(config.call_args.args[0]).server.metrics_require_api_key is True
+    assert EngineConfig().server.metrics_require_api_key is False
 
 
 def test_health_follows_the_engine_heartbeat():

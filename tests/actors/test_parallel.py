@@ -116,7 +116,7 @@ def test_a_share_cut_inside_a_block_keeps_its_float_weights(tiny_llama, monkeypa
 ])
 def test_parallel_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**options)._check_parallel()
+        EngineConfig.from_options(**options)._check_parallel()
 
 
 def test_parse_tcp():
@@ -134,9 +134,8 @@ def test_parse_tcp():
      "--speculative-config is not built yet"),
 ])
 def test_context_parallel_options_are_checked(tiny_llama, options, message):
-    import msgspec
-    config = msgspec.convert(dict(model=tiny_llama(), max_model_len=128,
-                                  decode_context_parallel_size=2, **options), EngineConfig)
+    config = EngineConfig.from_options(model=tiny_llama(), max_model_len=128,
+                                       decode_context_parallel_size=2, **options)
     with pytest.raises(ValueError, match=message):
         config.resolve()
 
@@ -146,8 +145,8 @@ def test_more_local_ranks_than_gpus_are_refused_at_start(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(ValueError, match="a GPU of its own .* and 1 is visible: fewer ranks, or "
                                          "--device cpu"):
-        EngineConfig(tensor_parallel_size=2, device="cuda")._check_parallel()
-    EngineConfig(tensor_parallel_size=2, device="cpu")._check_parallel()
-    EngineConfig(tensor_parallel_size=1, device="cuda")._check_parallel()
+        EngineConfig.from_options(tensor_parallel_size=2, device="cuda")._check_parallel()
+    EngineConfig.from_options(tensor_parallel_size=2, device="cpu")._check_parallel()
+    EngineConfig.from_options(tensor_parallel_size=1, device="cuda")._check_parallel()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    EngineConfig(tensor_parallel_size=2, device="cuda")._check_parallel()
+    EngineConfig.from_options(tensor_parallel_size=2, device="cuda")._check_parallel()

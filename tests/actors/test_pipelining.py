@@ -191,5 +191,5 @@ def test_step_durations_count_a_queued_step_from_the_result_before_it():
     ("cpu", None, False), ("cuda", None, True), ("cpu", True, True), ("cuda", False, False)])
 def test_async_scheduling_is_on_by_default_only_on_a_gpu(device, asked, resolved):
     sched = make_scheduler(device=device, async_scheduling=asked, depth=None)
-    assert sched.config.async_scheduling is resolved
+    assert sched.config.scheduler.async_scheduling is resolved
     assert sched.engine.depth == (2 if resolved else 1)

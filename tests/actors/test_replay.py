@@ -54,9 +54,9 @@ def test_every_tokenizer_is_replayed_and_a_changed_reply_is_found(tmp_path, caps
     from pagewire.wire.to_tokenizer import TokenizeOnly
     from pagewire.wire.trace import set_recording
 
-    config = EngineConfig(max_model_len=512, kv_cache_memory=64 * 2**20,
+    config = EngineConfig.from_options(max_model_len=512, kv_cache_memory=64 * 2**20,
                           trace_dir=str(tmp_path)).resolve()
-    tokenizer = RequestTokenizer(config, load_tokenizer(config.model_info))
+    tokenizer = RequestTokenizer(config, load_tokenizer(config.model.model_info))
     set_recording(str(tmp_path), True)
     for index, prompt in enumerate(["Hello there", "The capital of France"]):
         tracer = open_tracer(config, f"tokenizer {index}")

@@ -16,17 +16,17 @@ def test_precedence_file_then_env_then_flags(tmp_path):
     env = {"PAGEWIRE_PORT": "9002", "PAGEWIRE_ENABLE_PREFIX_CACHING": "false",
            "PAGEWIRE_SWAP_SPACE": "1.5", "PAGEWIRE_API_KEY": "env-a,env-b"}
     c = settings.build({"drain_timeout": 7.0, "api_keys": ["flag"]}, env, str(path))
-    assert (c.max_num_seqs, c.port, c.drain_timeout) == (8, 9002, 7.0)
-    assert c.kv_cache_memory == 512 * 2**20 and c.swap_space == int(1.5 * 2**30)
-    assert c.enable_prefix_caching is False
-    assert c.api_keys == ["from-file", "env-a", "env-b", "flag"]
-    assert settings.build({}, {}).max_num_seqs == 256          # the default
+    assert (c.scheduler.max_num_seqs, c.server.port, c.server.drain_timeout) == (8, 9002, 7.0)
+    assert c.cache.kv_cache_memory == 512 * 2**20 and c.cache.swap_space == int(1.5 * 2**30)
+    assert c.cache.enable_prefix_caching is False
+    assert c.server.api_keys == ["from-file", "env-a", "env-b", "flag"]
+    assert settings.build({}, {}).scheduler.max_num_seqs == 256          # the default
 
 
 def test_json_config_and_bad_values(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"block_size": 32}))
-    assert settings.build({}, {}, str(path)).block_size == 32
+    assert settings.build({}, {}, str(path)).cache.block_size == 32
     path.write_text(json.dumps({"no_such_option": 1}))
     with pytest.raises(ValueError, match="no_such_option"):
         settings.build({}, {}, str(path))
@@ -35,11 +35,11 @@ def test_json_config_and_bad_values(tmp_path):
 
 
 def test_quantized_matmul_tokens_takes_a_count_or_auto():
-    assert settings.build({}, {}).quantized_matmul_tokens is None           # auto
+    assert settings.build({}, {}).device.quantized_matmul_tokens is None           # auto
     env = {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "-1"}
-    assert settings.build({}, env).quantized_matmul_tokens == -1
+    assert settings.build({}, env).device.quantized_matmul_tokens == -1
     assert settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "auto"}) \
-        .quantized_matmul_tokens is None
+        .device.quantized_matmul_tokens is None
     with pytest.raises(ValueError, match="whole number of tokens or `auto`"):
         settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "many"})
 
@@ -61,14 +61,14 @@ def test_docs_options_tables_are_the_declared_options_and_every_field_has_one():
     import os
 
     from pagewire.cli import serve_parser
-    from pagewire.config import EngineConfig
+    from pagewire.config import FIELD_SECTION
     from pagewire.options import BY_FIELD, DERIVED, OPTIONS, options_tables
     guide = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "serving.md")).read()
     assert options_tables() in guide, (
         "docs/serving.md's options tables differ from actors/options.py; regenerate with: "
         "python -c 'from pagewire.options import options_tables; print(options_tables())'")
     fields = [o.field for o in OPTIONS if o.field]
-    assert sorted(fields) == sorted(set(EngineConfig.__struct_fields__) - set(DERIVED))
+    assert sorted(fields) == sorted(set(FIELD_SECTION) - set(DERIVED))
     assert len(fields) == len(set(fields)) == len(BY_FIELD)
     flags = {s for a in serve_parser()._actions for s in a.option_strings} - {"-h", "--help"}
     declared = {n for o in OPTIONS for n in o.names if n.startswith("-")}
@@ -126,11 +126,12 @@ def test_lora_options_as_vllm_spells_them(tmp_path):
                                     '{"name": "b", "path": "/y", "base_model_name": "m"}',
                                     "--max-loras", "2"]))
     config = settings.build(flags, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    assert config.model == "m" and config.max_loras == 2 and config.allow_runtime_lora_updating
+    assert config.model.model == "m" and config.lora.max_loras == 2 \
+        and config.lora.allow_runtime_lora_updating
     from pagewire.lora_files import parse_module
-    assert [parse_module(m) for m in config.lora_modules] == [("a", "/x"), ("b", "/y")]
+    assert [parse_module(m) for m in config.lora.lora_modules] == [("a", "/x"), ("b", "/y")]
     env = settings.build({}, {"PAGEWIRE_LORA_MODULES": "a=/x c=/z"})
-    assert env.lora_modules == ["a=/x", "c=/z"] and not env.allow_runtime_lora_updating
+    assert env.lora.lora_modules == ["a=/x", "c=/z"] and not env.lora.allow_runtime_lora_updating
     for options, words in (({"lora_modules": ["a=/x"]}, "needs --enable-lora"),
                            ({"enable_lora": True, "lora_modules": ["nopath"]}, "name=path"),
                            ({"enable_lora": True, "lora_modules": ["a=/nowhere"]},

@@ -88,7 +88,7 @@ def test_the_batch_limit_defaults_by_device(model):
     from pagewire.config_sections import MAX_BATCH
 
     def limit(device="cpu", **kw):
-        cfg = EngineConfig(model=model, speculative_config=SpeculativeConfig(**kw),
+        cfg = EngineConfig.from_options(model=model, speculative_config=SpeculativeConfig(**kw),
                            device=device, num_kv_blocks=64).resolve()
         return cfg.speculative_config.max_batch
     assert limit() == MAX_BATCH["cpu"] == 2 and limit(max_batch=5) == 5
@@ -357,12 +357,13 @@ def test_a_draft_models_cache_comes_out_of_the_kv_budget(model, draft):
     spec = SpeculativeConfig(method="draft_model", model=draft)
     # per token: target 2 layers x 2 KV heads x 64 x (K, V) x 4 B = 2048; draft 1 x 1 x 64 x 2
     # x 4 = 512; blocks of 16 tokens
-    plain = EngineConfig(model=model, dtype="float32", kv_cache_memory=2**22).resolve()
-    both = EngineConfig(model=model, dtype="float32", kv_cache_memory=2**22,
-                        speculative_config=spec).resolve()
-    assert (plain.num_kv_blocks, both.num_kv_blocks) == (2**22 // (16 * 2048),
-                                                         2**22 // (16 * 2560))
-    assert both.draft_model_info.path == draft and plain.draft_model_info is None
+    plain = EngineConfig.from_options(model=model, dtype="float32",
+                                      kv_cache_memory=2**22).resolve()
+    both = EngineConfig.from_options(model=model, dtype="float32", kv_cache_memory=2**22,
+                                     speculative_config=spec).resolve()
+    assert (plain.cache.num_kv_blocks, both.cache.num_kv_blocks) == (2**22 // (16 * 2048),
+                                                                     2**22 // (16 * 2560))
+    assert both.model.draft_model_info.path == draft and plain.model.draft_model_info is None
 
 
 def _exact_joint(path: str, prompt: list[int], length: int, top_k: int) -> dict:

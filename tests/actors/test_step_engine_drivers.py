@@ -45,7 +45,7 @@ def spy(monkeypatch):
 
 
 def config_of(model: str, pipelined: bool) -> EngineConfig:
-    return EngineConfig(model=model, dtype="float32", block_size=4, num_kv_blocks=64,
+    return EngineConfig.from_options(model=model, dtype="float32", block_size=4, num_kv_blocks=64,
                         max_model_len=64, async_scheduling=pipelined).resolve()
 
 

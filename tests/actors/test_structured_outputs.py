@@ -50,13 +50,13 @@ def test_what_would_fight_the_grammar_over_eos_is_refused(clash):
 
 @pytest.fixture(scope="module")
 def config():
-    return EngineConfig(max_model_len=256).resolve()
+    return EngineConfig.from_options(max_model_len=256).resolve()
 
 
 @pytest.fixture(scope="module")
 def rt(config):
     from pagewire.hf_tokenizer import load_tokenizer
-    return RequestTokenizer(config, load_tokenizer(config.model_info), background=True)
+    return RequestTokenizer(config, load_tokenizer(config.model.model_info), background=True)
 
 
 @pytest.mark.parametrize("constraint, message", [
@@ -246,7 +246,7 @@ def test_constrained_greedy_outputs_survive_preemption_and_pipelining(fuzz_llm):
     params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
     prompts = [[5 + i, 9, 9, 9, 9, 9, 9, 9] for i in range(6)]
     roomy = [o.outputs[0].token_ids for o in fuzz_llm.generate(prompts, params)]
-    tight = LLM(fuzz_llm.config.model_info.path, dtype="float32", num_kv_blocks=16,
+    tight = LLM(fuzz_llm.config.model.model_info.path, dtype="float32", num_kv_blocks=16,
                 max_model_len=48, block_size=4, max_num_seqs=6, async_scheduling=True)
     outs = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions > 0
@@ -265,7 +265,7 @@ def _allowed(matchers, matcher) -> list[int]:
 def test_a_constraint_after_reasoning_starts_at_the_end_of_the_block(config, rt):
     from pagewire.executor.grammar_matchers import Matchers
     from pagewire.wire.to_executor import NewSeq, StepPlan
-    info = config.model_info
+    info = config.model.model_info
     matchers = Matchers(info, info.vocab_size, info.eos_token_ids)
     so = S(choice=["yes"])
     so = S(choice=["yes"], compiled=rt.grammars.compile(so), start_after=[10, 11])
@@ -298,7 +298,7 @@ def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_l
         json=schema, disable_any_whitespace=True))
     prompts = [[5 + i, 6, 7] for i in range(3)]
     plain = [o.outputs[0].token_ids for o in fuzz_llm.generate(prompts, params)]
-    path = fuzz_llm.config.model_info.path
+    path = fuzz_llm.config.model.model_info.path
     draft = {"method": "draft_model", "model": path} if method == "draft_model" else {}
     spec = LLM(path, dtype="float32", num_kv_blocks=512, block_size=16,
                speculative_config={"num_speculative_tokens": 8, "max_batch": 8, **draft})

@@ -41,7 +41,7 @@ class Sent(list):
 def supervisor(monkeypatch):
     """A serving supervisor over fake children; `script(name, pid)` answers each new instance
     (a list of messages it sends, by spawn order)."""
-    sup = Supervisor(EngineConfig(restart_budget=3))
+    sup = Supervisor(EngineConfig.from_options(restart_budget=3))
     pids = itertools.count(100)
     answers: list[list] = []
 

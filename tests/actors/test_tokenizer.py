@@ -18,13 +18,13 @@ MAX_LEN = 64
 
 @pytest.fixture(scope="module")
 def config():
-    return EngineConfig(max_model_len=MAX_LEN).resolve()
+    return EngineConfig.from_options(max_model_len=MAX_LEN).resolve()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(config):
     from pagewire.hf_tokenizer import load_tokenizer
-    return load_tokenizer(config.model_info)
+    return load_tokenizer(config.model.model_info)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_good_text_request_gives_detok_start_then_new_request(rt, tokenizer):
 
 
 def test_prompt_token_ids_pass_through_unchanged(rt, config):
-    ids = [0, 17, 5, 9, 33, 2, 1, config.model_info.vocab_size - 1]
+    ids = [0, 17, 5, 9, 33, 2, 1, config.model.model_info.vocab_size - 1]
     start, new = _ok(rt.process(_req(prompt_token_ids=ids)))
     assert new.prompt_token_ids == ids and start.prompt_tail == ids[-6:]
     assert start.num_prompt_tokens == len(ids)
@@ -138,7 +138,7 @@ def test_chat_prompt_plus_max_tokens_is_checked_after_templating(rt, tokenizer):
 
 @pytest.mark.parametrize("bad", [-1, 49152, 10**9])
 def test_out_of_range_token_ids_are_refused(rt, config, bad):
-    assert config.model_info.vocab_size == 49152
+    assert config.model.model_info.vocab_size == 49152
     failed = _failed(rt.process(_req(prompt_token_ids=[1, 2, bad, 3])), "prompt")
     assert str(bad) in failed.message
 

@@ -80,9 +80,9 @@ def test_context_parallel_ranks_match_transformers(models):
         assert_matches_transformers(srv, path)
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
             blocks = int(re.search(r'num_gpu_blocks="(\d+)"', r.read().decode()).group(1))
-    alone = EngineConfig(model=path, dtype="float32", max_model_len=256,
-                         kv_cache_memory=16 * 2**20, tensor_parallel_size=2).resolve()
-    assert blocks == 2 * alone.num_kv_blocks
+    alone = EngineConfig.from_options(model=path, dtype="float32", max_model_len=256,
+                                      kv_cache_memory=16 * 2**20, tensor_parallel_size=2).resolve()
+    assert blocks == 2 * alone.cache.num_kv_blocks
 
 
 def spec_counters(srv: Server, above: float = 0.0) -> tuple[float, float]:

@@ -73,17 +73,17 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
     from pagewire.config import EngineConfig
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
     with pytest.raises(ValueError, match="kernels must be one of auto, torch, cpu, avx2"):
-        EngineConfig(kernels="avx3").resolve()
+        EngineConfig.from_options(kernels="avx3").resolve()
     with pytest.raises(ValueError, match="this CPU runs avx2"):
-        EngineConfig(kernels="amx").resolve()
+        EngineConfig.from_options(kernels="amx").resolve()
     monkeypatch.setattr(tiers, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
-    assert EngineConfig(kernels="amx").resolve().dtype == "bfloat16"   # avx512_bf16's
-    assert EngineConfig(kernels="amx")._device() == "cpu"
+    assert EngineConfig.from_options(kernels="amx").resolve().model.dtype == "bfloat16"   # avx512_bf16's
+    assert EngineConfig.from_options(kernels="amx")._device() == "cpu"
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
-    assert EngineConfig(kernels="avx2").resolve().dtype == "float32"
+    assert EngineConfig.from_options(kernels="avx2").resolve().model.dtype == "float32"
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN4)
-    assert EngineConfig().resolve().dtype == "bfloat16"
-    assert EngineConfig(kernels="avx512").resolve().dtype == "float32"
+    assert EngineConfig().resolve().model.dtype == "bfloat16"
+    assert EngineConfig.from_options(kernels="avx512").resolve().model.dtype == "float32"
 
 
 def test_quantized_activations_int16_below_a_bf16_dot_product_and_int8_only_by_name():
@@ -101,10 +101,10 @@ def test_a_cpu_tier_runs_on_the_cpu_also_where_a_gpu_is():
     """On a GPU machine `--kernels amx` put the model on cuda:0 and the native kernels
     refused its tensors (seen on an H200's host)."""
     from pagewire.config import EngineConfig
-    assert EngineConfig(kernels="avx2")._device() == "cpu"
-    assert EngineConfig(kernels="cpu", device="cpu")._device() == "cpu"
-    assert EngineConfig(kernels="triton")._device() == "auto"
-    assert EngineConfig(kernels="auto", device="cuda")._device() == "cuda"
+    assert EngineConfig.from_options(kernels="avx2")._device() == "cpu"
+    assert EngineConfig.from_options(kernels="cpu", device="cpu")._device() == "cpu"
+    assert EngineConfig.from_options(kernels="triton")._device() == "auto"
+    assert EngineConfig.from_options(kernels="auto", device="cuda")._device() == "cuda"
     with pytest.raises(ValueError, match="--kernels avx2 runs on the CPU: it does not combine "
                                          "with --device cuda"):
-        EngineConfig(kernels="avx2", device="cuda")._device()
+        EngineConfig.from_options(kernels="avx2", device="cuda")._device()

@@ -97,7 +97,7 @@ def test_pagewire_arguments_parse_and_resolve(monkeypatch):
             if config.kv_transfer_config is not None:
                 config.kv_transfer_config.check()
                 if config.kv_transfer_config.produces:
-                    assert config.curve_keys, "a KV server off loopback needs CURVE keys"
+                    assert config.parallel.curve_keys, "a KV server off loopback needs CURVE keys"
         else:
             with pytest.raises(SystemExit) as done:      # parses, then --help-like exit
                 cli.main([*args, "--help"])

@@ -124,7 +124,7 @@ def test_unit_settings():
     assert {k: one.get(k) for k in expected} == expected
     assert "PAGEWIRE_CACHE_DIR=%C/pagewire" in s["Service.Environment"]
     # The supervisor waits drain_timeout + 10 s for the gateway, then 10 s for the others.
-    assert int(one["Service.TimeoutStopSec"]) >= EngineConfig().drain_timeout + 20
+    assert int(one["Service.TimeoutStopSec"]) >= EngineConfig().server.drain_timeout + 20
     # These hide the GPUs (PrivateDevices= the device nodes, ProtectClock= through the implied
     # DeviceAllow=char-rtc) and must stay unset.
     assert "Service.PrivateDevices" not in s and "Service.ProtectClock" not in s
