@@ -34,12 +34,12 @@ class Linear(nn.Linear):
     packed_bias: torch.Tensor | None = None
     quantized: quant.QuantWeight | None = None
     quantized_max_tokens: int = 0
-    lora_slot: int = -1         # its index in a step's LoRA table (executor/lora.py); -1: none
-
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 float_partial: bool = False):
+                 float_partial: bool = False, lora_slot: int = -1):
         super().__init__(in_features, out_features, bias=bias)
         self.float_partial = float_partial    # forward returns float32 (see the module doc)
+        # Its row in a step's LoRA table (executor/lora.py), given by the model; -1: none.
+        self.lora_slot = lora_slot
 
     def pack(self, batch_hint: int = 64, upcast: bool = False) -> None:
         """upcast: multiply in float32 whatever the weight's dtype. Nothing to pack after

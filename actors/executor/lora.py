@@ -24,11 +24,13 @@ from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, read_adapter
 from . import huge_pages
+from .models.llama import LORA_LINEARS
 from .parallel import split_range
 
-# Each fused Linear of a layer -> the projections it holds, in its output order.
-PARTS = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o_proj": ("o_proj",),
-         "mlp.gate_up": ("gate_proj", "up_proj"), "mlp.down": ("down_proj",)}
+# Each fused Linear of a layer -> the projections it holds, in its output order; the linears
+# in the model's slot order (models/llama.py LORA_LINEARS).
+PARTS = dict(zip(LORA_LINEARS, (("q_proj", "k_proj", "v_proj"), ("o_proj",),
+                                ("gate_proj", "up_proj"), ("down_proj",))))
 
 Weights = dict[int, LoraWeights]           # linear slot -> its weights (kernels/lora.py)
 Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a step's adapters
@@ -59,11 +61,9 @@ def _rank_share(layer, cfg, proj: str) -> tuple[str, slice]:
             "down_proj": ("in", mlp)}[proj]
 
 
-def assign_slots(model) -> int:
-    """Number every adapted linear (Linear.lora_slot): its row in an adapter's table."""
-    for i, layer in enumerate(model.layers):
-        for j, name in enumerate(PARTS):
-            layer.get_submodule(name).lora_slot = i * len(PARTS) + j
+def num_slots(model) -> int:
+    """Rows of an adapter's table: one per adaptable linear, each numbered by the model
+    (Linear.lora_slot)."""
     return len(model.layers) * len(PARTS)
 
 
@@ -130,7 +130,7 @@ class Adapters:
 
     def __init__(self, model, info, max_rank: int, capacity: int):
         self.model, self.info, self.max_rank, self.capacity = model, info, max_rank, capacity
-        self.num_slots = assign_slots(model)
+        self.num_slots = num_slots(model)
         self.loaded: OrderedDict[int, Loaded] = OrderedDict()
         self.stacks: OrderedDict[tuple[int, ...], Stacks] = OrderedDict()
         self.generations = itertools.count()

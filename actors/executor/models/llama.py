@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+# The linears a LoRA adapter may adapt, in their order within a layer: linear `name` of layer
+# i is row i * len(LORA_LINEARS) + its index of an adapter's table (executor/lora.py).
+LORA_LINEARS = ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
+
+
+def lora_slot(layer: int, name: str) -> int:
+    return layer * len(LORA_LINEARS) + LORA_LINEARS.index(name)
+
+
 class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): QKV column-parallel,
     o_proj row-parallel, summed over ranks. Its weights and sizes; the layer's program runs it.
@@ -46,9 +55,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = share.num_q, share.num_kv, cfg.head_dim
         self.q_size = share.num_q * cfg.head_dim
         self.kv_size = share.num_kv * cfg.head_dim
-        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                          lora_slot=lora_slot(layer, "attn.qkv"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
-                             float_partial=tp.size > 1)
+                             float_partial=tp.size > 1, lora_slot=lora_slot(layer, "attn.o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
@@ -60,12 +70,14 @@ class MLP(nn.Module):
     """gate/up column-parallel, down row-parallel (a slice of the intermediate rows per rank).
     Its weights; the layer's program runs it."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int):
         super().__init__()
         start, end = split_range(cfg.intermediate_size, tp.size, tp.rank)
         self.tp = tp
-        self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False)
-        self.down = Linear(end - start, cfg.hidden_size, bias=False, float_partial=tp.size > 1)
+        self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False,
+                              lora_slot=lora_slot(layer, "mlp.gate_up"))
+        self.down = Linear(end - start, cfg.hidden_size, bias=False, float_partial=tp.size > 1,
+                           lora_slot=lora_slot(layer, "mlp.down"))
 
 
 class DecoderLayer(nn.Module):
@@ -77,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, tp, layer, cp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)        # before the MLP
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, layer)
         self.post_attn_norm = self.post_mlp_norm = None
         if cfg.sandwich_norms:
             self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
