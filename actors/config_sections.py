@@ -72,8 +72,9 @@ class SchedulerConfig(_Section):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    async_scheduling: bool | None = None     # plan step N+1 while step N runs (scheduler/engine.py);
-                                             # None: on where a CUDA driver is present
+    async_scheduling: bool | None = None     # plan step N+1 while step N runs
+                                             # (scheduler/engine.py); None: on where a CUDA
+                                             # driver is present
     scheduling_policy: str = FCFS            # SCHEDULING_POLICIES (priority: lower first)
     max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused

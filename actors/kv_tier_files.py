@@ -34,7 +34,8 @@ def layout_key(config, rank: int) -> str:
     what = {"layout": LAYOUT_VERSION, "weights": info.digest,
             "draft": draft.digest if draft is not None else None, "dtype": config.model.dtype,
             "kv": config.cache.kv_cache_dtype, "quantization": config.model.quantization,
-            "activations": config.device.quantized_activations, "block_size": config.cache.block_size}
+            "activations": config.device.quantized_activations,
+            "block_size": config.cache.block_size}
     name = hashlib.sha256(msgspec.json.encode(what)).hexdigest()[:16]
     return f"{name}-tp{rank}of{config.parallel.tensor_parallel_size}"
 

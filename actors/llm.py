@@ -232,7 +232,8 @@ class LLM:
             raise ValueError("a LoRA request needs LLM(..., enable_lora=True)")
         key = (request.lora_name, request.lora_int_id, request.lora_path)
         if key not in self._loras:
-            read_adapter(request.lora_path, self.config.model.model_info, self.config.lora.max_lora_rank)
+            read_adapter(request.lora_path, self.config.model.model_info,
+                         self.config.lora.max_lora_rank)
             self._loras[key] = LoraRef(request.lora_name, len(self._loras) + 1,
                                        request.lora_path, adapter_digest(request.lora_path))
         return self._loras[key]

@@ -49,8 +49,9 @@ def run(env) -> None:
         serve_steps(env, ModelRunner(config, tp), server)
     else:
         client = RankClient(env.ctx, env.address("ranks"), env.index)
-        welcome = client.attach(hello(config.model.model_info, env.index, config.parallel.tensor_parallel_size,
-                                      config.model.dtype), LOCAL_ATTACH_TIMEOUT)
+        welcome = client.attach(hello(config.model.model_info, env.index,
+                                      config.parallel.tensor_parallel_size, config.model.dtype),
+                                LOCAL_ATTACH_TIMEOUT)
         tp = init_group(welcome.dist_address, env.index, config.parallel.tensor_parallel_size,
                         config.parallel.tp_timeout, resolve_device(config.device.device, env.index))
         runner = ModelRunner(config, tp)

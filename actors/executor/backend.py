@@ -60,7 +60,8 @@ class Backend:
     def load(self, info, config, tp, cp=None) -> torch.nn.Module:
         """The model for `info` on the device, built with this backend's kernels (and `cp`,
         the context-parallel group, or None), its weights laid out for them."""
-        model, rounded = read_model(info, config.model.dtype, tp, config.model.quantization, self.ops, cp)
+        model, rounded = read_model(info, config.model.dtype, tp, config.model.quantization,
+                                    self.ops, cp)
         model = model.to(self.device)
         self.prepare(model, info, config, rounded)
         return model
@@ -106,8 +107,8 @@ class Backend:
         lora = GraphLora.of(model, config.scheduler.max_num_seqs, config.lora.max_loras,
                             config.lora.max_lora_rank) \
             if with_adapters and self.capabilities.lora_in_graphs else None
-        return DecodeGraphs(model, kv_caches, config.scheduler.max_num_seqs, width, config.cache.block_size,
-                            scratch_block, capture, lora)
+        return DecodeGraphs(model, kv_caches, config.scheduler.max_num_seqs, width,
+                            config.cache.block_size, scratch_block, capture, lora)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:

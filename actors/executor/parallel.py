@@ -146,8 +146,8 @@ def init_group(address: str, rank: int, size: int, timeout: float,
     host = address.removeprefix("tcp://").rsplit(":", 1)[0]
     if host in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(collective_library(device), init_method=address, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(collective_library(device), init_method=address, rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=timeout))
     return TensorParallel(rank, size, dist.group.WORLD)
 
 

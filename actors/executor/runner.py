@@ -103,8 +103,8 @@ class ModelRunner:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
         (the swap tier, if any); its fused decode path is built over the former."""
         config, cfg = self.config, model.cfg
-        dtype, width = kv_quant.cache_layout(config.cache.kv_cache_dtype, _DTYPES[config.model.dtype],
-                                             cfg.head_dim)
+        dtype, width = kv_quant.cache_layout(config.cache.kv_cache_dtype,
+                                             _DTYPES[config.model.dtype], cfg.head_dim)
         layout = (self.block_size // self.config.parallel.decode_context_parallel_size,
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
         kv_device = self.backend.kv_device

@@ -66,8 +66,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
     if batch.all_greedy:                # no parameters to build, no uniforms drawn
         return logits.argmax(dim=-1)
     rows = [s.row + i for s in spans for i in range(len(s.drafts) + 1)]
-    p = token_sampling.probabilities(logits[rows], sampling_tensors([batch.params[r] for r in rows])) \
-        if rows else None
+    p = token_sampling.probabilities(
+        logits[rows], sampling_tensors([batch.params[r] for r in rows])) if rows else None
     tokens = (ops or _REFERENCE).sample(logits, sampling_tensors(batch.params),
                                         _uniforms(batch, logits.device))
     if rows:

@@ -64,7 +64,7 @@ class SeqState:
 class SeqTable:
     def __init__(self, eos_ids: list[int], matchers=None, proposer=None):
         self.eos_ids = frozenset(eos_ids)
-        self.matchers = matchers            # executor/grammar_matchers.py Matchers; None: unconstrained
+        self.matchers = matchers            # grammar_matchers.py Matchers; None: unconstrained
         self.proposer = proposer            # executor/draft_proposers.py Proposer; None: no drafts
         # methods self, draft_model: drafts come from a model during the step that verifies
         # them (the runner fills `verifying`), not from a proposal after a step

@@ -122,9 +122,10 @@ def make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8, max_len=6
     info = ModelInfo(path="/dev/null", format="hf", name="m", architecture="LlamaForCausalLM",
                      max_model_len=max_len, vocab_size=100, num_layers=1, num_kv_heads=1,
                      head_dim=8, eos_token_ids=[EOS], digest="0", sliding_window=window)
-    config = EngineConfig.from_options(model_info=info, num_kv_blocks=num_blocks, block_size=block_size,
-                          max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          enable_chunked_prefill=chunked, **options).resolve()
+    config = EngineConfig.from_options(model_info=info, num_kv_blocks=num_blocks,
+                                       block_size=block_size, max_num_batched_tokens=budget,
+                                       max_num_seqs=max_seqs, enable_chunked_prefill=chunked,
+                                       **options).resolve()
     return Driven(config, depth)
 
 

@@ -22,8 +22,9 @@ def model(tmp_path_factory, smol_tokenizer_dir):
 
 def test_a_quantized_cache_holds_more_blocks_in_the_same_memory(model):
     def blocks(kv_dtype, dtype="bfloat16"):
-        return EngineConfig.from_options(model=model, dtype=dtype, kv_cache_memory=1 << 20, max_model_len=256,
-                            kv_cache_dtype=kv_dtype).resolve().cache.num_kv_blocks
+        return EngineConfig.from_options(model=model, dtype=dtype, kv_cache_memory=1 << 20,
+                                         max_model_len=256, kv_cache_dtype=kv_dtype
+                                         ).resolve().cache.num_kv_blocks
     # A token in each of 2 layers x 2 kv heads x (keys, values): 64 values of 2 bytes, or
     # 64 one-byte codes and a 4-byte scale. Blocks of 16 tokens.
     assert blocks("auto") == (1 << 20) // (16 * 8 * 64 * 2) == 64

@@ -287,8 +287,9 @@ def test_reports_once_a_second_while_busy_and_once_on_idle(caplog):
 def _gateway(run_dir: str, **options):
     from pagewire.gateway.server import Gateway
     info = make_scheduler().config.model.model_info
-    config = EngineConfig.from_options(model_info=info, num_kv_blocks=16, block_size=4, run_dir=run_dir,
-                          served_model_name="tiny", **options).resolve()
+    config = EngineConfig.from_options(model_info=info, num_kv_blocks=16, block_size=4,
+                                       run_dir=run_dir, served_model_name="tiny",
+                                       **options).resolve()
     return Gateway(config, lambda name: ipc_address(run_dir, name)), config
 
 

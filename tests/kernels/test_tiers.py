@@ -77,7 +77,8 @@ def test_config_checks_kernels_before_any_actor_starts(monkeypatch):
     with pytest.raises(ValueError, match="this CPU runs avx2"):
         EngineConfig.from_options(kernels="amx").resolve()
     monkeypatch.setattr(tiers, "cpu_flags", lambda: SAPPHIRE_RAPIDS)
-    assert EngineConfig.from_options(kernels="amx").resolve().model.dtype == "bfloat16"   # avx512_bf16's
+    # avx512_bf16's dtype:
+    assert EngineConfig.from_options(kernels="amx").resolve().model.dtype == "bfloat16"
     assert EngineConfig.from_options(kernels="amx")._device() == "cpu"
     monkeypatch.setattr(tiers, "cpu_flags", lambda: ZEN3)
     assert EngineConfig.from_options(kernels="avx2").resolve().model.dtype == "float32"
