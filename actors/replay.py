@@ -145,7 +145,7 @@ def _replay_run(actor: str, header: TraceHeader, records: list, overrides: dict)
     try:
         for i, r in enumerate(records):
             driver.index = i
-            driver.feed(r.direction, r.channel, decode(r.channel, r.frame))
+            driver.feed(r.direction, r.channel, decode(r.channel, r.frame, header.version))
         driver.finish()
     except Divergence as e:
         print(f"{header.actor} (pid {header.pid}): {e}")

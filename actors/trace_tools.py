@@ -39,7 +39,7 @@ def load(directory: str) -> tuple[list[TraceHeader], list[Event]]:
         headers.append(header)
         for r in records:
             events.append(Event(header.actor, r.direction, r.channel, r.mono, r.wall,
-                                len(r.frame), decode(r.channel, r.frame)))
+                                len(r.frame), decode(r.channel, r.frame, header.version)))
     events.sort(key=lambda e: e.wall)
     return headers, events
 

@@ -14,7 +14,8 @@ from .to_executor import ExecutorInbox, StepPlan
 from .to_gateway import GatewayInbox, TextDeltas
 from .to_scheduler import SchedulerInbox, StepResult
 from .to_tokenizer import TokenizerInbox
-from .trace import TraceHeader, read_trace, trace_files
+from .trace import FORMAT_VERSION, TraceHeader, read_trace, trace_files
+from .trace_v1 import decode_scheduler_frame
 
 # A frame is decoded with the inbox type of the actor it went to (channel names are inboxes).
 INBOXES = {"scheduler": SchedulerInbox, "executor": ExecutorInbox,
@@ -27,8 +28,13 @@ def inbox_of(channel: str) -> str:
     return channel.split("-")[0]
 
 
-def decode(channel: str, frame: bytes) -> msgspec.Struct:
-    return _DECODERS[inbox_of(channel)].decode(frame)
+def decode(channel: str, frame: bytes, version: int = FORMAT_VERSION) -> msgspec.Struct:
+    """A recorded frame as the message it is now; `version`: the trace's format (its header).
+    Format 1 differs only in the scheduler's StepResult (trace_v1.py)."""
+    inbox = inbox_of(channel)
+    if version == 1 and inbox == "scheduler":
+        return decode_scheduler_frame(frame)
+    return _DECODERS[inbox].decode(frame)
 
 
 def request_ids(msg) -> list[str]:
@@ -63,7 +69,9 @@ class CannotReplay(Exception):
 def _parts(msg) -> dict | None:
     """A message's per-request parts, for messages that have them."""
     if isinstance(msg, StepResult):
-        columns = [c for c in (msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs) if c]
+        lps = msg.logprobs
+        columns = [c for c in (msg.token_ids, lps and lps.logprobs, lps and lps.top_ids,
+                               lps and lps.top_logprobs) if c]
         return {sid: tuple(c[i] for c in columns) for i, sid in enumerate(msg.seq_ids)}
     if isinstance(msg, (TokenDeltas, TextDeltas)):
         return {d.seq_id: d for d in msg.deltas}

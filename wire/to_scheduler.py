@@ -39,35 +39,65 @@ class Abort(msgspec.Struct, tag=True):
     seq_ids: list[SeqId]
 
 
+class SampledLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section: log-probabilities of each row's sampled token (`logprobs`) and the
+    k most likely tokens there (`top_ids` / `top_logprobs`, k per sequence), by row. Present
+    when some row asked; rows that did not ask hold 0.0 and []. Read by the scheduler's
+    _append (speculation.py DraftPolicy.logprobs_of) and by beam search (its candidates)."""
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class PromptLogprobsResult(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section: this step's prompt positions' log-probabilities (token 1 onward),
+    by sequence (scheduler: request.py Request.prompt_logprob_deltas)."""
+    chunks: dict[SeqId, LogprobsChunk]
+
+
+class DraftsResult(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section, speculative decoding (scheduler: speculation.py DraftPolicy):
+    `extra_token_ids` the tokens a row produced after its first (drafts verified, then the
+    first token that differed); `extra_logprobs` their log-probabilities where logprobs were
+    asked; `num_drafts` how many draft tokens the executor now holds for a sequence. A map
+    holds only the sequences it concerns (empty when none)."""
+    extra_token_ids: dict[SeqId, list[int]]
+    extra_logprobs: dict[SeqId, LogprobsChunk]
+    num_drafts: dict[SeqId, int]
+
+
+class TierResult(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section, the disk tier (scheduler: arrivals.py tier_loaded): of each KvLoad
+    in the plan's tier work, how many leading blocks arrived whole (on every rank); the rest
+    are to be computed."""
+    kv_loaded: dict[SeqId, int]
+
+
+class CompressResult(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section, KV-Compress (scheduler: head_tables.py CompressedTables): the
+    tokens each head row (layer x KV head) of a sequence compressed after this step holds."""
+    head_lens: dict[SeqId, list[int]]
+
+
 class StepResult(msgspec.Struct, tag=True, gc=False):
     """What one step produced, one row per sequence whose computed tokens reached the end of
     its known tokens: the token sampled (the most likely one for beam search, which appends
-    nothing itself). `logprobs` (the sampled token's log-probability) and `top_ids` /
-    `top_logprobs` (the k most likely tokens, k per sequence) are set only when some row asked;
-    rows that did not ask hold 0.0 and []. `prompt_logprobs`: this step's prompt positions
-    (token 1 onward), by sequence. `error` is set when the step failed as a whole; `errors`
-    names sequences that failed alone (a token their grammar refused): their rows' tokens are
-    not theirs to append. Speculative decoding: `extra_token_ids` holds the tokens a row
-    produced after its first (drafts verified, then the first token that differed), and
-    `num_drafts` how many draft tokens the executor now holds for a sequence;
-    `extra_logprobs` the extra tokens' log-probabilities where logprobs were asked.
-    `kv_loaded`: of each KvLoad in the plan's tier work, how many leading blocks arrived
-    whole (on every rank); the rest are to be computed. `head_lens`: KV-Compress, the tokens
-    each head row (layer x KV head) of a sequence compressed after this step now holds."""
+    nothing itself). `error` is set when the step failed as a whole; `errors` names sequences
+    that failed alone (a token their grammar refused): their rows' tokens are not theirs to
+    append. What a feature returns travels in that feature's section, None when no row used
+    it: `logprobs` (SampledLogprobs), `prompt_logprobs`, `drafts` (speculative decoding),
+    `tier` (disk-tier loads), `compress` (KV-Compress). Traces of format 1 carried these flat;
+    trace_v1.py converts them."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-    prompt_logprobs: dict[SeqId, LogprobsChunk] | None = None
     error: str | None = None
     errors: dict[SeqId, str] | None = None
-    extra_token_ids: dict[SeqId, list[int]] | None = None
-    extra_logprobs: dict[SeqId, LogprobsChunk] | None = None   # theirs, when rows asked
-    num_drafts: dict[SeqId, int] | None = None
-    kv_loaded: dict[SeqId, int] | None = None
-    head_lens: dict[SeqId, list[int]] | None = None
+    logprobs: SampledLogprobs | None = None
+    prompt_logprobs: PromptLogprobsResult | None = None
+    drafts: DraftsResult | None = None
+    tier: TierResult | None = None
+    compress: CompressResult | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

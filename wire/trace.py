@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # 2: StepResult in per-feature sections (1: flat, trace_v1.py)
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"PWTRACE\x00"
 ENABLED_FLAG = "recording"
 _LEN = struct.Struct("<I")
@@ -150,9 +151,9 @@ def read_trace(path: str) -> tuple[TraceHeader, Iterator[TraceRecord]]:
     pos = len(MAGIC)
     (n,) = _LEN.unpack_from(data, pos)
     header = msgspec.msgpack.decode(data[pos + _LEN.size: pos + _LEN.size + n], type=TraceHeader)
-    if header.version != FORMAT_VERSION:
+    if header.version not in READABLE_VERSIONS:
         raise ValueError(f"{path}: trace format {header.version}, this reader knows "
-                         f"{FORMAT_VERSION}")
+                         f"{', '.join(map(str, READABLE_VERSIONS))}")
     pos += _LEN.size + n
     return header, _records(path, data, pos)
 

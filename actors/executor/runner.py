@@ -21,7 +21,8 @@ from pagewire.kernels.ops import resolve_device
 from pagewire.wire.ids import SeqId
 from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
-from pagewire.wire.to_scheduler import StepResult
+from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogprobsResult,
+                                         SampledLogprobs, StepResult, TierResult)
 
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
@@ -160,7 +161,7 @@ class ModelRunner:
         loaded = self._move_blocks(plan)
         self._copy_blocks(plan)
         if not order:             # only tier and transfer work, or every row's sequence stopped
-            return StepResult(plan.step_id, [], [], kv_loaded=loaded)
+            return StepResult(plan.step_id, [], [], tier=loaded)
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
         if to_draft:              # methods self, draft_model: a model drafts now
             self.drafter.fill(to_draft)
@@ -170,21 +171,24 @@ class ModelRunner:
         hidden = self._forward(input_ids, positions, batch, lora)              # [T, H]
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
-        result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [],
-                            kv_loaded=loaded)
+        result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [], tier=loaded)
         spans = spans_of(rows)
         if spans:
-            result.prompt_logprobs = prompt_logprobs(self.model, hidden, spans)
+            result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,
+                                                                          spans))
         produced = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
             produced = self._sample(logits, sample_seqs, masks, result)
         if self.compressor is not None:       # before finish_step counts the step computed
-            result.head_lens = self.compressor.compress(order, batch.heads,
-                                                        self.kv_caches[0]) or None
+            head_lens = self.compressor.compress(order, batch.heads, self.kv_caches[0])
+            result.compress = CompressResult(head_lens) if head_lens else None
         result.errors = self.table.finish_step(order, [
             (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None
-        result.num_drafts = self._drafts_held(sample_seqs) or None
+        num_drafts = self._drafts_held(sample_seqs)
+        if num_drafts:                # the section exists when drafts came back or are held
+            result.drafts = result.drafts or DraftsResult({}, {}, {})
+            result.drafts.num_drafts = num_drafts
         return result
 
     def _mirror(self, order: list[tuple[SeqId, SeqState]], drafted: list[SeqState]) -> None:
@@ -230,15 +234,16 @@ class ModelRunner:
                 extra[sid] = out[1:]
             r += k + 1
         result.token_ids = [out[0] for out in produced]
-        result.extra_token_ids = extra or None
+        chunks = {}
         if logprobs is not None:      # row r + i holds the logprobs of a sequence's i-th token
             lps, ids, tops = wanted.gather(logprobs, tokens)
-            result.logprobs, result.top_ids, result.top_logprobs = \
-                [lps[r] for r in first], [ids[r] for r in first], [tops[r] for r in first]
+            result.logprobs = SampledLogprobs([lps[r] for r in first], [ids[r] for r in first],
+                                              [tops[r] for r in first])
             chunks = {sid: LogprobsChunk(out[1:], lps[r + 1:r + len(out)],
                                          ids[r + 1:r + len(out)], tops[r + 1:r + len(out)])
                       for (sid, _), r, out in zip(sample_seqs, first, produced) if len(out) > 1}
-            result.extra_logprobs = chunks or None
+        if extra:                     # num_drafts joins in execute()
+            result.drafts = DraftsResult(extra, chunks, {})
         return produced
 
     def _grammar_masks(self, sample_seqs: list[tuple[SeqId, SeqState]]):
@@ -277,14 +282,15 @@ class ModelRunner:
         input_ids, positions, batch = self.backend.to_device(input_ids, positions, batch)
         return self.model(input_ids, positions, self.kv_caches, batch, lora)
 
-    def _move_blocks(self, plan: StepPlan) -> dict[SeqId, int] | None:
+    def _move_blocks(self, plan: StepPlan) -> TierResult | None:
         """Blocks between engines and tiers, before the step writes any: leases to serve,
         pulls to start, disk-tier work. Returns how many blocks of each tier load arrived."""
         if plan.leases and self.kv_server is not None:
             self.kv_server.add(plan.leases)
         if plan.pulls and self.kv_puller is not None:   # (a replay has none: the recorded
             self.kv_puller.start(plan.pulls)            # KvPulled messages come from the trace)
-        return (self.tier.run(plan.tier) or None) if plan.tier is not None else None
+        loaded = self.tier.run(plan.tier) if plan.tier is not None else None
+        return TierResult(loaded) if loaded else None
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write, each over every layer (StepPlan's order)."""

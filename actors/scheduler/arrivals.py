@@ -12,7 +12,7 @@ from __future__ import annotations
 from pagewire.wire.ids import SeqId
 from pagewire.wire.kv_transfer import KvPulled
 from pagewire.wire.to_executor import KvLoad, StepPlan
-from pagewire.wire.to_scheduler import StepResult
+from pagewire.wire.to_scheduler import TierResult
 
 from .block_tables import BlockTables
 from .request import Sequence, Status
@@ -40,12 +40,13 @@ class Arrivals:
             self.pulling[seq.seq_id] = (self.pulling[seq.seq_id][0], seq.block_ids)
             seq.block_ids = []
 
-    def tier_loaded(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """The step's disk-tier loads came back: their sequences, to put back in line."""
-        loaded = result.kv_loaded or {}
+    def tier_loaded(self, plan: StepPlan, tier: TierResult | None,
+                    step_failed: bool) -> list[Sequence]:
+        """The step's disk-tier loads came back (its result's tier section): their sequences,
+        to put back in line."""
+        loaded = tier.kv_loaded if tier is not None else {}
         loads = plan.tier.loads if plan.tier is not None else []
-        back = [self._arrived(load, loaded.get(load.seq_id, 0), result.error is not None)
-                for load in loads]
+        back = [self._arrived(load, loaded.get(load.seq_id, 0), step_failed) for load in loads]
         return [seq for seq in back if seq is not None]
 
     def pulled(self, msg: KvPulled) -> list[tuple[Sequence, KvLoad, bool]]:

@@ -11,6 +11,7 @@ import itertools
 
 from pagewire.wire.ids import SeqId, beam as beam_id, output_ids
 from pagewire.wire.sampling_params import SamplingParams
+from pagewire.wire.to_scheduler import SampledLogprobs
 
 from .request import Sequence
 
@@ -34,9 +35,10 @@ class BeamGroup:
     def output_ids(self) -> list[SeqId]:
         return output_ids(self.req_id, self.n)
 
-    def offer(self, beam: Sequence, top_ids: list[int], top_logprobs: list[float]) -> None:
-        """A beam's row came back: its best continuations (the executor's top 2*width)."""
-        self.candidates[beam.seq_id] = (top_ids, top_logprobs)
+    def offer(self, beam: Sequence, sampled: SampledLogprobs, row: int) -> None:
+        """A beam's row came back: its best continuations (the executor's top 2*width, in
+        the result's logprobs section)."""
+        self.candidates[beam.seq_id] = (sampled.top_ids[row], sampled.top_logprobs[row])
 
     def ready(self) -> bool:
         return all(b.seq_id in self.candidates for b in self.live)

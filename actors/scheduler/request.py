@@ -11,7 +11,9 @@ from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling_params import LogprobsChunk, SamplingParams, stops_on
+from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq
+from pagewire.wire.to_scheduler import PromptLogprobsResult
 
 if TYPE_CHECKING:        # the feature records, defined beside each feature's scheduler module
     from .beam import BeamGroup
@@ -85,6 +87,15 @@ class Request:
         room = max_model_len - self.num_prompt_tokens
         limit = self.sampling.max_tokens
         return room if limit is None else min(limit, room)
+
+    def prompt_logprob_deltas(self, seq: Sequence,
+                              section: PromptLogprobsResult | None) -> list[TokenDelta]:
+        """What a step's prompt_logprobs section holds for seq (before the step counts as
+        computed) and was not sent before: one delta per output sequence, or none."""
+        chunk = section.chunks.get(seq.seq_id) if section is not None else None
+        fresh = self.fresh_prompt_logprobs(chunk, seq.num_computed) if chunk is not None else None
+        return [] if fresh is None else [TokenDelta(i, [], prompt_logprobs=fresh)
+                                         for i in seq.output_ids]
 
     def fresh_prompt_logprobs(self, chunk: LogprobsChunk,
                               num_computed: int) -> LogprobsChunk | None:

@@ -301,7 +301,7 @@ class Scheduler:
         returns the token deltas."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
-        for seq in self.arrivals.tier_loaded(plan, result):
+        for seq in self.arrivals.tier_loaded(plan, result.tier, result.error is not None):
             self._back_in_line(seq)
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
@@ -312,15 +312,11 @@ class Scheduler:
         for seq, n in scheduled:
             if seq.status is not Status.RUNNING:   # ended or preempted meanwhile
                 continue
-            if result.prompt_logprobs and seq.seq_id in result.prompt_logprobs:
-                fresh = seq.request.fresh_prompt_logprobs(result.prompt_logprobs[seq.seq_id],
-                                                          seq.num_computed)
-                if fresh is not None:
-                    deltas += [TokenDelta(i, [], prompt_logprobs=fresh) for i in seq.output_ids]
+            deltas += seq.request.prompt_logprob_deltas(seq, result.prompt_logprobs)
             seq.num_in_flight -= n
             seq.num_computed += n - seq.num_draft_slots    # drafts count once accepted
-            if result.head_lens and seq.seq_id in result.head_lens:
-                self.tables.compressed(seq, result.head_lens[seq.seq_id])
+            if result.compress is not None and seq.seq_id in result.compress.head_lens:
+                self.tables.compressed(seq, result.compress.head_lens[seq.seq_id])
             self.tables.commit(seq)
             self.tables.drop_behind_window(seq)
             reached_end = seq.num_computed == seq.target_len
@@ -331,7 +327,7 @@ class Scheduler:
                 if reached_end:
                     self._fork(seq)
             elif row is not None and seq.request.group is not None:
-                seq.request.group.offer(seq, result.top_ids[row], result.top_logprobs[row])
+                seq.request.group.offer(seq, result.logprobs, row)
                 if seq.request.group not in groups:
                     groups.append(seq.request.group)
             elif row is not None and result.errors and seq.seq_id in result.errors:
@@ -373,14 +369,15 @@ class Scheduler:
     def _append(self, seq: Sequence, result: StepResult, row: int) -> TokenDelta:
         """Append the row's token (and the drafts it verified, speculative decoding); the
         sequence ends at the first token that ends it."""
-        tokens = self.drafts.tokens_of(seq, result, row)
+        tokens = self.drafts.tokens_of(seq, result.token_ids[row], result.drafts)
         appended, reason = seq.append_verified(tokens, self.eos_ids)
         self.num_generation_tokens += len(appended)
         if len(tokens) > 1:
             self.tables.commit(seq)
         logprobs = None
         if result.logprobs is not None:
-            logprobs = self.drafts.logprobs_of(seq, result, row, len(appended))
+            logprobs = self.drafts.logprobs_of(seq, result.token_ids[row], result.logprobs, row,
+                                               result.drafts, len(appended))
             seq.cum_logprob += sum(logprobs.logprobs)
             if seq.sampling.logprobs is None:
                 logprobs = None

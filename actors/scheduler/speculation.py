@@ -1,11 +1,11 @@
 """Speculative decoding, the scheduler's side: how many of a sequence's drafts a step
 verifies, and what verifying them did.
 
-The executor proposes drafts after each step and says how many it holds (StepResult
-.num_drafts). A decode then runs 1 + k positions: its last token and k drafts, k granted
+The executor proposes drafts after each step and says how many it holds (its StepResult's
+drafts section, DraftsResult.num_drafts). A decode then runs 1 + k positions: its last token and k drafts, k granted
 here under the token budget, max_tokens and the context; grow() gives the lookahead K/V
 slots. The result holds the tokens verified (the first in token_ids, the rest in
-extra_token_ids); the scheduler counts a draft's position as computed only once it is
+DraftsResult.extra_token_ids); the scheduler counts a draft's position as computed only once it is
 accepted, so rejected positions never reach num_computed or the prefix cache (their slots are
 written again by the next step). Speculation turns itself off per step: above `max_batch`
 running sequences (a batch is no longer bound by reading the weights, so drafts cost what
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagewire.wire.sampling_params import LogprobsChunk
-from pagewire.wire.to_scheduler import StepResult
+from pagewire.wire.to_scheduler import DraftsResult, SampledLogprobs
 
 from ..config_sections import MAX_BATCH
 from .request import Sequence
@@ -63,11 +63,12 @@ class DraftPolicy:
         likely = max(1, round(cfg.num_speculative_tokens * spec.acceptance))
         return max(0, min(spec.num_drafts, budget, room, likely))
 
-    def tokens_of(self, seq: Sequence, result: StepResult, row: int) -> list[int]:
-        """seq's tokens in the result (one, or the drafts it verified and the next), with the
-        verification recorded and the executor's new draft count kept."""
-        extra = (result.extra_token_ids or {}).get(seq.seq_id, [])
-        num_drafts = (result.num_drafts or {}).get(seq.seq_id, 0)
+    def tokens_of(self, seq: Sequence, token: int, drafts: DraftsResult | None) -> list[int]:
+        """seq's tokens in a result whose row for seq sampled `token`, with the result's
+        drafts section: one, or the drafts it verified and the next; the verification is
+        recorded and the executor's new draft count kept."""
+        extra = drafts.extra_token_ids.get(seq.seq_id, []) if drafts is not None else []
+        num_drafts = drafts.num_drafts.get(seq.seq_id, 0) if drafts is not None else 0
         if seq.spec is None and num_drafts:
             seq.spec = DraftState()
         if seq.spec is not None:
@@ -75,14 +76,16 @@ class DraftPolicy:
                 self.verified(seq.spec, len(extra))
                 seq.spec.num_slots = 0
             seq.spec.num_drafts = num_drafts
-        return [result.token_ids[row]] + extra
+        return [token] + extra
 
     @staticmethod
-    def logprobs_of(seq: Sequence, result: StepResult, row: int, count: int) -> LogprobsChunk:
-        """The log-probabilities of seq's first `count` tokens in the result."""
-        chunk = LogprobsChunk([result.token_ids[row]], [result.logprobs[row]],
-                              [result.top_ids[row]], [result.top_logprobs[row]])
-        extra = (result.extra_logprobs or {}).get(seq.seq_id)
+    def logprobs_of(seq: Sequence, token: int, sampled: SampledLogprobs, row: int,
+                    drafts: DraftsResult | None, count: int) -> LogprobsChunk:
+        """The log-probabilities of seq's first `count` tokens in a result: its row's (which
+        sampled `token`) in the logprobs section, then its drafts' in the drafts section."""
+        chunk = LogprobsChunk([token], [sampled.logprobs[row]], [sampled.top_ids[row]],
+                              [sampled.top_logprobs[row]])
+        extra = drafts.extra_logprobs.get(seq.seq_id) if drafts is not None else None
         if extra is not None and count > 1:
             n = count - 1
             chunk = LogprobsChunk(chunk.token_ids + extra.token_ids[:n],

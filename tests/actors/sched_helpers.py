@@ -14,7 +14,8 @@ from pagewire.scheduler.engine import StepEngine
 from pagewire.wire.sampling_params import SamplingParams
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import StepPlan
-from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, StepResult
+from pagewire.wire.to_scheduler import (Abort, AbortAll, NewRequest, SampledLogprobs, StepResult,
+                                         TierResult)
 
 EOS = 2
 
@@ -94,13 +95,15 @@ class Driven:
                     for s, seq in samplers]
             result = StepResult(plan.step_id, [s for s, _ in samplers], toks)
             if plan.tier is not None and plan.tier.loads:     # every tier block arrives
-                result.kv_loaded = {load.seq_id: len(load.block_ids) for load in plan.tier.loads}
+                result.tier = TierResult({load.seq_id: len(load.block_ids)
+                                          for load in plan.tier.loads})
             if any(seq.sampling.use_beam_search for _, seq in samplers):
                 k = [2 * s.sampling.num_sequences if s.sampling.use_beam_search else 0
                      for _, s in samplers]
-                result.top_ids = [[t + i for i in range(n)] for t, n in zip(toks, k)]
-                result.top_logprobs = [[-1.0 - i for i in range(n)] for n in k]
-                result.logprobs = [0.0] * len(toks)
+                result.logprobs = SampledLogprobs([0.0] * len(toks),
+                                                  [[t + i for i in range(n)]
+                                                   for t, n in zip(toks, k)],
+                                                  [[-1.0 - i for i in range(n)] for n in k])
         if result.error is not None:            # as the executor actor does on an error
             self.executor.fail(plan)
             return result

@@ -8,7 +8,7 @@ from tests.actors.sched_helpers import assert_pool_whole, make_scheduler, new, s
 from pagewire.scheduler.kv_manager import block_hashes
 from pagewire.scheduler.request import Status
 from pagewire.wire.to_executor import KvLoad, TierWork
-from pagewire.wire.to_scheduler import StepResult
+from pagewire.wire.to_scheduler import StepResult, TierResult
 
 
 def hashes(first: int, n: int) -> list[bytes]:
@@ -77,7 +77,8 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs()
 
 def test_a_load_that_fails_part_way_computes_the_rest_and_forgets_those_hashes():
     s, plan = asked_again_after_eviction()
-    s.update(plan, s.run(result=StepResult(plan.step_id, [], [], kv_loaded={sid("a2"): 1})))
+    s.update(plan, s.run(result=StepResult(plan.step_id, [], [],
+                                           tier=TierResult({sid("a2"): 1}))))
     first, second = hashes(100, 9)
     assert first in s.tables.tier.blocks and second not in s.tables.tier.blocks
     assert (s.tables.tier.hits, s.tables.tier.failures) == (1, 1)
@@ -135,7 +136,8 @@ def test_tier_counters_reach_the_metrics_in_blocks_tokens_and_bytes():
     from pagewire.scheduler.actor import StatsReporter
     from tests.actors.test_metrics import VLLM, parse, value
     s, plan = asked_again_after_eviction()
-    s.update(plan, s.run(result=StepResult(plan.step_id, [], [], kv_loaded={sid("a2"): 1})))
+    s.update(plan, s.run(result=StepResult(plan.step_id, [], [],
+                                           tier=TierResult({sid("a2"): 1}))))
     sent = []
     StatsReporter(s.core.sched, sent.append).report(0.0)
     m = GatewayMetrics("tiny")

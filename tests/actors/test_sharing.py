@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagewire.wire.to_scheduler import NewRequest, StepResult
+from pagewire.wire.to_scheduler import NewRequest, SampledLogprobs, StepResult
 from tests.actors.sched_helpers import (assert_pool_whole, ids, make_scheduler, names, new,
                                         sid, step)
 
@@ -152,8 +152,8 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     (beam0,) = plan.new
     assert str(beam0.seq_id) == "q#beam0" and beam0.sampling.use_beam_search
     # top-6 candidates of the only beam: the best three survive (beam0 kept, beam1 and beam2 forked)
-    result = StepResult(plan.step_id, ids("q#beam0"), [30], [0.0], [[30, 31, 32, 33, 34, 35]],
-                        [[-0.1, -0.2, -0.3, -2.0, -3.0, -4.0]])
+    result = StepResult(plan.step_id, ids("q#beam0"), [30], logprobs=SampledLogprobs(
+        [0.0], [[30, 31, 32, 33, 34, 35]], [[-0.1, -0.2, -0.3, -2.0, -3.0, -4.0]]))
     assert sched.update(plan, result) == []
     assert sorted(names(r.seq_id for r in sched.groups["q"].live)) == \
         ["q#beam0", "q#beam1", "q#beam2"]
@@ -166,9 +166,9 @@ def test_beam_search_forks_and_frees_beams(sched_factory):
     tops = {"q#beam0": [40, 41], "q#beam1": [50, 51], "q#beam2": [60, 61]}
     lps = {"q#beam0": [-5.0, -6.0], "q#beam1": [-0.1, -0.2], "q#beam2": [-0.3, -7.0]}
     seqs = [s.seq_id for s in plan.running] + [s.seq_id for s in plan.new]
-    result = StepResult(plan.step_id, seqs, [0] * 3, [0.0] * 3,
-                        [tops[str(s)] + [1, 2, 3, 4] for s in seqs],
-                        [lps[str(s)] + [-9.0] * 4 for s in seqs])
+    result = StepResult(plan.step_id, seqs, [0] * 3, logprobs=SampledLogprobs(
+        [0.0] * 3, [tops[str(s)] + [1, 2, 3, 4] for s in seqs],
+        [lps[str(s)] + [-9.0] * 4 for s in seqs]))
     sched.update(plan, result)
     # beam1 is chosen twice (fork beam3), beam2 once, beam0 not at all: freed.
     live = sorted((str(b.seq_id), b.token_ids[6:]) for b in sched.groups["q"].live)

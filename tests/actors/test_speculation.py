@@ -104,14 +104,13 @@ def test_draft_state_exists_once_the_executor_holds_drafts():
     """A sequence's DraftState (seq.spec) is made by the first result saying the executor
     drafted for it; until then it gets no grant and holds no draft record."""
     from pagewire.wire.ids import SeqId
-    from pagewire.wire.to_scheduler import StepResult
+    from pagewire.wire.to_scheduler import DraftsResult
     policy = DraftPolicy(SpeculativeConfig(num_speculative_tokens=2))
     seq = SimpleNamespace(seq_id=SeqId("a"), spec=None, max_tokens=100, num_output_tokens=0)
     assert policy.grant(seq, 10, 1) == 0
-    assert policy.tokens_of(seq, StepResult(1, [seq.seq_id], [7]), 0) == [7]
+    assert policy.tokens_of(seq, 7, None) == [7]
     assert seq.spec is None
-    drafted = StepResult(2, [seq.seq_id], [8], num_drafts={seq.seq_id: 2})
-    assert policy.tokens_of(seq, drafted, 0) == [8]
+    assert policy.tokens_of(seq, 8, DraftsResult({}, {}, {seq.seq_id: 2})) == [8]
     assert seq.spec == DraftState(num_drafts=2) and policy.grant(seq, 10, 1) == 2
 
 

@@ -15,7 +15,8 @@ from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelt
 from pagewire.wire.to_executor import ExecutorInbox, NewSeq, RunSeq, StepPlan
 from pagewire.wire.to_gateway import (GatewayInbox, RequestFailed, SchedulerStats, TextDelta,
                                       TextDeltas)
-from pagewire.wire.to_scheduler import Abort, NewRequest, SchedulerInbox, StepResult
+from pagewire.wire.to_scheduler import (Abort, NewRequest, SampledLogprobs, SchedulerInbox,
+                                         StepResult)
 from pagewire.wire.to_supervisor import Fatal, Ready, SupervisorInbox
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest, TokenizerInbox
 
@@ -42,8 +43,8 @@ CASES = [
     (SchedulerInbox, Abort([SeqId("cmpl-1"), SeqId("chat-2", 1)])),
     (SchedulerInbox, StepResult(step_id=41, seq_ids=[SeqId("a"), SeqId("b", PROMPT)], token_ids=[17, 0])),
     (SchedulerInbox, StepResult(step_id=43, seq_ids=[SeqId("a"), beam("b", 1)], token_ids=[17, 4],
-                                logprobs=[-0.25, 0.0], top_ids=[[], [4, 9]],
-                                top_logprobs=[[], [-0.5, -1.5]])),
+                                logprobs=SampledLogprobs([-0.25, 0.0], [[], [4, 9]],
+                                                         [[], [-0.5, -1.5]]))),
     (SchedulerInbox, StepResult(step_id=42, seq_ids=[], token_ids=[], error="CUDA OOM")),
     (ExecutorInbox, StepPlan(
         step_id=7,
