@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pagewire.wire.kv_transfer import KvLease, KvSource
 from pagewire.wire.to_executor import KvLoad
+from pagewire.wire.to_scheduler import CompressResult
 
 from .kv_manager import BlockManager, block_hashes
 from .tier_index import TierIndex
@@ -150,6 +151,12 @@ class BlockTables:
             seq.block_hashes = block_hashes(seq.token_ids, self.block_size,
                                             f"{self.root}\x00{seq.request.cache_salt or ''}",
                                             seq.block_hashes)
+
+    def step_computed(self, seq: Sequence, compress: CompressResult | None) -> None:
+        """A step's result counted more of seq computed: register its full blocks, free those
+        behind the window. `compress`: the result's KV-Compress section (CompressedTables)."""
+        self.commit(seq)
+        self.drop_behind_window(seq)
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks seq has completely computed, so later requests can map them."""

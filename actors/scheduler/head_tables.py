@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagewire.wire.to_scheduler import CompressResult
+
 from .block_tables import BlockTables
 from .kv_manager import BlockManager
 from .request import Sequence
@@ -71,6 +73,13 @@ class CompressedTables(BlockTables):
         seq.compress.next = end >= seq.target_len and not seq.request.prompt_open \
             and end - seq.compress.heads_at >= self.every
         return True
+
+    def step_computed(self, seq: Sequence, compress: CompressResult | None) -> None:
+        """A step's result: seq's compression in its compress section, if the step made one
+        (before the step's blocks are committed)."""
+        if compress is not None and seq.seq_id in compress.head_lens:
+            self.compressed(seq, compress.head_lens[seq.seq_id])
+        super().step_computed(seq, compress)
 
     def compressed(self, seq: Sequence, lens: list[int]) -> None:
         """A compression's result: seq's rows hold `lens` tokens; its table keeps the blocks

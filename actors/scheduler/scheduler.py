@@ -315,10 +315,7 @@ class Scheduler:
             deltas += seq.request.prompt_logprob_deltas(seq, result.prompt_logprobs)
             seq.num_in_flight -= n
             seq.num_computed += n - seq.num_draft_slots    # drafts count once accepted
-            if result.compress is not None and seq.seq_id in result.compress.head_lens:
-                self.tables.compressed(seq, result.compress.head_lens[seq.seq_id])
-            self.tables.commit(seq)
-            self.tables.drop_behind_window(seq)
+            self.tables.step_computed(seq, result.compress)
             reached_end = seq.num_computed == seq.target_len
             if not seq.request.prompt_counted and reached_end and not seq.request.prompt_open:
                 self._count_prompt(seq)
