@@ -1,17 +1,17 @@
-"""Speculative decoding, the scheduler's side: how many of a sequence's drafts a step
-verifies, and what verifying them did.
+"""Speculative decoding, the scheduler's side: how many of a sequence's drafts a step verifies,
+and what verifying them did.
 
 The executor proposes drafts after each step and says how many it holds (its StepResult's
 drafts section, DraftsResult.num_drafts). A decode then runs 1 + k positions: its last token
 and k drafts, k granted here under the token budget, max_tokens and the context; grow() gives
 the lookahead K/V slots. The result holds the tokens verified (the first in token_ids, the
 rest in the drafts section's extra_token_ids); the scheduler counts a draft's position as
-computed only once it is accepted, so rejected positions never reach num_computed or the prefix cache (their slots are
-written again by the next step). Speculation turns itself off per step: above `max_batch`
-running sequences (a batch is no longer bound by reading the weights, so drafts cost what
-they save), and per sequence while its acceptance (a moving average) stays below
-`min_acceptance`, retrying every PROBE_EVERY steps; above it a sequence verifies about
-k * acceptance of its drafts.
+computed only once it is accepted, so rejected positions never reach num_computed or the
+prefix cache (their slots are written again by the next step). Speculation turns itself off
+per step: above `max_batch` running sequences (a batch is no longer bound by reading the
+weights, so drafts cost what they save), and per sequence while its acceptance (a moving
+average) stays below `min_acceptance`, retrying every PROBE_EVERY steps; above it a sequence
+verifies about k * acceptance of its drafts.
 """
 from __future__ import annotations
 
