@@ -3,8 +3,8 @@
 Exactly one of json (a JSON schema), regex, choice, grammar (Lark or GBNF/EBNF) and
 json_object is set. Construction checks the shape and the size caps; whether the schema,
 regex or grammar is valid is the grammar compiler's call (actors/grammar_compiler.py, in the
-tokenizer actor), which also fills `compiled`: the grammar the executor's matcher runs. A client never
-sets `compiled`; the tokenizer overwrites it.
+tokenizer actor), which also fills `compiled`: the grammar the executor's matcher runs. A
+client never sets `compiled`; the tokenizer overwrites it.
 """
 from __future__ import annotations
 

@@ -38,12 +38,14 @@ class BlockTables:
     @classmethod
     def of(cls, config, tier_present: list[bytes] | None = None) -> "BlockTables":
         """The device pool, host tier and disk tier index an EngineConfig asks for."""
-        device = BlockManager(config.cache.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        host = BlockManager(config.cache.num_host_blocks, config.cache.block_size, enable_caching=False) \
-            if config.cache.num_host_blocks else None
-        tier = TierIndex(config.cache.num_tier_blocks, tier_present or []) \
-            if config.cache.kv_offload_dir else None
-        return cls(device, host, config.model.model_info.sliding_window, config.cache.kv_cache_dtype, tier)
+        cache = config.cache
+        device = BlockManager(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+        host = BlockManager(cache.num_host_blocks, cache.block_size, enable_caching=False) \
+            if cache.num_host_blocks else None
+        tier = TierIndex(cache.num_tier_blocks, tier_present or []) \
+            if cache.kv_offload_dir else None
+        return cls(device, host, config.model.model_info.sliding_window, cache.kv_cache_dtype,
+                   tier)
 
     def take_copies(self) -> tuple[list, list, list]:
         out = (self.copies, self.swaps_out, self.swaps_in)

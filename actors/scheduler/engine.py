@@ -70,7 +70,8 @@ class InProcessExecutor:
     OpenMP keeps a thread team per calling thread, and once a second thread had run the steps,
     a CPU step took twice as long on two cores (bench/NOTES.md "Threads and OpenMP teams"): so
     the worker exists only with on_thread, and `thread_init` (the caller's
-    torch.set_num_threads) gives it the calling thread's OpenMP thread count. An exception from a step is raised by collect."""
+    torch.set_num_threads) gives it the calling thread's OpenMP thread count. An exception
+    from a step is raised by collect."""
 
     def __init__(self, execute: Callable[[StepPlan], StepResult], on_thread: bool = False,
                  thread_init: Callable[[], None] | None = None):
@@ -101,7 +102,8 @@ class StepEngine:
     def __init__(self, core: SchedulerCore, executor: ExecutorHandle, depth: int | None = None):
         self.core = core
         self.executor = executor
-        self.depth = depth or (2 if core.config.scheduler.async_scheduling else 1)  # plans in flight, at most
+        # Plans in flight, at most:
+        self.depth = depth or (2 if core.config.scheduler.async_scheduling else 1)
         self.ledger: deque[InFlight] = deque()
         # Set when planning found nothing to run while a plan is in flight: only a message
         # (that plan's result, an arrival, an abort) can change that, so do not retry before.

@@ -50,7 +50,8 @@ class CompressedTables(BlockTables):
     @classmethod
     def of(cls, config, tier_present=None) -> "CompressedTables":
         info = config.model.model_info
-        device = BlockManager(config.cache.num_kv_blocks, config.cache.block_size, enable_caching=False)
+        device = BlockManager(config.cache.num_kv_blocks, config.cache.block_size,
+                              enable_caching=False)
         return cls(device, info.num_layers * info.num_kv_heads, config.cache.kv_compress_window,
                    config.cache.kv_cache_dtype)
 

@@ -130,7 +130,8 @@ def queue_refusal(msg: NewRequest, config,
     if len(msg.prompt_token_ids) >= limit:
         return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
                          f"max_model_len={limit}")
-    max_reqs, max_tokens = config.scheduler.max_num_queued_reqs, config.scheduler.max_num_queued_tokens
+    max_reqs = config.scheduler.max_num_queued_reqs
+    max_tokens = config.scheduler.max_num_queued_tokens
     if max_reqs is not None and len(waiting) >= max_reqs:
         return "rejected", f"the queue is full ({max_reqs} requests waiting)"
     if max_tokens is not None:

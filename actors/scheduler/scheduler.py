@@ -79,7 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
         self.num_generation_tokens = 0
-        self.drafts = DraftPolicy(config.speculative_config)   # scheduler/speculation.py; its counters
+        self.drafts = DraftPolicy(config.speculative_config)   # speculation.py; its counters
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
     def has_work(self) -> bool:
@@ -254,8 +254,8 @@ class Scheduler:
         while self.waiting and self.running and \
                 self.running[-1].request.priority > self.waiting[0].request.priority:
             head = self.waiting[0]
-            need = self.kv.blocks_needed(min(head.num_pending, self.config.scheduler.max_num_batched_tokens)
-                                         + head.num_computed, len(head.block_ids))
+            chunk = min(head.num_pending, self.config.scheduler.max_num_batched_tokens)
+            need = self.kv.blocks_needed(chunk + head.num_computed, len(head.block_ids))
             if need + len(head.host_block_ids) <= self.kv.num_free \
                     and len(self.running) < self.config.scheduler.max_num_seqs:
                 break

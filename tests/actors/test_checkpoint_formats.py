@@ -3,9 +3,9 @@
 The fixtures come from pagewire.testing.checkpoints (actors/testing/checkpoints.py): each
 format's packer from known integer codes (GPTQ v1 and v2, AWQ's interleaved nibbles,
 compressed-tensors pack-quantized and int-quantized, FP8). Unpacking gives the codes back
-exactly; a tiny model saved in each format gives transformers' greedy tokens on the same model with the dequantized float weights, its decode
-steps on the blocks where the format has them; every unsupported variant is refused at start
-naming its detail."""
+exactly; a tiny model saved in each format gives transformers' greedy tokens on the same
+model with the dequantized float weights, its decode steps on the blocks where the format has
+them; every unsupported variant is refused at start naming its detail."""
 from __future__ import annotations
 
 import json
