@@ -126,10 +126,10 @@ def test_default_model_matches_transformers(default_hf_model):
         assert_matches_transformers(srv, HFOracle(default_hf_model), prompts)
 
 
-# bfloat16 logits of this model's top tokens lie below 16 in magnitude: 1/16 is one rounding
-# step there. Two logits that close tie in bfloat16 up to a step, and the order in which the
-# ranks' float32 partials were summed may pick either.
-BF16_LOGIT_STEP = 1 / 16
+# bfloat16 logits of this model's top tokens lie below 32 in magnitude: 1/8 is one rounding
+# step there (1/16 below 16). Two logits that close are adjacent bfloat16 values, and the
+# order in which the ranks' float32 partials were summed may pick either.
+BF16_LOGIT_STEP = 1 / 8
 
 
 def greedy_chat(srv: Server, question: str) -> list[dict]:
@@ -145,8 +145,10 @@ def test_bfloat16_ranks_answer_as_one_rank():
     """-tp 2 in bfloat16: the row-parallel partials are summed in float32 and rounded once,
     so the default model's chat answers (test_default_model's questions, one at a time) equal
     one rank's, but where one rank's own top two logits lie within a bfloat16 step (after
-    which nothing more is compared). Summed in bfloat16 (before), the answer to the cooking
-    question parted at its 17th token with one rank's top two 0.25 apart."""
+    which nothing more is compared). Summed in bfloat16 (before), on the avx512_bf16 tier the
+    answer to the cooking question parted at its 17th token with one rank's top two two steps
+    (0.25) apart; on the avx2 and avx512 tiers that sum parted five and three answers, each
+    within a step, which this check lets pass: there it guards against larger errors only."""
     from tests.actors.test_default_model import QUESTIONS
     args = ["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
     answers = {}
