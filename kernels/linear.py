@@ -67,16 +67,16 @@ class Linear(nn.Linear):
         self.weight, self.packed, self.packed_bias = None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = torch.float32 if self.float_partial else x.dtype
         if self.quantized is not None and x.shape[0] <= self.quantized_max_tokens:
-            out = quant.matmul(x.to(out_dtype), self.quantized)   # float32 x: float32 out
+            # float32 activations give float32 sums: a float partial stays unrounded
+            out = quant.matmul(x.float() if self.float_partial else x, self.quantized)
             return out if self.bias is None else out.add_(self.bias)
-        if self.packed is not None:
+        if self.packed is not None:       # packed in float32 for a float partial (pack())
             dtype = self.packed.dtype
             out = torch.ops.mkldnn._linear_pointwise(x.to(dtype), self.packed, self.packed_bias,
                                                      "none", [], "")
-            return out.to(out_dtype)
-        if out_dtype != x.dtype:
+            return out if self.float_partial else out.to(x.dtype)
+        if self.float_partial:
             return _float_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
