@@ -26,8 +26,6 @@ ALLOWED = {
         "torch's oneDNN linear ops exist only under these names",
     ("kernels/native_api.py", "ctypes._CFuncPtr"):
         "ctypes' base of function types: a prototype with flags 0 checks the argument count",
-    ("actors/executor/runner.py", "from .loader import _DTYPES"):
-        "left to the backend rework (#42 item 1), which moves the choice of dtypes",
 }
 
 

@@ -35,7 +35,7 @@ from .models import MODELS
 from .load_quantization import round_linears
 from .parallel import TensorParallel, shard_blocks, shard_rows, shard_state
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class LoadedModel(NamedTuple):
@@ -62,7 +62,7 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
     model_cls = MODELS[info.architecture]
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     tp, rounded = tp or TensorParallel(), None
     with _one_thread():
         cfg, weights = _read_weights(info, model_cls, torch_dtype)

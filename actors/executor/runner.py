@@ -35,7 +35,7 @@ from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
-from .loader import _DTYPES
+from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
 from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
@@ -105,7 +105,7 @@ class ModelRunner:
         (the swap tier, if any); its fused decode path is built over the former."""
         config, cfg = self.config, model.cfg
         dtype, width = kv_quant.cache_layout(config.cache.kv_cache_dtype,
-                                             _DTYPES[config.model.dtype], cfg.head_dim)
+                                             TORCH_DTYPES[config.model.dtype], cfg.head_dim)
         layout = (self.block_size // self.config.parallel.decode_context_parallel_size,
                   model.num_kv_heads, width, dtype)             # this rank's heads and tokens
         kv_device = self.backend.kv_device
