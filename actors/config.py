@@ -3,6 +3,7 @@ offline LLM) and handed to each actor as JSON. Imports no torch."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 
@@ -10,7 +11,7 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from . import lora_files
+from . import lora_files, memory_budget
 from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES, DEVICES, DTYPES,
                               EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
                               MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
@@ -21,6 +22,11 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               check_kv_transfer, group_by_section)
 from .model_info import ModelInfo, resolve_model
 
+log = logging.getLogger(__name__)
+
+# --kv-cache-memory auto on a CUDA device: the pool the CPU default was before `auto`
+# (the device's free memory is not measured before its executors start).
+AUTO_DEVICE_KV_MEMORY = 2 * 2**30
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -71,7 +77,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"max_model_len must be positive, got {max_len}")
         self._check_choices(info, max_len)
         draft = self._check_speculation(info, max_len)
-        per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len)
+        max_len, kv_memory = self._kv_memory(info, draft, dtype, max_len)
+        per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len, kv_memory)
         tier_blocks = self._check_tier(per_block)
         check_kv_transfer(self, info)
         self._check_parallel()
@@ -112,17 +119,38 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")
 
+    def _kv_bytes_per_token(self, info: ModelInfo, draft: ModelInfo | None, dtype: str) -> int:
+        """A draft model's K/V sits beside the target's in every block (the same block ids)."""
+        return sum(m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.cache.kv_cache_dtype != "auto")
+                   for m in (info, draft) if m is not None)
+
+    def _kv_memory(self, info: ModelInfo, draft: ModelInfo | None, dtype: str,
+                   max_len: int) -> tuple[int, int]:
+        """(max_model_len, bytes of the KV pool): --kv-cache-memory, or its `auto` plan
+        (memory_budget.kv_auto, logged) where neither it nor --num-kv-blocks is given. On
+        CUDA `auto` is AUTO_DEVICE_KV_MEMORY: the device's memory is not the host's."""
+        memory = self.cache.kv_cache_memory
+        if memory is not None or self.cache.num_kv_blocks is not None:
+            return max_len, memory or 0
+        if self._on_cuda():
+            return max_len, AUTO_DEVICE_KV_MEMORY
+        plan = memory_budget.kv_auto(
+            info, self._kv_bytes_per_token(info, draft, dtype), max_len,
+            self.model.max_model_len is not None, self.scheduler.max_num_seqs,
+            self.device.quantized_matmul_tokens)
+        log.info("KV cache auto: %.2f GiB (%s)", plan.bytes / 2**30, plan.reason)
+        bs = self.cache.block_size       # a lowered context fills whole blocks of the pool
+        return (max_len if plan.max_len == max_len else plan.max_len // bs * bs), plan.bytes
+
     def _kv_pool(self, info: ModelInfo, draft: ModelInfo | None, dtype: str,
-                 max_len: int) -> tuple[int, int, int]:
-        """(bytes of a block, device blocks, host swap blocks). A draft model's K/V sits beside
-        the target's in every block (the same block ids); under context parallelism a block's
-        tokens are spread over its ranks."""
-        per_block = self.cache.block_size * sum(
-            m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.cache.kv_cache_dtype != "auto")
-            for m in (info, draft) if m is not None) // self._check_context_parallel(info)
+                 max_len: int, kv_memory: int) -> tuple[int, int, int]:
+        """(bytes of a block, device blocks, host swap blocks). Under context parallelism a
+        block's tokens are spread over its ranks."""
+        per_block = self.cache.block_size * self._kv_bytes_per_token(info, draft, dtype) \
+            // self._check_context_parallel(info)
         num_blocks = self.cache.num_kv_blocks
         if num_blocks is None:
-            num_blocks = self.cache.kv_cache_memory // per_block
+            num_blocks = kv_memory // per_block
         if num_blocks * self.cache.block_size < max_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {self.cache.block_size} tokens) cannot "

@@ -52,7 +52,8 @@ class ModelConfig(_Section):
 class CacheConfig(_Section):
     """The KV pool, its tiers and what its blocks hold."""
     block_size: int = 16                     # BLOCK_SIZES
-    kv_cache_memory: int = 2 * 2**30         # bytes of K/V cache, all layers
+    kv_cache_memory: int | None = None       # bytes of K/V cache, all layers; None: auto
+                                             # (memory_budget.kv_auto)
     num_kv_blocks: int | None = None         # overrides kv_cache_memory
     kv_cache_dtype: str = "auto"             # KV_CACHE_DTYPES
     enable_prefix_caching: bool = True
@@ -85,7 +86,7 @@ class DeviceConfig(_Section):
     device: str = "auto"                     # DEVICES: auto (cuda if present, else cpu)
     kernels: str = "auto"                    # a backend: kernels/tiers.py BACKENDS
     threads: int | None = None               # torch threads in the executor; None: all cores
-    quantized_matmul_tokens: int | None = None   # steps up to this many tokens use GGUF weights
+    quantized_matmul_tokens: int | None = -1     # steps up to this many tokens use GGUF weights
                                              # as stored; 0: never; -1: every step (no float
                                              # copy); None: auto (executor/loader.py)
     quantized_activations: str = "auto"      # ACTIVATIONS

@@ -33,6 +33,13 @@ def gib(text: str | int | float) -> int:
         return parse_bytes(text)
 
 
+def bytes_or_auto(text: str | int) -> int | None:
+    """--kv-cache-memory: a size, or `auto` (None: memory_budget.kv_auto decides)."""
+    if isinstance(text, str) and text.strip() == "auto":
+        return None
+    return parse_bytes(text)
+
+
 def tokens_or_auto(text: str) -> int | None:
     """--quantized-matmul-tokens: a count, or `auto` (None: executor/loader.py decides)."""
     if text.strip() == "auto":
@@ -87,8 +94,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     ),
     "cache": (
         Option("block_size", "tokens per KV block"),
-        Option("kv_cache_memory", "KV cache size over all layers (`512MiB`, `4GiB`, ...)", "2GiB",
-               parse=parse_bytes),
+        Option("kv_cache_memory", "KV cache size over all layers (`512MiB`, `4GiB`, ...); `auto`: "
+               "half the memory left after the weights and 1 GiB, at most what `--max-num-seqs` "
+               "sequences of `--max-model-len` fill, at least one (a context not given is "
+               "lowered to fit; logged at start; 2 GiB on CUDA): see \"Memory\" in "
+               "docs/models.md", "auto", parse=bytes_or_auto),
         Option("num_kv_blocks", "exact block count, overriding `--kv-cache-memory`"),
         Option("kv_cache_dtype", "`auto` (the model's dtype), `int8`, `fp8` (= `fp8_e4m3`), "
                "`fp8_e5m2`: keys and values stored in one byte each with a float32 scale per "
@@ -158,13 +168,13 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "weights as stored (as blocks of the same values: see \"Models and start-up\"), a "
                "quantized checkpoint's and --quantization's blocks "
                "(CPU, every tier, bfloat16 or float32; see \"Kernels and devices\"); larger "
-               "steps use the dequantized copy (a bfloat16 checkpoint's BF16 tiles: in a bfloat16 "
-               "engine every step); `0`: never; `-1`: every step, and linears on "
-               "blocks keep no dequantized copy (a fraction of the memory; slower prefill where "
-               "the CPU has a bfloat16 dot product); `auto`: `-1` for blocks that meet int16 "
-               "activations on `avx2` where the core's int16 multiply-adds outrun its float32 FMAs "
-               "(timed at start), else `16`",
-               "auto", parse=tokens_or_auto),
+               "steps use a dequantized copy; `-1` (the default): every step, and no "
+               "dequantized copy is held: the weights take about their file's memory (a "
+               "bfloat16 checkpoint's BF16 tiles too); `0`: never; `auto`: a dense copy for "
+               "steps above 16 tokens where the blocks' GEMM is the slower (every tier but "
+               "`avx2` with fast int16 multiply-adds: 0.75-0.9x oneDNN on a prefill chunk), "
+               "while the copies fit in half the memory free after the KV pool",
+               "-1", parse=tokens_or_auto),
         Option("quantized_activations", "what those stored weights multiply: `exact` activations "
                "(float32 or bfloat16 precision); `int16`: activations rounded per 32 columns to 15 "
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "

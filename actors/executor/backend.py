@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from pagewire import memory_budget
 from pagewire.kernels import quant
 from pagewire.kernels.attention import AttentionBatch
 from pagewire.kernels.linear import pack_linears
@@ -26,7 +27,7 @@ from pagewire.kernels.ops import select_ops
 from . import huge_pages
 from .cuda_graphs import DecodeGraphs, GraphLora
 from .decode_layout import batch_to
-from .loader import keep_bf16_tiles, keep_quantized, read_model
+from .loader import TORCH_DTYPES, keep_bf16_tiles, keep_quantized, read_model
 from .models.fused_decode import FusedDecode
 from .sampler import sample
 
@@ -60,22 +61,34 @@ class Backend:
     def load(self, info, config, tp, cp=None) -> torch.nn.Module:
         """The model for `info` on the device, built with this backend's kernels (and `cp`,
         the context-parallel group, or None), its weights laid out for them."""
-        model, rounded = read_model(info, config.model.dtype, tp, config.model.quantization,
-                                    self.ops, cp)
+        place = self._place_blocks(info, config) if self.capabilities.native_weights else None
+        model, _ = read_model(info, config.model.dtype, tp, config.model.quantization,
+                              self.ops, cp, place)
         model = model.to(self.device)
-        self.prepare(model, info, config, rounded)
+        self.prepare(model, config)
         return model
 
-    def prepare(self, model, info, config, rounded=None) -> None:
-        """Weight layouts for the native CPU kernels: stored (or --quantization `rounded`)
-        blocks first, since a Linear that keeps only them packs nothing; BF16 tiles; oneDNN's
-        packed dense weights (float32 without a bfloat16 dot product); then the tiles a step
-        streams onto huge pages, after packing. Other backends run the weights as loaded."""
+    def _place_blocks(self, info, config):
+        """keep_quantized for read_model: stored (or --quantization rounded) blocks first, so
+        a Linear that keeps only them never reads its float weight and packs nothing."""
+        dtype = TORCH_DTYPES[config.model.dtype]
+        roundings = ROUNDINGS[config.device.quantized_activations]
+        tokens = config.device.quantized_matmul_tokens
+        room = None if tokens is not None else memory_budget.dense_budget(
+            config.cache.num_kv_blocks * config.cache.kv_block_bytes)
+
+        def place(model, rounded) -> int:
+            return keep_quantized(model, info, tokens, roundings, rounded, dtype, room)
+        return place
+
+    def prepare(self, model, config) -> None:
+        """Weight layouts for the native CPU kernels, after the blocks read_model placed: BF16
+        tiles; oneDNN's packed dense weights (float32 without a bfloat16 dot product); then
+        the tiles a step streams onto huge pages, after packing. Other backends run the
+        weights as loaded."""
         caps = self.capabilities
         if not caps.native_weights:
             return
-        keep_quantized(model, info, config.device.quantized_matmul_tokens,
-                       ROUNDINGS[config.device.quantized_activations], rounded)
         keep_bf16_tiles(model, config.device.quantized_matmul_tokens)
         pack_linears(model, upcast=not caps.bf16_dot)
         huge_pages.back_model(model, self._arenas)

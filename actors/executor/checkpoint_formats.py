@@ -201,13 +201,15 @@ def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Te
     return values, blocks, order
 
 
-def float_weights(weights: dict, s: Scheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def float_weights(weights: dict, s: Scheme, dtype: torch.dtype,
+                  skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The checkpoint with each quantized linear's tensors replaced by `prefix.weight` (its
-    values in `dtype`), every other tensor cast to `dtype`."""
+    values in `dtype`; none for a name in `skip`), every other tensor cast to `dtype`."""
     linears = quantized_linears(weights, s)
     out = {}
     for prefix, tensors in linears.items():
-        out[f"{prefix}.weight"] = convert(tensors, s)[0].to(dtype)
+        if f"{prefix}.weight" not in skip:
+            out[f"{prefix}.weight"] = convert(tensors, s)[0].to(dtype)
     taken = {f"{p}.{sfx}" for p, t in linears.items() for sfx in t}
     for name, tensor in weights.items():
         if name not in taken:

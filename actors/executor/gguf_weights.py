@@ -57,8 +57,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 
 def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_heads: int,
-                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor the model uses, under Hugging Face names, in `dtype`. Each tensor is
+                      dtype: torch.dtype = torch.float32,
+                      skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor the model uses but those in `skip`, under Hugging Face names, in `dtype`.
+    Each tensor is
     dequantized (float32), fixed up and converted before the next is read, so the float32
     copy of the whole model never exists at once."""
     arch = header.metadata.get("general.architecture", "llama")
@@ -66,7 +68,7 @@ def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_head
     weights = {}
     for info in header.tensors.values():
         name = hf_name(info.name, arch)
-        if name is None:
+        if name is None or name in skip:
             continue
         plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
         tensor = read_tensor(data, info, torch.float32 if plus_one else dtype)

@@ -17,12 +17,13 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       width: int, dtype: torch.dtype,
                       device: torch.device | None = None) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, Hkv, width] tensor per layer (width: D, or D + 4
-    for a quantized cache, kernels/kv_quant.py). Zeroing touches every
-    page now: a first write into an untouched page later would fault mid-step (measured: a
-    64-token cache write went from 0.03 ms to 6.5 ms), and never-written slots must read as
-    zeros, not NaN garbage that a masked score times a value would spread. A CPU pool lies on
-    huge pages where it fills one (huge_pages.zeros). device None: host memory, the pool a
-    backend with Capabilities.host_memory runs on (Backend.kv_device); else that device's."""
+    for a quantized cache, kernels/kv_quant.py): never-written slots must read as zeros, not
+    NaN garbage that a masked score times a value would spread. A CPU pool lies on huge pages
+    where it fills one (huge_pages.zeros: zero as mapped, backed as it is first written, so
+    its memory grows with use); elsewhere torch.zeros touches every page now (on 4 KiB pages
+    a first write into an untouched page mid-step took a 64-token cache write from 0.03 ms to
+    6.5 ms). device None: host memory, the pool a backend with Capabilities.host_memory runs
+    on (Backend.kv_device); else that device's."""
     shape = (2, num_blocks, block_size, num_kv_heads, width)
     if device is None and (caches := huge_pages.zeros(num_layers, shape, dtype)):
         log.info("KV cache: %d MiB on 2 MiB pages", sum(c.nbytes for c in caches) >> 20)

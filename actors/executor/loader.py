@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +37,8 @@ from .models import MODELS
 from .load_quantization import round_linears
 from .parallel import TensorParallel, shard_blocks, shard_rows, shard_state
 
+log = logging.getLogger(__name__)
+
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -52,12 +56,17 @@ def load_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
 
 
 def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
-               quantization: str = "none", ops=None, cp=None) -> LoadedModel:
+               quantization: str = "none", ops=None, cp=None,
+               place_blocks: PlaceBlocks | None = None) -> LoadedModel:
     """Build the model for `info` and fill it with weights cast to `dtype` (this rank's share
     of them under tensor parallelism). `quantization` int8|int4 rounds the linears of the
     whole weights before they are shared (load_quantization.py): every rank count holds the
     same values, and the blocks come back beside the model for keep_quantized. `ops`, `cp`:
-    the backend's kernel set and the context-parallel group the model is built with."""
+    the backend's kernel set and the context-parallel group the model is built with.
+    `place_blocks(model, rounded)` gives Linears their stored blocks (keep_quantized): called
+    before any float weight is read, so a Linear that keeps only its blocks never has its
+    float weight read or dequantized (the model's memory is then about its file's); with
+    --quantization, after rounding, which needs the float weights."""
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
@@ -65,9 +74,13 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
     torch_dtype = TORCH_DTYPES[dtype]
     tp, rounded = tp or TensorParallel(), None
     with _one_thread():
-        cfg, weights = _read_weights(info, model_cls, torch_dtype)
+        cfg = _read_config(info, model_cls)
         with _no_init():
             model = model_cls(cfg, tp, ops, cp)
+        blocks_first = place_blocks is not None and quantization == "none"
+        if blocks_first:
+            place_blocks(model, None)
+        weights = _read_weights(info, cfg, torch_dtype, _blocks_only_sources(model, cfg))
         state = model_cls.fuse_weights(weights, cfg)
         del weights
         if quantization != "none":
@@ -75,36 +88,80 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
             rounded = round_linears(state, linears, quantization, info.digest)
         state = {k: w.to(torch_dtype) for k, w in shard_state(state, cfg, tp).items()}
         missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+        del state
+        if place_blocks is not None and not blocks_first:
+            place_blocks(model, rounded)
     if missing:
         raise ValueError(f"weights missing from {info.path}: {', '.join(missing[:5])}")
     model.reset_buffers()
     return LoadedModel(model.eval(), rounded)
 
 
+# keep_quantized bound to a model's file and options (Backend.prepare_blocks)
+PlaceBlocks = Callable[[nn.Module, "dict | None"], int]
+
+
+def _blocks_only_sources(model: nn.Module, cfg) -> frozenset[str]:
+    """The Hugging Face tensors only Linears that keep no float weight read (their blocks
+    serve every step): the loader need not read them. The embedding is always read (its
+    rows are looked up even where the tied LM head keeps blocks)."""
+    sources = model.linear_sources(cfg)
+    skip = {src for name, names in sources.items()
+            if getattr(model.get_submodule(name), "weight", 0) is None for src in names}
+    return frozenset(skip - {"model.embed_tokens.weight"})
+
+
 # --quantized-matmul-tokens auto (None): steps of up to this many tokens multiply the blocks,
-# larger ones oneDNN's dense copy, where the blocks' integer GEMM is no faster (every weight
-# but those quant.blocks_serve_large_steps names: they serve every step, with no dense copy).
+# larger ones oneDNN's dense copy, where the blocks' GEMM is the slower (every weight but
+# those quant.blocks_serve_large_steps names: they serve every step, with no dense copy) and
+# the copies fit in the room given (memory_budget.dense_budget).
 AUTO_MATMUL_TOKENS = 16
 
 
+class DenseRoom:
+    """`auto`'s choice per weight: a dense copy for large steps where the blocks' GEMM is the
+    slower, while the copies' bytes fit in `room` (None: no bound)."""
+
+    def __init__(self, room: int | None, lib, int16_gemm: bool, dense_bytes: int):
+        self.room, self.lib, self.int16_gemm = room, lib, int16_gemm
+        self.dense_bytes = dense_bytes        # a dense copy's bytes per weight
+        self.taken = self.refused = 0
+
+    def tokens(self, weight: quant.QuantWeight) -> int:
+        """-1 (the blocks serve every step) or AUTO_MATMUL_TOKENS (a dense copy above)."""
+        if quant.blocks_serve_large_steps(weight, self.lib, self.int16_gemm):
+            return -1
+        need = weight.rows * weight.cols * self.dense_bytes
+        if self.room is not None and self.taken + need > self.room:
+            self.refused += need
+            return -1
+        self.taken += need
+        return AUTO_MATMUL_TOKENS
+
+
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
-                   roundings: dict[int, str] | None = None, rounded: dict | None = None) -> int:
+                   roundings: dict[int, str] | None = None, rounded: dict | None = None,
+                   dtype: torch.dtype | None = None, dense_room: int | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
     Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`rounded`: read_model()'s
     rounded_blocks) — a quantized copy of its weight, this rank's share of it
     (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
     Linears drop their float copies: called before pack_linears, which then packs none of
-    them; None: auto, per weight: -1 where its blocks' GEMM is the faster, else
-    AUTO_MATMUL_TOKENS); returns the bytes kept. Only where the activations are bfloat16 or
+    them; None: auto, per weight (DenseRoom): AUTO_MATMUL_TOKENS where its blocks' GEMM is
+    the slower and its dense copy fits in `dense_room` bytes, else -1); returns the bytes
+    kept. Only where the activations are bfloat16 or
     float32 (the kernels' dtypes), for the model's backend (`model.ops`: its native library
     and capabilities); `roundings`: GGML type -> how its weights meet the activations
-    (kernels/quant.py ROUNDINGS; a type not named: exact)."""
+    (kernels/quant.py ROUNDINGS; a type not named: exact). `dtype`: the activations' (None:
+    the embedding's; read_model places blocks before the weights are loaded)."""
     lib, int16_gemm = model.ops.lib, model.ops.capabilities.int16_large_steps
-    if max_tokens == 0 or not quant.available(lib) \
-            or model.embed.weight.dtype not in (torch.bfloat16, torch.float32):
+    dtype = dtype or model.embed.weight.dtype
+    if max_tokens == 0 or not quant.available(lib) or dtype not in (torch.bfloat16, torch.float32):
         return 0
     kept, roundings = 0, roundings or {}
+    upcast = dtype == torch.float32 or not model.ops.capabilities.bf16_dot
+    auto = DenseRoom(dense_room, lib, int16_gemm, 4 if upcast else 2)
     with _one_thread():
         linears = {name: LinearBlocks([blocks], None) for name, blocks in rounded.items()} \
             if rounded is not None else _linear_blocks(info, model)
@@ -118,13 +175,14 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
             weight = quant.QuantWeight.joined(
                 [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
                  for t, rows in segments], lib, order)
-            tokens = max_tokens if max_tokens is not None else \
-                -1 if quant.blocks_serve_large_steps(weight, lib, int16_gemm) \
-                else AUTO_MATMUL_TOKENS
+            tokens = max_tokens if max_tokens is not None else auto.tokens(weight)
             linear.use_quantized(weight, tokens if tokens > 0 else sys.maxsize)
             if tokens < 0:
                 linear.drop_float()
             kept += weight.nbytes
+    if auto.refused:
+        log.info("no dense copy of %.2f GiB of weights: beyond the %.2f GiB free for them",
+                 auto.refused / 2**30, auto.room / 2**30)
     return kept
 
 
@@ -250,37 +308,54 @@ def _gguf_header(path: str):
     return read_gguf_header(path)
 
 
-def _read_weights(info: ModelInfo, model_cls, dtype: torch.dtype):
-    """(model config, {Hugging Face name: tensor in dtype})."""
+def _read_config(info: ModelInfo, model_cls):
+    """The model's config from its GGUF metadata or config.json."""
+    if info.format != "gguf":
+        return model_cls.config_class.from_hf(_hf_config(info.path))
+    header = _gguf_header(info.path)
+    cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
+    freqs = header.tensors.get("rope_freqs.weight")
+    if freqs is not None:     # Llama 3's rope scaling as llama.cpp keeps it: a divisor per
+        data = np.memmap(info.path, dtype=np.uint8, mode="r")        # rope frequency
+        cfg.rope_freq_divisors = read_tensor(data, freqs).tolist()
+    return cfg
+
+
+def _read_weights(info: ModelInfo, cfg, dtype: torch.dtype,
+                  skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """{Hugging Face name: tensor in dtype}, but the names in `skip`. A GGUF model read whole
+    is cached dequantized (weight_cache.py); one that skips its blocks-only linears is not:
+    what is left (embedding, norms) converts in a fraction of the time a cache file would
+    cost on disk."""
     if info.format == "gguf":
-        header = _gguf_header(info.path)
-        cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
-        freqs = header.tensors.get("rope_freqs.weight")
-        if freqs is not None:     # Llama 3's rope scaling as llama.cpp keeps it: a divisor per
-            data = np.memmap(info.path, dtype=np.uint8, mode="r")       # rope frequency
-            cfg.rope_freq_divisors = read_tensor(data, freqs).tolist()
+        header, heads = _gguf_header(info.path), (cfg.num_heads, cfg.num_kv_heads)
+        if skip:
+            return read_gguf_weights(info.path, header, *heads, dtype, skip)
         cached = weight_cache.load(info.digest, dtype)
         if cached is not None:
-            return cfg, cached
-        weights = read_gguf_weights(info.path, header, cfg.num_heads, cfg.num_kv_heads, dtype)
+            return cached
+        weights = read_gguf_weights(info.path, header, *heads, dtype)
         weight_cache.store(info.digest, dtype, weights)
-        return cfg, weights
-    cfg = model_cls.config_class.from_hf(_hf_config(info.path))
+        return weights
     scheme = _hf_scheme(info.path)
     if scheme is not None:       # packed integer linears -> float weights (their blocks' values)
-        return cfg, checkpoint_formats.float_weights(read_safetensors(info.path), scheme, dtype)
-    return cfg, read_safetensors(info.path, dtype)
+        return checkpoint_formats.float_weights(read_safetensors(info.path), scheme, dtype, skip)
+    return read_safetensors(info.path, dtype, skip)
 
 
-def read_safetensors(path: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory (one file or the shards its index lists),
-    memory-mapped, each cast to `dtype` (None: as stored) as it is read."""
+def read_safetensors(path: str, dtype: torch.dtype | None = None,
+                     skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory (one file or the shards its index lists) but
+    those named in `skip`, memory-mapped, each cast to `dtype` (None: as stored) as it is
+    read."""
     from safetensors import safe_open
 
     weights = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if name in skip:
+                    continue
                 tensor = f.get_tensor(name)
                 weights[name] = tensor if dtype is None else tensor.to(dtype)
     return weights

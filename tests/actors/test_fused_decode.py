@@ -9,7 +9,6 @@ import torch
 
 from pagewire import LLM
 from pagewire.kernels import kv_quant, quant, tiers
-from pagewire.executor.loader import AUTO_MATMUL_TOKENS
 from pagewire.executor.models.fused_decode import FusedDecode
 from pagewire.executor.models.program import Op, Step
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
@@ -67,11 +66,8 @@ def decode_step(runner, contexts: list[int], seed: int):
 def test_fused_stack_equals_the_per_op_path(runner, contexts):
     model = runner.model
     fused = model.fused_decode
-    # auto: blocks that serve large steps serve every step (loader.py)
-    every_step = quant.blocks_serve_large_steps(
-        model.lm_head.quantized, model.ops.lib, model.ops.capabilities.int16_large_steps)
-    assert fused is not None and fused.max_tokens == \
-        (sys.maxsize if every_step else AUTO_MATMUL_TOKENS)
+    # --quantized-matmul-tokens -1 (the default): the blocks serve every step (loader.py)
+    assert fused is not None and fused.max_tokens == sys.maxsize
     ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
     caches = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():

@@ -67,8 +67,10 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0 and IQ4_NL as
     Q8_0 blocks of the same values, Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
     values; prefill their dequantized copies, but for Q4_K_M, run with
-    --quantized-matmul-tokens -1: every step on the blocks, no float copies kept (nor packed
-    only to be dropped)."""
+    --quantized-matmul-tokens -1 (the default): every step on the blocks, no float copies
+    kept (nor packed only to be dropped), none of its linears even dequantized as it loads
+    (only the embedding and the norms are) and no dense copy cached on disk."""
+    from pagewire.executor import loader
     from transformers import AutoModelForCausalLM
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)      # K-quants: 256-weight rows
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
@@ -79,9 +81,18 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
         pack(linear, *args, **kwargs)
         packed.append(linear.packed is not None)
     monkeypatch.setattr(Linear, "pack", recording)
+    read, read_weights = [], loader.read_gguf_weights
+    monkeypatch.setattr(loader, "read_gguf_weights",
+                        lambda *a, **kw: read.append(read_weights(*a, **kw)) or read[-1])
     llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256,
               quantized_matmul_tokens=-1 if blocks_only else 16)
     model = llm.runner.model
+    (weights,) = read
+    dense = [n for n in weights if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert (dense == []) == blocks_only and "model.embed_tokens.weight" in weights
+    cache = os.path.join(os.environ["PAGEWIRE_CACHE_DIR"], "weights")
+    cached = os.listdir(cache) if os.path.isdir(cache) else []
+    assert (cached == []) == blocks_only, cached
     floats = [m.weight is not None or m.packed is not None for m in model.modules()
               if isinstance(m, Linear)]
     assert floats == [not blocks_only] * len(floats)
@@ -278,7 +289,8 @@ def test_int16_blocks_serve_every_step_on_the_avx2_tier(tiny_llama, tmp_path, to
     monkeypatch.setattr(native.load(tier), "int16_mac_ratio", 1.7)
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, "Q4_1")
-    llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256, kernels=tier)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, max_model_len=256, kernels=tier,
+              quantized_matmul_tokens=None)
     gemm = tier == "avx2"
     linears = [m for m in llm.runner.model.modules() if isinstance(m, Linear)]
     kind = 0 if tiers.has_bf16_dot(tier) else 2

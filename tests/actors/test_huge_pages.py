@@ -124,3 +124,31 @@ def test_the_cpu_kv_pool_lies_on_huge_pages_zeroed(monkeypatch):
     assert huge_pages.zeros(3, (2, 257, 16, 2, 68), torch.int8) is None
     plain = allocate_kv_cache(3, 257, 16, 2, 68, torch.int8)
     assert [c.shape for c in plain] == [(2, 257, 16, 2, 68)] * 3 and not any(c.any() for c in plain)
+
+
+def _resident(start: int, end: int) -> int:
+    """Rss of the mappings that meet [start, end), in bytes."""
+    total, meets = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and len(line.split()) >= 5:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            meets = lo < end and start < hi
+        elif head == "Rss:" and meets:
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_kv_pool_takes_memory_as_it_fills(monkeypatch):
+    """A 96 MiB pool is not written at start (a fresh mapping reads as zeros): resident
+    memory grows with the blocks written, so a large `--kv-cache-memory auto` pool costs
+    neither start-up time nor memory until it is used."""
+    from pagewire.executor.kv_blocks import allocate_kv_cache
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
+    caches = allocate_kv_cache(2, 3072, 16, 8, 64, torch.bfloat16)     # 48 MiB a layer
+    start, end = caches[0].data_ptr(), caches[1].data_ptr() + caches[1].nbytes
+    assert _resident(start, end) <= 2 * huge_pages.HUGE_PAGE
+    caches[0][:, :1024] = 1.0                # a third of layer 0's blocks: 2 x 16 MiB
+    grown = _resident(start, end)
+    assert 32 << 20 <= grown <= 36 << 20, grown
+    assert caches[1].sum() == 0 and caches[0][:, 1024:].sum() == 0

@@ -35,13 +35,20 @@ def test_json_config_and_bad_values(tmp_path):
 
 
 def test_quantized_matmul_tokens_takes_a_count_or_auto():
-    assert settings.build({}, {}).device.quantized_matmul_tokens is None           # auto
-    env = {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "-1"}
-    assert settings.build({}, env).device.quantized_matmul_tokens == -1
+    assert settings.build({}, {}).device.quantized_matmul_tokens == -1      # blocks only
+    env = {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "16"}
+    assert settings.build({}, env).device.quantized_matmul_tokens == 16
     assert settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "auto"}) \
         .device.quantized_matmul_tokens is None
     with pytest.raises(ValueError, match="whole number of tokens or `auto`"):
         settings.build({}, {"PAGEWIRE_QUANTIZED_MATMUL_TOKENS": "many"})
+
+
+def test_kv_cache_memory_takes_a_size_or_auto():
+    assert settings.build({}, {}).cache.kv_cache_memory is None                  # auto
+    env = {"PAGEWIRE_KV_CACHE_MEMORY": "4GiB"}
+    assert settings.build({}, env).cache.kv_cache_memory == 4 * 2**30
+    assert settings.build({"kv_cache_memory": "auto"}, env).cache.kv_cache_memory is None
 
 
 def test_effective_configuration_redacts_keys():

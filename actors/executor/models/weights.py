@@ -18,12 +18,13 @@ _SANDWICH_NORMS = {"input_layernorm": "input_norm", "post_attention_layernorm": 
 
 def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) -> this module's
-    state dict. Tensors pass through unchanged where no fusing is needed."""
+    state dict. Tensors pass through unchanged where no fusing is needed. A Linear whose
+    sources are absent (the loader skips those that keep only their blocks) gets no entry."""
     norm = _gemma_norm if cfg.architecture.startswith("Gemma") else (lambda w: w)
     out = {"embed.weight": weights["model.embed_tokens.weight"],
            "norm.weight": norm(weights["model.norm.weight"])}
-    out["lm_head.weight"] = out["embed.weight"] if cfg.tie_word_embeddings \
-        else weights["lm_head.weight"]
+    lm_head = out["embed.weight"] if cfg.tie_word_embeddings else weights.get("lm_head.weight")
+    _put(out, "lm_head.weight", lm_head)
     names = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -31,9 +32,9 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
         if src + "mlp.gate_up_proj.weight" in weights:                     # Phi3: fused
             out[dst + "mlp.gate_up.weight"] = weights[src + "mlp.gate_up_proj.weight"]
         else:
-            out[dst + "mlp.gate_up.weight"] = torch.cat(
-                [weights[src + "mlp.gate_proj.weight"], weights[src + "mlp.up_proj.weight"]])
-        out[dst + "mlp.down.weight"] = weights[src + "mlp.down_proj.weight"]
+            _put(out, dst + "mlp.gate_up.weight",
+                 _joined(weights, [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]))
+        _put(out, dst + "mlp.down.weight", weights.get(src + "mlp.down_proj.weight"))
         for theirs, ours in names.items():
             out[f"{dst}{ours}.weight"] = norm(weights[f"{src}{theirs}.weight"])
         if cfg.qk_norm:
@@ -61,8 +62,19 @@ def _attention(weights, src: str, dst: str, cfg: LlamaConfig, out: dict) -> None
         if src + f"qkv_proj.{kind}" in weights:                            # Phi3: fused
             out[dst + f"qkv.{kind}"] = weights[src + f"qkv_proj.{kind}"]
         else:
-            out[dst + f"qkv.{kind}"] = torch.cat([weights[src + f"{p}_proj.{kind}"] for p in "qkv"])
-    out[dst + "o_proj.weight"] = weights[src + "o_proj.weight"]
+            _put(out, dst + f"qkv.{kind}", _joined(weights, [src + f"{p}_proj.{kind}" for p in "qkv"]))
+    _put(out, dst + "o_proj.weight", weights.get(src + "o_proj.weight"))
+
+
+def _joined(weights: dict, names: list[str]) -> torch.Tensor | None:
+    """The named tensors concatenated by rows; None where any is absent."""
+    parts = [weights.get(n) for n in names]
+    return None if any(p is None for p in parts) else torch.cat(parts)
+
+
+def _put(out: dict, name: str, tensor: torch.Tensor | None) -> None:
+    if tensor is not None:
+        out[name] = tensor
 
 
 def _gemma_norm(w: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""How much memory a server may take, decided once where its configuration is resolved (the
+supervisor, or the offline LLM): the KV pool of `--kv-cache-memory auto` and, with
+`--quantized-matmul-tokens auto`, the room the executor leaves its dense weight copies.
+
+The memory free to this process is the least of the kernel's MemAvailable and, under a
+cgroup limit (systemd's MemoryMax, a container's), the limit less the group's usage. The
+model's weights are estimated from its file: blocks kept as stored cost about their bytes
+(the tiles of kernels/quant.py run 1.0-1.5x the file's K-quant blocks, ~1.1x Q4_0), a float
+checkpoint its bytes, a dense copy per weight on top where one is asked for.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+# What the engine holds beside weights and KV: torch, oneDNN and the kernels, the
+# tokenizers and the other actors' Python (~0.6 GiB measured for the default model), the
+# step's activations and logits, and room for the OS page cache the weights are read through.
+RESERVE = 1 * GiB
+# The share of what is left after weights and RESERVE that `auto` gives the KV pool: the rest
+# stays free for the machine (the page cache, a second engine, a client).
+KV_SHARE = 0.5
+# Bytes the executor holds per byte of a quantized file's blocks (the largest tile overhead,
+# Q3_K as Q6_K tiles aside: Q5_K and Q6_K tiles are 1.5-1.8x their blocks, Q4_K 1.33x).
+TILE_OVERHEAD = 1.35
+
+
+def available_bytes() -> int:
+    """Memory this process may still take: /proc/meminfo's MemAvailable, or less under a
+    cgroup v2 limit."""
+    free = _meminfo_available()
+    limit = _cgroup_room()
+    return free if limit is None else min(free, limit)
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_room() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2); None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read()))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def file_bytes(path: str) -> int:
+    """Bytes of a model's weights on disk: the GGUF file, or a directory's safetensors."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    from .model_files import safetensors_files
+    return sum(os.path.getsize(f) for f in safetensors_files(path))
+
+
+def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
+    """The executor's bytes of weights for `info` (a ModelInfo): a quantized model's blocks,
+    plus a dense bfloat16 copy of them where steps above some size use one (a positive
+    --quantized-matmul-tokens; `auto` is bounded by dense_budget instead); a float
+    checkpoint's file as it is."""
+    size = file_bytes(info.path)
+    quantized = info.format == "gguf" or bool(info.stored_quantization)
+    if not quantized:
+        return size
+    dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
+        else 0
+    return int(size * TILE_OVERHEAD) + dense
+
+
+def _parameters(info) -> int:
+    """The linears' weights of a Llama-shaped model (what a dense copy holds)."""
+    h, layers = info.hidden_size, info.num_layers
+    q = info.num_heads * info.head_dim
+    kv = 2 * info.num_kv_heads * info.head_dim
+    return layers * (h * (q + kv) + q * h + 3 * h * info.intermediate_size) \
+        + h * info.vocab_size
+
+
+class KvPlan(NamedTuple):
+    bytes: int          # the pool's size
+    max_len: int        # max_model_len, lowered to what the pool holds where it was not set
+    reason: str         # the start-up log's account of both
+
+
+def kv_auto(info, per_token: int, max_len: int, len_given: bool, max_seqs: int,
+            quantized_matmul_tokens: int | None, free: int | None = None) -> KvPlan:
+    """`--kv-cache-memory auto`: KV_SHARE of the memory left after the weights and RESERVE,
+    no more than max_seqs sequences of max_len tokens fill, no less than one. Where even one
+    does not fit and --max-model-len was not given, the context is lowered to what fits."""
+    free = available_bytes() if free is None else free
+    weights = weights_estimate(info, quantized_matmul_tokens)
+    left = free - weights - RESERVE
+    share = int(max(0, left) * KV_SHARE)
+    size = min(share, max_seqs * max_len * per_token)
+    account = (f"{free / GiB:.1f} GiB free, ~{weights / GiB:.1f} GiB of weights, "
+               f"{RESERVE / GiB:.0f} GiB reserved: {KV_SHARE:.0%} of the rest")
+    if size >= max_len * per_token:
+        return KvPlan(size, max_len, account)
+    fits = share // per_token
+    if not len_given and fits >= 1024:
+        return KvPlan(share, fits, account + f"; the context lowered to {fits} tokens to fit "
+                      f"(the model's is {max_len}: pass --max-model-len and "
+                      "--kv-cache-memory for more)")
+    return KvPlan(max_len * per_token, max_len, account + f"; less than one sequence of "
+                  f"{max_len} tokens fits, so the pool holds exactly one")
+
+
+def dense_budget(kv_bytes: int) -> int:
+    """With --quantized-matmul-tokens auto, the bytes of dense weight copies the executor may
+    add beside the blocks: half the memory free as it loads them, less the KV pool of
+    `kv_bytes` it allocates after."""
+    return max(0, available_bytes() - kv_bytes) // 2
