@@ -4,9 +4,13 @@ the command shapes and summary lines of `vllm bench`, so the two compare line fo
     pagewire bench throughput --dataset-name random --random-input-len 128 \\
         --random-output-len 128 --num-prompts 64 [--random-range-ratio R] [--seed S]
     pagewire bench latency --input-len 128 --output-len 128 --batch-size 1 --num-iters 5
+
+The model is the positional MODEL, as for `pagewire serve`, or `--model MODEL`, as for vLLM's
+bench commands (giving both, different, is an error).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -30,6 +34,7 @@ def add_arguments(sub) -> None:
     from .cli import add_engine_args
     tp = sub.add_parser("throughput", help="offline throughput on a random dataset")
     add_engine_args(tp)
+    _add_model_flag(tp)
     tp.add_argument("--dataset-name", default="random", choices=["random"])
     tp.add_argument("--random-input-len", type=int, default=1024)
     tp.add_argument("--random-output-len", type=int, default=128)
@@ -39,6 +44,7 @@ def add_arguments(sub) -> None:
     tp.set_defaults(bench=throughput)
     lat = sub.add_parser("latency", help="latency of one batch, repeated")
     add_engine_args(lat)
+    _add_model_flag(lat)
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=128)
     lat.add_argument("--batch-size", type=int, default=8)
@@ -46,6 +52,23 @@ def add_arguments(sub) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=10)
     lat.add_argument("--output-json", default=None)
     lat.set_defaults(bench=latency)
+
+
+def _add_model_flag(p) -> None:
+    p.add_argument("--model", dest="model_flag", default=argparse.SUPPRESS, metavar="MODEL",
+                   help="the model, as vLLM's bench commands take it (same as MODEL)")
+
+
+def take_model_flag(args: argparse.Namespace) -> None:
+    """Move `--model` to the positional MODEL's place (`args.model`, which the configuration
+    reads). Raises ValueError when both are given and differ."""
+    flag = vars(args).pop("model_flag", None)
+    if flag is None:
+        return
+    positional = getattr(args, "model", None)
+    if positional is not None and positional != flag:
+        raise ValueError(f"the model is given twice: MODEL {positional!r} and --model {flag!r}")
+    args.model = flag
 
 
 def _llm(args):

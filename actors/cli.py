@@ -33,18 +33,30 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return settings.build(flags, config_file=getattr(args, "config_file", None))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as the commands read it (a bench's `--model` in MODEL's place);
+    exits with status 2 and a usage message on a bad one, as argparse does."""
+    from . import bench_cli, cli_tools
     parser = argparse.ArgumentParser(prog="pagewire", argument_default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API",
                            argument_default=argparse.SUPPRESS)
     options.add_flags(serve, serve=True)
     bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
-    from . import bench_cli
     bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))
-    from . import cli_tools
     cli_tools.add_commands(sub)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        try:
+            bench_cli.take_model_flag(args)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import bench_cli, cli_tools
+    args = parse_args(argv)
     if args.command in cli_tools.COMMANDS:
         return cli_tools.run(args)
     if args.command == "bench":

@@ -20,7 +20,7 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
+def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     heads = cfg["num_attention_heads"]
     writer.add_context_length(cfg.get("max_position_embeddings", 1024))
     writer.add_embedding_length(cfg["hidden_size"])
@@ -44,7 +44,7 @@ def _add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
 
-def _copy_tokenizer(writer, tokenizer_meta: dict) -> None:
+def copy_tokenizer(writer, tokenizer_meta: dict) -> None:
     from gguf import GGUFValueType
     for key in TOKENIZER_KEYS:
         if key not in tokenizer_meta:
@@ -176,12 +176,12 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     import gguf
     from gguf.quants import quantize
 
-    kind = gguf.GGMLQuantizationType[_tensor_type(qtype, "")]
+    kind = gguf.GGMLQuantizationType[tensor_type(qtype, "")]
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
     writer = gguf.GGUFWriter(path, arch)
-    _add_metadata(writer, arch, cfg, cfg["vocab_size"])
-    _copy_tokenizer(writer, tokenizer_meta)
+    add_metadata(writer, arch, cfg, cfg["vocab_size"])
+    copy_tokenizer(writer, tokenizer_meta)
     for name, w in state.items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf-py has no name for {name}"
@@ -191,9 +191,9 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
         elif kind in (gguf.GGMLQuantizationType.F16,):
             writer.add_tensor(gguf_name, a.astype(np.float16))
         else:
-            tensor_type = _tensor_type(qtype, name)
-            kind = gguf.GGMLQuantizationType[tensor_type]
-            blocks = QUANTIZERS.get(tensor_type, lambda a: quantize(a, kind))(a)
+            stored = tensor_type(qtype, name)
+            kind = gguf.GGMLQuantizationType[stored]
+            blocks = QUANTIZERS.get(stored, lambda a: quantize(a, kind))(a)
             writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
     for gguf_name, a in (raw or {}).items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
@@ -204,7 +204,9 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     return path
 
 
-def _tensor_type(qtype: str, name: str) -> str:
+def tensor_type(qtype: str, name: str) -> str:
+    """The GGML type a 2-D weight `name` (Hugging Face name) is stored as in a `qtype` file:
+    `qtype` itself, except in Q4_K_M's mix."""
     if qtype != "Q4_K_M":
         return qtype
     more_bits = name.endswith(("down_proj.weight", "lm_head.weight")) or \

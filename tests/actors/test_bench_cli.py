@@ -1,7 +1,7 @@
 """`pagewire bench throughput|latency` end to end on the default model: the engine options
 given as flags reach the offline engine it builds, and each command writes vLLM's summary
 fields (a bench broken by a change to the configuration's shape failed only when run by
-hand before)."""
+hand before); the model is taken as MODEL or as vLLM's `--model`."""
 from __future__ import annotations
 
 import json
@@ -10,10 +10,10 @@ import pytest
 
 from pagewire import cli
 
-pytestmark = pytest.mark.slow
 ENGINE = ["--max-model-len", "256", "--kv-cache-memory", "16MiB", "--max-num-seqs", "4"]
 
 
+@pytest.mark.slow
 def test_throughput_runs_with_the_flags_given(tmp_path, monkeypatch):
     from pagewire import bench_cli
     built = []
@@ -30,6 +30,7 @@ def test_throughput_runs_with_the_flags_given(tmp_path, monkeypatch):
     assert result["num_requests"] == 3 and result["total_num_tokens"] == 3 * (16 + 4)
 
 
+@pytest.mark.slow
 def test_latency_runs(tmp_path):
     out = tmp_path / "latency.json"
     assert cli.main(["bench", "latency", *ENGINE, "--input-len", "8", "--output-len", "4",
@@ -37,3 +38,21 @@ def test_latency_runs(tmp_path):
                      "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 2 and result["avg_latency"] > 0
+
+
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_model_flag_is_the_positional_model(tmp_path, command):
+    model = str(tmp_path / "m.gguf")
+    positional = cli.config_from_args(cli.parse_args(["bench", command, model, *ENGINE]))
+    flag = cli.config_from_args(cli.parse_args(["bench", command, "--model", model, *ENGINE]))
+    both = cli.config_from_args(cli.parse_args(["bench", command, model, "--model", model]))
+    assert flag == positional and flag.model.model == both.model.model == model
+    assert cli.config_from_args(cli.parse_args(["bench", command])).model.model is None
+
+
+def test_two_different_models_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["bench", "latency", "a.gguf", "--model", "b.gguf"])
+    assert exc.value.code == 2
+    assert "the model is given twice: MODEL 'a.gguf' and --model 'b.gguf'" in \
+        capsys.readouterr().err

@@ -1,0 +1,342 @@
+"""Random-weight models of real shapes: GGUF files and bfloat16 Hugging Face directories whose
+tensors have the sizes and storage types of the models people serve, so speed and memory are
+measured at those sizes (bench/real_shapes.py is the command; the tests write tiny ones).
+
+Quality is not the point, bytes and shapes are. Nothing is quantized: each GGUF tensor is
+written as random block bytes whose fp16 scale fields are then set to small values, so an 8B
+file takes seconds of CPU and one tensor's memory at a time. The scales give weights of
+about 0.02 root mean square (like a checkpoint's init), which keeps the residual stream and
+logits finite through 32 layers. The vocabulary and tokenizer are the default model's."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import NamedTuple
+
+import numpy as np
+
+from .gguf_writer import TOKENIZER_KEYS, add_metadata, copy_tokenizer, tensor_type
+
+# Public config.json values; the vocabulary is the default model's, not the real one.
+SHAPES = {
+    "llama-3.2-1b": dict(architecture="LlamaForCausalLM", hidden_size=2048,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=8192, tie_word_embeddings=True,
+                         rope_theta=500000.0, rms_norm_eps=1e-5),
+    "llama-3.2-3b": dict(architecture="LlamaForCausalLM", hidden_size=3072,
+                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                         intermediate_size=8192, tie_word_embeddings=True,
+                         rope_theta=500000.0, rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(architecture="LlamaForCausalLM", hidden_size=4096,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, tie_word_embeddings=False,
+                         rope_theta=500000.0, rms_norm_eps=1e-5),
+    "qwen2.5-1.5b": dict(architecture="Qwen2ForCausalLM", hidden_size=1536,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, tie_word_embeddings=True,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-7b": dict(architecture="Qwen2ForCausalLM", hidden_size=3584,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, tie_word_embeddings=False,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
+FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16")
+MAX_POSITION = 32768          # a 32k context is servable
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+# GGML type -> (bytes per block, weights per block, (byte offset of an fp16 scale, low,
+# high) for each scale field). Every other byte may be anything: all bit patterns are valid
+# quants (and Q4_K's packed 6-bit scales). The ranges give weights of ~0.02 rms: Q4_0
+# d * (q - 8); Q8_0 d * q; Q4_K d * sc * q - dmin * mn (dmin ~ 7.5 d centres a sub-block
+# on average); Q6_K d * sc * q with sc cut to -16..15 (below), so d stays a normal fp16.
+BLOCKS = {
+    "Q4_0": (18, 32, ((0, 0.002, 0.006),)),
+    "Q8_0": (34, 32, ((0, 1.5e-4, 4e-4),)),
+    "Q4_K": (144, 256, ((0, 6.5e-5, 1.1e-4), (2, 5e-4, 8e-4))),
+    "Q6_K": (210, 256, ((208, 8e-5, 1.6e-4),)),
+}
+
+
+class Planned(NamedTuple):
+    hf_name: str
+    gguf_name: str
+    dims: tuple[int, ...]     # numpy order: [out, in] for a linear
+    ggml_type: str            # "F32" for norms and biases in a GGUF file
+
+
+def default_tokenizer_meta(limit: int | None = None) -> dict:
+    """The default model's tokenizer as its GGUF holds it; `limit` keeps the first tokens
+    (specials, bytes, first merges) and the merges among them: a valid byte-level BPE that
+    converts in a fraction of the time, for tiny test models."""
+    from pagewire.gguf_header import read_gguf_header
+    from pagewire.model_info import default_model_path
+    meta = read_gguf_header(default_model_path()).metadata
+    meta = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+    if limit is not None:
+        tokens = list(meta["tokenizer.ggml.tokens"][:limit])
+        kept = set(tokens)
+        meta["tokenizer.ggml.tokens"] = tokens
+        meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:limit]
+        meta["tokenizer.ggml.merges"] = [
+            m for m in meta["tokenizer.ggml.merges"]
+            if all(p in kept for p in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
+    return meta
+
+
+def hf_config(shape: dict, vocab_size: int, bos: int, eos: int) -> dict:
+    """config.json of a shape (also what the GGUF metadata is written from)."""
+    cfg = {k: v for k, v in shape.items() if k != "architecture"}
+    cfg.setdefault("max_position_embeddings", MAX_POSITION)
+    cfg["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    return {"architectures": [shape["architecture"]],
+            "model_type": GGUF_ARCH[shape["architecture"]], **cfg, "vocab_size": vocab_size,
+            "bos_token_id": bos, "eos_token_id": eos, "hidden_act": "silu",
+            "torch_dtype": "bfloat16"}
+
+
+def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
+    """Every tensor of the model, in llama.cpp's order, with its type in a `fmt` file
+    (Q4_0, Q4_K_M, Q8_0: the embedding stored like the linears, Q4_K_M's from its Q4_K;
+    bf16: all "BF16")."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    q_rows, kv_rows = shape["num_attention_heads"] * head_dim, \
+        shape["num_key_value_heads"] * head_dim
+    bias = shape["architecture"] == "Qwen2ForCausalLM"
+
+    def kind(hf_name: str, dims: tuple[int, ...]) -> str:
+        if fmt == "bf16":
+            return "BF16"
+        if len(dims) == 1:
+            return "F32"
+        return "Q4_K" if fmt == "Q4_K_M" and "embed" in hf_name else tensor_type(fmt, hf_name)
+
+    rows = [("model.embed_tokens.weight", "token_embd.weight", (vocab_size, hidden))]
+    for i in range(shape["num_hidden_layers"]):
+        hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        rows.append((hf + "input_layernorm.weight", gg + "attn_norm.weight", (hidden,)))
+        for proj, short, out in (("q", "q", q_rows), ("k", "k", kv_rows), ("v", "v", kv_rows)):
+            rows.append((f"{hf}self_attn.{proj}_proj.weight", f"{gg}attn_{short}.weight",
+                         (out, hidden)))
+            if bias:
+                rows.append((f"{hf}self_attn.{proj}_proj.bias", f"{gg}attn_{short}.bias",
+                             (out,)))
+        rows += [(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", (hidden, q_rows)),
+                 (hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (hidden,)),
+                 (hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", (inter, hidden)),
+                 (hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (inter, hidden)),
+                 (hf + "mlp.down_proj.weight", gg + "ffn_down.weight", (hidden, inter))]
+    rows.append(("model.norm.weight", "output_norm.weight", (hidden,)))
+    if not shape["tie_word_embeddings"]:
+        rows.append(("lm_head.weight", "output.weight", (vocab_size, hidden)))
+    return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in rows]
+
+
+def random_blocks(ggml_type: str, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [rows, cols / weights per block * block bytes]: random quants, small scales."""
+    size, per, scales = BLOCKS[ggml_type]
+    n = rows * cols // per
+    blocks = _random_bytes(n * size, rng).reshape(n, size)
+    for offset, low, high in scales:
+        d = rng.uniform(low, high, n).astype(np.float16)
+        blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(n, 2)
+    if ggml_type == "Q6_K":       # int8 sub-block scales in -16..15
+        blocks[:, 192:208] = ((blocks[:, 192:208] & 0x1F).view(np.int8) - 16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _random_bytes(count: int, rng) -> np.ndarray:
+    """`count` random bytes, writable (64-bit draws: ~8x faster than drawing uint8)."""
+    words = rng.bit_generator.random_raw((count + 7) // 8)
+    return words.view(np.uint8)[:count]
+
+
+def _small_values(planned: Planned, rng) -> np.ndarray:
+    """A norm's ones, or a bias of normal * 0.02."""
+    if planned.hf_name.endswith("norm.weight"):
+        return np.ones(planned.dims, dtype=np.float32)
+    return (rng.standard_normal(planned.dims) * 0.02).astype(np.float32)
+
+
+def gguf_data_bytes(plan: list[Planned], alignment: int = 32) -> int:
+    """Bytes of tensor data a GGUF file of `plan` holds after its header (each padded)."""
+    total = 0
+    for t in plan:
+        if t.ggml_type == "F32":
+            nbytes = 4 * int(np.prod(t.dims))
+        else:
+            size, per, _ = BLOCKS[t.ggml_type]
+            nbytes = int(np.prod(t.dims)) // per * size
+        total += (nbytes + alignment - 1) // alignment * alignment
+    return total
+
+
+def write_gguf_model(path: str, shape: dict, fmt: str, tokenizer_meta: dict | None = None,
+                     seed: int = 0) -> str:
+    """Write a `fmt` GGUF of `shape` to `path` (via path + ".part", renamed when whole), one
+    tensor in memory at a time."""
+    import gguf
+    meta = tokenizer_meta if tokenizer_meta is not None else default_tokenizer_meta()
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    plan = tensor_plan(shape, fmt, vocab)
+    arch = GGUF_ARCH[shape["architecture"]]
+    cfg = hf_config(shape, vocab, int(meta["tokenizer.ggml.bos_token_id"]),
+                    int(meta["tokenizer.ggml.eos_token_id"]))
+    part = path + ".part"
+    writer = gguf.GGUFWriter(part, arch)
+    add_metadata(writer, arch, cfg, vocab)
+    copy_tokenizer(writer, meta)
+    for t in plan:
+        if t.ggml_type == "F32":
+            writer.add_tensor_info(t.gguf_name, t.dims, np.dtype(np.float32),
+                                   4 * int(np.prod(t.dims)))
+        else:
+            size, per, _ = BLOCKS[t.ggml_type]
+            byte_shape = (t.dims[0], t.dims[1] // per * size)
+            writer.add_tensor_info(t.gguf_name, byte_shape, np.dtype(np.uint8),
+                                   byte_shape[0] * byte_shape[1],
+                                   raw_dtype=gguf.GGMLQuantizationType[t.ggml_type])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for t in plan:
+        data = _small_values(t, rng) if t.ggml_type == "F32" else \
+            random_blocks(t.ggml_type, t.dims[0], t.dims[1], rng)
+        writer.write_tensor_data(data)
+        del data
+    writer.close()
+    os.replace(part, path)
+    return path
+
+
+def gguf_is_whole(path: str, shape: dict, fmt: str) -> bool:
+    """`path` is a GGUF file of exactly `shape`'s tensors in `fmt`'s types and sizes."""
+    from pagewire.gguf_header import GGML_TYPES, read_gguf_header
+    try:
+        header = read_gguf_header(path)
+    except (OSError, ValueError):
+        return False
+    vocab = len(header.metadata.get("tokenizer.ggml.tokens", ()))
+    plan = tensor_plan(shape, fmt, vocab)
+    found = {n: (t.shape, GGML_TYPES[t.ggml_type][0]) for n, t in header.tensors.items()
+             if t.ggml_type in GGML_TYPES}
+    if found != {t.gguf_name: (t.dims, t.ggml_type) for t in plan}:
+        return False
+    start = min(t.offset for t in header.tensors.values())
+    return os.path.getsize(path) == start + gguf_data_bytes(plan)
+
+
+SHARD_BYTES = 2 * 10**9       # safetensors files of at most this many bytes (one tensor may
+                              # make a shard alone)
+CHUNK_VALUES = 1 << 26        # bfloat16 values drawn at once (128 MiB)
+
+
+def _bf16_table(rng) -> np.ndarray:
+    """65,536 bfloat16 bit patterns of normal * 0.02 (float32 truncated): a random uint16
+    index into it draws one, ~10x faster than drawing normals (8B weights in seconds)."""
+    values = (rng.standard_normal(1 << 16) * 0.02).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def hf_shards(plan: list[Planned], shard_bytes: int = SHARD_BYTES) -> list[list[Planned]]:
+    """The plan cut into consecutive shards of at most `shard_bytes` of bfloat16 data."""
+    shards, size = [[]], 0
+    for t in plan:
+        nbytes = 2 * int(np.prod(t.dims))
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _safetensors_header(shard: list[Planned]) -> bytes:
+    """The 8-byte length and JSON header of a bfloat16 shard, padded to 8 bytes as
+    safetensors pads it."""
+    entries, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in shard:
+        end = offset + 2 * int(np.prod(t.dims))
+        entries[t.hf_name] = {"dtype": "BF16", "shape": list(t.dims),
+                              "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _shard_name(k: int, count: int) -> str:
+    return f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_hf_model(path: str, shape: dict, tokenizer_dir: str | None = None, seed: int = 0,
+                   shard_bytes: int = SHARD_BYTES) -> str:
+    """Write a bfloat16 Hugging Face directory of `shape` at `path` (via path + ".part",
+    renamed when whole): sharded safetensors with their index, config.json, and the tokenizer
+    files of `tokenizer_dir` (default: the default model's tokenizer)."""
+    meta = default_tokenizer_meta()
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    plan = tensor_plan(shape, "bf16", vocab)
+    part = path + ".part"
+    shutil.rmtree(part, ignore_errors=True)
+    os.makedirs(part)
+    rng = np.random.default_rng(seed)
+    table = _bf16_table(rng)
+    shards = hf_shards(plan, shard_bytes)
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        name = _shard_name(k, len(shards))
+        with open(os.path.join(part, name), "wb") as f:
+            f.write(_safetensors_header(shard))
+            for t in shard:
+                count = int(np.prod(t.dims))
+                if t.hf_name.endswith("norm.weight"):
+                    np.full(count, 0x3F80, dtype=np.uint16).tofile(f)     # bfloat16 1.0
+                else:
+                    for start in range(0, count, CHUNK_VALUES):
+                        n = min(CHUNK_VALUES, count - start)
+                        table[_random_bytes(2 * n, rng).view(np.uint16)].tofile(f)
+                weight_map[t.hf_name] = name
+    total = sum(2 * int(np.prod(t.dims)) for t in plan)
+    _write_json(os.path.join(part, "model.safetensors.index.json"),
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(os.path.join(part, "config.json"),
+                hf_config(shape, vocab, int(meta["tokenizer.ggml.bos_token_id"]),
+                          int(meta["tokenizer.ggml.eos_token_id"])))
+    _save_tokenizer(part, tokenizer_dir)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(part, path)
+    return path
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+
+
+def _save_tokenizer(path: str, tokenizer_dir: str | None) -> None:
+    if tokenizer_dir is not None:
+        for name in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+        return
+    from pagewire.hf_tokenizer import load_tokenizer
+    from pagewire.model_info import resolve_model
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+
+
+def hf_is_whole(path: str, shape: dict) -> bool:
+    """`path` holds config.json and every shard of `shape`'s bfloat16 plan at its size."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not (os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(index)):
+        return False
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    shards = hf_shards(tensor_plan(shape, "bf16", vocab))
+    for k, shard in enumerate(shards):
+        file = os.path.join(path, _shard_name(k, len(shards)))
+        size = len(_safetensors_header(shard)) + 2 * sum(int(np.prod(t.dims)) for t in shard)
+        if not os.path.isfile(file) or os.path.getsize(file) != size:
+            return False
+    return True
