@@ -75,7 +75,7 @@ def _llm(args):
     from .cli import config_from_args
     from .llm import LLM
     fields = {k: v for k, v in config_from_args(args).flat().items()
-              if v is not None and k not in ("model", "model_info", "draft_model_info", "run_dir")}
+              if k not in ("model", "model_info", "draft_model_info", "run_dir")}
     return LLM(getattr(args, "model", None), **fields)
 
 

@@ -56,3 +56,16 @@ def test_two_different_models_are_refused(capsys):
     assert exc.value.code == 2
     assert "the model is given twice: MODEL 'a.gguf' and --model 'b.gguf'" in \
         capsys.readouterr().err
+
+
+def test_auto_values_reach_the_engine(monkeypatch):
+    """`auto` parses to None (the engine decides): the bench passes it on, not the default."""
+    from pagewire import bench_cli, llm
+    seen = {}
+    monkeypatch.setattr(llm, "LLM", lambda model, **fields: seen.update(fields, model=model))
+    args = cli.parse_args(["bench", "throughput", "--quantized-matmul-tokens", "auto",
+                           "--kv-cache-memory", "3GiB"])
+    bench_cli._llm(args)
+    assert seen["quantized_matmul_tokens"] is None and seen["kv_cache_memory"] == 3 * 2**30
+    bench_cli._llm(cli.parse_args(["bench", "throughput"]))
+    assert seen["quantized_matmul_tokens"] == -1 and seen["kv_cache_memory"] is None
