@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +31,7 @@ from pagewire.model_files import safetensors_files
 from pagewire.model_info import ModelInfo
 from pagewire.quant_config import read_scheme
 
-from . import checkpoint_formats, weight_cache
+from . import checkpoint_formats, huge_pages, weight_cache
 from .gguf_weights import read_blocks, read_gguf_weights, read_tensor
 from .models import MODELS
 from .load_quantization import round_linears
@@ -162,12 +162,13 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
     kept, roundings = 0, roundings or {}
     upcast = dtype == torch.float32 or not model.ops.capabilities.bf16_dot
     auto = DenseRoom(dense_room, lib, int16_gemm, 4 if upcast else 2)
+    trim = huge_pages.Trimmer()        # each Linear's raw blocks are garbage once packed
     with _one_thread():
-        linears = {name: LinearBlocks([blocks], None) for name, blocks in rounded.items()} \
+        linears = ((name, LinearBlocks([blocks], None)) for name, blocks in rounded.items()) \
             if rounded is not None else _linear_blocks(info, model)
         if model.tp.size > 1:
-            linears = _rank_shares(linears, model)
-        for name, (segments, order) in linears.items():
+            linears = _rank_shares(dict(linears), model).items()
+        for name, (segments, order) in linears:
             linear = model.get_submodule(name)
             if not isinstance(linear, Linear) or not all(
                     quant.packable(t, rows.shape[0], linear.in_features) for t, rows in segments):
@@ -180,6 +181,7 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
             if tokens < 0:
                 linear.drop_float()
             kept += weight.nbytes
+            trim.after(weight.nbytes)
     if auto.refused:
         log.info("no dense copy of %.2f GiB of weights: beyond the %.2f GiB free for them",
                  auto.refused / 2**30, auto.room / 2**30)
@@ -249,46 +251,60 @@ def _rank_shares(linears: dict[str, LinearBlocks], model) -> dict[str, LinearBlo
     return out
 
 
-def _linear_blocks(info: ModelInfo, model) -> dict[str, LinearBlocks]:
+def _linear_blocks(info: ModelInfo, model) -> Iterator[tuple[str, LinearBlocks]]:
     """The Linears whose stored tensors are all blocks in one column order, fused
-    (concatenated by rows) as fuse_weights fuses the float weights."""
+    (concatenated by rows) as fuse_weights fuses the float weights. A GGUF file's are read
+    one Linear at a time, so loading holds one Linear's raw blocks beside the packed tiles,
+    not the whole file's (an 8B file's blocks are 4.7 GB)."""
     sources = model.linear_sources(model.cfg)
-    stored, orders = _stored_blocks(info, model.cfg,
-                                    [n for names in sources.values() for n in names])
-    out = {}
+    if info.format == "gguf":
+        for module_name, names in sources.items():
+            stored = _gguf_blocks(info, model.cfg, names)
+            if all(n in stored for n in names):
+                yield module_name, LinearBlocks(_segments(stored, names), None)
+        return
+    stored, orders = _hf_blocks(info.path)
     for module_name, names in sources.items():
         order = orders.get(names[0])
-        if not all(n in stored and _same(orders.get(n), order) for n in names):
-            continue
-        segments: list[Blocks] = []
-        for ggml_type, rows in (stored.pop(n) for n in names):
-            if segments and segments[-1][0] == ggml_type:
-                rows = torch.cat([segments.pop()[1], rows])
-            segments.append((ggml_type, rows))
-        out[module_name] = LinearBlocks(segments, order)
-    return out
+        if all(n in stored and _same(orders.get(n), order) for n in names):
+            yield module_name, LinearBlocks(_segments(stored, names), order)
+
+
+def _segments(stored: dict[str, Blocks], names: list[str]) -> list[Blocks]:
+    """The named tensors' blocks by rows, one segment per run of one type (popped from
+    `stored`)."""
+    segments: list[Blocks] = []
+    for ggml_type, rows in (stored.pop(n) for n in names):
+        if segments and segments[-1][0] == ggml_type:
+            rows = torch.cat([segments.pop()[1], rows])
+        segments.append((ggml_type, rows))
+    return segments
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is b or a is not None and b is not None and torch.equal(a, b)
 
 
-def _stored_blocks(info: ModelInfo, cfg, names: list[str]) -> tuple[dict[str, Blocks],
-                                                                     dict[str, torch.Tensor]]:
-    """({Hugging Face weight name: (GGML type, raw blocks)} of the model's stored blocks,
-    {name: the column order its blocks hold} where not the weight's own)."""
-    if info.format == "gguf":
-        types = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
-                 *gguf_blocks.K_QUANTS}
-        stored = read_blocks(info.path, _gguf_header(info.path), names, types, cfg.num_heads,
-                             cfg.num_kv_heads)
-        # the K-quants' 256-weight superblocks as 32-weight blocks, which ranks can share
-        return {name: gguf_blocks.k_quant_blocks(t, raw) if t in gguf_blocks.K_QUANTS
-                else (t, raw) for name, (t, raw) in stored.items()}, {}
-    scheme = _hf_scheme(info.path)
+_GGUF_BLOCK_TYPES = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
+                     *gguf_blocks.K_QUANTS}
+
+
+def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
+    """{Hugging Face weight name: (GGML type, raw blocks)} of those names the file stores as
+    blocks, the K-quants' 256-weight superblocks as 32-weight blocks, which ranks can share."""
+    stored = read_blocks(info.path, _gguf_header(info.path), names, _GGUF_BLOCK_TYPES,
+                         cfg.num_heads, cfg.num_kv_heads)
+    return {name: gguf_blocks.k_quant_blocks(t, raw) if t in gguf_blocks.K_QUANTS
+            else (t, raw) for name, (t, raw) in stored.items()}
+
+
+def _hf_blocks(path: str) -> tuple[dict[str, Blocks], dict[str, torch.Tensor]]:
+    """A quantized Hugging Face checkpoint's blocks by weight name, and the column order
+    each holds where not the weight's own (checkpoint_formats.blocks_by_name)."""
+    scheme = _hf_scheme(path)
     if scheme is None:
         return {}, {}
-    return checkpoint_formats.blocks_by_name(read_safetensors(info.path), scheme)
+    return checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
 
 
 def _hf_config(path: str) -> dict:

@@ -8,7 +8,6 @@ tokens, and appends those tokens.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogp
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
 from ..config_sections import LOCAL
+from . import huge_pages
 from .backend import Backend
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
@@ -44,16 +44,6 @@ from .seq_table import SeqState, SeqTable
 from .draft_proposers import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
-
-
-def _release_freed_memory() -> None:
-    """Loading frees large float32 buffers (dequantized weights) that malloc would keep: hand
-    them back to the OS, so resident memory is weights + cache + a steady overhead (~0.4 GiB
-    less after loading the default model)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 class ModelRunner:
@@ -98,7 +88,7 @@ class ModelRunner:
         self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
             config, self.tp.size, self.compressor is not None) else None
-        _release_freed_memory()
+        huge_pages.release_freed_memory()
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
