@@ -27,7 +27,8 @@ from pagewire.kernels.ops import select_ops
 from . import huge_pages
 from .cuda_graphs import DecodeGraphs, GraphLora
 from .decode_layout import batch_to
-from .loader import TORCH_DTYPES, keep_bf16_tiles, keep_quantized, read_model
+from .linear_blocks import keep_bf16_tiles, keep_quantized
+from .loader import TORCH_DTYPES, read_model
 from .models.fused_decode import FusedDecode
 from .sampler import sample
 
