@@ -19,7 +19,7 @@ from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
 from pagewire.model_info import ModelInfo
 
-from . import checkpoint_formats, huge_pages
+from . import checkpoint_formats, huge_pages, tile_cache
 from .gguf_weights import read_blocks
 from .loader import gguf_header, hf_scheme, one_thread, read_safetensors
 from .parallel import shard_blocks, shard_rows
@@ -78,30 +78,49 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
     kept, roundings = 0, roundings or {}
     upcast = dtype == torch.float32 or not model.ops.capabilities.bf16_dot
     auto = DenseRoom(dense_room, lib, int16_gemm, 4 if upcast else 2)
-    trim = huge_pages.Trimmer()        # each Linear's raw blocks are garbage once packed
     with one_thread():
-        linears = ((name, LinearBlocks([blocks], None)) for name, blocks in rounded.items()) \
-            if rounded is not None else _linear_blocks(info, model)
-        if model.tp.size > 1:
-            linears = _rank_shares(dict(linears), model).items()
-        for name, (segments, order) in linears:
+        for name, weight in _packed_weights(info, model, roundings, rounded):
             linear = model.get_submodule(name)
-            if not isinstance(linear, Linear) or not all(
-                    quant.packable(t, rows.shape[0], linear.in_features) for t, rows in segments):
-                continue
-            weight = quant.QuantWeight.joined(
-                [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
-                 for t, rows in segments], lib, order)
             tokens = max_tokens if max_tokens is not None else auto.tokens(weight)
             linear.use_quantized(weight, tokens if tokens > 0 else sys.maxsize)
             if tokens < 0:
                 linear.drop_float()
             kept += weight.nbytes
-            trim.after(weight.nbytes)
     if auto.refused:
         log.info("no dense copy of %.2f GiB of weights: beyond the %.2f GiB free for them",
                  auto.refused / 2**30, auto.room / 2**30)
     return kept
+
+
+def _packed_weights(info: ModelInfo, model, roundings: dict[int, str],
+                    rounded: dict | None) -> Iterator[tuple[str, quant.QuantWeight]]:
+    """(Linear name, its blocks packed for model.ops' library): a GGUF file's from the tile
+    cache where it holds them, else packed here (and cached); --quantization's `rounded`
+    blocks or a Hugging Face checkpoint's packed here."""
+    lib = model.ops.lib
+    cache_kind = tile_cache.kind(lib, roundings, model.tp) if info.format == "gguf" \
+        and rounded is None else None
+    cached = cache_kind and tile_cache.load(info.digest, cache_kind, lib)
+    if cached:
+        yield from cached.items()
+        return
+    linears = ((name, LinearBlocks([blocks], None)) for name, blocks in rounded.items()) \
+        if rounded is not None else _linear_blocks(info, model)
+    if model.tp.size > 1:
+        linears = _rank_shares(dict(linears), model).items()
+    packed, trim = {}, huge_pages.Trimmer()   # each Linear's raw blocks: garbage once packed
+    for name, (segments, order) in linears:
+        linear = model.get_submodule(name)
+        if not isinstance(linear, Linear) or not all(
+                quant.packable(t, rows.shape[0], linear.in_features) for t, rows in segments):
+            continue
+        packed[name] = quant.QuantWeight.joined(
+            [quant.pack(t, rows, linear.in_features, lib, roundings.get(t, "exact"))
+             for t, rows in segments], lib, order)
+        trim.after(packed[name].nbytes)
+        yield name, packed[name]
+    if cache_kind and packed:
+        tile_cache.store(info.digest, cache_kind, packed)
 
 
 def keep_bf16_tiles(model: nn.Module, max_tokens: int | None) -> int:
