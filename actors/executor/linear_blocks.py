@@ -3,7 +3,7 @@ blocks (a GGUF file's, a quantized Hugging Face checkpoint's, or those --quantiz
 packed into kernels/quant.py's tiles, and a bfloat16 checkpoint's BF16 tiles. Backend places
 them (read_model calls keep_quantized before it reads any float weight, so a Linear that keeps
 only its blocks is never dequantized); a GGUF file's tiles are cached on disk (tile_cache.py),
-so a restart maps them instead of packing again.
+so a restart reads them instead of packing again.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""A GGUF model's packed tiles on disk (weight_cache.py kind "tiles"), so a restart maps
+"""A GGUF model's packed tiles on disk (weight_cache.py kind "tiles"), so a restart reads
 them instead of reading, converting and packing its blocks again: packing runs on one core
-at ~0.15 GB/s of tiles (an 8B Q4_K_M's 6 GB: ~45 s), mapping at the disk's or page cache's
+at ~0.15 GB/s of tiles (an 8B Q4_K_M's 6 GB: ~45 s), reading at the disk's or page cache's
 rate.
 
 One file per (model digest, native tier, roundings, rank of ranks): the tiles are the tier
 library's layout for the roundings asked, this rank's share. Its metadata holds, per Linear,
 its columns and each segment's kind and rows: enough to rebuild the QuantWeight over the
-mapped tiles. A model whose blocks come from --quantization or a Hugging Face checkpoint is
+tiles read. A model whose blocks come from --quantization or a Hugging Face checkpoint is
 not cached here (load_quantization.py caches the rounded blocks themselves).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def kind(lib, roundings: dict[int, str], tp) -> str:
 
 
 def load(digest: str, cache_kind: str, lib) -> dict[str, quant.QuantWeight] | None:
-    """{Linear name: its QuantWeight over the mapped tiles}, or None without a cache file."""
+    """{Linear name: its QuantWeight over the tiles read}, or None without a cache file."""
     found = weight_cache.load_with_metadata(digest, _DTYPE, cache_kind)
     if found is None:
         return None
@@ -45,9 +45,9 @@ def load(digest: str, cache_kind: str, lib) -> dict[str, quant.QuantWeight] | No
 
 
 def _unviewed(t: torch.Tensor) -> torch.Tensor:
-    """t over the same storage, without the `_base` a view keeps: safetensors hands out views
-    of its mapping, and a view's base would hold the file mapped after huge_pages.move gave
-    the tiles new storage (2.4 GiB of a 3B model's tiles resident twice)."""
+    """t over the same storage, without the `_base` a view keeps: a view's base would hold
+    the storage read after huge_pages.move gave the tiles new storage (2.4 GiB of a 3B
+    model's tiles resident twice)."""
     return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape,
                                                t.stride())
 

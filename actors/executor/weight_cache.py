@@ -1,4 +1,4 @@
-"""Converted weights cached on disk, so a restart maps them instead of converting again:
+"""Converted weights cached on disk, so a restart reads them instead of converting again:
 a GGUF file's tensors dequantized to the dtype (kind "gguf": only where a dense copy is
 held), the blocks --quantization rounds a float checkpoint's linears to (kinds "int8",
 "int4": load_quantization.py), and a GGUF model's packed tiles (kind "tiles":
@@ -6,7 +6,7 @@ tile_cache.py).
 
 One safetensors file per (model digest, dtype, kind, converter version) under
 $PAGEWIRE_CACHE_DIR/weights (default ~/.cache/pagewire/weights), written once, atomically
-(a temporary file renamed into place), and memory-mapped on the next start. The converter
+(a temporary file renamed into place), and read on the next start. The converter
 version is a hash of the modules that convert (gguf_weights.py, load_quantization.py, ...),
 so a change in how weights are converted never reads a stale file.
 
@@ -18,6 +18,7 @@ turns the cache off.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -67,7 +68,7 @@ def cache_path(digest: str, dtype: torch.dtype, kind: str = "gguf") -> str:
 
 
 def load(digest: str, dtype: torch.dtype, kind: str = "gguf") -> dict[str, torch.Tensor] | None:
-    """The cached tensors (memory-mapped), or None when there is no usable cache file."""
+    """The cached tensors (read into memory), or None when there is no usable cache file."""
     found = load_with_metadata(digest, dtype, kind)
     return None if found is None else found[0]
 
@@ -80,15 +81,38 @@ def load_with_metadata(digest: str, dtype: torch.dtype, kind: str = "gguf"
     path = cache_path(digest, dtype, kind)
     if not os.path.isfile(path):
         return None
-    from safetensors import SafetensorError, safe_open
     try:
-        with safe_open(path, framework="pt") as f:
-            found = {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
+        found = _read(path)
         os.utime(path)                     # recently used: pruned last
         return found
-    except (SafetensorError, OSError, ValueError) as e:   # damaged: convert again, rewrite it
+    except (OSError, ValueError, KeyError) as e:   # damaged: convert again, rewrite it
         log.warning("ignoring the weight cache %s: %s", path, e)
         return None
+
+
+_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F32": torch.float32}
+
+
+def _read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors and metadata, read into memory of this process rather
+    than mapped: a mapping's pages count in the resident set beside the copies the loader
+    makes of them (huge_pages.move), so a mapped 6 GB file held an 8B model's warm start at
+    twice its tiles."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None) or {}
+        tensors, base = {}, 8 + size
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            out = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(base + begin)
+            if f.readinto(memoryview(out.numpy())) != end - begin:
+                raise ValueError(f"{name}: the file ends early")
+            tensors[name] = out.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return tensors, metadata
 
 
 def store(digest: str, dtype: torch.dtype, weights: dict[str, torch.Tensor],
