@@ -240,3 +240,19 @@ def _hf_blocks(path: str) -> tuple[dict[str, Blocks], dict[str, torch.Tensor]]:
     if scheme is None:
         return {}, {}
     return checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
+
+
+def holdings(model: nn.Module) -> str:
+    """What a prepared model holds, for the start-up log: its Linears' tiles (stored blocks
+    or BF16), the dense weights beside them (oneDNN's packed copies, unpacked floats) and
+    the other float tensors (embedding, norms)."""
+    tiles = dense = linears = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            linears += 1
+            tiles += m.quantized.nbytes if m.quantized is not None else 0
+            dense += sum(t.nbytes for t in (m.weight, m.packed) if t is not None)
+    others = sum(p.nbytes for name, p in model.named_parameters()
+                 if not isinstance(model.get_submodule(name.rsplit(".", 1)[0]), Linear))
+    return (f"weights: {tiles / 2**30:.2f} GiB of tiles, {dense / 2**30:.2f} GiB of dense "
+            f"copies over {linears} Linears; {others / 2**30:.2f} GiB else (embedding, norms)")

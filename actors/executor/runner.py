@@ -35,6 +35,7 @@ from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
+from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
 from .parallel import TensorParallel, context_groups
@@ -64,6 +65,7 @@ class ModelRunner:
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
         self.model = self.backend.load(config.model.model_info, config, self.tp, self.cp)
         log.info("%s", self.backend.describe(config))
+        log.info("%s", holdings(self.model))
         # Before the fused decode program is encoded: it names each linear's LoRA slot.
         self.adapters = Adapters(self.model, config.model.model_info, config.lora.max_lora_rank,
                                  config.lora.max_cpu_loras or config.lora.max_loras) \
