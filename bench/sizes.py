@@ -5,8 +5,9 @@ formats, the default tokenizer):
     python bench/sizes.py --shape llama-3.2-1b [--formats Q4_0,Q4_K_M,Q8_0,bf16]
                           [--peers llamacpp,vllm] [--only single,prefill,batch]
 
-Per format: a single stream of 128 prompt then 128 generated tokens (output tok/s), a
-1,024-token prefill (tok/s) and, for the bf16 directory and the GGUF formats, 32 x 128/128
+Per format: a single stream of 128 prompt then 128 generated tokens (output tok/s), its
+decode alone (tok/s of 127 tokens after the first; llama.cpp's tg128), a 1,024-token
+prefill (tok/s) and, for the bf16 directory and the GGUF formats, 32 x 128/128
 offline (output tok/s). llama.cpp runs `llama-bench` on the GGUF files (-pg 128,128: the same
 256 tokens; -p 1024), vLLM its `bench latency|throughput` on the bf16 directory. Beside each
 figure its ceiling: a single stream's bytes a token (the weights pagewire reads) over the
@@ -81,7 +82,8 @@ def pagewire_latency(path: str, input_len: int, output_len: int) -> float:
     """Seconds for one request of input_len then output_len tokens."""
     return _run(["pagewire", "bench", "latency", "--model", path, "--input-len", str(input_len),
                  "--output-len", str(output_len), "--batch-size", "1", "--num-iters", "2",
-                 "--num-iters-warmup", "1", "--max-model-len", "2048"],
+                 "--num-iters-warmup", "1", "--max-model-len", "2048",
+                 "--no-enable-prefix-caching"],        # each iteration computes its prompt
                 r"Avg latency: ([\d.]+) seconds")
 
 
@@ -104,7 +106,7 @@ def vllm(kind: str, path: str, args: list[str]) -> float:
     dtype = os.environ.get("VLLM_DTYPE", "bfloat16")
     pattern = r"Avg latency: ([\d.]+) seconds" if kind == "latency" else r"([\d.]+) output tokens/s"
     return _run(["bash", PEER, "exec", "vllm", "bench", kind, "--model", path, "--dtype", dtype,
-                 "--max-model-len", "2048", *args], pattern)
+                 "--max-model-len", "2048", "--no-enable-prefix-caching", *args], pattern)
 
 
 def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dict) -> None:
@@ -128,6 +130,13 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
                                                   "--batch-size", "1", "--num-iters", "2",
                                                   "--num-iters-warmup", "1"])
             line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
+        print(line, flush=True)
+    if "decode" in only:
+        ours = 127 / (pagewire_latency(path, 1, 128) - pagewire_latency(path, 1, 1))
+        line = f"  decode: pagewire {ours:.1f} tok/s ({ours * size / ceilings['bandwidth']:.0%} of the bandwidth ceiling)"
+        if gguf and "llamacpp" in peers:
+            theirs = llamacpp(path, ["-p", "0", "-n", "128"])
+            line += f", llama.cpp {theirs:.1f} ({ours / theirs:.2f}x)"
         print(line, flush=True)
     if "prefill" in only:
         ours = 1024 / pagewire_latency(path, 1024, 1)
@@ -157,7 +166,7 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--formats", default="Q4_0,Q4_K_M,Q8_0,bf16")
     p.add_argument("--peers", default="llamacpp,vllm")
-    p.add_argument("--only", default="single,prefill,batch")
+    p.add_argument("--only", default="single,decode,prefill,batch")
     a = p.parse_args()
     ceilings = {"bandwidth": read_bandwidth(), "gemm": gemm_peak()}
     print(f"CPU: {_cpu()}; read bandwidth {ceilings['bandwidth'] / 1e9:.1f} GB/s, "
