@@ -203,6 +203,27 @@ def test_blocks_serve_large_steps_where_int16_products_outrun_fmas(native_lib, m
             (gemm and fast), ratio
 
 
+@pytest.mark.parametrize("qtype", ALL)
+@pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtype):
+    """From 8 tokens the avx512_bf16 tier multiplies int8 activations with vpdpbusd
+    (csrc/quant_gemm_vnni.h; other tiers keep the small kernels): the same integer sums and
+    the same float steps in the same order, so its outputs equal, bit for bit, those of the
+    small kernels (quant_int_avx2.h), which serve calls of up to 7 tokens (here 4 at a time),
+    and stay within the rounding of the torch reference. 17, 100 and 257 tokens end in sets
+    of 1 and 4 tokens after the GEMM's 8-token calls, 257 past its 128-token chunk."""
+    rng = np.random.default_rng(tokens)
+    cols = cols_of(qtype, 320)
+    raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
+    weight = quant.pack(TYPES[qtype], raw, cols, native_lib, "int8")
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
+    out = quant.matmul(x, weight)
+    small = torch.cat([quant.matmul(x[t:t + 4], weight) for t in range(0, tokens, 4)])
+    assert torch.equal(out, small)
+    _check_within_rounding(out, x, w, 127, dtype)
+
+
 def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols):
     rng = np.random.default_rng(tokens)
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
@@ -210,10 +231,16 @@ def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, col
     offset = {"int8": 100, "int16": 200}[rounding]
     assert weight.kind == TILE[qtype] + offset
     x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
-    out = quant.matmul(x, weight).double()
+    _check_within_rounding(quant.matmul(x, weight), x, w, top, dtype)
+
+
+def _check_within_rounding(out, x, w, top, dtype):
+    """out (x @ w.T with x rounded per 32-column block to integers of at most `top`) is
+    within the rounding's bound of the float64 product, and rounded indeed (float32)."""
+    tokens, out = x.shape[0], out.double()
     ref = x.double() @ w.T
     bound = x.double().abs().reshape(tokens, -1, 32).amax(-1) @ \
-        w.abs().reshape(48, -1, 32).sum(-1).T / (2 * top)
+        w.abs().reshape(w.shape[0], -1, 32).sum(-1).T / (2 * top)
     output_rounding = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-6)
     assert ((out - ref).abs() <= bound * 1.001 + output_rounding + 1e-6).all()
     if dtype == torch.float32:
