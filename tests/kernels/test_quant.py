@@ -203,6 +203,22 @@ def test_blocks_serve_large_steps_where_int16_products_outrun_fmas(native_lib, m
             (gemm and fast), ratio
 
 
+@pytest.mark.parametrize("rounding", ["exact", "int16", "int8"])
+def test_int8_blocks_serve_large_steps_on_the_vnni_tier(native_lib, rounding):
+    """int8 blocks take the VNNI GEMM for large steps on avx512_bf16 (whatever the int16
+    rate), other roundings there a dense copy; a weight of int8 and exact segments too."""
+    rng = np.random.default_rng(0)
+    raw, _ = blocks_of(rng.standard_normal((48, 64)) * 0.1, "Q4_1")
+    weight = quant.pack(TYPES["Q4_1"], raw, 64, native_lib, rounding)
+    int8_gemm = CpuOps(native_lib).capabilities.int8_large_steps
+    assert int8_gemm == (native_lib.tier == "avx512_bf16")
+    assert quant.blocks_serve_large_steps(weight, native_lib, False, int8_gemm) == \
+        (int8_gemm and rounding == "int8")
+    mixed = quant.QuantWeight.joined(
+        [weight, quant.pack(TYPES["Q4_1"], raw, 64, native_lib, "exact")], native_lib)
+    assert not quant.blocks_serve_large_steps(mixed, native_lib, False, int8_gemm)
+
+
 @pytest.mark.parametrize("qtype", ALL)
 @pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
