@@ -70,18 +70,23 @@ struct Int8Rows : avx2::RoundedRows {
 
   int64_t sets() const { return (T + kSet - 1) / kSet; }
 
-  // Token t's block b as the m-th of its set.
+  // Token t's block b as the m-th of its set (|value| <= 127: narrowing keeps it).
   void arrange(int64_t set, int64_t b, int64_t m, int64_t t) {
     const int64_t i = set * nb + b;
-    int8_t* out = q.data() + (i * kSet + m) * 32;
-    for (int k = 0; k < 32; ++k) out[k] = static_cast<int8_t>(value[t * K + b * 32 + k]);
+    const __m512i v = _mm512_loadu_si512(value.data() + t * K + b * 32);    // 32 int16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + (i * kSet + m) * 32),
+                        _mm512_cvtepi16_epi8(v));
     dx[i * kSet + m] = scale[t * nb + b];
     for (int g = 0; g < groups; ++g)
       xsum[(i * groups + g) * kSet + m] = sum[(t * nb + b) * groups + g];
-    for (int s = 0; s < splits; ++s) {
-      int32_t total = 0;
-      for (int k = s * (32 / splits); k < (s + 1) * (32 / splits); ++k) total += out[k];
-      start[(i * splits + s) * kSet + m] = -128 * total;
+    if (splits) {   // split s: the int32 lanes (column pairs) 16 s / splits ..
+      alignas(64) int32_t pairs[16];
+      _mm512_store_si512(pairs, _mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+      for (int s = 0; s < splits; ++s) {
+        int32_t total = 0;
+        for (int k = s * 16 / splits; k < (s + 1) * 16 / splits; ++k) total += pairs[k];
+        start[(i * splits + s) * kSet + m] = -128 * total;
+      }
     }
   }
 };
