@@ -7,7 +7,8 @@
 // The arithmetic is quant_int_avx2.h's int8 kernels' (llama.cpp's): each token's activations
 // rounded per 32-column block to int8 (scale max|x| / 127, RoundedRows), a block's integer
 // sums exact in int32, then acc += (sum * scale(x)) * d (+ m * sum(x), the float sum of the
-// unrounded x, for tiles with minimums) in the same order, so the outputs equal theirs.
+// unrounded x, for tiles with minimums) in the same order, so the outputs equal theirs (Q4_0's
+// blocks, minimums -8 d, fold theirs into the scale's FMA: equal to the float rounding).
 //
 // vpdpbusd multiplies UNSIGNED bytes (its first operand) by SIGNED ones: the weights are the
 // unsigned side, the int8 activations the signed one (a broadcast 32-bit word: one token's
@@ -47,19 +48,22 @@ constexpr int kGemmTokens = 8;   // tokens a kernel call keeps in registers (8 s
 //   xsum   [sets][nb][groups][kGemmTokens] the sums of the unrounded x over each column
 //          group that a tile's minimums meet (groups = Tile::kSumGroups; 0: none);
 //   start  [sets][nb][splits][kGemmTokens] for Q8 tiles (splits > 0): -128 * the sum of q
-//          over each split's columns, where the split's chains start.
+//          over each split's columns, where the split's chains start;
+//   x8     [sets][nb][kGemmTokens] for Q4 tiles with minimums (`fold`): -8 * xsum, what a
+//          Q4_0 block's minimum (-8 d) meets (gemm_tokens' kFold).
 struct Int8Rows : avx2::RoundedRows {
   static constexpr int kSet = kGemmTokens;
   int splits;
   std::vector<int8_t> q;
-  std::vector<float> dx, xsum;
+  std::vector<float> dx, xsum, x8;
   std::vector<int32_t> start;
 
   template <typename In>
-  Int8Rows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups_, int splits_)
+  Int8Rows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups_, int splits_,
+           bool fold)
       : RoundedRows(x, x_stride, T_, K_, groups_, 127.f), splits(splits_),
         q(sets() * K * kSet), dx(sets() * nb * kSet), xsum(sets() * nb * groups * kSet),
-        start(sets() * nb * splits * kSet) {
+        x8(fold ? sets() * nb * kSet : 0), start(sets() * nb * splits * kSet) {
     at::parallel_for(0, sets(), 1, [&](int64_t s0, int64_t s1) {
       for (int64_t set = s0; set < s1; ++set)
         for (int64_t b = 0; b < nb; ++b)
@@ -79,6 +83,7 @@ struct Int8Rows : avx2::RoundedRows {
     dx[i * kSet + m] = scale[t * nb + b];
     for (int g = 0; g < groups; ++g)
       xsum[(i * groups + g) * kSet + m] = sum[(t * nb + b) * groups + g];
+    if (!x8.empty()) x8[i * kSet + m] = -8.f * sum[t * nb + b];
     if (splits) {   // split s: the int32 lanes (column pairs) 16 s / splits ..
       alignas(64) int32_t pairs[16];
       _mm512_store_si512(pairs, _mm512_madd_epi16(v, _mm512_set1_epi16(1)));
@@ -100,9 +105,11 @@ template <typename Tile>
 struct Panel {
   std::vector<Step> q;         // [nb][8]
   std::vector<float> scales;
+  bool q4_0 = false;           // every block's minimums are -8 d (Q4_0's blocks as Q4_1)
   explicit Panel(int64_t nb) : q(nb * 8), scales(nb * Tile::kArrays * 16) {}
 
   void fill(const uint8_t* tiles, int64_t nb) {
+    q4_0 = Tile::kQ4 && Tile::kMin;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = tiles + b * Tile::kBytes;
       __m512i* out = reinterpret_cast<__m512i*>(q.data() + b * 8);
@@ -110,6 +117,11 @@ struct Panel {
       else bytes(tile, out);
       for (int a = 0; a < Tile::kArrays; ++a)
         _mm512_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16, Tile::scales16(tile, a));
+      if constexpr (Tile::kQ4 && Tile::kMin) {   // exact: m and d are fp16 (or float32)
+        const __m512 d = Tile::scales16(tile, 0), m = Tile::scales16(tile, Tile::minimum(0));
+        q4_0 = q4_0 && _mm512_cmp_ps_mask(m, _mm512_mul_ps(d, _mm512_set1_ps(-8.f)),
+                                          _CMP_EQ_OQ) == 0xFFFF;
+      }
     }
   }
 
@@ -153,8 +165,10 @@ inline void add_minimums(__m512 (&acc)[M], const float* sc, const float* xsum) {
 
 // out rows t .. t + M - 1 (t a multiple of kGemmTokens: the first of its set), the group's 16
 // columns, from its panel. The order of a block's float steps is the small kernels': Q4
-// tiles scale then add minimums, Q8 tiles the reverse.
-template <int M, typename Tile, typename Out>
+// tiles scale then add minimums, Q8 tiles the reverse. kFold (Q4 tiles whose minimums are
+// all -8 d: Q4_0's): d (sum * scale(x) - 8 sum(x)) in two FMAs instead of their three, equal
+// to the float rounding (the 3 a block beside 8 vpdpbusd bound the kernel).
+template <int M, bool kFold, typename Tile, typename Out>
 void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel<Tile>& p) {
   constexpr int kSteps = 8 / Tile::kSplits, kSet = Int8Rows::kSet;
   const int64_t set = t / kSet, nb = a.nb;
@@ -162,9 +176,10 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
   const float* dx = a.dx.data() + set * nb * kSet;
   const float* xsum = a.xsum.data() + set * nb * a.groups * kSet;
   const int32_t* start = a.start.data() + set * nb * a.splits * kSet;
+  const float* x8 = kFold ? a.x8.data() + set * nb * kSet : nullptr;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, x += kSet * 8, dx += kSet) {
+  for (int64_t b = 0; b < nb; ++b, x += kSet * 8, dx += kSet, x8 += kFold ? kSet : 0) {
     const __m512i* w = reinterpret_cast<const __m512i*>(p.q.data() + b * 8);
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
     if constexpr (!Tile::kQ4) add_minimums<Tile>(acc, sc, xsum + b * Tile::kSumGroups * kSet);
@@ -180,27 +195,33 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
           sum[m] = _mm512_dpbusd_epi32(sum[m], wj, _mm512_set1_epi32(x[m * 8 + j]));
       }
       const __m512 d = _mm512_loadu_ps(sc + s * 16);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_set1_ps(dx[m])),
-                                 d, acc[m]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 qx = _mm512_cvtepi32_ps(sum[m]), dxm = _mm512_set1_ps(dx[m]);
+        acc[m] = kFold ? _mm512_fmadd_ps(_mm512_fmadd_ps(qx, dxm, _mm512_set1_ps(x8[m])), d, acc[m])
+                       : _mm512_fmadd_ps(_mm512_mul_ps(qx, dxm), d, acc[m]);
+      }
     }
-    if constexpr (Tile::kQ4) add_minimums<Tile>(acc, sc, xsum + b * Tile::kSumGroups * kSet);
+    if constexpr (Tile::kQ4 && !kFold)
+      add_minimums<Tile>(acc, sc, xsum + b * Tile::kSumGroups * kSet);
   }
   for (int m = 0; m < M; ++m) avx512::store_rows(out + (t + m) * os, acc[m]);
 }
 
-// The last tokens of a chunk, fewer than kGemmTokens.
-template <typename Tile, typename Out>
-void gemm_tail(Out* o, int64_t os, const Int8Rows& a, int64_t t, int64_t n,
-               const Panel<Tile>& p) {
-  switch (n) {
-    case 1: gemm_tokens<1, Tile>(o, os, a, t, p); break;
-    case 2: gemm_tokens<2, Tile>(o, os, a, t, p); break;
-    case 3: gemm_tokens<3, Tile>(o, os, a, t, p); break;
-    case 4: gemm_tokens<4, Tile>(o, os, a, t, p); break;
-    case 5: gemm_tokens<5, Tile>(o, os, a, t, p); break;
-    case 6: gemm_tokens<6, Tile>(o, os, a, t, p); break;
-    case 7: gemm_tokens<7, Tile>(o, os, a, t, p); break;
+// Tokens [t0, t1) of a group from its panel: kGemmTokens a call, then the rest.
+template <bool kFold, typename Tile, typename Out>
+void gemm_group(Out* o, int64_t os, const Int8Rows& a, int64_t t0, int64_t t1,
+                const Panel<Tile>& p) {
+  int64_t t = t0;
+  for (; t + kGemmTokens <= t1; t += kGemmTokens)
+    gemm_tokens<kGemmTokens, kFold, Tile>(o, os, a, t, p);
+  switch (t1 - t) {
+    case 1: gemm_tokens<1, kFold, Tile>(o, os, a, t, p); break;
+    case 2: gemm_tokens<2, kFold, Tile>(o, os, a, t, p); break;
+    case 3: gemm_tokens<3, kFold, Tile>(o, os, a, t, p); break;
+    case 4: gemm_tokens<4, kFold, Tile>(o, os, a, t, p); break;
+    case 5: gemm_tokens<5, kFold, Tile>(o, os, a, t, p); break;
+    case 6: gemm_tokens<6, kFold, Tile>(o, os, a, t, p); break;
+    case 7: gemm_tokens<7, kFold, Tile>(o, os, a, t, p); break;
   }
 }
 
@@ -211,7 +232,9 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
                  const uint8_t* packed, int64_t N, int64_t K) {
   if (tokens < kGemmFrom)
     return avx2::matmul_int<1, Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
-  const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits);
+  constexpr bool kMayFold = Tile::kQ4 && Tile::kMin;
+  const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits,
+                   kMayFold);
   const int64_t nb = K / 32;
   for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
     const int64_t t1 = std::min(tokens, t0 + kGemmChunk);
@@ -220,10 +243,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
       for (int64_t g = g0; g < g1; ++g) {
         panel.fill(packed + g * nb * Tile::kBytes, nb);
         T* o = out + g * avx2::kRows;
-        int64_t t = t0;
-        for (; t + kGemmTokens <= t1; t += kGemmTokens)
-          gemm_tokens<kGemmTokens, Tile>(o, out_stride, a, t, panel);
-        if (t < t1) gemm_tail<Tile>(o, out_stride, a, t, t1 - t, panel);
+        if (kMayFold && panel.q4_0) gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel);
+        else gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel);
       }
     });
   }
