@@ -4,12 +4,14 @@ oneDNN's bfloat16 GEMM on a dense copy, one linear at a time on a 1B model's sha
 (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 + 2 x 8 heads of 64).
 
     python bench/int8_gemm.py [--tokens 16,64,256,512] [--types Q4_0,Q8_0] [--calls 3]
+                              [--threads N]
 
 Random blocks (fp16 scales in [0.001, 0.011), random quants), bfloat16 activations, best of
 `--calls` calls a cell. "small" runs the int8 kernels the GEMM replaces (csrc/quant_int_avx2.h,
 which pass over every tile once per 4 tokens) by calling them 4 tokens at a time, below the
 GEMM's threshold: their work exactly, plus a call's overhead per 4 tokens. GOP/s counts
-2 T N K. Needs the avx512_bf16 tier (VNNI).
+2 T N K. Needs the avx512_bf16 tier (VNNI). `--threads` (default: torch's) sets torch's
+threads, which oneDNN and the native kernels both use; one thread gives a core's rates.
 """
 from __future__ import annotations
 
@@ -64,7 +66,10 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,64,256,512")
     ap.add_argument("--types", default="Q4_0,Q8_0")
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--threads", type=int)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lib = native.load()
     if lib is None or lib.tier != "avx512_bf16":
         raise SystemExit("the int8 GEMM needs the avx512_bf16 tier (VNNI)")
@@ -80,7 +85,7 @@ def main() -> None:
             calls = paths(ggml_type, random_blocks(block_bytes, n, k), n, k, lib)
             for t in tokens:
                 x = torch.randn(t, k).bfloat16()
-                calls["int8 GEMM"](x)
+                calls["int8 GEMM"](x)           # the thread pool up
                 secs = {path: best_of(lambda: fn(x), args.calls) for path, fn in calls.items()}
                 ops = 2 * t * n * k
                 cells = [f"{s * 1e3:.2f} ({ops / s / 1e9:.0f})" for s in secs.values()]
