@@ -108,10 +108,16 @@ struct Panel {
   bool q4_0 = false;           // every block's minimums are -8 d (Q4_0's blocks as Q4_1)
   explicit Panel(int64_t nb) : q(nb * 8), scales(nb * Tile::kArrays * 16) {}
 
-  void fill(const uint8_t* tiles, int64_t nb) {
+  // `next`: the tiles the next fill reads (nullptr: none), fetched into L2 meanwhile, so that
+  // small steps (16 tokens: ~2 ms of reading against ~3 of products) overlap the two.
+  void fill(const uint8_t* tiles, int64_t nb, const uint8_t* next) {
     q4_0 = Tile::kQ4 && Tile::kMin;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = tiles + b * Tile::kBytes;
+      if (next)
+        for (int64_t line = 0; line < Tile::kBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + b * Tile::kBytes + line),
+                       _MM_HINT_T1);
       __m512i* out = reinterpret_cast<__m512i*>(q.data() + b * 8);
       if constexpr (Tile::kQ4) nibbles(tile, out);
       else bytes(tile, out);
@@ -241,7 +247,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
     at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
       Panel<Tile> panel(nb);
       for (int64_t g = g0; g < g1; ++g) {
-        panel.fill(packed + g * nb * Tile::kBytes, nb);
+        const uint8_t* tiles = packed + g * nb * Tile::kBytes;
+        panel.fill(tiles, nb, g + 1 < g1 ? tiles + nb * Tile::kBytes : nullptr);
         T* o = out + g * avx2::kRows;
         if (kMayFold && panel.q4_0) gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel);
         else gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel);
