@@ -3,10 +3,10 @@ the small int8 kernels it replaces for large steps, the exact (bfloat16 products
 oneDNN's bfloat16 GEMM on a dense copy, one linear at a time on a 1B model's shapes
 (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 + 2 x 8 heads of 64).
 
-    python bench/int8_gemm.py [--tokens 16,64,256,512] [--types Q4_0,Q8_0] [--calls 3]
+    python bench/int8_gemm.py [--tokens 16,64,256,512] [--types Q4_0,Q4_1,Q8_0] [--calls 3]
                               [--threads N]
 
-Random blocks (fp16 scales in [0.001, 0.011), random quants), bfloat16 activations, best of
+Random blocks (fp16 scales and minimums in [0.001, 0.011), random quants), bfloat16 activations, best of
 `--calls` calls a cell. "small" runs the int8 kernels the GEMM replaces (csrc/quant_int_avx2.h,
 which pass over every tile once per 4 tokens) by calling them 4 tokens at a time, below the
 GEMM's threshold: their work exactly, plus a call's overhead per 4 tokens. GOP/s counts
@@ -24,7 +24,8 @@ from pagewire.kernels import native, quant
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192)}
-TYPES = {"Q4_0": (quant.Q4_0, 18), "Q8_0": (quant.Q8_0, 34)}
+# type: (GGML type, block bytes, fp16 scales before the quants: d, or d and m)
+TYPES = {"Q4_0": (quant.Q4_0, 18, 1), "Q4_1": (quant.Q4_1, 20, 2), "Q8_0": (quant.Q8_0, 34, 1)}
 
 
 def best_of(fn, calls: int) -> float:
@@ -37,12 +38,13 @@ def best_of(fn, calls: int) -> float:
     return min(times)
 
 
-def random_blocks(block_bytes: int, rows: int, cols: int) -> torch.Tensor:
-    """GGUF blocks [rows, cols / 32 * block_bytes]: an fp16 scale, then random quants."""
+def random_blocks(block_bytes: int, rows: int, cols: int, scales: int = 1) -> torch.Tensor:
+    """GGUF blocks [rows, cols / 32 * block_bytes]: `scales` fp16 values (d, m), then random
+    quants."""
     nb = cols // 32
     raw = torch.randint(0, 256, (rows, nb, block_bytes), dtype=torch.uint8)
-    d = torch.rand(rows, nb) * 0.01 + 0.001
-    raw[:, :, :2] = d.half().view(torch.uint8).reshape(rows, nb, 2)
+    values = torch.rand(rows, nb, scales) * 0.01 + 0.001
+    raw[:, :, :2 * scales] = values.half().view(torch.uint8).reshape(rows, nb, 2 * scales)
     return raw.reshape(rows, nb * block_bytes)
 
 
@@ -80,9 +82,9 @@ def main() -> None:
           "GEMM / oneDNN |")
     print("|---|---|---|---|---|---|---|---|")
     for qtype in args.types.split(","):
-        ggml_type, block_bytes = TYPES[qtype]
+        ggml_type, block_bytes, scales = TYPES[qtype]
         for name, (n, k) in SHAPES.items():
-            calls = paths(ggml_type, random_blocks(block_bytes, n, k), n, k, lib)
+            calls = paths(ggml_type, random_blocks(block_bytes, n, k, scales), n, k, lib)
             for t in tokens:
                 x = torch.randn(t, k).bfloat16()
                 calls["int8 GEMM"](x)           # the thread pool up
