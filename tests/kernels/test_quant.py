@@ -232,14 +232,24 @@ def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtyp
     sum of |x w|), bfloat16 outputs then to one unit of their last place. 17, 100 and 257
     tokens end in sets of 1 and 4 tokens after the GEMM's 8-token calls, 257 past its
     128-token chunk."""
+    _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols_of(qtype, 320))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K"])
+def test_int8_gemm_on_long_rows(native_lib, qtype):
+    """Rows of 40 blocks (a 1B model's down projection has 256), with and without minimums
+    and with two scales a block (Q6_K, Q2_K)."""
+    _assert_int8_gemm_equals_small(native_lib, qtype, 20, torch.float32, 1280)
+
+
+def _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols):
     rng = np.random.default_rng(tokens)
-    cols = cols_of(qtype, 320)
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
     weight = quant.pack(TYPES[qtype], raw, cols, native_lib, "int8")
     x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
     out = quant.matmul(x, weight)
     small = torch.cat([quant.matmul(x[t:t + 4], weight) for t in range(0, tokens, 4)])
-    if qtype == "Q4_0":
+    if qtype == "Q4_0":                  # its folded minimum: equal to float32 rounding
         tol = (x.double().abs() @ w.abs().T) * 1e-6 + \
             (small.double().abs() * 2.0 ** -8 if dtype == torch.bfloat16 else 0)
         assert ((out.double() - small.double()).abs() <= tol).all()
