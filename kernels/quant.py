@@ -132,7 +132,7 @@ def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library,
     avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
     oneDNN's bfloat16 GEMM runs (avx512_bf16). And int8 activations (every segment) where
     the backend has the VNNI GEMM (`int8_gemm`: its capabilities' int8_large_steps, the
-    avx512_bf16 tier's): vpdpbusd's 64 multiply-adds an instruction run 1.2-1.5x oneDNN's
+    avx512_bf16 tier's): vpdpbusd's 64 multiply-adds an instruction run 1.25-1.6x oneDNN's
     bfloat16 GEMM (bench/NOTES.md "int8 GEMM on AVX512-VNNI")."""
     offsets = {s.kind - _tile_type(s.kind) for s in weight.segments}
     if int8_gemm and offsets == {_KIND_OFFSET["int8"]}:
