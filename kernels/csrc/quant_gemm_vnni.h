@@ -243,19 +243,22 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits,
                    kMayFold);
   const int64_t nb = K / 32;
-  for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
-    const int64_t t1 = std::min(tokens, t0 + kGemmChunk);
-    at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
-      Panel<Tile> panel(nb);
+  // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
+  // between chunks (a panel fill prefetches the next group's tiles, or the next chunk's first).
+  at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
+    Panel<Tile> panel(nb);
+    for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
+      const int64_t t1 = std::min(tokens, t0 + kGemmChunk);
       for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* tiles = packed + g * nb * Tile::kBytes;
-        panel.fill(tiles, nb, g + 1 < g1 ? tiles + nb * Tile::kBytes : nullptr);
+        const int64_t next = g + 1 < g1 ? g + 1 : t1 < tokens ? g0 : -1;
+        panel.fill(tiles, nb, next < 0 ? nullptr : packed + next * nb * Tile::kBytes);
         T* o = out + g * avx2::kRows;
         if (kMayFold && panel.q4_0) gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel);
         else gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel);
       }
-    });
-  }
+    }
+  });
 }
 
 }  // namespace pw::vnni
