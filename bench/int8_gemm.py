@@ -6,10 +6,11 @@ oneDNN's bfloat16 GEMM on a dense copy, one linear at a time on a 1B model's sha
     python bench/int8_gemm.py [--tokens 16,64,256,512] [--types Q4_0,Q4_1,Q8_0] [--calls 3]
                               [--threads N]
 
-Random blocks (fp16 scales and minimums in [0.001, 0.011), random quants), bfloat16 activations, best of
-`--calls` calls a cell. "small" runs the int8 kernels the GEMM replaces (csrc/quant_int_avx2.h,
-which pass over every tile once per 4 tokens) by calling them 4 tokens at a time, below the
-GEMM's threshold: their work exactly, plus a call's overhead per 4 tokens. GOP/s counts
+Random blocks (fp16 scales and minimums in [0.001, 0.011), random quants), bfloat16
+activations, best of `--calls` calls a cell. "small" runs the int8 kernels the GEMM replaces
+(csrc/quant_int_avx2.h, which pass over every tile once per 4 tokens) by calling them 4 tokens
+at a time, below the GEMM's threshold: their work exactly, plus a call's overhead per 4
+tokens. GOP/s counts
 2 T N K. Needs the avx512_bf16 tier (VNNI). `--threads` (default: torch's) sets torch's
 threads, which oneDNN and the native kernels both use; one thread gives a core's rates.
 """
