@@ -88,7 +88,7 @@ class DeviceConfig(_Section):
     threads: int | None = None               # torch threads in the executor; None: all cores
     quantized_matmul_tokens: int | None = -1     # steps up to this many tokens use GGUF weights
                                              # as stored; 0: never; -1: every step (no float
-                                             # copy); None: auto (executor/loader.py)
+                                             # copy); None: auto (executor/linear_blocks.py)
     quantized_activations: str = "auto"      # ACTIVATIONS
     enforce_eager: bool = False              # no CUDA graphs
     disable_cascade_attn: bool = False       # decode rows never attend a shared prefix once

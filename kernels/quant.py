@@ -195,9 +195,12 @@ def pack_bf16(weight: torch.Tensor, lib: native.Library) -> QuantWeight:
     if weight.dtype != torch.bfloat16 or not packable(BF16, rows, cols):
         raise ValueError(f"cannot pack a {weight.dtype} [{rows}, {cols}] weight as BF16 tiles")
     pairs = weight.reshape(rows // _ROWS, _ROWS, cols // 32, 16, 2)   # [G, row, B, j, 2]
-    tiles = pairs.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
-    return QuantWeight([Segment(BF16, tiles.reshape(rows // _ROWS, cols // 32, -1), rows)],
-                       cols, lib)
+    # written into a tensor of its own, not a view: a view's base would outlive a move of the
+    # tiles (huge_pages.move gives them new storage), holding the weight's bytes twice
+    tiles = torch.empty((rows // _ROWS, cols // 32, 1024), dtype=torch.uint8)
+    tiles.view(torch.bfloat16).view(rows // _ROWS, cols // 32, 16, _ROWS, 2).copy_(
+        pairs.permute(0, 2, 3, 1, 4))
+    return QuantWeight([Segment(BF16, tiles, rows)], cols, lib)
 
 
 def matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

@@ -116,7 +116,8 @@ def rank_blocks(path: str, quantization: str = "none", size: int = 2) -> list[di
     collective) and keep its quantized blocks; per rank {Linear name: "blocks" or "float"},
     after checking that each rank's blocks multiply as its float share of the weights
     does. Also checks every rank holds the single-rank model's values, shared."""
-    from pagewire.executor.loader import keep_quantized, load_model, read_model
+    from pagewire.executor.linear_blocks import keep_quantized
+    from pagewire.executor.loader import load_model, read_model
     from pagewire.executor.parallel import Shares, TensorParallel
     from pagewire.kernels import quant
     from pagewire.kernels.ops import select_ops

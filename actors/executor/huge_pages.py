@@ -10,6 +10,7 @@ nearly every block costs a TLB miss ("The KV pool on huge pages"). PAGEWIRE_HUGE
 leaves all of them on ordinary pages."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -20,6 +21,35 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64            # each tensor's start: a cache line, as the kernels' loads expect
+
+
+# move() hands the heap's freed pages back to the OS after every this many bytes copied, so
+# the tiles are not held twice: an 8B model's 6 GiB of tiles peaked at 13.9 GiB moving
+# (glibc keeps freed tensors' memory in its heap, past its mmap threshold's reach).
+TRIM_EVERY = 256 << 20
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed to glibc's heap (loading's dequantized and packed buffers) back to
+    the OS: resident memory is then what is held (~0.4 GiB less after loading the default
+    model)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+class Trimmer:
+    """release_freed_memory() after every TRIM_EVERY bytes a loop reports done."""
+
+    def __init__(self):
+        self.pending = 0
+
+    def after(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= TRIM_EVERY:
+            release_freed_memory()
+            self.pending = 0
 
 
 def _aligned(nbytes: int) -> int:
@@ -60,12 +90,13 @@ def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
     if not _enabled() or sum(sizes) < HUGE_PAGE:
         return None
     mapping, arena = _arena(sum(sizes))
-    offset = 0
+    offset, trim = 0, Trimmer()
     for t, size in zip(tensors, sizes):
         view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
-        t.set_(view)
+        t.set_(view)             # the old storage is freed here, if nothing else holds it
         offset += size
+        trim.after(size)
     return mapping
 
 

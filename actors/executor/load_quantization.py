@@ -56,7 +56,7 @@ def round_linears(state: dict[str, torch.Tensor], linears: list[str], mode: str,
     """Round the weights of the `linears` (module names) in a fused, unsharded state dict
     whose shape the blocks take (in_features a multiple of 32, out_features of 16): each
     state entry (and a tied embedding with it) is replaced by the blocks' values, in its
-    dtype. Returns {module name: (GGML type, blocks)} for loader.keep_quantized, which
+    dtype. Returns {module name: (GGML type, blocks)} for linear_blocks.keep_quantized, which
     shares them among tensor-parallel ranks as it shares the weights. With the model's
     `digest`, the blocks are cached (weight_cache.py): a restart reads them and only
     dequantizes."""

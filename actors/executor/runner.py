@@ -8,7 +8,6 @@ tokens, and appends those tokens.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogp
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
 from ..config_sections import LOCAL
+from . import huge_pages
 from .backend import Backend
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
@@ -35,6 +35,7 @@ from .head_blocks import Compressor
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
+from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
 from .parallel import TensorParallel, context_groups
@@ -44,16 +45,6 @@ from .seq_table import SeqState, SeqTable
 from .draft_proposers import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
-
-
-def _release_freed_memory() -> None:
-    """Loading frees large float32 buffers (dequantized weights) that malloc would keep: hand
-    them back to the OS, so resident memory is weights + cache + a steady overhead (~0.4 GiB
-    less after loading the default model)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 class ModelRunner:
@@ -74,6 +65,7 @@ class ModelRunner:
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
         self.model = self.backend.load(config.model.model_info, config, self.tp, self.cp)
         log.info("%s", self.backend.describe(config))
+        log.info("%s", holdings(self.model))
         # Before the fused decode program is encoded: it names each linear's LoRA slot.
         self.adapters = Adapters(self.model, config.model.model_info, config.lora.max_lora_rank,
                                  config.lora.max_cpu_loras or config.lora.max_loras) \
@@ -98,7 +90,7 @@ class ModelRunner:
         self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
             config, self.tp.size, self.compressor is not None) else None
-        _release_freed_memory()
+        huge_pages.release_freed_memory()
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host

@@ -1,4 +1,4 @@
-"""A bfloat16 checkpoint's linears as BF16 tiles (executor/loader.py keep_bf16_tiles): every
+"""A bfloat16 checkpoint's linears as BF16 tiles (executor/linear_blocks.py keep_bf16_tiles): every
 step multiplies them natively, the fused decode stack included, and no float copy is kept."""
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     values; prefill their dequantized copies, but for Q4_K_M, run with
     --quantized-matmul-tokens -1 (the default): every step on the blocks, no float copies
     kept (nor packed only to be dropped), none of its linears even dequantized as it loads
-    (only the embedding and the norms are) and no dense copy cached on disk."""
+    (only the embedding and the norms are) and no dense copy cached on disk (its tiles
+    are)."""
     from pagewire.executor import loader
     from transformers import AutoModelForCausalLM
     hf_dir = tiny_llama("gqa2-d128", intermediate_size=512)      # K-quants: 256-weight rows
@@ -91,8 +92,8 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     dense = [n for n in weights if n.endswith("proj.weight") or n == "lm_head.weight"]
     assert (dense == []) == blocks_only and "model.embed_tokens.weight" in weights
     cache = os.path.join(os.environ["PAGEWIRE_CACHE_DIR"], "weights")
-    cached = os.listdir(cache) if os.path.isdir(cache) else []
-    assert (cached == []) == blocks_only, cached
+    dense = [f for f in os.listdir(cache) if "-tiles-" not in f] if os.path.isdir(cache) else []
+    assert (dense == []) == blocks_only, dense
     floats = [m.weight is not None or m.packed is not None for m in model.modules()
               if isinstance(m, Linear)]
     assert floats == [not blocks_only] * len(floats)
@@ -168,6 +169,54 @@ def test_weight_cache_is_used_and_survives_damage(tiny_llama, tmp_path, tokenize
     damaged = load_model(info, "float32").state_dict()
     assert all(torch.equal(first[k], damaged[k]) for k in first)
     assert weight_cache.load(info.digest, torch.float32) is not None    # whole again
+
+
+def test_a_restart_maps_the_packed_tiles(tiny_llama, tmp_path, tokenizer_meta, monkeypatch):
+    """The first start packs a Q4_K_M file's blocks and caches the tiles (tile_cache.py); the
+    next packs nothing and answers the same tokens; a damaged cache file is packed again."""
+    from pagewire.kernels import quant
+    path = _gguf_from_hf_dir(tiny_llama("gqa2-d128", intermediate_size=512),
+                             str(tmp_path / "t.gguf"), tokenizer_meta, "Q4_K_M")
+    prompt = {"prompt_token_ids": [5, 77, 300, 12, 9, 41]}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def answer() -> list[int]:
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256)
+        tiles = [s.tiles for m in llm.runner.model.modules() if isinstance(m, Linear)
+                 for s in m.quantized.segments]
+        return llm.generate([prompt], params)[0].outputs[0].token_ids, tiles
+    first, tiles = answer()
+    (cached,) = os.listdir(os.path.join(os.environ["PAGEWIRE_CACHE_DIR"], "weights"))
+    assert "-uint8-tiles-" in cached and "-0of1-" in cached
+    pack = quant.pack
+    monkeypatch.setattr(quant, "pack", lambda *a, **kw: pytest.fail("packed again"))
+    again, mapped = answer()
+    assert again == first and all(torch.equal(a, b) for a, b in zip(tiles, mapped))
+    file = os.path.join(os.environ["PAGEWIRE_CACHE_DIR"], "weights", cached)
+    whole = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.truncate(whole // 2)
+    monkeypatch.setattr(quant, "pack", pack)
+    assert answer()[0] == first and os.path.getsize(file) == whole      # rewritten
+
+
+def test_the_weight_cache_keeps_to_its_limit(tmp_path, monkeypatch):
+    """prune(): a file of a stale converter version goes at once, then the least recently
+    used until the rest fits the limit; the file just written stays, whatever its size."""
+    from pagewire.executor import weight_cache
+    directory = tmp_path / "weights"
+    directory.mkdir()
+    version = weight_cache.cache_path("x", torch.float32).rsplit("-", 1)[1]
+    files = [("old-bfloat16-" + version, 300), ("stale-bfloat16-0bad0bad.safetensors", 10),
+             ("mid-bfloat16-" + version, 300), ("new-bfloat16-" + version, 500)]
+    for i, (name, size) in enumerate(files):
+        path = directory / name
+        path.write_bytes(b"\0" * size)
+        os.utime(path, (1000 + i, 1000 + i))
+    removed = weight_cache.prune(str(directory / ("new-bfloat16-" + version)), limit=600)
+    assert removed == ["stale-bfloat16-0bad0bad.safetensors", "old-bfloat16-" + version,
+                       "mid-bfloat16-" + version]
+    assert os.listdir(directory) == ["new-bfloat16-" + version]
 
 
 def _tiny_hf(arch: str, **overrides):

@@ -118,6 +118,8 @@ def test_the_cpu_kv_pool_lies_on_huge_pages_zeroed(monkeypatch):
     assert caches[0].sum() == 0 and caches[2].sum() == 0 and caches[1].sum() == 7 * 16 * 2 * 68
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if os.path.exists(thp) and "[never]" not in open(thp).read():
+        for c in caches:            # written: backed, on huge pages (mapped unwritten at start)
+            c.fill_(1)
         assert _huge_bytes(starts[0], starts[2] + caches[2].nbytes) >= huge_pages.HUGE_PAGE
     assert huge_pages.zeros(2, (2, 8, 16, 2, 64), torch.bfloat16) is None   # 64 KiB a layer
     monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "0")

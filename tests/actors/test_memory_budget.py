@@ -1,12 +1,12 @@
 """What `--kv-cache-memory auto` and `--quantized-matmul-tokens auto` take (memory_budget.py,
-executor/loader.py DenseRoom), from given amounts of free memory."""
+executor/linear_blocks.py DenseRoom), from given amounts of free memory."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagewire import memory_budget
-from pagewire.executor.loader import AUTO_MATMUL_TOKENS, DenseRoom
+from pagewire.executor.linear_blocks import AUTO_MATMUL_TOKENS, DenseRoom
 from pagewire.kernels import native, quant
 from pagewire.model_info import ModelInfo
 

@@ -1,0 +1,178 @@
+"""pagewire at the sizes people serve, side by side with llama.cpp and vLLM's CPU build on the
+same files (bench/real_shapes.py writes them: random weights of real shapes, real block
+formats, the default tokenizer):
+
+    python bench/sizes.py --shape llama-3.2-1b [--formats Q4_0,Q4_K_M,Q8_0,bf16]
+                          [--peers llamacpp,vllm] [--only single,prefill,batch]
+
+Per format: a single stream of 128 prompt then 128 generated tokens (output tok/s), a
+1,024-token prefill (tok/s) and, for the bf16 directory and the GGUF formats, 32 x 128/128
+offline (output tok/s). llama.cpp runs `llama-bench` on the GGUF files (-pg 128,128: the same
+256 tokens; -p 1024), vLLM its `bench latency|throughput` on the bf16 directory. Beside each
+figure its ceiling: a single stream's bytes a token (the weights pagewire reads) over the
+machine's read bandwidth, measured here; a batch's FLOPs over the bfloat16 GEMM peak oneDNN
+reaches here. One run of each, in turn: compare within a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from compare import PEER          # noqa: E402
+from real_shapes import model_path  # noqa: E402
+
+from pagewire.testing.real_shapes import SHAPES, tensor_plan   # noqa: E402
+
+LLAMACPP = os.path.join(os.path.dirname(PEER), "llamacpp.sh")
+THREADS = str(os.cpu_count())
+
+
+VOCAB = 49152                   # the default tokenizer's (real_shapes writes it)
+
+
+def weight_count(shape: str) -> int:
+    """The Linears' weights (the LM head included, the embedding not): 2 FLOPs each a token."""
+    plan = tensor_plan(SHAPES[shape], "bf16", VOCAB)
+    tied = SHAPES[shape]["tie_word_embeddings"]
+    return sum(d[0] * d[1] for name, _, d, _ in plan if len(d) == 2
+               and (tied or name != "model.embed_tokens.weight"))
+
+
+def read_bandwidth() -> float:
+    """Bytes a second a sum over 2 GiB reads (all threads): the single stream's ceiling."""
+    x = torch.ones(2**29, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.nbytes / best
+
+
+def gemm_peak() -> float:
+    """FLOP/s of oneDNN's bfloat16 GEMM on a packed 4096 x 4096 weight at 512 tokens."""
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(4096, 4096).bfloat16(), 512)
+    x = torch.randn(512, 4096).bfloat16()
+    run = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
+    run()
+    return 2 * 512 * 4096 * 4096 / min(_timed(run) for _ in range(5))
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _run(cmd: list[str], pattern: str) -> float:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(pattern, out.stdout + out.stderr)
+    if not m:
+        sys.exit(f"{' '.join(cmd[:4])}: no {pattern!r} in\n{(out.stdout + out.stderr)[-2000:]}")
+    return float(m.group(1))
+
+
+def pagewire_latency(path: str, input_len: int, output_len: int) -> float:
+    """Seconds for one request of input_len then output_len tokens."""
+    return _run(["pagewire", "bench", "latency", "--model", path, "--input-len", str(input_len),
+                 "--output-len", str(output_len), "--batch-size", "1", "--num-iters", "2",
+                 "--num-iters-warmup", "1", "--max-model-len", "2048"],
+                r"Avg latency: ([\d.]+) seconds")
+
+
+def pagewire_batch(path: str) -> float:
+    return _run(["pagewire", "bench", "throughput", "--model", path, "--dataset-name", "random",
+                 "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "32",
+                 "--max-model-len", "2048"], r"([\d.]+) output tokens/s")
+
+
+def llamacpp(path: str, args: list[str]) -> float:
+    """llama-bench's tokens a second for one test (-pg or -p)."""
+    tool = subprocess.run(["bash", LLAMACPP, "bin", "llama-bench"], capture_output=True,
+                          text=True, check=True).stdout.strip().splitlines()[-1]
+    out = subprocess.run([tool, "-m", path, "-t", THREADS, "-r", "2", "-o", "json", *args],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[-1]["avg_ts"]
+
+
+def vllm(kind: str, path: str, args: list[str]) -> float:
+    dtype = os.environ.get("VLLM_DTYPE", "bfloat16")
+    pattern = r"Avg latency: ([\d.]+) seconds" if kind == "latency" else r"([\d.]+) output tokens/s"
+    return _run(["bash", PEER, "exec", "vllm", "bench", kind, "--model", path, "--dtype", dtype,
+                 "--max-model-len", "2048", *args], pattern)
+
+
+def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dict) -> None:
+    path = model_path(shape, fmt)
+    gguf = fmt != "bf16"
+    weights = weight_count(shape)
+    size = os.path.getsize(path) if gguf else sum(
+        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    print(f"\n{shape} {fmt}: {size / 1e9:.2f} GB, {weights / 1e9:.2f} G weights; "
+          f"single stream ceiling {ceilings['bandwidth'] / size:.1f} tok/s "
+          f"(file bytes over {ceilings['bandwidth'] / 1e9:.0f} GB/s)", flush=True)
+    flops = 2 * weights
+    if "single" in only:
+        ours = 128 / pagewire_latency(path, 128, 128)
+        line = f"  single 128/128: pagewire {ours:.1f} tok/s ({ours * size / ceilings['bandwidth']:.0%} of the bandwidth ceiling)"
+        if gguf and "llamacpp" in peers:
+            theirs = 128 / (256 / llamacpp(path, ["-p", "0", "-n", "0", "-pg", "128,128"]))
+            line += f", llama.cpp {theirs:.1f} ({ours / theirs:.2f}x)"
+        if not gguf and "vllm" in peers:
+            theirs = 128 / vllm("latency", path, ["--input-len", "128", "--output-len", "128",
+                                                  "--batch-size", "1", "--num-iters", "2",
+                                                  "--num-iters-warmup", "1"])
+            line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
+        print(line, flush=True)
+    if "prefill" in only:
+        ours = 1024 / pagewire_latency(path, 1024, 1)
+        line = f"  prefill 1024: pagewire {ours:.0f} tok/s ({ours * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak)"
+        if gguf and "llamacpp" in peers:
+            theirs = llamacpp(path, ["-p", "1024", "-n", "0"])
+            line += f", llama.cpp {theirs:.0f} ({ours / theirs:.2f}x)"
+        if not gguf and "vllm" in peers:
+            theirs = 1024 / vllm("latency", path, ["--input-len", "1024", "--output-len", "1",
+                                                   "--batch-size", "1", "--num-iters", "2",
+                                                   "--num-iters-warmup", "1"])
+            line += f", vLLM {theirs:.0f} ({ours / theirs:.2f}x)"
+        print(line, flush=True)
+    if "batch" in only:
+        ours = pagewire_batch(path)
+        line = f"  32 x 128/128: pagewire {ours:.1f} output tok/s ({2 * ours * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak, prompt tokens counted)"
+        if not gguf and "vllm" in peers:
+            theirs = vllm("throughput", path, ["--dataset-name", "random", "--random-input-len",
+                                               "128", "--random-output-len", "128",
+                                               "--num-prompts", "32"])
+            line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
+        print(line, flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--formats", default="Q4_0,Q4_K_M,Q8_0,bf16")
+    p.add_argument("--peers", default="llamacpp,vllm")
+    p.add_argument("--only", default="single,prefill,batch")
+    a = p.parse_args()
+    ceilings = {"bandwidth": read_bandwidth(), "gemm": gemm_peak()}
+    print(f"CPU: {_cpu()}; read bandwidth {ceilings['bandwidth'] / 1e9:.1f} GB/s, "
+          f"bf16 GEMM peak {ceilings['gemm'] / 1e9:.0f} GFLOP/s", flush=True)
+    for fmt in a.formats.split(","):
+        measure(a.shape, fmt, set(a.peers.split(",")), set(a.only.split(",")), ceilings)
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    name = re.search(r"model name\s*:\s*(.*)", info).group(1)
+    family, model = (re.search(rf"{k}\s*:\s*(\d+)", info).group(1) for k in ("cpu family", "model"))
+    return f"{name} family {family} model {model}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    main()
