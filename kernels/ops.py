@@ -40,6 +40,8 @@ class Capabilities:
     block_kinds: frozenset = frozenset()   # packed weight kinds (quant.KINDS) it multiplies
     int16_large_steps: bool = False   # int16 blocks may serve large steps too, where the core's
     #                                   int16 GEMM outruns oneDNN (quant.blocks_serve_large_steps)
+    int8_large_steps: bool = False    # int8 blocks serve large steps too: its library's VNNI GEMM
+    #                                   outruns oneDNN's bfloat16 (csrc/quant_gemm_vnni.h)
     fused_decode: bool = False      # runs a decode step's every layer in one native call
     graphs: bool = False            # replays decode steps as CUDA graphs
     lora_in_graphs: bool = False    # takes LoRA inputs as static graph buffers (GraphLora)
@@ -133,7 +135,9 @@ class CpuOps(TorchOps):
             native_weights=True, bf16_dot=lib.bf16_dot, fused_decode=True,
             block_kinds=frozenset(quant.KINDS) if blocks else frozenset(),
             # csrc/quant_gemm_avx2.h: the avx2 tier's int16 GEMM; wider tiers' oneDNN wins
-            int16_large_steps=blocks and lib.tier == "avx2")
+            int16_large_steps=blocks and lib.tier == "avx2",
+            # csrc/quant_gemm_vnni.h: vpdpbusd, on every avx512_bf16 CPU (it has VNNI)
+            int8_large_steps=blocks and lib.tier == "avx512_bf16")
 
     def add_rms_norm(self, x, residual, weight, eps):
         return self.lib.add_rms_norm(x, residual, weight, eps)

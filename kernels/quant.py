@@ -123,16 +123,21 @@ INT16_GEMM_MIN_RATIO = 1.25
 
 
 def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library,
-                             int16_gemm: bool) -> bool:
+                             int16_gemm: bool, int8_gemm: bool = False) -> bool:
     """Whether a weight's blocks multiply large steps (prefill chunks, big batches) faster
     than oneDNN's float32 GEMM on a dense copy: int16 activations (every segment) where the
     backend has the int16 GEMM for them (`int16_gemm`: its capabilities' int16_large_steps,
     the avx2 tier's), on a core that issues csrc/quant_gemm_avx2.h's 256-bit vpmaddwd (16
     multiply-adds) at least INT16_GEMM_MIN_RATIO times as fast as float32 FMAs (8). Not on
     avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
-    oneDNN's bfloat16 GEMM runs (avx512_bf16)."""
-    int16 = _KIND_OFFSET["int16"]
-    return int16_gemm and all(s.kind - _tile_type(s.kind) == int16 for s in weight.segments) \
+    oneDNN's bfloat16 GEMM runs (avx512_bf16). And int8 activations (every segment) where
+    the backend has the VNNI GEMM (`int8_gemm`: its capabilities' int8_large_steps, the
+    avx512_bf16 tier's): vpdpbusd's 64 multiply-adds an instruction run 1.25-1.6x oneDNN's
+    bfloat16 GEMM (bench/NOTES.md "int8 GEMM on AVX512-VNNI")."""
+    offsets = {s.kind - _tile_type(s.kind) for s in weight.segments}
+    if int8_gemm and offsets == {_KIND_OFFSET["int8"]}:
+        return True
+    return int16_gemm and offsets == {_KIND_OFFSET["int16"]} \
         and lib.int16_mac_ratio >= INT16_GEMM_MIN_RATIO
 
 

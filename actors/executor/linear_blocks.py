@@ -38,14 +38,15 @@ class DenseRoom:
     """`auto`'s choice per weight: a dense copy for large steps where the blocks' GEMM is the
     slower, while the copies' bytes fit in `room` (None: no bound)."""
 
-    def __init__(self, room: int | None, lib, int16_gemm: bool, dense_bytes: int):
-        self.room, self.lib, self.int16_gemm = room, lib, int16_gemm
+    def __init__(self, room: int | None, lib, int16_gemm: bool, dense_bytes: int,
+                 int8_gemm: bool = False):
+        self.room, self.lib, self.int16_gemm, self.int8_gemm = room, lib, int16_gemm, int8_gemm
         self.dense_bytes = dense_bytes        # a dense copy's bytes per weight
         self.taken = self.refused = 0
 
     def tokens(self, weight: quant.QuantWeight) -> int:
         """-1 (the blocks serve every step) or AUTO_MATMUL_TOKENS (a dense copy above)."""
-        if quant.blocks_serve_large_steps(weight, self.lib, self.int16_gemm):
+        if quant.blocks_serve_large_steps(weight, self.lib, self.int16_gemm, self.int8_gemm):
             return -1
         need = weight.rows * weight.cols * self.dense_bytes
         if self.room is not None and self.taken + need > self.room:
@@ -77,7 +78,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
         return 0
     kept, roundings = 0, roundings or {}
     upcast = dtype == torch.float32 or not model.ops.capabilities.bf16_dot
-    auto = DenseRoom(dense_room, lib, int16_gemm, 4 if upcast else 2)
+    auto = DenseRoom(dense_room, lib, int16_gemm, 4 if upcast else 2,
+                     model.ops.capabilities.int8_large_steps)
     with one_thread():
         for name, weight in _packed_weights(info, model, roundings, rounded):
             linear = model.get_submodule(name)

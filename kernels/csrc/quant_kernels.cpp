@@ -29,6 +29,7 @@
 #include "quant_int_avx2.h"    // int8 and int16 activations, on every tier
 #endif
 #include "quant_avx512.h"
+#include "quant_gemm_vnni.h"   // int8 activations' large steps where VNNI is built
 
 namespace {
 
@@ -281,6 +282,16 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     case PW_TILE_Q6_K: return avx2::matmul<Q6_KTile, T>;
     case PW_TILE_Q2_K: return avx2::matmul<Q2_KTile, T>;
     case PW_TILE_FP8: return avx2::matmul<FP8Tile, T>;
+  }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  switch (kind) {   // the avx512_bf16 tier: vpdpbusd's GEMM from vnni::kGemmFrom tokens
+    case PW_TILE_Q4_1 + PW_ROUNDING_INT8: return vnni::matmul_int8<Q4_1Tile, T>;
+    case PW_TILE_Q8_0 + PW_ROUNDING_INT8: return vnni::matmul_int8<Q8_0Tile, T>;
+    case PW_TILE_Q4_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q4_KTile, T>;
+    case PW_TILE_Q5_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q5_KTile, T>;
+    case PW_TILE_Q6_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q6_KTile, T>;
+    case PW_TILE_Q2_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q2_KTile, T>;
   }
 #endif
 #if defined(__AVX2__)
