@@ -109,6 +109,13 @@ def vllm(kind: str, path: str, args: list[str]) -> float:
                  "--max-model-len", "2048", "--no-enable-prefix-caching", *args], pattern)
 
 
+def vllm_latency(path: str, input_len: int, output_len: int) -> float:
+    """Seconds for one request, as pagewire_latency measures it."""
+    return vllm("latency", path, ["--input-len", str(input_len), "--output-len", str(output_len),
+                                  "--batch-size", "1", "--num-iters", "2",
+                                  "--num-iters-warmup", "1"])
+
+
 def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dict) -> None:
     path = model_path(shape, fmt)
     gguf = fmt != "bf16"
@@ -126,9 +133,7 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
             theirs = 128 / (256 / llamacpp(path, ["-p", "0", "-n", "0", "-pg", "128,128"]))
             line += f", llama.cpp {theirs:.1f} ({ours / theirs:.2f}x)"
         if not gguf and "vllm" in peers:
-            theirs = 128 / vllm("latency", path, ["--input-len", "128", "--output-len", "128",
-                                                  "--batch-size", "1", "--num-iters", "2",
-                                                  "--num-iters-warmup", "1"])
+            theirs = 128 / vllm_latency(path, 128, 128)
             line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
         print(line, flush=True)
     if "decode" in only:
@@ -145,9 +150,7 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
             theirs = llamacpp(path, ["-p", "1024", "-n", "0"])
             line += f", llama.cpp {theirs:.0f} ({ours / theirs:.2f}x)"
         if not gguf and "vllm" in peers:
-            theirs = 1024 / vllm("latency", path, ["--input-len", "1024", "--output-len", "1",
-                                                   "--batch-size", "1", "--num-iters", "2",
-                                                   "--num-iters-warmup", "1"])
+            theirs = 1024 / vllm_latency(path, 1024, 1)
             line += f", vLLM {theirs:.0f} ({ours / theirs:.2f}x)"
         print(line, flush=True)
     if "batch" in only:

@@ -25,17 +25,22 @@ def tiled_model() -> torch.nn.Module:
     return model
 
 
-def _huge_bytes(start: int, end: int) -> int:
-    """AnonHugePages of the mappings that meet [start, end), in bytes."""
+def _smaps_bytes(field: str, start: int, end: int) -> int:
+    """/proc/self/smaps' `field` (AnonHugePages, Rss, ...) over the mappings that meet
+    [start, end), in bytes."""
     total, meets = 0, False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and len(line.split()) >= 5:
             lo, hi = (int(v, 16) for v in head.split("-"))
             meets = lo < end and start < hi
-        elif head == "AnonHugePages:" and meets:
+        elif head == field + ":" and meets:
             total += int(line.split()[1]) * 1024
     return total
+
+
+def _huge_bytes(start: int, end: int) -> int:
+    return _smaps_bytes("AnonHugePages", start, end)
 
 
 def test_tiles_move_onto_huge_pages_with_values_and_tables_kept(monkeypatch, tiled_model):
@@ -129,16 +134,7 @@ def test_the_cpu_kv_pool_lies_on_huge_pages_zeroed(monkeypatch):
 
 
 def _resident(start: int, end: int) -> int:
-    """Rss of the mappings that meet [start, end), in bytes."""
-    total, meets = 0, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and len(line.split()) >= 5:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            meets = lo < end and start < hi
-        elif head == "Rss:" and meets:
-            total += int(line.split()[1]) * 1024
-    return total
+    return _smaps_bytes("Rss", start, end)
 
 
 def test_the_kv_pool_takes_memory_as_it_fills(monkeypatch):
