@@ -6,15 +6,16 @@ GGUF tensor dequantized, a safetensors tensor cast), so the float32 source of th
 and its converted copy never sit in memory together. Safetensors are memory-mapped: a tensor
 already in the target dtype is the file's pages, not a copy.
 
-A GGUF model's converted tensors are cached (weight_cache.py): the next start maps them
-instead of dequantizing again.
+A Linear that keeps only its stored blocks (linear_blocks.py, placed before any float weight
+is read) is not read here at all: the model then holds about its file's bytes. A GGUF model
+read whole (where dense copies are kept) is cached dequantized (weight_cache.py): the next
+start reads that instead of dequantizing again.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
-import logging
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -34,8 +35,6 @@ from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
 from .load_quantization import round_linears
 from .parallel import TensorParallel, shard_state
-
-log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
