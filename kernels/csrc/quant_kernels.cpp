@@ -209,6 +209,58 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
   }
 }
 
+// Q8 tiles without minimums (Q8_0, Q6_K) for several tokens of bfloat16 activations: a
+// column pair's codes, exact in bfloat16, laid out once as vdpbf16ps pairs (lane l: columns
+// 2j, 2j + 1 of row l) and multiplied by every token's x pair, half the multiply instructions
+// of q8_groups' float32 FMAs; a single token keeps q8_groups, whose decode is cheaper. The
+// same two chains a token: even and odd pairs under one scale (Q8_0), or columns < 16 and
+// >= 16 under their own (Q6_K).
+template <int M, typename Tile, typename Out>
+void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
+                    const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+  static_assert(!Tile::kMin && !Tile::kQ4 && !Tile::kFp8, "Q8 tiles without minimums");
+  constexpr bool kSplit = Tile::kSplits == 2;
+  const __m512i order = pair_order();
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+      __m512 first[M], second[M];
+      for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) {
+        const __m512 lo = q8_lanes(tile + 32 * j), hi = q8_lanes(tile + 32 * j + 16);
+        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
+            order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));      // exact: |code| <= 128
+        const bool to_first = kSplit ? j < 8 : j % 2 == 0;
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xp = (__m512bh)bcast_pair(x + m * K + b * 32 + 2 * j);
+          if (to_first)
+            first[m] = _mm512_dpbf16_ps(first[m], w, xp);
+          else
+            second[m] = _mm512_dpbf16_ps(second[m], w, xp);
+        }
+      }
+      const __m512 d0 = Tile::scales16(tile, 0);
+      if constexpr (kSplit) {
+        const __m512 d1 = Tile::scales16(tile, 1);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
+      } else {
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
+  }
+}
+
+// Whether a Q8 tile format's steps of `tokens` bfloat16 tokens take q8_pair_groups: from 4
+// tokens its once-a-chunk decode costs less than the FMAs it saves.
+template <typename Tile, typename Out>
+constexpr bool kQ8Pairs = !Tile::kQ4 && !Tile::kFp8 && !Tile::kMin && std::is_same<Out, bf16>::value;
+constexpr int64_t kQ8PairTokens = 4;
+
 // One chunk of up to kMaxBatch tokens of one tile format: its weights are unpacked once for
 // all of them.
 template <int M, typename Tile, typename Out>
@@ -224,6 +276,9 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
         pair_groups<M, 1, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
       else
         pair_groups<M, 3, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+    } else if (!a.parts.empty()) {    // kQ8Pairs: bfloat16 activations as parts (P == 1)
+      if constexpr (kQ8Pairs<Tile, Out>)
+        q8_pair_groups<M, Tile>(out, os, a.parts.data() + t * a.K, a.K, packed, nb, g0, g1);
     } else {
       const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
@@ -234,8 +289,9 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
 template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
-  const Activations a(x, x_stride, tokens, K, Tile::kQ4 || Tile::kFp8 ? kParts : kFloat,
-                      Tile::kSumGroups);
+  const bool pairs = kQ8Pairs<Tile, Out> && tokens >= kQ8PairTokens;
+  const Activations a(x, x_stride, tokens, K,
+                      Tile::kQ4 || Tile::kFp8 || pairs ? kParts : kFloat, Tile::kSumGroups);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
     const int64_t g = N / kRows;

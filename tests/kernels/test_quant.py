@@ -85,12 +85,13 @@ def test_float32_products_equal_dequantized_weights(native_lib, qtype, tokens):
 
 
 @pytest.mark.parametrize("qtype", ALL)
-def test_bfloat16_products_are_rounded_exact_sums(native_lib, qtype):
+@pytest.mark.parametrize("tokens", [1, 5, 13])  # Q8 tiles from 4 tokens as vdpbf16ps pairs
+def test_bfloat16_products_are_rounded_exact_sums(native_lib, qtype, tokens):
     """bfloat16 activations times the exact weights, summed in float32, rounded once."""
     rng = np.random.default_rng(1)
     cols = cols_of(qtype, 576)
     raw, w = blocks_of(rng.standard_normal((64, cols)) * 0.1, qtype)
-    x = torch.from_numpy(rng.standard_normal((5, cols)).astype(np.float32)).bfloat16()
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).bfloat16()
     out = quant.matmul(x, quant.pack(TYPES[qtype], raw, cols, native_lib))
     ref = x.double() @ w.T
     bound = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.abs().T) * 1e-6
