@@ -171,6 +171,22 @@ void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
   }
 }
 
+// acc[m] += a Q8 tile block's two chains under their scales: one scale for both (Q8_0, Q5_K),
+// or the first chain's (columns < 16) and the second's (Q6_K, Q2_K: kSplits 2).
+template <typename Tile, int M>
+inline void add_q8_block(__m512 (&acc)[M], const __m512 (&first)[M], const __m512 (&second)[M],
+                         const uint8_t* tile) {
+  const __m512 d0 = Tile::scales16(tile, 0);
+  if constexpr (Tile::kSplits == 2) {
+    const __m512 d1 = Tile::scales16(tile, 1);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
+  } else {
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
+  }
+}
+
 // Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
 // columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16 and >= 16 under
 // their own (Q6_K).
@@ -194,15 +210,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
           second[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[k1]), second[m]);
         }
       }
-      const __m512 d0 = Tile::scales16(tile, 0);
-      if constexpr (kSplit) {
-        const __m512 d1 = Tile::scales16(tile, 1);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
-      } else {
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
-      }
+      add_q8_block<Tile>(acc, first, second, tile);
       add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
@@ -241,15 +249,7 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
             second[m] = _mm512_dpbf16_ps(second[m], w, xp);
         }
       }
-      const __m512 d0 = Tile::scales16(tile, 0);
-      if constexpr (kSplit) {
-        const __m512 d1 = Tile::scales16(tile, 1);
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
-      } else {
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
-      }
+      add_q8_block<Tile>(acc, first, second, tile);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
