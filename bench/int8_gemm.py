@@ -17,26 +17,16 @@ threads, which oneDNN and the native kernels both use; one thread gives a core's
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from int16_gemm import best_of      # bench/ is the script's directory
 from pagewire.kernels import native, quant
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192)}
 # type: (GGML type, block bytes, fp16 scales before the quants: d, or d and m)
 TYPES = {"Q4_0": (quant.Q4_0, 18, 1), "Q4_1": (quant.Q4_1, 20, 2), "Q8_0": (quant.Q8_0, 34, 1)}
-
-
-def best_of(fn, calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def random_blocks(block_bytes: int, rows: int, cols: int, scales: int = 1) -> torch.Tensor:
