@@ -154,30 +154,98 @@ def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float(), q
 
 
-def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+# A K-quant's superblock tile type (pagewire's ids, csrc/pagewire_api.h PwTile: the GGML id
+# + 50; Q3_K's values take Q6_K's form) and its classic tile type (float32 scales a block).
+Q2_KS, Q4_KS, Q5_KS, Q6_KS = 60, 62, 63, 64
+SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS}
+CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K}
+# a superblock tile type's (fp16 heads, int8 scale arrays, quant bytes) a 32-weight block
+SUPER_PARTS = {Q2_KS: (2, 4, 32), Q4_KS: (2, 2, 16), Q5_KS: (2, 2, 32), Q6_KS: (1, 2, 32)}
+
+
+def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-quant's superblocks [n, bytes] -> (fp16 heads [n, H]: d, and -dmin where the type
+    has minimums; int8 [n, 8, arrays]: each 32-weight block's sub-block scales (two for the
+    types of 16-weight sub-blocks), then its minimums) with weight = head * byte * q (+ the
+    minimum's head * byte): the stored integers, unscaled."""
+    n = blocks.shape[0]
+    if ggml_type in (Q4_K, Q5_K):
+        sc, mn = _k4_scales(blocks[:, 4:16])
+        heads, scales = blocks[:, 0:4], torch.stack([sc, mn], dim=-1)          # [n, 8, 2]
+    elif ggml_type == Q2_K:
+        s = blocks[:, :16].reshape(n, 8, 2)
+        heads, scales = blocks[:, 80:84], torch.cat([s & 0x0F, s >> 4], dim=-1)
+    elif ggml_type == Q3_K:
+        s = blocks[:, 96:108]
+        low = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)              # [n, 16]
+        high = torch.cat([(s[:, 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1)
+        heads = blocks[:, 108:110]
+        scales = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(n, 8, 2)
+    else:                                                                        # Q6_K
+        heads, scales = blocks[:, 208:210], blocks[:, 192:208].reshape(n, 8, 2)
+    heads = heads.contiguous().view(torch.float16).clone()
+    if heads.shape[1] == 2:
+        heads[:, 1] = -heads[:, 1]            # the minimum's head: -dmin (exact in fp16)
+    return heads, scales.contiguous().view(torch.int8)
+
+
+def _tile_quants(ggml_type: int, blocks: torch.Tensor) -> torch.Tensor:
+    """A K-quant's superblocks [n, bytes] -> each 32-weight block's quants as its tile type
+    holds them, uint8 [n, 8, 16 or 32]: Q4_K's nibbles in Q4_1's order (weights 0-15 low,
+    16-31 high), the others a byte a weight (Q3_K and Q6_K int8)."""
+    if ggml_type in (Q4_K, Q5_K):
+        q = (q4_k_parts if ggml_type == Q4_K else q5_k_parts)(blocks)[2]
+        return q[..., :16] | (q[..., 16:] << 4) if ggml_type == Q4_K else q
+    if ggml_type == Q2_K:
+        return q2_k_parts(blocks)[2].reshape(-1, 8, 32)
+    q = (q3_k_parts if ggml_type == Q3_K else q6_k_parts)(blocks)[1]
+    return q.reshape(-1, 8, 32).view(torch.uint8)
+
+
+def k_quant_super_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     """A K-quant tensor's superblocks uint8 [rows, cols / 256 * bytes] as 32-weight blocks of
-    a tile type holding the same values: (tile type, uint8 [rows, cols / 32 * its bytes]).
-    Q4_K, Q5_K: (scale, minimum) float32, then the sub-block's nibbles in Q4_1's order
-    (weights 0-15 low, 16-31 high; Q4_K) or bytes (Q5_K); Q3_K and Q6_K as Q6_K: the two
-    16-weight sub-blocks' scales float32, then 32 int8; Q2_K: their two scales and two
-    minimums float32, then 32 bytes."""
+    its superblock tile type (SUPER), which ranks can share by whole blocks: (type, uint8
+    [rows, cols / 32 * block bytes]), a block its superblock's fp16 heads (repeated in each of
+    its 8 blocks), its int8 scale bytes, then its quants (_tile_quants). kernels/quant.py
+    packs 8 blocks of one superblock as one tile (or, cut apart, as classic tiles)."""
     if ggml_type not in K_QUANTS:
         raise ValueError(f"GGML type {ggml_type} is not a K-quant")
     rows, superblocks = raw.shape[0], raw.reshape(-1, K_QUANTS[ggml_type])
-    if ggml_type in (Q4_K, Q5_K):
-        parts = q4_k_parts if ggml_type == Q4_K else q5_k_parts
-        scale, minimum, q = parts(superblocks)
-        quants = q[..., :16] | (q[..., 16:] << 4) if ggml_type == Q4_K else q   # [n, 8, .]
-        head, tile = torch.stack([scale, minimum], dim=-1), ggml_type           # [n, 8, 2]
-    elif ggml_type == Q2_K:
-        scale, minimum, q = q2_k_parts(superblocks)
-        head = torch.cat([scale.reshape(-1, 8, 2), minimum.reshape(-1, 8, 2)], dim=-1)
-        quants, tile = q.reshape(-1, 8, 32), Q2_K
-    else:
-        scale, q = (q3_k_parts if ggml_type == Q3_K else q6_k_parts)(superblocks)
-        quants, head, tile = q.reshape(-1, 8, 32).view(torch.uint8), scale.reshape(-1, 8, 2), Q6_K
-    blocks = torch.cat([head.contiguous().view(torch.uint8), quants], dim=-1)
-    return tile, blocks.reshape(rows, -1)
+    heads, scales = _scale_bytes(ggml_type, superblocks)
+    heads = heads[:, None, :].expand(-1, 8, -1).contiguous().view(torch.uint8)   # [n, 8, 2H]
+    parts = [heads, scales.view(torch.uint8), _tile_quants(ggml_type, superblocks)]
+    return SUPER[ggml_type], torch.cat(parts, dim=-1).reshape(rows, -1)
+
+
+def super_parts(super_type: int, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Superblock tile blocks [rows, nb * bytes] -> (heads fp16 [rows, nb, H], scale bytes
+    int8 [rows, nb, arrays], quants uint8 [rows, nb, 16 or 32]): k_quant_super_blocks' parts."""
+    heads, arrays, quants = SUPER_PARTS[super_type]
+    blocks = raw.reshape(raw.shape[0], -1, 2 * heads + arrays + quants)
+    return (blocks[..., :2 * heads].contiguous().view(torch.float16),
+            blocks[..., 2 * heads:2 * heads + arrays].contiguous().view(torch.int8),
+            blocks[..., 2 * heads + arrays:])
+
+
+def super_as_classic(super_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Superblock tile blocks as blocks of the classic tile type of the same values: each
+    scale array a float32 (head * byte, exact) before the quants."""
+    heads, scales, quants = super_parts(super_type, raw)
+    splits = 1 if super_type in (Q4_KS, Q5_KS) else 2
+    head_of = [min(a // splits, heads.shape[-1] - 1) for a in range(scales.shape[-1])]
+    floats = heads.float()[..., head_of] * scales.float()                  # [rows, nb, arrays]
+    blocks = torch.cat([floats.contiguous().view(torch.uint8), quants], dim=-1)
+    return CLASSIC[super_type], blocks.reshape(raw.shape[0], -1)
+
+
+def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """A K-quant tensor's superblocks uint8 [rows, cols / 256 * bytes] as 32-weight blocks of
+    a classic tile type holding the same values: (tile type, uint8 [rows, cols / 32 * its
+    bytes]). Q4_K, Q5_K: (scale, minimum) float32, then the sub-block's nibbles in Q4_1's
+    order (weights 0-15 low, 16-31 high; Q4_K) or bytes (Q5_K); Q3_K and Q6_K as Q6_K: the
+    two 16-weight sub-blocks' scales float32, then 32 int8; Q2_K: their two scales and two
+    minimums float32, then 32 bytes."""
+    return super_as_classic(*k_quant_super_blocks(ggml_type, raw))
 
 
 # Types whose 32-weight blocks become blocks of a tile type holding the same values.

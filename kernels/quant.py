@@ -7,7 +7,8 @@ columns: one SIMD lane per output row; csrc/quant_tiles.h); matmul() runs x @ W^
 The products use each weight's exact value (d * q + m with the file's fp16 d and m), as
 dequantizing does; the file's other types become blocks of a tile type holding the same
 values (gguf_blocks.py: the K-quants' superblocks before sharing among ranks, the others
-here).
+here). The K-quants' tiles hold 16 rows by a whole superblock, the file's sub-block scales
+as stored beside its fp16 d (Q4_K: 4.625 bits a weight, the file's 4.5).
 
 A Linear (kernels/linear.py) holding a QuantWeight uses it for steps of up to `max_tokens`
 tokens and its dense packed copy for larger ones (prefill, big batches), where the matmul is
@@ -20,8 +21,9 @@ from typing import NamedTuple
 import torch
 
 from . import native, native_api
-from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K,
-                          Q8_0)
+from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K, Q4_KS, Q5_0,
+                          Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS, super_as_classic,
+                          super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
 # declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
@@ -32,12 +34,18 @@ _TILE, _ROUNDING = native_api.API.enums["PwTile"], native_api.API.enums["PwRound
 # scale then 32 codes (checkpoint_formats.py makes them).
 FP8 = _TILE["FP8"]
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
-                Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48, FP8: 36}
+                Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48, FP8: 36,
+                **{t: 2 * h + a + q for t, (h, a, q) in SUPER_PARTS.items()}}
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
 # float32), and the types whose quants are nibbles (Q4 tiles)
 _SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4), Q2_K: (4, 4),
            FP8: (1, 4)}
-_NIBBLES = (Q4_1, Q4_K)
+_NIBBLES = (Q4_1, Q4_K, Q4_KS)
+# The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
+# SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
+_SUPER = tuple(SUPER_PARTS)
+assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
+                                      ("Q6_KS", Q6_KS)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
 ROUNDINGS = ("exact", "int16", "int8")
@@ -47,7 +55,8 @@ _KIND_OFFSET = {rounding: _ROUNDING[rounding.upper()] for rounding in ("exact", 
 # Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
 BF16 = _TILE["BF16"]
-KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in _SCALES if t != FP8 or not o), BF16)
+KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in (*_SCALES, *_SUPER)
+            if t != FP8 or not o), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -159,8 +168,10 @@ def available(lib: native.Library | None) -> bool:
 def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
          rounding: str = "exact") -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
-    for the K-quants gguf_blocks.k_quant_blocks'); the weight multiplies with `lib`'s
-    kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's first (AS_TILE_BLOCKS).
+    for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
+    multiplies with `lib`'s kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's
+    first (AS_TILE_BLOCKS); superblock tile blocks pack 8 a tile, or as the classic tiles of
+    the same values where a superblock was cut (a rank's share of its columns).
     rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column block
     and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
     row's four adjacent columns together (Q2_K too)."""
@@ -171,20 +182,57 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         raise ValueError(f"rounding must be one of {ROUNDINGS} (FP8: exact), got {rounding!r}")
     if ggml_type in AS_TILE_BLOCKS:
         ggml_type, raw = AS_TILE_BLOCKS[ggml_type](raw)
-    nb, (arrays, width) = cols // 32, _SCALES[ggml_type]
-    blocks = raw.reshape(rows // _ROWS, _ROWS, nb, _BLOCK_BYTES[ggml_type]).transpose(1, 2)
-    groups = blocks.shape[0]                                  # blocks: [G, nb, 16, bytes]
-    # each scale array [G, nb, 16 rows, width] becomes 16 lanes after the tile's quants
-    scales = [blocks[..., i * width:(i + 1) * width] for i in range(arrays)]
-    quants = blocks[..., arrays * width:]
+    if ggml_type in _SUPER and not _whole_superblocks(ggml_type, raw, cols):
+        ggml_type, raw = super_as_classic(ggml_type, raw)
+    if ggml_type in _SUPER:
+        tiles = _super_tiles(ggml_type, raw, cols, rounding)
+    else:
+        arrays, width = _SCALES[ggml_type]
+        blocks = raw.reshape(rows // _ROWS, _ROWS, cols // 32, _BLOCK_BYTES[ggml_type])
+        scales = blocks[..., :arrays * width]                   # [G, 16 rows, nb, arrays * w]
+        scales = scales.reshape(*scales.shape[:3], arrays, width).permute(0, 2, 3, 1, 4)
+        tiles = torch.cat([_quant_bytes(ggml_type, blocks[..., arrays * width:], rounding),
+                           scales.reshape(*scales.shape[:2], -1)], dim=2).contiguous()
+    return QuantWeight([Segment(ggml_type + _KIND_OFFSET[rounding], tiles, rows)], cols, lib)
+
+
+def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Blocks' quants uint8 [G, 16 rows, nb, bytes] as their tiles hold them, [G, nb, 16 *
+    bytes]: nibbles [8 steps][16 rows][2]; Q8 bytes [32 columns][16 rows], or for integer
+    activations [8 steps][16 rows][4 adjacent columns]."""
+    groups, nb = quants.shape[0], quants.shape[2]
+    quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
     if ggml_type in _NIBBLES:
         qs = quants.reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)       # [G,nb,8,16,2]
     elif rounding != "exact":
         qs = quants.reshape(groups, nb, _ROWS, 8, 4).transpose(2, 3)       # [G,nb,8,16,4]
     else:
         qs = quants.transpose(2, 3)                           # [G, nb, 32 columns, 16 rows]
-    tiles = torch.cat([p.reshape(groups, nb, -1) for p in [qs, *scales]], dim=2).contiguous()
-    return QuantWeight([Segment(ggml_type + _KIND_OFFSET[rounding], tiles, rows)], cols, lib)
+    return qs.reshape(groups, nb, -1)
+
+
+def _whole_superblocks(super_type: int, raw: torch.Tensor, cols: int) -> bool:
+    """Whether a weight's superblock tile blocks hold whole superblocks, 8 blocks of one
+    head each: not where a rank's share of the columns starts inside one."""
+    if cols % 256:
+        return False
+    heads = super_parts(super_type, raw)[0].reshape(raw.shape[0], cols // 256, 8, -1)
+    return bool((heads == heads[:, :, :1]).all())
+
+
+def _super_tiles(super_type: int, raw: torch.Tensor, cols: int, rounding: str) -> torch.Tensor:
+    """Superblock tiles uint8 [G, cols / 256, bytes] (csrc/quant_tiles.h SuperTile): per 16
+    rows and 256 columns, the 8 blocks' quants as the classic tiles hold them, their int8
+    scale bytes [8][arrays][16 rows], then the fp16 heads [H][16 rows]."""
+    rows, nsb = raw.shape[0], cols // 256
+    heads, scales, quants = super_parts(super_type, raw)
+    groups = rows // _ROWS
+    q = _quant_bytes(super_type, quants.reshape(groups, _ROWS, nsb * 8, -1), rounding)
+    scales = scales.reshape(groups, _ROWS, nsb, 8, -1).permute(0, 2, 3, 4, 1)   # [G,S,8,A,16]
+    heads = heads.reshape(groups, _ROWS, nsb, 8, -1)[:, :, :, 0].permute(0, 2, 3, 1)  # [G,S,H,16]
+    parts = [q.reshape(groups, nsb, -1), scales.contiguous().view(torch.uint8),
+             heads.contiguous().view(torch.uint8)]
+    return torch.cat([p.reshape(groups, nsb, -1) for p in parts], dim=2).contiguous()
 
 
 def pack_bf16(weight: torch.Tensor, lib: native.Library) -> QuantWeight:

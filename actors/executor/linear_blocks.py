@@ -228,10 +228,11 @@ _GGUF_BLOCK_TYPES = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0,
 
 def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
     """{Hugging Face weight name: (GGML type, raw blocks)} of those names the file stores as
-    blocks, the K-quants' 256-weight superblocks as 32-weight blocks, which ranks can share."""
+    blocks, the K-quants' 256-weight superblocks as 32-weight blocks of their superblock tile
+    types (gguf_blocks.k_quant_super_blocks), which ranks can share."""
     stored = read_blocks(info.path, gguf_header(info.path), names, _GGUF_BLOCK_TYPES,
                          cfg.num_heads, cfg.num_kv_heads)
-    return {name: gguf_blocks.k_quant_blocks(t, raw) if t in gguf_blocks.K_QUANTS
+    return {name: gguf_blocks.k_quant_super_blocks(t, raw) if t in gguf_blocks.K_QUANTS
             else (t, raw) for name, (t, raw) in stored.items()}
 
 

@@ -56,6 +56,10 @@ enum PwTile : int64_t {
   PW_TILE_Q5_K = 13,
   PW_TILE_Q6_K = 14,
   PW_TILE_BF16 = 30,      // plain bfloat16 tiles (bf16_matmul.cpp)
+  PW_TILE_Q2_KS = 60,     // superblock tiles (quant_tiles.h SuperTile): the K-quant's id + 50
+  PW_TILE_Q4_KS = 62,
+  PW_TILE_Q5_KS = 63,
+  PW_TILE_Q6_KS = 64,
   PW_TILE_FP8 = 90,       // an FP8 checkpoint's e4m3 codes
 };
 

@@ -65,7 +65,7 @@ inline void add_minimums(__m256 (&acc)[M], const uint8_t* tile, int half, const 
                          int64_t nb, int64_t b) {
   if constexpr (Tile::kMin)
     for (int s = 0; s < Tile::kSplits; ++s) {
-      const __m256 mn = Tile::scales8(tile, Tile::minimum(s), half);
+      const __m256 mn = Tile::scales8(tile, b, Tile::minimum(s), half);
       for (int m = 0; m < M; ++m) {
         const float sum = sums[(m * nb + b) * Tile::kSplits + s];
         acc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[m]);
@@ -87,7 +87,7 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * Tile::kBytes;
+    const uint8_t* tile = Tile::at(tiles, b);
     __m256 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) {
@@ -106,7 +106,7 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
       }
     }
     // sum of x * (d q + m) = d * sum(x q) + m * sum(x)
-    const __m256 d = Tile::scales8(tile, 0, half % 2);
+    const __m256 d = Tile::scales8(tile, b, 0, half % 2);
     for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(lo[m], hi[m]), d, acc[m]);
     add_minimums<Tile>(acc, tile, half % 2, sums, nb, b);
   }
@@ -135,7 +135,7 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * Tile::kBytes;
+    const uint8_t* tile = Tile::at(tiles, b);
     __m256 first[M], second[M];
     for (int m = 0; m < M; ++m) first[m] = second[m] = _mm256_setzero_ps();
     for (int i = 0; i < 16; ++i) {
@@ -148,9 +148,9 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
         second[m] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xb + k1), second[m]);
       }
     }
-    const __m256 d0 = Tile::scales8(tile, 0, half % 2);
+    const __m256 d0 = Tile::scales8(tile, b, 0, half % 2);
     if constexpr (kSplit) {
-      const __m256 d1 = Tile::scales8(tile, 1, half % 2);
+      const __m256 d1 = Tile::scales8(tile, b, 1, half % 2);
       for (int m = 0; m < M; ++m)
         acc[m] = _mm256_fmadd_ps(second[m], d1, _mm256_fmadd_ps(first[m], d0, acc[m]));
     } else {

@@ -99,14 +99,14 @@ struct Panel {
 
   void fill(const uint8_t* tiles, int64_t nb) {
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = tiles + b * Tile::kBytes;
+      const uint8_t* tile = Tile::at(tiles, b);
       for (int h = 0; h < 2; ++h) {
         __m256i* out = reinterpret_cast<__m256i*>(q.data() + (b * 2 + h) * 256);
         if constexpr (Tile::kQ4) widen_nibbles(tile, h, out);
         else widen_bytes(tile, h, out);
         for (int a = 0; a < Tile::kArrays; ++a)
           _mm256_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16 + 8 * h,
-                           Tile::scales8(tile, a, h));
+                           Tile::scales8(tile, b, a, h));
       }
     }
   }

@@ -114,7 +114,7 @@ struct Panel {
   void fill(const uint8_t* tiles, int64_t nb, const uint8_t* next) {
     q4_0 = Tile::kQ4 && Tile::kMin;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = tiles + b * Tile::kBytes;
+      const uint8_t* tile = Tile::at(tiles, b);
       if (next)
         for (int64_t line = 0; line < Tile::kBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + b * Tile::kBytes + line),
@@ -123,9 +123,11 @@ struct Panel {
       if constexpr (Tile::kQ4) nibbles(tile, out);
       else bytes(tile, out);
       for (int a = 0; a < Tile::kArrays; ++a)
-        _mm512_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16, Tile::scales16(tile, a));
+        _mm512_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16,
+                         Tile::scales16(tile, b, a));
       if constexpr (Tile::kQ4 && Tile::kMin) {   // exact: m and d are fp16 (or float32)
-        const __m512 d = Tile::scales16(tile, 0), m = Tile::scales16(tile, Tile::minimum(0));
+        const __m512 d = Tile::scales16(tile, b, 0);
+        const __m512 m = Tile::scales16(tile, b, Tile::minimum(0));
         q4_0 = q4_0 && _mm512_cmp_ps_mask(m, _mm512_mul_ps(d, _mm512_set1_ps(-8.f)),
                                           _CMP_EQ_OQ) == 0xFFFF;
       }

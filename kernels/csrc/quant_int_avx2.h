@@ -76,10 +76,11 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m256 acc[2][M];                 // [rows 0-7, rows 8-15][token]
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
       __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
       for (int m = 0; m < M; ++m)
         for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
@@ -96,7 +97,7 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
           }
       }
       for (int half = 0; half < 2; ++half) {
-        const __m256 d = Tile::scales8(tile, 0, half);
+        const __m256 d = Tile::scales8(tile, b, 0, half);
         for (int m = 0; m < M; ++m) {
           __m256i planes[P];
           for (int p = 0; p < P; ++p)
@@ -132,10 +133,11 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int64_t g = g0; g < g1; ++g)
     for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
-      const uint8_t* tile = packed + g * nb * Tile::kBytes;
+      const uint8_t* group = packed + g * nb * Tile::kBytes;
       __m256 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+      for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
         add_minimums<Tile>(acc, tile, h, sums, nb, b);    // sums of the unrounded x
         for (int s = 0; s < Tile::kSplits; ++s) {
           __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
@@ -155,7 +157,7 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
               sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
             }
           }
-          const __m256 d = Tile::scales8(tile, s, h);
+          const __m256 d = Tile::scales8(tile, b, s, h);
           for (int m = 0; m < M; ++m) {
             const __m256i rows = _mm256_permutevar8x32_epi32(
                 _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
@@ -179,10 +181,11 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m256 acc[2][M];                 // [rows 0-7, rows 8-15][token]
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
       for (int half = 0; half < 2; ++half)     // sums of the unrounded x
         add_minimums<Tile>(acc[half], tile, half, sums, nb, b);
       for (int s = 0; s < Tile::kSplits; ++s) {
@@ -203,7 +206,7 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
             }
           }
         for (int half = 0; half < 2; ++half) {
-          const __m256 d = Tile::scales8(tile, s, half);
+          const __m256 d = Tile::scales8(tile, b, s, half);
           for (int m = 0; m < M; ++m) {
             const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
             const __m256 qx = _mm256_cvtepi32_ps(sum[m][half]);

@@ -63,7 +63,7 @@ inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sum
                          int64_t b) {
   if constexpr (Tile::kMin)
     for (int s = 0; s < Tile::kSplits; ++s) {
-      const __m512 mn = Tile::scales16(tile, Tile::minimum(s));
+      const __m512 mn = Tile::scales16(tile, b, Tile::minimum(s));
       for (int m = 0; m < M; ++m) {
         const float sum = sums[(m * nb + b) * Tile::kSplits + s];
         acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
@@ -146,10 +146,11 @@ void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
                  int64_t g0, int64_t g1) {
   const Decode decode;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
       __m512 sum0[M], sum1[M];
       for (int m = 0; m < M; ++m) sum0[m] = sum1[m] = _mm512_setzero_ps();
       for (int s = 0; s < 8; ++s) {
@@ -162,7 +163,7 @@ void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
             sum1[m] = _mm512_dpbf16_ps(sum1[m], w1, (__m512bh)bcast_pair(xb + Decode::x1(s)));
           }
       }
-      const __m512 d = Tile::scales16(tile, 0);
+      const __m512 d = Tile::scales16(tile, b, 0);
       for (int m = 0; m < M; ++m)
         acc[m] = _mm512_fmadd_ps(_mm512_add_ps(sum0[m], sum1[m]), d, acc[m]);
       add_minimums<Tile>(acc, tile, sums, nb, b);
@@ -175,10 +176,10 @@ void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
 // or the first chain's (columns < 16) and the second's (Q6_K, Q2_K: kSplits 2).
 template <typename Tile, int M>
 inline void add_q8_block(__m512 (&acc)[M], const __m512 (&first)[M], const __m512 (&second)[M],
-                         const uint8_t* tile) {
-  const __m512 d0 = Tile::scales16(tile, 0);
+                         const uint8_t* tile, int64_t b) {
+  const __m512 d0 = Tile::scales16(tile, b, 0);
   if constexpr (Tile::kSplits == 2) {
-    const __m512 d1 = Tile::scales16(tile, 1);
+    const __m512 d1 = Tile::scales16(tile, b, 1);
     for (int m = 0; m < M; ++m)
       acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
   } else {
@@ -195,10 +196,11 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
                const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
   constexpr bool kSplit = Tile::kSplits == 2;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
       __m512 first[M], second[M];
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       for (int i = 0; i < 16; ++i) {
@@ -210,7 +212,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
           second[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[k1]), second[m]);
         }
       }
-      add_q8_block<Tile>(acc, first, second, tile);
+      add_q8_block<Tile>(acc, first, second, tile, b);
       add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
@@ -230,10 +232,11 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
   constexpr bool kSplit = Tile::kSplits == 2;
   const __m512i order = pair_order();
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* tile = packed + g * nb * Tile::kBytes;
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, tile += Tile::kBytes) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
       __m512 first[M], second[M];
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       for (int j = 0; j < 16; ++j) {
@@ -249,7 +252,7 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
             second[m] = _mm512_dpbf16_ps(second[m], w, xp);
         }
       }
-      add_q8_block<Tile>(acc, first, second, tile);
+      add_q8_block<Tile>(acc, first, second, tile, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
   }
@@ -314,57 +317,39 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
+// Each tile type's PwTile name and layout (quant_tiles.h); FP8 has no integer kernels.
+#define PW_INT_TILES(X) X(Q4_1, Q4_1Tile) X(Q8_0, Q8_0Tile) X(Q4_K, Q4_KTile)         \
+  X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
+  X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper)
+#define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile)
+
 // Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
 // AVX512-BF16's where the CPU has it, else AVX2's; the integer ones AVX2's on every tier.
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
   if (kind == PW_TILE_BF16) return bf16_matmul<T>();
 #if defined(__AVX512BF16__)
-  switch (kind) {
-    case PW_TILE_Q4_1: return matmul<Q4_1Tile, T>;
-    case PW_TILE_Q8_0: return matmul<Q8_0Tile, T>;
-    case PW_TILE_Q4_K: return matmul<Q4_KTile, T>;
-    case PW_TILE_Q5_K: return matmul<Q5_KTile, T>;
-    case PW_TILE_Q6_K: return matmul<Q6_KTile, T>;
-    case PW_TILE_Q2_K: return matmul<Q2_KTile, T>;
-    case PW_TILE_FP8: return matmul<FP8Tile, T>;
-  }
+#define PW_EXACT(name, Tile) case PW_TILE_##name: return matmul<Tile, T>;
 #elif defined(__AVX2__)
-  switch (kind) {
-    case PW_TILE_Q4_1: return avx2::matmul<Q4_1Tile, T>;
-    case PW_TILE_Q8_0: return avx2::matmul<Q8_0Tile, T>;
-    case PW_TILE_Q4_K: return avx2::matmul<Q4_KTile, T>;
-    case PW_TILE_Q5_K: return avx2::matmul<Q5_KTile, T>;
-    case PW_TILE_Q6_K: return avx2::matmul<Q6_KTile, T>;
-    case PW_TILE_Q2_K: return avx2::matmul<Q2_KTile, T>;
-    case PW_TILE_FP8: return avx2::matmul<FP8Tile, T>;
-  }
+#define PW_EXACT(name, Tile) case PW_TILE_##name: return avx2::matmul<Tile, T>;
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  switch (kind) {   // the avx512_bf16 tier: vpdpbusd's GEMM from vnni::kGemmFrom tokens
-    case PW_TILE_Q4_1 + PW_ROUNDING_INT8: return vnni::matmul_int8<Q4_1Tile, T>;
-    case PW_TILE_Q8_0 + PW_ROUNDING_INT8: return vnni::matmul_int8<Q8_0Tile, T>;
-    case PW_TILE_Q4_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q4_KTile, T>;
-    case PW_TILE_Q5_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q5_KTile, T>;
-    case PW_TILE_Q6_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q6_KTile, T>;
-    case PW_TILE_Q2_K + PW_ROUNDING_INT8: return vnni::matmul_int8<Q2_KTile, T>;
-  }
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)   // vpdpbusd's GEMM from kGemmFrom tokens
+#define PW_INT8(name, Tile) case PW_TILE_##name + PW_ROUNDING_INT8: return vnni::matmul_int8<Tile, T>;
+#elif defined(__AVX2__)
+#define PW_INT8(name, Tile) \
+  case PW_TILE_##name + PW_ROUNDING_INT8: return avx2::matmul_int<1, Tile, T>;
 #endif
 #if defined(__AVX2__)
+#define PW_INT16(name, Tile) \
+  case PW_TILE_##name + PW_ROUNDING_INT16: return avx2::matmul_int<2, Tile, T>;
   switch (kind) {
-    case PW_TILE_Q4_1 + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q4_1Tile, T>;
-    case PW_TILE_Q8_0 + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q8_0Tile, T>;
-    case PW_TILE_Q4_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q4_KTile, T>;
-    case PW_TILE_Q5_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q5_KTile, T>;
-    case PW_TILE_Q6_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q6_KTile, T>;
-    case PW_TILE_Q2_K + PW_ROUNDING_INT8: return avx2::matmul_int<1, Q2_KTile, T>;
-    case PW_TILE_Q4_1 + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q4_1Tile, T>;
-    case PW_TILE_Q8_0 + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q8_0Tile, T>;
-    case PW_TILE_Q4_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q4_KTile, T>;
-    case PW_TILE_Q5_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q5_KTile, T>;
-    case PW_TILE_Q6_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q6_KTile, T>;
-    case PW_TILE_Q2_K + PW_ROUNDING_INT16: return avx2::matmul_int<2, Q2_KTile, T>;
+    PW_TILES(PW_EXACT)
+    PW_INT_TILES(PW_INT8)
+    PW_INT_TILES(PW_INT16)
   }
+#undef PW_EXACT
+#undef PW_INT8
+#undef PW_INT16
 #endif
   return nullptr;
 }
@@ -376,13 +361,9 @@ int64_t quant_group_bytes(int64_t kind, int64_t K) {
   int64_t tile = 0;
   switch (kind % PW_ROUNDING_INT8) {   // its tile type
     case PW_TILE_BF16: tile = 16 * 32 * 2; break;              // bf16_matmul.cpp's BF16 tiles
-    case PW_TILE_Q4_1: tile = Q4_1Tile::kBytes; break;
-    case PW_TILE_Q8_0: tile = Q8_0Tile::kBytes; break;
-    case PW_TILE_Q4_K: tile = Q4_KTile::kBytes; break;
-    case PW_TILE_Q5_K: tile = Q5_KTile::kBytes; break;
-    case PW_TILE_Q6_K: tile = Q6_KTile::kBytes; break;
-    case PW_TILE_Q2_K: tile = Q2_KTile::kBytes; break;
-    case PW_TILE_FP8: tile = FP8Tile::kBytes; break;
+#define PW_BYTES(name, Tile) case PW_TILE_##name: tile = Tile::kBytes; break;
+    PW_TILES(PW_BYTES)
+#undef PW_BYTES
   }
   return K / 32 * tile;
 }

@@ -12,6 +12,11 @@
 //   Q2_K  512 bytes of int8,    d, d (columns 0-15, 16-31), m, m: f32 (d q + m)
 //   FP8   512 bytes of e4m3,    d[16] f32                          (d q; an FP8 checkpoint's
 //         codes, q decoded exactly to float32: kernels/quant.py FP8)
+// The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
+// sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
+//
+// A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
+// a block's scales through scales8 / scales16(tile, b, array): one interface for both.
 #pragma once
 #include <immintrin.h>
 
@@ -40,9 +45,11 @@ struct Tile {
   static const S* scales(const uint8_t* tile, int array) {
     return reinterpret_cast<const S*>(tile + kQuantBytes) + 16 * array;
   }
+  // Block b of a group's tiles (a group: K / 32 tiles, K / 32 * kBytes bytes).
+  static const uint8_t* at(const uint8_t* group, int64_t b) { return group + b * kBytes; }
 #if defined(__AVX2__)
-  // Array `array`'s lanes of rows 8 half .. 8 half + 7, as float32.
-  static __m256 scales8(const uint8_t* tile, int array, int half) {
+  // Array `array`'s lanes of rows 8 half .. 8 half + 7 of block b (at `tile`), as float32.
+  static __m256 scales8(const uint8_t* tile, int64_t /*b*/, int array, int half) {
     const S* p = scales(tile, array) + 8 * half;
     if constexpr (std::is_same<S, float>::value)
       return _mm256_loadu_ps(p);
@@ -51,12 +58,63 @@ struct Tile {
   }
 #endif
 #if defined(__AVX512F__)
-  static __m512 scales16(const uint8_t* tile, int array) {
+  static __m512 scales16(const uint8_t* tile, int64_t /*b*/, int array) {
     const S* p = scales(tile, array);
     if constexpr (std::is_same<S, float>::value)
       return _mm512_loadu_ps(p);
     else
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
+};
+
+// A K-quant's superblock tiles: 16 rows by 256 columns (8 blocks), the classic tile's quants
+// block by block (kQuantBytes each), then int8 scale bytes [8 blocks][kArrays][16 rows], then
+// fp16 heads [kHeads][16 rows]: d, which a scale array's bytes multiply, and (kMin) -dmin,
+// which a minimum array's do. Block b's effective scale is head * byte: an fp16 times an
+// integer of at most 7 bits, exact in float32, the very float32 the classic tile holds, so
+// both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
+template <int64_t kQuantBytes_, int kSplits_, bool kMin_>
+struct SuperTile {
+  static constexpr int64_t kQuantBytes = kQuantBytes_;
+  static constexpr int kSplits = kSplits_;
+  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = false;
+  static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
+  static constexpr int kSumGroups = kMin ? kSplits : 0;
+  static constexpr int kHeads = kMin ? 2 : 1;
+  static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
+  static constexpr int64_t kBytes = kSuperBytes / 8;   // a block's share: a group is nb of it
+  static_assert(kSuperBytes % 8 == 0, "whole bytes a block");
+  static constexpr int minimum(int split) { return kSplits + split; }
+
+  static const uint8_t* at(const uint8_t* group, int64_t b) {
+    return group + (b >> 3) * kSuperBytes + (b & 7) * kQuantBytes;
+  }
+  // Block b's (at `tile`) bytes of scale array `array`, and the heads they multiply.
+  static const int8_t* bytes(const uint8_t* tile, int64_t b, int array) {
+    const uint8_t* scales = tile + (8 - (b & 7)) * kQuantBytes;
+    return reinterpret_cast<const int8_t*>(scales) + ((b & 7) * kArrays + array) * 16;
+  }
+  static const uint16_t* heads(const uint8_t* tile, int64_t b, int array) {
+    const uint8_t* p = tile + (8 - (b & 7)) * kQuantBytes + 8 * kArrays * 16;
+    return reinterpret_cast<const uint16_t*>(p) + (array >= kSplits ? 16 : 0);
+  }
+#if defined(__AVX2__)
+  static __m256 scales8(const uint8_t* tile, int64_t b, int array, int half) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes(tile, b, array) + 8 * half))));
+    const __m256 d = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(heads(tile, b, array) + 8 * half)));
+    return _mm256_mul_ps(d, q);
+  }
+#endif
+#if defined(__AVX512F__)
+  static __m512 scales16(const uint8_t* tile, int64_t b, int array) {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes(tile, b, array)))));
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(heads(tile, b, array))));
+    return _mm512_mul_ps(d, q);
   }
 #endif
 };
@@ -68,6 +126,10 @@ using Q6_KTile = Tile<512, 2, float, false>;
 using Q5_KTile = Tile<512, 1, float, true>;
 using Q2_KTile = Tile<512, 2, float, true>;
 using FP8Tile = Tile<512, 1, float, false, true>;
+using Q4_KSuper = SuperTile<256, 1, true>;    // Q4_K
+using Q5_KSuper = SuperTile<512, 1, true>;    // Q5_K
+using Q6_KSuper = SuperTile<512, 2, false>;   // Q6_K, Q3_K
+using Q2_KSuper = SuperTile<512, 2, true>;    // Q2_K
 
 // e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
 // ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved

@@ -100,8 +100,9 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     assert len(packed) == len(floats) and not (blocks_only and any(packed))
     kinds = [[s.kind % 100 for s in m.quantized.segments] if m.quantized else None
              for m in model.modules() if isinstance(m, Linear)]
-    if qtype == "Q4_K_M":   # layer 0's qkv: q and k's Q4_K rows, then v's Q6_K ones
-        assert kinds == [[12, 14], [12], [12], [14], [12], [12], [12], [14], [14]], kinds
+    if qtype == "Q4_K_M":   # layer 0's qkv: q and k's Q4_K rows, then v's Q6_K ones, each in
+        # superblock tiles (62: Q4_K's, 64: Q6_K's), the file's scales as stored
+        assert kinds == [[62, 64], [62], [62], [64], [62], [62], [62], [64], [64]], kinds
     else:                   # qkv, o, gate_up, down a layer, then the LM head
         assert [k is not None for k in kinds] == [qtype != "F32"] * (4 * 2 + 1), kinds
     assert (model.fused_decode is not None) == (qtype != "F32")

@@ -10,14 +10,16 @@ import torch
 from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
 from pagewire.kernels.ops import CpuOps
+from tests.kernels.test_gguf_blocks import dequantized, random_blocks
 
 gguf = pytest.importorskip("gguf")
-# every type pack() takes, by the tile type it multiplies as
+# every type pack() takes, by the tile type it multiplies as (the K-quants: superblock tiles)
 TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quant.Q8_0,
-        "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_K, "Q3_K": quant.Q6_K,
-        "Q4_K": quant.Q4_K, "Q5_K": quant.Q5_K, "Q6_K": quant.Q6_K}
+        "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_KS, "Q3_K": quant.Q6_KS,
+        "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS}
 ALL = sorted(TILE)
-# the type pack() takes: the file's, or a K-quant's tile type (blocks_of converts them)
+# the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
+# them, as the loader does)
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TYPES = {qtype: TILE[qtype] if qtype in K_QUANTS else int(gguf.GGMLQuantizationType[qtype])
          for qtype in ALL}
@@ -27,8 +29,7 @@ def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(32-weight blocks uint8 [rows, bytes] as pack() takes them, their values float64
     [rows, cols] as gguf-py dequantizes the file's): Q4_0, Q4_1, Q8_0 quantized from w by
     gguf-py; the others random blocks of w's shape (test_gguf_blocks.py), whose K-quant
-    superblocks become 32-weight blocks."""
-    from tests.kernels.test_gguf_blocks import dequantized, random_blocks
+    superblocks become 32-weight blocks of their superblock tile types."""
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype in ("Q4_0", "Q4_1", "Q8_0"):
         raw = torch.from_numpy(gguf.quants.quantize(w.astype(np.float32), kind).copy())
@@ -36,7 +37,7 @@ def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
         raw = random_blocks(qtype, *w.shape, np.random.default_rng(w.shape[1]))
     values = torch.from_numpy(dequantized(raw, qtype).astype(np.float64))
     if qtype in K_QUANTS:
-        raw = gguf_blocks.k_quant_blocks(int(kind), raw)[1]
+        raw = gguf_blocks.k_quant_super_blocks(int(kind), raw)[1]
     return raw, values
 
 
@@ -315,10 +316,67 @@ def test_k_quant_tile_layout(native_lib):
         assert [int(tile[16 * k + row]) for k in range(32)] == src[8:].tolist()
 
 
+@pytest.mark.parametrize("qtype", K_QUANTS)
+@pytest.mark.parametrize("rounding", ["exact", "int8", "int16"])
+def test_superblock_tiles_multiply_as_the_classic_tiles(native_lib, qtype, rounding):
+    """A K-quant's superblock tiles (its scales as stored: int8 beside an fp16 d a superblock)
+    give, bit for bit, what the classic tiles (float32 scales a block) give, in every kernel:
+    1 and 5 tokens the small ones, 20 the GEMMs; in fewer bytes (Q4_K: 37 a 64 weights, the
+    file's 36, against 48)."""
+    rng = np.random.default_rng(2)
+    kind = int(gguf.GGMLQuantizationType[qtype])
+    raw = random_blocks(qtype, 32, 512, rng)
+    sup = quant.pack(*gguf_blocks.k_quant_super_blocks(kind, raw), 512, native_lib, rounding)
+    classic = quant.pack(*gguf_blocks.k_quant_blocks(kind, raw), 512, native_lib, rounding)
+    assert sup.kind == TILE[qtype] + classic.kind - classic.kind % 100
+    assert sup.nbytes < classic.nbytes
+    if qtype == "Q4_K":
+        assert (sup.nbytes, classic.nbytes) == (32 * 512 * 37 // 64, 32 * 512 * 48 // 64)
+    for tokens in (1, 5, 20):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.from_numpy(rng.standard_normal((tokens, 512)).astype(np.float32)).to(dtype)
+            assert torch.equal(quant.matmul(x, sup), quant.matmul(x, classic)), (tokens, dtype)
+
+
+def test_a_share_cut_inside_a_superblock_takes_classic_tiles(native_lib):
+    """A rank's columns that start inside a superblock (its 8 blocks' heads differ) pack as
+    the classic tiles of the same values: a tile of 8 blocks needs one head a row."""
+    raw = random_blocks("Q4_K", 16, 512, np.random.default_rng(4))
+    values = torch.from_numpy(dequantized(raw, "Q4_K")).double()
+    _, blocks = gguf_blocks.k_quant_super_blocks(gguf_blocks.Q4_K, raw)
+    share = blocks[:, 4 * 22:12 * 22]                      # columns 128-383: blocks 4-11
+    weight = quant.pack(quant.Q4_KS, share, 256, native_lib)
+    assert weight.kind == quant.Q4_K
+    x = torch.randn(2, 256)
+    ref = x.double() @ values[:, 128:384].T
+    assert torch.allclose(quant.matmul(x, weight).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_superblock_tile_layout(native_lib):
+    """Q4_K's superblock tile: 8 blocks of Q4_1's nibble layout, int8 [8 blocks][scale,
+    minimum][16 rows], then fp16 d[16] and -dmin[16]."""
+    raw = random_blocks("Q4_K", 16, 256, np.random.default_rng(5))
+    _, blocks = gguf_blocks.k_quant_super_blocks(gguf_blocks.Q4_K, raw)
+    tile = quant.pack(quant.Q4_KS, blocks, 256, native_lib).tiles[0, 0]
+    assert tile.shape == (2368,)
+    heads, scales, quants = gguf_blocks.super_parts(quant.Q4_KS, blocks)
+    for row, block in ((0, 0), (7, 3), (15, 7)):
+        lane = row % 16
+        for a in range(2):
+            assert tile[2048 + (block * 2 + a) * 16 + lane] == scales[row, block, a].view(
+                torch.uint8)
+            head = tile[2304 + a * 32 + 2 * lane: 2306 + a * 32 + 2 * lane]
+            assert head.view(torch.float16) == heads[row, block, a]
+        for i in range(16):
+            assert tile[block * 256 + (i // 2) * 32 + 2 * lane + i % 2] == quants[row, block, i]
+    d = torch.from_numpy(raw.numpy()[:, 0:2].copy()).view(torch.float16)
+    assert torch.equal(heads[:, 0, 0:1], d)                 # the file's d, as stored
+
+
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_columns(
         native_lib, tokens):
-    """Q4_K rows, then Q6_K, then Q8_0 (int16 activations) as one weight: each segment's
+    """Q4_K rows, then Q6_K (superblock tiles), then Q8_0 (int16 activations) as one weight: each segment's
     products land in its own output columns, as the whole weight's would."""
     rng = np.random.default_rng(tokens)
     parts = [blocks_of(rng.standard_normal((rows, 256)) * 0.1, qtype)
@@ -327,8 +385,8 @@ def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_co
         [quant.pack(TYPES[qtype], raw, 256, native_lib, rounding) for (raw, _), qtype, rounding
          in zip(parts, ("Q4_K", "Q6_K", "Q8_0"), ("exact", "exact", "int16"))], native_lib)
     assert weight.rows == 96 and weight.kind is None
-    assert weight.table.tolist() == [3, 0, weight.segments[0].tiles.data_ptr(), quant.Q4_K, 32,
-                                     weight.segments[1].tiles.data_ptr(), quant.Q6_K, 16,
+    assert weight.table.tolist() == [3, 0, weight.segments[0].tiles.data_ptr(), quant.Q4_KS, 32,
+                                     weight.segments[1].tiles.data_ptr(), quant.Q6_KS, 16,
                                      weight.segments[2].tiles.data_ptr(), quant.Q8_0 + 200, 48]
     x = torch.from_numpy(rng.standard_normal((tokens, 256)).astype(np.float32))
     out = quant.matmul(x, weight)
