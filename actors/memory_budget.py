@@ -11,6 +11,7 @@ checkpoint its bytes, a dense copy per weight on top where one is asked for.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import NamedTuple
 
@@ -24,9 +25,16 @@ RESERVE = 1 * GiB
 # The share of what is left after weights and RESERVE that `auto` gives the KV pool: the rest
 # stays free for the machine (the page cache, a second engine, a client).
 KV_SHARE = 0.5
-# Bytes the executor holds per byte of a quantized file's blocks (the largest tile overhead,
-# Q3_K as Q6_K tiles aside: Q5_K and Q6_K tiles are 1.5-1.8x their blocks, Q4_K 1.33x).
+# Bytes the executor holds per byte of a quantized checkpoint's blocks where its tensors'
+# types are not read (a Hugging Face checkpoint's; a GGUF file's come from TILE_BYTES).
 TILE_OVERHEAD = 1.35
+# Bytes of tiles a row's 32 weights of each GGML type become (kernels/quant.py; the K-quants
+# and IQ4_XS as superblock tiles, csrc/quant_tiles.h): Q4_0 as Q4_1 (20 against the file's
+# 18), Q5_0 and IQ4_NL as Q8_0, Q5_1 as Q5_K, Q4_K 18.5 against 18, Q6_K 34.25 against 26.25.
+# tests/actors/test_memory_budget.py holds it to what pack() makes.
+TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
+              13: 34.5, 14: 34.25, 23: 34.25}
+FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
 
 
 def available_bytes() -> int:
@@ -83,7 +91,25 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
         return size
     dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
         else 0
-    return int(size * TILE_OVERHEAD) + dense
+    held = _gguf_held(info.path) if info.format == "gguf" else None
+    return (held if held is not None else int(size * TILE_OVERHEAD)) + dense
+
+
+def _gguf_held(path: str) -> int | None:
+    """A GGUF file's weights as the executor holds them: each 2-D tensor of a type the tiles
+    take as TILE_BYTES says (the embedding aside), the rest dequantized; None where the
+    header cannot be read."""
+    from .gguf_header import read_gguf_header
+    try:
+        tensors = read_gguf_header(path).tensors.values()
+    except (OSError, ValueError):
+        return None
+    held = 0
+    for t in tensors:
+        count = math.prod(t.shape)
+        tiles = len(t.shape) == 2 and t.ggml_type in TILE_BYTES and "token_embd" not in t.name
+        held += count // 32 * TILE_BYTES[t.ggml_type] if tiles else count * FLOAT_BYTES
+    return int(held)
 
 
 def _parameters(info) -> int:

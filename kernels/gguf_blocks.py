@@ -13,9 +13,10 @@ import torch
 
 # GGML type ids
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL = 2, 3, 6, 7, 8, 20
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23
 # bytes of a 256-weight superblock in the file
 K_QUANTS = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+SUPERBLOCKS = {**K_QUANTS, IQ4_XS: 136}   # the types of 256-weight superblocks
 # IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a weight is d * level[nibble]
 IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -141,6 +142,25 @@ def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, values.reshape(n, 16, 16)
 
 
+def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS superblocks uint8 [n, 136] (fp16 d, 16 bits of high scale bits, 4 bytes of low
+    nibbles, 128 bytes of nibbles) -> each 32-weight block's 6-bit scale minus 32, int16
+    [n, 8]: block j's weights are d * that * IQ4_NL_LEVELS[nibble]."""
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)           # [n, 1]
+    low = blocks[:, 4:8].to(torch.int32)
+    j = torch.arange(8)
+    scale = ((low[:, j // 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 0x03) << 4)
+    return (scale - 32).to(torch.int16)
+
+
+def iq4_xs_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS superblocks uint8 [n, 136] -> (scale float32 [n, 8], exact; levels int8
+    [n, 8, 32]): weight i of block j is scale[j] * level[j, i]."""
+    levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int8)
+    q = _nibbles(blocks[:, 8:].reshape(-1, 8, 16)).long()                        # [n, 8, 32]
+    return _f16(blocks, 0) * _iq4_xs_scales(blocks).float(), levels[q]
+
+
 def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K superblocks uint8 [n, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16
     int8 scales, fp16 d) -> (scale float32 [n, 16], exact; quants int8 [n, 16, 16] in
@@ -157,14 +177,14 @@ def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # A K-quant's superblock tile type (pagewire's ids, csrc/pagewire_api.h PwTile: the GGML id
 # + 50; Q3_K's values take Q6_K's form) and its classic tile type (float32 scales a block).
 Q2_KS, Q4_KS, Q5_KS, Q6_KS = 60, 62, 63, 64
-SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS}
+SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: Q6_KS}
 CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K}
 # a superblock tile type's (fp16 heads, int8 scale arrays, quant bytes) a 32-weight block
 SUPER_PARTS = {Q2_KS: (2, 4, 32), Q4_KS: (2, 2, 16), Q5_KS: (2, 2, 32), Q6_KS: (1, 2, 32)}
 
 
 def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A K-quant's superblocks [n, bytes] -> (fp16 heads [n, H]: d, and -dmin where the type
+    """A K-quant's (or IQ4_XS's) superblocks [n, bytes] -> (fp16 heads [n, H]: d, and -dmin where the type
     has minimums; int8 [n, 8, arrays]: each 32-weight block's sub-block scales (two for the
     types of 16-weight sub-blocks), then its minimums) with weight = head * byte * q (+ the
     minimum's head * byte): the stored integers, unscaled."""
@@ -175,6 +195,9 @@ def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, to
     elif ggml_type == Q2_K:
         s = blocks[:, :16].reshape(n, 8, 2)
         heads, scales = blocks[:, 80:84], torch.cat([s & 0x0F, s >> 4], dim=-1)
+    elif ggml_type == IQ4_XS:   # one scale a block: both 16-column halves take it
+        heads, scales = blocks[:, 0:2], _iq4_xs_scales(blocks).to(torch.int8)[..., None].repeat(
+            1, 1, 2)
     elif ggml_type == Q3_K:
         s = blocks[:, 96:108]
         low = torch.cat([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], dim=1)              # [n, 16]
@@ -192,25 +215,27 @@ def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, to
 def _tile_quants(ggml_type: int, blocks: torch.Tensor) -> torch.Tensor:
     """A K-quant's superblocks [n, bytes] -> each 32-weight block's quants as its tile type
     holds them, uint8 [n, 8, 16 or 32]: Q4_K's nibbles in Q4_1's order (weights 0-15 low,
-    16-31 high), the others a byte a weight (Q3_K and Q6_K int8)."""
+    16-31 high), the others a byte a weight (Q3_K and Q6_K int8; IQ4_XS its int8 levels)."""
     if ggml_type in (Q4_K, Q5_K):
         q = (q4_k_parts if ggml_type == Q4_K else q5_k_parts)(blocks)[2]
         return q[..., :16] | (q[..., 16:] << 4) if ggml_type == Q4_K else q
     if ggml_type == Q2_K:
         return q2_k_parts(blocks)[2].reshape(-1, 8, 32)
+    if ggml_type == IQ4_XS:
+        return iq4_xs_parts(blocks)[1].view(torch.uint8)
     q = (q3_k_parts if ggml_type == Q3_K else q6_k_parts)(blocks)[1]
     return q.reshape(-1, 8, 32).view(torch.uint8)
 
 
 def k_quant_super_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """A K-quant tensor's superblocks uint8 [rows, cols / 256 * bytes] as 32-weight blocks of
-    its superblock tile type (SUPER), which ranks can share by whole blocks: (type, uint8
+    """A K-quant (or IQ4_XS) tensor's superblocks uint8 [rows, cols / 256 * bytes] as 32-weight
+    blocks of its superblock tile type (SUPER), which ranks can share by whole blocks: (type, uint8
     [rows, cols / 32 * block bytes]), a block its superblock's fp16 heads (repeated in each of
     its 8 blocks), its int8 scale bytes, then its quants (_tile_quants). kernels/quant.py
     packs 8 blocks of one superblock as one tile (or, cut apart, as classic tiles)."""
-    if ggml_type not in K_QUANTS:
+    if ggml_type not in SUPERBLOCKS:
         raise ValueError(f"GGML type {ggml_type} is not a K-quant")
-    rows, superblocks = raw.shape[0], raw.reshape(-1, K_QUANTS[ggml_type])
+    rows, superblocks = raw.shape[0], raw.reshape(-1, SUPERBLOCKS[ggml_type])
     heads, scales = _scale_bytes(ggml_type, superblocks)
     heads = heads[:, None, :].expand(-1, 8, -1).contiguous().view(torch.uint8)   # [n, 8, 2H]
     parts = [heads, scales.view(torch.uint8), _tile_quants(ggml_type, superblocks)]

@@ -59,8 +59,8 @@ class DenseRoom:
 def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
                    roundings: dict[int, str] | None = None, rounded: dict | None = None,
                    dtype: torch.dtype | None = None, dense_room: int | None = None) -> int:
-    """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
-    Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
+    """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
+    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
     (checkpoint_formats.py), or those --quantization rounded (`rounded`: read_model()'s
     rounded_blocks) — a quantized copy of its weight, this rank's share of it
     (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
@@ -223,7 +223,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 _GGUF_BLOCK_TYPES = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
-                     *gguf_blocks.K_QUANTS}
+                     *gguf_blocks.SUPERBLOCKS}
 
 
 def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
@@ -232,7 +232,7 @@ def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
     types (gguf_blocks.k_quant_super_blocks), which ranks can share."""
     stored = read_blocks(info.path, gguf_header(info.path), names, _GGUF_BLOCK_TYPES,
                          cfg.num_heads, cfg.num_kv_heads)
-    return {name: gguf_blocks.k_quant_super_blocks(t, raw) if t in gguf_blocks.K_QUANTS
+    return {name: gguf_blocks.k_quant_super_blocks(t, raw) if t in gguf_blocks.SUPERBLOCKS
             else (t, raw) for name, (t, raw) in stored.items()}
 
 

@@ -86,6 +86,27 @@ def quantize_iq4_nl(a: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), qs], axis=-1).reshape(a.shape[0], -1)
 
 
+def quantize_iq4_xs(a: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 (cols a multiple of 256) -> IQ4_XS blocks (gguf-py has no
+    quantizer for it): per 32 weights a scale max |w| / 127, a multiple (-32..31) of its
+    superblock's fp16 d (the largest / 31), each weight the nearest of scale * level."""
+    from pagewire.kernels.gguf_blocks import IQ4_NL_LEVELS
+    levels = np.array(IQ4_NL_LEVELS, dtype=np.float32)
+    b = a.reshape(-1, 8, 32).astype(np.float32)
+    scale = np.abs(b).max(-1) / 127                                          # [n, 8]
+    d = (scale.max(-1) / 31).astype(np.float16)
+    ls = _steps(scale, d, -32, 31)                                          # [n, 8]
+    step = d.astype(np.float32)[:, None] * ls
+    scaled = b / np.where(step == 0, 1, step)[..., None]
+    idx = np.abs(scaled[..., None] - levels).argmin(-1).astype(np.uint8)   # [n, 8, 32]
+    qs = (idx[..., :16] | (idx[..., 16:] << 4)).reshape(-1, 128)
+    stored = (ls + 32).astype(np.uint16)                                    # 6 bits a block
+    high = ((stored >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
+    low = (stored[:, 0::2] & 0x0F) | ((stored[:, 1::2] & 0x0F) << 4)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2),
+                           low.astype(np.uint8), qs], axis=1).reshape(a.shape[0], -1)
+
+
 def pack_q4_k(d, dmin, sc, mn, q) -> np.ndarray:
     """ggml's block_q4_K from its parts: d, dmin [n] f16; sc, mn [n, 8] 6-bit; q [n, 256]
     4-bit."""
@@ -169,7 +190,7 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
                tokenizer_meta: dict, qtype: str = "F32",
                raw: dict[str, np.ndarray] | None = None) -> str:
     """Write `state` (Hugging Face names, a model config dict) as GGUF arch `arch`, with 2-D
-    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, Q4_K, Q6_K, or
+    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q4_K, Q6_K, or
     Q4_K_M: like llama.cpp's mix, Q6_K for down_proj, the LM head and layer 0's v_proj, else
     Q4_K) and
     1-D ones as F32; `raw` adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
@@ -214,4 +235,5 @@ def tensor_type(qtype: str, name: str) -> str:
     return "Q6_K" if more_bits else "Q4_K"
 
 
-QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs, "Q4_K": quantize_q4_k,
+              "Q6_K": quantize_q6_k}

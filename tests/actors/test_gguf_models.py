@@ -58,7 +58,8 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
     return write_gguf(out, "llama", state, cfg, meta, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL", "Q4_K_M"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS",
+                                   "Q4_K_M"])
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype,
                                                      monkeypatch):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own

@@ -2,6 +2,7 @@
 executor/linear_blocks.py DenseRoom), from given amounts of free memory."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -93,3 +94,40 @@ def test_resolve_sizes_the_pool_from_free_memory(monkeypatch, free_gib):
     assert lowered == (free_gib == 1.4)
     assert config.model.max_model_len == \
         (share // per_token // 16 * 16 if lowered else info.max_model_len)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K",
+                                   "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
+    """The estimate's bytes a 32 weights of each type are the tiles' (kernels/quant.py)."""
+    import gguf
+    import numpy as np
+
+    from pagewire.kernels import gguf_blocks
+    from tests.kernels.test_gguf_blocks import random_blocks
+    kind = int(gguf.GGMLQuantizationType[qtype])
+    raw = random_blocks(qtype, 16, 512, np.random.default_rng(0))
+    if kind in gguf_blocks.SUPERBLOCKS:
+        kind, raw = gguf_blocks.k_quant_super_blocks(kind, raw)
+    weight = quant.pack(kind, raw, 512, native_lib)
+    assert weight.nbytes / (16 * 512 / 32) == memory_budget.TILE_BYTES[
+        int(gguf.GGMLQuantizationType[qtype])]
+
+
+def test_a_gguf_files_weights_are_counted_by_type(tmp_path, info):
+    """A GGUF file's linears as their tiles hold them, the embedding and norms dequantized."""
+    import gguf
+    import numpy as np
+
+    from pagewire.testing.gguf_writer import quantize_q4_k
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w = np.zeros((32, 512), dtype=np.float32)
+    writer.add_tensor("blk.0.attn_q.weight", quantize_q4_k(w), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("token_embd.weight", quantize_q4_k(w), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(512, dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):
+        step()
+    gguf_info = msgspec.structs.replace(info, path=str(tmp_path / "t.gguf"))
+    assert memory_budget.weights_estimate(gguf_info, -1) == \
+        32 * 512 // 32 * 18.5 + 32 * 512 * 2 + 512 * 2

@@ -14,8 +14,8 @@ gguf = pytest.importorskip("gguf")
 # infinite or NaN
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,)}
-CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+               "Q6_K": (208,), "IQ4_XS": (0,)}
+CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
@@ -37,7 +37,7 @@ def dequantized(raw: torch.Tensor, qtype: str) -> np.ndarray:
 
 def as_tile_blocks(qtype: str, raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     kind = int(gguf.GGMLQuantizationType[qtype])
-    if kind in gb.K_QUANTS:
+    if kind in gb.SUPERBLOCKS:
         return gb.k_quant_blocks(kind, raw)
     return gb.AS_TILE_BLOCKS[kind](raw)
 
@@ -66,7 +66,7 @@ def test_blocks_become_a_tile_types_blocks_of_the_same_values(qtype):
     tile, blocks = as_tile_blocks(qtype, raw)
     expected = {"Q4_0": gb.Q4_1, "Q5_0": gb.Q8_0, "Q5_1": gb.Q5_K, "IQ4_NL": gb.Q8_0,
                 "Q2_K": gb.Q2_K, "Q3_K": gb.Q6_K, "Q4_K": gb.Q4_K, "Q5_K": gb.Q5_K,
-                "Q6_K": gb.Q6_K}[qtype]
+                "Q6_K": gb.Q6_K, "IQ4_XS": gb.Q6_K}[qtype]
     assert tile == expected
     assert torch.equal(tile_block_values(tile, blocks), torch.from_numpy(dequantized(raw, qtype)))
 

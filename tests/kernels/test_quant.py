@@ -16,11 +16,11 @@ gguf = pytest.importorskip("gguf")
 # every type pack() takes, by the tile type it multiplies as (the K-quants: superblock tiles)
 TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quant.Q8_0,
         "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_KS, "Q3_K": quant.Q6_KS,
-        "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS}
+        "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS, "IQ4_XS": quant.Q6_KS}
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
 # them, as the loader does)
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")   # and IQ4_XS's superblocks
 TYPES = {qtype: TILE[qtype] if qtype in K_QUANTS else int(gguf.GGMLQuantizationType[qtype])
          for qtype in ALL}
 
