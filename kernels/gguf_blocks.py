@@ -1,11 +1,14 @@
 """GGUF's block formats: their parts, and the blocks of the same values the tiles take.
 
-kernels/quant.py packs 32-weight blocks of six tile types: Q4_1 (fp16 d and m, nibbles),
-Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per 16
-columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The file's other types become blocks of one
-of those holding exactly the same values (as_tile_blocks): a K-quant's effective scale, fp16
-d times a sub-block's 6- or 8-bit scale, is exact in float32, not in fp16. The *_parts
-functions also serve dequantization (actors/executor/gguf_weights.py).
+kernels/quant.py packs 32-weight blocks of six classic tile types: Q4_1 (fp16 d and m,
+nibbles), Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per
+16 columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The
+file's other types become blocks of one of those holding exactly the same values
+(AS_TILE_BLOCKS): a K-quant's effective scale, fp16 d times a sub-block's 6- or 8-bit scale,
+is exact in float32, not in fp16. The K-quants and IQ4_XS become blocks of superblock tile
+types instead (k_quant_super_blocks: the scales as stored beside the fp16 d), which pack()
+lays out a superblock a tile. The *_parts functions also serve dequantization
+(actors/executor/gguf_weights.py).
 """
 from __future__ import annotations
 
@@ -176,16 +179,18 @@ def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # A K-quant's superblock tile type (pagewire's ids, csrc/pagewire_api.h PwTile: the GGML id
 # + 50; Q3_K's values take Q6_K's form) and its classic tile type (float32 scales a block).
-Q2_KS, Q4_KS, Q5_KS, Q6_KS = 60, 62, 63, 64
-SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: Q6_KS}
-CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K}
+# (IQ4_XS's: its int8 levels, which take Q6_K's form but not its six-bit range)
+Q2_KS, Q4_KS, Q5_KS, Q6_KS, IQ4_XSS = 60, 62, 63, 64, 73
+SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: IQ4_XSS}
+CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K, IQ4_XSS: Q6_K}
 # a superblock tile type's (fp16 heads, int8 scale arrays, quant bytes) a 32-weight block
-SUPER_PARTS = {Q2_KS: (2, 4, 32), Q4_KS: (2, 2, 16), Q5_KS: (2, 2, 32), Q6_KS: (1, 2, 32)}
+SUPER_PARTS = {Q2_KS: (2, 4, 32), Q4_KS: (2, 2, 16), Q5_KS: (2, 2, 32), Q6_KS: (1, 2, 32),
+               IQ4_XSS: (1, 2, 32)}
 
 
 def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A K-quant's (or IQ4_XS's) superblocks [n, bytes] -> (fp16 heads [n, H]: d, and -dmin where the type
-    has minimums; int8 [n, 8, arrays]: each 32-weight block's sub-block scales (two for the
+    """A K-quant's (or IQ4_XS's) superblocks [n, bytes] -> (fp16 heads [n, H]: d, and -dmin
+    where the type has minimums; int8 [n, 8, arrays]: each 32-weight block's sub-block scales (two for the
     types of 16-weight sub-blocks), then its minimums) with weight = head * byte * q (+ the
     minimum's head * byte): the stored integers, unscaled."""
     n = blocks.shape[0]

@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 
 from . import native, native_api
-from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K, Q4_KS, Q5_0,
-                          Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS, super_as_classic,
-                          super_parts)
+from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSS, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K, Q4_KS,
+                          Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS,
+                          super_as_classic, super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
 # declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
@@ -45,7 +45,7 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
 assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
-                                      ("Q6_KS", Q6_KS)))
+                                      ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
 ROUNDINGS = ("exact", "int16", "int8")

@@ -190,10 +190,9 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
                tokenizer_meta: dict, qtype: str = "F32",
                raw: dict[str, np.ndarray] | None = None) -> str:
     """Write `state` (Hugging Face names, a model config dict) as GGUF arch `arch`, with 2-D
-    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q4_K, Q6_K, or
-    Q4_K_M: like llama.cpp's mix, Q6_K for down_proj, the LM head and layer 0's v_proj, else
-    Q4_K) and
-    1-D ones as F32; `raw` adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
+    weights stored as `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL, IQ4_XS, Q4_K,
+    Q6_K, or Q4_K_M: like llama.cpp's mix, Q6_K for down_proj, the LM head and layer 0's
+    v_proj, else Q4_K) and 1-D ones as F32; `raw` adds float32 tensors under GGUF names (rope_freqs.weight, ...)."""
     import gguf
     from gguf.quants import quantize
 

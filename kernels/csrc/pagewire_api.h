@@ -60,6 +60,7 @@ enum PwTile : int64_t {
   PW_TILE_Q4_KS = 62,
   PW_TILE_Q5_KS = 63,
   PW_TILE_Q6_KS = 64,
+  PW_TILE_IQ4_XSS = 73,
   PW_TILE_FP8 = 90,       // an FP8 checkpoint's e4m3 codes
 };
 

@@ -35,11 +35,11 @@ inline bf16 to_bf16(float x) {
 
 // The activations as the kernels read them, for T tokens of K columns; each kernel has only
 // its own form built (`use`):
-//   kParts (Q4, FP8 and BF16 tiles): parts[p][t][k], bfloat16 x split into P parts whose sum is x (P = 1 for
-//     bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
+//   kParts (Q4, FP8, six-bit Q8 and BF16 tiles): parts[p][t][k], bfloat16 x split into P
+//     parts whose sum is x (P = 1 for bfloat16 input; 3 for float32, each part the bfloat16 of what the earlier ones left: 24
 //     bits in all, float32's precision, so a float32 engine multiplies float32 activations),
-//     and (groups > 0) sums[t][b], the float32 sum of x over block b (Q4_1's minimum
-//     multiplies it);
+//     and (groups > 0) sums[t][b][g], the float32 sum of x over each of block b's `groups`
+//     column groups (the minimums multiply them);
 //   kFloat (Q8 tiles): xf[t][k], x in float32 (they convert their weights to float32 instead),
 //     and for minimums (Q5_K, Q2_K) sums[t][b][g] over each of a block's `groups` column groups.
 enum Use { kParts, kFloat };
@@ -58,7 +58,7 @@ struct Activations {
       sums.assign(T * (K / 32) * groups, 0.f);
     } else {
       parts.resize(P * T * K);
-      sums.assign(groups ? T * (K / 32) : 0, 0.f);
+      sums.assign(T * (K / 32) * groups, 0.f);
     }
     // Token by token, split over the threads for a prefill chunk's (kTokenGrain each).
     at::parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
@@ -83,7 +83,7 @@ struct Activations {
   void as_parts(const In* x, int64_t t, int groups) {
     for (int64_t k = 0; k < K; ++k) {
       float rest = to_float(x[k]);
-      if (groups) sums[t * (K / 32) + k / 32] += rest;
+      if (groups) sums[(t * K + k) / (32 / groups)] += rest;
       for (int64_t p = 0; p < P; ++p) {
         const bf16 part = to_bf16(rest);
         parts[(p * T + t) * K + k] = part;

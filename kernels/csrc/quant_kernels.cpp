@@ -137,9 +137,59 @@ struct Fp8Codes {
   }
 };
 
-// Output groups [g0, g1) of Q4 or FP8 tiles for M tokens (rows x_stride apart in each of P
-// parts): two chains a token (the two vectors of a step), then each block's scale and, for
-// tiles with minimums, m * sum(x) (sum of x * (d q + m) = d * sum(x q) + m * sum(x)).
+// bfloat16 of each six-bit code, indexed by its low 6 bits (vpermt2w's two tables: entries
+// 0-31, 32-63): a signed code's (two's complement: index 32-63 are -32..-1) or an unsigned's.
+template <pw::Codes kCodes>
+inline __m512i six_bit_table(int half) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const int index = 32 * half + i;
+    t[i] = to_bf16(static_cast<float>(kCodes == pw::kSigned6 && index >= 32 ? index - 64 : index));
+  }
+  return _mm512_load_si512(t);
+}
+
+// Q8 tiles of six-bit codes (Tile::kCodes): step s decodes columns (2s, 2s + 1) and (2s + 16,
+// 2s + 17), 32 bytes each (a column's 16 rows, then the next's): their words interleaved into
+// a row's pairs (pair_order), then each code's bfloat16 from the table, exact; two vector
+// ops a column pair where int8 codes (q8_pair_groups) take five.
+template <pw::Codes kCodes>
+struct SixBitCodes {
+  const __m512i low = six_bit_table<kCodes>(0), high = six_bit_table<kCodes>(1);
+  const __m512i order = pair_order();
+  static constexpr int x0(int s) { return 2 * s; }
+  static constexpr int x1(int s) { return 2 * s + 16; }
+  __m512bh pairs(const uint8_t* columns) const {
+    const __m512i codes = _mm512_permutexvar_epi16(order, _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(columns))));
+    return (__m512bh)_mm512_permutex2var_epi16(low, codes, high);
+  }
+  void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
+    w0 = pairs(tile + 32 * s);
+    w1 = pairs(tile + 32 * (s + 8));
+  }
+};
+
+// acc[m] += a Q8 tile block's two chains under their scales: one scale for both (Q8_0, Q5_K),
+// or the first chain's (columns < 16) and the second's (Q6_K, Q2_K: kSplits 2).
+template <typename Tile, int M>
+inline void add_q8_block(__m512 (&acc)[M], const __m512 (&first)[M], const __m512 (&second)[M],
+                         const uint8_t* tile, int64_t b) {
+  const __m512 d0 = Tile::scales16(tile, b, 0);
+  if constexpr (Tile::kSplits == 2) {
+    const __m512 d1 = Tile::scales16(tile, b, 1);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
+  } else {
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
+  }
+}
+
+// Output groups [g0, g1) of Q4, FP8 or six-bit Q8 tiles for M tokens (rows x_stride apart in
+// each of P parts): two chains a token (the two vectors of a step), then each block's scale
+// (or the two halves' own: add_q8_block) and, for tiles with minimums, m * sum(x) (sum of
+// x * (d q + m) = d * sum(x q) + m * sum(x)).
 template <int M, int P, typename Tile, typename Decode, typename Out>
 void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
                  int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
@@ -163,28 +213,10 @@ void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_s
             sum1[m] = _mm512_dpbf16_ps(sum1[m], w1, (__m512bh)bcast_pair(xb + Decode::x1(s)));
           }
       }
-      const __m512 d = Tile::scales16(tile, b, 0);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(sum0[m], sum1[m]), d, acc[m]);
+      add_q8_block<Tile>(acc, sum0, sum1, tile, b);
       add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
-  }
-}
-
-// acc[m] += a Q8 tile block's two chains under their scales: one scale for both (Q8_0, Q5_K),
-// or the first chain's (columns < 16) and the second's (Q6_K, Q2_K: kSplits 2).
-template <typename Tile, int M>
-inline void add_q8_block(__m512 (&acc)[M], const __m512 (&first)[M], const __m512 (&second)[M],
-                         const uint8_t* tile, int64_t b) {
-  const __m512 d0 = Tile::scales16(tile, b, 0);
-  if constexpr (Tile::kSplits == 2) {
-    const __m512 d1 = Tile::scales16(tile, b, 1);
-    for (int m = 0; m < M; ++m)
-      acc[m] = _mm512_fmadd_ps(second[m], d1, _mm512_fmadd_ps(first[m], d0, acc[m]));
-  } else {
-    for (int m = 0; m < M; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_add_ps(first[m], second[m]), d0, acc[m]);
   }
 }
 
@@ -261,7 +293,11 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
 // Whether a Q8 tile format's steps of `tokens` bfloat16 tokens take q8_pair_groups: from 4
 // tokens its once-a-chunk decode costs less than the FMAs it saves.
 template <typename Tile, typename Out>
-constexpr bool kQ8Pairs = !Tile::kQ4 && !Tile::kFp8 && !Tile::kMin && std::is_same<Out, bf16>::value;
+constexpr bool kQ8Pairs = !Tile::kQ4 && !Tile::kFp8 && !Tile::kMin &&
+                          Tile::kCodes == pw::kAnyInt8 && std::is_same<Out, bf16>::value;
+// The tiles pair_groups multiplies through a decoder (Nibbles, Fp8Codes, SixBitCodes).
+template <typename Tile>
+constexpr bool kDecoded = Tile::kQ4 || Tile::kFp8 || Tile::kCodes != pw::kAnyInt8;
 constexpr int64_t kQ8PairTokens = 4;
 
 // One chunk of up to kMaxBatch tokens of one tile format: its weights are unpacked once for
@@ -271,10 +307,11 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
            int64_t groups) {
   const int64_t nb = a.K / 32;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if constexpr (Tile::kQ4 || Tile::kFp8) {
-      using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, Nibbles>;
+    if constexpr (kDecoded<Tile>) {
+      using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, std::conditional_t<
+          Tile::kQ4, Nibbles, SixBitCodes<Tile::kCodes>>>;
       const bf16* x = a.parts.data() + t * a.K;
-      const float* sums = Tile::kMin ? a.sums.data() + t * nb : nullptr;
+      const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       if (a.P == 1)
         pair_groups<M, 1, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
       else
@@ -293,8 +330,8 @@ template <typename Tile, typename Out>
 void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_t tokens,
             const uint8_t* packed, int64_t N, int64_t K) {
   const bool pairs = kQ8Pairs<Tile, Out> && tokens >= kQ8PairTokens;
-  const Activations a(x, x_stride, tokens, K,
-                      Tile::kQ4 || Tile::kFp8 || pairs ? kParts : kFloat, Tile::kSumGroups);
+  const Activations a(x, x_stride, tokens, K, kDecoded<Tile> || pairs ? kParts : kFloat,
+                      Tile::kSumGroups);
   for (int64_t t = 0; t < a.T; t += kMaxBatch) {
     Out* o = out + t * out_stride;
     const int64_t g = N / kRows;
@@ -320,7 +357,7 @@ namespace pw {
 // Each tile type's PwTile name and layout (quant_tiles.h); FP8 has no integer kernels.
 #define PW_INT_TILES(X) X(Q4_1, Q4_1Tile) X(Q8_0, Q8_0Tile) X(Q4_K, Q4_KTile)         \
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
-  X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper)
+  X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper)
 #define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile)
 
 // Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
@@ -334,7 +371,8 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #define PW_EXACT(name, Tile) case PW_TILE_##name: return avx2::matmul<Tile, T>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)   // vpdpbusd's GEMM from kGemmFrom tokens
-#define PW_INT8(name, Tile) case PW_TILE_##name + PW_ROUNDING_INT8: return vnni::matmul_int8<Tile, T>;
+#define PW_INT8(name, Tile) \
+  case PW_TILE_##name + PW_ROUNDING_INT8: return vnni::matmul_int8<Tile, T>;
 #elif defined(__AVX2__)
 #define PW_INT8(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT8: return avx2::matmul_int<1, Tile, T>;

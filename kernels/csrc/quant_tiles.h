@@ -27,15 +27,22 @@
 
 namespace pw {
 
+// The range of a Q8 tile's codes: any int8 (Q8_0's; IQ4's levels), or six bits, signed
+// (-32..31: Q6_K, Q3_K) or unsigned (0..63: Q5_K, Q5_1, Q2_K), which the AVX512-BF16 kernels
+// turn into bfloat16 with one 64-entry table lookup (quant_kernels.cpp SixBitCodes).
+enum Codes { kAnyInt8, kSigned6, kUnsigned6 };
+
 // S: a scale's storage (uint16_t: fp16; float); kSplits: the column groups of a block with
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
-// kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them).
-template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false>
+// kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
+template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false,
+          Codes kCodes_ = kAnyInt8>
 struct Tile {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = kFp8_;
+  static constexpr Codes kCodes = kCodes_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   // The column groups of a block whose activation sums the minimums meet (0: none needed).
   static constexpr int kSumGroups = kMin ? kSplits : 0;
@@ -74,11 +81,12 @@ struct Tile {
 // which a minimum array's do. Block b's effective scale is head * byte: an fp16 times an
 // integer of at most 7 bits, exact in float32, the very float32 the classic tile holds, so
 // both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
-template <int64_t kQuantBytes_, int kSplits_, bool kMin_>
+template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8>
 struct SuperTile {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = false;
+  static constexpr Codes kCodes = kCodes_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   static constexpr int kSumGroups = kMin ? kSplits : 0;
   static constexpr int kHeads = kMin ? 2 : 1;
@@ -122,14 +130,15 @@ struct SuperTile {
 using Q4_1Tile = Tile<256, 1, uint16_t, true>;
 using Q4_KTile = Tile<256, 1, float, true>;
 using Q8_0Tile = Tile<512, 1, uint16_t, false>;
-using Q6_KTile = Tile<512, 2, float, false>;
-using Q5_KTile = Tile<512, 1, float, true>;
-using Q2_KTile = Tile<512, 2, float, true>;
+using Q6_KTile = Tile<512, 2, float, false>;      // also IQ4_XS's cut superblocks
+using Q5_KTile = Tile<512, 1, float, true, false, kUnsigned6>;
+using Q2_KTile = Tile<512, 2, float, true, false, kUnsigned6>;
 using FP8Tile = Tile<512, 1, float, false, true>;
-using Q4_KSuper = SuperTile<256, 1, true>;    // Q4_K
-using Q5_KSuper = SuperTile<512, 1, true>;    // Q5_K
-using Q6_KSuper = SuperTile<512, 2, false>;   // Q6_K, Q3_K
-using Q2_KSuper = SuperTile<512, 2, true>;    // Q2_K
+using Q4_KSuper = SuperTile<256, 1, true>;                 // Q4_K
+using Q5_KSuper = SuperTile<512, 1, true, kUnsigned6>;     // Q5_K
+using Q6_KSuper = SuperTile<512, 2, false, kSigned6>;      // Q6_K, Q3_K
+using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
+using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
 
 // e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
 // ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved

@@ -122,8 +122,9 @@ def test_a_gguf_files_weights_are_counted_by_type(tmp_path, info):
     from pagewire.testing.gguf_writer import quantize_q4_k
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
     w = np.zeros((32, 512), dtype=np.float32)
-    writer.add_tensor("blk.0.attn_q.weight", quantize_q4_k(w), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-    writer.add_tensor("token_embd.weight", quantize_q4_k(w), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    q4_k = gguf.GGMLQuantizationType.Q4_K
+    writer.add_tensor("blk.0.attn_q.weight", quantize_q4_k(w), raw_dtype=q4_k)
+    writer.add_tensor("token_embd.weight", quantize_q4_k(w), raw_dtype=q4_k)
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(512, dtype=np.float32))
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
                  writer.write_tensors_to_file, writer.close):
