@@ -18,7 +18,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")    # kernels/k
 PREEMPTION_MODES = AUTO_PREEMPTION, RECOMPUTE, SWAP = ("auto", "recompute", "swap")
 SCHEDULING_POLICIES = FCFS, PRIORITY = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
-ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all")   # --quantized-activations
+ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all",     # --quantized-activations
+               "int8-prefill")
 EXECUTORS = LOCAL, EXTERNAL = ("local", "external")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")       # gateway/tools.py PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3")                    # gateway/chat_output.py

@@ -180,7 +180,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "bits (finer than bfloat16) and multiplied in integers, ~1.6x a single stream on "
                "AVX2; `int8`: Q4_0/Q4_1/Q4_K weights take activations rounded to int8 per 32 "
                "columns (about 3x fewer instructions a weight), Q8_0 ones stay exact; "
-               "`int8-all`: Q8_0 too, llama.cpp's own arithmetic; `auto`: `int16` on tiers without a bfloat16 dot "
+               "`int8-all`: Q8_0 too, llama.cpp's own arithmetic; `int8-prefill`: int8 for "
+               "Q4_0/Q4_1/Q4_K weights only in steps of 8+ tokens (prefill chunks, big "
+               "batches: VNNI's integer GEMM on `avx512_bf16`, ~1.8x the exact kernels), exact "
+               "below; `auto`: `int16` on tiers without a bfloat16 dot "
                "product (`avx2`, `avx512`), `exact` on `avx512_bf16` (int8 rounding "
                "garbles the default model's answers, as it does in llama.cpp: see \"Kernels and "
                "devices\")",

@@ -10,7 +10,8 @@ directory rewritten by the packers the test suite uses (actors/testing/checkpoin
 round to nearest, the format's own packing), `int8` / `int4` are `--quantization` at load,
 `bf16` the float directory in bfloat16 (BF16 tiles), `bf16-onednn` the same on oneDNN
 (`--quantized-matmul-tokens 0`), `gguf-A` the GGUF with `--quantized-activations A`.
-`--activations` compares the GGUF's roundings of the activations (gguf-int8, gguf-int8-all)
+`--activations` compares the GGUF's roundings of the activations (gguf-int8, gguf-int8-all,
+gguf-int8-prefill: int8 in steps of 8+ tokens, so every teacher-forced position here)
 against its exact products (`gguf`, the KL reference then instead of bf16): quality and
 memory only (the kernels' speed: bench/int8_gemm.py).
 Each format runs in a child process, formats in turn (`--rounds` times): resident memory after
@@ -44,14 +45,14 @@ WORK = "/tmp/pagewire-bench-formats"
 HF_FORMATS = ["gptq-v1-4bit-g32", "gptq-v2-4bit-channel", "gptq-8bit-sym-g32", "awq-g32",
               "compressed-w4a16", "compressed-w8a8", "fp8"]
 ALL = ["gguf", "bf16", "bf16-onednn", "int8", "int4", *HF_FORMATS]
-ACTIVATIONS = ["gguf-int8", "gguf-int8-all"]
+ACTIVATIONS = ["gguf-int8", "gguf-int8-all", "gguf-int8-prefill"]
 
 
 def engine_args(fmt: str) -> tuple[str | None, dict]:
     """(model path, LLM keywords) of a format; HF formats written on first use."""
     if fmt == "gguf":
         return None, {}
-    if fmt.startswith("gguf-"):                # gguf-int8, gguf-int8-all, gguf-int16
+    if fmt.startswith("gguf-"):          # gguf-int8, gguf-int8-all, gguf-int8-prefill, gguf-int16
         return None, {"quantized_activations": fmt[len("gguf-"):]}
     if fmt == "bf16-onednn":                 # the float path: no BF16 tiles
         return float_checkpoint(), {"quantized_matmul_tokens": 0}

@@ -78,19 +78,24 @@ def _run(cmd: list[str], pattern: str) -> float:
     return float(m.group(1))
 
 
+# engine flags every pagewire run takes (--pagewire-args: "--quantized-activations
+# int8-prefill", ...)
+PAGEWIRE_ARGS: list[str] = []
+
+
 def pagewire_latency(path: str, input_len: int, output_len: int) -> float:
     """Seconds for one request of input_len then output_len tokens."""
     return _run(["pagewire", "bench", "latency", "--model", path, "--input-len", str(input_len),
                  "--output-len", str(output_len), "--batch-size", "1", "--num-iters", "2",
                  "--num-iters-warmup", "1", "--max-model-len", "2048",
-                 "--no-enable-prefix-caching"],        # each iteration computes its prompt
-                r"Avg latency: ([\d.]+) seconds")
+                 "--no-enable-prefix-caching",        # each iteration computes its prompt
+                 *PAGEWIRE_ARGS], r"Avg latency: ([\d.]+) seconds")
 
 
 def pagewire_batch(path: str) -> float:
     return _run(["pagewire", "bench", "throughput", "--model", path, "--dataset-name", "random",
                  "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "32",
-                 "--max-model-len", "2048"], r"([\d.]+) output tokens/s")
+                 "--max-model-len", "2048", *PAGEWIRE_ARGS], r"([\d.]+) output tokens/s")
 
 
 def llamacpp(path: str, args: list[str]) -> float:
@@ -170,7 +175,9 @@ def main() -> None:
     p.add_argument("--formats", default="Q4_0,Q4_K_M,Q8_0,bf16")
     p.add_argument("--peers", default="llamacpp,vllm")
     p.add_argument("--only", default="single,decode,prefill,batch")
+    p.add_argument("--pagewire-args", default="", help="engine flags for every pagewire run")
     a = p.parse_args()
+    PAGEWIRE_ARGS.extend(a.pagewire_args.split())
     ceilings = {"bandwidth": read_bandwidth(), "gemm": gemm_peak()}
     print(f"CPU: {_cpu()}; read bandwidth {ceilings['bandwidth'] / 1e9:.1f} GB/s, "
           f"bf16 GEMM peak {ceilings['gemm'] / 1e9:.0f} GFLOP/s", flush=True)

@@ -47,16 +47,20 @@ _SUPER = tuple(SUPER_PARTS)
 assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
                                       ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
-# or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic).
-ROUNDINGS = ("exact", "int16", "int8")
+# or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic); or
+# "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the GEMM
+# csrc/quant_gemm_vnni.h has on avx512_bf16), exact in smaller ones (Q4 tiles only, whose
+# layout is the same for both).
+ROUNDINGS = ("exact", "int16", "int8", "int8-large")
 # A packed weight's kind: its tile type plus its rounding's PwRounding (the native entry point
 # and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).
-_KIND_OFFSET = {rounding: _ROUNDING[rounding.upper()] for rounding in ("exact", "int8", "int16")}
+_KIND_OFFSET = {rounding: _ROUNDING[rounding.upper().replace("-", "_")]
+                for rounding in ("exact", "int8", "int16", "int8-large")}
 # Plain bfloat16 tiles (GGML's BF16 type id): a bfloat16 checkpoint's weights, unquantized,
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
 BF16 = _TILE["BF16"]
-KINDS = (*(t + o for o in _KIND_OFFSET.values() for t in (*_SCALES, *_SUPER)
-            if t != FP8 or not o), BF16)
+KINDS = (*(t + o for r, o in _KIND_OFFSET.items() for t in (*_SCALES, *_SUPER)
+            if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -144,7 +148,7 @@ def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library,
     avx512_bf16 tier's): vpdpbusd's 64 multiply-adds an instruction run 1.25-1.6x oneDNN's
     bfloat16 GEMM (bench/NOTES.md "int8 GEMM on AVX512-VNNI")."""
     offsets = {s.kind - _tile_type(s.kind) for s in weight.segments}
-    if int8_gemm and offsets == {_KIND_OFFSET["int8"]}:
+    if int8_gemm and offsets <= {_KIND_OFFSET["int8"], _KIND_OFFSET["int8-large"]}:
         return True
     return int16_gemm and offsets == {_KIND_OFFSET["int16"]} \
         and lib.int16_mac_ratio >= INT16_GEMM_MIN_RATIO
@@ -180,6 +184,8 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
     if rounding not in ROUNDINGS or ggml_type == FP8 and rounding != "exact":
         raise ValueError(f"rounding must be one of {ROUNDINGS} (FP8: exact), got {rounding!r}")
+    if rounding == "int8-large" and ggml_type not in (Q4_0, *_NIBBLES):
+        raise ValueError(f"int8-large takes Q4 tiles (Q4_0, Q4_1, Q4_K), not type {ggml_type}")
     if ggml_type in AS_TILE_BLOCKS:
         ggml_type, raw = AS_TILE_BLOCKS[ggml_type](raw)
     if ggml_type in _SUPER and not _whole_superblocks(ggml_type, raw, cols):

@@ -39,7 +39,8 @@ _Q8 = (quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL, quant.Q2_K, quant.Q5_K,
        quant.Q6_K, quant.Q2_KS, quant.Q5_KS, quant.Q6_KS, quant.IQ4_XSS)
 ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
              "int8": dict.fromkeys(_Q4, "int8"),
-             "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8")}
+             "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8"),
+             "int8-prefill": dict.fromkeys(_Q4, "int8-large")}
 
 
 class Backend:

@@ -24,7 +24,7 @@ _DTYPE = torch.uint8           # weight_cache's file names carry a dtype: the ti
 
 def kind(lib, roundings: dict[int, str], tp) -> str:
     """The weight_cache kind naming what the tiles were packed for."""
-    rounded = "_".join(f"{t}{r[:3]}" for t, r in sorted(roundings.items())) or "exact"
+    rounded = "_".join(f"{t}{r}" for t, r in sorted(roundings.items())) or "exact"
     return f"tiles-{lib.tier}-{rounded}-{tp.rank}of{tp.size}"
 
 

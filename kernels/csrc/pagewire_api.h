@@ -65,12 +65,14 @@ enum PwTile : int64_t {
 };
 
 // A packed weight's kind is its PwTile plus one of these: how the activations meet the tiles
-// (as they are, or rounded per 32-column block to int8 or int16; quant_int_avx2.h). Every
-// PwTile is below PW_ROUNDING_INT8, so kind % PW_ROUNDING_INT8 is the tile type.
+// (as they are, or rounded per 32-column block to int8 or int16; quant_int_avx2.h; or, Q4
+// tiles only, rounded to int8 in steps of 8 tokens and more and exact below). Every PwTile is
+// below PW_ROUNDING_INT8, so kind % PW_ROUNDING_INT8 is the tile type.
 enum PwRounding : int64_t {
   PW_ROUNDING_EXACT = 0,
   PW_ROUNDING_INT8 = 100,
   PW_ROUNDING_INT16 = 200,
+  PW_ROUNDING_INT8_LARGE = 300,
 };
 
 // A KV cache's codes (kv_quant.h; kernels/kv_quant.py).

@@ -359,6 +359,26 @@ namespace pw {
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
   X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper)
 #define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile)
+#define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
+
+// PW_ROUNDING_INT8_LARGE: a step of kLargeFrom tokens or more (a prefill chunk, a big batch)
+// takes the int8 kernels (vpdpbusd's GEMM where built), a smaller one the exact kernels. Q4
+// tiles only: their layout is the same for both.
+constexpr int64_t kLargeFrom = 8;
+
+template <typename Tile, typename T>
+void large_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
+                const uint8_t* packed, int64_t N, int64_t K) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  if (tokens >= kLargeFrom)
+    return vnni::matmul_int8<Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
+  return matmul<Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
+#elif defined(__AVX2__)
+  if (tokens >= kLargeFrom)
+    return avx2::matmul_int<1, Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
+  return avx2::matmul<Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
+#endif
+}
 
 // Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
 // AVX512-BF16's where the CPU has it, else AVX2's; the integer ones AVX2's on every tier.
@@ -380,14 +400,18 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #if defined(__AVX2__)
 #define PW_INT16(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT16: return avx2::matmul_int<2, Tile, T>;
+#define PW_INT8_LARGE(name, Tile) \
+  case PW_TILE_##name + PW_ROUNDING_INT8_LARGE: return large_int8<Tile, T>;
   switch (kind) {
     PW_TILES(PW_EXACT)
     PW_INT_TILES(PW_INT8)
     PW_INT_TILES(PW_INT16)
+    PW_Q4_TILES(PW_INT8_LARGE)
   }
 #undef PW_EXACT
 #undef PW_INT8
 #undef PW_INT16
+#undef PW_INT8_LARGE
 #endif
   return nullptr;
 }

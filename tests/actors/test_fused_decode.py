@@ -22,18 +22,20 @@ pytestmark = pytest.mark.slow
                                                      ("float32", "int16", "auto"),
                                                      ("float32", "int8", "auto"),
                                                      ("float32", "int16", "int8"),
+                                                     ("bfloat16", "int8-prefill", "auto"),
                                                      ("bfloat16", "exact", "fp8"))], ids=str)
 def runner(request):
     """The default model on each tier this CPU runs (the stack calls that tier's kernels),
     with exact activations, int16-rounded ones for every quantized weight and int8-rounded
-    ones for its Q4_1 weights; and with quantized KV caches."""
+    ones for its Q4_1 weights (in every step, or in steps of 8+ tokens: int8-prefill); and
+    with quantized KV caches."""
     tier, dtype, acts, kv_dtype = request.param
     if tier not in tiers.runnable():
         pytest.skip(f"needs the {tier} tier: this CPU runs {', '.join(tiers.runnable())}")
     llm = LLM(dtype=dtype, kernels=tier, quantized_activations=acts, max_model_len=512,
               num_kv_blocks=128, kv_cache_dtype=kv_dtype)
     model = llm.runner.model
-    offset = {"exact": 0, "int16": 200, "int8": 100}[acts]
+    offset = {"exact": 0, "int16": 200, "int8": 100, "int8-prefill": 300}[acts]
     assert model.layers[0].attn.qkv.quantized.kind == quant.Q4_1 + offset
     assert model.lm_head.quantized.kind == \
         quant.Q8_0 + (200 if acts == "int16" else 0)        # int8 rounds Q4 weights' only

@@ -43,7 +43,8 @@ def test_the_python_codes_are_the_headers():
         "SILU_MUL": 7, "GELU_MUL": 8, "ALL_REDUCE": 9}
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 60, 62, 63, 64, 73,
                            103, 108, 112, 113, 114, 110, 160, 162, 163, 164, 173,
-                           203, 208, 212, 213, 214, 210, 260, 262, 263, 264, 273, 30)
+                           203, 208, 212, 213, 214, 210, 260, 262, 263, 264, 273,
+                           303, 312, 362, 30)
     assert (quant.FP8, quant.BF16) == (90, 30)
     assert kv_quant.KINDS == {kv_quant.torch.int8: 0, kv_quant.torch.float8_e4m3fn: 1,
                               kv_quant.torch.float8_e5m2: 2} and kv_quant.PLAIN == -1

@@ -94,7 +94,7 @@ def test_quantized_activations_int16_below_a_bf16_dot_product_and_int8_only_by_n
     assert _resolve_activations("exact", "auto", "avx2") == "exact"
     assert _resolve_activations("int8", "float32", "avx512_bf16") == "int8"
     assert _resolve_activations("int8-all", "auto", "avx2") == "int8-all"
-    with pytest.raises(ValueError, match="must be one of auto, exact, int16, int8, int8-all"):
+    with pytest.raises(ValueError, match="must be one of auto, exact, int16, int8, int8-all, int8-prefill"):
         _resolve_activations("fp8", "auto", "avx2")
 
 
