@@ -1,0 +1,77 @@
+"""How fast one token's matmul streams a quantized weight's tiles, per tile format: the
+decode step's inner loop, GB/s of tiles and G weights a second.
+
+    python bench/tile_rate.py [--types Q4_K,Q6_K,Q8_0,Q4_0] [--threads 2] [--classic]
+
+A down projection's shape (14336 x 4096, an 8B model's), random blocks, bfloat16 activations,
+exact products; four copies of the weight (beyond the L3 cache) multiplied in turn, best of
+seven. `--classic` adds the K-quants' classic tiles (float32 scales a block) beside their
+superblock tiles. Compare within one run: the host's bandwidth varies between runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from pagewire.kernels import gguf_blocks, native, quant  # noqa: E402
+from tests.kernels.test_gguf_blocks import random_blocks  # noqa: E402
+
+ROWS, COLS = 14336, 4096
+
+
+def packed(qtype: str, classic: bool, lib) -> quant.QuantWeight:
+    import gguf
+    kind = int(gguf.GGMLQuantizationType[qtype])
+    rng = np.random.default_rng(0)
+    if qtype in ("Q4_0", "Q8_0"):
+        w = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(w, kind))
+    else:
+        raw = random_blocks(qtype, ROWS, COLS, rng)
+    if kind in gguf_blocks.SUPERBLOCKS:
+        convert = gguf_blocks.k_quant_blocks if classic else gguf_blocks.k_quant_super_blocks
+        kind, raw = convert(kind, raw)
+    return quant.pack(kind, raw, COLS, lib)
+
+
+def rate(weights: list[quant.QuantWeight]) -> float:
+    """Seconds a matmul of one token, best of seven passes over the copies."""
+    x = torch.randn(1, COLS).bfloat16()
+    for w in weights:
+        quant.matmul(x, w)
+    best = float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        for w in weights:
+            quant.matmul(x, w)
+        best = min(best, (time.perf_counter() - start) / len(weights))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--classic", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    lib = native.load()
+    for qtype in a.types.split(","):
+        for classic in (False, True) if a.classic and qtype.endswith("_K") else (False,):
+            weights = [packed(qtype, classic, lib) for _ in range(4)]
+            seconds = rate(weights)
+            name = f"{qtype}{' classic' if classic else ''}"
+            print(f"{name}: {weights[0].nbytes / 1e6:.0f} MB in {seconds * 1e3:.2f} ms: "
+                  f"{weights[0].nbytes / seconds / 1e9:.1f} GB/s, "
+                  f"{ROWS * COLS / seconds / 1e9:.1f} G weights/s ({a.threads} threads, "
+                  f"{lib.tier})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
