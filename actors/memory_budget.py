@@ -35,6 +35,9 @@ TILE_OVERHEAD = 1.35
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
               13: 34.5, 14: 34.25, 23: 34.25}
 FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
+# Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
+# them with torch; one rank)
+BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14}
 
 
 def available_bytes() -> int:
@@ -97,18 +100,23 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
 
 def _gguf_held(path: str) -> int | None:
     """A GGUF file's weights as the executor holds them: each 2-D tensor of a type the tiles
-    take as TILE_BYTES says (the embedding aside), the rest dequantized; None where the
-    header cannot be read."""
-    from .gguf_header import read_gguf_header
+    take as TILE_BYTES says, the embedding as its blocks where it can stay so (its file
+    bytes), the rest dequantized; None where the header cannot be read."""
+    from .gguf_header import GGML_TYPES, read_gguf_header
     try:
         tensors = read_gguf_header(path).tensors.values()
     except (OSError, ValueError):
         return None
     held = 0
     for t in tensors:
-        count = math.prod(t.shape)
-        tiles = len(t.shape) == 2 and t.ggml_type in TILE_BYTES and "token_embd" not in t.name
-        held += count // 32 * TILE_BYTES[t.ggml_type] if tiles else count * FLOAT_BYTES
+        count, embedding = math.prod(t.shape), "token_embd" in t.name
+        if embedding and t.ggml_type in BLOCK_EMBEDDINGS:
+            _, block, size = GGML_TYPES[t.ggml_type]
+            held += count // block * size
+        elif len(t.shape) == 2 and t.ggml_type in TILE_BYTES and not embedding:
+            held += count // 32 * TILE_BYTES[t.ggml_type]
+        else:
+            held += count * FLOAT_BYTES
     return int(held)
 
 

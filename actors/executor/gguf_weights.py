@@ -203,6 +203,7 @@ _DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 10: _with_minimum(gguf_blocks.q2_k_par
             11: _scaled(gguf_blocks.q3_k_parts),
             12: _with_minimum(gguf_blocks.q4_k_parts), 13: _with_minimum(gguf_blocks.q5_k_parts),
             14: _scaled(gguf_blocks.q6_k_parts)}
+DEQUANTIZED = frozenset(_DEQUANT)     # the types dequantize_rows takes
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

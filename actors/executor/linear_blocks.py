@@ -60,13 +60,13 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
                    roundings: dict[int, str] | None = None, rounded: dict | None = None,
                    dtype: torch.dtype | None = None, dense_room: int | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
-    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's codes make
-    (checkpoint_formats.py), or those --quantization rounded (`rounded`: read_model()'s
-    rounded_blocks) — a quantized copy of its weight, this rank's share of it
+    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's
+    codes make (checkpoint_formats.py), or those --quantization rounded (`rounded`:
+    read_model()'s rounded_blocks) — a quantized copy of its weight, this rank's share of it
     (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
-    Linears drop their float copies: called before pack_linears, which then packs none of
-    them; None: auto, per weight (DenseRoom): AUTO_MATMUL_TOKENS where its blocks' GEMM is
-    the slower and its dense copy fits in `dense_room` bytes, else -1); returns the bytes
+    Linears drop their float copies: called before pack_linears, which then packs none of them;
+    None: auto, per weight (DenseRoom): AUTO_MATMUL_TOKENS where its blocks' GEMM is the slower
+    and its dense copy fits in `dense_room` bytes, else -1); returns the bytes
     kept. Only where the activations are bfloat16 or
     float32 (the kernels' dtypes), for the model's backend (`model.ops`: its native library
     and capabilities); `roundings`: GGML type -> how its weights meet the activations
@@ -257,5 +257,6 @@ def holdings(model: nn.Module) -> str:
             dense += sum(t.nbytes for t in (m.weight, m.packed) if t is not None)
     others = sum(p.nbytes for name, p in model.named_parameters()
                  if not isinstance(model.get_submodule(name.rsplit(".", 1)[0]), Linear))
+    others += getattr(model.embed, "blocks", torch.empty(0)).nbytes   # block_embedding.py
     return (f"weights: {tiles / 2**30:.2f} GiB of tiles, {dense / 2**30:.2f} GiB of dense "
             f"copies over {linears} Linears; {others / 2**30:.2f} GiB else (embedding, norms)")

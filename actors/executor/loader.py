@@ -31,6 +31,7 @@ from pagewire.model_info import ModelInfo
 from pagewire.quant_config import read_scheme
 
 from . import checkpoint_formats, weight_cache
+from .block_embedding import BlockEmbedding, block_embedding
 from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
 from .load_quantization import round_linears
@@ -77,6 +78,10 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
         blocks_first = place_blocks is not None and quantization == "none"
         if blocks_first:
             place_blocks(model, None)
+            embedding = block_embedding(info, cfg, tp, torch_dtype,
+                                        getattr(model.lm_head, "weight", 0) is None)
+            if embedding is not None:
+                model.embed = embedding
         weights = _read_weights(info, cfg, torch_dtype, _blocks_only_sources(model, cfg))
         state = model_cls.fuse_weights(weights, cfg)
         del weights
@@ -100,11 +105,14 @@ PlaceBlocks = Callable[[nn.Module, "dict | None"], int]
 
 def _blocks_only_sources(model: nn.Module, cfg) -> frozenset[str]:
     """The Hugging Face tensors only Linears that keep no float weight read (their blocks
-    serve every step): the loader need not read them. The embedding is always read (its
-    rows are looked up even where the tied LM head keeps blocks)."""
+    serve every step): the loader need not read them. The embedding is read unless it looks
+    its rows up from blocks (block_embedding.py): a tied LM head that keeps blocks still
+    leaves a float table's rows to look up."""
     sources = model.linear_sources(cfg)
     skip = {src for name, names in sources.items()
             if getattr(model.get_submodule(name), "weight", 0) is None for src in names}
+    if isinstance(model.embed, BlockEmbedding):
+        return frozenset(skip | {"model.embed_tokens.weight"})
     return frozenset(skip - {"model.embed_tokens.weight"})
 
 
@@ -140,20 +148,19 @@ def _read_config(info: ModelInfo, model_cls):
 
 def _read_weights(info: ModelInfo, cfg, dtype: torch.dtype,
                   skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """{Hugging Face name: tensor in dtype}, but the names in `skip`. A GGUF model read whole
-    is cached dequantized (weight_cache.py); one that skips its blocks-only linears is not:
-    what is left (embedding, norms) converts in a fraction of the time a cache file would
-    cost on disk."""
+    """{Hugging Face name: tensor in dtype}, but the names in `skip`. A GGUF model whose
+    linears are all read is cached dequantized (weight_cache.py); one that skips its
+    blocks-only linears is not: what is left (embedding, norms) converts in a fraction of the
+    time a cache file would cost on disk."""
     if info.format == "gguf":
         header, heads = gguf_header(info.path), (cfg.num_heads, cfg.num_kv_heads)
-        if skip:
+        if skip - {"model.embed_tokens.weight"}:
             return read_gguf_weights(info.path, header, *heads, dtype, skip)
-        cached = weight_cache.load(info.digest, dtype)
-        if cached is not None:
-            return cached
-        weights = read_gguf_weights(info.path, header, *heads, dtype)
-        weight_cache.store(info.digest, dtype, weights)
-        return weights
+        weights = weight_cache.load(info.digest, dtype)
+        if weights is None:
+            weights = read_gguf_weights(info.path, header, *heads, dtype)
+            weight_cache.store(info.digest, dtype, weights)
+        return {name: w for name, w in weights.items() if name not in skip}
     scheme = hf_scheme(info.path)
     if scheme is not None:       # packed integer linears -> float weights (their blocks' values)
         return checkpoint_formats.float_weights(read_safetensors(info.path), scheme, dtype, skip)

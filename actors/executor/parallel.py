@@ -81,10 +81,13 @@ class TensorParallel:
             dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
         return x
 
-    def embed(self, weight: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Vocab-parallel lookup: weight [V_local, H], ids [T] -> [T, H] on every rank."""
+    def embed(self, embedding, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Vocab-parallel lookup: embedding.weight [V_local, H] (or, one rank, an embedding
+        that looks its rows up itself: block_embedding.py), ids [T] -> [T, H] on every rank."""
+        weight = embedding.weight
         if self.size == 1:
-            return F.embedding(ids, weight)
+            lookup = getattr(embedding, "lookup", None)
+            return lookup(ids) if lookup is not None else F.embedding(ids, weight)
         start, end = self.vocab(vocab_size)
         local = ids - start
         inside = (local >= 0) & (local < end - start)

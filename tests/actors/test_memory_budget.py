@@ -115,7 +115,8 @@ def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
 
 
 def test_a_gguf_files_weights_are_counted_by_type(tmp_path, info):
-    """A GGUF file's linears as their tiles hold them, the embedding and norms dequantized."""
+    """A GGUF file's linears as their tiles hold them, the embedding as its blocks (Q4_K: 144
+    bytes a 256 weights), the norms dequantized."""
     import gguf
     import numpy as np
 
@@ -131,4 +132,9 @@ def test_a_gguf_files_weights_are_counted_by_type(tmp_path, info):
         step()
     gguf_info = msgspec.structs.replace(info, path=str(tmp_path / "t.gguf"))
     assert memory_budget.weights_estimate(gguf_info, -1) == \
-        32 * 512 // 32 * 18.5 + 32 * 512 * 2 + 512 * 2
+        32 * 512 // 32 * 18.5 + 32 * 512 // 256 * 144 + 512 * 2
+
+
+def test_block_embedding_types_are_those_torch_dequantizes():
+    from pagewire.executor.gguf_weights import DEQUANTIZED
+    assert memory_budget.BLOCK_EMBEDDINGS == set(DEQUANTIZED)

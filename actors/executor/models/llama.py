@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H]. `lora`: the rows'
         adapters (executor/lora.py LoraBatch), or None."""
         cfg = self.cfg
-        x = self.tp.embed(self.embed.weight, input_ids, cfg.vocab_size)   # [T, H]
+        x = self.tp.embed(self.embed, input_ids, cfg.vocab_size)          # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         fused = self._fused

@@ -21,9 +21,10 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     state dict. Tensors pass through unchanged where no fusing is needed. A Linear whose
     sources are absent (the loader skips those that keep only their blocks) gets no entry."""
     norm = _gemma_norm if cfg.architecture.startswith("Gemma") else (lambda w: w)
-    out = {"embed.weight": weights["model.embed_tokens.weight"],
-           "norm.weight": norm(weights["model.norm.weight"])}
-    lm_head = out["embed.weight"] if cfg.tie_word_embeddings else weights.get("lm_head.weight")
+    out = {"norm.weight": norm(weights["model.norm.weight"])}
+    _put(out, "embed.weight", weights.get("model.embed_tokens.weight"))    # absent: blocks
+    tied = cfg.tie_word_embeddings
+    lm_head = out.get("embed.weight") if tied else weights.get("lm_head.weight")
     _put(out, "lm_head.weight", lm_head)
     names = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
     for i in range(cfg.num_layers):
