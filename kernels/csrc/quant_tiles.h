@@ -36,9 +36,9 @@ enum Codes { kAnyInt8, kSigned6, kUnsigned6 };
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
 // kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
-template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false,
-          Codes kCodes_ = kAnyInt8>
-struct Tile {
+// What the kernels read of every layout (Tile, SuperTile).
+template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_>
+struct TileShape {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = kFp8_;
@@ -46,11 +46,16 @@ struct Tile {
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   // The column groups of a block whose activation sums the minimums meet (0: none needed).
   static constexpr int kSumGroups = kMin ? kSplits : 0;
-  static constexpr int64_t kBytes = kQuantBytes + kArrays * 16 * sizeof(S);
   static constexpr int minimum(int split) { return kSplits + split; }   // its array
+};
+
+template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false,
+          Codes kCodes_ = kAnyInt8>
+struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_> {
+  static constexpr int64_t kBytes = kQuantBytes_ + kSplits_ * (kMin_ ? 2 : 1) * 16 * sizeof(S);
 
   static const S* scales(const uint8_t* tile, int array) {
-    return reinterpret_cast<const S*>(tile + kQuantBytes) + 16 * array;
+    return reinterpret_cast<const S*>(tile + kQuantBytes_) + 16 * array;
   }
   // Block b of a group's tiles (a group: K / 32 tiles, K / 32 * kBytes bytes).
   static const uint8_t* at(const uint8_t* group, int64_t b) { return group + b * kBytes; }
@@ -82,18 +87,13 @@ struct Tile {
 // integer of at most 7 bits, exact in float32, the very float32 the classic tile holds, so
 // both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8>
-struct SuperTile {
+struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_> {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
-  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = false;
-  static constexpr Codes kCodes = kCodes_;
-  static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
-  static constexpr int kSumGroups = kMin ? kSplits : 0;
-  static constexpr int kHeads = kMin ? 2 : 1;
+  static constexpr int kArrays = kSplits * (kMin_ ? 2 : 1), kHeads = kMin_ ? 2 : 1;
   static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
   static constexpr int64_t kBytes = kSuperBytes / 8;   // a block's share: a group is nb of it
   static_assert(kSuperBytes % 8 == 0, "whole bytes a block");
-  static constexpr int minimum(int split) { return kSplits + split; }
 
   static const uint8_t* at(const uint8_t* group, int64_t b) {
     return group + (b >> 3) * kSuperBytes + (b & 7) * kQuantBytes;
