@@ -154,3 +154,11 @@ def test_every_source_with_entry_points_includes_the_header_and_redeclares_none(
         # an extern "C" line ending its parameters with ");" declares rather than defines
         assert not re.search(r'extern "C"[^{;]*\)\s*;', text), name
         assert not re.search(r"^\s*(void|int64_t|double)\s+pw_\w+\([^{]*\);", text, re.M), name
+
+
+def test_every_header_versions_the_library():
+    """A header the build reads but the library's hash leaves out would keep a stale build."""
+    import os
+    csrc = os.path.join(os.path.dirname(native.__file__), "csrc")
+    assert {os.path.basename(h) for h in native._HEADERS} == \
+        {f for f in os.listdir(csrc) if f.endswith(".h")}
