@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagewire.kernels import gguf_blocks, native, quant  # noqa: E402
-from tests.kernels.test_gguf_blocks import random_blocks  # noqa: E402
+from pagewire.testing.gguf_writer import random_blocks  # noqa: E402
 
 ROWS, COLS = 14336, 4096
 

@@ -13,7 +13,8 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_rows_are_the_dequantized_blocks(qtype):
-    from tests.kernels.test_gguf_blocks import dequantized, random_blocks
+    from pagewire.testing.gguf_writer import random_blocks
+    from tests.kernels.test_gguf_blocks import dequantized
     rows = random_blocks(qtype, 40, 512, np.random.default_rng(3))
     table = torch.from_numpy(dequantized(rows, qtype))
     embedding = BlockEmbedding(int(gguf.GGMLQuantizationType[qtype]), rows, 512, torch.bfloat16)

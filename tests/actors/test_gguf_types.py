@@ -80,7 +80,7 @@ def test_k_quants_match_gguf_py_and_the_weights(tmp_path, qtype):
 def test_other_types_read_as_gguf_py_reads_them(tmp_path, qtype):
     """Blocks of random bytes (tests/kernels/test_gguf_blocks.py): every bit pattern."""
     import gguf
-    from tests.kernels.test_gguf_blocks import random_blocks
+    from pagewire.testing.gguf_writer import random_blocks
     rows, cols = SHAPE
     blocks = random_blocks(qtype, rows, cols, np.random.default_rng(4)).numpy()
     kind = gguf.GGMLQuantizationType[qtype]

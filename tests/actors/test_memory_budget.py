@@ -104,7 +104,7 @@ def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
     import numpy as np
 
     from pagewire.kernels import gguf_blocks
-    from tests.kernels.test_gguf_blocks import random_blocks
+    from pagewire.testing.gguf_writer import random_blocks
     kind = int(gguf.GGMLQuantizationType[qtype])
     raw = random_blocks(qtype, 16, 512, np.random.default_rng(0))
     if kind in gguf_blocks.SUPERBLOCKS:

@@ -8,27 +8,10 @@ import pytest
 import torch
 
 from pagewire.kernels import gguf_blocks as gb
+from pagewire.testing.gguf_writer import random_blocks
 
 gguf = pytest.importorskip("gguf")
-# byte offsets of each type's fp16 scales and minimums, which random bytes must not make
-# infinite or NaN
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-               "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,), "IQ4_XS": (0,)}
 CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
-
-
-def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
-    """uint8 [rows, the bytes of `cols` weights]: random quants and sub-block scales, fp16
-    fields of magnitude 0.001-0.01 (either sign)."""
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    for at in FP16_FIELDS[qtype]:
-        value = rng.uniform(0.001, 0.01, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])
-        raw[:, at:at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw.reshape(rows, -1))
-
-
 def dequantized(raw: torch.Tensor, qtype: str) -> np.ndarray:
     """gguf-py's values of the file's blocks, float32 [rows, cols]."""
     kind = gguf.GGMLQuantizationType[qtype]

@@ -10,7 +10,8 @@ import torch
 from pagewire.kernels import gguf_blocks, quant
 from pagewire.kernels.linear import Linear
 from pagewire.kernels.ops import CpuOps
-from tests.kernels.test_gguf_blocks import dequantized, random_blocks
+from pagewire.testing.gguf_writer import random_blocks
+from tests.kernels.test_gguf_blocks import dequantized
 
 gguf = pytest.importorskip("gguf")
 # every type pack() takes, by the tile type it multiplies as (the K-quants: superblock tiles)
