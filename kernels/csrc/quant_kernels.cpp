@@ -81,47 +81,14 @@ inline void add_q8_block(__m512 (&acc)[M], const __m512 (&first)[M], const __m51
   }
 }
 
-// Output groups [g0, g1) of Q4, FP8 or six-bit Q8 tiles for M tokens (rows x_stride apart in
-// each of P parts): two chains a token (the two vectors of a step), then each block's scale
-// (or the two halves' own: add_q8_block) and, for tiles with minimums, m * sum(x) (sum of
-// x * (d q + m) = d * sum(x q) + m * sum(x)).
-template <int M, int P, typename Tile, typename Decode, typename Out>
-void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
-                 int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
-                 int64_t g0, int64_t g1) {
-  const Decode decode;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = packed + g * nb * Tile::kBytes;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = Tile::at(group, b);
-      __m512 sum0[M], sum1[M];
-      for (int m = 0; m < M; ++m) sum0[m] = sum1[m] = _mm512_setzero_ps();
-      for (int s = 0; s < 8; ++s) {
-        __m512bh w0, w1;
-        decode(tile, s, w0, w1);
-        for (int p = 0; p < P; ++p)
-          for (int m = 0; m < M; ++m) {
-            const bf16* xb = parts + p * part_stride + m * x_stride + b * 32;
-            sum0[m] = _mm512_dpbf16_ps(sum0[m], w0, (__m512bh)bcast_pair(xb + Decode::x0(s)));
-            sum1[m] = _mm512_dpbf16_ps(sum1[m], w1, (__m512bh)bcast_pair(xb + Decode::x1(s)));
-          }
-      }
-      add_q8_block<Tile>(acc, sum0, sum1, tile, b);
-      add_minimums<Tile>(acc, tile, sums, nb, b);
-    }
-    for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
-  }
-}
-
-// Q8 tiles: two chains a token (FMA latency, not throughput, would bound one): even and odd
-// columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16 and >= 16 under
-// their own (Q6_K).
-template <int M, typename Tile, typename Out>
-void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums, int64_t K,
-               const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
-  constexpr bool kSplit = Tile::kSplits == 2;
+// The walk every exact kernel here shares: output groups [g0, g1) of 16 rows for M tokens;
+// per 32-column block, `chains(tile, b, first, second)` sums the block's products into two
+// chains a token (FMA and dot-product latency, not throughput, would bound one chain), which
+// then take the block's scale (or each half its own: add_q8_block) and, for tiles with
+// minimums, m * sum(x) (sum of x * (d q + m) = d * sum(x q) + m * sum(x)).
+template <int M, typename Tile, typename Out, typename Chains>
+inline void walk_groups(Out* out, int64_t out_stride, const float* sums, const uint8_t* packed,
+                        int64_t nb, int64_t g0, int64_t g1, const Chains& chains) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = packed + g * nb * Tile::kBytes;
     __m512 acc[M];
@@ -130,15 +97,7 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
       const uint8_t* tile = Tile::at(group, b);
       __m512 first[M], second[M];
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
-      for (int i = 0; i < 16; ++i) {
-        const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
-        const __m512 w0 = q8_lanes(tile + 16 * k0), w1 = q8_lanes(tile + 16 * k1);
-        for (int m = 0; m < M; ++m) {
-          const float* xb = xf + m * K + b * 32;
-          first[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[k0]), first[m]);
-          second[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[k1]), second[m]);
-        }
-      }
+      chains(tile, b, first, second);
       add_q8_block<Tile>(acc, first, second, tile, b);
       add_minimums<Tile>(acc, tile, sums, nb, b);
     }
@@ -146,43 +105,80 @@ void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums,
   }
 }
 
-// Q8 tiles without minimums (Q8_0, Q6_K) for several tokens of bfloat16 activations: a
-// column pair's codes, exact in bfloat16, laid out once as vdpbf16ps pairs (lane l: columns
-// 2j, 2j + 1 of row l) and multiplied by every token's x pair, half the multiply instructions
-// of q8_groups' float32 FMAs; a single token keeps q8_groups, whose decode is cheaper. The
-// same two chains a token: even and odd pairs under one scale (Q8_0), or columns < 16 and
-// >= 16 under their own (Q6_K).
+// Q4, FP8 or six-bit Q8 tiles (rows x_stride apart in each of P parts of the activations):
+// the two vectors of each of a block's 8 steps, through the decoder, one chain each.
+template <int M, int P, typename Tile, typename Decode, typename Out>
+void pair_groups(Out* out, int64_t out_stride, const bf16* parts, int64_t part_stride,
+                 int64_t x_stride, const float* sums, const uint8_t* packed, int64_t nb,
+                 int64_t g0, int64_t g1) {
+  const Decode decode;
+  walk_groups<M, Tile>(out, out_stride, sums, packed, nb, g0, g1,
+                       [&](const uint8_t* tile, int64_t b, __m512 (&sum0)[M],
+                           __m512 (&sum1)[M]) {
+    for (int s = 0; s < 8; ++s) {
+      __m512bh w0, w1;
+      decode(tile, s, w0, w1);
+      for (int p = 0; p < P; ++p)
+        for (int m = 0; m < M; ++m) {
+          const bf16* xb = parts + p * part_stride + m * x_stride + b * 32;
+          sum0[m] = _mm512_dpbf16_ps(sum0[m], w0, (__m512bh)bcast_pair(xb + Decode::x0(s)));
+          sum1[m] = _mm512_dpbf16_ps(sum1[m], w1, (__m512bh)bcast_pair(xb + Decode::x1(s)));
+        }
+    }
+  });
+}
+
+// Q8 tiles of any int8, float32 activations: each column widened to float32 lanes; the
+// chains even and odd columns under one scale (Q8_0, Q5_K: plus m * sum(x)), or columns < 16
+// and >= 16 under their own (Q6_K).
+template <int M, typename Tile, typename Out>
+void q8_groups(Out* out, int64_t out_stride, const float* xf, const float* sums, int64_t K,
+               const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
+  constexpr bool kSplit = Tile::kSplits == 2;
+  walk_groups<M, Tile>(out, out_stride, sums, packed, nb, g0, g1,
+                       [&](const uint8_t* tile, int64_t b, __m512 (&first)[M],
+                           __m512 (&second)[M]) {
+    for (int i = 0; i < 16; ++i) {
+      const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
+      const __m512 w0 = q8_lanes(tile + 16 * k0), w1 = q8_lanes(tile + 16 * k1);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = xf + m * K + b * 32;
+        first[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[k0]), first[m]);
+        second[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[k1]), second[m]);
+      }
+    }
+  });
+}
+
+// Q8 tiles of any int8 without minimums (Q8_0, IQ4_XS's levels) for several tokens of
+// bfloat16 activations: a column pair's codes, exact in bfloat16, laid out once as vdpbf16ps
+// pairs (lane l: columns 2j, 2j + 1 of row l) and multiplied by every token's x pair, half
+// the multiply instructions of q8_groups' float32 FMAs; a single token keeps q8_groups, whose
+// decode is cheaper. The chains: even and odd pairs under one scale (Q8_0), or columns < 16
+// and >= 16 under their own.
 template <int M, typename Tile, typename Out>
 void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
                     const uint8_t* packed, int64_t nb, int64_t g0, int64_t g1) {
   static_assert(!Tile::kMin && !Tile::kQ4 && !Tile::kFp8, "Q8 tiles without minimums");
   constexpr bool kSplit = Tile::kSplits == 2;
   const __m512i order = pair_order();
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = packed + g * nb * Tile::kBytes;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = Tile::at(group, b);
-      __m512 first[M], second[M];
-      for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
-      for (int j = 0; j < 16; ++j) {
-        const __m512 lo = q8_lanes(tile + 32 * j), hi = q8_lanes(tile + 32 * j + 16);
-        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
-            order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));      // exact: |code| <= 128
-        const bool to_first = kSplit ? j < 8 : j % 2 == 0;
-        for (int m = 0; m < M; ++m) {
-          const __m512bh xp = (__m512bh)bcast_pair(x + m * K + b * 32 + 2 * j);
-          if (to_first)
-            first[m] = _mm512_dpbf16_ps(first[m], w, xp);
-          else
-            second[m] = _mm512_dpbf16_ps(second[m], w, xp);
-        }
+  walk_groups<M, Tile>(out, out_stride, nullptr, packed, nb, g0, g1,
+                       [&](const uint8_t* tile, int64_t b, __m512 (&first)[M],
+                           __m512 (&second)[M]) {
+    for (int j = 0; j < 16; ++j) {
+      const __m512 lo = q8_lanes(tile + 32 * j), hi = q8_lanes(tile + 32 * j + 16);
+      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
+          order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));      // exact: |code| <= 128
+      const bool to_first = kSplit ? j < 8 : j % 2 == 0;
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xp = (__m512bh)bcast_pair(x + m * K + b * 32 + 2 * j);
+        if (to_first)
+          first[m] = _mm512_dpbf16_ps(first[m], w, xp);
+        else
+          second[m] = _mm512_dpbf16_ps(second[m], w, xp);
       }
-      add_q8_block<Tile>(acc, first, second, tile, b);
     }
-    for (int m = 0; m < M; ++m) store_rows(out + m * out_stride + g * kRows, acc[m]);
-  }
+  });
 }
 
 // Whether a Q8 tile format's steps of `tokens` bfloat16 tokens take q8_pair_groups: from 4

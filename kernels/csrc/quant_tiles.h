@@ -88,9 +88,9 @@ struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_> {
 // both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8>
 struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_> {
-  static constexpr int64_t kQuantBytes = kQuantBytes_;
-  static constexpr int kSplits = kSplits_;
-  static constexpr int kArrays = kSplits * (kMin_ ? 2 : 1), kHeads = kMin_ ? 2 : 1;
+  using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_>;
+  using Shape::kArrays, Shape::kQuantBytes, Shape::kSplits;
+  static constexpr int kHeads = kMin_ ? 2 : 1;
   static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
   static constexpr int64_t kBytes = kSuperBytes / 8;   // a block's share: a group is nb of it
   static_assert(kSuperBytes % 8 == 0, "whole bytes a block");
