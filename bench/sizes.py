@@ -125,48 +125,59 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
     path = model_path(shape, fmt)
     gguf = fmt != "bf16"
     weights = weight_count(shape)
-    size = os.path.getsize(path) if gguf else sum(
-        os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    size = os.path.getsize(path) if gguf else sum(os.path.getsize(os.path.join(path, f))
+                                                  for f in os.listdir(path)
+                                                  if f.endswith(".safetensors"))
     print(f"\n{shape} {fmt}: {size / 1e9:.2f} GB, {weights / 1e9:.2f} G weights; "
           f"single stream ceiling {ceilings['bandwidth'] / size:.1f} tok/s "
           f"(file bytes over {ceilings['bandwidth'] / 1e9:.0f} GB/s)", flush=True)
-    flops = 2 * weights
-    if "single" in only:
-        ours = 128 / pagewire_latency(path, 128, 128)
-        line = f"  single 128/128: pagewire {ours:.1f} tok/s ({ours * size / ceilings['bandwidth']:.0%} of the bandwidth ceiling)"
-        if gguf and "llamacpp" in peers:
-            theirs = 128 / (256 / llamacpp(path, ["-p", "0", "-n", "0", "-pg", "128,128"]))
-            line += f", llama.cpp {theirs:.1f} ({ours / theirs:.2f}x)"
-        if not gguf and "vllm" in peers:
-            theirs = 128 / vllm_latency(path, 128, 128)
-            line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
+    for name, (label, ours_fn, peer_fns, digits, bound) in _workloads(path).items():
+        if name not in only:
+            continue
+        ours = ours_fn()
+        share = bound(ours, size, 2 * weights, ceilings)
+        line = f"  {label}: pagewire {ours:.{digits}f} tok/s ({share})"
+        for peer, theirs_fn in peer_fns.items():
+            if peer in peers and (peer == "llamacpp") == gguf:      # llama.cpp: GGUF; vLLM: bf16
+                theirs = theirs_fn()
+                line += f", {PEER_NAMES[peer]} {theirs:.{digits}f} ({ours / theirs:.2f}x)"
         print(line, flush=True)
-    if "decode" in only:
-        ours = 127 / (pagewire_latency(path, 1, 128) - pagewire_latency(path, 1, 1))
-        line = f"  decode: pagewire {ours:.1f} tok/s ({ours * size / ceilings['bandwidth']:.0%} of the bandwidth ceiling)"
-        if gguf and "llamacpp" in peers:
-            theirs = llamacpp(path, ["-p", "0", "-n", "128"])
-            line += f", llama.cpp {theirs:.1f} ({ours / theirs:.2f}x)"
-        print(line, flush=True)
-    if "prefill" in only:
-        ours = 1024 / pagewire_latency(path, 1024, 1)
-        line = f"  prefill 1024: pagewire {ours:.0f} tok/s ({ours * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak)"
-        if gguf and "llamacpp" in peers:
-            theirs = llamacpp(path, ["-p", "1024", "-n", "0"])
-            line += f", llama.cpp {theirs:.0f} ({ours / theirs:.2f}x)"
-        if not gguf and "vllm" in peers:
-            theirs = 1024 / vllm_latency(path, 1024, 1)
-            line += f", vLLM {theirs:.0f} ({ours / theirs:.2f}x)"
-        print(line, flush=True)
-    if "batch" in only:
-        ours = pagewire_batch(path)
-        line = f"  32 x 128/128: pagewire {ours:.1f} output tok/s ({2 * ours * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak, prompt tokens counted)"
-        if not gguf and "vllm" in peers:
-            theirs = vllm("throughput", path, ["--dataset-name", "random", "--random-input-len",
-                                               "128", "--random-output-len", "128",
-                                               "--num-prompts", "32"])
-            line += f", vLLM {theirs:.1f} ({ours / theirs:.2f}x)"
-        print(line, flush=True)
+
+
+PEER_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
+
+
+def _bandwidth(rate: float, size: int, flops: int, ceilings: dict) -> str:
+    return f"{rate * size / ceilings['bandwidth']:.0%} of the bandwidth ceiling"
+
+
+def _gemm(rate: float, size: int, flops: int, ceilings: dict) -> str:
+    return f"{rate * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak"
+
+
+def _gemm_both(rate: float, size: int, flops: int, ceilings: dict) -> str:
+    return f"{2 * rate * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak, prompt tokens counted"
+
+
+def _workloads(path: str) -> dict:
+    """name -> (label, pagewire's tok/s, {peer: its tok/s}, digits, what bounds it): rates
+    are functions, run only for the workloads and peers asked."""
+    return {
+        "single": ("single 128/128", lambda: 128 / pagewire_latency(path, 128, 128),
+                   {"llamacpp": lambda: 128 / (256 / llamacpp(path, ["-p", "0", "-n", "0",
+                                                                      "-pg", "128,128"])),
+                    "vllm": lambda: 128 / vllm_latency(path, 128, 128)}, 1, _bandwidth),
+        "decode": ("decode", lambda: 127 / (pagewire_latency(path, 1, 128)
+                                            - pagewire_latency(path, 1, 1)),
+                   {"llamacpp": lambda: llamacpp(path, ["-p", "0", "-n", "128"])}, 1, _bandwidth),
+        "prefill": ("prefill 1024", lambda: 1024 / pagewire_latency(path, 1024, 1),
+                    {"llamacpp": lambda: llamacpp(path, ["-p", "1024", "-n", "0"]),
+                     "vllm": lambda: 1024 / vllm_latency(path, 1024, 1)}, 0, _gemm),
+        "batch": ("32 x 128/128 output", lambda: pagewire_batch(path),
+                  {"vllm": lambda: vllm("throughput", path, [
+                      "--dataset-name", "random", "--random-input-len", "128",
+                      "--random-output-len", "128", "--num-prompts", "32"])}, 1, _gemm_both),
+    }
 
 
 def main() -> None:
