@@ -188,10 +188,11 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         raise ValueError(f"int8-large takes Q4 tiles (Q4_0, Q4_1, Q4_K), not type {ggml_type}")
     if ggml_type in AS_TILE_BLOCKS:
         ggml_type, raw = AS_TILE_BLOCKS[ggml_type](raw)
-    if ggml_type in _SUPER and not _whole_superblocks(ggml_type, raw, cols):
-        ggml_type, raw = super_as_classic(ggml_type, raw)
-    if ggml_type in _SUPER:
-        tiles = _super_tiles(ggml_type, raw, cols, rounding)
+    parts = super_parts(ggml_type, raw) if ggml_type in _SUPER else None
+    if parts is not None and not _whole_superblocks(parts[0], cols):
+        ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
+    if parts is not None:
+        tiles = _super_tiles(ggml_type, parts, cols, rounding)
     else:
         arrays, width = _SCALES[ggml_type]
         blocks = raw.reshape(rows // _ROWS, _ROWS, cols // 32, _BLOCK_BYTES[ggml_type])
@@ -217,21 +218,23 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     return qs.reshape(groups, nb, -1)
 
 
-def _whole_superblocks(super_type: int, raw: torch.Tensor, cols: int) -> bool:
-    """Whether a weight's superblock tile blocks hold whole superblocks, 8 blocks of one
-    head each: not where a rank's share of the columns starts inside one."""
+def _whole_superblocks(heads: torch.Tensor, cols: int) -> bool:
+    """Whether superblock tile blocks (their heads [rows, nb, H]) hold whole superblocks, 8
+    blocks of one head each: not where a rank's share of the columns starts inside one."""
     if cols % 256:
         return False
-    heads = super_parts(super_type, raw)[0].reshape(raw.shape[0], cols // 256, 8, -1)
+    heads = heads.reshape(heads.shape[0], cols // 256, 8, -1)
     return bool((heads == heads[:, :, :1]).all())
 
 
-def _super_tiles(super_type: int, raw: torch.Tensor, cols: int, rounding: str) -> torch.Tensor:
-    """Superblock tiles uint8 [G, cols / 256, bytes] (csrc/quant_tiles.h SuperTile): per 16
-    rows and 256 columns, the 8 blocks' quants as the classic tiles hold them, their int8
-    scale bytes [8][arrays][16 rows], then the fp16 heads [H][16 rows]."""
-    rows, nsb = raw.shape[0], cols // 256
-    heads, scales, quants = super_parts(super_type, raw)
+def _super_tiles(super_type: int, parts: tuple[torch.Tensor, ...], cols: int,
+                 rounding: str) -> torch.Tensor:
+    """Superblock tiles uint8 [G, cols / 256, bytes] (csrc/quant_tiles.h SuperTile) of the
+    blocks' parts (gguf_blocks.super_parts): per 16 rows and 256 columns, the 8 blocks'
+    quants as the classic tiles hold them, their int8 scale bytes [8][arrays][16 rows], then
+    the fp16 heads [H][16 rows]."""
+    heads, scales, quants = parts
+    rows, nsb = heads.shape[0], cols // 256
     groups = rows // _ROWS
     q = _quant_bytes(super_type, quants.reshape(groups, _ROWS, nsb * 8, -1), rounding)
     scales = scales.reshape(groups, _ROWS, nsb, 8, -1).permute(0, 2, 3, 4, 1)   # [G,S,8,A,16]
