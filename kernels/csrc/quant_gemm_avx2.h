@@ -42,6 +42,17 @@ constexpr float kInt16Top = 127.f * 128.f;   // 16256: two int8 planes, 128 hi +
 // max|x|): 16256 for int16 activations, 127 for int8; quant_int_avx2.h's IntActivations
 // split them into planes), split over the threads: the values, each block's unit and the
 // sums of the unrounded x over each of a block's `groups` column groups (0: none).
+// The float sum of n (a multiple of 8) values in one fixed order, 8 lanes then halves, so
+// that every tier's build (whose compiler would vectorize a loop its own way under
+// -ffast-math) adds them alike: the int8 kernels' outputs then agree across tiers.
+inline float column_sum(const float* v, int n) {
+  __m256 lanes = _mm256_loadu_ps(v);
+  for (int k = 8; k < n; k += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(v + k));
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+}
+
 struct RoundedRows {
   int64_t T, K, nb, groups;
   std::vector<int16_t> value;      // [T][K]
@@ -79,11 +90,7 @@ struct RoundedRows {
           }
           scale[t * nb + b] = peak / top;
           float* s = sum.data() + (t * nb + b) * groups;
-          for (int g = 0; g < groups; ++g) {
-            float total = 0.f;
-            for (int k = g * (32 / groups); k < (g + 1) * (32 / groups); ++k) total += v[k];
-            s[g] = total;
-          }
+          for (int g = 0; g < groups; ++g) s[g] = column_sum(v + g * (32 / groups), 32 / groups);
         }
     });
   }

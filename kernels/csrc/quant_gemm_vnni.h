@@ -27,7 +27,7 @@
 
 #include "quant_avx512.h"       // store_rows
 #include "quant_gemm_avx2.h"    // RoundedRows
-#include "quant_int_avx2.h"     // matmul_int: the small steps' kernels
+#include "quant_step_vnni.h"    // the small steps' kernels
 #include "quant_tiles.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -235,12 +235,12 @@ void gemm_group(Out* o, int64_t os, const Int8Rows& a, int64_t t0, int64_t t1,
 }
 
 // out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (N a multiple of 16, K of 32):
-// steps of kGemmFrom tokens and more take the GEMM, smaller ones quant_int_avx2.h's kernels.
+// steps of kGemmFrom tokens and more take the GEMM, smaller ones quant_step_vnni.h's.
 template <typename Tile, typename T>
 void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                  const uint8_t* packed, int64_t N, int64_t K) {
   if (tokens < kGemmFrom)
-    return avx2::matmul_int<1, Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
+    return matmul_int8_step<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   constexpr bool kMayFold = Tile::kQ4 && Tile::kMin;
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits,
                    kMayFold);

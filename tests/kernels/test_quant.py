@@ -206,60 +206,7 @@ def test_blocks_serve_large_steps_where_int16_products_outrun_fmas(native_lib, m
             (gemm and fast), ratio
 
 
-@pytest.mark.parametrize("rounding", ["exact", "int16", "int8", "int8-large"])
-def test_int8_blocks_serve_large_steps_on_the_vnni_tier(native_lib, rounding):
-    """int8 (and int8-large) blocks take the VNNI GEMM for large steps on avx512_bf16
-    (whatever the int16 rate), other roundings there a dense copy; a weight of int8 and exact
-    segments too."""
-    rng = np.random.default_rng(0)
-    raw, _ = blocks_of(rng.standard_normal((48, 64)) * 0.1, "Q4_1")
-    weight = quant.pack(TYPES["Q4_1"], raw, 64, native_lib, rounding)
-    int8_gemm = CpuOps(native_lib).capabilities.int8_large_steps
-    assert int8_gemm == (native_lib.tier == "avx512_bf16")
-    assert quant.blocks_serve_large_steps(weight, native_lib, False, int8_gemm) == \
-        (int8_gemm and rounding.startswith("int8"))
-    mixed = quant.QuantWeight.joined(
-        [weight, quant.pack(TYPES["Q4_1"], raw, 64, native_lib, "exact")], native_lib)
-    assert not quant.blocks_serve_large_steps(mixed, native_lib, False, int8_gemm)
 
-
-@pytest.mark.parametrize("qtype", ALL)
-@pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtype):
-    """From 8 tokens the avx512_bf16 tier multiplies int8 activations with vpdpbusd
-    (csrc/quant_gemm_vnni.h; other tiers keep the small kernels): the same integer sums and
-    the same float steps in the same order, so its outputs equal, bit for bit, those of the
-    small kernels (quant_int_avx2.h), which serve calls of up to 7 tokens (here 4 at a time),
-    and stay within the rounding of the torch reference. Q4_0 (minimums -8 d) folds its
-    minimum into the scale's FMA: equal to float32 rounding (a few units of 2^-24 of the
-    sum of |x w|), bfloat16 outputs then to one unit of their last place. 17, 100 and 257
-    tokens end in sets of 1 and 4 tokens after the GEMM's 8-token calls, 257 past its
-    128-token chunk."""
-    _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols_of(qtype, 320))
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K"])
-def test_int8_gemm_on_long_rows(native_lib, qtype):
-    """Rows of 40 blocks (a 1B model's down projection has 256), with and without minimums
-    and with two scales a block (Q6_K, Q2_K)."""
-    _assert_int8_gemm_equals_small(native_lib, qtype, 20, torch.float32, 1280)
-
-
-def _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols):
-    rng = np.random.default_rng(tokens)
-    raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
-    weight = quant.pack(TYPES[qtype], raw, cols, native_lib, "int8")
-    x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
-    out = quant.matmul(x, weight)
-    small = torch.cat([quant.matmul(x[t:t + 4], weight) for t in range(0, tokens, 4)])
-    if qtype == "Q4_0":                  # its folded minimum: equal to float32 rounding
-        tol = (x.double().abs() @ w.abs().T) * 1e-6 + \
-            (small.double().abs() * 2.0 ** -8 if dtype == torch.bfloat16 else 0)
-        assert ((out.double() - small.double()).abs() <= tol).all()
-    else:
-        assert torch.equal(out, small)
-    _check_within_rounding(out, x, w, 127, dtype)
 
 
 def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols):
@@ -384,26 +331,6 @@ def test_superblock_tile_layout(native_lib):
             assert tile[block * 256 + (i // 2) * 32 + 2 * lane + i % 2] == quants[row, block, i]
     d = torch.from_numpy(raw.numpy()[:, 0:2].copy()).view(torch.float16)
     assert torch.equal(heads[:, 0, 0:1], d)                 # the file's d, as stored
-
-
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_for_large_steps_only(native_lib, qtype, dtype):
-    """int8-large (--quantized-activations int8-prefill): a step of fewer than 8 tokens
-    multiplies as the exact tiles do, one of 8 or more as the int8 ones (the VNNI GEMM on
-    avx512_bf16), bit for bit, on the same tiles; Q8 tiles are refused."""
-    rng = np.random.default_rng(6)
-    raw, _ = blocks_of(rng.standard_normal((32, 512)) * 0.1, qtype)
-    packed = {r: quant.pack(TYPES[qtype], raw, 512, native_lib, r)
-              for r in ("exact", "int8", "int8-large")}
-    assert torch.equal(packed["int8-large"].tiles, packed["exact"].tiles)
-    for tokens, same in ((1, "exact"), (7, "exact"), (8, "int8"), (40, "int8")):
-        x = torch.from_numpy(rng.standard_normal((tokens, 512)).astype(np.float32)).to(dtype)
-        assert torch.equal(quant.matmul(x, packed["int8-large"]),
-                           quant.matmul(x, packed[same])), tokens
-    raw, _ = blocks_of(rng.standard_normal((16, 256)) * 0.1, "Q6_K")
-    with pytest.raises(ValueError, match="int8-large takes Q4 tiles"):
-        quant.pack(TYPES["Q6_K"], raw, 256, native_lib, "int8-large")
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -1,0 +1,178 @@
+// Small steps (1-7 tokens: decode) of the quantized matmuls with int8 activations on the
+// avx512_bf16 tier, whose CPUs all have AVX512-VNNI: the tiles as stored, 16 rows a zmm,
+// vpdpbusd's 64 byte products an instruction. A decode step is bound by instructions a weight
+// on a core, not by bytes (bench/tile_rate.py): the exact kernels spend three decode
+// shuffles and two vdpbf16ps on 64 weights, this one a vpermw, two ANDs and two vpdpbusd on
+// 128 (Q4), or an XOR and one vpdpbusd on 64 (Q8 tiles).
+//
+// The arithmetic is quant_int_avx2.h's small kernels' exactly (the integer sums of a block
+// are exact in int32; the float steps follow in the same order, lane by lane), so the
+// outputs equal theirs bit for bit, and the GEMM's (quant_gemm_vnni.h) from 8 tokens.
+//
+// Q4 tiles: 64 bytes (steps 2i, 2i + 1: row l's bytes qs[4i], qs[4i + 1] | qs[4i + 2],
+// qs[4i + 3], 16-bit words l and 16 + l) go through one vpermw into a 32-bit lane a row:
+// low nibbles columns 4i .. 4i + 3, high ones 16 + 4i .. 16 + 4i + 3. The high nibbles are
+// multiplied in place (v & 0xF0 = 16 q), their chain shifted right by 4 at the block's end
+// (exact: a multiple of 16), which saves a shift a step.
+// Q8 tiles (integer layout: byte [j][l][c] is row l's column 4j + c): code ^ 0x80 is the
+// code + 128 as vpdpbusd's unsigned operand; a split's chain starts at -128 sum(x) over it.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_avx512.h"       // store_rows
+#include "quant_int_avx2.h"     // IntActivations
+#include "quant_tiles.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+namespace pw::vnni {
+
+inline __m512i x_quad(const int8_t* x) {    // (x[0] .. x[3]) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 64 bytes as two 32-byte loads: a Q8 tile (544 bytes; a Q6_K superblock's 4,384) starts
+// every other one 32 bytes into a cache line, where one 64-byte load would span two lines
+// (from memory such split loads streamed at 0.75x the exact kernels' bytes a second).
+inline __m512i load_halves(const uint8_t* p) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
+}
+
+// A Q4 tile's integer sums (16 rows) for M tokens, each token's block at x[m].
+template <int M>
+inline void q4_sums(__m512i (&sum)[M], const uint8_t* tile, const int8_t* const (&x)[M]) {
+  // word i <- word (i % 2) * 16 + i / 2: row l's words of two steps side by side
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i hi[M];
+  for (int m = 0; m < M; ++m) sum[m] = hi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(tile + 64 * i));
+    const __m512i v_lo = _mm512_and_si512(v, low), v_hi = _mm512_and_si512(v, high);
+    for (int m = 0; m < M; ++m) {
+      sum[m] = _mm512_dpbusd_epi32(sum[m], v_lo, x_quad(x[m] + 4 * i));
+      hi[m] = _mm512_dpbusd_epi32(hi[m], v_hi, x_quad(x[m] + 16 + 4 * i));
+    }
+  }
+  for (int m = 0; m < M; ++m) sum[m] = _mm512_add_epi32(sum[m], _mm512_srai_epi32(hi[m], 4));
+}
+
+// Steps [j0, j1) of a Q8 tile (one split's) for M tokens, each chain starting at start[m]:
+// two chains a token (vpdpbusd's latency, not its throughput, would bound one).
+template <int M>
+inline void q8_sums(__m512i (&sum)[M], const uint8_t* tile, int j0, int j1,
+                    const int8_t* const (&x)[M], const int32_t* start) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i odd[M];
+  for (int m = 0; m < M; ++m) {
+    sum[m] = _mm512_set1_epi32(start[m]);
+    odd[m] = _mm512_setzero_si512();
+  }
+#pragma GCC unroll 8
+  for (int j = j0; j < j1; ++j) {
+    const __m512i w = _mm512_xor_si512(load_halves(tile + 64 * j), bias);
+    for (int m = 0; m < M; ++m) {
+      __m512i& chain = (j - j0) % 2 ? odd[m] : sum[m];
+      chain = _mm512_dpbusd_epi32(chain, w, x_quad(x[m] + 4 * j));
+    }
+  }
+  for (int m = 0; m < M; ++m) sum[m] = _mm512_add_epi32(sum[m], odd[m]);
+}
+
+// acc[m] += each split's minimums times token m's sum of the unrounded x over it, the
+// sums at token 0's block b (sums[(m * nb + b) * kSplits + s]).
+template <typename Tile, int M>
+inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, int64_t b, const float* sums,
+                         int64_t nb) {
+  if constexpr (Tile::kMin)
+    for (int s = 0; s < Tile::kSplits; ++s) {
+      const __m512 mn = Tile::scales16(tile, b, Tile::minimum(s));
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[(m * nb + b) * Tile::kSplits + s]),
+                                 acc[m]);
+    }
+}
+
+// Output groups [g0, g1) of 16 rows for M tokens from token t. starts: [t][nb][kSplits],
+// -128 times the sum of the int8 x over each split's columns (Q8 tiles). The float steps in
+// quant_int_avx2.h's order: Q4 tiles scale then add minimums, Q8 tiles the reverse.
+template <int M, typename Tile, typename Out>
+void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const int32_t* starts,
+                 int64_t t, const uint8_t* packed, int64_t g0, int64_t g1) {
+  const int64_t nb = a.K / 32;
+  const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = packed + g * nb * Tile::kBytes;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
+      const int8_t* x[M];
+      __m512 dx[M];
+      for (int m = 0; m < M; ++m) {
+        x[m] = a.plane(t + m, 0) + b * 32;
+        dx[m] = _mm512_set1_ps(a.scale[(t + m) * nb + b]);
+      }
+      if constexpr (!Tile::kQ4) add_minimums<Tile>(acc, tile, b, sums, nb);
+      for (int s = 0; s < Tile::kSplits; ++s) {
+        __m512i sum[M];
+        if constexpr (Tile::kQ4) {
+          q4_sums<M>(sum, tile, x);
+        } else {
+          int32_t start[M];
+          for (int m = 0; m < M; ++m) start[m] = starts[((t + m) * nb + b) * Tile::kSplits + s];
+          constexpr int kSteps = 8 / Tile::kSplits;
+          q8_sums<M>(sum, tile, s * kSteps, (s + 1) * kSteps, x, start);
+        }
+        const __m512 d = Tile::scales16(tile, b, s);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[m]), dx[m]), d, acc[m]);
+      }
+      if constexpr (Tile::kQ4) add_minimums<Tile>(acc, tile, b, sums, nb);
+    }
+    for (int m = 0; m < M; ++m) avx512::store_rows(out + m * os + g * avx2::kRows, acc[m]);
+  }
+}
+
+// out [T, N] = x [T, K] @ W^T for T < 8 tokens with x rounded to int8 per block.
+template <typename Tile, typename T>
+void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
+                      const uint8_t* packed, int64_t N, int64_t K) {
+  const avx2::IntActivations<1> a(x, x_stride, tokens, K, Tile::kSumGroups);
+  const int64_t nb = K / 32;
+  std::vector<int32_t> starts;
+  if constexpr (!Tile::kQ4) {
+    constexpr int kWidth = 32 / Tile::kSplits;
+    starts.resize(tokens * nb * Tile::kSplits);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int s = 0; s < Tile::kSplits; ++s) {
+          int32_t total = 0;
+          for (int k = 0; k < kWidth; ++k) total += a.value[t * K + b * 32 + s * kWidth + k];
+          starts[(t * nb + b) * Tile::kSplits + s] = -128 * total;
+        }
+  }
+  at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
+    switch (tokens) {
+#define PW_STEP(M) \
+      case M: return step_groups<M, Tile>(out, out_stride, a, starts.data(), 0, packed, g0, g1);
+      PW_STEP(1) PW_STEP(2) PW_STEP(3) PW_STEP(4) PW_STEP(5) PW_STEP(6) PW_STEP(7)
+#undef PW_STEP
+    }
+  });
+}
+
+}  // namespace pw::vnni
+#endif
