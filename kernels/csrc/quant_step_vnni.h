@@ -10,10 +10,10 @@
 // outputs equal theirs bit for bit, and the GEMM's (quant_gemm_vnni.h) from 8 tokens.
 //
 // Q4 tiles: 64 bytes (steps 2i, 2i + 1: row l's bytes qs[4i], qs[4i + 1] | qs[4i + 2],
-// qs[4i + 3], 16-bit words l and 16 + l) go through one vpermw into a 32-bit lane a row:
-// low nibbles columns 4i .. 4i + 3, high ones 16 + 4i .. 16 + 4i + 3. The high nibbles are
-// multiplied in place (v & 0xF0 = 16 q), their chain shifted right by 4 at the block's end
-// (exact: a multiple of 16), which saves a shift a step.
+// qs[4i + 3], 16-bit words l and 16 + l) go through one vpermw (row_quads) into a 32-bit
+// lane a row: low nibbles columns 4i .. 4i + 3, high ones 16 + 4i .. 16 + 4i + 3. The high
+// nibbles are multiplied in place (v & 0xF0 = 16 q), their chain shifted right by 4 at the
+// block's end (exact: a multiple of 16), which saves a shift a step.
 // Q8 tiles (integer layout: byte [j][l][c] is row l's column 4j + c): code ^ 0x80 is the
 // code + 128 as vpdpbusd's unsigned operand; a split's chain starts at -128 sum(x) over it.
 #pragma once
@@ -47,19 +47,26 @@ inline __m512i load_halves(const uint8_t* p) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
 }
 
-// A Q4 tile's integer sums (16 rows) for M tokens, each token's block at x[m].
-template <int M>
-inline void q4_sums(__m512i (&sum)[M], const uint8_t* tile, const int8_t* const (&x)[M]) {
-  // word i <- word (i % 2) * 16 + i / 2: row l's words of two steps side by side
+// A Q4 tile's 64 bytes at `step_pair` (steps 2i, 2i + 1) with row l's four bytes qs[4i ..
+// 4i + 3] in 32-bit lane l: word w <- word (w % 2) * 16 + w / 2, one vpermw (here 1.3x
+// the rate of widening each step's words as quant_gemm_vnni.h's panels do; there, beside
+// the panel's stores, the reverse).
+inline __m512i row_quads(const uint8_t* step_pair) {
   const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                          16, 0);
+  return _mm512_permutexvar_epi16(order, _mm512_loadu_si512(step_pair));
+}
+
+// A Q4 tile's integer sums (16 rows) for M tokens, each token's block at x[m].
+template <int M>
+inline void q4_sums(__m512i (&sum)[M], const uint8_t* tile, const int8_t* const (&x)[M]) {
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
   __m512i hi[M];
   for (int m = 0; m < M; ++m) sum[m] = hi[m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    const __m512i v = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(tile + 64 * i));
+    const __m512i v = row_quads(tile + 64 * i);
     const __m512i v_lo = _mm512_and_si512(v, low), v_hi = _mm512_and_si512(v, high);
     for (int m = 0; m < M; ++m) {
       sum[m] = _mm512_dpbusd_epi32(sum[m], v_lo, x_quad(x[m] + 4 * i));
