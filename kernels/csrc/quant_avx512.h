@@ -1,6 +1,7 @@
 // What the AVX512-BF16 matmuls share (quant_kernels.cpp's quantized tiles, bf16_matmul.cpp's
-// BF16 tiles): the activations as they read them, an x pair broadcast for vdpbf16ps, and
-// rows stored in the output's type.
+// BF16 tiles; quant_step_vnni.h's small int8 steps): the activations as they read them, an x
+// pair broadcast for vdpbf16ps, a block's minimums times the sums of x, and rows stored in
+// the output's type.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,6 +15,22 @@
 
 #if defined(__AVX512BF16__)
 namespace pw::avx512 {
+
+// acc[m] += each of block b's column groups' minimums (a lane per row) times token m's sum of
+// x over that group, sums[(m * nb + b) * kSplits + group] (`sums` at the first of the M
+// tokens): the m * sum(x) of d q + m. Nothing for a tile without minimums.
+template <typename Tile, int M>
+inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sums, int64_t nb,
+                         int64_t b) {
+  if constexpr (Tile::kMin)
+    for (int s = 0; s < Tile::kSplits; ++s) {
+      const __m512 mn = Tile::scales16(tile, b, Tile::minimum(s));
+      for (int m = 0; m < M; ++m) {
+        const float sum = sums[(m * nb + b) * Tile::kSplits + s];
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
+      }
+    }
+}
 
 inline __m512 bcast_pair(const bf16* x) {    // (x[0], x[1]) in every 32-bit lane
   int32_t v;

@@ -43,22 +43,6 @@ constexpr int kMaxBatch = 8;
 #if defined(__AVX512BF16__)
 using namespace pw::avx512;
 
-// acc[m] += each of block b's column groups' minimums (a lane per row) times token m's sum of
-// x over that group, sums[(m * nb + b) * kSplits + group] (`sums` at the first of the M
-// tokens): the m * sum(x) of d q + m. Nothing for a tile without minimums.
-template <typename Tile, int M>
-inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, const float* sums, int64_t nb,
-                         int64_t b) {
-  if constexpr (Tile::kMin)
-    for (int s = 0; s < Tile::kSplits; ++s) {
-      const __m512 mn = Tile::scales16(tile, b, Tile::minimum(s));
-      for (int m = 0; m < M; ++m) {
-        const float sum = sums[(m * nb + b) * Tile::kSplits + s];
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), acc[m]);
-      }
-    }
-}
-
 // A Q8 tile's column of 16 rows (16 bytes) as float32 lanes.
 inline __m512 q8_lanes(const uint8_t* column) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column));

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#include "quant_avx512.h"       // store_rows
+#include "quant_avx512.h"       // store_rows, add_minimums
 #include "quant_int_avx2.h"     // IntActivations
 #include "quant_tiles.h"
 
@@ -98,20 +98,6 @@ inline void q8_sums(__m512i (&sum)[M], const uint8_t* tile, int j0, int j1,
   for (int m = 0; m < M; ++m) sum[m] = _mm512_add_epi32(sum[m], odd[m]);
 }
 
-// acc[m] += each split's minimums times token m's sum of the unrounded x over it, the
-// sums at token 0's block b (sums[(m * nb + b) * kSplits + s]).
-template <typename Tile, int M>
-inline void add_minimums(__m512 (&acc)[M], const uint8_t* tile, int64_t b, const float* sums,
-                         int64_t nb) {
-  if constexpr (Tile::kMin)
-    for (int s = 0; s < Tile::kSplits; ++s) {
-      const __m512 mn = Tile::scales16(tile, b, Tile::minimum(s));
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[(m * nb + b) * Tile::kSplits + s]),
-                                 acc[m]);
-    }
-}
-
 // Output groups [g0, g1) of 16 rows for M tokens from token t. starts: [t][nb][kSplits],
 // -128 times the sum of the int8 x over each split's columns (Q8 tiles). The float steps in
 // quant_int_avx2.h's order: Q4 tiles scale then add minimums, Q8 tiles the reverse.
@@ -132,7 +118,7 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
         x[m] = a.plane(t + m, 0) + b * 32;
         dx[m] = _mm512_set1_ps(a.scale[(t + m) * nb + b]);
       }
-      if constexpr (!Tile::kQ4) add_minimums<Tile>(acc, tile, b, sums, nb);
+      if constexpr (!Tile::kQ4) avx512::add_minimums<Tile>(acc, tile, sums, nb, b);
       for (int s = 0; s < Tile::kSplits; ++s) {
         __m512i sum[M];
         if constexpr (Tile::kQ4) {
@@ -147,7 +133,7 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum[m]), dx[m]), d, acc[m]);
       }
-      if constexpr (Tile::kQ4) add_minimums<Tile>(acc, tile, b, sums, nb);
+      if constexpr (Tile::kQ4) avx512::add_minimums<Tile>(acc, tile, sums, nb, b);
     }
     for (int m = 0; m < M; ++m) avx512::store_rows(out + m * os + g * avx2::kRows, acc[m]);
   }
