@@ -156,7 +156,7 @@ struct Panel {
   static void bytes(const uint8_t* tile, __m512i* out) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int j = 0; j < 8; ++j)
-      out[j] = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * j), bias);
+      out[j] = _mm512_xor_si512(load_halves(tile + 64 * j), bias);   // split lines: see there
   }
 };
 
