@@ -4,6 +4,7 @@ formats, the default tokenizer):
 
     python bench/sizes.py --shape llama-3.2-1b [--formats Q4_0,Q4_K_M,Q8_0,bf16]
                           [--peers llamacpp,vllm] [--only single,prefill,batch]
+                          [--pagewire-args "..."] [--activations exact,int8-all]
 
 Per format: a single stream of 128 prompt then 128 generated tokens (output tok/s), its
 decode alone (tok/s of 127 tokens after the first; llama.cpp's tg128), a 1,024-token
@@ -121,7 +122,8 @@ def vllm_latency(path: str, input_len: int, output_len: int) -> float:
                                   "--num-iters-warmup", "1"])
 
 
-def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dict) -> None:
+def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dict,
+            activations: list[str | None]) -> None:
     path = model_path(shape, fmt)
     gguf = fmt != "bf16"
     weights = weight_count(shape)
@@ -134,14 +136,27 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
     for name, (label, ours_fn, peer_fns, digits, bound) in _workloads(path).items():
         if name not in only:
             continue
-        ours = ours_fn()
-        share = bound(ours, size, 2 * weights, ceilings)
-        line = f"  {label}: pagewire {ours:.{digits}f} tok/s ({share})"
-        for peer, theirs_fn in peer_fns.items():
-            if peer in peers and (peer == "llamacpp") == gguf:      # llama.cpp: GGUF; vLLM: bf16
-                theirs = theirs_fn()
-                line += f", {PEER_NAMES[peer]} {theirs:.{digits}f} ({ours / theirs:.2f}x)"
-        print(line, flush=True)
+        theirs = {peer: fn() for peer, fn in peer_fns.items()     # llama.cpp: GGUF; vLLM: bf16
+                  if peer in peers and (peer == "llamacpp") == gguf}
+        for rounding in activations if gguf else [None]:
+            ours = _with_activations(rounding, ours_fn)
+            share = bound(ours, size, 2 * weights, ceilings)
+            named = f" [{rounding}]" if rounding else ""
+            line = f"  {label}{named}: pagewire {ours:.{digits}f} tok/s ({share})"
+            for peer, rate in theirs.items():
+                line += f", {PEER_NAMES[peer]} {rate:.{digits}f} ({ours / rate:.2f}x)"
+            print(line, flush=True)
+
+
+def _with_activations(rounding: str | None, rate_fn) -> float:
+    """rate_fn() with pagewire's --quantized-activations `rounding` (None: as PAGEWIRE_ARGS
+    say), so that several roundings meet the same peer figure within one run."""
+    extra = ["--quantized-activations", rounding] if rounding else []
+    PAGEWIRE_ARGS.extend(extra)
+    try:
+        return rate_fn()
+    finally:
+        del PAGEWIRE_ARGS[len(PAGEWIRE_ARGS) - len(extra):]
 
 
 PEER_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}
@@ -187,13 +202,17 @@ def main() -> None:
     p.add_argument("--peers", default="llamacpp,vllm")
     p.add_argument("--only", default="single,decode,prefill,batch")
     p.add_argument("--pagewire-args", default="", help="engine flags for every pagewire run")
+    p.add_argument("--activations", default=None,
+                   help="GGUF runs once per --quantized-activations value listed (e.g. "
+                        "exact,int8-all), each against the same peer figures")
     a = p.parse_args()
     PAGEWIRE_ARGS.extend(a.pagewire_args.split())
     ceilings = {"bandwidth": read_bandwidth(), "gemm": gemm_peak()}
     print(f"CPU: {_cpu()}; read bandwidth {ceilings['bandwidth'] / 1e9:.1f} GB/s, "
           f"bf16 GEMM peak {ceilings['gemm'] / 1e9:.0f} GFLOP/s", flush=True)
     for fmt in a.formats.split(","):
-        measure(a.shape, fmt, set(a.peers.split(",")), set(a.only.split(",")), ceilings)
+        measure(a.shape, fmt, set(a.peers.split(",")), set(a.only.split(",")), ceilings,
+                a.activations.split(",") if a.activations else [None])
 
 
 def _cpu() -> str:
