@@ -85,15 +85,8 @@ struct Int8Rows : avx2::RoundedRows {
     for (int g = 0; g < groups; ++g)
       xsum[(i * groups + g) * kSet + m] = sum[(t * nb + b) * groups + g];
     if (!x8.empty()) x8[i * kSet + m] = -8.f * sum[t * nb + b];
-    if (splits) {   // split s: the int32 lanes (column pairs) 16 s / splits ..
-      alignas(64) int32_t pairs[16];
-      _mm512_store_si512(pairs, _mm512_madd_epi16(v, _mm512_set1_epi16(1)));
-      for (int s = 0; s < splits; ++s) {
-        int32_t total = 0;
-        for (int k = s * 16 / splits; k < (s + 1) * 16 / splits; ++k) total += pairs[k];
-        start[(i * splits + s) * kSet + m] = -128 * total;
-      }
-    }
+    for (int s = 0; s < splits; ++s)
+      start[(i * splits + s) * kSet + m] = split_start(value.data() + t * K + b * 32, s, splits);
   }
 };
 

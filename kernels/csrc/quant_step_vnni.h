@@ -47,6 +47,16 @@ inline __m512i load_halves(const uint8_t* p) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
 }
 
+// Where a Q8 tile split's vpdpbusd chain starts: -128 times the sum of a token's int8 x over
+// the split's columns (`block`: the token's 32 rounded values), since its codes are stored
+// + 128. Split `split` of `splits` (1, or 2: columns < 16 and >= 16).
+inline int32_t split_start(const int16_t* block, int split, int splits) {
+  const int width = 32 / splits;
+  int32_t total = 0;
+  for (int k = split * width; k < (split + 1) * width; ++k) total += block[k];
+  return -128 * total;
+}
+
 // A Q4 tile's 64 bytes at `step_pair` (steps 2i, 2i + 1) with row l's four bytes qs[4i ..
 // 4i + 3] in 32-bit lane l: word w <- word (w % 2) * 16 + w / 2, one vpermw (here 1.3x
 // the rate of widening each step's words as quant_gemm_vnni.h's panels do; there, beside
@@ -104,6 +114,7 @@ inline void q8_sums(__m512i (&sum)[M], const uint8_t* tile, int j0, int j1,
 template <int M, typename Tile, typename Out>
 void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const int32_t* starts,
                  int64_t t, const uint8_t* packed, int64_t g0, int64_t g1) {
+  static_assert(!Tile::kQ4 || Tile::kSplits == 1, "a Q4 tile's block has one scale");
   const int64_t nb = a.K / 32;
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
@@ -147,15 +158,12 @@ void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
   const int64_t nb = K / 32;
   std::vector<int32_t> starts;
   if constexpr (!Tile::kQ4) {
-    constexpr int kWidth = 32 / Tile::kSplits;
     starts.resize(tokens * nb * Tile::kSplits);
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t b = 0; b < nb; ++b)
-        for (int s = 0; s < Tile::kSplits; ++s) {
-          int32_t total = 0;
-          for (int k = 0; k < kWidth; ++k) total += a.value[t * K + b * 32 + s * kWidth + k];
-          starts[(t * nb + b) * Tile::kSplits + s] = -128 * total;
-        }
+        for (int s = 0; s < Tile::kSplits; ++s)
+          starts[(t * nb + b) * Tile::kSplits + s] =
+              split_start(a.value.data() + t * K + b * 32, s, Tile::kSplits);
   }
   at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
     switch (tokens) {
