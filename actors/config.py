@@ -20,7 +20,7 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               ObservabilityConfig, ParallelConfig, SchedulerConfig,
                               ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
                               check_kv_transfer, group_by_section)
-from .model_info import ModelInfo, resolve_model
+from .model_info import ModelInfo, check_architecture_options, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self._check_chat()
         check_kv_compress(self, info)
         lora_files.check_options(self, info)
+        check_architecture_options(info, {"--enable-lora": self.lora.enable_lora,
+                             "--tensor-parallel-size > 1": self.parallel.tensor_parallel_size > 1})
         resolved = self.replace(
             model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
             num_kv_blocks=num_blocks, num_host_blocks=host_blocks, num_tier_blocks=tier_blocks,

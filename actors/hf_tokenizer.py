@@ -54,10 +54,42 @@ _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 def _convert_gguf_tokenizer(path: str, target: str) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
     try:
+        try:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                gguf_file=os.path.basename(path))
+        except ValueError:       # an architecture transformers has no model for (olmoe, ...)
+            copy = _tokenizer_alone(path, os.path.join(tmp, "tokenizer.gguf"))
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(copy))
+            os.unlink(copy)
         tok.save_pretrained(tmp)
         os.rename(tmp, target)   # atomic: readers see all of it or nothing
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenizer_alone(path: str, out: str) -> str:
+    """A GGUF file of `path`'s tokenizer metadata alone, labelled arch llama: transformers'
+    GGUF reader refuses architectures it has no model for, though it builds their BPE
+    tokenizers from the tokenizer keys only (a sentencepiece one takes llama's builder)."""
+    import gguf
+    import numpy as np
+
+    from .gguf_header import read_gguf_header
+    writer = gguf.GGUFWriter(out, "llama")
+    for key, value in read_gguf_header(path).metadata.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, (list, np.ndarray)):
+            writer.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return out

@@ -99,9 +99,10 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
 
 
 def _gguf_held(path: str) -> int | None:
-    """A GGUF file's weights as the executor holds them: each 2-D tensor of a type the tiles
-    take as TILE_BYTES says, the embedding as its blocks where it can stay so (its file
-    bytes), the rest dequantized; None where the header cannot be read."""
+    """A GGUF file's weights as the executor holds them: each 2-D tensor (or 3-D stack of
+    experts) of a type the tiles take as TILE_BYTES says, the embedding as its blocks where
+    it can stay so (its file bytes), the rest dequantized; None where the header cannot be
+    read."""
     from .gguf_header import GGML_TYPES, read_gguf_header
     try:
         tensors = read_gguf_header(path).tensors.values()
@@ -113,7 +114,7 @@ def _gguf_held(path: str) -> int | None:
         if embedding and t.ggml_type in BLOCK_EMBEDDINGS:
             _, block, size = GGML_TYPES[t.ggml_type]
             held += count // block * size
-        elif len(t.shape) == 2 and t.ggml_type in TILE_BYTES and not embedding:
+        elif len(t.shape) in (2, 3) and t.ggml_type in TILE_BYTES and not embedding:
             held += count // 32 * TILE_BYTES[t.ggml_type]
         else:
             held += count * FLOAT_BYTES

@@ -27,11 +27,18 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # two equal).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+# Those whose MLPs are mixtures of experts (executor/models/moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "OlmoeForCausalLM")
 # GGUF general.architecture -> the Hugging Face architecture of the same model.
+# (llama.cpp keeps Mixtral as "llama" with experts: gguf_architecture tells them apart.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "olmoe": "OlmoeForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")
@@ -97,10 +104,30 @@ def resolve_model(model: str | None) -> ModelInfo:
     return info
 
 
+def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
+    """Refuse, by name, an option asked for (`asked`: option -> whether it is) that the
+    model's architecture cannot do yet (README's table of architectures)."""
+    if info.architecture not in MOE_ARCHITECTURES:
+        return
+    for what in ("--enable-lora", "--tensor-parallel-size > 1"):
+        if asked.get(what):
+            raise ValueError(f"{info.architecture} (mixture of experts) with {what} is not "
+                             "supported yet")
+
+
 def check_architecture(architecture: str, path: str) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: architecture {architecture} is not supported (supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def gguf_architecture(meta: dict) -> str:
+    """The Hugging Face architecture of a GGUF file's model (its general.architecture must be
+    one GGUF_ARCHITECTURES names)."""
+    arch = meta["general.architecture"]
+    if arch == "llama" and int(meta.get("llama.expert_count", 0)) > 0:
+        return "MixtralForCausalLM"
+    return GGUF_ARCHITECTURES[arch]
 
 
 def _gguf_info(path: str) -> ModelInfo:
@@ -114,15 +141,15 @@ def _gguf_info(path: str) -> ModelInfo:
     missing += [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id") if k not in meta]
     if missing:
         raise ValueError(f"{path}: GGUF metadata is missing {', '.join(missing)}")
-    check_architecture(GGUF_ARCHITECTURES[arch], path)
+    architecture = gguf_architecture(meta)
+    check_architecture(architecture, path)
     check_tensors(path, header)
     heads = meta[f"{arch}.attention.head_count"]
     hidden = meta[f"{arch}.embedding_length"]
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelInfo(
         path=path, format="gguf", name=os.path.basename(path)[: -len(".gguf")],
-        architecture=GGUF_ARCHITECTURES[arch],
-        max_model_len=int(meta[f"{arch}.context_length"]),
+        architecture=architecture, max_model_len=int(meta[f"{arch}.context_length"]),
         vocab_size=int(vocab),
         num_layers=int(meta[f"{arch}.block_count"]),
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import activation, attention, cascade, kv_quant, native, norm, quant, rotary, token_sampling
+from . import activation, attention, cascade, kv_quant, moe, native, norm, quant, rotary
+from . import token_sampling
 from . import tiers
 from . import lora as lora_kernels
 
@@ -92,6 +93,17 @@ class TorchOps:
         q, k = heads[:, :num_heads], heads[:, num_heads:]
         q.copy_(norm.rms_norm(q, q_weight, eps))
         k.copy_(norm.rms_norm(k, k_weight, eps))
+
+    def rms_norm_flat_qk_(self, qkv, q_size, kv_size, q_weight, k_weight, eps):
+        """RMSNorm of qkv's query heads as one vector and of its key heads as another
+        (OLMoE's norms), in place; the values are left alone."""
+        q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]
+        q.copy_(norm.rms_norm(q, q_weight, eps))
+        k.copy_(norm.rms_norm(k, k_weight, eps))
+
+    def moe(self, sparse, x):
+        """kernels/moe.py sparse_mlp: x [T, H] through the experts its router picks."""
+        return moe.sparse_mlp(self, sparse, x)
 
     def silu_and_mul(self, gate_up):
         return activation.silu_and_mul(gate_up)

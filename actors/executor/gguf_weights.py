@@ -34,11 +34,25 @@ _LAYER_NAMES = {
 _GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
+# Mixtures of experts: llama.cpp stacks a layer's experts in one 3-D tensor per projection
+# ([experts, rows, cols]); "{e}" stands for the expert each slice becomes.
+_MOE_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate",
+              "ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+              "ffn_down_exps": "mlp.experts.{e}.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_MIXTRAL_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate",     # GGUF arch llama
+                  "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                  "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                  "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
-LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
+LAYER_NAMES = {"llama": _MIXTRAL_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
                "gemma": _LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES,
-               "gemma3": _GEMMA2_LAYER_NAMES}
+               "gemma3": _GEMMA2_LAYER_NAMES, "qwen2moe": _MOE_NAMES, "qwen3moe": _MOE_NAMES,
+               "olmoe": _MOE_NAMES}
 ROPE_PERMUTED = {"llama"}
 _CHUNK_VALUES = 1 << 18     # values dequantized per slice (1 MiB of float32)
 NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
@@ -46,7 +60,7 @@ NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors the
-    model does not use (rope_freqs, ...)."""
+    model does not use (rope_freqs, ...). A stack of experts' name holds "{e}" (expert_slices)."""
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4:
         kind = LAYER_NAMES[arch].get(parts[2])
@@ -68,14 +82,29 @@ def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_head
     weights = {}
     for info in header.tensors.values():
         name = hf_name(info.name, arch)
-        if name is None or name in skip:
+        slices = expert_slices(name, info) if name is not None else []
+        if name is None or name in skip or slices and all(n in skip for n, _ in slices):
             continue
         plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
         tensor = read_tensor(data, info, torch.float32 if plus_one else dtype)
         if plus_one:
             tensor = (tensor - 1.0).to(dtype)
-        weights[name] = _rows_in_hf_order(tensor, name, arch, num_heads, num_kv_heads)
+        if name.endswith("shared_expert_gate.weight"):       # llama.cpp: [H]; theirs [1, H]
+            tensor = tensor.reshape(1, -1)
+        for part, e in slices:
+            if part not in skip:
+                weights[part] = tensor[e].clone()       # a tensor of its own, not a view
+        if "{e}" not in name:
+            weights[name] = _rows_in_hf_order(tensor, name, arch, num_heads, num_kv_heads)
     return weights
+
+
+def expert_slices(name: str, info: TensorInfo) -> list[tuple[str, int | None]]:
+    """(Hugging Face name, expert index) of each slice of a stack of experts [E, rows, cols]
+    (its name holds "{e}"); [] for any other tensor."""
+    if "{e}" not in name:
+        return []
+    return [(name.format(e=e), e) for e in range(info.shape[0])]
 
 
 def read_blocks(path: str, header: GGUFHeader, names: list[str], types: set[int],
@@ -89,13 +118,22 @@ def read_blocks(path: str, header: GGUFHeader, names: list[str], types: set[int]
     out = {}
     for info in header.tensors.values():
         name = hf_name(info.name, arch)
-        if name not in wanted or len(info.shape) != 2 or info.ggml_type not in types:
+        if name is None or info.ggml_type not in types:
             continue
         _, block, type_size = GGML_TYPES[info.ggml_type]
-        rows, cols = info.shape
-        raw = np.array(data[info.offset: info.offset + rows * (cols // block) * type_size])
-        raw = torch.from_numpy(raw).reshape(rows, -1)
-        out[name] = (info.ggml_type, _rows_in_hf_order(raw, name, arch, num_heads, num_kv_heads))
+        row_bytes = info.shape[-1] // block * type_size
+        if len(info.shape) == 2 and name in wanted:
+            rows = info.shape[0]
+            raw = np.array(data[info.offset: info.offset + rows * row_bytes])
+            raw = torch.from_numpy(raw).reshape(rows, -1)
+            out[name] = (info.ggml_type, _rows_in_hf_order(raw, name, arch, num_heads,
+                                                           num_kv_heads))
+        for part, e in expert_slices(name, info) if len(info.shape) == 3 else ():
+            if part in wanted:            # one expert's rows: a contiguous run of the stack
+                rows = info.shape[1]
+                start = info.offset + e * rows * row_bytes
+                raw = np.array(data[start: start + rows * row_bytes])
+                out[part] = (info.ggml_type, torch.from_numpy(raw).reshape(rows, -1))
     return out
 
 

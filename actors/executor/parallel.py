@@ -49,6 +49,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_parallel: bool = False     # ranks hold whole experts (models/moe.py), not slices
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadShare:
         """The query and KV heads this rank holds (see the module docstring)."""

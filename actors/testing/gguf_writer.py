@@ -5,6 +5,8 @@ permuted for arch llama and gemma norms stored plus one, as convert_hf_to_gguf.p
 tokenizer (and chat template) is copied from the default model's GGUF file."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -42,6 +44,34 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's one tensor per expert and projection -> one [experts, rows, cols] stack
+    per layer and projection, named as llama.cpp's converter names its merged input
+    (model.layers.0.mlp.experts.gate_proj.weight)."""
+    out, stacks = {}, {}
+    for name, w in state.items():
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = w
+        else:
+            prefix, e, proj = match.groups()
+            stacks.setdefault(f"{prefix}.{proj}.weight", {})[int(e)] = w
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def copy_tokenizer(writer, tokenizer_meta: dict) -> None:
@@ -202,19 +232,20 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     writer = gguf.GGUFWriter(path, arch)
     add_metadata(writer, arch, cfg, cfg["vocab_size"])
     copy_tokenizer(writer, tokenizer_meta)
-    for name, w in state.items():
+    for name, w in stack_experts(state).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf-py has no name for {name}"
         a = _to_gguf_tensor(name, w, arch, cfg)
-        if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name, a)
+        if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or "ffn_gate_inp" in gguf_name:
+            writer.add_tensor(gguf_name, a)      # routers stay float32, as llama.cpp keeps them
         elif kind in (gguf.GGMLQuantizationType.F16,):
             writer.add_tensor(gguf_name, a.astype(np.float16))
         else:
             stored = tensor_type(qtype, name)
             kind = gguf.GGMLQuantizationType[stored]
-            blocks = QUANTIZERS.get(stored, lambda a: quantize(a, kind))(a)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
+            rows = a.reshape(-1, a.shape[-1])                      # a stack's experts' rows
+            blocks = QUANTIZERS.get(stored, lambda a: quantize(a, kind))(rows)
+            writer.add_tensor(gguf_name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=kind)
     for gguf_name, a in (raw or {}).items():
         writer.add_tensor(gguf_name, np.ascontiguousarray(a, dtype=np.float32))
     writer.write_header_to_file()

@@ -44,6 +44,10 @@ enum PwOp : int64_t {
   // x = sum of x over the tensor-parallel ranks (the row-parallel linear before it leaves
   // float32 partials, summed in float32 and rounded once); per-op
   PW_OP_ALL_REDUCE = 9,
+  // rms_norm of all query heads of qkv as one vector, and of all key heads (OLMoE); per-op
+  PW_OP_QK_NORM_FLAT = 10,
+  // x = the routed experts' weighted sum (models/moe.py, kernels/moe.py); per-op
+  PW_OP_MOE = 11,
 };
 
 // A packed weight's tile type (quant_tiles.h; kernels/quant.py packs them): the GGML type id

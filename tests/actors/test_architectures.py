@@ -22,7 +22,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidde
 
 def _configs():
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
-                              MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+                              MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     return {
         "llama3-rope": (LlamaConfig, "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -43,13 +44,25 @@ def _configs():
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                 "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        # Mixtures of experts: top-k renormalised (Mixtral), a gated shared expert and a dense
+        # layer among sparse ones (Qwen2-MoE), q/k norms per head (Qwen3-MoE) and over all
+        # heads (OLMoE, which takes head_dim as hidden / heads).
+        "mixtral-moe": (MixtralConfig, "MixtralForCausalLM", dict(
+            num_local_experts=6, num_experts_per_tok=2, sliding_window=WINDOW)),
+        "qwen2-moe-shared": (Qwen2MoeConfig, "Qwen2MoeForCausalLM", dict(
+            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=96, mlp_only_layers=[1])),
+        "qwen3-moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True)),
+        "olmoe": (OlmoeConfig, "OlmoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2,
+                                                        hidden_size=128)),
     }
 
 
-def make_model(path: str, tokenizer_dir: str, name: str) -> str:
+def make_model(path: str, tokenizer_dir: str, name: str, **overrides) -> str:
     import transformers
     config_cls, arch, extra = _configs()[name]
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(1)
     model = getattr(transformers, arch)(config).float()
     gemma = arch.startswith("Gemma")

@@ -18,6 +18,7 @@ from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 from ..parallel import TensorParallel, split_range
 from . import program
 from .model_config import LlamaConfig
+from .moe import SparseMoE
 from .weights import fuse_weights, linear_sources
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
@@ -59,8 +60,12 @@ class Attention(nn.Module):
                           lora_slot=lora_slot(layer, "attn.qkv"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
                              float_partial=tp.size > 1, lora_slot=lora_slot(layer, "attn.o_proj"))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        if cfg.qk_norm_flat and tp.size > 1:
+            raise ValueError(f"{cfg.architecture}: its q/k norms span every head, which tensor "
+                             "parallelism would split")
+        q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_flat else (cfg.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
         self.layer = layer
         self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
@@ -89,12 +94,13 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, tp, layer, cp)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)        # before the MLP
-        self.mlp = MLP(cfg, tp, layer)
+        self.mlp = SparseMoE(cfg, tp, tp.expert_parallel) if cfg.sparse_layers[layer] \
+            else MLP(cfg, tp, layer)
         self.post_attn_norm = self.post_mlp_norm = None
         if cfg.sandwich_norms:
             self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.program = program.layer_program(cfg, tp.size)   # what runs, on every path
+        self.program = program.layer_program(cfg, tp.size, layer)   # what runs, on every path
         self._bound = program.bind(self, self.program)
 
     def forward(self, ops, x, residual, rope, kv_cache, batch, lora=None):

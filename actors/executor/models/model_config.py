@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagewire.model_info import MOE_ARCHITECTURES
+
 
 @dataclass
 class LlamaConfig:
@@ -38,6 +40,15 @@ class LlamaConfig:
                                                     # frequencies divided by these (rope_freqs)
     rope_table_len: int = 0                  # positions tabled: max_position x a linear,
                                              # dynamic or yarn factor (the context grows too)
+    qk_norm_flat: bool = False               # the q/k norms span all heads' q (k), not one head (OLMoE)
+    # Mixture of experts (models/moe.py): a sparse MLP in the layers `sparse_layers` marks.
+    # 0 experts: every MLP dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_top_k: bool = False            # the chosen experts' weights rescaled to sum to 1
+    shared_expert_size: int = 0              # a gated dense expert every token takes (Qwen2-MoE)
+    sparse_layers: list[bool] = field(default_factory=list)
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
@@ -47,6 +58,8 @@ class LlamaConfig:
             self.layer_windows = [None] * self.num_layers
         if not self.layer_rope:
             self.layer_rope = [0] * self.num_layers
+        if not self.sparse_layers:
+            self.sparse_layers = [self.num_experts > 0] * self.num_layers
         if self.attn_scale is None:
             self.attn_scale = self.head_dim ** -0.5
         if not self.rope_table_len:
@@ -93,20 +106,22 @@ class LlamaConfig:
             base.update(activation="gelu_tanh", embed_scale=base["hidden_size"] ** 0.5)
         elif arch.startswith("Gemma"):
             base.update(_gemma(cfg, arch, base))
+        if arch in MOE_ARCHITECTURES:
+            base.update(_moe(cfg, arch, n))
         return cls(**base)
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
         """llama.cpp's metadata in Hugging Face's terms, then from_hf (the tensors come under
         Hugging Face names too, see gguf_weights.py)."""
-        from pagewire.model_info import GGUF_ARCHITECTURES, gguf_rope_scaling
+        from pagewire.model_info import gguf_architecture, gguf_rope_scaling
         arch = meta["general.architecture"]
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
 
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
-        cfg = {"architectures": [GGUF_ARCHITECTURES.get(arch, "LlamaForCausalLM")],
+        cfg = {"architectures": [gguf_architecture(meta)],
                "vocab_size": int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
                "hidden_size": hidden, "intermediate_size": int(get("feed_forward_length")),
                "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
@@ -120,11 +135,43 @@ class LlamaConfig:
                "sliding_window": get("attention.sliding_window"),
                "attn_logit_softcapping": get("attn_logit_softcapping"),
                "final_logit_softcapping": get("final_logit_softcapping")}
+        if get("expert_count"):           # llama.cpp's names for the experts' settings
+            cfg.update(num_experts=int(get("expert_count")),
+                       num_experts_per_tok=int(get("expert_used_count")),
+                       moe_intermediate_size=int(get("expert_feed_forward_length", 0)) or None,
+                       shared_expert_intermediate_size=get("expert_shared_feed_forward_length"),
+                       norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
         if arch == "llama":
             cfg["sliding_window"] = None
         if arch == "qwen2":
             cfg["use_sliding_window"] = False
         return cls.from_hf({k: v for k, v in cfg.items() if v is not None})
+
+
+def _moe(cfg: dict, arch: str, n: int) -> dict:
+    """Experts, how many a token takes and how their weights are normalised (Mixtral always;
+    the others as norm_topk_prob says), each architecture's attention options, and which
+    layers are sparse (Qwen-MoE: every decoder_sparse_step-th but mlp_only_layers)."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    out = dict(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
+               expert_intermediate_size=cfg.get("moe_intermediate_size")
+               or cfg["intermediate_size"],
+               normalize_top_k=arch == "MixtralForCausalLM" or cfg.get("norm_topk_prob", False))
+    if arch == "MixtralForCausalLM":
+        out["layer_windows"] = [cfg.get("sliding_window")] * n
+    elif arch == "OlmoeForCausalLM":
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError("OlmoeForCausalLM with clip_qkv is not supported")
+        out.update(qk_norm=True, qk_norm_flat=True)
+    else:                                                     # Qwen2-MoE, Qwen3-MoE
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        out["sparse_layers"] = [(i + 1) % step == 0 and i not in dense for i in range(n)]
+        if arch == "Qwen2MoeForCausalLM":
+            out.update(attention_bias=cfg.get("qkv_bias", True),
+                       shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0)
+        else:
+            out["qk_norm"] = True
+    return out
 
 
 def _rope_parameters(cfg: dict) -> dict:

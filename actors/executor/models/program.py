@@ -19,7 +19,8 @@ from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
 from pagewire.kernels.native_api import API
 
-# The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, ROPE, ATTEND, SILU_MUL, GELU_MUL, ALL_REDUCE),
+# The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, QK_NORM_FLAT, ROPE, ATTEND, SILU_MUL, GELU_MUL,
+# MOE, ALL_REDUCE),
 # declared with what each does and their values in kernels/csrc/pagewire_api.h (PwOp), which
 # the native interpreter (csrc/decode_stack.cpp) reads too.
 Op = API.int_enum("PwOp", "Op", __name__)
@@ -31,20 +32,25 @@ class Step:
     arg: str = ""    # the layer submodule it uses, as a dotted path ("attn.qkv")
 
 
-def layer_program(cfg, tp_size: int = 1) -> tuple[Step, ...]:
-    """The layer's ops for `cfg` (models/model_config.py LlamaConfig): pre-norm attention then MLP,
-    each output summed over ranks (only with tensor parallelism: the sum of one rank is x)."""
+def layer_program(cfg, tp_size: int = 1, layer: int = 0) -> tuple[Step, ...]:
+    """Layer `layer`'s ops for `cfg` (models/model_config.py LlamaConfig): pre-norm attention
+    then MLP (a mixture of experts where the layer is sparse), each output summed over ranks
+    (only with tensor parallelism: the sum of one rank is x)."""
     reduce = (Step(Op.ALL_REDUCE),) if tp_size > 1 else ()
     steps = [Step(Op.ADD_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv")]
     if cfg.qk_norm:
-        steps.append(Step(Op.QK_NORM, "attn"))
+        steps.append(Step(Op.QK_NORM_FLAT if cfg.qk_norm_flat else Op.QK_NORM, "attn"))
     steps += [Step(Op.ROPE, "attn"), Step(Op.ATTEND, "attn"), Step(Op.LINEAR, "attn.o_proj"),
               *reduce]
     if cfg.sandwich_norms:
         steps.append(Step(Op.NORM, "post_attn_norm"))
-    act = Op.GELU_MUL if cfg.activation == "gelu_tanh" else Op.SILU_MUL
-    steps += [Step(Op.ADD_NORM, "post_norm"), Step(Op.LINEAR, "mlp.gate_up"), Step(act),
-              Step(Op.LINEAR, "mlp.down"), *reduce]
+    steps.append(Step(Op.ADD_NORM, "post_norm"))
+    if cfg.sparse_layers[layer]:
+        steps += [Step(Op.MOE, "mlp"), *reduce]
+    else:
+        act = Op.GELU_MUL if cfg.activation == "gelu_tanh" else Op.SILU_MUL
+        steps += [Step(Op.LINEAR, "mlp.gate_up"), Step(act), Step(Op.LINEAR, "mlp.down"),
+                  *reduce]
     if cfg.sandwich_norms:
         steps.append(Step(Op.NORM, "post_mlp_norm"))
     return tuple(steps)
@@ -80,6 +86,15 @@ def _qk_norm(ops, attn, s: State) -> None:
                         attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
 
 
+def _qk_norm_flat(ops, attn, s: State) -> None:
+    ops.rms_norm_flat_qk_(s.x, attn.q_size, attn.kv_size, attn.q_norm.weight,
+                          attn.k_norm.weight, attn.q_norm.eps)
+
+
+def _moe(ops, sparse, s: State) -> None:
+    s.x = ops.moe(sparse, s.x)
+
+
 def _rope(ops, attn, s: State) -> None:
     s.x = ops.split_qkv_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim, *s.rope)
 
@@ -110,8 +125,8 @@ def _all_reduce(ops, tp, s: State) -> None:
 
 
 RUN = {Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.LINEAR: _linear, Op.QK_NORM: _qk_norm,
-       Op.ROPE: _rope, Op.ATTEND: _attend, Op.SILU_MUL: _silu_mul, Op.GELU_MUL: _gelu_mul,
-       Op.ALL_REDUCE: _all_reduce}
+       Op.QK_NORM_FLAT: _qk_norm_flat, Op.ROPE: _rope, Op.ATTEND: _attend,
+       Op.SILU_MUL: _silu_mul, Op.GELU_MUL: _gelu_mul, Op.MOE: _moe, Op.ALL_REDUCE: _all_reduce}
 
 
 def bind(layer, program: tuple[Step, ...]) -> list:

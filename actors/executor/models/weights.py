@@ -32,10 +32,9 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
         _attention(weights, src + "self_attn.", dst + "attn.", cfg, out)
         if src + "mlp.gate_up_proj.weight" in weights:                     # Phi3: fused
             out[dst + "mlp.gate_up.weight"] = weights[src + "mlp.gate_up_proj.weight"]
-        else:
-            _put(out, dst + "mlp.gate_up.weight",
-                 _joined(weights, [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]))
-        _put(out, dst + "mlp.down.weight", weights.get(src + "mlp.down_proj.weight"))
+        for name, sources in mlp_sources(cfg, i).items():
+            if f"{dst}{name}.weight" not in out:         # Phi3's gate_up: put above
+                _put(out, f"{dst}{name}.weight", _joined(weights, sources))
         for theirs, ours in names.items():
             out[f"{dst}{ours}.weight"] = norm(weights[f"{src}{theirs}.weight"])
         if cfg.qk_norm:
@@ -53,8 +52,31 @@ def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         out[dst + "attn.qkv"] = [f"{src}self_attn.{p}_proj.weight" for p in "qkv"]
         out[dst + "attn.o_proj"] = [src + "self_attn.o_proj.weight"]
-        out[dst + "mlp.gate_up"] = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
-        out[dst + "mlp.down"] = [src + "mlp.down_proj.weight"]
+        out.update((dst + name, names) for name, names in mlp_sources(cfg, i).items())
+    return out
+
+
+def mlp_sources(cfg: LlamaConfig, layer: int) -> dict[str, list[str]]:
+    """Layer `layer`'s MLP Linears (names within the layer) -> the Hugging Face tensors each
+    joins by rows: a dense MLP's gate_up and down, or a sparse one's router, each expert's
+    (Mixtral calls gate, up and down w1, w3 and w2) and a shared expert with its gate."""
+    src = f"model.layers.{layer}."
+    if not cfg.sparse_layers[layer]:
+        return {"mlp.gate_up": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
+                "mlp.down": [src + "mlp.down_proj.weight"]}
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    moe = src + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {"mlp.router": [moe + "gate.weight"]}
+    for e in range(cfg.num_experts):
+        expert = f"{moe}experts.{e}."
+        out[f"mlp.experts.{e}.gate_up"] = [f"{expert}{gate}.weight", f"{expert}{up}.weight"]
+        out[f"mlp.experts.{e}.down"] = [f"{expert}{down}.weight"]
+    if cfg.shared_expert_size:
+        shared = moe + "shared_expert."
+        out["mlp.shared.gate_up"] = [shared + "gate_proj.weight", shared + "up_proj.weight"]
+        out["mlp.shared.down"] = [shared + "down_proj.weight"]
+        out["mlp.shared_gate"] = [moe + "shared_expert_gate.weight"]
     return out
 
 

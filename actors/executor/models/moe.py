@@ -1,0 +1,59 @@
+"""A mixture-of-experts MLP: a router picks `experts_per_token` of `num_experts` expert MLPs
+per token and sums their outputs weighted by its probabilities (Mixtral, Qwen2/3-MoE, OLMoE).
+Each expert is a gated MLP with Linears of its own, so every weight layout the dense MLP has
+(stored blocks, BF16 tiles, packed dense) serves experts unchanged; the layer program's MOE
+op (program.py) runs the routing and the chosen experts through the backend (ops.moe).
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate rows, as
+the dense MLP's (plain TP); with expert parallelism (`expert_parallel`) each rank holds whole
+experts, a contiguous range of them. Either way each rank's output is a float32 partial and
+the layer program's ALL_REDUCE sums it.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from pagewire.kernels.linear import Linear
+
+from ..parallel import TensorParallel, split_range
+
+
+class Expert(nn.Module):
+    """One gated MLP: gate/up column-parallel, down row-parallel over `inter` rows."""
+
+    def __init__(self, hidden: int, inter: int, float_partial: bool):
+        super().__init__()
+        self.gate_up = Linear(hidden, 2 * inter, bias=False)
+        self.down = Linear(inter, hidden, bias=False, float_partial=float_partial)
+
+
+def local_experts(num_experts: int, tp: TensorParallel, expert_parallel: bool) -> range:
+    """The experts this rank holds: all of them (plain TP) or its contiguous share (EP)."""
+    return range(*split_range(num_experts, tp.size, tp.rank)) if expert_parallel \
+        else range(num_experts)
+
+
+class SparseMoE(nn.Module):
+    """The router (replicated on every rank), this rank's experts by global index
+    (`experts["5"]`), and Qwen2-MoE's gated shared expert. `top_k`, `normalize` and
+    `num_experts` are the routing's settings (kernels/moe.py route)."""
+
+    def __init__(self, cfg, tp: TensorParallel, expert_parallel: bool = False):
+        super().__init__()
+        partial = tp.size > 1
+        self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
+        self.normalize, self.float_partial = cfg.normalize_top_k, partial
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        inter = cfg.expert_intermediate_size if expert_parallel else \
+            _share(cfg.expert_intermediate_size, tp)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial) for e in
+                                      local_experts(cfg.num_experts, tp, expert_parallel)})
+        self.shared = self.shared_gate = None
+        if cfg.shared_expert_size:
+            self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial)
+            self.shared_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+
+def _share(rows: int, tp: TensorParallel) -> int:
+    start, end = split_range(rows, tp.size, tp.rank)
+    return end - start

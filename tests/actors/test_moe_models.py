@@ -1,0 +1,136 @@
+"""Mixture-of-experts models from GGUF files written as llama.cpp's converter writes them
+(experts stacked [experts, rows, cols] per projection): every expert's Linear multiplies its
+slice of the stack as stored, and greedy tokens equal transformers' on the file's values; on
+each native CPU tier and in bfloat16 too. The safetensors side is in test_architectures.py."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from pagewire import LLM, SamplingParams
+from pagewire.executor.gguf_weights import read_gguf_weights
+from pagewire.executor.loader import read_safetensors
+from pagewire.executor.models.moe import SparseMoE
+from pagewire.gguf_header import read_gguf_header
+from pagewire.kernels.linear import Linear
+from pagewire.model_info import default_model_path
+from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
+from tests.actors.test_architectures import VOCAB, make_model
+from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
+
+# (test_architectures config, GGUF arch, type, overrides): llama.cpp has no sliding window
+# for Mixtral nor dense layers among Qwen2-MoE's sparse ones; K-quants need 256-wide rows.
+CASES = {
+    "mixtral-Q8_0": ("mixtral-moe", "llama", "Q8_0", dict(sliding_window=None)),
+    "qwen2-moe-Q4_0": ("qwen2-moe-shared", "qwen2moe", "Q4_0", dict(mlp_only_layers=[])),
+    "qwen3-moe-Q4_K_M": ("qwen3-moe", "qwen3moe", "Q4_K_M", dict(
+        hidden_size=256, head_dim=64, moe_intermediate_size=256, num_hidden_layers=2)),
+    "olmoe-Q8_0": ("olmoe", "olmoe", "Q8_0", {}),
+}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    use_private_cache(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_meta() -> dict:
+    meta = read_gguf_header(default_model_path()).metadata
+    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+
+
+def _gguf_and_reference(tmp_path, tokenizer_dir, meta, case) -> tuple[str, str]:
+    """(the GGUF file, a Hugging Face directory of the values its blocks hold)."""
+    import json
+    from safetensors.torch import save_file
+    name, arch, qtype, overrides = CASES[case]
+    hf_dir = make_model(str(tmp_path / "hf"), tokenizer_dir, name, **overrides)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    path = write_gguf(str(tmp_path / "m.gguf"), arch, read_safetensors(hf_dir), cfg, meta, qtype)
+    header = read_gguf_header(path)
+    values = read_gguf_weights(path, header, cfg["num_attention_heads"],
+                               cfg["num_key_value_heads"])
+    ref = str(tmp_path / "ref")
+    shutil.copytree(hf_dir, ref)
+    save_file({k: v.contiguous() for k, v in values.items()},
+              os.path.join(ref, "model.safetensors"))
+    return path, ref
+
+
+def _check_greedy(llm, ref: str, label: str) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 37, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    oracle = HFOracle.from_dir(ref)
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 10)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits,
+                            f"{label}, prompt {len(prompt)}")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
+                                                   tokenizer_meta, case):
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
+              num_kv_blocks=64)
+    model = llm.runner.model
+    blocks = [sparse for sparse in model.modules() if isinstance(sparse, SparseMoE)]
+    assert blocks and len(blocks[0].experts) == model.cfg.num_experts
+    for sparse in blocks:            # every expert's weights: the file's blocks, no float copy
+        for expert in sparse.experts.values():
+            for linear in (expert.gate_up, expert.down):
+                assert linear.quantized is not None and linear.weight is None
+    _check_greedy(llm, ref, case)
+
+
+def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, tokenizer_meta, tier):
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+                                    "qwen2-moe-Q4_0")
+    llm = LLM(path, dtype="float32", kernels=tier, block_size=16, max_num_batched_tokens=24,
+              num_kv_blocks=64)
+    _check_greedy(llm, ref, tier)
+
+
+def test_moe_in_bfloat16_stays_close_to_float32(tmp_path, smol_tokenizer_dir, tokenizer_meta):
+    """bfloat16 activations (each expert's output rounded, their weighted sum in float32):
+    the first token's top log-probabilities within bfloat16's reach of transformers' float32
+    ones on the same values (greedy runs of this tiny model meet near-ties of 0.005)."""
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+                                    "qwen2-moe-Q4_0")
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
+    oracle = HFOracle.from_dir(ref)
+    for prompt in ([5, 9, 300, 41], list(range(3, 60))):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}],
+                              SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+        with torch.no_grad():
+            theirs = torch.log_softmax(oracle.model(torch.tensor([prompt])).logits[0, -1], -1)
+        for token_id, _, logprob in out.outputs[0].logprobs[0].top:
+            assert abs(logprob - float(theirs[token_id])) < 0.05, (prompt, token_id)
+
+
+def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, tokenizer_meta):
+    """The start-up log's holdings count every expert's Linears."""
+    from pagewire.executor.linear_blocks import holdings
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    linears = sum(isinstance(m, Linear) for m in llm.runner.model.modules())
+    # 3 layers x (qkv, o, router, 6 experts x 2) + the LM head
+    assert linears == 3 * (2 + 1 + 12) + 1
+    assert f"over {linears} Linears" in holdings(llm.runner.model)
+    assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("options", [dict(enable_lora=True), dict(tensor_parallel_size=2)])
+def test_what_moe_models_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir,
+                                                          options):
+    path = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "olmoe")
+    with pytest.raises(ValueError, match="OlmoeForCausalLM \\(mixture of experts\\) with --"):
+        LLM(path, dtype="float32", num_kv_blocks=64, **options)

@@ -1,0 +1,104 @@
+"""Mixture-of-experts routing and expert grouping (kernels/moe.py): ties, a token's choices,
+experts several tokens chose and experts none chose, against a dense reference that runs
+every expert on every token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagewire.executor.models.model_config import LlamaConfig
+from pagewire.executor.models.moe import SparseMoE
+from pagewire.executor.parallel import TensorParallel
+from pagewire.kernels import moe
+from pagewire.kernels.ops import TorchOps
+
+
+def test_route_breaks_ties_toward_the_lower_expert_and_renormalises():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0],      # three-way tie for the top
+                           [2.0, 2.0, -1.0, 5.0, 2.0]])
+    weights, experts = moe.route(logits, 2, normalize=False)
+    assert experts.tolist() == [[1, 2], [3, 0]]
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(weights, torch.stack([probs[0, [1, 2]], probs[1, [3, 0]]]))
+    weights, _ = moe.route(logits, 2, normalize=True)
+    assert torch.allclose(weights[0], torch.tensor([0.5, 0.5]))
+    assert torch.allclose(weights.sum(-1), torch.ones(2))
+
+
+def test_route_softmax_is_float32_whatever_the_logits():
+    logits = torch.randn(4, 8).bfloat16()
+    weights, experts = moe.route(logits, 3, normalize=False)
+    ref_w, ref_e = torch.topk(torch.softmax(logits.float(), -1), 3)
+    assert weights.dtype == torch.float32 and torch.equal(weights, ref_w)
+    assert torch.equal(experts, ref_e)
+
+
+def test_by_expert_groups_tokens_in_order():
+    experts = torch.tensor([[3, 0], [0, 3], [5, 3]])
+    groups = [(e, t.tolist(), s.tolist()) for e, t, s in moe.by_expert(experts)]
+    assert groups == [(0, [0, 1], [1, 0]), (3, [0, 1, 2], [0, 1, 1]), (5, [2], [0])]
+
+
+def _moe(shared: bool, seed: int = 0) -> SparseMoE:
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, num_experts=6,
+                      experts_per_token=2, expert_intermediate_size=24, normalize_top_k=True,
+                      shared_expert_size=40 if shared else 0)
+    torch.manual_seed(seed)
+    block = SparseMoE(cfg, TensorParallel())
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    return block
+
+
+def _dense_reference(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by the route's weights (zero where unchosen)."""
+    weights, experts = moe.route(block.router(x), block.top_k, block.normalize)
+    dense = torch.zeros(x.shape[0], block.num_experts).scatter(1, experts, weights)
+    out = torch.zeros_like(x)
+    for e in range(block.num_experts):
+        gate, up = block.experts[str(e)].gate_up(x).chunk(2, -1)
+        out += dense[:, e:e + 1] * block.experts[str(e)].down(torch.nn.functional.silu(gate) * up)
+    if block.shared is not None:
+        gate, up = block.shared.gate_up(x).chunk(2, -1)
+        shared = block.shared.down(torch.nn.functional.silu(gate) * up)
+        out += torch.sigmoid(block.shared_gate(x)) * shared
+    return out
+
+
+class _CountingOps(TorchOps):
+    """Counts the rows each Linear multiplies."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[int, list[int]] = {}
+
+    def linear(self, linear, x):
+        self.rows.setdefault(id(linear), []).append(x.shape[0])
+        return super().linear(linear, x)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sparse_mlp_equals_every_expert_weighted(shared):
+    block = _moe(shared)
+    x = torch.randn(7, 32)
+    ops = _CountingOps()
+    with torch.no_grad():
+        out = moe.sparse_mlp(ops, block, x)
+        ref = _dense_reference(block, x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    _, experts = moe.route(block.router(x).detach(), 2, True)
+    for e in range(6):         # each chosen expert once, over all its tokens; the rest unread
+        chose = int((experts == e).any(-1).sum())
+        calls = ops.rows.get(id(block.experts[str(e)].gate_up), [])
+        assert calls == ([chose] if chose else [])
+
+
+def test_a_token_alone_reads_only_its_experts():
+    block = _moe(False, seed=3)
+    ops = _CountingOps()
+    with torch.no_grad():
+        moe.sparse_mlp(ops, block, torch.randn(1, 32))
+    read = [e for e in range(6) if id(block.experts[str(e)].down) in ops.rows]
+    assert len(read) == 2
