@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("cpu_kernels.cpp", "prefill_attention.cpp", "decode_attention.cpp",
                          "kv_cache.cpp", "sampling.cpp", "quant_kernels.cpp", "bf16_matmul.cpp",
-                         "decode_stack.cpp", "lora.cpp", "core_rates.cpp", "api_table.cpp")]
+                         "decode_stack.cpp", "moe.cpp", "lora.cpp", "core_rates.cpp",
+                         "api_table.cpp")]
 _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("pagewire_api.h", "bf16.h", "attention_tiles.h", "quant_tiles.h",
                          "quant_avx512.h", "quant_avx2.h", "quant_decode_bf16.h", "lora.h",
@@ -317,6 +318,16 @@ class Library:
         out = torch.empty((tokens, inter), dtype=gate_up.dtype)
         self.typed("pw_silu_and_mul", gate_up.dtype)(out.data_ptr(), gate_up.data_ptr(), tokens,
                                                      inter)
+        return out
+
+    def moe(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """The mixture-of-experts block `words` describes (kernels/moe.py native_spec, for
+        x's dtype) of x [T, H] contiguous -> [T, H]."""
+        _check_cpu(x, words)
+        if not x.is_contiguous() or x.dim() != 2 or words.dtype != torch.int64:
+            raise ValueError("moe: x must be contiguous [T, H], words int64")
+        out = torch.empty_like(x)
+        self.typed("pw_moe", x.dtype)(out.data_ptr(), x.data_ptr(), x.shape[0], words.data_ptr())
         return out
 
     def lora_delta(self, y: torch.Tensor, x: torch.Tensor, adapter_of_row: torch.Tensor,

@@ -166,6 +166,19 @@ class CpuOps(TorchOps):
     def silu_and_mul(self, gate_up):
         return self.lib.silu_and_mul(gate_up)
 
+    def rms_norm_flat_qk_(self, qkv, q_size, kv_size, q_weight, k_weight, eps):
+        for start, size, weight in ((0, q_size, q_weight), (q_size, kv_size, k_weight)):
+            part = qkv[:, start:start + size]
+            part.copy_(self.lib.add_rms_norm(part, None, weight, eps)[0])
+
+    def moe(self, sparse, x):
+        """csrc/moe.cpp where the block's layout is native (its native_spec), else torch's
+        grouping over this backend's linears."""
+        native = sparse.native_spec
+        if native is None or x.dtype != native.dtype or not x.is_contiguous():
+            return super().moe(sparse, x)
+        return self.lib.moe(x, native.words)
+
     def lora_delta(self, y, x, lora, slot):
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)
 

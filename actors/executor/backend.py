@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagewire import memory_budget
-from pagewire.kernels import quant
+from pagewire.kernels import moe, quant
 from pagewire.kernels.attention import AttentionBatch
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
@@ -30,6 +30,7 @@ from .decode_layout import batch_to
 from .linear_blocks import keep_bf16_tiles, keep_quantized
 from .loader import TORCH_DTYPES, read_model
 from .models.fused_decode import FusedDecode
+from .models.moe import SparseMoE
 from .sampler import sample
 
 # How each GGML type's weights meet their activations (kernels/quant.py ROUNDINGS), by
@@ -96,6 +97,9 @@ class Backend:
         if config.model.model_info.format == "hf":
             _own_memory(model)
         huge_pages.back_model(model, self._arenas)
+        for block in model.modules():     # where the tiles now lie (after back_model's moves)
+            if isinstance(block, SparseMoE):
+                block.native_spec = moe.native_spec(block, caps.block_kinds)
 
     @property
     def kv_device(self) -> torch.device | None:

@@ -84,6 +84,9 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
         for name, weight in _packed_weights(info, model, roundings, rounded):
             linear = model.get_submodule(name)
             tokens = max_tokens if max_tokens is not None else auto.tokens(weight)
+            if ".experts." in name or ".shared." in name:
+                tokens = -1     # an expert's blocks serve every step: dense copies of all a
+                #                 model's experts would cost its whole size for a step's few
             linear.use_quantized(weight, tokens if tokens > 0 else sys.maxsize)
             if tokens < 0:
                 linear.drop_float()

@@ -40,10 +40,17 @@ SHAPES = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        intermediate_size=18944, tie_word_embeddings=False,
                        rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # Mixture of experts: 64 experts of 1024 rows, 8 a token (GGUF only: a Hugging Face
+    # directory's experts are one tensor each, which tensor_plan does not lay out).
+    "olmoe-1b-7b": dict(architecture="OlmoeForCausalLM", hidden_size=2048,
+                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                        intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+                        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5),
 }
 FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16")
 MAX_POSITION = 32768          # a 32k context is servable
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "OlmoeForCausalLM": "olmoe"}
 
 # GGML type -> (bytes per block, weights per block, (byte offset of an fp16 scale, low,
 # high) for each scale field). Every other byte may be anything: all bit patterns are valid
@@ -108,7 +115,7 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
     def kind(hf_name: str, dims: tuple[int, ...]) -> str:
         if fmt == "bf16":
             return "BF16"
-        if len(dims) == 1:
+        if len(dims) == 1 or hf_name.endswith("mlp.gate.weight"):   # routers stay float32
             return "F32"
         return "Q4_K" if fmt == "Q4_K_M" and "embed" in hf_name else tensor_type(fmt, hf_name)
 
@@ -122,15 +129,34 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
             if bias:
                 rows.append((f"{hf}self_attn.{proj}_proj.bias", f"{gg}attn_{short}.bias",
                              (out,)))
+        if shape.get("num_experts"):                         # OLMoE: q/k norms, experts
+            rows += [(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", (q_rows,)),
+                     (hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", (kv_rows,))]
         rows += [(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", (hidden, q_rows)),
-                 (hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (hidden,)),
-                 (hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", (inter, hidden)),
-                 (hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (inter, hidden)),
-                 (hf + "mlp.down_proj.weight", gg + "ffn_down.weight", (hidden, inter))]
+                 (hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (hidden,))]
+        rows += _mlp_rows(shape, hf, gg)
     rows.append(("model.norm.weight", "output_norm.weight", (hidden,)))
     if not shape["tie_word_embeddings"]:
         rows.append(("lm_head.weight", "output.weight", (vocab_size, hidden)))
     return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in rows]
+
+
+def _mlp_rows(shape: dict, hf: str, gg: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A layer's MLP tensors: dense, or a router and three stacks of experts [E, rows, cols]
+    (named by their merged Hugging Face form, as llama.cpp's converter sees them)."""
+    hidden, inter, experts = shape["hidden_size"], shape["intermediate_size"], \
+        shape.get("num_experts")
+    if not experts:
+        return [(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", (inter, hidden)),
+                (hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (inter, hidden)),
+                (hf + "mlp.down_proj.weight", gg + "ffn_down.weight", (hidden, inter))]
+    return [(hf + "mlp.gate.weight", gg + "ffn_gate_inp.weight", (experts, hidden)),
+            (hf + "mlp.experts.gate_proj.weight", gg + "ffn_gate_exps.weight",
+             (experts, inter, hidden)),
+            (hf + "mlp.experts.up_proj.weight", gg + "ffn_up_exps.weight",
+             (experts, inter, hidden)),
+            (hf + "mlp.experts.down_proj.weight", gg + "ffn_down_exps.weight",
+             (experts, hidden, inter))]
 
 
 def random_blocks(ggml_type: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -193,9 +219,9 @@ def write_gguf_model(path: str, shape: dict, fmt: str, tokenizer_meta: dict | No
                                    4 * int(np.prod(t.dims)))
         else:
             size, per, _ = BLOCKS[t.ggml_type]
-            byte_shape = (t.dims[0], t.dims[1] // per * size)
+            byte_shape = (*t.dims[:-1], t.dims[-1] // per * size)
             writer.add_tensor_info(t.gguf_name, byte_shape, np.dtype(np.uint8),
-                                   byte_shape[0] * byte_shape[1],
+                                   int(np.prod(byte_shape)),
                                    raw_dtype=gguf.GGMLQuantizationType[t.ggml_type])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -203,7 +229,7 @@ def write_gguf_model(path: str, shape: dict, fmt: str, tokenizer_meta: dict | No
     rng = np.random.default_rng(seed)
     for t in plan:
         data = _small_values(t, rng) if t.ggml_type == "F32" else \
-            random_blocks(t.ggml_type, t.dims[0], t.dims[1], rng)
+            random_blocks(t.ggml_type, int(np.prod(t.dims[:-1])), t.dims[-1], rng)
         writer.write_tensor_data(data)
         del data
     writer.close()
@@ -276,6 +302,8 @@ def write_hf_model(path: str, shape: dict, tokenizer_dir: str | None = None, see
     """Write a bfloat16 Hugging Face directory of `shape` at `path` (via path + ".part",
     renamed when whole): sharded safetensors with their index, config.json, and the tokenizer
     files of `tokenizer_dir` (default: the default model's tokenizer)."""
+    if shape.get("num_experts"):
+        raise ValueError("mixture-of-experts shapes are written as GGUF only")
     meta = default_tokenizer_meta()
     vocab = len(meta["tokenizer.ggml.tokens"])
     plan = tensor_plan(shape, "bf16", vocab)

@@ -27,6 +27,8 @@ int64_t arity(int64_t op) {
     case PW_OP_ROPE: return 3;
     case PW_OP_ATTEND: return 11;
     case PW_OP_SILU_MUL: return 0;
+    case PW_OP_MOE: return 1;
+    case PW_OP_QK_NORM_FLAT: return 5;
     default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
   }
 }
@@ -41,6 +43,7 @@ template <typename T> struct Kernels;
     static constexpr auto attend = pw_decode_attention_##sfx;                                \
     static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
     static constexpr auto write_q8 = pw_write_kv_q8_##sfx;                                   \
+    static constexpr auto moe = pw_moe_##sfx;                                                \
   };
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
@@ -201,6 +204,25 @@ struct Machine {
     cur = out, width /= 2;
   }
 
+  // cur: qkv; its q columns normed as one vector, then its k columns (CpuOps.rms_norm_flat_qk_)
+  void qk_norm_flat(const int64_t* o) {
+    T* out = next();
+    for (int part = 0; part < 2; ++part) {
+      const int64_t start = part ? o[2] : 0, size = o[2 + part];
+      Kernels<T>::norm(out, nullptr, cur + start, ptr<T>(o[part]), tokens, size, width,
+                       real(o[4]));
+      for (int64_t t = 0; t < tokens; ++t)
+        std::memcpy(cur + t * width + start, out + t * size, size * sizeof(T));
+    }
+  }
+
+  // cur: [tokens, hidden] -> the mixture-of-experts block's output (moe.cpp); o[0]: its spec
+  void moe(const int64_t* o) {
+    T* out = next();
+    Kernels<T>::moe(out, cur, tokens, ptr<int64_t>(o[0]));
+    cur = out;
+  }
+
   void step(int64_t op, const int64_t* o) {
     switch (op) {
       case PW_OP_ADD_NORM: add_norm(o, true); break;
@@ -209,6 +231,8 @@ struct Machine {
       case PW_OP_ROPE: rope(o); break;
       case PW_OP_ATTEND: attend(o); break;
       case PW_OP_SILU_MUL: silu_mul(); break;
+      case PW_OP_MOE: moe(o); break;
+      case PW_OP_QK_NORM_FLAT: qk_norm_flat(o); break;
     }
   }
 };

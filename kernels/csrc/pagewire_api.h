@@ -44,10 +44,29 @@ enum PwOp : int64_t {
   // x = sum of x over the tensor-parallel ranks (the row-parallel linear before it leaves
   // float32 partials, summed in float32 and rounded once); per-op
   PW_OP_ALL_REDUCE = 9,
-  // rms_norm of all query heads of qkv as one vector, and of all key heads (OLMoE); per-op
+  // rms_norm of all query heads of qkv as one vector, and of all key heads (OLMoE), in
+  // place; q weight, k weight, q width, k width, eps bits
   PW_OP_QK_NORM_FLAT = 10,
-  // x = the routed experts' weighted sum (models/moe.py, kernels/moe.py); per-op
+  // x = the routed experts' weighted sum (models/moe.py): moe.cpp's pw_moe; its spec (PwMoe)
   PW_OP_MOE = 11,
+};
+
+// A mixture-of-experts block as moe.cpp reads it: int64 words at these indices, then per
+// expert its gate/up and down weights' tables (kernels/quant.py QuantWeight.table; 0 and 0:
+// an expert another rank holds). The router's and the shared gate's weights are the
+// activations' dtype, [experts, hidden] and [hidden]; no shared expert: its three words 0.
+enum PwMoe : int64_t {
+  PW_MOE_EXPERTS = 0,
+  PW_MOE_TOP_K = 1,
+  PW_MOE_NORMALIZE = 2,         // 1: the top k's weights rescaled to sum to one
+  PW_MOE_HIDDEN = 3,
+  PW_MOE_INTER = 4,             // an expert's intermediate rows
+  PW_MOE_ROUTER = 5,
+  PW_MOE_SHARED_GATE_UP = 6,
+  PW_MOE_SHARED_DOWN = 7,
+  PW_MOE_SHARED_GATE = 8,
+  PW_MOE_SHARED_INTER = 9,
+  PW_MOE_EXPERT_TABLES = 10,
 };
 
 // A packed weight's tile type (quant_tiles.h; kernels/quant.py packs them): the GGML type id
@@ -228,6 +247,13 @@ PW_API(void, pw_quant_matmul_bf16, (int64_t kind, pw_bf16* out, int64_t out_stri
                                     const uint8_t* packed, int64_t N, int64_t K))
 // Whether this build has the quantized matmuls (every tier from AVX2 up).
 PW_API(int64_t, pw_quant_matmuls, ())
+
+// --- moe.cpp
+// out [tokens, H] = the mixture-of-experts block `spec` (PwMoe) of x [tokens, H], both
+// contiguous, bfloat16 or float32 as the block's router weight is.
+PW_API(void, pw_moe_f32, (float* out, const float* x, int64_t tokens, const int64_t* spec))
+PW_API(void, pw_moe_bf16, (pw_bf16* out, const pw_bf16* x, int64_t tokens,
+                           const int64_t* spec))
 
 // --- decode_stack.cpp
 // x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the

@@ -78,6 +78,8 @@ def _check_greedy(llm, ref: str, label: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
                                                    tokenizer_meta, case):
+    """Every block runs natively (csrc/moe.cpp) and decode steps through the fused stack but
+    where a layer has an op the stack lacks (Qwen3-MoE's per-head q/k norms)."""
     path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)
@@ -85,10 +87,38 @@ def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
     blocks = [sparse for sparse in model.modules() if isinstance(sparse, SparseMoE)]
     assert blocks and len(blocks[0].experts) == model.cfg.num_experts
     for sparse in blocks:            # every expert's weights: the file's blocks, no float copy
+        assert sparse.native_spec is not None
         for expert in sparse.experts.values():
             for linear in (expert.gate_up, expert.down):
                 assert linear.quantized is not None and linear.weight is None
+    assert (model.fused_decode is not None) == (not case.startswith("qwen3"))
     _check_greedy(llm, ref, case)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer_dir,
+                                                        tokenizer_meta, dtype):
+    """OLMoE (flat q/k norms, experts): the fused stack's hidden states and KV writes are the
+    per-op path's bit for bit."""
+    from tests.actors.test_fused_decode import decode_step
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
+    runner = LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=512).runner
+    model, fused = runner.model, runner.model.fused_decode
+    assert fused is not None
+    for contexts in ([1], [37, 5, 200], [3 + 7 * i for i in range(9)]):
+        ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
+        ids = ids % VOCAB
+        caches = [c.clone() for c in runner.kv_caches]
+        with torch.inference_mode():
+            model.use_fused_decode(None)
+            expected = model(ids, positions, runner.kv_caches, batch)
+            model.use_fused_decode(fused)
+            written = [c.clone() for c in runner.kv_caches]
+            for cache, before in zip(runner.kv_caches, caches):
+                cache.copy_(before)
+            got = model(ids, positions, runner.kv_caches, batch)
+        assert torch.equal(got, expected)
+        assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
 
 
 def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, tokenizer_meta, tier):
@@ -122,8 +152,8 @@ def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, tokeni
     path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
     linears = sum(isinstance(m, Linear) for m in llm.runner.model.modules())
-    # 3 layers x (qkv, o, router, 6 experts x 2) + the LM head
-    assert linears == 3 * (2 + 1 + 12) + 1
+    # 3 layers x (qkv, o, 6 experts x 2) + the LM head; the routers are plain float ones
+    assert linears == 3 * (2 + 12) + 1
     assert f"over {linears} Linears" in holdings(llm.runner.model)
     assert torch.get_num_threads() >= 1
 

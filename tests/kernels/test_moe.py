@@ -42,8 +42,8 @@ def test_by_expert_groups_tokens_in_order():
 def _moe(shared: bool, seed: int = 0) -> SparseMoE:
     cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, num_experts=6,
-                      experts_per_token=2, expert_intermediate_size=24, normalize_top_k=True,
-                      shared_expert_size=40 if shared else 0)
+                      experts_per_token=2, expert_intermediate_size=32, normalize_top_k=True,
+                      shared_expert_size=64 if shared else 0)
     torch.manual_seed(seed)
     block = SparseMoE(cfg, TensorParallel())
     with torch.no_grad():
@@ -102,3 +102,57 @@ def test_a_token_alone_reads_only_its_experts():
         moe.sparse_mlp(ops, block, torch.randn(1, 32))
     read = [e for e in range(6) if id(block.experts[str(e)].down) in ops.rows]
     assert len(read) == 2
+
+
+def _quantized_moe(lib, shared: bool, dtype: torch.dtype) -> SparseMoE:
+    """_moe's block, its experts' weights Q8_0 tiles serving every step (random blocks)."""
+    import sys
+
+    import numpy as np
+
+    from pagewire.kernels import quant
+    from pagewire.testing.gguf_writer import random_blocks
+    block = _moe(shared, seed=5).to(dtype)
+    rng = np.random.default_rng(0)
+    experts = [*block.experts.values(), *([block.shared] if shared else [])]
+    for linear in (lin for e in experts for lin in (e.gate_up, e.down)):
+        rows = random_blocks("Q8_0", linear.out_features, linear.in_features, rng)
+        linear.use_quantized(quant.pack(quant.Q8_0, rows, linear.in_features, lib), sys.maxsize)
+        linear.drop_float()
+    return block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_native_block_equals_torch_grouping(native_lib, dtype, shared):
+    """csrc/moe.cpp (CpuOps.moe) against kernels/moe.py's grouping over the same tiles, on
+    each tier: a token alone, a few, and more tokens than experts (every expert chosen)."""
+    from pagewire.kernels.ops import CpuOps
+    block = _quantized_moe(native_lib, shared, dtype)
+    ops = CpuOps(native_lib)
+    block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
+    assert block.native_spec is not None
+    torch.manual_seed(2)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=2e-2)
+    for tokens in (1, 3, 17):
+        x = torch.randn(tokens, 32).to(dtype)
+        with torch.no_grad():
+            got = ops.moe(block, x)
+            want = moe.sparse_mlp(TorchOps(), block, x)
+            # tokens whose k-th and next expert nearly tie may choose either (the router's
+            # float32 sums are added in another order)
+            probs = torch.softmax(x.float() @ block.router.weight.float().T, -1)
+            top = probs.sort(-1, descending=True).values
+            clear = top[:, 1] - top[:, 2] > 1e-4
+        assert got.dtype == dtype
+        assert torch.allclose(got.float()[clear], want.float()[clear], **tol), tokens
+
+
+def test_native_spec_refuses_what_the_kernels_cannot_run(native_lib):
+    from pagewire.kernels.ops import CpuOps
+    kinds = CpuOps(native_lib).capabilities.block_kinds
+    assert moe.native_spec(_moe(False), kinds) is None        # float experts: torch's path
+    block = _quantized_moe(native_lib, False, torch.float32)
+    assert moe.native_spec(block, kinds) is not None
+    block.float_partial = True                                 # a rank's partial sum
+    assert moe.native_spec(block, kinds) is None

@@ -36,14 +36,20 @@ def local_experts(num_experts: int, tp: TensorParallel, expert_parallel: bool) -
 class SparseMoE(nn.Module):
     """The router (replicated on every rank), this rank's experts by global index
     (`experts["5"]`), and Qwen2-MoE's gated shared expert. `top_k`, `normalize` and
-    `num_experts` are the routing's settings (kernels/moe.py route)."""
+    `num_experts` are the routing's settings (kernels/moe.py route). The router and the
+    shared expert's gate are plain torch Linears, never packed or quantized: their float32
+    products (kernels/moe.py) read the weights as loaded. `native_spec`: the native kernels'
+    description of the block (kernels/moe.py native_spec), which the backend's prepare sets
+    where they run it."""
+
+    native_spec = None
 
     def __init__(self, cfg, tp: TensorParallel, expert_parallel: bool = False):
         super().__init__()
         partial = tp.size > 1
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.normalize, self.float_partial = cfg.normalize_top_k, partial
-        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         inter = cfg.expert_intermediate_size if expert_parallel else \
             _share(cfg.expert_intermediate_size, tp)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial) for e in
@@ -51,7 +57,7 @@ class SparseMoE(nn.Module):
         self.shared = self.shared_gate = None
         if cfg.shared_expert_size:
             self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial)
-            self.shared_gate = Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
 
 def _share(rows: int, tp: TensorParallel) -> int:

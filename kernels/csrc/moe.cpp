@@ -1,0 +1,210 @@
+// A mixture-of-experts MLP over a step's tokens in one call (models/moe.py, kernels/moe.py):
+// the router's float32 logits, their softmax, the top k (ties: the lower expert first), each
+// chosen expert run once over the tokens that chose it (its gate/up and down weights as
+// packed tiles, kernels/quant.py), their outputs weighted and summed in float32 in expert
+// order, then the gated shared expert, rounded once. An expert no token chose is never read.
+//
+// CpuOps.moe calls this for every step and the fused decode's MOE op (decode_stack.cpp) for
+// decode steps, so both paths give the same bits. The block is described by int64 words
+// (pagewire_api.h PwMoe, laid out by kernels/moe.py native_spec).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "bf16.h"
+#include "pagewire_api.h"
+#include "quant_tiles.h"
+
+using bf16 = uint16_t;
+
+namespace {
+
+template <typename T> const T* ptr(int64_t word) { return reinterpret_cast<const T*>(word); }
+
+// Rows [r0, r1) of out [tokens, n] (rows out_stride apart) = x [tokens, k] @ W^T, for a
+// weight's table (kernels/quant.py QuantWeight: count, column order (0 here), then tiles,
+// kind, rows a segment): each segment where it meets them (r0, r1 multiples of 16).
+template <typename T>
+void table_rows(T* out, int64_t out_stride, const T* x, int64_t k, int64_t tokens,
+                const int64_t* table, int64_t r0, int64_t r1) {
+  for (int64_t s = 0, row = 0; s < table[0]; row += table[2 + 3 * s + 2], ++s) {
+    const int64_t* seg = table + 2 + 3 * s;
+    const int64_t lo = std::max(r0, row), hi = std::min(r1, row + seg[2]);
+    if (lo >= hi) continue;
+    const uint8_t* tiles = ptr<uint8_t>(seg[0]) + (lo - row) / 16 *
+                           pw::quant_group_bytes(seg[1], k);
+    pw::quant_matmul<T>(seg[1])(out + lo, out_stride, x, k, tokens, tiles, hi - lo, k);
+  }
+}
+
+// x [tokens, h] . w [rows, h] in float32: out [tokens, rows].
+template <typename T>
+void float_product(float* out, const T* x, int64_t tokens, const T* w, int64_t rows,
+                   int64_t h) {
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> xf(h);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < h; ++j) xf[j] = pw::to_float(x[t * h + j]);
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < h; ++j) acc += xf[j] * pw::to_float(w[r * h + j]);
+        out[t * rows + r] = acc;
+      }
+    }
+  });
+}
+
+// Softmax of one token's logits, its top k experts (descending, ties to the lower index)
+// and their weights, renormalised to sum to one where asked.
+void route(const float* logits, int64_t experts, int64_t k, bool normalize, int64_t* ids,
+           float* weights) {
+  std::vector<float> p(logits, logits + experts);
+  const float top = *std::max_element(p.begin(), p.end());
+  float sum = 0.f;
+  for (float& v : p) sum += (v = std::exp(v - top));
+  for (float& v : p) v /= sum;
+  std::vector<int64_t> order(experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+    return p[a] > p[b] || (p[a] == p[b] && a < b);
+  });
+  float chosen = 0.f;
+  for (int64_t j = 0; j < k; ++j) chosen += (weights[j] = p[order[j]]), ids[j] = order[j];
+  if (normalize)
+    for (int64_t j = 0; j < k; ++j) weights[j] /= chosen;
+}
+
+template <typename T> struct Silu;
+template <> struct Silu<float> { static constexpr auto fn = pw_silu_and_mul_f32; };
+template <> struct Silu<bf16> { static constexpr auto fn = pw_silu_and_mul_bf16; };
+
+// One expert's share of a call: its `count` rows (tokens) from `first` in the gathered rows,
+// their output scales, its width and weights' tables, and where its values lie in scratch.
+struct Work {
+  int64_t first, count, inter;
+  const int64_t *gate_up, *down;
+  int64_t gate_up_at, act_at;     // offsets into the gate/up and activation scratch
+};
+
+// Rows a task of a phase multiplies where the experts are too few to give every thread two
+// of them whole: small enough to share them out, large enough that a task's call (which
+// prepares its activations anew) costs little beside its bytes.
+constexpr int64_t kTaskRows = 256;
+
+// Runs `rows_of(w)` output rows of every work item's product in one parallel region: the
+// threads share all of a phase's experts, not each expert's rows in turn; whole experts a
+// task where there are enough of them.
+template <typename Fn, typename Rows>
+void each_task(const std::vector<Work>& work, Rows rows_of, Fn fn) {
+  const int64_t items = work.size();
+  const bool whole = items >= 2 * at::get_num_threads();
+  std::vector<std::pair<int64_t, int64_t>> tasks;      // (work item, first row)
+  for (int64_t i = 0; i < items; ++i)
+    for (int64_t r = 0; r < rows_of(work[i]); r += whole ? rows_of(work[i]) : kTaskRows)
+      tasks.emplace_back(i, r);
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const Work& w = work[tasks[t].first];
+      fn(w, tasks[t].second, whole ? rows_of(w) : std::min(tasks[t].second + kTaskRows,
+                                                           rows_of(w)));
+    }
+  });
+}
+
+// acc [token] += scale * expert(x [token]) for every work item, in order: gate/up of all of
+// them in one parallel region, SiLU, then down likewise, then the weighted sums.
+template <typename T>
+void run_experts(float* acc, const T* x, const std::vector<Work>& work,
+                 const std::vector<int64_t>& rows, const std::vector<float>& scale,
+                 int64_t hidden) {
+  // the calling thread's scratch, named by reference: the lambdas below run on the pool's
+  // threads, where a thread_local's name would mean their own (empty) copies
+  thread_local std::vector<T> scratch[4];
+  auto &xs = scratch[0], &gate_up = scratch[1], &act = scratch[2], &y = scratch[3];
+  const int64_t total = rows.size();
+  const Work& last = work.back();
+  xs.resize(total * hidden), y.resize(total * hidden);
+  gate_up.resize(last.gate_up_at + last.count * 2 * last.inter);
+  act.resize(last.act_at + last.count * last.inter);
+  for (int64_t i = 0; i < total; ++i)
+    std::memcpy(&xs[i * hidden], x + rows[i] * hidden, hidden * sizeof(T));
+  each_task(work, [](const Work& w) { return 2 * w.inter; }, [&](const Work& w, int64_t r0,
+                                                                 int64_t r1) {
+    table_rows<T>(&gate_up[w.gate_up_at], 2 * w.inter, &xs[w.first * hidden], hidden, w.count,
+                  w.gate_up, r0, r1);
+  });
+  for (const Work& w : work)
+    Silu<T>::fn(&act[w.act_at], &gate_up[w.gate_up_at], w.count, w.inter);
+  each_task(work, [&](const Work&) { return hidden; }, [&](const Work& w, int64_t r0,
+                                                          int64_t r1) {
+    table_rows<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w.count, w.down, r0,
+                  r1);
+  });
+  for (int64_t i = 0; i < total; ++i) {
+    float* a = acc + rows[i] * hidden;
+    for (int64_t j = 0; j < hidden; ++j) a[j] += scale[i] * pw::to_float(y[i * hidden + j]);
+  }
+}
+
+// Appends a work item of `n` rows (already in rows) with its tables.
+void add_work(std::vector<Work>& work, int64_t n, int64_t inter, const int64_t* gate_up,
+              const int64_t* down) {
+  const Work* prev = work.empty() ? nullptr : &work.back();
+  const int64_t first = prev ? prev->first + prev->count : 0;
+  const int64_t gu = prev ? prev->gate_up_at + prev->count * 2 * prev->inter : 0;
+  const int64_t act = prev ? prev->act_at + prev->count * prev->inter : 0;
+  work.push_back(Work{first, n, inter, gate_up, down, gu, act});
+}
+
+template <typename T>
+void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
+  const int64_t experts = spec[PW_MOE_EXPERTS], k = spec[PW_MOE_TOP_K];
+  const int64_t hidden = spec[PW_MOE_HIDDEN], inter = spec[PW_MOE_INTER];
+  const int64_t* tables = spec + PW_MOE_EXPERT_TABLES;          // [experts][gate_up, down]
+  std::vector<float> logits(tokens * experts), weights(tokens * k), acc(tokens * hidden, 0.f);
+  std::vector<int64_t> ids(tokens * k);
+  float_product<T>(logits.data(), x, tokens, ptr<T>(spec[PW_MOE_ROUTER]), experts, hidden);
+  for (int64_t t = 0; t < tokens; ++t)
+    route(&logits[t * experts], experts, k, spec[PW_MOE_NORMALIZE] != 0, &ids[t * k],
+          &weights[t * k]);
+  std::vector<Work> work;
+  std::vector<int64_t> rows;
+  std::vector<float> scale;
+  for (int64_t e = 0; e < experts; ++e) {     // each chosen expert once, its tokens ascending
+    if (tables[2 * e] == 0) continue;         // another rank's
+    const size_t before = rows.size();
+    for (int64_t i = 0; i < tokens * k; ++i)
+      if (ids[i] == e) rows.push_back(i / k), scale.push_back(weights[i]);
+    if (rows.size() > before)
+      add_work(work, rows.size() - before, inter, ptr<int64_t>(tables[2 * e]),
+               ptr<int64_t>(tables[2 * e + 1]));
+  }
+  if (spec[PW_MOE_SHARED_GATE_UP]) {          // Qwen2-MoE: sigmoid(x . g) * shared(x)
+    std::vector<float> gate(tokens);
+    float_product<T>(gate.data(), x, tokens, ptr<T>(spec[PW_MOE_SHARED_GATE]), 1, hidden);
+    for (int64_t t = 0; t < tokens; ++t)
+      rows.push_back(t), scale.push_back(1.f / (1.f + std::exp(-gate[t])));
+    add_work(work, tokens, spec[PW_MOE_SHARED_INTER],
+             ptr<int64_t>(spec[PW_MOE_SHARED_GATE_UP]), ptr<int64_t>(spec[PW_MOE_SHARED_DOWN]));
+  }
+  if (!work.empty()) run_experts<T>(acc.data(), x, work, rows, scale, hidden);
+  for (int64_t i = 0; i < tokens * hidden; ++i) pw::from_float(acc[i], &out[i]);
+}
+
+}  // namespace
+
+extern "C" {   // pagewire_api.h
+
+void pw_moe_f32(float* out, const float* x, int64_t tokens, const int64_t* spec) {
+  moe<float>(out, x, tokens, spec);
+}
+void pw_moe_bf16(bf16* out, const bf16* x, int64_t tokens, const int64_t* spec) {
+  moe<bf16>(out, x, tokens, spec);
+}
+
+}  // extern "C"
