@@ -100,6 +100,7 @@ class ParallelConfig(_Section):
     """Executor ranks: how many, how the model and its tokens split, how remote ones attach."""
     tensor_parallel_size: int = 1            # executor ranks, each holding a share of the model
     decode_context_parallel_size: int = 1    # ranks of a KV head splitting its tokens
+    enable_expert_parallel: bool = False     # ranks hold whole experts, not slices of each
     executors: str = LOCAL                   # EXECUTORS: local: the engine starts every rank;
                                              # external: ranks 1.. attach at `listen`
     listen: str | None = None                # tcp://HOST:PORT where external ranks attach

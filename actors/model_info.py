@@ -104,15 +104,18 @@ def resolve_model(model: str | None) -> ModelInfo:
     return info
 
 
+# What an architecture cannot do yet, by option (README's table): LoRA adapters of experts;
+# OLMoE's q/k norms span every head, which tensor parallelism would split.
+_UNBUILT = {**{arch: ("--enable-lora",) for arch in MOE_ARCHITECTURES},
+            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1")}
+
+
 def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
     """Refuse, by name, an option asked for (`asked`: option -> whether it is) that the
-    model's architecture cannot do yet (README's table of architectures)."""
-    if info.architecture not in MOE_ARCHITECTURES:
-        return
-    for what in ("--enable-lora", "--tensor-parallel-size > 1"):
+    model's architecture cannot do yet."""
+    for what in _UNBUILT.get(info.architecture, ()):
         if asked.get(what):
-            raise ValueError(f"{info.architecture} (mixture of experts) with {what} is not "
-                             "supported yet")
+            raise ValueError(f"{info.architecture} with {what} is not supported yet")
 
 
 def check_architecture(architecture: str, path: str) -> None:
@@ -194,7 +197,8 @@ def _hf_info(path: str) -> ModelInfo:
         head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
         eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],
         rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
-        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") else None,
+        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+        else None,
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
         intermediate_size=int(text_cfg.get("intermediate_size") or 0),
         stored_quantization=scheme.packing if scheme else "")

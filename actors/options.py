@@ -194,6 +194,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     "tensor parallelism": (
         Option("tensor_parallel_size", "executor ranks, each holding a share of the model (see "
                "\"Tensor parallelism\")", flags=("--tensor-parallel-size", "-tp")),
+        Option("enable_expert_parallel", "a mixture of experts' ranks each hold whole experts "
+               "(a contiguous share of them) instead of a slice of every expert (see \"Tensor "
+               "parallelism\")"),
         Option("decode_context_parallel_size", "ranks of a KV head that split its tokens instead "
                "of each holding them all: N times the context in the same KV memory (see "
                "\"Context parallelism\")", flags=("--decode-context-parallel-size", "-dcp")),

@@ -166,6 +166,15 @@ class CpuOps(TorchOps):
     def silu_and_mul(self, gate_up):
         return self.lib.silu_and_mul(gate_up)
 
+    def rms_norm_heads_(self, qkv, num_heads, num_kv_heads, head_dim, q_weight, k_weight, eps):
+        """The native norm over every token's heads as rows, as the fused stack's QK_NORM."""
+        t = qkv.shape[0]
+        for start, heads, weight in ((0, num_heads, q_weight),
+                                     (num_heads * head_dim, num_kv_heads, k_weight)):
+            part = qkv[:, start:start + heads * head_dim]
+            rows = part.reshape(t * heads, head_dim)          # a copy: heads as rows
+            part.copy_(self.lib.add_rms_norm(rows, None, weight, eps)[0].view(part.shape))
+
     def rms_norm_flat_qk_(self, qkv, q_size, kv_size, q_weight, k_weight, eps):
         for start, size, weight in ((0, q_size, q_weight), (q_size, kv_size, k_weight)):
             part = qkv[:, start:start + size]

@@ -21,7 +21,7 @@ from pagewire.model_info import ModelInfo
 
 from . import checkpoint_formats, huge_pages, tile_cache
 from .gguf_weights import read_blocks
-from .loader import gguf_header, hf_scheme, one_thread, read_safetensors
+from .loader import gguf_header, held_linear_sources, hf_scheme, one_thread, read_safetensors
 from .parallel import shard_blocks, shard_rows
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def _linear_blocks(info: ModelInfo, model) -> Iterator[tuple[str, LinearBlocks]]
     (concatenated by rows) as fuse_weights fuses the float weights. A GGUF file's are read
     one Linear at a time, so loading holds one Linear's raw blocks beside the packed tiles,
     not the whole file's (an 8B file's blocks are 4.7 GB)."""
-    sources = model.linear_sources(model.cfg)
+    sources = held_linear_sources(model)
     if info.format == "gguf":
         for module_name, names in sources.items():
             stored = _gguf_blocks(info, model.cfg, names)

@@ -105,15 +105,24 @@ PlaceBlocks = Callable[[nn.Module, "dict | None"], int]
 
 def _blocks_only_sources(model: nn.Module, cfg) -> frozenset[str]:
     """The Hugging Face tensors only Linears that keep no float weight read (their blocks
-    serve every step): the loader need not read them. The embedding is read unless it looks
+    serve every step) or other ranks' Linears read: the loader need not read them. The embedding is read unless it looks
     its rows up from blocks (block_embedding.py): a tied LM head that keeps blocks still
     leaves a float table's rows to look up."""
     sources = model.linear_sources(cfg)
-    skip = {src for name, names in sources.items()
-            if getattr(model.get_submodule(name), "weight", 0) is None for src in names}
+    held = held_linear_sources(model)
+    skip = {src for name, names in sources.items() if name not in held
+            or getattr(model.get_submodule(name), "weight", 0) is None for src in names}
     if isinstance(model.embed, BlockEmbedding):
         return frozenset(skip | {"model.embed_tokens.weight"})
     return frozenset(skip - {"model.embed_tokens.weight"})
+
+
+def held_linear_sources(model: nn.Module) -> dict[str, list[str]]:
+    """model.linear_sources for the Linears this rank holds: with expert parallelism, the
+    other ranks' experts are none of its modules (and their tensors are not read)."""
+    held = {name for name, _ in model.named_modules()}
+    return {name: names for name, names in model.linear_sources(model.cfg).items()
+            if name in held}
 
 
 def _hf_config(path: str) -> dict:

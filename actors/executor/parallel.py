@@ -35,6 +35,13 @@ def split_range(n: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+def local_experts(num_experts: int, tp: "TensorParallel", expert_parallel: bool) -> range:
+    """The experts of a mixture a rank holds: all of them (tensor parallel: a slice of each)
+    or, with expert parallelism, its contiguous share of them, whole."""
+    return range(*split_range(num_experts, tp.size, tp.rank)) if expert_parallel \
+        else range(num_experts)
+
+
 @dataclass(frozen=True)
 class HeadShare:
     q_start: int
@@ -165,20 +172,31 @@ class Shares:
     sizes: tuple[int, int, int]     # qkv's q, k, v rows
     inter: slice       # rows of gate and of up, columns of down
     vocab: slice       # rows of the embedding and the LM head
+    experts: range     # the experts a rank holds (all but with expert parallel)
+    expert_inter: slice  # an expert's rows it holds (all of them with expert parallel)
+    shared_inter: slice  # the shared expert's rows it holds
 
     @classmethod
     def of(cls, cfg, tp: TensorParallel) -> "Shares":
         heads = tp.heads(cfg.num_heads, cfg.num_kv_heads)
         d = cfg.head_dim
+        inter = cfg.expert_intermediate_size
         return cls(slice(heads.q_start * d, (heads.q_start + heads.num_q) * d),
                    slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d),
                    (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
                    slice(*split_range(cfg.intermediate_size, tp.size, tp.rank)),
-                   slice(*tp.vocab(cfg.vocab_size)))
+                   slice(*tp.vocab(cfg.vocab_size)),
+                   local_experts(cfg.num_experts, tp, tp.expert_parallel),
+                   slice(0, inter) if tp.expert_parallel else
+                   slice(*split_range(inter, tp.size, tp.rank)),
+                   slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)))
 
     def take(self, name: str, w: torch.Tensor, columns=None) -> torch.Tensor | None:
         """w's share: rows sliced here, columns (row-parallel weights) by `columns(w, cols)`
-        (default w[:, cols]), which may answer None: w cannot be cut there."""
+        (default w[:, cols]), which may answer None: w cannot be cut there (or, an expert
+        another rank holds, is none of this rank's)."""
+        if ".experts." in name or ".shared." in name:
+            return self._expert_share(name, w, columns)
         if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
             qw, kw, vw = w.split(list(self.sizes))
             return torch.cat([qw[self.q], kw[self.kv], vw[self.kv]])
@@ -193,6 +211,19 @@ class Shares:
             return w[self.vocab]
         return w
 
+    def _expert_share(self, name: str, w: torch.Tensor, columns) -> torch.Tensor | None:
+        """An expert's gate_up rows and down columns of this rank's intermediate slice (the
+        shared expert's likewise); None for an expert another rank holds."""
+        inter = self.shared_inter
+        if ".experts." in name:
+            if int(name.split(".experts.")[1].split(".")[0]) not in self.experts:
+                return None
+            inter = self.expert_inter
+        if name.endswith("gate_up.weight"):
+            gate, up = w.chunk(2)
+            return torch.cat([gate[inter], up[inter]])
+        return w[:, inter] if columns is None else columns(w, inter)
+
 
 def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This rank's share of a fused state dict. Shares are copies, so the full tensors can be
@@ -200,8 +231,9 @@ def shard_state(state: dict[str, torch.Tensor], cfg, tp: TensorParallel) -> dict
     if tp.size == 1:
         return state
     shares = Shares.of(cfg, tp)
-    out = {name: shares.take(name, w).clone() for name, w in state.items()}
-    if state.get("lm_head.weight") is state.get("embed.weight"):
+    out = {name: share.clone() for name, w in state.items()
+           if (share := shares.take(name, w)) is not None}
+    if "embed.weight" in state and state.get("lm_head.weight") is state["embed.weight"]:
         out["lm_head.weight"] = out["embed.weight"]          # tied: one copy
     return out
 
@@ -230,10 +262,13 @@ def shard_rows(segments: list[tuple[int, torch.Tensor]], name: str, cfg,
     float share takes, each from its segment, in order, runs of one type joined. Columns
     are not cut, so a column order (GPTQ act-order) holds for the share too. None for a
     row-parallel Linear (its columns would be cut)."""
-    if not name.endswith(("attn.qkv", "mlp.gate_up")):
+    if not name.endswith(("attn.qkv", "gate_up")):
         return None
     total = sum(raw.shape[0] for _, raw in segments)
-    rows = Shares.of(cfg, tp).take(name + ".weight", torch.arange(total)[:, None])[:, 0]
+    rows = Shares.of(cfg, tp).take(name + ".weight", torch.arange(total)[:, None])
+    if rows is None:                                     # an expert another rank holds
+        return None
+    rows = rows[:, 0]
     out: list[tuple[int, torch.Tensor]] = []
     start = 0
     for ggml_type, raw in segments:

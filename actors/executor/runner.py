@@ -8,6 +8,8 @@ tokens, and appends those tokens.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import numpy as np
 import torch
@@ -55,7 +57,9 @@ class ModelRunner:
         ranks_here = parallel.tensor_parallel_size if parallel.executors == LOCAL else 1
         torch.set_num_threads(config.device.threads or default_threads(ranks_here))
         torch.manual_seed(config.model.seed)   # unseeded sampling replays exactly from a trace
-        self.config, self.tp = config, tp or TensorParallel()
+        self.config = config
+        self.tp = dataclasses.replace(tp or TensorParallel(),
+                                      expert_parallel=parallel.enable_expert_parallel)
         self.block_size = config.cache.block_size
         self.device = resolve_device(config.device.device, self.tp.rank)
         # Every device- and tier-dependent choice below is the backend's (backend.py).

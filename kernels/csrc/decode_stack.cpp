@@ -29,7 +29,8 @@ int64_t arity(int64_t op) {
     case PW_OP_SILU_MUL: return 0;
     case PW_OP_MOE: return 1;
     case PW_OP_QK_NORM_FLAT: return 5;
-    default: return -1;   // QK_NORM, GELU_MUL, ALL_REDUCE: the per-op path runs those layers
+    case PW_OP_QK_NORM: return 6;
+    default: return -1;   // GELU_MUL, ALL_REDUCE: the per-op path runs those layers
   }
 }
 
@@ -204,6 +205,21 @@ struct Machine {
     cur = out, width /= 2;
   }
 
+  // cur: qkv; each of its query heads normed, then each key head, a token's heads as rows
+  // (CpuOps.rms_norm_heads_)
+  void qk_norm(const int64_t* o) {
+    const int64_t hq = o[2], hkv = o[3], d = o[4];
+    T* out = next();
+    for (int part = 0; part < 2; ++part) {
+      const int64_t heads = part ? hkv : hq, start = part ? hq * d : 0;
+      for (int64_t t = 0; t < tokens; ++t) {
+        T* row = cur + t * width + start;
+        Kernels<T>::norm(out, nullptr, row, ptr<T>(o[part]), heads, d, d, real(o[5]));
+        std::memcpy(row, out, heads * d * sizeof(T));
+      }
+    }
+  }
+
   // cur: qkv; its q columns normed as one vector, then its k columns (CpuOps.rms_norm_flat_qk_)
   void qk_norm_flat(const int64_t* o) {
     T* out = next();
@@ -233,6 +249,7 @@ struct Machine {
       case PW_OP_SILU_MUL: silu_mul(); break;
       case PW_OP_MOE: moe(o); break;
       case PW_OP_QK_NORM_FLAT: qk_norm_flat(o); break;
+      case PW_OP_QK_NORM: qk_norm(o); break;
     }
   }
 };

@@ -29,7 +29,8 @@ enum PwOp : int64_t {
   // x = x @ W^T (+ bias) (+ the rows' LoRA deltas); kernels/quant.py QuantWeight.table, N, K,
   // bias (0: none), LoRA slot (-1: none)
   PW_OP_LINEAR = 3,
-  // rms_norm of each query and key head of qkv, in place; per-op
+  // rms_norm of each query and key head of qkv, in place; q weight, k weight, Hq, Hkv, D,
+  // eps bits
   PW_OP_QK_NORM = 4,
   // rotate q and k of qkv by position, x becomes (q, k, v); cos|sin table, heads, head dim
   PW_OP_ROPE = 5,

@@ -78,8 +78,7 @@ def _check_greedy(llm, ref: str, label: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
                                                    tokenizer_meta, case):
-    """Every block runs natively (csrc/moe.cpp) and decode steps through the fused stack but
-    where a layer has an op the stack lacks (Qwen3-MoE's per-head q/k norms)."""
+    """Every block runs natively (csrc/moe.cpp) and decode steps through the fused stack."""
     path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)
@@ -91,17 +90,18 @@ def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
         for expert in sparse.experts.values():
             for linear in (expert.gate_up, expert.down):
                 assert linear.quantized is not None and linear.weight is None
-    assert (model.fused_decode is not None) == (not case.startswith("qwen3"))
+    assert model.fused_decode is not None
     _check_greedy(llm, ref, case)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case, dtype", [("olmoe-Q8_0", "float32"), ("olmoe-Q8_0", "bfloat16"),
+                                         ("qwen3-moe-Q4_K_M", "bfloat16")])
 def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer_dir,
-                                                        tokenizer_meta, dtype):
-    """OLMoE (flat q/k norms, experts): the fused stack's hidden states and KV writes are the
-    per-op path's bit for bit."""
+                                                        tokenizer_meta, case, dtype):
+    """OLMoE (q/k norms over all heads) and Qwen3-MoE (per head), their experts: the fused
+    stack's hidden states and KV writes are the per-op path's bit for bit."""
     from tests.actors.test_fused_decode import decode_step
-    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
     runner = LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=512).runner
     model, fused = runner.model, runner.model.fused_decode
     assert fused is not None
@@ -162,5 +162,22 @@ def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, tokeni
 def test_what_moe_models_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir,
                                                           options):
     path = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "olmoe")
-    with pytest.raises(ValueError, match="OlmoeForCausalLM \\(mixture of experts\\) with --"):
+    with pytest.raises(ValueError, match="OlmoeForCausalLM with --"):
         LLM(path, dtype="float32", num_kv_blocks=64, **options)
+
+
+def test_speculation_and_kv_compress_keep_the_tokens(tmp_path, smol_tokenizer_dir):
+    """n-gram drafts verified through the experts (several tokens a sequence in one step) and
+    KV-Compress (attention only) leave greedy answers as they were (KV-Compress at rate 1:
+    nothing evicted)."""
+    path = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "qwen2-moe-shared")
+    prompts = [{"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7, 8] * 3}, {"prompt_token_ids": [40] * 9}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(**options) -> list[list[int]]:
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256, **options)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    plain = run()
+    assert run(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1}) == plain
+    assert run(kv_compress_rate=1.0, enable_prefix_caching=False) == plain

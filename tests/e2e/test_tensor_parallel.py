@@ -67,6 +67,18 @@ def test_local_ranks_match_transformers(models):
         assert_matches_transformers(srv, path)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mixture_of_experts_ranks_match_transformers(tmp_path, smol_tokenizer_dir,
+                                                     expert_parallel):
+    """Qwen2-MoE (a shared expert, a dense layer among sparse ones) on two ranks: each holding
+    a slice of every expert, or with --enable-expert-parallel three whole experts each."""
+    from tests.actors.test_architectures import make_model
+    path = make_model(str(tmp_path / "moe"), smol_tokenizer_dir, "qwen2-moe-shared")
+    extra = ["--enable-expert-parallel"] if expert_parallel else []
+    with running_server([path, *F32, *TWO_RANKS, *extra]) as srv:
+        assert_matches_transformers(srv, path)
+
+
 def test_context_parallel_ranks_match_transformers(models):
     """-tp 2 -dcp 2: the one KV head, replicated on both ranks (each with one of the two
     query heads), has its tokens split over them (each holds 8 of a block's 16):

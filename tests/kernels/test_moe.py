@@ -46,6 +46,7 @@ def _moe(shared: bool, seed: int = 0) -> SparseMoE:
                       shared_expert_size=64 if shared else 0)
     torch.manual_seed(seed)
     block = SparseMoE(cfg, TensorParallel())
+    block.cfg = cfg
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.2)
@@ -156,3 +157,31 @@ def test_native_spec_refuses_what_the_kernels_cannot_run(native_lib):
     assert moe.native_spec(block, kinds) is not None
     block.float_partial = True                                 # a rank's partial sum
     assert moe.native_spec(block, kinds) is None
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_partial_sums_are_one_ranks_output(expert_parallel):
+    """Tensor parallel (every expert's rows split) and expert parallel (experts 0-2 on rank
+    0, 3-5 on rank 1; the shared expert split either way): the ranks' float32 partials, as
+    the layer's all-reduce sums them, are the whole block's output."""
+    from pagewire.executor.parallel import shard_state
+    whole = _moe(shared=True, seed=4)
+    cfg = whole.cfg
+    state = {f"layers.0.mlp.{k}": v for k, v in whole.state_dict().items()}
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want = moe.sparse_mlp(TorchOps(), whole, x)
+        total = torch.zeros(5, 32)
+        for rank in range(2):
+            tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
+            block = SparseMoE(cfg, tp, expert_parallel)
+            mine = {k.removeprefix("layers.0.mlp."): v
+                    for k, v in shard_state(state, cfg, tp).items()}
+            block.load_state_dict(mine)
+            held = sorted(map(int, block.experts))
+            assert held == ([0, 1, 2] if rank == 0 else [3, 4, 5]) if expert_parallel \
+                else list(range(6))
+            out = moe.sparse_mlp(TorchOps(), block, x)
+            assert out.dtype == torch.float32
+            total += out
+    assert torch.allclose(total, want.float(), atol=1e-5, rtol=1e-4)

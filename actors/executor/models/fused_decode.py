@@ -157,6 +157,13 @@ class _Encoder:
                 _real(attn.variant.softcap or 0.0), kind, int(self.head_rows)]
 
 
+    def qk_norm(self, attn) -> list[int] | None:
+        q, k = attn.q_norm.weight, attn.k_norm.weight
+        if q.dtype != self.dtype or k.dtype != self.dtype:
+            return None
+        return [q.data_ptr(), k.data_ptr(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                _real(attn.q_norm.eps)]
+
     def qk_norm_flat(self, attn) -> list[int] | None:
         q, k = attn.q_norm.weight, attn.k_norm.weight
         if q.dtype != self.dtype or k.dtype != self.dtype:
@@ -172,4 +179,4 @@ class _Encoder:
 _ENCODERS = {Op.ADD_NORM: _Encoder.norm, Op.NORM: _Encoder.norm, Op.LINEAR: _Encoder.linear,
              Op.ROPE: _Encoder.rope, Op.ATTEND: _Encoder.attend,
              Op.SILU_MUL: lambda enc, _: [], Op.MOE: _Encoder.moe,
-             Op.QK_NORM_FLAT: _Encoder.qk_norm_flat}
+             Op.QK_NORM: _Encoder.qk_norm, Op.QK_NORM_FLAT: _Encoder.qk_norm_flat}

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagewire.kernels.linear import Linear
 
-from ..parallel import TensorParallel, split_range
+from ..parallel import TensorParallel, local_experts, split_range
 
 
 class Expert(nn.Module):
@@ -25,12 +25,6 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_up = Linear(hidden, 2 * inter, bias=False)
         self.down = Linear(inter, hidden, bias=False, float_partial=float_partial)
-
-
-def local_experts(num_experts: int, tp: TensorParallel, expert_parallel: bool) -> range:
-    """The experts this rank holds: all of them (plain TP) or its contiguous share (EP)."""
-    return range(*split_range(num_experts, tp.size, tp.rank)) if expert_parallel \
-        else range(num_experts)
 
 
 class SparseMoE(nn.Module):
