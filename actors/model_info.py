@@ -28,7 +28,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                           "GPTNeoXForCausalLM", "GPT2LMHeadModel")
+# The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
+GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM")
@@ -104,10 +107,28 @@ def resolve_model(model: str | None) -> ModelInfo:
     return info
 
 
-# What an architecture cannot do yet, by option (README's table): LoRA adapters of experts;
-# OLMoE's q/k norms span every head, which tensor parallelism would split.
+# What an architecture cannot do yet, by option (README's table): LoRA adapters of experts
+# or of GPT-family blocks; OLMoE's q/k norms span every head, which tensor parallelism would
+# split; GPT-family row-parallel biases would be added once per rank.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in MOE_ARCHITECTURES},
-            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1")}
+            **{arch: ("--enable-lora", "--tensor-parallel-size > 1") for arch in
+               ("OlmoeForCausalLM", *GPT_ARCHITECTURES)}}
+
+
+# GPT-2's config.json names for the keys every other family's uses.
+_GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+              "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+              "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps"}
+
+
+def hf_text_config(cfg: dict) -> dict:
+    """The text model's config (a multimodal config's text_config) under the usual keys:
+    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null."""
+    text = dict(cfg.get("text_config", cfg))
+    if "n_embd" in text:                  # GPT-2's own keys are the ones its model reads
+        text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
+        text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]
+    return text
 
 
 def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
@@ -174,7 +195,7 @@ def _hf_info(path: str) -> ModelInfo:
     if architecture is None:
         raise ValueError(f"{config_path}: no \"architectures\" entry")
     check_architecture(architecture, path)
-    text_cfg = cfg.get("text_config", cfg)
+    text_cfg = hf_text_config(cfg)
     scheme = read_scheme(text_cfg.get("quantization_config"), config_path)  # refuses the rest
     missing = [k for k in _HF_REQUIRED if k not in text_cfg]
     if missing:

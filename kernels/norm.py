@@ -16,6 +16,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual (x alone where None), rounded to x's dtype; returns
+    (layer_norm(residual'), residual'), the norm as torch's (float32 inside)."""
+    residual = x if residual is None else x + residual
+    return torch.nn.functional.layer_norm(residual, (residual.shape[-1],), weight, bias,
+                                          eps), residual
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual (or x when residual is None); returns (rms_norm(residual'),

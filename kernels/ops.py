@@ -75,6 +75,14 @@ class TorchOps:
     def add_rms_norm(self, x, residual, weight, eps):
         return norm.add_rms_norm(x, residual, weight, eps)
 
+    def add_layer_norm(self, x, residual, weight, bias, eps):
+        """As add_rms_norm with the GPT family's LayerNorm (weight and bias)."""
+        return norm.add_layer_norm(x, residual, weight, bias, eps)
+
+    def gelu(self, x, approximate: str):
+        """GELU of the GPT family's plain MLP: exact ("none") or tanh's approximation."""
+        return torch.nn.functional.gelu(x, approximate=approximate)
+
     def split_qkv_rope(self, qkv, num_heads, num_kv_heads, head_dim, table, positions):
         """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D], q and k rotated."""
         t = qkv.shape[0]

@@ -50,6 +50,16 @@ enum PwOp : int64_t {
   PW_OP_QK_NORM_FLAT = 10,
   // x = the routed experts' weighted sum (models/moe.py): moe.cpp's pw_moe; its spec (PwMoe)
   PW_OP_MOE = 11,
+  // ADD_NORM with a LayerNorm (mean, variance, weight, bias: the GPT family); per-op
+  PW_OP_ADD_LAYER_NORM = 12,
+  // parallel residual: the attention's output set aside, x = layer_norm(residual); per-op
+  PW_OP_BRANCH_LAYER_NORM = 13,
+  // x += what BRANCH_LAYER_NORM set aside; per-op
+  PW_OP_JOIN = 14,
+  // x = gelu(x), exact (erf); per-op
+  PW_OP_GELU = 15,
+  // x = gelu(x), tanh's approximation; per-op
+  PW_OP_GELU_TANH = 16,
 };
 
 // A mixture-of-experts block as moe.cpp reads it: int64 words at these indices, then per

@@ -21,9 +21,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidde
 
 
 def _configs():
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GPT2Config,
+                              GPTNeoXConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     return {
         "llama3-rope": (LlamaConfig, "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -56,6 +57,15 @@ def _configs():
             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True)),
         "olmoe": (OlmoeConfig, "OlmoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2,
                                                         hidden_size=128)),
+        # The GPT family: LayerNorms, plain GELU MLPs with biases; GPT-NeoX's parallel
+        # residual (or not) and rope on a quarter (a half) of each head; GPT-2's learned
+        # positions and Conv1D weights. Multi-head attention, head_dim hidden / heads.
+        "gpt-neox-parallel": (GPTNeoXConfig, "GPTNeoXForCausalLM", dict(
+            hidden_size=128, rotary_pct=0.25)),
+        "gpt-neox-sequential": (GPTNeoXConfig, "GPTNeoXForCausalLM", dict(
+            hidden_size=128, rotary_pct=0.5, use_parallel_residual=False)),
+        "gpt2": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=128, n_layer=3, n_head=4,
+                                                     n_positions=512)),
     }
 
 
@@ -70,8 +80,8 @@ def make_model(path: str, tokenizer_dir: str, name: str, **overrides) -> str:
         for pname, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
-            elif "norm" in pname:           # Gemma's norms multiply by 1 + weight
-                p.normal_(0.0 if gemma else 1.0, 0.1)
+            elif ("norm" in pname or ".ln_" in pname) and pname.endswith("weight"):
+                p.normal_(0.0 if gemma else 1.0, 0.1)   # Gemma's multiply by 1 + weight
             else:
                 p.normal_(0, 0.08)           # biases
     model.save_pretrained(path, safe_serialization=True)
@@ -95,7 +105,7 @@ def test_greedy_matches_transformers(tmp_path, smol_tokenizer_dir, name):
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{name}, prompt {len(prompt)}")
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcap", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["gemma2-softcap", "qwen2-bias", "gpt-neox-parallel", "gpt2"])
 def test_logits_close_to_transformers(tmp_path, smol_tokenizer_dir, name):
     """The whole prompt's last logits, float32 on both sides."""
     path = make_model(str(tmp_path / name), smol_tokenizer_dir, name)

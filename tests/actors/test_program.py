@@ -18,6 +18,15 @@ LLAMA = [Step(Op.ADD_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv"), *ATTN,
 QWEN3 = [*LLAMA[:2], Step(Op.QK_NORM, "attn"), *LLAMA[2:]]
 GEMMA2 = [*LLAMA[:5], Step(Op.NORM, "post_attn_norm"), *LLAMA[5:7], Step(Op.GELU_MUL),
           LLAMA[8], Step(Op.NORM, "post_mlp_norm")]
+# OLMoE: q/k norms over all heads, a mixture of experts for the MLP
+OLMOE = [*LLAMA[:2], Step(Op.QK_NORM_FLAT, "attn"), *ATTN, Step(Op.ADD_NORM, "post_norm"),
+         Step(Op.MOE, "mlp")]
+# GPT-NeoX: the MLP off the residual the attention read, their outputs joined; GPT-2 in turn
+GPT_MLP = [Step(Op.LINEAR, "mlp.up"), Step(Op.GELU), Step(Op.LINEAR, "mlp.down")]
+NEOX = [Step(Op.ADD_LAYER_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv"), *ATTN,
+        Step(Op.BRANCH_LAYER_NORM, "post_norm"), *GPT_MLP, Step(Op.JOIN)]
+GPT2 = [*NEOX[:5], Step(Op.ADD_LAYER_NORM, "post_norm"), GPT_MLP[0], Step(Op.GELU_TANH),
+        GPT_MLP[2]]
 
 
 def config(arch: str, **extra) -> LlamaConfig:
@@ -31,7 +40,10 @@ def config(arch: str, **extra) -> LlamaConfig:
     ("Qwen3ForCausalLM", {}, QWEN3),
     ("Gemma2ForCausalLM", {"sliding_window": 16, "attn_logit_softcapping": 50.0,
                            "hidden_activation": "gelu_pytorch_tanh"}, GEMMA2),
-], ids=["llama", "mistral", "qwen2", "qwen3", "gemma2"])
+    ("OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}, OLMOE),
+    ("GPTNeoXForCausalLM", {"hidden_act": "gelu"}, NEOX),
+    ("GPT2LMHeadModel", {"activation_function": "gelu_new"}, GPT2),
+], ids=["llama", "mistral", "qwen2", "qwen3", "gemma2", "olmoe", "gpt-neox", "gpt2"])
 def test_program_per_architecture(arch, extra, expected):
     assert list(layer_program(config(arch, **extra))) == expected
 

@@ -5,6 +5,7 @@ from .llama import LlamaConfig, LlamaForCausalLM
 MODELS = {name: LlamaForCausalLM for name in (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")}
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+    "GPTNeoXForCausalLM", "GPT2LMHeadModel")}
 
 __all__ = ["MODELS", "LlamaConfig", "LlamaForCausalLM"]

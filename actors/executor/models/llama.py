@@ -34,6 +34,23 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """The GPT family's norm: mean and variance, a weight and a bias."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+def norm_class(cfg: LlamaConfig) -> type[nn.Module]:
+    return LayerNorm if cfg.layer_norm else RMSNorm
+
+
 # The linears a LoRA adapter may adapt, in their order within a layer: linear `name` of layer
 # i is row i * len(LORA_LINEARS) + its index of an adapter's table (executor/lora.py).
 LORA_LINEARS = ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
@@ -58,7 +75,7 @@ class Attention(nn.Module):
         self.kv_size = share.num_kv * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
                           lora_slot=lora_slot(layer, "attn.qkv"))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False,
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias,
                              float_partial=tp.size > 1, lora_slot=lora_slot(layer, "attn.o_proj"))
         if cfg.qk_norm_flat and tp.size > 1:
             raise ValueError(f"{cfg.architecture}: its q/k norms span every head, which tensor "
@@ -67,6 +84,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale
+        # the columns of a head rope rotates (the GPT family: a part; GPT-2: none)
+        self.rotary_dim = cfg.head_dim if cfg.rotary_dim == 0 else max(cfg.rotary_dim, 0)
         self.layer = layer
         self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
 
@@ -79,10 +98,14 @@ class MLP(nn.Module):
         super().__init__()
         start, end = split_range(cfg.intermediate_size, tp.size, tp.rank)
         self.tp = tp
-        self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False,
-                              lora_slot=lora_slot(layer, "mlp.gate_up"))
-        self.down = Linear(end - start, cfg.hidden_size, bias=False, float_partial=tp.size > 1,
-                           lora_slot=lora_slot(layer, "mlp.down"))
+        if cfg.gated_mlp:
+            self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False,
+                                  lora_slot=lora_slot(layer, "mlp.gate_up"))
+        else:                                   # the GPT family's: act(up x + b), biases
+            self.up = Linear(cfg.hidden_size, end - start, bias=True)
+        self.down = Linear(end - start, cfg.hidden_size, bias=not cfg.gated_mlp,
+                           float_partial=tp.size > 1,
+                           lora_slot=lora_slot(layer, "mlp.down") if cfg.gated_mlp else -1)
 
 
 class DecoderLayer(nn.Module):
@@ -91,9 +114,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel, layer: int, cp=None):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = norm_class(cfg)
+        self.input_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, tp, layer, cp)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)        # before the MLP
+        self.post_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)           # before the MLP
         self.mlp = SparseMoE(cfg, tp, tp.expert_parallel) if cfg.sparse_layers[layer] \
             else MLP(cfg, tp, layer)
         self.post_attn_norm = self.post_mlp_norm = None
@@ -126,7 +150,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i, cp)
                                     for i in range(cfg.num_layers))
         self.num_kv_heads = self.layers[0].attn.num_kv_heads     # this rank's, for its KV cache
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
+        # GPT-2: learned absolute positions added to the embeddings
+        self.pos_embed = nn.Embedding(cfg.learned_positions, cfg.hidden_size) \
+            if cfg.learned_positions else None
         self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
         self.ops = ops if ops is not None else TorchOps()
         self._fused = None        # fused_decode.py's program, where the backend built one
@@ -139,12 +166,13 @@ class LlamaForCausalLM(nn.Module):
         built on the meta device. One (cos | sin) table per rope base, scaled as configured."""
         cfg = self.cfg
         self.rope_tables = []
+        rotary = cfg.rotary_dim if cfg.rotary_dim > 0 else cfg.head_dim     # rope's columns
         for i, (theta, scaling) in enumerate(cfg.rope_tables):
-            inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position,
+            inv_freq, factor = rope_inv_freq(rotary, theta, scaling, cfg.max_position,
                                              seq_len=cfg.rope_table_len)
             if i == 0 and cfg.rope_freq_divisors:
                 inv_freq = inv_freq / torch.tensor(cfg.rope_freq_divisors, dtype=torch.float32)
-            table = rope_cos_sin(cfg.head_dim, cfg.rope_table_len, theta, inv_freq)  # [P, D]
+            table = rope_cos_sin(rotary, cfg.rope_table_len, theta, inv_freq)  # [P, rotary]
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
 
@@ -173,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.tp.embed(self.embed, input_ids, cfg.vocab_size)          # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed.weight[positions]
         fused = self._fused
         if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call

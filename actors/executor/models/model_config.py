@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagewire.model_info import MOE_ARCHITECTURES
+from pagewire.model_info import MOE_ARCHITECTURES, hf_text_config
 
 
 @dataclass
@@ -41,6 +41,17 @@ class LlamaConfig:
     rope_table_len: int = 0                  # positions tabled: max_position x a linear,
                                              # dynamic or yarn factor (the context grows too)
     qk_norm_flat: bool = False               # the q/k norms span all heads' q (k), not one head (OLMoE)
+    # GPT-family blocks (GPT-NeoX, GPT-2): LayerNorms with biases, a plain (ungated) MLP with
+    # biases, attention and MLP in parallel off one residual, rope on part of each head or
+    # learned absolute positions instead.
+    layer_norm: bool = False                 # LayerNorm (with bias), not RMSNorm
+    parallel_residual: bool = False          # x + attn(norm1(x)) + mlp(norm2(x))
+    gated_mlp: bool = True                   # act(gate) * up; else act(up) (with biases)
+    o_proj_bias: bool = False
+    rotary_dim: int = 0                      # rope on the first rotary_dim of a head (0: all;
+    #                                          -1: no rope: learned positions)
+    learned_positions: int = 0               # a table of this many positions added to the
+    #                                          embeddings (GPT-2)
     # Mixture of experts (models/moe.py): a sparse MLP in the layers `sparse_layers` marks.
     # 0 experts: every MLP dense.
     num_experts: int = 0
@@ -76,7 +87,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        cfg = cfg.get("text_config", cfg)
+        cfg = hf_text_config(cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = _rope_parameters(cfg)
@@ -108,6 +119,8 @@ class LlamaConfig:
             base.update(_gemma(cfg, arch, base))
         if arch in MOE_ARCHITECTURES:
             base.update(_moe(cfg, arch, n))
+        if arch in ("GPTNeoXForCausalLM", "GPT2LMHeadModel"):
+            base.update(_gpt(cfg, arch, base))
         return cls(**base)
 
     @classmethod
@@ -171,6 +184,33 @@ def _moe(cfg: dict, arch: str, n: int) -> dict:
                        shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0)
         else:
             out["qk_norm"] = True
+    return out
+
+
+def _gpt(cfg: dict, arch: str, base: dict) -> dict:
+    """Both: multi-head attention (head_dim hidden / heads, whatever other keys say),
+    LayerNorms, a plain MLP with biases. GPT-NeoX: parallel residual (unless
+    use_parallel_residual says not), rope on
+    partial_rotary_factor of each head, exact GELU. GPT-2: learned positions, GELU's tanh
+    form, a tied head (config keys normalised by model_info.hf_text_config)."""
+    act = cfg.get("hidden_act") or cfg.get("activation_function")
+    heads = cfg["num_attention_heads"]                        # every head its own K and V
+    out = dict(num_kv_heads=heads, head_dim=cfg["hidden_size"] // heads,
+               layer_norm=True, gated_mlp=False, attention_bias=True, o_proj_bias=True,
+               rms_norm_eps=cfg.get("layer_norm_eps", 1e-5),
+               activation="gelu" if act == "gelu" else "gelu_tanh")
+    if arch == "GPTNeoXForCausalLM":
+        rope = cfg.get("rope_parameters") or {}
+        factor = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0))
+        out.update(parallel_residual=cfg.get("use_parallel_residual", True),
+                   attention_bias=cfg.get("attention_bias", True),
+                   o_proj_bias=cfg.get("attention_bias", True),
+                   rotary_dim=int(out["head_dim"] * factor),
+                   rope_theta=rope.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
+        out["rope_tables"] = [(out["rope_theta"], None)]
+    else:
+        out.update(rotary_dim=-1, learned_positions=base["max_position"],
+                   tie_word_embeddings=cfg.get("tie_word_embeddings", True))
     return out
 
 

@@ -18,9 +18,11 @@ import torch
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
 from pagewire.kernels.native_api import API
+from pagewire.kernels.rotary import partial_rope
 
 # The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, QK_NORM_FLAT, ROPE, ATTEND, SILU_MUL, GELU_MUL,
-# MOE, ALL_REDUCE),
+# MOE, ALL_REDUCE, and the GPT family's ADD_LAYER_NORM, BRANCH_LAYER_NORM, JOIN, GELU,
+# GELU_TANH),
 # declared with what each does and their values in kernels/csrc/pagewire_api.h (PwOp), which
 # the native interpreter (csrc/decode_stack.cpp) reads too.
 Op = API.int_enum("PwOp", "Op", __name__)
@@ -37,37 +39,69 @@ def layer_program(cfg, tp_size: int = 1, layer: int = 0) -> tuple[Step, ...]:
     then MLP (a mixture of experts where the layer is sparse), each output summed over ranks
     (only with tensor parallelism: the sum of one rank is x)."""
     reduce = (Step(Op.ALL_REDUCE),) if tp_size > 1 else ()
-    steps = [Step(Op.ADD_NORM, "input_norm"), Step(Op.LINEAR, "attn.qkv")]
+    add_norm = Op.ADD_LAYER_NORM if cfg.layer_norm else Op.ADD_NORM
+    steps = [Step(add_norm, "input_norm"), Step(Op.LINEAR, "attn.qkv")]
     if cfg.qk_norm:
         steps.append(Step(Op.QK_NORM_FLAT if cfg.qk_norm_flat else Op.QK_NORM, "attn"))
-    steps += [Step(Op.ROPE, "attn"), Step(Op.ATTEND, "attn"), Step(Op.LINEAR, "attn.o_proj"),
-              *reduce]
+    steps += [Step(Op.ROPE, "attn"), Step(Op.ATTEND, "attn"), Step(Op.LINEAR, "attn.o_proj")]
+    if cfg.parallel_residual:        # the MLP reads the residual the attention read
+        return (*steps, Step(Op.BRANCH_LAYER_NORM, "post_norm"), *_mlp(cfg, layer),
+                Step(Op.JOIN), *reduce)
+    steps += reduce
     if cfg.sandwich_norms:
         steps.append(Step(Op.NORM, "post_attn_norm"))
-    steps.append(Step(Op.ADD_NORM, "post_norm"))
-    if cfg.sparse_layers[layer]:
-        steps += [Step(Op.MOE, "mlp"), *reduce]
-    else:
-        act = Op.GELU_MUL if cfg.activation == "gelu_tanh" else Op.SILU_MUL
-        steps += [Step(Op.LINEAR, "mlp.gate_up"), Step(act), Step(Op.LINEAR, "mlp.down"),
-                  *reduce]
+    steps += [Step(add_norm, "post_norm"), *_mlp(cfg, layer), *reduce]
     if cfg.sandwich_norms:
         steps.append(Step(Op.NORM, "post_mlp_norm"))
     return tuple(steps)
 
 
+def _mlp(cfg, layer: int) -> list[Step]:
+    """A mixture of experts, a gated MLP or the GPT family's plain one."""
+    if cfg.sparse_layers[layer]:
+        return [Step(Op.MOE, "mlp")]
+    if not cfg.gated_mlp:
+        act = Op.GELU if cfg.activation == "gelu" else Op.GELU_TANH
+        return [Step(Op.LINEAR, "mlp.up"), Step(act), Step(Op.LINEAR, "mlp.down")]
+    act = Op.GELU_MUL if cfg.activation == "gelu_tanh" else Op.SILU_MUL
+    return [Step(Op.LINEAR, "mlp.gate_up"), Step(act), Step(Op.LINEAR, "mlp.down")]
+
+
 class State:
-    """What flows between ops: the current value, the residual stream, and the step's inputs."""
-    __slots__ = ("x", "residual", "rope", "kv_cache", "batch", "lora")
+    """What flows between ops: the current value, the residual stream, and the step's inputs
+    (and, in a parallel-residual layer, the attention's output set aside)."""
+    __slots__ = ("x", "residual", "rope", "kv_cache", "batch", "lora", "branch")
 
     def __init__(self, x, residual, rope, kv_cache, batch, lora=None):
         self.x, self.residual, self.rope = x, residual, rope
         self.kv_cache, self.batch = kv_cache, batch
         self.lora = lora            # executor/lora.py LoraBatch of the step's adapters, or None
+        self.branch = None
 
 
 def _add_norm(ops, norm, s: State) -> None:
     s.x, s.residual = ops.add_rms_norm(s.x, s.residual, norm.weight, norm.eps)
+
+
+def _add_layer_norm(ops, norm, s: State) -> None:
+    s.x, s.residual = ops.add_layer_norm(s.x, s.residual, norm.weight, norm.bias, norm.eps)
+
+
+def _branch_layer_norm(ops, norm, s: State) -> None:
+    s.branch = s.x
+    s.x = ops.add_layer_norm(s.residual, None, norm.weight, norm.bias, norm.eps)[0]
+
+
+def _join(ops, _, s: State) -> None:
+    s.x = s.x + s.branch            # HF's order: mlp + attn, then (next norm) + residual
+
+
+def _gelu(ops, _, s: State) -> None:
+    s.x = ops.gelu(s.x, approximate="none")
+
+
+def _gelu_tanh(ops, _, s: State) -> None:
+    s.x = ops.gelu(s.x, approximate="tanh")
 
 
 def _norm(ops, norm, s: State) -> None:
@@ -96,7 +130,10 @@ def _moe(ops, sparse, s: State) -> None:
 
 
 def _rope(ops, attn, s: State) -> None:
-    s.x = ops.split_qkv_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim, *s.rope)
+    if attn.rotary_dim == attn.head_dim:
+        s.x = ops.split_qkv_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim, *s.rope)
+    else:                    # the GPT family: the first rotary_dim columns of a head, or none
+        s.x = partial_rope(s.x, attn, *s.rope)
 
 
 def _attend(ops, attn, s: State) -> None:
@@ -124,7 +161,8 @@ def _all_reduce(ops, tp, s: State) -> None:
     s.x = tp.all_reduce(s.x).to(s.residual.dtype)       # float32 partials, rounded once
 
 
-RUN = {Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.LINEAR: _linear, Op.QK_NORM: _qk_norm,
+RUN = {Op.ADD_LAYER_NORM: _add_layer_norm, Op.BRANCH_LAYER_NORM: _branch_layer_norm,
+       Op.JOIN: _join, Op.GELU: _gelu, Op.GELU_TANH: _gelu_tanh, Op.ADD_NORM: _add_norm, Op.NORM: _norm, Op.LINEAR: _linear, Op.QK_NORM: _qk_norm,
        Op.QK_NORM_FLAT: _qk_norm_flat, Op.ROPE: _rope, Op.ATTEND: _attend,
        Op.SILU_MUL: _silu_mul, Op.GELU_MUL: _gelu_mul, Op.MOE: _moe, Op.ALL_REDUCE: _all_reduce}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .gpt_weights import fuse_gpt_weights, gpt_linear_sources
 from .model_config import LlamaConfig
 
 # Hugging Face layer norm name -> ours, per family. Llama's post_attention_layernorm is the
@@ -20,6 +21,8 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     """Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) -> this module's
     state dict. Tensors pass through unchanged where no fusing is needed. A Linear whose
     sources are absent (the loader skips those that keep only their blocks) gets no entry."""
+    if not cfg.gated_mlp:                                    # the GPT family's names
+        return fuse_gpt_weights(weights, cfg)
     norm = _gemma_norm if cfg.architecture.startswith("Gemma") else (lambda w: w)
     out = {"norm.weight": norm(weights["model.norm.weight"])}
     _put(out, "embed.weight", weights.get("model.embed_tokens.weight"))    # absent: blocks
@@ -46,6 +49,8 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
 def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
     """Each Linear of the model -> the Hugging Face tensors fuse_weights concatenates (by
     rows) into its weight, for loaders that keep weights in their stored form."""
+    if not cfg.gated_mlp:
+        return gpt_linear_sources(cfg)
     out = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings
                        else "lm_head.weight"]}
     for i in range(cfg.num_layers):
