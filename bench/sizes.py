@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -41,11 +42,35 @@ VOCAB = 49152                   # the default tokenizer's (real_shapes writes it
 
 
 def weight_count(shape: str) -> int:
-    """The Linears' weights (the LM head included, the embedding not): 2 FLOPs each a token."""
-    plan = tensor_plan(SHAPES[shape], "bf16", VOCAB)
+    """The Linears' weights a token multiplies (the LM head included, the embedding not; of a
+    mixture of experts' stacks, the share of experts a token takes): 2 FLOPs each."""
+    plan = tensor_plan(SHAPES[shape], "Q4_0", VOCAB)
     tied = SHAPES[shape]["tie_word_embeddings"]
-    return sum(d[0] * d[1] for name, _, d, _ in plan if len(d) == 2
-               and (tied or name != "model.embed_tokens.weight"))
+    return int(sum(d[0] * d[1] if len(d) == 2 else d[0] * d[1] * d[2] * _taken(shape)
+                   for name, _, d, _ in plan if len(d) > 1
+                   and (tied or name != "model.embed_tokens.weight")))
+
+
+def _taken(shape: str) -> float:
+    """The share of a mixture's experts a token takes (1: a dense model)."""
+    s = SHAPES[shape]
+    return s["num_experts_per_tok"] / s["num_experts"] if s.get("num_experts") else 1.0
+
+
+def token_bytes(path: str, shape: str) -> int:
+    """Bytes a single stream's token reads of a GGUF file: every tensor's but an untied
+    embedding's (a row of it) and a mixture's expert stacks (3-D), of which the share a token
+    takes (its ceiling's bytes)."""
+    from pagewire.gguf_header import GGML_TYPES, read_gguf_header
+    tensors = read_gguf_header(path).tensors
+    total = 0.0
+    for t in tensors.values():
+        if t.name == "token_embd.weight" and "output.weight" in tensors:
+            continue
+        _, block, size = GGML_TYPES[t.ggml_type]
+        nbytes = int(np.prod(t.shape)) // block * size
+        total += nbytes * (_taken(shape) if len(t.shape) == 3 else 1.0)
+    return int(total)
 
 
 def read_bandwidth() -> float:
@@ -127,12 +152,12 @@ def measure(shape: str, fmt: str, peers: set[str], only: set[str], ceilings: dic
     path = model_path(shape, fmt)
     gguf = fmt != "bf16"
     weights = weight_count(shape)
-    size = os.path.getsize(path) if gguf else sum(os.path.getsize(os.path.join(path, f))
-                                                  for f in os.listdir(path)
-                                                  if f.endswith(".safetensors"))
-    print(f"\n{shape} {fmt}: {size / 1e9:.2f} GB, {weights / 1e9:.2f} G weights; "
+    size = token_bytes(path, shape) if gguf else sum(os.path.getsize(os.path.join(path, f))
+                                                     for f in os.listdir(path)
+                                                     if f.endswith(".safetensors"))
+    print(f"\n{shape} {fmt}: {size / 1e9:.2f} GB a token, {weights / 1e9:.2f} G weights; "
           f"single stream ceiling {ceilings['bandwidth'] / size:.1f} tok/s "
-          f"(file bytes over {ceilings['bandwidth'] / 1e9:.0f} GB/s)", flush=True)
+          f"(a token's bytes over {ceilings['bandwidth'] / 1e9:.0f} GB/s)", flush=True)
     for name, (label, ours_fn, peer_fns, digits, bound) in _workloads(path).items():
         if name not in only:
             continue

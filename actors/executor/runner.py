@@ -9,7 +9,6 @@ tokens, and appends those tokens.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import numpy as np
 import torch
@@ -40,6 +39,7 @@ from .kv_transfer import KvPuller, KvServer
 from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
+from .models.moe import describe_experts
 from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
@@ -70,6 +70,8 @@ class ModelRunner:
         self.model = self.backend.load(config.model.model_info, config, self.tp, self.cp)
         log.info("%s", self.backend.describe(config))
         log.info("%s", holdings(self.model))
+        if self.model.cfg.num_experts:
+            log.info("%s", describe_experts(self.model))
         # Before the fused decode program is encoded: it names each linear's LoRA slot.
         self.adapters = Adapters(self.model, config.model.model_info, config.lora.max_lora_rank,
                                  config.lora.max_cpu_loras or config.lora.max_loras) \

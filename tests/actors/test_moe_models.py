@@ -147,15 +147,19 @@ def test_moe_in_bfloat16_stays_close_to_float32(tmp_path, smol_tokenizer_dir, to
 
 
 def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, tokenizer_meta):
-    """The start-up log's holdings count every expert's Linears."""
+    """The start-up log's holdings count every expert's Linears; its account of the experts
+    says how many a token reads."""
     from pagewire.executor.linear_blocks import holdings
+    from pagewire.executor.models.moe import describe_experts
     path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
     linears = sum(isinstance(m, Linear) for m in llm.runner.model.modules())
     # 3 layers x (qkv, o, 6 experts x 2) + the LM head; the routers are plain float ones
     assert linears == 3 * (2 + 12) + 1
     assert f"over {linears} Linears" in holdings(llm.runner.model)
-    assert torch.get_num_threads() >= 1
+    said = describe_experts(llm.runner.model)
+    assert said.startswith("mixture of experts: 6 experts, 2 a token, in 3 of 3 layers")
+    assert said.endswith("3 blocks native")
 
 
 @pytest.mark.parametrize("options", [dict(enable_lora=True), dict(tensor_parallel_size=2)])

@@ -57,3 +57,17 @@ class SparseMoE(nn.Module):
 def _share(rows: int, tp: TensorParallel) -> int:
     start, end = split_range(rows, tp.size, tp.rank)
     return end - start
+
+
+def describe_experts(model) -> str:
+    """The start-up log's account of a mixture: its experts, how many a token reads, and the
+    bytes of experts' tiles a decode token streams of those held (this rank's)."""
+    cfg = model.cfg
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    held = sum(linear.quantized.nbytes for b in blocks for e in b.experts.values()
+               for linear in (e.gate_up, e.down) if linear.quantized is not None)
+    per_token = held * cfg.experts_per_token / cfg.num_experts
+    native = sum(b.native_spec is not None for b in blocks)
+    return (f"mixture of experts: {cfg.num_experts} experts, {cfg.experts_per_token} a token, "
+            f"in {len(blocks)} of {cfg.num_layers} layers; a token reads ~{per_token / 2**30:.2f} "
+            f"GiB of the experts' {held / 2**30:.2f} GiB of tiles; {native} blocks native")
