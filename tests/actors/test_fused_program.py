@@ -69,7 +69,9 @@ GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 8}, None),
     ({"architectures": ["Qwen2ForCausalLM"]}, None),                 # QKV bias
     (GEMMA2, {**PLAIN_LAYERS, "sandwich_norms": True}),      # sandwich norms, soft-cap, window
-], ids=["mistral", "qwen2", "gemma2-silu"])
+    ({"architectures": ["Qwen3ForCausalLM"]}, None),                 # QK_NORM
+    (GEMMA3, PLAIN_LAYERS),                                  # QK_NORM, a rope base per layer
+], ids=["mistral", "qwen2", "gemma2-silu", "qwen3", "gemma3-silu"])
 def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, overrides):
     model = model_for(native_lib, dtype, extra, overrides)
     caches = allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16, dtype)
@@ -94,10 +96,9 @@ def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, over
 
 
 @pytest.mark.parametrize("extra, overrides", [
-    ({"architectures": ["Qwen3ForCausalLM"]}, None),                 # QK_NORM
     (GEMMA2, None),                                                  # GELU_MUL
-    (GEMMA3, PLAIN_LAYERS),                                          # QK_NORM
-], ids=["qwen3", "gemma2", "gemma3-silu"])
+    ({"architectures": ["GPTNeoXForCausalLM"]}, None),               # ADD_LAYER_NORM, ...
+], ids=["gemma2", "gpt-neox"])
 def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
     model = model_for(native_lib, torch.float32, extra, overrides)
     assert FusedDecode.build(model, allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16,

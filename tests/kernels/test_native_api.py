@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from pagewire.executor.models.program import Op
-from pagewire.kernels import gguf_blocks, kv_quant, lora, native, native_api, quant
+from pagewire.kernels import gguf_blocks, kv_quant, lora, moe, native, native_api, quant
 
 CSRC = os.path.join(os.path.dirname(native_api.__file__), "csrc")
 
@@ -40,7 +40,12 @@ def raw_library(tier):
 def test_the_python_codes_are_the_headers():
     assert {op.name: op.value for op in Op} == {
         "ADD_NORM": 1, "NORM": 2, "LINEAR": 3, "QK_NORM": 4, "ROPE": 5, "ATTEND": 6,
-        "SILU_MUL": 7, "GELU_MUL": 8, "ALL_REDUCE": 9}
+        "SILU_MUL": 7, "GELU_MUL": 8, "ALL_REDUCE": 9, "QK_NORM_FLAT": 10, "MOE": 11,
+        "ADD_LAYER_NORM": 12, "BRANCH_LAYER_NORM": 13, "JOIN": 14, "GELU": 15, "GELU_TANH": 16}
+    assert {w.name: w.value for w in moe.MoeWord} == {
+        "EXPERTS": 0, "TOP_K": 1, "NORMALIZE": 2, "HIDDEN": 3, "INTER": 4, "ROUTER": 5,
+        "SHARED_GATE_UP": 6, "SHARED_DOWN": 7, "SHARED_GATE": 8, "SHARED_INTER": 9,
+        "EXPERT_TABLES": 10}
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 60, 62, 63, 64, 73,
                            103, 108, 112, 113, 114, 110, 160, 162, 163, 164, 173,
                            203, 208, 212, 213, 214, 210, 260, 262, 263, 264, 273,
@@ -60,7 +65,8 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
-    assert len(functions) == 28
+    assert len(functions) == 30
+    assert functions["pw_moe_bf16"].signature == "vppip"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
     assert functions["pw_decode_attention_q8_f32"].signature == "vppppppiiiiiiiififip"
     assert functions["pw_int16_mac_ratio"].signature == "di"
@@ -104,7 +110,8 @@ def test_a_planted_wrong_type_or_a_missing_function_fails_the_check(raw_library)
 
 def test_calls_take_exactly_the_declared_arguments(native_lib):
     arity = native_lib.cdll.pw_decode_stack_arity
-    assert arity(int(Op.ATTEND)) == 11 and arity(int(Op.QK_NORM)) == -1
+    assert arity(int(Op.ATTEND)) == 11 and arity(int(Op.MOE)) == 1
+    assert arity(int(Op.GELU_MUL)) == -1
     with pytest.raises(TypeError, match=r"takes 1 argument \(2 given\)"):
         arity(int(Op.ATTEND), 0)
     with pytest.raises(TypeError, match=r"takes 1 argument \(0 given\)"):
