@@ -1,6 +1,8 @@
-"""The Llama family's forward pass over a flattened batch (no padding), reading and writing the
-paged KV cache. Weights are fused at load (weights.py): one QKV projection and one gate/up
-projection. The cousins are options of the same decoder (config.py): QKV biases (Qwen2),
+"""The decoder's forward pass over a flattened batch (no padding), reading and writing the
+paged KV cache: the Llama family, the mixtures of experts (moe.py) and the GPT family
+(LayerNorms, plain MLPs, parallel residuals) as options of one decoder. Weights are fused at
+load (weights.py): one QKV projection and one gate/up projection. The Llama family's
+cousins are options of it too (model_config.py): QKV biases (Qwen2),
 q/k norms (Qwen3, Gemma3), sliding windows (Mistral, Phi3, Gemma), sandwich norms, GELU,
 scaled embeddings and soft-capping (Gemma2/3), per-layer rope bases (Gemma3). A layer's ops
 are the program program.py declares from those options; the native fused decode runs the same

@@ -1,6 +1,6 @@
 """The model's shape and per-architecture options, read from a Hugging Face config.json or a
-GGUF header. One dataclass serves the whole Llama family: each architecture is a set of
-options on the same decoder (see llama.py)."""
+GGUF header. One dataclass serves every architecture (the Llama family, the mixtures of
+experts, the GPT family): each is a set of options on the same decoder (see llama.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
