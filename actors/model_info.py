@@ -41,7 +41,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "olmoe": "OlmoeForCausalLM"}
+                      "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")

@@ -47,12 +47,22 @@ _MIXTRAL_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate",     #
                   "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
                   "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
                   "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
+# GPT-NeoX (its fused QKV as the converter leaves it: head by head, as Hugging Face's).
+_NEOX_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
+               "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 LAYER_NAMES = {"llama": _MIXTRAL_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
                "gemma": _LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES,
                "gemma3": _GEMMA2_LAYER_NAMES, "qwen2moe": _MOE_NAMES, "qwen3moe": _MOE_NAMES,
-               "olmoe": _MOE_NAMES}
+               "olmoe": _MOE_NAMES, "gptneox": _NEOX_NAMES}
+# Where an architecture's Hugging Face names differ from Llama's: its layers' prefix and
+# top-level tensors.
+_LAYER_PREFIX = {"gptneox": "gpt_neox.layers"}
+_ARCH_TOP_NAMES = {"gptneox": {"token_embd": "gpt_neox.embed_in",
+                               "output_norm": "gpt_neox.final_layer_norm",
+                               "output": "embed_out"}}
 ROPE_PERMUTED = {"llama"}
 _CHUNK_VALUES = 1 << 18     # values dequantized per slice (1 MiB of float32)
 NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
@@ -64,9 +74,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4:
         kind = LAYER_NAMES[arch].get(parts[2])
-        return None if kind is None else f"model.layers.{parts[1]}.{kind}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+        prefix = _LAYER_PREFIX.get(arch, "model.layers")
+        return None if kind is None else f"{prefix}.{parts[1]}.{kind}.{parts[3]}"
+    top = _ARCH_TOP_NAMES.get(arch, _TOP_NAMES)
+    if len(parts) == 2 and parts[0] in top:
+        return f"{top[parts[0]]}.{parts[1]}"
     return None
 
 

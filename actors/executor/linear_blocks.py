@@ -197,11 +197,17 @@ def _linear_blocks(info: ModelInfo, model) -> Iterator[tuple[str, LinearBlocks]]
     one Linear at a time, so loading holds one Linear's raw blocks beside the packed tiles,
     not the whole file's (an 8B file's blocks are 4.7 GB)."""
     sources = held_linear_sources(model)
+    orders = model.linear_row_orders(model.cfg)
     if info.format == "gguf":
         for module_name, names in sources.items():
             stored = _gguf_blocks(info, model.cfg, names)
-            if all(n in stored for n in names):
-                yield module_name, LinearBlocks(_segments(stored, names), None)
+            if not all(n in stored for n in names):
+                continue
+            segments, rows = _segments(stored, names), orders.get(module_name)
+            if rows is None:
+                yield module_name, LinearBlocks(segments, None)
+            elif len(segments) == 1:          # rows reordered as fuse_weights reorders them
+                yield module_name, LinearBlocks([(segments[0][0], segments[0][1][rows])], None)
         return
     stored, orders = _hf_blocks(info.path)
     for module_name, names in sources.items():

@@ -33,7 +33,14 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    if arch == "gptneox":
+        writer.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-5))
+        writer.add_parallel_residual(cfg.get("use_parallel_residual", True))
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                        cfg.get("rotary_pct", 1.0))
+        writer.add_rope_dimension_count(int(head_dim * factor))
+    else:
+        writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)          # Gemma3: the global layers' rope
     theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0

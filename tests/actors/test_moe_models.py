@@ -45,10 +45,11 @@ def tokenizer_meta() -> dict:
 
 
 def _gguf_and_reference(tmp_path, tokenizer_dir, meta, case) -> tuple[str, str]:
-    """(the GGUF file, a Hugging Face directory of the values its blocks hold)."""
+    """(the GGUF file, a Hugging Face directory of the values its blocks hold) of CASES[case]
+    or of a (test_architectures config, GGUF arch, type, overrides) tuple."""
     import json
     from safetensors.torch import save_file
-    name, arch, qtype, overrides = CASES[case]
+    name, arch, qtype, overrides = CASES[case] if isinstance(case, str) else case
     hf_dir = make_model(str(tmp_path / "hf"), tokenizer_dir, name, **overrides)
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)

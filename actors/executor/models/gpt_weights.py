@@ -62,6 +62,15 @@ def gpt_linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
     return out
 
 
+def gpt_row_orders(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Linears whose stored rows fuse_gpt_weights reorders -> that order (the rows of the
+    stored weight, in ours), for loaders that keep blocks as stored: GPT-NeoX's QKV."""
+    if cfg.architecture != "GPTNeoXForCausalLM":
+        return {}
+    rows = _neox_qkv(torch.arange(3 * cfg.num_heads * cfg.head_dim), cfg.num_heads)
+    return {f"layers.{i}.attn.qkv": rows for i in range(cfg.num_layers)}
+
+
 def _neox_qkv(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows [head][q, k, v][d] (weight [3 H, hidden] or bias [3 H]) -> [q, k, v][head][d]."""
     return w.reshape(heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)

@@ -140,7 +140,8 @@ class LlamaConfig:
                "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
                "num_key_value_heads": int(get("attention.head_count_kv", heads)),
                "head_dim": int(get("attention.key_length", hidden // heads)),
-               "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+               "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon",
+                                         get("attention.layer_norm_epsilon"))),
                "rope_theta": float(get("rope.freq_base", 10000.0)),
                "rope_scaling": gguf_rope_scaling(meta, arch),
                "max_position_embeddings": int(get("context_length")),
@@ -154,6 +155,12 @@ class LlamaConfig:
                        moe_intermediate_size=int(get("expert_feed_forward_length", 0)) or None,
                        shared_expert_intermediate_size=get("expert_shared_feed_forward_length"),
                        norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
+        if arch == "gptneox":             # LayerNorms, rope on rope.dimension_count columns
+            head_dim = hidden // heads
+            cfg.update(hidden_act="gelu", layer_norm_eps=cfg["rms_norm_eps"],
+                       use_parallel_residual=bool(get("use_parallel_residual", True)),
+                       rotary_pct=int(get("rope.dimension_count", head_dim)) / head_dim,
+                       rotary_emb_base=cfg["rope_theta"])
         if arch == "llama":
             cfg["sliding_window"] = None
         if arch == "qwen2":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .gpt_weights import fuse_gpt_weights, gpt_linear_sources
+from .gpt_weights import fuse_gpt_weights, gpt_linear_sources, gpt_row_orders
 from .model_config import LlamaConfig
 
 # Hugging Face layer norm name -> ours, per family. Llama's post_attention_layernorm is the
@@ -59,6 +59,12 @@ def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
         out[dst + "attn.o_proj"] = [src + "self_attn.o_proj.weight"]
         out.update((dst + name, names) for name, names in mlp_sources(cfg, i).items())
     return out
+
+
+def linear_row_orders(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Linears whose stored rows fuse_weights reorders -> the order, for loaders keeping
+    blocks as stored (GPT-NeoX's head-by-head QKV); other Linears keep their rows."""
+    return gpt_row_orders(cfg)
 
 
 def mlp_sources(cfg: LlamaConfig, layer: int) -> dict[str, list[str]]:
