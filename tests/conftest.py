@@ -84,3 +84,13 @@ def tiny_llama(tmp_path, smol_tokenizer_dir):
         return make_tiny_llama(str(tmp_path / f"model{next(counter)}"), smol_tokenizer_dir,
                                shape, **kw)
     return make
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer_meta() -> dict:
+    """The default model's tokenizer as its GGUF holds it, for the GGUF files tests write."""
+    from pagewire.gguf_header import read_gguf_header
+    from pagewire.model_info import default_model_path
+    from pagewire.testing.gguf_writer import TOKENIZER_KEYS
+    meta = read_gguf_header(default_model_path()).metadata
+    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}

@@ -7,32 +7,18 @@ from __future__ import annotations
 import pytest
 
 from pagewire import LLM
-from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
-from pagewire.model_info import default_model_path
-from pagewire.testing.gguf_writer import TOKENIZER_KEYS
 from tests.actors.test_moe_models import _check_greedy, _gguf_and_reference
-from tests.helpers import use_private_cache
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    use_private_cache(tmp_path, monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_meta() -> dict:
-    meta = read_gguf_header(default_model_path()).metadata
-    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+from tests.actors.test_moe_models import private_cache  # noqa: F401 (autouse: a private cache)
 
 
 @pytest.mark.parametrize("name, qtype", [("gpt-neox-parallel", "Q8_0"),
                                          ("gpt-neox-sequential", "F32")])
-def test_gpt_neox_gguf_matches_transformers(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+def test_gpt_neox_gguf_matches_transformers(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                             name, qtype):
     """Q8_0: every linear multiplies the file's blocks, QKV's rows reordered as the float
     weights' are (head by head in the file)."""
-    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                     (name, "gptneox", qtype, {}))
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)

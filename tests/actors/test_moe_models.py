@@ -17,8 +17,7 @@ from pagewire.executor.loader import read_safetensors
 from pagewire.executor.models.moe import SparseMoE
 from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
-from pagewire.model_info import default_model_path
-from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
+from pagewire.testing.gguf_writer import write_gguf
 from tests.actors.test_architectures import VOCAB, make_model
 from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
 
@@ -36,12 +35,6 @@ CASES = {
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     use_private_cache(tmp_path, monkeypatch)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_meta() -> dict:
-    meta = read_gguf_header(default_model_path()).metadata
-    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
 
 
 def _gguf_and_reference(tmp_path, tokenizer_dir, meta, case) -> tuple[str, str]:
@@ -78,9 +71,9 @@ def _check_greedy(llm, ref: str, label: str) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
-                                                   tokenizer_meta, case):
+                                                   gguf_tokenizer_meta, case):
     """Every block runs natively (csrc/moe.cpp) and decode steps through the fused stack."""
-    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, case)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)
     model = llm.runner.model
@@ -98,11 +91,11 @@ def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
 @pytest.mark.parametrize("case, dtype", [("olmoe-Q8_0", "float32"), ("olmoe-Q8_0", "bfloat16"),
                                          ("qwen3-moe-Q4_K_M", "bfloat16")])
 def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer_dir,
-                                                        tokenizer_meta, case, dtype):
+                                                        gguf_tokenizer_meta, case, dtype):
     """OLMoE (q/k norms over all heads) and Qwen3-MoE (per head), their experts: the fused
     stack's hidden states and KV writes are the per-op path's bit for bit."""
     from tests.actors.test_fused_decode import decode_step
-    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, case)
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, case)
     runner = LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=512).runner
     model, fused = runner.model, runner.model.fused_decode
     assert fused is not None
@@ -122,19 +115,19 @@ def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer
         assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
 
 
-def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, tokenizer_meta, tier):
-    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, tier):
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                     "qwen2-moe-Q4_0")
     llm = LLM(path, dtype="float32", kernels=tier, block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)
     _check_greedy(llm, ref, tier)
 
 
-def test_moe_in_bfloat16_stays_close_to_float32(tmp_path, smol_tokenizer_dir, tokenizer_meta):
+def test_moe_in_bfloat16_stays_close_to_float32(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta):
     """bfloat16 activations (each expert's output rounded, their weighted sum in float32):
     the first token's top log-probabilities within bfloat16's reach of transformers' float32
     ones on the same values (greedy runs of this tiny model meet near-ties of 0.005)."""
-    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta,
+    path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                     "qwen2-moe-Q4_0")
     llm = LLM(path, dtype="bfloat16", num_kv_blocks=64)
     oracle = HFOracle.from_dir(ref)
@@ -147,12 +140,12 @@ def test_moe_in_bfloat16_stays_close_to_float32(tmp_path, smol_tokenizer_dir, to
             assert abs(logprob - float(theirs[token_id])) < 0.05, (prompt, token_id)
 
 
-def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, tokenizer_meta):
+def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta):
     """The start-up log's holdings count every expert's Linears; its account of the experts
     says how many a token reads."""
     from pagewire.executor.linear_blocks import holdings
     from pagewire.executor.models.moe import describe_experts
-    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, tokenizer_meta, "olmoe-Q8_0")
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, "olmoe-Q8_0")
     llm = LLM(path, dtype="float32", num_kv_blocks=64)
     linears = sum(isinstance(m, Linear) for m in llm.runner.model.modules())
     # 3 layers x (qkv, o, 6 experts x 2) + the LM head; the routers are plain float ones
