@@ -48,7 +48,7 @@ def weight_count(shape: str) -> int:
     tied = SHAPES[shape]["tie_word_embeddings"]
     return int(sum(d[0] * d[1] if len(d) == 2 else d[0] * d[1] * d[2] * _taken(shape)
                    for name, _, d, _ in plan if len(d) > 1
-                   and (tied or name != "model.embed_tokens.weight")))
+                   and (tied or not name.endswith(("embed_tokens.weight", "embed_in.weight")))))
 
 
 def _taken(shape: str) -> float:

@@ -267,7 +267,8 @@ def tensor_type(qtype: str, name: str) -> str:
     `qtype` itself, except in Q4_K_M's mix."""
     if qtype != "Q4_K_M":
         return qtype
-    more_bits = name.endswith(("down_proj.weight", "lm_head.weight")) or \
+    more_bits = name.endswith(("down_proj.weight", "lm_head.weight", "dense_4h_to_h.weight",
+                               "embed_out.weight")) or \
         name == "model.layers.0.self_attn.v_proj.weight"
     return "Q6_K" if more_bits else "Q4_K"
 

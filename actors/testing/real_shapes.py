@@ -46,11 +46,16 @@ SHAPES = {
                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
                         intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
                         tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5),
+    # The GPT family: Pythia-1.4B's (GGUF only, as the mixture).
+    "gpt-neox-1.4b": dict(architecture="GPTNeoXForCausalLM", hidden_size=2048,
+                          num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+                          intermediate_size=8192, rotary_pct=0.25, use_parallel_residual=True,
+                          layer_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0),
 }
 FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16")
 MAX_POSITION = 32768          # a 32k context is servable
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "OlmoeForCausalLM": "olmoe"}
+             "OlmoeForCausalLM": "olmoe", "GPTNeoXForCausalLM": "gptneox"}
 
 # GGML type -> (bytes per block, weights per block, (byte offset of an fp16 scale, low,
 # high) for each scale field). Every other byte may be anything: all bit patterns are valid
@@ -117,8 +122,12 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
             return "BF16"
         if len(dims) == 1 or hf_name.endswith("mlp.gate.weight"):   # routers stay float32
             return "F32"
-        return "Q4_K" if fmt == "Q4_K_M" and "embed" in hf_name else tensor_type(fmt, hf_name)
+        embedding = hf_name.endswith(("embed_tokens.weight", "embed_in.weight"))
+        return "Q4_K" if fmt == "Q4_K_M" and embedding else tensor_type(fmt, hf_name)
 
+    if shape["architecture"] == "GPTNeoXForCausalLM":
+        return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in
+                _neox_rows(shape, vocab_size)]
     rows = [("model.embed_tokens.weight", "token_embd.weight", (vocab_size, hidden))]
     for i in range(shape["num_hidden_layers"]):
         hf, gg = f"model.layers.{i}.", f"blk.{i}."
@@ -139,6 +148,25 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
     if not shape["tie_word_embeddings"]:
         rows.append(("lm_head.weight", "output.weight", (vocab_size, hidden)))
     return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in rows]
+
+
+def _neox_rows(shape: dict, vocab_size: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """GPT-NeoX's tensors: LayerNorms with biases, one fused QKV, every linear biased."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    rows = [("gpt_neox.embed_in.weight", "token_embd.weight", (vocab_size, h))]
+    for i in range(shape["num_hidden_layers"]):
+        hf, gg = f"gpt_neox.layers.{i}.", f"blk.{i}."
+        for ours, theirs, dims in (("input_layernorm", "attn_norm", (h,)),
+                                   ("attention.query_key_value", "attn_qkv", (3 * h, h)),
+                                   ("attention.dense", "attn_output", (h, h)),
+                                   ("post_attention_layernorm", "ffn_norm", (h,)),
+                                   ("mlp.dense_h_to_4h", "ffn_up", (inter, h)),
+                                   ("mlp.dense_4h_to_h", "ffn_down", (h, inter))):
+            rows += [(f"{hf}{ours}.weight", f"{gg}{theirs}.weight", dims),
+                     (f"{hf}{ours}.bias", f"{gg}{theirs}.bias", dims[:1])]
+    return rows + [("gpt_neox.final_layer_norm.weight", "output_norm.weight", (h,)),
+                   ("gpt_neox.final_layer_norm.bias", "output_norm.bias", (h,)),
+                   ("embed_out.weight", "output.weight", (vocab_size, h))]
 
 
 def _mlp_rows(shape: dict, hf: str, gg: str) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -302,8 +330,9 @@ def write_hf_model(path: str, shape: dict, tokenizer_dir: str | None = None, see
     """Write a bfloat16 Hugging Face directory of `shape` at `path` (via path + ".part",
     renamed when whole): sharded safetensors with their index, config.json, and the tokenizer
     files of `tokenizer_dir` (default: the default model's tokenizer)."""
-    if shape.get("num_experts"):
-        raise ValueError("mixture-of-experts shapes are written as GGUF only")
+    if shape.get("num_experts") or shape["architecture"] not in ("LlamaForCausalLM",
+                                                                  "Qwen2ForCausalLM"):
+        raise ValueError(f"{shape['architecture']} shapes are written as GGUF only")
     meta = default_tokenizer_meta()
     vocab = len(meta["tokenizer.ggml.tokens"])
     plan = tensor_plan(shape, "bf16", vocab)

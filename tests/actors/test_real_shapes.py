@@ -22,6 +22,10 @@ TINY = dict(architecture="LlamaForCausalLM", hidden_size=256, num_hidden_layers=
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
             tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5)
 TINY_QWEN = {**TINY, "architecture": "Qwen2ForCausalLM", "tie_word_embeddings": True}
+TINY_OLMOE = {**TINY, "architecture": "OlmoeForCausalLM", "num_key_value_heads": 4,
+              "num_experts": 4, "num_experts_per_tok": 2}
+TINY_NEOX = {**TINY, "architecture": "GPTNeoXForCausalLM", "num_key_value_heads": 4,
+             "rotary_pct": 0.25, "use_parallel_residual": True, "layer_norm_eps": 1e-5}
 VOCAB = 512
 
 
@@ -103,7 +107,9 @@ def _generate(path: str) -> None:
 
 
 @pytest.mark.parametrize("fmt,shape", [("Q4_0", TINY), ("Q4_K_M", TINY_QWEN),
-                                       ("Q8_0", TINY)])
+                                       ("Q8_0", TINY), ("Q4_K_M", TINY_OLMOE),
+                                       ("Q4_K_M", TINY_NEOX)],
+                         ids=["llama-Q4_0", "qwen-Q4_K_M", "llama-Q8_0", "olmoe", "gpt-neox"])
 def test_engine_generates_from_gguf(tmp_path, monkeypatch, tokenizer_meta, fmt, shape):
     use_private_cache(tmp_path, monkeypatch)
     _generate(write_gguf_model(str(tmp_path / "m.gguf"), shape, fmt, tokenizer_meta))
