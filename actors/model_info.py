@@ -109,10 +109,9 @@ def resolve_model(model: str | None) -> ModelInfo:
 
 # What an architecture cannot do yet, by option (README's table): LoRA adapters of experts
 # or of GPT-family blocks; OLMoE's q/k norms span every head, which tensor parallelism would
-# split; GPT-family row-parallel biases would be added once per rank.
-_UNBUILT = {**{arch: ("--enable-lora",) for arch in MOE_ARCHITECTURES},
-            **{arch: ("--enable-lora", "--tensor-parallel-size > 1") for arch in
-               ("OlmoeForCausalLM", *GPT_ARCHITECTURES)}}
+# split.
+_UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
+            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1")}
 
 
 # GPT-2's config.json names for the keys every other family's uses.

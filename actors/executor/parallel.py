@@ -175,6 +175,7 @@ class Shares:
     experts: range     # the experts a rank holds (all but with expert parallel)
     expert_inter: slice  # an expert's rows it holds (all of them with expert parallel)
     shared_inter: slice  # the shared expert's rows it holds
+    first: bool        # rank 0: the one that adds a row-parallel linear's bias
 
     @classmethod
     def of(cls, cfg, tp: TensorParallel) -> "Shares":
@@ -189,7 +190,8 @@ class Shares:
                    local_experts(cfg.num_experts, tp, tp.expert_parallel),
                    slice(0, inter) if tp.expert_parallel else
                    slice(*split_range(inter, tp.size, tp.rank)),
-                   slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)))
+                   slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)),
+                   tp.rank == 0)
 
     def take(self, name: str, w: torch.Tensor, columns=None) -> torch.Tensor | None:
         """w's share: rows sliced here, columns (row-parallel weights) by `columns(w, cols)`
@@ -203,6 +205,10 @@ class Shares:
         if name.endswith("mlp.gate_up.weight"):
             gate, up = w.chunk(2)
             return torch.cat([gate[self.inter], up[self.inter]])
+        if name.endswith(("mlp.up.weight", "mlp.up.bias")):         # the GPT family's plain MLP
+            return w[self.inter]
+        if name.endswith(("attn.o_proj.bias", "mlp.down.bias")):   # the GPT family's: added
+            return w if self.first else torch.zeros_like(w)          # once, by rank 0
         row_parallel = {"attn.o_proj.weight": self.q, "mlp.down.weight": self.inter}
         for suffix, cols in row_parallel.items():
             if name.endswith(suffix):

@@ -79,6 +79,16 @@ def test_mixture_of_experts_ranks_match_transformers(tmp_path, smol_tokenizer_di
         assert_matches_transformers(srv, path)
 
 
+@pytest.mark.parametrize("name", ["gpt-neox-parallel", "gpt2"])
+def test_gpt_family_ranks_match_transformers(tmp_path, smol_tokenizer_dir, name):
+    """LayerNorms, biased linears (a row-parallel one's bias added by rank 0 alone), GPT-2's
+    learned positions after the vocab-parallel embedding's all-reduce."""
+    from tests.actors.test_architectures import make_model
+    path = make_model(str(tmp_path / name), smol_tokenizer_dir, name)
+    with running_server([path, *F32, *TWO_RANKS]) as srv:
+        assert_matches_transformers(srv, path)
+
+
 def test_context_parallel_ranks_match_transformers(models):
     """-tp 2 -dcp 2: the one KV head, replicated on both ranks (each with one of the two
     query heads), has its tokens split over them (each holds 8 of a block's 16):
