@@ -58,10 +58,9 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     weights, experts = route(_float_product(x, moe.router), moe.top_k, moe.normalize)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, tokens, slots in by_expert(experts):
-        expert = moe.experts[str(e)] if str(e) in moe.experts else None
-        if expert is None:                              # another rank's (expert parallel)
+        if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
-        y = _expert(ops, expert, x[tokens])
+        y = _expert(ops, moe.experts[str(e)], x[tokens])
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
     if moe.shared is not None:
         gate = torch.sigmoid(_float_product(x, moe.shared_gate))         # [T, 1]
@@ -101,7 +100,7 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
         at = MoeWord.EXPERT_TABLES + 2 * int(index)
         words[at:at + 2] = expert.gate_up.quantized.table.data_ptr(), \
             expert.down.quantized.table.data_ptr()
-        words[MoeWord.INTER] = expert.down.in_features
+    words[MoeWord.INTER] = next(iter(moe.experts.values())).down.in_features
     if moe.shared is not None:
         words[MoeWord.SHARED_GATE_UP] = moe.shared.gate_up.quantized.table.data_ptr()
         words[MoeWord.SHARED_DOWN] = moe.shared.down.quantized.table.data_ptr()

@@ -35,10 +35,10 @@ def split_range(n: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def local_experts(num_experts: int, tp: "TensorParallel", expert_parallel: bool) -> range:
+def local_experts(num_experts: int, tp: "TensorParallel") -> range:
     """The experts of a mixture a rank holds: all of them (tensor parallel: a slice of each)
     or, with expert parallelism, its contiguous share of them, whole."""
-    return range(*split_range(num_experts, tp.size, tp.rank)) if expert_parallel \
+    return range(*split_range(num_experts, tp.size, tp.rank)) if tp.expert_parallel \
         else range(num_experts)
 
 
@@ -187,7 +187,7 @@ class Shares:
                    (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d),
                    slice(*split_range(cfg.intermediate_size, tp.size, tp.rank)),
                    slice(*tp.vocab(cfg.vocab_size)),
-                   local_experts(cfg.num_experts, tp, tp.expert_parallel),
+                   local_experts(cfg.num_experts, tp),
                    slice(0, inter) if tp.expert_parallel else
                    slice(*split_range(inter, tp.size, tp.rank)),
                    slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)),

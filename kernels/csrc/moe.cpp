@@ -60,15 +60,16 @@ void float_product(float* out, const T* x, int64_t tokens, const T* w, int64_t r
 }
 
 // Softmax of one token's logits, its top k experts (descending, ties to the lower index)
-// and their weights, renormalised to sum to one where asked.
+// and their weights, renormalised to sum to one where asked. p, order: scratch the caller
+// reuses over its tokens.
 void route(const float* logits, int64_t experts, int64_t k, bool normalize, int64_t* ids,
-           float* weights) {
-  std::vector<float> p(logits, logits + experts);
+           float* weights, std::vector<float>& p, std::vector<int64_t>& order) {
+  p.assign(logits, logits + experts);
   const float top = *std::max_element(p.begin(), p.end());
   float sum = 0.f;
   for (float& v : p) sum += (v = std::exp(v - top));
   for (float& v : p) v /= sum;
-  std::vector<int64_t> order(experts);
+  order.resize(experts);
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
     return p[a] > p[b] || (p[a] == p[b] && a < b);
@@ -169,9 +170,11 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
   std::vector<float> logits(tokens * experts), weights(tokens * k), acc(tokens * hidden, 0.f);
   std::vector<int64_t> ids(tokens * k);
   float_product<T>(logits.data(), x, tokens, ptr<T>(spec[PW_MOE_ROUTER]), experts, hidden);
+  std::vector<float> probs;
+  std::vector<int64_t> order;
   for (int64_t t = 0; t < tokens; ++t)
     route(&logits[t * experts], experts, k, spec[PW_MOE_NORMALIZE] != 0, &ids[t * k],
-          &weights[t * k]);
+          &weights[t * k], probs, order);
   std::vector<Work> work;
   std::vector<int64_t> rows;
   std::vector<float> scale;

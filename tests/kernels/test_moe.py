@@ -174,7 +174,7 @@ def test_two_ranks_partial_sums_are_one_ranks_output(expert_parallel):
         total = torch.zeros(5, 32)
         for rank in range(2):
             tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
-            block = SparseMoE(cfg, tp, expert_parallel)
+            block = SparseMoE(cfg, tp)
             mine = {k.removeprefix("layers.0.mlp."): v
                     for k, v in shard_state(state, cfg, tp).items()}
             block.load_state_dict(mine)

@@ -158,17 +158,18 @@ class _Encoder:
 
 
     def qk_norm(self, attn) -> list[int] | None:
-        q, k = attn.q_norm.weight, attn.k_norm.weight
-        if q.dtype != self.dtype or k.dtype != self.dtype:
-            return None
-        return [q.data_ptr(), k.data_ptr(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                _real(attn.q_norm.eps)]
+        weights = self._qk_weights(attn)
+        return weights and [*weights, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                            _real(attn.q_norm.eps)]
 
     def qk_norm_flat(self, attn) -> list[int] | None:
+        weights = self._qk_weights(attn)
+        return weights and [*weights, attn.q_size, attn.kv_size, _real(attn.q_norm.eps)]
+
+    def _qk_weights(self, attn) -> list[int] | None:
+        """The q and k norms' weights, where they are the activations' dtype."""
         q, k = attn.q_norm.weight, attn.k_norm.weight
-        if q.dtype != self.dtype or k.dtype != self.dtype:
-            return None
-        return [q.data_ptr(), k.data_ptr(), attn.q_size, attn.kv_size, _real(attn.q_norm.eps)]
+        return [q.data_ptr(), k.data_ptr()] if q.dtype == k.dtype == self.dtype else None
 
     def moe(self, sparse) -> list[int] | None:
         native = sparse.native_spec              # kernels/moe.py NativeMoe, where it runs

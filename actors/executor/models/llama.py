@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, tp, layer, cp)
         self.post_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)           # before the MLP
-        self.mlp = SparseMoE(cfg, tp, tp.expert_parallel) if cfg.sparse_layers[layer] \
+        self.mlp = SparseMoE(cfg, tp) if cfg.sparse_layers[layer] \
             else MLP(cfg, tp, layer)
         self.post_attn_norm = self.post_mlp_norm = None
         if cfg.sandwich_norms:

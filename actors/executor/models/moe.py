@@ -38,16 +38,16 @@ class SparseMoE(nn.Module):
 
     native_spec = None
 
-    def __init__(self, cfg, tp: TensorParallel, expert_parallel: bool = False):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
         partial = tp.size > 1
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.normalize, self.float_partial = cfg.normalize_top_k, partial
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        inter = cfg.expert_intermediate_size if expert_parallel else \
+        inter = cfg.expert_intermediate_size if tp.expert_parallel else \
             _share(cfg.expert_intermediate_size, tp)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial) for e in
-                                      local_experts(cfg.num_experts, tp, expert_parallel)})
+                                      local_experts(cfg.num_experts, tp)})
         self.shared = self.shared_gate = None
         if cfg.shared_expert_size:
             self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial)
