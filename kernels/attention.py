@@ -15,7 +15,7 @@ attention_triton.py and re-exported here, at the bottom.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +68,17 @@ class AttentionBatch:
 @dataclass(frozen=True)
 class Variant:
     """What some architectures add to plain causal attention: a sliding window (a query sees
-    its own and the window - 1 keys before it) and soft-capped scores
-    (cap * tanh(score / cap), Gemma2)."""
+    its own and the window - 1 keys before it), soft-capped scores
+    (cap * tanh(score / cap), Gemma2) and sinks (gpt-oss): a learned logit per query head that
+    joins each row's softmax denominator and contributes no value (float32 [Hq], this rank's
+    heads). Variants compare by window and softcap only (a tensor has no truth value)."""
     window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def plain(self) -> bool:
-        return self.window is None and self.softcap is None
+        return self.window is None and self.softcap is None and self.sinks is None
 
 
 PLAIN = Variant()
@@ -90,7 +93,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     (decode_attention's, variant and lse included); `prefill(q, kv_cache, batch, scale,
     variant, out)` may take every prefill span at once (writing their rows of out, returning
     True) or decline (False). Decode rows under a shared prefix (batch.cascade) attend it
-    once for all (cascade.py), except in sliding-window layers."""
+    once for all (cascade.py), except in sliding-window layers and with sinks."""
     write(kv_cache, k, v, batch.slot_mapping)
     nd = batch.num_decode_tokens
     if not batch.prefills and nd == q.shape[0]:    # decode only: the kernel's output is it
@@ -117,7 +120,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 def _decodes(q, kv_cache, batch: AttentionBatch, scale: float, variant: Variant,
              decode) -> torch.Tensor:
     """The decode rows' attention by `decode`, through the cascade where the batch has one."""
-    if batch.cascade is None or variant.window is not None:
+    if batch.cascade is None or variant.window is not None or variant.sinks is not None:
         return decode(q, kv_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
                       variant)
     return cascade_decode(q, kv_cache.shape[3], batch.cascade,
@@ -142,7 +145,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      variant: Variant = PLAIN, lse: bool = False):
     """One query token per sequence, attending its first context_lens[b] cached tokens (the
     last `window` of them with a window). q: [B, Hq, D] -> [B, Hq, D]; with `lse`, also each
-    row's log-sum-exp of its scores, float32 [B, Hq] (cascade.merge_attention)."""
+    row's log-sum-exp of its scores (the sink's among them), float32 [B, Hq]
+    (cascade.merge_attention)."""
     batch, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     width = block_tables.shape[1] * block_size
@@ -162,7 +166,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     if variant.softcap is not None:
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
     scores = scores + bias
+    if variant.sinks is not None:              # one more logit a row, which has no value
+        sink = variant.sinks.float().view(1, num_kv_heads, group, 1)
+        scores = torch.cat([scores, sink.expand(batch, -1, -1, -1)], dim=-1)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if variant.sinks is not None:
+        probs = probs[..., :-1]
     out = torch.matmul(probs, values).view(batch, num_heads, head_dim)
     if not lse:
         return out
@@ -189,10 +198,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention of one sequence's queries q [n, Hq, D] over keys and values [ctx, Hkv, D]
     (not paged): under `mask` [n, ctx] (bool, True: visible), or causal when `causal` (then
     mask is None and ctx == n). -> [n, Hq, D]."""
-    if variant.softcap is not None:
+    if variant.softcap is not None or variant.sinks is not None:
         if causal:
             mask = causal_mask(q.shape[0], k.shape[0], q.device)
-        return _softcapped(q, k, v, mask, scale, variant.softcap)
+        return _explicit(q, k, v, mask, scale, variant)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
@@ -210,16 +219,34 @@ def causal_mask(num_queries: int, context_len: int, device: torch.device,
     return mask if window is None else mask & (k_pos > q_pos - window)
 
 
-def _softcapped(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """Attention with capped scores (SDPA has no hook for it). q: [n, Hq, D]; k, v:
-    [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]. Float32 scores, as Gemma2 in transformers."""
+def _explicit(q, k, v, mask, scale: float, variant: Variant) -> torch.Tensor:
+    """Attention with capped scores and/or sinks (SDPA has no hook for either). q: [n, Hq, D];
+    k, v: [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]. Float32 scores, as Gemma2 and gpt-oss
+    in transformers; a sink is one more column of each head's softmax, dropped after it."""
     group = q.shape[1] // k.shape[1]
     kq = k.repeat_interleave(group, dim=1)                               # [ctx, Hq, D]
     vq = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, kq).float() * scale         # [Hq, n, ctx]
-    scores = torch.tanh(scores / cap) * cap
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, vq)
+    if variant.softcap is not None:
+        scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if variant.sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = variant.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs.to(q.dtype), vq)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor,
+                sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed without sinks -> with them: out [B, Hq, D] (q's dtype) and its rows'
+    log-sum-exp lse [B, Hq] float32. A row's softmax over its scores and the sink is its
+    softmax over the scores times Z / (Z + e^sink) = sigmoid(lse - sink), so the sink needs no
+    kernel of its own (the native decode's output, scaled). Returns (out, lse with the sink)."""
+    sinks = sinks.float()
+    share = torch.sigmoid(lse - sinks)                                   # [B, Hq]
+    return (out.float() * share[..., None]).to(out.dtype), torch.logaddexp(lse, sinks)
 
 
 def _reads_fresh(span: PrefillSpan, kv_cache: torch.Tensor, variant: Variant) -> bool:

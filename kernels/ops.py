@@ -214,8 +214,9 @@ class CpuOps(TorchOps):
         return self._decode(q, kv_cache, tables, lens, scale, variant, lse=True)
 
     def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
-        """bfloat16 prefills (plain or windowed) on the native kernel; the rest on torch."""
-        if variant.softcap is not None or not self.lib.prefill_attention_serves(q, cache[0]):
+        """bfloat16 prefills (plain or windowed) on the native kernel; the rest (soft-capped,
+        with sinks) on torch."""
+        if variant.softcap is not None or variant.sinks is not None or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
         blocks = None
@@ -226,8 +227,15 @@ class CpuOps(TorchOps):
         return True
 
     def _decode(self, q, cache, tables, lens, scale, variant, lse=False):
-        return self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
-                                         variant.window, variant.softcap, lse)
+        """The native kernel; sinks (which it has none of) applied to its rows after, from
+        their log-sum-exp (attention.apply_sinks)."""
+        if variant.sinks is None:
+            return self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
+                                             variant.window, variant.softcap, lse)
+        out, sums = attention.apply_sinks(*self.lib.decode_attention(
+            q, cache[0], cache[1], tables, lens, scale, variant.window, variant.softcap, True),
+            variant.sinks)
+        return (out, sums) if lse else out
 
 
 
