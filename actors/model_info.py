@@ -29,12 +29,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                           "GPTNeoXForCausalLM", "GPT2LMHeadModel")
+                           "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM")
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "OlmoeForCausalLM")
+                     "OlmoeForCausalLM", "GptOssForCausalLM")
 # GGUF general.architecture -> the Hugging Face architecture of the same model.
 # (llama.cpp keeps Mixtral as "llama" with experts: gguf_architecture tells them apart.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -109,9 +109,12 @@ def resolve_model(model: str | None) -> ModelInfo:
 
 # What an architecture cannot do yet, by option (README's table): LoRA adapters of experts
 # or of GPT-family blocks; OLMoE's q/k norms span every head, which tensor parallelism would
-# split.
+# split; gpt-oss's sinks and expert biases are not split over ranks, nor are its sliding
+# layers KV-Compress's.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
-            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1")}
+            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1"),
+            "GptOssForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1",
+                                  "--kv-compress-rate")}
 
 
 # GPT-2's config.json names for the keys every other family's uses.

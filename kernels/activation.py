@@ -15,6 +15,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation, [T, 2*I] (gate first, then up) -> [T, I]: the gate
+    clamped above at `limit`, up to [-limit, limit], then gate * sigmoid(alpha gate) * (up + 1),
+    in transformers' order of operations (GptOssExperts._apply_gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Gemma's activation: GELU (tanh approximation) of the gate times up. [T, 2*I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -4,7 +4,8 @@ once over the tokens that chose it.
 route() is the one routing every backend uses: softmax of the router logits in float32 (the
 Hugging Face models' arithmetic, which Mixtral, Qwen2/3-MoE and OLMoE share), the top k
 (ties: the lower expert index first, a rule of ours: torch.topk, which transformers calls,
-states none), and, where the model says so, the k weights rescaled to sum to one.
+states none), and, where the model says so, the k weights rescaled to sum to one; gpt-oss's
+the other way round: the top k of the logits (its router has a bias), then their softmax.
 
 sparse_mlp() groups the step's (token, choice) pairs by expert: an expert no token chose is
 never read (a decode step streams only its tokens' experts' weights), and an expert chosen
@@ -19,14 +20,21 @@ from typing import NamedTuple
 
 import torch
 
+from .activation import swiglu_oai
 from .native_api import API
 
 # The words of a block's description for csrc/moe.cpp (pagewire_api.h PwMoe).
 MoeWord = API.int_enum("PwMoe", "MoeWord", __name__)
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] float32, experts [T, k] int64)."""
+def route(logits: torch.Tensor, top_k: int, normalize: bool,
+          topk_then_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, k] float32, experts [T, k] int64). topk_then_softmax
+    (gpt-oss): the k largest logits, then a softmax over those k alone (the same experts as
+    softmax first; weights that sum to one)."""
+    if topk_then_softmax:
+        top, experts = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+        return torch.softmax(top[:, :top_k], dim=-1), experts[:, :top_k]
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, experts = weights[:, :top_k], experts[:, :top_k]
@@ -55,12 +63,13 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     through `ops` (the backend's linear and activation). `moe`: models/moe.py SparseMoE.
     float32 where moe.float_partial (a rank's partial sum), else x's dtype. The router's and
     the shared gate's products are float32 (the weights and x widened, summed unrounded)."""
-    weights, experts = route(_float_product(x, moe.router), moe.top_k, moe.normalize)
+    weights, experts = route(_float_product(x, moe.router), moe.top_k, moe.normalize,
+                             moe.topk_then_softmax)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, tokens, slots in by_expert(experts):
         if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
-        y = _expert(ops, moe.experts[str(e)], x[tokens])
+        y = _expert(ops, moe.experts[str(e)], x[tokens], moe.activation)
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
     if moe.shared is not None:
         gate = torch.sigmoid(_float_product(x, moe.shared_gate))         # [T, 1]
@@ -69,11 +78,19 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
 
 
 def _float_product(x: torch.Tensor, linear) -> torch.Tensor:
-    return torch.nn.functional.linear(x.float(), linear.weight.float())
+    bias = None if linear.bias is None else linear.bias.float()
+    return torch.nn.functional.linear(x.float(), linear.weight.float(), bias)
 
 
-def _expert(ops, expert, x: torch.Tensor) -> torch.Tensor:
-    return ops.linear(expert.down, ops.silu_and_mul(ops.linear(expert.gate_up, x)))
+def _expert(ops, expert, x: torch.Tensor, activation=("silu",)) -> torch.Tensor:
+    """One expert's gated MLP over its tokens x [n, H]: SiLU, or gpt-oss's clamped SwiGLU
+    (activation ("swiglu_oai", alpha, limit))."""
+    gate_up = ops.linear(expert.gate_up, x)
+    if activation[0] == "swiglu_oai":
+        act = swiglu_oai(gate_up, *activation[1:])
+    else:
+        act = ops.silu_and_mul(gate_up)
+    return ops.linear(expert.down, act)
 
 
 class NativeMoe(NamedTuple):
@@ -86,9 +103,13 @@ class NativeMoe(NamedTuple):
 def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     """`moe` (models/moe.py SparseMoE) for the native kernels, or None where they cannot run
     it: every expert's weights (the shared expert's too) tiles of `kinds` serving every step,
-    in column order, without bias; one rank's whole output (not a float partial)."""
+    in column order, without bias; one rank's whole output (not a float partial); the routing
+    and activation Mixtral, Qwen-MoE and OLMoE share (not gpt-oss's: its router's bias, top-k
+    before the softmax, clamped SwiGLU)."""
     dtype = moe.router.weight.dtype
     experts = [*moe.experts.values(), *([moe.shared] if moe.shared is not None else [])]
+    if moe.router.bias is not None or moe.topk_then_softmax or moe.activation[0] != "silu":
+        return None
     if moe.float_partial or dtype not in (torch.bfloat16, torch.float32) or not all(
             _tiled(linear, kinds) for e in experts for linear in (e.gate_up, e.down)):
         return None

@@ -6,6 +6,6 @@ MODELS = {name: LlamaForCausalLM for name in (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-    "GPTNeoXForCausalLM", "GPT2LMHeadModel")}
+    "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM")}
 
 __all__ = ["MODELS", "LlamaConfig", "LlamaForCausalLM"]

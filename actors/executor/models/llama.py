@@ -89,7 +89,18 @@ class Attention(nn.Module):
         # the columns of a head rope rotates (the GPT family: a part; GPT-2: none)
         self.rotary_dim = cfg.head_dim if cfg.rotary_dim == 0 else max(cfg.rotary_dim, 0)
         self.layer = layer
+        # gpt-oss: a learned logit per q head in each softmax (Variant.sinks, float32)
+        self.sinks = nn.Parameter(torch.zeros(share.num_q), requires_grad=False) \
+            if cfg.attention_sinks else None
         self.variant = Variant(cfg.layer_windows[layer], cfg.attn_softcap)
+        self.reset_variant()
+
+    def reset_variant(self) -> None:
+        """The variant again once the sinks are loaded or moved (the model's reset_buffers
+        and _apply): it holds them as a float32 tensor of their own."""
+        if self.sinks is not None:
+            self.variant = Variant(self.variant.window, self.variant.softcap,
+                                   self.sinks.detach().float())
 
 
 class MLP(nn.Module):
@@ -177,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
             table = rope_cos_sin(rotary, cfg.rope_table_len, theta, inv_freq)  # [P, rotary]
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
+        for layer in self.layers:
+            layer.attn.reset_variant()
 
     @property
     def fused_decode(self):
@@ -192,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)    # moves the cos_sin buffer (table 0); the others follow
         self.rope_tables = [self.cos_sin] + [fn(t) for t in self.rope_tables[1:]]
+        for layer in self.layers:
+            layer.attn.reset_variant()
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -60,6 +60,15 @@ class LlamaConfig:
     normalize_top_k: bool = False            # the chosen experts' weights rescaled to sum to 1
     shared_expert_size: int = 0              # a gated dense expert every token takes (Qwen2-MoE)
     sparse_layers: list[bool] = field(default_factory=list)
+    # gpt-oss (_gpt_oss): attention sinks (a learned logit per q head in each softmax), biases
+    # on the router and every expert Linear, top-k of the router's logits then a softmax over
+    # those k, and experts of the clamped SwiGLU ("swiglu_oai", kernels/activation.py).
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    topk_then_softmax: bool = False
+    expert_activation: str = "silu"          # "silu" | "swiglu_oai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
@@ -119,6 +128,8 @@ class LlamaConfig:
             base.update(_gemma(cfg, arch, base))
         if arch in MOE_ARCHITECTURES:
             base.update(_moe(cfg, arch, n))
+        if arch == "GptOssForCausalLM":
+            base.update(_gpt_oss(cfg, base))
         if arch in ("GPTNeoXForCausalLM", "GPT2LMHeadModel"):
             base.update(_gpt(cfg, arch, base))
         return cls(**base)
@@ -183,7 +194,7 @@ def _moe(cfg: dict, arch: str, n: int) -> dict:
         if cfg.get("clip_qkv") is not None:
             raise ValueError("OlmoeForCausalLM with clip_qkv is not supported")
         out.update(qk_norm=True, qk_norm_flat=True)
-    else:                                                     # Qwen2-MoE, Qwen3-MoE
+    elif arch.startswith("Qwen"):                             # Qwen2-MoE, Qwen3-MoE
         step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
         out["sparse_layers"] = [(i + 1) % step == 0 and i not in dense for i in range(n)]
         if arch == "Qwen2MoeForCausalLM":
@@ -219,6 +230,25 @@ def _gpt(cfg: dict, arch: str, base: dict) -> dict:
         out.update(rotary_dim=-1, learned_positions=base["max_position"],
                    tie_word_embeddings=cfg.get("tie_word_embeddings", True))
     return out
+
+
+def _gpt_oss(cfg: dict, base: dict) -> dict:
+    """gpt-oss: biases on q, k, v and o; sinks; sliding and full layers as layer_types says
+    (transformers' default: even layers slide); the MoE options of LlamaConfig's gpt-oss
+    group. Its max_position_embeddings is the yarn-extended length already (131072 = 4096 x
+    32), so the rope table spans that, not that times the factor."""
+    n, bias = base["num_layers"], cfg.get("attention_bias", True)
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(n)]
+    rope = base["rope_tables"][0][1] or {}
+    extended = int(rope.get("original_max_position_embeddings", 0) * rope.get("factor", 1.0))
+    return dict(attention_bias=bias, o_proj_bias=bias, attention_sinks=True, moe_bias=True,
+                topk_then_softmax=True, expert_activation="swiglu_oai",
+                swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
+                swiglu_limit=cfg.get("swiglu_limit", 7.0),
+                layer_windows=[cfg.get("sliding_window") if t == "sliding_attention" else None
+                               for t in types],
+                rope_table_len=max(base["max_position"], extended))
 
 
 def _rope_parameters(cfg: dict) -> dict:

@@ -19,12 +19,13 @@ from ..parallel import TensorParallel, local_experts, split_range
 
 
 class Expert(nn.Module):
-    """One gated MLP: gate/up column-parallel, down row-parallel over `inter` rows."""
+    """One gated MLP: gate/up column-parallel, down row-parallel over `inter` rows; with
+    biases (gpt-oss) on both."""
 
-    def __init__(self, hidden: int, inter: int, float_partial: bool):
+    def __init__(self, hidden: int, inter: int, float_partial: bool, bias: bool = False):
         super().__init__()
-        self.gate_up = Linear(hidden, 2 * inter, bias=False)
-        self.down = Linear(inter, hidden, bias=False, float_partial=float_partial)
+        self.gate_up = Linear(hidden, 2 * inter, bias=bias)
+        self.down = Linear(inter, hidden, bias=bias, float_partial=float_partial)
 
 
 class SparseMoE(nn.Module):
@@ -34,7 +35,8 @@ class SparseMoE(nn.Module):
     shared expert's gate are plain torch Linears, never packed or quantized: their float32
     products (kernels/moe.py) read the weights as loaded. `native_spec`: the native kernels'
     description of the block (kernels/moe.py native_spec), which the backend's prepare sets
-    where they run it."""
+    where they run it. gpt-oss's options (model_config.py): biases on the router and the
+    experts, `topk_then_softmax` routing, the experts' `activation` (name, alpha, limit)."""
 
     native_spec = None
 
@@ -43,11 +45,14 @@ class SparseMoE(nn.Module):
         partial = tp.size > 1
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.normalize, self.float_partial = cfg.normalize_top_k, partial
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.topk_then_softmax = cfg.topk_then_softmax
+        self.activation = (cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.moe_bias)
         inter = cfg.expert_intermediate_size if tp.expert_parallel else \
             _share(cfg.expert_intermediate_size, tp)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial) for e in
-                                      local_experts(cfg.num_experts, tp)})
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial,
+                                                     cfg.moe_bias)
+                                      for e in local_experts(cfg.num_experts, tp)})
         self.shared = self.shared_gate = None
         if cfg.shared_expert_size:
             self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial)

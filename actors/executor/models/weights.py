@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .gpt_oss_weights import gpt_oss_layer, gpt_oss_mlp_sources
 from .gpt_weights import fuse_gpt_weights, gpt_linear_sources, gpt_row_orders
 from .model_config import LlamaConfig
 
@@ -35,6 +36,8 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
         _attention(weights, src + "self_attn.", dst + "attn.", cfg, out)
         if src + "mlp.gate_up_proj.weight" in weights:                     # Phi3: fused
             out[dst + "mlp.gate_up.weight"] = weights[src + "mlp.gate_up_proj.weight"]
+        if cfg.architecture == "GptOssForCausalLM":                        # stacked experts
+            out.update(gpt_oss_layer(weights, cfg, i))
         for name, sources in mlp_sources(cfg, i).items():
             if f"{dst}{name}.weight" not in out:         # Phi3's gate_up: put above
                 _put(out, f"{dst}{name}.weight", _joined(weights, sources))
@@ -72,6 +75,8 @@ def mlp_sources(cfg: LlamaConfig, layer: int) -> dict[str, list[str]]:
     joins by rows: a dense MLP's gate_up and down, or a sparse one's router, each expert's
     (Mixtral calls gate, up and down w1, w3 and w2) and a shared expert with its gate."""
     src = f"model.layers.{layer}."
+    if cfg.architecture == "GptOssForCausalLM":
+        return gpt_oss_mlp_sources(layer, cfg.num_experts)
     if not cfg.sparse_layers[layer]:
         return {"mlp.gate_up": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
                 "mlp.down": [src + "mlp.down_proj.weight"]}

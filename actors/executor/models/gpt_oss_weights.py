@@ -1,0 +1,46 @@
+"""gpt-oss's tensors that the Llama family's mapping (weights.py) does not name: each
+attention's sinks and o_proj bias, the router's bias, and the experts, which Hugging Face
+stores stacked per layer and transposed against nn.Linear:
+
+    mlp.experts.gate_up_proj       [E, H, 2I]  x @ W: gate at even columns, up at odd ones
+    mlp.experts.gate_up_proj_bias  [E, 2I]     interleaved the same way
+    mlp.experts.down_proj          [E, I, H]   x @ W
+    mlp.experts.down_proj_bias     [E, H]
+
+Each expert becomes our two Linears ([out, in] weights): gate_up's rows the gate's I columns
+then the up's I (SiLU-and-mul's [gate; up] layout), down the transposed slice."""
+from __future__ import annotations
+
+import torch
+
+
+def gpt_oss_layer(weights: dict[str, torch.Tensor], cfg, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s gpt-oss-only entries of the state dict (names within the model)."""
+    src, dst = f"model.layers.{layer}.", f"layers.{layer}."
+    out = {dst + "attn.sinks": weights[src + "self_attn.sinks"]}
+    if cfg.o_proj_bias:
+        out[dst + "attn.o_proj.bias"] = weights[src + "self_attn.o_proj.bias"]
+    for kind in ("weight", "bias"):
+        out[f"{dst}mlp.router.{kind}"] = weights[f"{src}mlp.router.{kind}"]
+    experts = src + "mlp.experts."
+    gate_up, gate_up_bias = weights[experts + "gate_up_proj"], weights[experts + "gate_up_proj_bias"]
+    down, down_bias = weights[experts + "down_proj"], weights[experts + "down_proj_bias"]
+    for e in range(cfg.num_experts):
+        ours = f"{dst}mlp.experts.{e}."
+        w, b = gate_up[e], gate_up_bias[e]                          # [H, 2I], [2I]
+        out[ours + "gate_up.weight"] = torch.cat([w[:, 0::2].t(), w[:, 1::2].t()]).contiguous()
+        out[ours + "gate_up.bias"] = torch.cat([b[0::2], b[1::2]])
+        out[ours + "down.weight"] = down[e].t().contiguous()         # [H, I]
+        out[ours + "down.bias"] = down_bias[e]
+    return out
+
+
+def gpt_oss_mlp_sources(layer: int, num_experts: int) -> dict[str, list[str]]:
+    """weights.mlp_sources for a gpt-oss layer: the router, and every expert's Linears from
+    their layer's stacked tensors (the loader reads those for any expert that needs them)."""
+    experts = f"model.layers.{layer}.mlp.experts."
+    out = {"mlp.router": [f"model.layers.{layer}.mlp.router.weight"]}
+    for e in range(num_experts):
+        out[f"mlp.experts.{e}.gate_up"] = [experts + "gate_up_proj"]
+        out[f"mlp.experts.{e}.down"] = [experts + "down_proj"]
+    return out
