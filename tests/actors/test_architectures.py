@@ -22,7 +22,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidde
 
 def _configs():
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GPT2Config,
-                              GPTNeoXConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              GptOssConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, MixtralConfig,
                               OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig)
     return {
@@ -57,6 +57,13 @@ def _configs():
             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True)),
         "olmoe": (OlmoeConfig, "OlmoeForCausalLM", dict(num_experts=6, num_experts_per_tok=2,
                                                         hidden_size=128)),
+        # gpt-oss: sinks, sliding/full layers, yarn, biases everywhere, top-k then softmax,
+        # the clamped SwiGLU (more in test_gpt_oss.py).
+        "gpt-oss": (GptOssConfig, "GptOssForCausalLM", dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+            sliding_window=WINDOW, rope_parameters={
+                "rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                "original_max_position_embeddings": 128, "truncate": False})),
         # The GPT family: LayerNorms, plain GELU MLPs with biases; GPT-NeoX's parallel
         # residual (or not) and rope on a quarter (a half) of each head; GPT-2's learned
         # positions and Conv1D weights. Multi-head attention, head_dim hidden / heads.

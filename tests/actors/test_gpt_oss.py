@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -148,3 +149,28 @@ def test_config_reads_gpt_oss_options(tmp_path, smol_tokenizer_dir):
     assert cfg.attention_bias and cfg.o_proj_bias and not cfg.qk_norm
     assert cfg.layer_windows == [WINDOW, None, WINDOW, None] and cfg.sliding_window is None
     assert cfg.rope_tables[0][1]["rope_type"] == "yarn" and cfg.rope_table_len == 512
+
+
+@pytest.mark.parametrize("options, what", [
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size > 1"),
+    (dict(kv_compress_rate=0.5, enable_prefix_caching=False), "--kv-compress-rate")])
+def test_what_gpt_oss_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir, options,
+                                                       what):
+    path = make_gpt_oss(str(tmp_path / "m"), smol_tokenizer_dir)
+    with pytest.raises(ValueError, match=f"GptOssForCausalLM with {re.escape(what)} is not"):
+        LLM(path, dtype="float32", num_kv_blocks=64, **options)
+
+
+def test_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
+    """n-gram drafts verified through sinks, windows and experts (several tokens a sequence
+    in one step, over cached context) leave greedy answers as they were."""
+    path = make_gpt_oss(str(tmp_path / "m"), smol_tokenizer_dir)
+    prompts = [{"prompt_token_ids": [7, 8, 9, 7, 8, 9, 7, 8] * 3}, {"prompt_token_ids": [40] * 9}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(**options) -> list[list[int]]:
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256, **options)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert run(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_min": 1}) == run()
