@@ -201,6 +201,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if variant.softcap is not None or variant.sinks is not None:
         if causal:
             mask = causal_mask(q.shape[0], k.shape[0], q.device)
+        if variant.softcap is None:
+            return _sdpa_with_sinks(q, k, v, mask, scale, variant.sinks)
         return _explicit(q, k, v, mask, scale, variant)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
@@ -220,8 +222,8 @@ def causal_mask(num_queries: int, context_len: int, device: torch.device,
 
 
 def _explicit(q, k, v, mask, scale: float, variant: Variant) -> torch.Tensor:
-    """Attention with capped scores and/or sinks (SDPA has no hook for either). q: [n, Hq, D];
-    k, v: [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]. Float32 scores, as Gemma2 and gpt-oss
+    """Attention with capped scores (SDPA has no hook for it), and sinks beside them. q:
+    [n, Hq, D]; k, v: [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]. Float32 scores, as Gemma2
     in transformers; a sink is one more column of each head's softmax, dropped after it."""
     group = q.shape[1] // k.shape[1]
     kq = k.repeat_interleave(group, dim=1)                               # [ctx, Hq, D]
@@ -236,6 +238,28 @@ def _explicit(q, k, v, mask, scale: float, variant: Variant) -> torch.Tensor:
         sink = variant.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs.to(q.dtype), vq)
+
+
+def _sdpa_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with sinks through SDPA (whose CPU flash kernel never holds a [Hq, n, ctx]
+    score matrix: long prompts' chunks stay within memory), the sink as one more key every
+    query sees: each head's vectors gain a column, 0 in the real keys and values, sink / scale
+    in each query (its head's sink), 1 in the sink's key, whose value is zero. Its score is
+    then the sink, the real keys' scores are unchanged, and the extra output column is
+    dropped. q: [n, Hq, D]; k, v: [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    extra = (sinks.float() / scale).to(q.dtype).view(1, hq, 1).expand(n, hq, 1)
+    q1 = torch.cat([q, extra], dim=-1)                                    # [n, Hq, D+1]
+    sink_key = k.new_zeros(1, hkv, d + 1)
+    sink_key[..., d] = 1
+    k1 = torch.cat([F.pad(k, (0, 1)), sink_key])                          # [ctx+1, Hkv, D+1]
+    v1 = torch.cat([F.pad(v, (0, 1)), v.new_zeros(1, hkv, d + 1)])
+    mask1 = torch.cat([mask, mask.new_ones(n, 1)], dim=1)                 # the sink: seen
+    out = F.scaled_dot_product_attention(
+        q1.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0),
+        v1.transpose(0, 1).unsqueeze(0), attn_mask=mask1, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)[..., :d]
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor,

@@ -12,7 +12,7 @@ from pagewire.kernels.ops import select_ops
 from tests.kernels.test_attention import DECODES, PREFILLS, _build
 
 
-def naive_sink_attention(q, keys, values, scale, sinks, window=None):
+def naive_sink_attention(q, keys, values, scale, sinks, window=None, softcap=None):
     """q [n, Hq, D] (the last n positions); keys, values [ctx, Hkv, D] -> [n, Hq, D], float64."""
     n, hq, _ = q.shape
     ctx, hkv, _ = keys.shape
@@ -24,6 +24,8 @@ def naive_sink_attention(q, keys, values, scale, sinks, window=None):
         first = 0 if window is None else max(0, pos - window + 1)
         for h in range(hq):
             scores = (k[first:pos + 1, h] @ q[i, h].double()) * scale          # [visible]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             logits = torch.cat([scores, sinks[h].double().view(1)])
             probs = torch.softmax(logits, 0)[:-1]
             out[i, h] = probs @ v[first:pos + 1, h]
@@ -31,20 +33,22 @@ def naive_sink_attention(q, keys, values, scale, sinks, window=None):
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (6, 2.0)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2)])
-def test_paged_attention_with_sinks_matches_the_definition(kernels, window, num_heads,
+def test_paged_attention_with_sinks_matches_the_definition(kernels, window, softcap, num_heads,
                                                            num_kv_heads):
     """Decodes and prefills (fresh prompts, chunks over cached context) in one batch; sinks
-    large and small against the scores, so they take from a fifth to nearly all of the mass."""
+    large and small against the scores, so they take from a fifth to nearly all of the mass.
+    Prefills: SDPA with the sink as a key (or, soft-capped, the explicit softmax)."""
     cache, q, k, v, batch, full_kv = _build(16, 64, num_heads, num_kv_heads, seed=7)
     sinks = torch.linspace(-3.0, 4.0, num_heads)
     scale = 64 ** -0.5
     out = select_ops(torch.device("cpu"), kernels).attention(
-        q, k, v, cache, batch, scale, Variant(window=window, sinks=sinks))
+        q, k, v, cache, batch, scale, Variant(window=window, softcap=softcap, sinks=sinks))
     row = 0
     for (ctx, n), (keys, values) in zip(DECODES + PREFILLS, full_kv):
-        expected = naive_sink_attention(q[row:row + n], keys, values, scale, sinks, window)
+        expected = naive_sink_attention(q[row:row + n], keys, values, scale, sinks, window,
+                                        softcap)
         torch.testing.assert_close(out[row:row + n].double(), expected, atol=2e-6, rtol=2e-6,
                                    msg=lambda m: f"ctx={ctx} n={n}: {m}")
         row += n
@@ -86,3 +90,18 @@ def test_native_decode_with_sinks_matches_torch(native_lib, dtype):
 def test_variants_compare_by_window_and_softcap():
     assert Variant(window=4, sinks=torch.zeros(2)) == Variant(window=4, sinks=torch.ones(2))
     assert not Variant(sinks=torch.zeros(2)).plain and Variant().plain
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_bfloat16_attention_with_sinks_stays_close_to_the_definition(kernels):
+    """bfloat16 queries, keys, values and cache: within bfloat16's rounding of the output."""
+    cache, q, k, v, batch, full_kv = _build(16, 64, 4, 2, seed=10)
+    sinks, bf = torch.tensor([-2.0, 0.5, 1.5, 3.0]), torch.bfloat16
+    out = select_ops(torch.device("cpu"), kernels).attention(
+        q.to(bf), k.to(bf), v.to(bf), cache.to(bf), batch, 0.125, Variant(window=6, sinks=sinks))
+    row = 0
+    for (ctx, n), (keys, values) in zip(DECODES + PREFILLS, full_kv):
+        expected = naive_sink_attention(q[row:row + n].to(bf), keys.to(bf), values.to(bf),
+                                        0.125, sinks, 6)
+        torch.testing.assert_close(out[row:row + n].double(), expected, atol=3e-2, rtol=3e-2)
+        row += n
