@@ -174,3 +174,19 @@ def test_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert run(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_min": 1}) == run()
+
+
+def test_fused_decode_refuses_sinks():
+    """The native decode stack has no sinks: a model with them in any layer takes the per-op
+    path (the default model, whose stack builds otherwise)."""
+    from pagewire.executor.models.fused_decode import FusedDecode
+    from pagewire.kernels.attention import Variant
+    runner = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=16).runner
+    attn = runner.model.layers[3].attn
+    assert FusedDecode.build(runner.model, runner.kv_caches) is not None
+    plain = attn.variant
+    try:
+        attn.variant = Variant(plain.window, plain.softcap, torch.zeros(attn.num_heads))
+        assert FusedDecode.build(runner.model, runner.kv_caches) is None
+    finally:
+        attn.variant = plain

@@ -150,7 +150,7 @@ class _Encoder:
         # kv_quant's Kind of a quantized cache, or PLAIN: a cache of the activations' dtype.
         kind = kv_quant.KINDS.get(cache.dtype,
                                   kv_quant.PLAIN if cache.dtype == self.dtype else None)
-        if kind is None:
+        if kind is None or attn.variant.sinks is not None:    # no sinks in decode_stack.cpp
             return None
         return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,
                 attn.head_dim, cache.shape[2], attn.variant.window or 0, _real(attn.scale),
