@@ -15,6 +15,7 @@ expert are rows of its one matmul. Outputs are weighted and summed in float32, r
 """
 from __future__ import annotations
 
+import struct
 import sys
 from typing import NamedTuple
 
@@ -103,24 +104,32 @@ class NativeMoe(NamedTuple):
 def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     """`moe` (models/moe.py SparseMoE) for the native kernels, or None where they cannot run
     it: every expert's weights (the shared expert's too) tiles of `kinds` serving every step,
-    in column order, without bias; one rank's whole output (not a float partial); the routing
-    and activation Mixtral, Qwen-MoE and OLMoE share (not gpt-oss's: its router's bias, top-k
-    before the softmax, clamped SwiGLU)."""
+    in column order, biases (the routed experts' only) of the activations' dtype; one rank's
+    whole output (not a float partial); SiLU or gpt-oss's clamped SwiGLU."""
     dtype = moe.router.weight.dtype
-    experts = [*moe.experts.values(), *([moe.shared] if moe.shared is not None else [])]
-    if moe.router.bias is not None or moe.topk_then_softmax or moe.activation[0] != "silu":
+    shared = [moe.shared] if moe.shared is not None else []
+    routed = [linear for e in moe.experts.values() for linear in (e.gate_up, e.down)]
+    if moe.float_partial or dtype not in (torch.bfloat16, torch.float32) \
+            or moe.activation[0] not in ("silu", "swiglu_oai") \
+            or not all(_tiled(linear, kinds, dtype) for linear in routed) \
+            or not all(_tiled(linear, kinds, None) for e in shared for linear in (e.gate_up, e.down)) \
+            or not _biased(moe.router, dtype):
         return None
-    if moe.float_partial or dtype not in (torch.bfloat16, torch.float32) or not all(
-            _tiled(linear, kinds) for e in experts for linear in (e.gate_up, e.down)):
-        return None
-    words = [0] * (MoeWord.EXPERT_TABLES + 2 * moe.num_experts)
+    per = MoeWord.EXPERT_WORDS
+    words = [0] * (MoeWord.EXPERT_TABLES + per * moe.num_experts)
     words[MoeWord.EXPERTS], words[MoeWord.TOP_K] = moe.num_experts, moe.top_k
     words[MoeWord.NORMALIZE], words[MoeWord.HIDDEN] = int(moe.normalize), moe.router.in_features
     words[MoeWord.ROUTER] = _address(moe.router.weight)
+    words[MoeWord.ROUTER_BIAS] = _bias_address(moe.router)
+    words[MoeWord.TOPK_SOFTMAX] = int(moe.topk_then_softmax)
+    if moe.activation[0] == "swiglu_oai":
+        words[MoeWord.SWIGLU_OAI] = 1
+        words[MoeWord.SWIGLU_ALPHA], words[MoeWord.SWIGLU_LIMIT] = map(_real, moe.activation[1:])
     for index, expert in moe.experts.items():
-        at = MoeWord.EXPERT_TABLES + 2 * int(index)
-        words[at:at + 2] = expert.gate_up.quantized.table.data_ptr(), \
-            expert.down.quantized.table.data_ptr()
+        at = MoeWord.EXPERT_TABLES + per * int(index)
+        words[at:at + per] = expert.gate_up.quantized.table.data_ptr(), \
+            expert.down.quantized.table.data_ptr(), _bias_address(expert.gate_up), \
+            _bias_address(expert.down)
     words[MoeWord.INTER] = next(iter(moe.experts.values())).down.in_features
     if moe.shared is not None:
         words[MoeWord.SHARED_GATE_UP] = moe.shared.gate_up.quantized.table.data_ptr()
@@ -130,10 +139,27 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     return NativeMoe(torch.tensor(words, dtype=torch.int64), dtype)
 
 
-def _tiled(linear, kinds: frozenset) -> bool:
+def _tiled(linear, kinds: frozenset, bias_dtype: torch.dtype | None) -> bool:
+    """Tiles of `kinds` serving every step in column order; a bias only of `bias_dtype`
+    (None: no bias)."""
     q = linear.quantized
     return q is not None and linear.quantized_max_tokens == sys.maxsize and q.order is None \
-        and linear.bias is None and all(s.kind in kinds for s in q.segments)
+        and (linear.bias is None or bias_dtype is not None and _biased(linear, bias_dtype)) \
+        and all(s.kind in kinds for s in q.segments)
+
+
+def _biased(linear, dtype: torch.dtype) -> bool:
+    """No bias, or a contiguous one of `dtype` (what moe.cpp reads)."""
+    return linear.bias is None or linear.bias.dtype == dtype and linear.bias.is_contiguous()
+
+
+def _bias_address(linear) -> int:
+    return 0 if linear.bias is None else linear.bias.data_ptr()
+
+
+def _real(value: float) -> int:
+    """A float word: the double's bits (moe.cpp's real())."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
 def _address(weight: torch.Tensor) -> int:

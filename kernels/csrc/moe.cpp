@@ -3,6 +3,9 @@
 // chosen expert run once over the tokens that chose it (its gate/up and down weights as
 // packed tiles, kernels/quant.py), their outputs weighted and summed in float32 in expert
 // order, then the gated shared expert, rounded once. An expert no token chose is never read.
+// gpt-oss's block: a bias on the router's logits, the top k of them then their softmax,
+// biases on the experts' products (added in the activations' dtype, as the torch path's
+// Linear adds them) and its clamped SwiGLU.
 //
 // CpuOps.moe calls this for every step and the fused decode's MOE op (decode_stack.cpp) for
 // decode steps, so both paths give the same bits. The block is described by int64 words
@@ -80,15 +83,59 @@ void route(const float* logits, int64_t experts, int64_t k, bool normalize, int6
     for (int64_t j = 0; j < k; ++j) weights[j] /= chosen;
 }
 
+// gpt-oss: the top k logits (descending, ties to the lower index) and their softmax.
+void route_top_first(const float* logits, int64_t experts, int64_t k, int64_t* ids,
+                     float* weights, std::vector<int64_t>& order) {
+  order.resize(experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  float sum = 0.f;
+  for (int64_t j = 0; j < k; ++j)
+    ids[j] = order[j], sum += (weights[j] = std::exp(logits[order[j]] - logits[order[0]]));
+  for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+}
+
 template <typename T> struct Silu;
 template <> struct Silu<float> { static constexpr auto fn = pw_silu_and_mul_f32; };
 template <> struct Silu<bf16> { static constexpr auto fn = pw_silu_and_mul_bf16; };
 
+// The experts' activation: SiLU-and-mul, or (swiglu) gpt-oss's over [gate; up] rows:
+// g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha g).
+struct Activation {
+  bool swiglu;
+  float alpha, limit;
+};
+
+template <typename T>
+void activate(T* out, const T* gate_up, int64_t rows, int64_t inter, const Activation& a) {
+  if (!a.swiglu) return Silu<T>::fn(out, gate_up, rows, inter);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inter; ++j) {
+      const float g = std::min(pw::to_float(gate_up[r * 2 * inter + j]), a.limit);
+      const float u = std::clamp(pw::to_float(gate_up[r * 2 * inter + inter + j]), -a.limit,
+                                 a.limit);
+      pw::from_float((u + 1.f) * (g / (1.f + std::exp(-a.alpha * g))), &out[r * inter + j]);
+    }
+}
+
+// rows [rows, n] (row stride n) += bias [n], in T (0: no bias).
+template <typename T> void add_bias(T* rows, int64_t count, int64_t n, int64_t bias) {
+  if (bias == 0) return;
+  const T* b = ptr<T>(bias);
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t j = 0; j < n; ++j)
+      pw::from_float(pw::to_float(rows[r * n + j]) + pw::to_float(b[j]), &rows[r * n + j]);
+}
+
 // One expert's share of a call: its `count` rows (tokens) from `first` in the gathered rows,
-// their output scales, its width and weights' tables, and where its values lie in scratch.
+// their output scales, its width, weights' tables and biases (0: none), and where its values
+// lie in scratch.
 struct Work {
   int64_t first, count, inter;
   const int64_t *gate_up, *down;
+  int64_t gate_up_bias, down_bias;
   int64_t gate_up_at, act_at;     // offsets into the gate/up and activation scratch
 };
 
@@ -122,7 +169,7 @@ void each_task(const std::vector<Work>& work, Rows rows_of, Fn fn) {
 template <typename T>
 void run_experts(float* acc, const T* x, const std::vector<Work>& work,
                  const std::vector<int64_t>& rows, const std::vector<float>& scale,
-                 int64_t hidden) {
+                 int64_t hidden, const Activation& activation) {
   // the calling thread's scratch, named by reference: the lambdas below run on the pool's
   // threads, where a thread_local's name would mean their own (empty) copies
   thread_local std::vector<T> scratch[4];
@@ -139,53 +186,83 @@ void run_experts(float* acc, const T* x, const std::vector<Work>& work,
     table_rows<T>(&gate_up[w.gate_up_at], 2 * w.inter, &xs[w.first * hidden], hidden, w.count,
                   w.gate_up, r0, r1);
   });
-  for (const Work& w : work)
-    Silu<T>::fn(&act[w.act_at], &gate_up[w.gate_up_at], w.count, w.inter);
+  for (const Work& w : work) {
+    add_bias<T>(&gate_up[w.gate_up_at], w.count, 2 * w.inter, w.gate_up_bias);
+    activate<T>(&act[w.act_at], &gate_up[w.gate_up_at], w.count, w.inter, activation);
+  }
   each_task(work, [&](const Work&) { return hidden; }, [&](const Work& w, int64_t r0,
                                                           int64_t r1) {
     table_rows<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w.count, w.down, r0,
                   r1);
   });
+  for (const Work& w : work) add_bias<T>(&y[w.first * hidden], w.count, hidden, w.down_bias);
   for (int64_t i = 0; i < total; ++i) {
     float* a = acc + rows[i] * hidden;
     for (int64_t j = 0; j < hidden; ++j) a[j] += scale[i] * pw::to_float(y[i * hidden + j]);
   }
 }
 
-// Appends a work item of `n` rows (already in rows) with its tables.
+// Appends a work item of `n` rows (already in rows) with its tables and biases.
 void add_work(std::vector<Work>& work, int64_t n, int64_t inter, const int64_t* gate_up,
-              const int64_t* down) {
+              const int64_t* down, int64_t gate_up_bias = 0, int64_t down_bias = 0) {
   const Work* prev = work.empty() ? nullptr : &work.back();
   const int64_t first = prev ? prev->first + prev->count : 0;
   const int64_t gu = prev ? prev->gate_up_at + prev->count * 2 * prev->inter : 0;
   const int64_t act = prev ? prev->act_at + prev->count * prev->inter : 0;
-  work.push_back(Work{first, n, inter, gate_up, down, gu, act});
+  work.push_back(Work{first, n, inter, gate_up, down, gate_up_bias, down_bias, gu, act});
+}
+
+double real(int64_t word) {      // a float operand: a double's bits
+  double v;
+  std::memcpy(&v, &word, sizeof v);
+  return v;
+}
+
+// Every token's k experts and weights from the router's float32 logits (plus its bias).
+template <typename T>
+void route_tokens(const T* x, int64_t tokens, const int64_t* spec, int64_t* ids,
+                  float* weights) {
+  const int64_t experts = spec[PW_MOE_EXPERTS], k = spec[PW_MOE_TOP_K];
+  const int64_t hidden = spec[PW_MOE_HIDDEN];
+  std::vector<float> logits(tokens * experts);
+  float_product<T>(logits.data(), x, tokens, ptr<T>(spec[PW_MOE_ROUTER]), experts, hidden);
+  if (spec[PW_MOE_ROUTER_BIAS])
+    for (int64_t i = 0; i < tokens * experts; ++i)
+      logits[i] += pw::to_float(ptr<T>(spec[PW_MOE_ROUTER_BIAS])[i % experts]);
+  std::vector<float> probs;
+  std::vector<int64_t> order;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (spec[PW_MOE_TOPK_SOFTMAX])
+      route_top_first(&logits[t * experts], experts, k, &ids[t * k], &weights[t * k], order);
+    else
+      route(&logits[t * experts], experts, k, spec[PW_MOE_NORMALIZE] != 0, &ids[t * k],
+            &weights[t * k], probs, order);
+  }
 }
 
 template <typename T>
 void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
   const int64_t experts = spec[PW_MOE_EXPERTS], k = spec[PW_MOE_TOP_K];
   const int64_t hidden = spec[PW_MOE_HIDDEN], inter = spec[PW_MOE_INTER];
-  const int64_t* tables = spec + PW_MOE_EXPERT_TABLES;          // [experts][gate_up, down]
-  std::vector<float> logits(tokens * experts), weights(tokens * k), acc(tokens * hidden, 0.f);
+  const int64_t* tables = spec + PW_MOE_EXPERT_TABLES;   // [experts][PW_MOE_EXPERT_WORDS]
+  std::vector<float> weights(tokens * k), acc(tokens * hidden, 0.f);
   std::vector<int64_t> ids(tokens * k);
-  float_product<T>(logits.data(), x, tokens, ptr<T>(spec[PW_MOE_ROUTER]), experts, hidden);
-  std::vector<float> probs;
-  std::vector<int64_t> order;
-  for (int64_t t = 0; t < tokens; ++t)
-    route(&logits[t * experts], experts, k, spec[PW_MOE_NORMALIZE] != 0, &ids[t * k],
-          &weights[t * k], probs, order);
+  route_tokens<T>(x, tokens, spec, ids.data(), weights.data());
+  const Activation activation{spec[PW_MOE_SWIGLU_OAI] != 0,
+                              static_cast<float>(real(spec[PW_MOE_SWIGLU_ALPHA])),
+                              static_cast<float>(real(spec[PW_MOE_SWIGLU_LIMIT]))};
   std::vector<Work> work;
   std::vector<int64_t> rows;
   std::vector<float> scale;
   for (int64_t e = 0; e < experts; ++e) {     // each chosen expert once, its tokens ascending
-    if (tables[2 * e] == 0) continue;         // another rank's
+    const int64_t* words = tables + PW_MOE_EXPERT_WORDS * e;
+    if (words[0] == 0) continue;              // another rank's
     const size_t before = rows.size();
     for (int64_t i = 0; i < tokens * k; ++i)
       if (ids[i] == e) rows.push_back(i / k), scale.push_back(weights[i]);
     if (rows.size() > before)
-      add_work(work, rows.size() - before, inter, ptr<int64_t>(tables[2 * e]),
-               ptr<int64_t>(tables[2 * e + 1]));
+      add_work(work, rows.size() - before, inter, ptr<int64_t>(words[0]),
+               ptr<int64_t>(words[1]), words[2], words[3]);
   }
   if (spec[PW_MOE_SHARED_GATE_UP]) {          // Qwen2-MoE: sigmoid(x . g) * shared(x)
     std::vector<float> gate(tokens);
@@ -195,7 +272,7 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
     add_work(work, tokens, spec[PW_MOE_SHARED_INTER],
              ptr<int64_t>(spec[PW_MOE_SHARED_GATE_UP]), ptr<int64_t>(spec[PW_MOE_SHARED_DOWN]));
   }
-  if (!work.empty()) run_experts<T>(acc.data(), x, work, rows, scale, hidden);
+  if (!work.empty()) run_experts<T>(acc.data(), x, work, rows, scale, hidden, activation);
   for (int64_t i = 0; i < tokens * hidden; ++i) pw::from_float(acc[i], &out[i]);
 }
 

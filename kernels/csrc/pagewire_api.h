@@ -63,9 +63,12 @@ enum PwOp : int64_t {
 };
 
 // A mixture-of-experts block as moe.cpp reads it: int64 words at these indices, then per
-// expert its gate/up and down weights' tables (kernels/quant.py QuantWeight.table; 0 and 0:
-// an expert another rank holds). The router's and the shared gate's weights are the
+// expert (PW_MOE_EXPERT_WORDS words) its gate/up and down weights' tables
+// (kernels/quant.py QuantWeight.table; 0 and 0: an expert another rank holds) and their
+// biases (0: none). The router's and the shared gate's weights, and every bias, are the
 // activations' dtype, [experts, hidden] and [hidden]; no shared expert: its three words 0.
+// gpt-oss: the router's bias, top k then softmax, and its clamped SwiGLU (alpha and limit
+// as a double's bits).
 enum PwMoe : int64_t {
   PW_MOE_EXPERTS = 0,
   PW_MOE_TOP_K = 1,
@@ -77,7 +80,13 @@ enum PwMoe : int64_t {
   PW_MOE_SHARED_DOWN = 7,
   PW_MOE_SHARED_GATE = 8,
   PW_MOE_SHARED_INTER = 9,
-  PW_MOE_EXPERT_TABLES = 10,
+  PW_MOE_ROUTER_BIAS = 10,      // 0: none
+  PW_MOE_TOPK_SOFTMAX = 11,     // 1: the top k of the logits, then their softmax
+  PW_MOE_SWIGLU_OAI = 12,       // 1: (up + 1) * g * sigmoid(alpha g), g and up clamped
+  PW_MOE_SWIGLU_ALPHA = 13,
+  PW_MOE_SWIGLU_LIMIT = 14,
+  PW_MOE_EXPERT_TABLES = 15,
+  PW_MOE_EXPERT_WORDS = 4,      // gate/up table, down table, gate/up bias, down bias
 };
 
 // A packed weight's tile type (quant_tiles.h; kernels/quant.py packs them): the GGML type id

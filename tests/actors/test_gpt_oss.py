@@ -28,7 +28,7 @@ TIGHT = dict(swiglu_limit=0.4)        # the clamps of gate and up take effect at
 def make_gpt_oss(path: str, tokenizer_dir: str, **overrides) -> str:
     from transformers import GptOssConfig, GptOssForCausalLM
     config = GptOssConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=512,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -92,9 +92,9 @@ def test_greedy_and_logprobs_match_transformers_on_torch(tmp_path, smol_tokenize
 
 
 def test_cpu_backend_matches_transformers(tmp_path, smol_tokenizer_dir, tier, monkeypatch):
-    """Each native tier: no fused decode (the sinks and gpt-oss's experts have no native
-    form: the per-op path runs), the native decode kernel with the sinks applied to its rows,
-    the experts through torch's grouping over the tier's linears."""
+    """Each native tier, float32: the native decode kernel with the sinks applied to its rows,
+    the experts (float32 weights, not tiles) through torch's grouping over the tier's linears,
+    and so no fused decode."""
     from pagewire.kernels import attention
     applied = []
     monkeypatch.setattr(attention, "apply_sinks",
@@ -111,7 +111,8 @@ def test_cpu_backend_matches_transformers(tmp_path, smol_tokenizer_dir, tier, mo
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 def test_bfloat16_checkpoint_stays_close_to_transformers(tmp_path, smol_tokenizer_dir, kernels):
-    """A bfloat16 checkpoint (as gpt-oss's unquantized ones are) run in bfloat16: the first
+    """A bfloat16 checkpoint (as gpt-oss's unquantized ones are) run in bfloat16 (on the CPU
+    backend its experts BF16 tiles that csrc/moe.cpp runs, biases and all): the first
     token's top log-probabilities within 0.03 of transformers' on the same values, in float32
     or in bfloat16 (measured: <= 0.009). Either: a router's near-tie may flip under bfloat16
     rounding, and did for one prompt here (transformers' two runs 0.25 apart; ours matched
@@ -123,6 +124,8 @@ def test_bfloat16_checkpoint_stays_close_to_transformers(tmp_path, smol_tokenize
     for f in os.listdir(smol_tokenizer_dir):
         shutil.copy(os.path.join(smol_tokenizer_dir, f), bf16)
     llm = LLM(bf16, dtype="bfloat16", kernels=kernels, num_kv_blocks=64)
+    blocks = [layer.mlp for layer in llm.runner.model.layers]
+    assert all((b.native_spec is not None) == (kernels == "cpu") for b in blocks)  # BF16 tiles
     oracles = [AutoModelForCausalLM.from_pretrained(bf16, dtype=d).eval()
                for d in (torch.float32, torch.bfloat16)]
     for prompt in _prompts():
@@ -143,7 +146,7 @@ def test_config_reads_gpt_oss_options(tmp_path, smol_tokenizer_dir):
     path = make_gpt_oss(str(tmp_path / "m"), smol_tokenizer_dir)
     with open(os.path.join(path, "config.json")) as f:
         cfg = LlamaConfig.from_hf(json.load(f))
-    assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (4, 2, 48)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (4, 2, 64)
     assert cfg.attention_sinks and cfg.moe_bias and cfg.topk_then_softmax
     assert (cfg.expert_activation, cfg.swiglu_alpha, cfg.swiglu_limit) == ("swiglu_oai", 1.702, 7.0)
     assert cfg.attention_bias and cfg.o_proj_bias and not cfg.qk_norm

@@ -45,7 +45,9 @@ def test_the_python_codes_are_the_headers():
     assert {w.name: w.value for w in moe.MoeWord} == {
         "EXPERTS": 0, "TOP_K": 1, "NORMALIZE": 2, "HIDDEN": 3, "INTER": 4, "ROUTER": 5,
         "SHARED_GATE_UP": 6, "SHARED_DOWN": 7, "SHARED_GATE": 8, "SHARED_INTER": 9,
-        "EXPERT_TABLES": 10}
+        "ROUTER_BIAS": 10, "TOPK_SOFTMAX": 11, "SWIGLU_OAI": 12, "SWIGLU_ALPHA": 13,
+        "SWIGLU_LIMIT": 14, "EXPERT_TABLES": 15}
+    assert moe.MoeWord.EXPERT_WORDS == 4          # a count (INTER's value: an alias)
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 60, 62, 63, 64, 73,
                            103, 108, 112, 113, 114, 110, 160, 162, 163, 164, 173,
                            203, 208, 212, 213, 214, 210, 260, 262, 263, 264, 273,
