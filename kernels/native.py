@@ -320,6 +320,20 @@ class Library:
                                                      inter)
         return out
 
+    def apply_sinks_(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+        """decode_attention's rows out [B, Hq, D] (contiguous) and their lse [B, Hq], in place:
+        as if each row's softmax had had its head's sink (float32 [Hq]) too
+        (attention.apply_sinks' arithmetic, the fused decode's bits)."""
+        _check_cpu(out, lse, sinks)
+        batch, heads, head_dim = out.shape
+        if not out.is_contiguous() or lse.dtype != torch.float32 or not lse.is_contiguous() \
+                or lse.shape != (batch, heads) or sinks.dtype != torch.float32 \
+                or not sinks.is_contiguous() or sinks.shape != (heads,):
+            raise ValueError("apply_sinks_: out [B, Hq, D] contiguous, lse float32 [B, Hq], "
+                             "sinks float32 [Hq]")
+        self.typed("pw_apply_sinks", out.dtype)(out.data_ptr(), lse.data_ptr(), sinks.data_ptr(),
+                                                batch, heads, head_dim)
+
     def moe(self, x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """The mixture-of-experts block `words` describes (kernels/moe.py native_spec, for
         x's dtype) of x [T, H] contiguous -> [T, H]."""

@@ -228,14 +228,14 @@ class CpuOps(TorchOps):
 
     def _decode(self, q, cache, tables, lens, scale, variant, lse=False):
         """The native kernel; sinks (which it has none of) applied to its rows after, from
-        their log-sum-exp (attention.apply_sinks)."""
+        their log-sum-exp (native apply_sinks_, as the fused decode does)."""
         if variant.sinks is None:
             return self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
                                              variant.window, variant.softcap, lse)
-        out, sums = attention.apply_sinks(*self.lib.decode_attention(
-            q, cache[0], cache[1], tables, lens, scale, variant.window, variant.softcap, True),
-            variant.sinks)
-        return (out, sums) if lse else out
+        out, sums = self.lib.decode_attention(q, cache[0], cache[1], tables, lens, scale,
+                                              variant.window, variant.softcap, True)
+        self.lib.apply_sinks_(out, sums, variant.sinks)
+        return (out, torch.logaddexp(sums, variant.sinks)) if lse else out
 
 
 

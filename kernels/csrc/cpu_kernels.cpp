@@ -102,6 +102,17 @@ void silu_and_mul(T* out, const T* gate_up, int64_t tokens, int64_t inter) {
   });
 }
 
+// pw_apply_sinks: each row's share of its softmax once the sink joins it, Z / (Z + e^sink).
+template <typename T>
+void apply_sinks(T* out, const float* lse, const float* sinks, int64_t B, int64_t Hq,
+                 int64_t D) {
+  for (int64_t r = 0; r < B * Hq; ++r) {
+    const float share = 1.f / (1.f + std::exp(sinks[r % Hq] - lse[r]));
+    for (int64_t j = 0; j < D; ++j)
+      from_float(pw::to_float(out[r * D + j]) * share, &out[r * D + j]);
+  }
+}
+
 }  // namespace
 
 extern "C" {   // the entry points' contracts: pagewire_api.h
@@ -148,6 +159,15 @@ void pw_decode_attention_f32(float* out, const float* q, const float* k_cache,
   pw::paged::decode_attention<float, pw::paged::PlainCache<float>>(
       out, q, k_cache, v_cache, block_tables, context_lens, B, Hq, Hkv, D, bs, table_stride,
       q_stride, out_stride, scale, window, softcap, lse);
+}
+
+void pw_apply_sinks_f32(float* out, const float* lse, const float* sinks, int64_t B,
+                        int64_t Hq, int64_t D) {
+  apply_sinks(out, lse, sinks, B, Hq, D);
+}
+void pw_apply_sinks_bf16(bf16* out, const float* lse, const float* sinks, int64_t B, int64_t Hq,
+                         int64_t D) {
+  apply_sinks(out, lse, sinks, B, Hq, D);
 }
 
 void pw_decode_attention_bf16(bf16* out, const bf16* q, const bf16* k_cache,

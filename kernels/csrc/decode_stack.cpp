@@ -25,7 +25,7 @@ int64_t arity(int64_t op) {
     case PW_OP_ADD_NORM: case PW_OP_NORM: return 2;
     case PW_OP_LINEAR: return 5;
     case PW_OP_ROPE: return 3;
-    case PW_OP_ATTEND: return 11;
+    case PW_OP_ATTEND: return 12;
     case PW_OP_SILU_MUL: return 0;
     case PW_OP_MOE: return 1;
     case PW_OP_QK_NORM_FLAT: return 5;
@@ -45,6 +45,7 @@ template <typename T> struct Kernels;
     static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
     static constexpr auto write_q8 = pw_write_kv_q8_##sfx;                                   \
     static constexpr auto moe = pw_moe_##sfx;                                                \
+    static constexpr auto sinks = pw_apply_sinks_##sfx;                                      \
   };
 PW_KERNELS(float, f32)
 PW_KERNELS(bf16, bf16)
@@ -73,6 +74,7 @@ struct Machine {
   std::vector<T> a, b;             // ops write into whichever the current value is not in
   std::vector<T> ordered;          // a linear's input in its weight's column order
   std::vector<T> queries;          // head rows: q of every token, contiguous
+  std::vector<float> lse;          // ATTEND with sinks: each row's log-sum-exp
   int64_t layer = 0;               // attends so far (head rows: the layer's slots and tables)
 
   T* next() { return cur == a.data() ? b.data() : a.data(); }
@@ -142,6 +144,8 @@ struct Machine {
     const int64_t hq = o[2], hkv = o[3], d = o[4], q_width = hq * d, kind = o[9];
     if (o[10]) return attend_head_rows(o);
     T* out = next();
+    if (o[11]) lse.resize(tokens * hq);       // sinks: the rows' log-sum-exp, then their share
+    float* sums = o[11] ? lse.data() : nullptr;
     if (kind != PW_KV_CACHE_PLAIN) {          // quantized as written (kv_cache.cpp)
       auto* kc = reinterpret_cast<uint8_t*>(o[0]);
       auto* vc = reinterpret_cast<uint8_t*>(o[1]);
@@ -149,7 +153,7 @@ struct Machine {
                            width, width, kind);
       Kernels<T>::attend_q8(out, cur, kc, vc, tables, lens, tokens, hq, hkv, d, o[5],
                             table_stride, width, q_width, real(o[7]), o[6], real(o[8]), kind,
-                            nullptr);
+                            sums);
     } else {
       const int64_t kv_row = hkv * d * sizeof(T), qkv_row = width * sizeof(T);
       char* k = reinterpret_cast<char*>(cur + q_width);
@@ -157,8 +161,9 @@ struct Machine {
                   slots, tokens, kv_row, qkv_row, qkv_row);
       Kernels<T>::attend(out, cur, ptr<T>(o[0]), ptr<T>(o[1]), tables, lens, tokens, hq, hkv, d,
                          o[5], table_stride, width, q_width, real(o[7]), o[6], real(o[8]),
-                         nullptr);
+                         sums);
     }
+    if (sums) Kernels<T>::sinks(out, sums, ptr<float>(o[11]), tokens, hq, d);   // gpt-oss
     cur = out, width = q_width;
   }
 

@@ -36,7 +36,8 @@ enum PwOp : int64_t {
   PW_OP_ROPE = 5,
   // write k, v to the paged cache, x = paged attention of q; k cache, v cache, Hq, Hkv, D,
   // block size, window, scale bits, softcap bits, PwKvCache, head rows (0: a paged cache of
-  // Hkv heads; 1: KV-Compress's rows of one head)
+  // Hkv heads; 1: KV-Compress's rows of one head), sinks (float32 [Hq], pw_apply_sinks;
+  // 0: none)
   PW_OP_ATTEND = 6,
   // x = silu(gate) * up; no operands
   PW_OP_SILU_MUL = 7,
@@ -184,6 +185,13 @@ PW_API(void, pw_decode_attention_bf16, (pw_bf16* out, const pw_bf16* q, const pw
                                         int64_t table_stride, int64_t q_stride,
                                         int64_t out_stride, float scale, int64_t window,
                                         float softcap, float* lse))
+// Attention sinks (gpt-oss) after a decode: out [B, Hq, D] (contiguous) rows, computed
+// without them, times sigmoid(lse - sink[h]), lse [B, Hq] their log-sum-exp; sinks float32
+// [Hq]. The softmax over the scores and the sink, which the kernels need not know.
+PW_API(void, pw_apply_sinks_f32, (float* out, const float* lse, const float* sinks, int64_t B,
+                                  int64_t Hq, int64_t D))
+PW_API(void, pw_apply_sinks_bf16, (pw_bf16* out, const float* lse, const float* sinks,
+                                   int64_t B, int64_t Hq, int64_t D))
 
 // --- decode_attention.cpp: tried first by pw_decode_attention_bf16 / _q8_bf16; 0 (having
 // done nothing) for what they do not take (D not 64 or 128, bs % 16, a soft-cap, no

@@ -95,10 +95,10 @@ def test_cpu_backend_matches_transformers(tmp_path, smol_tokenizer_dir, tier, mo
     """Each native tier, float32: the native decode kernel with the sinks applied to its rows,
     the experts (float32 weights, not tiles) through torch's grouping over the tier's linears,
     and so no fused decode."""
-    from pagewire.kernels import attention
+    from pagewire.kernels import native
     applied = []
-    monkeypatch.setattr(attention, "apply_sinks",
-                        lambda *a, f=attention.apply_sinks: applied.append(1) or f(*a))
+    monkeypatch.setattr(native.Library, "apply_sinks_", lambda self, *a, f=native.Library.
+                        apply_sinks_: applied.append(1) or f(self, *a))
     path = make_gpt_oss(str(tmp_path / "m"), smol_tokenizer_dir, **TIGHT)
     llm = LLM(path, dtype="float32", kernels=tier, block_size=16, max_num_batched_tokens=24,
               num_kv_blocks=64)
@@ -106,7 +106,7 @@ def test_cpu_backend_matches_transformers(tmp_path, smol_tokenizer_dir, tier, mo
     assert model.fused_decode is None
     assert all(layer.mlp.native_spec is None for layer in model.layers)
     print(tier, compare(llm, path, tier))
-    assert applied                        # the decode rows went through the native kernel
+    assert applied                   # the decode rows: the native kernel, then pw_apply_sinks
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
@@ -118,11 +118,7 @@ def test_bfloat16_checkpoint_stays_close_to_transformers(tmp_path, smol_tokenize
     rounding, and did for one prompt here (transformers' two runs 0.25 apart; ours matched
     one of them within 0.008)."""
     from transformers import AutoModelForCausalLM
-    path = make_gpt_oss(str(tmp_path / "f32"), smol_tokenizer_dir, **TIGHT)
-    bf16 = str(tmp_path / "bf16")
-    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(bf16)
-    for f in os.listdir(smol_tokenizer_dir):
-        shutil.copy(os.path.join(smol_tokenizer_dir, f), bf16)
+    bf16 = _bf16_copy(tmp_path, smol_tokenizer_dir)
     llm = LLM(bf16, dtype="bfloat16", kernels=kernels, num_kv_blocks=64)
     blocks = [layer.mlp for layer in llm.runner.model.layers]
     assert all((b.native_spec is not None) == (kernels == "cpu") for b in blocks)  # BF16 tiles
@@ -179,17 +175,37 @@ def test_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
                                    "prompt_lookup_min": 1}) == run()
 
 
-def test_fused_decode_refuses_sinks():
-    """The native decode stack has no sinks: a model with them in any layer takes the per-op
-    path (the default model, whose stack builds otherwise)."""
-    from pagewire.executor.models.fused_decode import FusedDecode
-    from pagewire.kernels.attention import Variant
-    runner = LLM(dtype="bfloat16", max_model_len=256, num_kv_blocks=16).runner
-    attn = runner.model.layers[3].attn
-    assert FusedDecode.build(runner.model, runner.kv_caches) is not None
-    plain = attn.variant
-    try:
-        attn.variant = Variant(plain.window, plain.softcap, torch.zeros(attn.num_heads))
-        assert FusedDecode.build(runner.model, runner.kv_caches) is None
-    finally:
-        attn.variant = plain
+def _bf16_copy(tmp_path, tokenizer_dir) -> str:
+    """The TIGHT model saved in bfloat16, as gpt-oss's unquantized checkpoints are."""
+    from transformers import AutoModelForCausalLM
+    path = make_gpt_oss(str(tmp_path / "f32"), tokenizer_dir, **TIGHT)
+    bf16 = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), bf16)
+    return bf16
+
+
+def test_fused_decode_equals_the_per_op_path(tmp_path, smol_tokenizer_dir, tier):
+    """bfloat16 on each tier: every layer encodes (biased linears, sinks applied after the
+    decode kernel by pw_apply_sinks, the MOE op with gpt-oss's block), and the stack's hidden
+    states and KV writes are the per-op path's bit for bit, windows and all."""
+    from tests.actors.test_fused_decode import decode_step
+    runner = LLM(_bf16_copy(tmp_path, smol_tokenizer_dir), dtype="bfloat16", kernels=tier,
+                 num_kv_blocks=64, max_model_len=512).runner
+    model, fused = runner.model, runner.model.fused_decode
+    assert fused is not None
+    for contexts in ([1], [37, 5, 200], [3 + 7 * i for i in range(9)]):
+        ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
+        ids = ids % VOCAB
+        caches = [c.clone() for c in runner.kv_caches]
+        with torch.inference_mode():
+            model.use_fused_decode(None)
+            expected = model(ids, positions, runner.kv_caches, batch)
+            model.use_fused_decode(fused)
+            written = [c.clone() for c in runner.kv_caches]
+            for cache, before in zip(runner.kv_caches, caches):
+                cache.copy_(before)
+            got = model(ids, positions, runner.kv_caches, batch)
+        assert torch.equal(got, expected)
+        assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))

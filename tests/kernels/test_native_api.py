@@ -67,8 +67,9 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
-    assert len(functions) == 30
+    assert len(functions) == 32
     assert functions["pw_moe_bf16"].signature == "vppip"
+    assert functions["pw_apply_sinks_f32"].signature == "vpppiii"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
     assert functions["pw_decode_attention_q8_f32"].signature == "vppppppiiiiiiiififip"
     assert functions["pw_int16_mac_ratio"].signature == "di"
@@ -112,7 +113,7 @@ def test_a_planted_wrong_type_or_a_missing_function_fails_the_check(raw_library)
 
 def test_calls_take_exactly_the_declared_arguments(native_lib):
     arity = native_lib.cdll.pw_decode_stack_arity
-    assert arity(int(Op.ATTEND)) == 11 and arity(int(Op.MOE)) == 1
+    assert arity(int(Op.ATTEND)) == 12 and arity(int(Op.MOE)) == 1
     assert arity(int(Op.GELU_MUL)) == -1
     with pytest.raises(TypeError, match=r"takes 1 argument \(2 given\)"):
         arity(int(Op.ATTEND), 0)

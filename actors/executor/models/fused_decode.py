@@ -150,11 +150,13 @@ class _Encoder:
         # kv_quant's Kind of a quantized cache, or PLAIN: a cache of the activations' dtype.
         kind = kv_quant.KINDS.get(cache.dtype,
                                   kv_quant.PLAIN if cache.dtype == self.dtype else None)
-        if kind is None or attn.variant.sinks is not None:    # no sinks in decode_stack.cpp
-            return None
+        sinks = attn.variant.sinks                # float32 [Hq] (llama.Attention's own copy)
+        if kind is None or sinks is not None and (self.head_rows or not sinks.is_contiguous()):
+            return None                           # (KV-Compress's rows: no sinks)
         return [cache[0].data_ptr(), cache[1].data_ptr(), attn.num_heads, attn.num_kv_heads,
                 attn.head_dim, cache.shape[2], attn.variant.window or 0, _real(attn.scale),
-                _real(attn.variant.softcap or 0.0), kind, int(self.head_rows)]
+                _real(attn.variant.softcap or 0.0), kind, int(self.head_rows),
+                0 if sinks is None else sinks.data_ptr()]
 
 
     def qk_norm(self, attn) -> list[int] | None:
