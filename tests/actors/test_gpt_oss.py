@@ -209,3 +209,28 @@ def test_fused_decode_equals_the_per_op_path(tmp_path, smol_tokenizer_dir, tier)
             got = model(ids, positions, runner.kv_caches, batch)
         assert torch.equal(got, expected)
         assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
+
+
+def test_the_released_config_reads():
+    """openai/gpt-oss-20b's config.json (its MXFP4 quantization_config aside): 24 layers
+    alternating from sliding, 32 experts top 4, yarn x32 from 4096, so 131072 positions
+    tabled and served, not 131072 x 32."""
+    from pagewire.executor.models.model_config import LlamaConfig
+    from pagewire.model_info import hf_context_length, hf_rope_scaling
+    hf = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64,
+          "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+          "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+          "max_position_embeddings": 131072, "model_type": "gpt_oss",
+          "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+          "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+          "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                           "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                           "truncate": False},
+          "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+          "tie_word_embeddings": False, "vocab_size": 201088}
+    cfg = LlamaConfig.from_hf(hf)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_intermediate_size) == (32, 4, 2880)
+    assert cfg.layer_windows == [128, None] * 12 and cfg.head_dim == 64
+    assert cfg.rope_tables[0][0] == 150000 and cfg.rope_tables[0][1]["factor"] == 32.0
+    assert cfg.rope_table_len == 131072
+    assert hf_context_length(hf, hf_rope_scaling(hf)) == 131072

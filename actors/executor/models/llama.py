@@ -100,7 +100,7 @@ class Attention(nn.Module):
         and _apply): it holds them as a float32 tensor of their own."""
         if self.sinks is not None:
             self.variant = Variant(self.variant.window, self.variant.softcap,
-                                   self.sinks.detach().float())
+                                   self.sinks.detach().to(torch.float32, copy=True))
 
 
 class MLP(nn.Module):
