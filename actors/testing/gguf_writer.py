@@ -33,12 +33,14 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if arch == "gptneox":
-        writer.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-5))
-        writer.add_parallel_residual(cfg.get("use_parallel_residual", True))
+    if arch in ("gptneox", "gpt2", "phi2", "starcoder2"):    # LayerNorms
+        writer.add_layer_norm_eps(cfg.get("layer_norm_eps") or cfg.get("layer_norm_epsilon")
+                                  or cfg.get("norm_epsilon") or 1e-5)
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                         cfg.get("rotary_pct", 1.0))
         writer.add_rope_dimension_count(int(head_dim * factor))
+        if arch == "gptneox":
+            writer.add_parallel_residual(cfg.get("use_parallel_residual", True))
     else:
         writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     rope = cfg.get("rope_parameters") or {}
@@ -106,6 +108,8 @@ def _to_gguf_tensor(name: str, w: torch.Tensor, arch: str, cfg: dict) -> np.ndar
         a = llama_cpp_permute(a, cfg.get("num_key_value_heads") or heads)
     if arch.startswith("gemma") and name.endswith("norm.weight"):
         a = a + 1
+    if arch == "gpt2" and a.ndim == 2 and name.startswith("transformer.h."):
+        a = a.T                                  # Conv1D [in, out] -> [out, in], as llama.cpp
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
@@ -233,6 +237,8 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     import gguf
     from gguf.quants import quantize
 
+    from pagewire.model_info import hf_text_config
+    cfg = hf_text_config(cfg)                    # GPT-2's n_embd, ... under the usual keys
     kind = gguf.GGMLQuantizationType[tensor_type(qtype, "")]
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
