@@ -174,9 +174,12 @@ def fused_moe_float(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     blocks = blocks or default_blocks(tokens * top_k, w13.shape[0])
     align = align_by_expert(topk_ids, blocks.m, w13.shape[0], expert_map)
     x = x.contiguous()
-    gate_up = torch.empty(tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
+    # Every pair's row is written but those of another rank's experts: zeros there, so the
+    # activation reads no garbage (its rows are never read after).
+    new = torch.empty if expert_map is None else torch.zeros
+    gate_up = new(tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, align, gate_up, top_k, blocks, round_products=False)   # the store rounds
-    act = triton_silu_and_mul(gate_up)              # rows of pairs left out: unread garbage
+    act = triton_silu_and_mul(gate_up)
     down = torch.zeros(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     moe_gemm(act, w2, align, down, 1, blocks, topk_weights.float().contiguous(),
              round_products=not float_partial)
