@@ -55,17 +55,27 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     through `ops` (the backend's linear and activation). `moe`: models/moe.py SparseMoE.
     float32 where moe.float_partial (a rank's partial sum), else x's dtype. The router's and
     the shared gate's products are float32 (the weights and x widened, summed unrounded)."""
-    weights, experts = route(_float_product(x, moe.router), moe.top_k, moe.normalize)
+    weights, experts = block_route(moe, x)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, tokens, slots in by_expert(experts):
         if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
         y = _expert(ops, moe.experts[str(e)], x[tokens])
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
+    add_shared(ops, moe, x, out)
+    return out if moe.float_partial else out.to(x.dtype)
+
+
+def block_route(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() of the block's router product (float32): (weights [T, k], experts [T, k])."""
+    return route(_float_product(x, moe.router), moe.top_k, moe.normalize)
+
+
+def add_shared(ops, moe, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H] float32 += the gated shared expert's output (Qwen2-MoE), where it has one."""
     if moe.shared is not None:
         gate = torch.sigmoid(_float_product(x, moe.shared_gate))         # [T, 1]
         out += gate * _expert(ops, moe.shared, x).float()
-    return out if moe.float_partial else out.to(x.dtype)
 
 
 def _float_product(x: torch.Tensor, linear) -> torch.Tensor:
