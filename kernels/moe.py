@@ -57,7 +57,10 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     the shared gate's products are float32 (the weights and x widened, summed unrounded)."""
     weights, experts = block_route(moe, x)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, tokens, slots in by_expert(experts):
+    groups = by_expert(experts)
+    if moe.reads is not None:
+        moe.reads += len(groups)
+    for e, tokens, slots in groups:
         if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
         y = _expert(ops, moe.experts[str(e)], x[tokens])
@@ -106,6 +109,7 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     words[MoeWord.EXPERTS], words[MoeWord.TOP_K] = moe.num_experts, moe.top_k
     words[MoeWord.NORMALIZE], words[MoeWord.HIDDEN] = int(moe.normalize), moe.router.in_features
     words[MoeWord.ROUTER] = _address(moe.router.weight)
+    words[MoeWord.READS] = 0 if moe.reads is None else moe.reads.data_ptr()
     for index, expert in moe.experts.items():
         at = MoeWord.EXPERT_TABLES + 2 * int(index)
         words[at:at + 2] = expert.gate_up.quantized.table.data_ptr(), \

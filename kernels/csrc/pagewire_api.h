@@ -77,7 +77,9 @@ enum PwMoe : int64_t {
   PW_MOE_SHARED_DOWN = 7,
   PW_MOE_SHARED_GATE = 8,
   PW_MOE_SHARED_INTER = 9,
-  PW_MOE_EXPERT_TABLES = 10,
+  PW_MOE_READS = 10,            // an int64 counter's address (0: none): += the experts the
+                                // call's tokens chose (held here or not), each once
+  PW_MOE_EXPERT_TABLES = 11,
 };
 
 // A packed weight's tile type (quant_tiles.h; kernels/quant.py packs them): the GGML type id

@@ -89,6 +89,14 @@ def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
                 assert linear.quantized is not None and linear.weight is None
     assert model.fused_decode is not None
     _check_greedy(llm, ref, case)
+    # A one-token prompt and three decode steps: one token a step, so each sparse layer reads
+    # exactly its top k (pagewire:moe_experts_read counts these)
+    sched = llm.scheduler
+    before = sched.num_experts_read, sched.num_moe_steps
+    llm.generate([{"prompt_token_ids": [5]}], SamplingParams(temperature=0, max_tokens=4,
+                                                             ignore_eos=True))
+    reads = sched.num_experts_read - before[0], sched.num_moe_steps - before[1]
+    assert reads == (4 * model.cfg.experts_per_token * len(blocks), 4)
 
 
 @pytest.mark.parametrize("case, dtype", [("olmoe-Q8_0", "float32"), ("olmoe-Q8_0", "bfloat16"),

@@ -179,6 +179,18 @@ class LlamaForCausalLM(nn.Module):
             table = rope_cos_sin(rotary, cfg.rope_table_len, theta, inv_freq)  # [P, rotary]
             self.rope_tables.append(table * factor if factor != 1.0 else table)
         self.cos_sin = self.rope_tables[0]
+        # experts read, per layer (models/moe.py SparseMoE.reads): the step's report takes them
+        self.expert_reads = torch.zeros(cfg.num_layers, dtype=torch.int64)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.reads = self.expert_reads[i:i + 1]
+
+    def take_expert_reads(self) -> int:
+        """Experts read since the last call (each chosen expert once a layer and forward
+        pass), and the count starts over."""
+        total = int(self.expert_reads.sum())
+        self.expert_reads.zero_()
+        return total
 
     @property
     def fused_decode(self):
