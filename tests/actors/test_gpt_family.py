@@ -29,6 +29,7 @@ def test_gpt_neox_gguf_matches_transformers(tmp_path, smol_tokenizer_dir, gguf_t
     assert model.cfg.architecture == "GPTNeoXForCausalLM"
     blocks = [m.quantized is not None for m in model.modules() if isinstance(m, Linear)]
     assert all(blocks) if qtype == "Q8_0" else not any(blocks)
+    assert (model.fused_decode is not None) == (qtype == "Q8_0")    # its ops all native
     _check_greedy(llm, ref, f"{name} {qtype}")
 
 
@@ -62,4 +63,5 @@ def test_gpt_family_gguf_matches_transformers(tmp_path, smol_tokenizer_dir, gguf
     blocks = [m.quantized is not None for m in llm.runner.model.modules()
               if isinstance(m, Linear)]
     assert all(blocks) if qtype != "F32" else not any(blocks)
+    assert (llm.runner.model.fused_decode is not None) == (qtype != "F32")
     _check_greedy(llm, ref, f"{name} {arch} {qtype}")

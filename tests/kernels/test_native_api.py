@@ -45,7 +45,7 @@ def test_the_python_codes_are_the_headers():
     assert {w.name: w.value for w in moe.MoeWord} == {
         "EXPERTS": 0, "TOP_K": 1, "NORMALIZE": 2, "HIDDEN": 3, "INTER": 4, "ROUTER": 5,
         "SHARED_GATE_UP": 6, "SHARED_DOWN": 7, "SHARED_GATE": 8, "SHARED_INTER": 9,
-        "EXPERT_TABLES": 10}
+        "READS": 10, "EXPERT_TABLES": 11}
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 60, 62, 63, 64, 73,
                            103, 108, 112, 113, 114, 110, 160, 162, 163, 164, 173,
                            203, 208, 212, 213, 214, 210, 260, 262, 263, 264, 273,
@@ -65,9 +65,11 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
-    assert len(functions) == 30
+    assert len(functions) == 36
     assert functions["pw_moe_bf16"].signature == "vppip"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
+    assert functions["pw_rope_partial_bf16"].signature == "vpippiiii"
+    assert functions["pw_add_layer_norm_f32"].signature == "vpppppiiif"
     assert functions["pw_decode_attention_q8_f32"].signature == "vppppppiiiiiiiififip"
     assert functions["pw_int16_mac_ratio"].signature == "di"
     assert functions["pw_api_entry"].restype == "const char*"
