@@ -97,7 +97,7 @@ def test_resolve_sizes_the_pool_from_free_memory(monkeypatch, free_gib):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K",
-                                   "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+                                   "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"])
 def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
     """The estimate's bytes a 32 weights of each type are the tiles' (kernels/quant.py)."""
     import gguf
