@@ -67,3 +67,70 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
     for prompt, out in zip(prompts, outs):
         theirs, logits = oracle.greedy(prompt, 8)
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{kernels} {len(prompt)}")
+
+
+# Hugging Face's MXFP4 (gpt-oss's quantization_config {"quant_method": "mxfp4"}): each
+# `<name>_blocks` / `<name>_scales` pair, checked against transformers' own dequantization.
+GPT_OSS_QCFG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _pair(experts: int, rows: int, cols: int, seed: int, exponents=(0, 256)):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8,
+                           generator=g)
+    scales = torch.randint(*exponents, (experts, rows, cols // 32), generator=g)
+    return blocks, scales.to(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hf_mxfp4_pairs_dequantize_as_transformers_does(dtype):
+    """Every scale byte (0..255) and every code: bit for bit transformers'
+    convert_moe_packed_tensors, [E, K, N] as gpt-oss's experts hold them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from pagewire.executor import checkpoint_formats as cf
+    blocks, _ = _pair(2, 256, 128, 0)
+    scales = torch.arange(256, dtype=torch.uint8)[None, :, None].expand(2, 256, 4).contiguous()
+    ours = cf.mxfp4_values(blocks, scales, dtype)
+    assert ours.shape == (2, 128, 256) and ours.dtype == dtype
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+
+
+def test_an_mxfp4_checkpoint_reads_as_its_values_or_its_blocks(native_lib):
+    """The scheme is read; float_weights gives `<name>` as transformers dequantizes it (the
+    pair gone, the other tensors cast); blocks_by_name the GGML MXFP4 blocks of a stack of
+    experts, which each multiply (as Q8_0 tiles) within float32 rounding of x @ W[e]."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from pagewire.executor import checkpoint_formats as cf
+    from pagewire.quant_config import read_scheme
+    scheme = read_scheme(GPT_OSS_QCFG, "test")
+    assert scheme.packing == "mxfp4"
+    blocks, scales = _pair(2, 48, 96, 1, exponents=(118, 128))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    bias = torch.randn(2, 48)
+    weights = {name + "_blocks": blocks, name + "_scales": scales, name + "_bias": bias}
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # [2, 96, 48]
+    floats = cf.float_weights(weights, scheme, torch.float32)
+    assert set(floats) == {name, name + "_bias"}
+    assert torch.equal(floats[name], expected) and torch.equal(floats[name + "_bias"], bias)
+    assert set(cf.float_weights(weights, scheme, torch.float32, frozenset({name}))) == \
+        {name + "_bias"}
+    stored, orders = cf.blocks_by_name(weights, scheme)
+    (kind, raw), = stored.values()
+    assert list(stored) == [name] and orders == {} and kind == quant.MXFP4
+    assert raw.shape == (2, 48, 96 // 32 * 17)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    for e in range(2):
+        w = expected[e].T.double()                                               # [N, K]
+        out = quant.matmul(x, quant.pack(kind, raw[e], 96, native_lib))
+        bound = (x.double().abs() @ w.abs().T) * 96 * 2.0 ** -24
+        assert ((out.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+def test_mxfp4_pairs_of_other_shapes_are_refused():
+    from pagewire.executor import checkpoint_formats as cf
+    blocks, scales = _pair(1, 16, 64, 3)
+    with pytest.raises(ValueError, match="MXFP4 blocks must be uint8"):
+        cf.mxfp4_as_gguf(blocks[..., :8], scales)
+    with pytest.raises(ValueError, match="MXFP4 blocks must be uint8"):
+        cf.mxfp4_as_gguf(blocks, scales.int())
