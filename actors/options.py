@@ -236,8 +236,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "`reasoning_content` apart from `content` (`deepseek_r1`: the output starts in "
                "the block; `qwen3`: it opens with `<think>`; `openai_gptoss`: gpt-oss's "
                "channels, the final one the content, the others (analysis) the reasoning); an "
-               "output constraint applies from the block's end (the final channel's "
-               "`<|message|>`)", "none", choices=REASONING_PARSERS, serve_only=True),
+               "output constraint applies from the block's end (gpt-oss: the final channel's "
+               "message marker)", "none", choices=REASONING_PARSERS, serve_only=True),
     ),
     "LoRA adapters": (
         Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "
