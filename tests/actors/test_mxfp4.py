@@ -69,6 +69,42 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{kernels} {len(prompt)}")
 
 
+def test_mxfp4_experts_multiply_as_stored_and_match_transformers(tmp_path, smol_tokenizer_dir,
+                                                                 gguf_tokenizer_meta):
+    """An OLMoE GGUF whose experts (stacked [E, rows, cols]) are MXFP4, as gpt-oss's: every
+    expert's Linear holds its slice's blocks only (as Q8_0 tiles, no float copy), and greedy
+    tokens equal transformers' on the values the file holds (our dequantization of it)."""
+    from safetensors.torch import save_file
+    from pagewire.executor.gguf_weights import read_gguf_weights
+    from pagewire.executor.loader import read_safetensors
+    from pagewire.executor.models.moe import SparseMoE
+    from pagewire.gguf_header import read_gguf_header
+    from tests.actors.test_architectures import make_model
+    hf_dir = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "olmoe")
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    path = write_gguf(str(tmp_path / "m.gguf"), "olmoe", read_safetensors(hf_dir), cfg,
+                      gguf_tokenizer_meta, "MXFP4")
+    values = read_gguf_weights(path, read_gguf_header(path), cfg["num_attention_heads"],
+                               cfg["num_key_value_heads"])
+    save_file({k: v.contiguous() for k, v in values.items()},
+              os.path.join(hf_dir, "model.safetensors"))
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24, num_kv_blocks=64)
+    experts = [e for m in llm.runner.model.modules() if isinstance(m, SparseMoE)
+               for e in m.experts.values()]
+    assert len(experts) == cfg["num_hidden_layers"] * cfg["num_experts"]
+    for linear in (lin for e in experts for lin in (e.gate_up, e.down)):
+        assert linear.weight is None and linear.quantized.kind % 100 == quant.Q8_0
+    oracle = HFOracle.from_dir(hf_dir)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 40)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        theirs, logits = oracle.greedy(prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"olmoe {len(prompt)}")
+
+
 # Hugging Face's MXFP4 (gpt-oss's quantization_config {"quant_method": "mxfp4"}): each
 # `<name>_blocks` / `<name>_scales` pair, checked against transformers' own dequantization.
 GPT_OSS_QCFG = {"quant_method": "mxfp4", "modules_to_not_convert": [
