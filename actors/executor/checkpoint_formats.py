@@ -18,10 +18,11 @@ the blocks cannot hold — groups of other sizes, a row length not a multiple of
 GEMMs multiply it.
 
 MXFP4 (gpt-oss's experts) names no linear: each `<name>_blocks` (uint8 [..., N, K / 32, 16])
-and `<name>_scales` (uint8 [..., N, K / 32]) pair becomes `<name>`, as transformers'
-dequantization lays it out (the last two dimensions swapped: gpt-oss's experts are [E, K, N],
-x @ W), or its GGML MXFP4 blocks [..., N, K / 32 * 17] (the same bytes, nibbles reordered),
-which the kernels take as Q8_0 blocks of the same values (kernels/gguf_blocks.py).
+and `<name>_scales` (uint8 [..., N, K / 32]) pair becomes `<name>`: a stack of experts as
+transformers' dequantization lays it out ([E, K, N], x @ W, as gpt-oss's bfloat16 experts),
+a 2-D pair (which transformers never writes) as a Linear's weight [N, K]; or its GGML MXFP4
+blocks [..., N, K / 32 * 17] (the same bytes, nibbles reordered), which the kernels take as
+Q8_0 blocks of the same values (kernels/gguf_blocks.py).
 """
 from __future__ import annotations
 
@@ -234,11 +235,13 @@ def mxfp4_as_gguf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor,
                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A Hugging Face MXFP4 pair's weights in `dtype`, [..., K, N] as transformers'
-    convert_moe_packed_tensors gives them (float32 values exact; rounded once to `dtype`)."""
+    """A Hugging Face MXFP4 pair's weights in `dtype` (float32 values exact; rounded once to
+    `dtype`): a stack [E, K, N] as transformers' convert_moe_packed_tensors gives it, a 2-D
+    pair [N, K]."""
     raw = mxfp4_as_gguf(blocks, scales)
     values = dequantize_rows(quant.MXFP4, raw.reshape(-1, raw.shape[-1]))
-    return values.reshape(*raw.shape[:-1], -1).transpose(-1, -2).to(dtype).contiguous()
+    values = values.reshape(*raw.shape[:-1], -1)
+    return (values.transpose(-1, -2) if values.dim() > 2 else values).to(dtype).contiguous()
 
 
 def _mxfp4_float_weights(weights: dict, dtype: torch.dtype,

@@ -248,11 +248,15 @@ def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
 
 def _hf_blocks(path: str) -> tuple[dict[str, Blocks], dict[str, torch.Tensor]]:
     """A quantized Hugging Face checkpoint's blocks by weight name, and the column order
-    each holds where not the weight's own (checkpoint_formats.blocks_by_name)."""
+    each holds where not the weight's own (checkpoint_formats.blocks_by_name). Not a stack of
+    experts' (MXFP4's 3-D blocks): which rows an expert's Linear takes from it is the model's
+    mapping (gpt-oss interleaves gate and up rows), so those Linears keep their float
+    weights, the stack's exact values."""
     scheme = hf_scheme(path)
     if scheme is None:
         return {}, {}
-    return checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
+    blocks, orders = checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
+    return {name: b for name, b in blocks.items() if b[1].dim() == 2}, orders
 
 
 def holdings(model: nn.Module) -> str:

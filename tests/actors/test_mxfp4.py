@@ -170,3 +170,20 @@ def test_mxfp4_pairs_of_other_shapes_are_refused():
         cf.mxfp4_as_gguf(blocks[..., :8], scales)
     with pytest.raises(ValueError, match="MXFP4 blocks must be uint8"):
         cf.mxfp4_as_gguf(blocks, scales.int())
+
+
+def test_a_2d_pair_reads_as_a_linear_weight_and_its_blocks_are_the_ggml_ones():
+    """pagewire.testing's writer (gguf-py's rounding, Hugging Face's layout) round trip:
+    transformers reads the pair (as a stack of one) as the values gguf-py's blocks hold;
+    ours gives those values as [N, K] and those very blocks back."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    from pagewire.executor import checkpoint_formats as cf
+    from pagewire.testing.checkpoints import mxfp4_pair
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(5)) * 0.1
+    blocks, scales, values = mxfp4_pair(w)
+    assert blocks.shape == (48, 4, 16) and scales.shape == (48, 4)
+    theirs = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0]
+    assert torch.equal(theirs.T, values)
+    assert torch.equal(cf.mxfp4_values(blocks, scales, torch.float32), values)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(cf.mxfp4_as_gguf(blocks, scales), torch.from_numpy(raw.copy()))
