@@ -1,15 +1,15 @@
 """GGUF's block formats: their parts, and the blocks of the same values the tiles take.
 
 kernels/quant.py packs 32-weight blocks of six classic tile types: Q4_1 (fp16 d and m,
-nibbles), Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per
-16 columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The
+nibbles), Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per 16
+columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The
 file's other types become blocks of one of those holding exactly the same values
-(AS_TILE_BLOCKS): a K-quant's effective scale, fp16 d times a sub-block's 6- or 8-bit scale,
-is exact in float32, not in fp16; MXFP4's doubled e2m1 levels are int8 codes under its
+(AS_TILE_BLOCKS): a K-quant's effective scale, fp16 d times a sub-block's 6- or 8-bit scale, is
+exact in float32, not in fp16; MXFP4's doubled e2m1 levels are int8 codes under its
 power-of-two scale (Q8_0's fp16 d, or Q6_K's float32 where fp16 cannot hold it). The K-quants
-and IQ4_XS become blocks of superblock tile types instead (k_quant_super_blocks: the scales as stored beside the fp16 d), which pack()
-lays out a superblock a tile. The *_parts functions also serve dequantization
-(actors/executor/gguf_weights.py).
+and IQ4_XS become blocks of superblock tile types instead (k_quant_super_blocks: the scales as
+stored beside the fp16 d), which pack() lays out a superblock a tile. The *_parts functions
+also serve dequantization (actors/executor/gguf_weights.py).
 """
 from __future__ import annotations
 
@@ -112,9 +112,9 @@ def mxfp4_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mxfp4_as_tile_blocks(raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     """MXFP4 blocks [rows, nb * 17] as blocks of a tile type holding the same values, their
     doubled e2m1 levels as int8 codes: Q8_0 [rows, nb * 34] (fp16 d = 2^(e - 128)) where
-    every exponent is in MXFP4_FP16_EXPONENTS (a quantizer's are, for blocks whose largest
-    |w| lies between 2^-22 and 2^17), else Q6_K [rows, nb * 40] (both 16-column halves the float32 scale, exact for
-    every e)."""
+    every exponent is in MXFP4_FP16_EXPONENTS (gguf-py's quantizer writes those for blocks
+    whose largest |w| lies in [2^-21, 2^19)), else Q6_K [rows, nb * 40] (both 16-column
+    halves the float32 scale, exact for every e)."""
     blocks = raw.reshape(raw.shape[0], -1, 17)
     scale, levels = mxfp4_parts(blocks)
     exponents = blocks[..., 0]

@@ -174,10 +174,10 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's
-    first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as the classic tiles of
-    the same values where a superblock was cut (a rank's share of its columns).
-    rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column block
-    and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
+    first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
+    the classic tiles of the same values where a superblock was cut (a rank's share of its
+    columns). rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column
+    block and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
     row's four adjacent columns together (Q2_K too)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):

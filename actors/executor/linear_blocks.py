@@ -60,8 +60,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
                    roundings: dict[int, str] | None = None, rounded: dict | None = None,
                    dtype: torch.dtype | None = None, dense_room: int | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
-    MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's
-    codes make (checkpoint_formats.py), or those --quantization rounded (`rounded`:
+    MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face
+    checkpoint's codes make (checkpoint_formats.py), or those --quantization rounded (`rounded`:
     read_model()'s rounded_blocks) — a quantized copy of its weight, this rank's share of it
     (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
     Linears drop their float copies: called before pack_linears, which then packs none of them;

@@ -1,9 +1,10 @@
 """gpt-oss's output ("harmony"), split into reasoning and content (--reasoning-parser
 openai_gptoss, as vLLM's parser of that name): the output is messages
 
-    <|channel|>analysis<|message|>REASONING<|end|><|start|>assistant<|channel|>final<|message|>CONTENT<|return|>
+    <|channel|>analysis<|message|>REASONING<|end|>
+    <|start|>assistant<|channel|>final<|message|>CONTENT<|return|>
 
-each a header (`<|start|>assistant`, `<|channel|>` and the channel's name, maybe a recipient
+(one text, broken here for the page), each a header (`<|start|>assistant`, `<|channel|>` and the channel's name, maybe a recipient
 and `<|constrain|>json`) up to `<|message|>`, then its body up to `<|end|>`, `<|return|>` or
 `<|call|>`. The final channel's bodies are the content; every other channel's (analysis,
 commentary) the reasoning, a message's body after another's joined by a newline. The markers

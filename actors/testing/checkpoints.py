@@ -2,9 +2,9 @@
 formats' readers (tests/actors/test_checkpoint_formats.py) and bench/formats.py.
 
 Each format's packer (GPTQ v1 and v2, AWQ's interleaved nibbles, compressed-tensors
-pack-quantized and int-quantized, FP8, MXFP4 by gguf-py's quantizer) rounds a float weight to codes, scales and zeros and
-returns the tensors the format stores with the float values they define; `write_quantized`
-rewrites a float checkpoint's linears in a format."""
+pack-quantized and int-quantized, FP8, MXFP4 by gguf-py's quantizer) rounds a float weight to
+codes, scales and zeros and returns the tensors the format stores with the float values they
+define; `write_quantized` rewrites a float checkpoint's linears in a format."""
 from __future__ import annotations
 
 import json

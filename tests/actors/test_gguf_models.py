@@ -127,8 +127,8 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
 def test_tensor_parallel_ranks_multiply_their_share_of_the_files_blocks(tiny_llama, tmp_path,
                                                                         tokenizer_meta, qtype):
     """Each of two ranks packs its rows of qkv, gate_up and the LM head and its block columns
-    of o_proj from the file's blocks (Q5_0 and MXFP4 as Q8_0 ones); down's share (208 of 416 columns)
-    ends inside a block, so it stays float."""
+    of o_proj from the file's blocks (Q5_0 and MXFP4 as Q8_0 ones); down's share (208 of 416
+    columns) ends inside a block, so it stays float."""
     hf_dir = tiny_llama((192, 6, 3, 32))
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     for kinds in rank_blocks(path):
