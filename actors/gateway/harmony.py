@@ -4,11 +4,12 @@ openai_gptoss, as vLLM's parser of that name): the output is messages
     <|channel|>analysis<|message|>REASONING<|end|>
     <|start|>assistant<|channel|>final<|message|>CONTENT<|return|>
 
-(one text, broken here for the page), each a header (`<|start|>assistant`, `<|channel|>` and the channel's name, maybe a recipient
-and `<|constrain|>json`) up to `<|message|>`, then its body up to `<|end|>`, `<|return|>` or
-`<|call|>`. The final channel's bodies are the content; every other channel's (analysis,
-commentary) the reasoning, a message's body after another's joined by a newline. The markers
-are special tokens: the gateway has such outputs detokenized with them kept.
+(one text, broken here for the page), each a header (`<|start|>assistant`, `<|channel|>` and
+the channel's name, maybe a recipient and `<|constrain|>json`) up to `<|message|>`, then its
+body up to `<|end|>`, `<|return|>` or `<|call|>`. The final channel's bodies are the content;
+every other channel's (analysis, commentary) the reasoning, a message's body after another's
+joined by a newline. The markers are special tokens: the gateway has such outputs detokenized
+with them kept.
 
 HarmonySplit takes the text in pieces and gives each piece's (reasoning, content) as soon as
 it is certain, holding back only a header and what may be the start of a body's end marker;
