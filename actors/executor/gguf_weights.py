@@ -181,6 +181,11 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:], 1, 16).float() + _f16(blocks, 2)
 
 
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    scale, levels = gguf_blocks.mxfp4_parts(blocks)
+    return scale * levels.float()
+
+
 def _with_minimum(parts):
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         scale, minimum, q = parts(blocks)
@@ -198,7 +203,7 @@ def _scaled(parts):
 _DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 10: _with_minimum(gguf_blocks.q2_k_parts),
             11: _scaled(gguf_blocks.q3_k_parts),
             12: _with_minimum(gguf_blocks.q4_k_parts), 13: _with_minimum(gguf_blocks.q5_k_parts),
-            14: _scaled(gguf_blocks.q6_k_parts)}
+            14: _scaled(gguf_blocks.q6_k_parts), gguf_blocks.MXFP4: _mxfp4}
 DEQUANTIZED = frozenset(_DEQUANT)     # the types dequantize_rows takes
 
 

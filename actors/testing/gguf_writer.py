@@ -286,17 +286,21 @@ QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs, "Q4_K": quan
 # infinite or NaN
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,), "IQ4_XS": (0,)}
+               "Q6_K": (208,), "IQ4_XS": (0,), "MXFP4": ()}
+# byte offsets of each type's E8M0 exponents, which random bytes would make 2^-128..2^127
+EXPONENT_FIELDS = {"MXFP4": (0,)}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
     """uint8 [rows, the bytes of `cols` weights] of GGML type `qtype` (its name): random
     quants and sub-block scales (every bit pattern), fp16 fields of magnitude 0.001-0.01
-    (either sign)."""
+    (either sign), E8M0 exponents 2^-10..2^-1 (MXFP4's scale halved: fp16 holds them)."""
     import gguf
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[qtype]:
         value = rng.uniform(0.001, 0.01, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])
         raw[:, at:at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for at in EXPONENT_FIELDS.get(qtype, ()):
+        raw[:, at] = rng.integers(118, 128, raw.shape[0])
     return torch.from_numpy(raw.reshape(rows, -1))
