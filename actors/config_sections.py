@@ -22,7 +22,7 @@ ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all",     # --quantized-a
                "int8-prefill")
 EXECUTORS = LOCAL, EXTERNAL = ("local", "external")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")       # gateway/tools.py PARSERS
-REASONING_PARSERS = ("deepseek_r1", "qwen3")                    # gateway/chat_output.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")   # gateway/chat_output.py
 SPECULATIVE_METHODS = ("ngram", "suffix", "self", "draft_model")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -123,7 +123,7 @@ class ServerConfig(_Section):
     chat_template: str | None = None         # a Jinja file replacing the model's chat template
     enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
     tool_call_parser: str | None = None      # TOOL_CALL_PARSERS
-    reasoning_parser: str | None = None      # REASONING_PARSERS: <think> blocks apart
+    reasoning_parser: str | None = None      # REASONING_PARSERS: <think> blocks (channels) apart
 
 
 class ObservabilityConfig(_Section):

@@ -28,16 +28,20 @@ KV_SHARE = 0.5
 # Bytes the executor holds per byte of a quantized checkpoint's blocks where its tensors'
 # types are not read (a Hugging Face checkpoint's; a GGUF file's come from TILE_BYTES).
 TILE_OVERHEAD = 1.35
+# An MXFP4 checkpoint's (gpt-oss: nearly all its bytes are MXFP4 experts): 17 bytes a 32
+# weights held as Q8_0's 34 (TILE_BYTES).
+TILE_OVERHEAD_BY_PACKING = {"mxfp4": 2.0}
 # Bytes of tiles a row's 32 weights of each GGML type become (kernels/quant.py; the K-quants
 # and IQ4_XS as superblock tiles, csrc/quant_tiles.h): Q4_0 as Q4_1 (20 against the file's
-# 18), Q5_0 and IQ4_NL as Q8_0, Q5_1 as Q5_K, Q4_K 18.5 against 18, Q6_K 34.25 against 26.25.
+# 18), Q5_0, IQ4_NL and MXFP4 as Q8_0 (MXFP4 with exponents beyond fp16's range as Q6_K, 40),
+# Q5_1 as Q5_K, Q4_K 18.5 against 18, Q6_K 34.25 against 26.25.
 # tests/actors/test_memory_budget.py holds it to what pack() makes.
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
-              13: 34.5, 14: 34.25, 23: 34.25}
+              13: 34.5, 14: 34.25, 23: 34.25, 39: 34}
 FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
 # Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
 # them with torch; one rank)
-BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14}
+BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14, 39}
 
 
 def available_bytes() -> int:
@@ -95,7 +99,8 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
     dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
         else 0
     held = _gguf_held(info.path) if info.format == "gguf" else None
-    return (held if held is not None else int(size * TILE_OVERHEAD)) + dense
+    overhead = TILE_OVERHEAD_BY_PACKING.get(info.stored_quantization, TILE_OVERHEAD)
+    return (held if held is not None else int(size * overhead)) + dense
 
 
 def _gguf_held(path: str) -> int | None:

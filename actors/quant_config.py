@@ -4,17 +4,18 @@ supported is refused here, at start, naming the detail (executor/checkpoint_form
 the tensors). No torch: the gateway's model check imports this.
 
 value = scale[group] * (code - zero[group]) for the integer formats (codes unsigned, 0 ..
-2^bits - 1); value = float8 code * scale for FP8.
+2^bits - 1); value = float8 code * scale for FP8; value = e2m1 code * 2^(scale - 127) for
+MXFP4 (gpt-oss: `<name>_blocks` and `<name>_scales` pairs, 32 weights a scale).
 """
 from __future__ import annotations
 
 import msgspec
 
-METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
 
 
 class Scheme(msgspec.Struct, frozen=True, kw_only=True):
-    packing: str                # "gptq" | "awq" | "pack-quantized" | "int-quantized" | "fp8"
+    packing: str        # "gptq" | "awq" | "pack-quantized" | "int-quantized" | "fp8" | "mxfp4"
     bits: int
     group_size: int             # columns sharing a scale; -1: the whole row (per channel)
     symmetric: bool             # zero = 2^(bits-1), not stored
@@ -28,7 +29,8 @@ def read_scheme(qcfg: dict | None, where: str) -> Scheme | None:
     if not qcfg:
         return None
     method = qcfg.get("quant_method")
-    read = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8}.get(method)
+    read = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8,
+            "mxfp4": _mxfp4}.get(method)
     if read is None:
         raise ValueError(f"{where}: quant_method {method!r} is not supported (supported: "
                          f"{', '.join(METHODS)})")
@@ -114,3 +116,9 @@ def _fp8(q: dict, where: str) -> Scheme:
     if fmt != "e4m3":
         raise _refuse(where, f"FP8 fmt {fmt!r} (supported: e4m3)")
     return Scheme(packing="fp8", bits=8, group_size=-1, symmetric=True)
+
+
+def _mxfp4(q: dict, where: str) -> Scheme:
+    """gpt-oss's: the tensors a `_blocks`/`_scales` pair names are MXFP4, the rest (its
+    modules_to_not_convert) are stored as they are, so nothing else needs reading."""
+    return Scheme(packing="mxfp4", bits=4, group_size=32, symmetric=True)

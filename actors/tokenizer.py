@@ -22,6 +22,7 @@ from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizePi
                                         TokenizeRequest, TokenizerInbox)
 
 from .config import EngineConfig
+from .gateway import harmony
 from .grammar_compiler import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
 from .hf_tokenizer import load_tokenizer
 
@@ -43,9 +44,11 @@ class RequestTokenizer:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size,
                                         config.model.model_info.eos_token_ids)
         self.background = background
-        # With a reasoning parser, a constraint applies from the end of the <think> block.
-        self.reasoning_end = tokenizer.encode("</think>", add_special_tokens=False) \
-            if config.server.reasoning_parser else None
+        # With a reasoning parser, a constraint applies from the end of the <think> block
+        # (gpt-oss: from the final channel's <|message|>, special tokens of its vocabulary).
+        parser = config.server.reasoning_parser
+        end = harmony.FINAL_START if parser == "openai_gptoss" else "</think>"
+        self.reasoning_end = tokenizer.encode(end, add_special_tokens=False) if parser else None
         if config.server.chat_template is not None:       # --chat-template: in place of the model's
             with open(config.server.chat_template) as f:
                 tokenizer.chat_template = f.read()

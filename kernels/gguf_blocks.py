@@ -1,14 +1,15 @@
 """GGUF's block formats: their parts, and the blocks of the same values the tiles take.
 
 kernels/quant.py packs 32-weight blocks of six classic tile types: Q4_1 (fp16 d and m,
-nibbles), Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per
-16 columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The
+nibbles), Q8_0 (fp16 d, int8), Q4_K (float32 d and m, nibbles), Q6_K (two float32 d, one per 16
+columns, int8), Q5_K (float32 d and m, int8) and Q2_K (two float32 d and two m, int8). The
 file's other types become blocks of one of those holding exactly the same values
-(AS_TILE_BLOCKS): a K-quant's effective scale, fp16 d times a sub-block's 6- or 8-bit scale,
-is exact in float32, not in fp16. The K-quants and IQ4_XS become blocks of superblock tile
-types instead (k_quant_super_blocks: the scales as stored beside the fp16 d), which pack()
-lays out a superblock a tile. The *_parts functions also serve dequantization
-(actors/executor/gguf_weights.py).
+(AS_TILE_BLOCKS): a K-quant's effective scale, fp16 d times a sub-block's 6- or 8-bit scale, is
+exact in float32, not in fp16; MXFP4's doubled e2m1 levels are int8 codes under its
+power-of-two scale (Q8_0's fp16 d, or Q6_K's float32 where fp16 cannot hold it). The K-quants
+and IQ4_XS become blocks of superblock tile types instead (k_quant_super_blocks: the scales as
+stored beside the fp16 d), which pack() lays out a superblock a tile. The *_parts functions
+also serve dequantization (actors/executor/gguf_weights.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ K_QUANTS = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 SUPERBLOCKS = {**K_QUANTS, IQ4_XS: 136}   # the types of 256-weight superblocks
 # IQ4_NL's 16 levels (ggml's kvalues_iq4nl): a weight is d * level[nibble]
 IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4 (gpt-oss's experts): a block is one E8M0 exponent byte e, then 16 bytes of 32 e2m1
+# nibbles (weights 0-15 low, 16-31 high). ggml stores the e2m1 values doubled (kvalues_mxfp4)
+# and halves the scale: a weight is 2^(e - 128) * level[nibble], e in 0..255 (scales all
+# finite; the largest levels under e >= 253 overflow float32 to inf, in ggml as here).
+MXFP4 = 39
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# the exponents whose scale 2^(e - 128) fp16 holds exactly (2^-24, its least subnormal, to
+# 2^15): a tensor's blocks all in this range become Q8_0 blocks, others Q6_K's float32 scales
+MXFP4_FP16_EXPONENTS = range(128 - 24, 128 + 16)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -82,6 +92,37 @@ def iq4_nl_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
     levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.int8)
     codes = levels[_nibbles(blocks[..., 2:]).long()].view(torch.uint8)
     return torch.cat([blocks[..., 0:2], codes], dim=2).reshape(raw.shape[0], -1)
+
+
+def mxfp4_scale(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents uint8 [...] -> 2^(e - 128) float32 (ggml_e8m0_to_fp32_half's bits: e 0
+    and 1 are float32 subnormals)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def mxfp4_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks uint8 [..., 17] -> (scale float32 [..., 1], exact; levels int8 [..., 32]
+    in -12..12): weight i is scale * level[i]."""
+    levels = torch.tensor(MXFP4_LEVELS, dtype=torch.int8)
+    return mxfp4_scale(blocks[..., 0:1]), levels[_nibbles(blocks[..., 1:]).long()]
+
+
+def mxfp4_as_tile_blocks(raw: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """MXFP4 blocks [rows, nb * 17] as blocks of a tile type holding the same values, their
+    doubled e2m1 levels as int8 codes: Q8_0 [rows, nb * 34] (fp16 d = 2^(e - 128)) where
+    every exponent is in MXFP4_FP16_EXPONENTS (gguf-py's quantizer writes those for blocks
+    whose largest |w| lies in [2^-21, 2^19)), else Q6_K [rows, nb * 40] (both 16-column
+    halves the float32 scale, exact for every e)."""
+    blocks = raw.reshape(raw.shape[0], -1, 17)
+    scale, levels = mxfp4_parts(blocks)
+    exponents = blocks[..., 0]
+    fp16 = bool(((exponents >= MXFP4_FP16_EXPONENTS.start)
+                 & (exponents < MXFP4_FP16_EXPONENTS.stop)).all())
+    head = scale.half().view(torch.uint8) if fp16 else scale.repeat(1, 1, 2).view(torch.uint8)
+    out = torch.cat([head, levels.view(torch.uint8)], dim=2).reshape(raw.shape[0], -1)
+    return (Q8_0 if fp16 else Q6_K), out
 
 
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,4 +323,5 @@ def k_quant_blocks(ggml_type: int, raw: torch.Tensor) -> tuple[int, torch.Tensor
 AS_TILE_BLOCKS = {Q4_0: lambda raw: (Q4_1, q4_0_as_q4_1(raw)),
                   Q5_0: lambda raw: (Q8_0, q5_0_as_q8_0(raw)),
                   Q5_1: lambda raw: (Q5_K, q5_1_as_q5_k(raw)),
-                  IQ4_NL: lambda raw: (Q8_0, iq4_nl_as_q8_0(raw))}
+                  IQ4_NL: lambda raw: (Q8_0, iq4_nl_as_q8_0(raw)),
+                  MXFP4: mxfp4_as_tile_blocks}

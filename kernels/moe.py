@@ -64,18 +64,31 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     through `ops` (the backend's linear and activation). `moe`: models/moe.py SparseMoE.
     float32 where moe.float_partial (a rank's partial sum), else x's dtype. The router's and
     the shared gate's products are float32 (the weights and x widened, summed unrounded)."""
-    weights, experts = route(_float_product(x, moe.router), moe.top_k, moe.normalize,
-                             moe.topk_then_softmax)
+    weights, experts = block_route(moe, x)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e, tokens, slots in by_expert(experts):
+    groups = by_expert(experts)
+    if moe.reads is not None:
+        moe.reads += len(groups)
+    for e, tokens, slots in groups:
         if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
         y = _expert(ops, moe.experts[str(e)], x[tokens], moe.activation)
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
+    add_shared(ops, moe, x, out)
+    return out if moe.float_partial else out.to(x.dtype)
+
+
+def block_route(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """route() of the block's router product (float32, its bias added where it has one):
+    (weights [T, k], experts [T, k])."""
+    return route(_float_product(x, moe.router), moe.top_k, moe.normalize, moe.topk_then_softmax)
+
+
+def add_shared(ops, moe, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H] float32 += the gated shared expert's output (Qwen2-MoE), where it has one."""
     if moe.shared is not None:
         gate = torch.sigmoid(_float_product(x, moe.shared_gate))         # [T, 1]
         out += gate * _expert(ops, moe.shared, x).float()
-    return out if moe.float_partial else out.to(x.dtype)
 
 
 def _float_product(x: torch.Tensor, linear) -> torch.Tensor:
@@ -125,6 +138,7 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     if moe.activation[0] == "swiglu_oai":
         words[MoeWord.SWIGLU_OAI] = 1
         words[MoeWord.SWIGLU_ALPHA], words[MoeWord.SWIGLU_LIMIT] = map(_real, moe.activation[1:])
+    words[MoeWord.READS] = 0 if moe.reads is None else moe.reads.data_ptr()
     for index, expert in moe.experts.items():
         at = MoeWord.EXPERT_TABLES + per * int(index)
         words[at:at + per] = expert.gate_up.quantized.table.data_ptr(), \

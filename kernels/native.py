@@ -282,32 +282,55 @@ class Library:
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """As kernels.norm.add_rms_norm: x [T, H] (rows may be strided); residual [T, H]
         contiguous is updated in place to x + residual. Returns (normed, residual)."""
+        return self._add_norm("pw_add_rms_norm", x, residual, weight, eps)
+
+    def _add_norm(self, name: str, x, residual, weight, eps, *bias):
         _check_cpu(x, weight)
         tokens, hidden = x.shape
         if x.stride(1) != 1 or weight.dtype != x.dtype or weight.shape != (hidden,):
-            raise ValueError("add_rms_norm: x rows must be contiguous, weight [H] of x's dtype")
+            raise ValueError(f"{name}: x rows must be contiguous, weight [H] of x's dtype")
         if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
                                      or residual.dtype != x.dtype):
-            raise ValueError("add_rms_norm: residual must be contiguous and shaped like x")
+            raise ValueError(f"{name}: residual must be contiguous and shaped like x")
         out = torch.empty((tokens, hidden), dtype=x.dtype)
-        self.typed("pw_add_rms_norm", x.dtype)(
+        self.typed(name, x.dtype)(
             out.data_ptr(), residual.data_ptr() if residual is not None else None, x.data_ptr(),
-            weight.data_ptr(), tokens, hidden, x.stride(0), eps)
+            weight.data_ptr(), *(b.data_ptr() for b in bias), tokens, hidden, x.stride(0), eps)
         return out, (x if residual is None else residual)
 
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """As add_rms_norm with a LayerNorm's weight and bias [H] (kernels.norm.add_layer_norm)."""
+        if bias.dtype != x.dtype or bias.shape != weight.shape or not bias.is_contiguous():
+            raise ValueError("add_layer_norm: bias [H] of x's dtype")
+        return self._add_norm("pw_add_layer_norm", x, residual, weight, eps, bias)
+
+    def gelu(self, x: torch.Tensor, tanh_form: bool) -> torch.Tensor:
+        """gelu(x) of a contiguous x: exact, or tanh's approximation."""
+        _check_cpu(x)
+        if not x.is_contiguous():
+            raise ValueError("gelu: x must be contiguous")
+        out = torch.empty_like(x)
+        self.typed("pw_gelu", x.dtype)(out.data_ptr(), x.data_ptr(), x.numel(), int(tanh_form))
+        return out
+
     def rope_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, table: torch.Tensor,
-              positions: torch.Tensor) -> None:
+              positions: torch.Tensor, rotary: int | None = None) -> None:
         """Rotate, in place, the first num_heads heads of each row of qkv [T, W] (queries, then
-        keys) by their token's position. table: [P, D] float32 cos|sin; positions: [T] int64."""
+        keys) by their token's position: their first `rotary` columns (None: all D). table:
+        [P, rotary] float32 cos|sin; positions: [T] int64."""
         _check_cpu(qkv, table, positions)
+        rotary = head_dim if rotary is None else rotary
         if qkv.stride(1) != 1 or num_heads * head_dim > qkv.shape[1] \
                 or table.dtype != torch.float32 or not table.is_contiguous() \
-                or table.shape[1] != head_dim \
+                or table.shape[1] != rotary or not 0 < rotary <= head_dim or rotary % 2 \
                 or positions.dtype != torch.int64 or not positions.is_contiguous() \
                 or positions.shape[0] != qkv.shape[0]:
             raise ValueError("rope_: bad shapes, strides or dtypes")
-        self.typed("pw_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), table.data_ptr(),
-                                         positions.data_ptr(), qkv.shape[0], num_heads, head_dim)
+        self.typed("pw_rope_partial", qkv.dtype)(
+            qkv.data_ptr(), qkv.stride(0), table.data_ptr(), positions.data_ptr(), qkv.shape[0],
+            num_heads, head_dim, rotary)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] contiguous -> [T, I]."""

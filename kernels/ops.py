@@ -119,6 +119,12 @@ class TorchOps:
     def gelu_tanh_and_mul(self, gate_up):
         return activation.gelu_tanh_and_mul(gate_up)
 
+    def split_qkv_partial_rope(self, qkv, num_heads, num_kv_heads, head_dim, rotary_dim, table,
+                               positions):
+        """As split_qkv_rope on the first rotary_dim columns of each head (0: none)."""
+        return rotary.partial_rope(qkv, num_heads, num_kv_heads, head_dim, rotary_dim, table,
+                                   positions)
+
     def attention(self, q, k, v, kv_cache, batch, scale, variant=attention.PLAIN):
         """`variant`: a sliding window and/or soft-capping (attention.Variant): the torch
         kernels and the native CPU decode implement them; Triton falls back to these."""
@@ -170,6 +176,21 @@ class CpuOps(TorchOps):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
                 v.view(t, num_kv_heads, head_dim))
+
+    def split_qkv_partial_rope(self, qkv, num_heads, num_kv_heads, head_dim, rotary_dim, table,
+                               positions):
+        """Rotates the first rotary_dim columns of q's and k's heads in place, then views."""
+        if rotary_dim:
+            self.lib.rope_(qkv, num_heads + num_kv_heads, head_dim, table, positions,
+                           rotary_dim)
+        return super().split_qkv_partial_rope(qkv, num_heads, num_kv_heads, head_dim, 0, table,
+                                              positions)
+
+    def add_layer_norm(self, x, residual, weight, bias, eps):
+        return self.lib.add_layer_norm(x, residual, weight, bias, eps)
+
+    def gelu(self, x, approximate: str):
+        return self.lib.gelu(x, approximate == "tanh")
 
     def silu_and_mul(self, gate_up):
         return self.lib.silu_and_mul(gate_up)

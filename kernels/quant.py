@@ -21,19 +21,19 @@ from typing import NamedTuple
 import torch
 
 from . import native, native_api
-from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSS, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K, Q4_KS,
-                          Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS,
+from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K,
+                          Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS,
                           super_as_classic, super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
 # declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
 _TILE, _ROUNDING = native_api.API.enums["PwTile"], native_api.API.enums["PwRounding"]
-# bytes of one 32-weight block of each type pack() takes: the file's (Q4_0 ... IQ4_NL), or
+# bytes of one 32-weight block of each type pack() takes: the file's (Q4_0 ... IQ4_NL, MXFP4), or
 # its tile types' (gguf_blocks.py makes them of the K-quants and Q5_1)
 # FP8: an FP8 checkpoint's e4m3 codes (not a GGML type: pagewire's own id), a block a float32
 # scale then 32 codes (checkpoint_formats.py makes them).
 FP8 = _TILE["FP8"]
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18,
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18, MXFP4: 17,
                 Q4_K: 24, Q5_K: 40, Q6_K: 40, Q2_K: 48, FP8: 36,
                 **{t: 2 * h + a + q for t, (h, a, q) in SUPER_PARTS.items()}}
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
@@ -174,10 +174,10 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's
-    first (AS_TILE_BLOCKS); superblock tile blocks pack 8 a tile, or as the classic tiles of
-    the same values where a superblock was cut (a rank's share of its columns).
-    rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column block
-    and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
+    first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
+    the classic tiles of the same values where a superblock was cut (a rank's share of its
+    columns). rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column
+    block and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
     row's four adjacent columns together (Q2_K too)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):

@@ -97,19 +97,20 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def partial_rope(qkv: torch.Tensor, attn, table: torch.Tensor, positions: torch.Tensor):
-    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D] with the first
-    attn.rotary_dim columns of each q and k head rotated (rotate-half pairs, as GPT-NeoX; 0:
-    none, as GPT-2's learned positions). table: [P, rotary_dim] (cos | sin)."""
-    t, d, r = qkv.shape[0], attn.head_dim, attn.rotary_dim
-    q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+def partial_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary_dim: int, table: torch.Tensor, positions: torch.Tensor):
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D] with the first rotary_dim
+    columns of each q and k head rotated (rotate-half pairs, as GPT-NeoX; 0: none, as GPT-2's
+    learned positions). table: [P, rotary_dim] (cos | sin)."""
+    t, d, r = qkv.shape[0], head_dim, rotary_dim
+    q_size, kv_size = num_heads * d, num_kv_heads * d
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, k = q.view(t, attn.num_heads, d), k.view(t, attn.num_kv_heads, d)
+    q, k = q.view(t, num_heads, d), k.view(t, num_kv_heads, d)
     if r:
         cos_sin = table[positions].to(qkv.dtype)                              # [T, r]
         q = torch.cat([apply_rope(q[..., :r], cos_sin), q[..., r:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :r], cos_sin), k[..., r:]], dim=-1)
-    return q, k, v.view(t, attn.num_kv_heads, d)
+    return q, k, v.view(t, num_kv_heads, d)
 
 
 if HAS_TRITON:

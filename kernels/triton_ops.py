@@ -12,6 +12,7 @@ from .attention_triton import (triton_decode_attention, triton_decode_lse,
 from .cache import triton_write_kv
 from .cascade import CUDA_THRESHOLDS
 from .lora import triton_lora_delta
+from .moe_triton import stacked_experts, triton_moe_block
 from .norm import triton_add_rms_norm
 from .ops import TorchOps
 from .rotary import triton_rope_table_
@@ -37,6 +38,15 @@ class TritonOps(TorchOps):
         triton_rope_table_(heads[:, :num_heads + num_kv_heads], table, positions)
         q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
+
+    def moe(self, sparse, x):
+        """kernels/moe_triton.py's fused kernels on CUDA where the block's experts are dense
+        weights of x's dtype; else (quantized experts, CPU tensors) torch's grouping."""
+        experts = stacked_experts(sparse) if x.is_cuda and sparse.activation[0] == "silu" \
+            else None                    # gpt-oss's clamped SwiGLU: torch's grouping
+        if experts is None or experts.w13.dtype != x.dtype:
+            return super().moe(sparse, x)
+        return triton_moe_block(self, sparse, x, experts)
 
     def silu_and_mul(self, gate_up):
         return triton_silu_and_mul(gate_up)

@@ -87,6 +87,8 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     waiting_loras: list[str] = []
     external_prefix_cache_queries: int = 0   # disk tier: tokens looked up there (cumulative)
     external_prefix_cache_hits: int = 0      # of which loaded
+    experts_read: int = 0                    # mixtures of experts: expert reads (each chosen
+    moe_steps: int = 0                       # expert once a layer and step) over these steps
     kv_offload_stores: int = 0               # blocks written, read back, failed to read back
     kv_offload_loads: int = 0
     kv_offload_load_failures: int = 0

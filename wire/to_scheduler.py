@@ -86,8 +86,9 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     that failed alone (a token their grammar refused): their rows' tokens are not theirs to
     append. What a feature returns travels in that feature's section, None when no row used
     it: `logprobs` (SampledLogprobs), `prompt_logprobs`, `drafts` (speculative decoding),
-    `tier` (disk-tier loads), `compress` (KV-Compress). Traces of format 1 carried these flat;
-    trace_v1.py converts them."""
+    `tier` (disk-tier loads), `compress` (KV-Compress). `experts_read`: a mixture of
+    experts' expert reads this step (each chosen expert once a layer; 0 for a dense model).
+    Traces of format 1 carried these flat; trace_v1.py converts them."""
     step_id: int
     seq_ids: list[SeqId]
     token_ids: list[int]
@@ -98,6 +99,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     drafts: DraftsResult | None = None
     tier: TierResult | None = None
     compress: CompressResult | None = None
+    experts_read: int = 0
 
 
 class AbortAll(msgspec.Struct, tag=True):

@@ -37,7 +37,7 @@ from .sampler import sample
 # --quantized-activations; a type not named multiplies them exactly.
 _Q4 = (quant.Q4_0, quant.Q4_1, quant.Q4_K, quant.Q4_KS)  # multiplied as nibble tiles; the rest
 _Q8 = (quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL, quant.Q2_K, quant.Q5_K,   # as int8
-       quant.Q6_K, quant.Q2_KS, quant.Q5_KS, quant.Q6_KS, quant.IQ4_XSS)
+       quant.Q6_K, quant.Q2_KS, quant.Q5_KS, quant.Q6_KS, quant.IQ4_XSS, quant.MXFP4)
 ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
              "int8": dict.fromkeys(_Q4, "int8"),
              "int8-all": dict.fromkeys((*_Q4, *_Q8), "int8"),

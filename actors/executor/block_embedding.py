@@ -15,6 +15,7 @@ from torch import nn
 from pagewire.gguf_header import GGML_TYPES
 
 from .gguf_weights import DEQUANTIZED, dequantize_rows, read_blocks
+from .models.weights import embedding_source
 
 
 class BlockEmbedding(nn.Module):
@@ -41,7 +42,7 @@ def block_embedding(info, cfg, tp, dtype: torch.dtype,
     if info.format != "gguf" or tp.size > 1 or (cfg.tie_word_embeddings
                                                  and not tied_head_blocks_only):
         return None
-    name = "model.embed_tokens.weight"
+    name = embedding_source(cfg)
     stored = read_blocks(info.path, gguf_header(info.path), [name], set(DEQUANTIZED),
                          cfg.num_heads, cfg.num_kv_heads)
     if name not in stored:

@@ -1,5 +1,5 @@
-"""The linears of a quantized Hugging Face checkpoint (GPTQ, AWQ, compressed-tensors, FP8;
-actors/quant_config.py reads which), unpacked to their integer codes and then:
+"""The linears of a quantized Hugging Face checkpoint (GPTQ, AWQ, compressed-tensors, FP8,
+MXFP4; actors/quant_config.py reads which), unpacked to their integer codes and then:
 
 - to GGML blocks the quantized kernels multiply (kernels/quant.py), the codes kept as they
   are: 4-bit -> Q4_1 (nibble = code, d = scale, m = -scale * zero), symmetric 8-bit -> Q8_0
@@ -16,6 +16,13 @@ they are, in blocks of 32 after their row's float32 scale (kernels/quant.py FP8)
 the blocks cannot hold — groups of other sizes, a row length not a multiple of 32, a code of
 -128 after the zero, another FP8 encoding — keeps only its float weights, exact; the float
 GEMMs multiply it.
+
+MXFP4 (gpt-oss's experts) names no linear: each `<name>_blocks` (uint8 [..., N, K / 32, 16])
+and `<name>_scales` (uint8 [..., N, K / 32]) pair becomes `<name>`: a stack of experts as
+transformers' dequantization lays it out ([E, K, N], x @ W, as gpt-oss's bfloat16 experts),
+a 2-D pair (which transformers never writes) as a Linear's weight [N, K]; or its GGML MXFP4
+blocks [..., N, K / 32 * 17] (the same bytes, nibbles reordered), which the kernels take as
+Q8_0 blocks of the same values (kernels/gguf_blocks.py).
 """
 from __future__ import annotations
 
@@ -27,6 +34,8 @@ from pagewire.kernels import quant
 from pagewire.quant_config import Scheme
 
 from .gguf_weights import dequantize_rows
+
+_BLOCKS, _SCALES = "_blocks", "_scales"     # an MXFP4 tensor's pair of suffixes
 
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]     # AWQ's nibble i holds column _AWQ_ORDER[i] of 8
 
@@ -201,10 +210,56 @@ def convert(tensors: dict, s: Scheme) -> tuple[torch.Tensor, tuple[int, torch.Te
     return values, blocks, order
 
 
+def mxfp4_pairs(weights: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{`<name>`: (its `_blocks`, its `_scales`)} of every MXFP4 pair in a checkpoint."""
+    names = [n[: -len(_BLOCKS)] for n in weights if n.endswith(_BLOCKS)]
+    return {n: (weights[n + _BLOCKS], weights[n + _SCALES]) for n in names
+            if n + _SCALES in weights}
+
+
+def mxfp4_as_gguf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face MXFP4 pair -> GGML MXFP4 blocks uint8 [..., N, K / 32 * 17], the same
+    values: the scale byte as it is (2^(s - 127) * e2m1 is ggml's 2^(s - 128) * its doubled
+    levels, the same 16 codes in the same order); the nibbles reordered, as Hugging Face's
+    byte j holds weights 2j (low) and 2j + 1 (high), ggml's weights j and j + 16."""
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or blocks.shape[:-1] != \
+            scales.shape or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., N, K / 32, 16] and scales uint8 "
+                         f"[..., N, K / 32], got {blocks.dtype} {tuple(blocks.shape)} and "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2)       # [..., G, 32]
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    raw = torch.cat([scales[..., None], nibbles], -1)                        # [..., G, 17]
+    return raw.flatten(-2)
+
+
+def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A Hugging Face MXFP4 pair's weights in `dtype` (float32 values exact; rounded once to
+    `dtype`): a stack [E, K, N] as transformers' convert_moe_packed_tensors gives it, a 2-D
+    pair [N, K]."""
+    raw = mxfp4_as_gguf(blocks, scales)
+    values = dequantize_rows(quant.MXFP4, raw.reshape(-1, raw.shape[-1]))
+    values = values.reshape(*raw.shape[:-1], -1)
+    return (values.transpose(-1, -2) if values.dim() > 2 else values).to(dtype).contiguous()
+
+
+def _mxfp4_float_weights(weights: dict, dtype: torch.dtype,
+                         skip: frozenset[str]) -> dict[str, torch.Tensor]:
+    pairs = mxfp4_pairs(weights)
+    out = {n: mxfp4_values(b, s, dtype) for n, (b, s) in pairs.items() if n not in skip}
+    taken = {n + sfx for n in pairs for sfx in (_BLOCKS, _SCALES)}
+    out.update((n, t.to(dtype)) for n, t in weights.items() if n not in taken and n not in skip)
+    return out
+
+
 def float_weights(weights: dict, s: Scheme, dtype: torch.dtype,
                   skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The checkpoint with each quantized linear's tensors replaced by `prefix.weight` (its
-    values in `dtype`; none for a name in `skip`), every other tensor cast to `dtype`."""
+    values in `dtype`; none for a name in `skip`), every other tensor cast to `dtype`. MXFP4:
+    each pair replaced by `<name>` (mxfp4_values)."""
+    if s.packing == "mxfp4":
+        return _mxfp4_float_weights(weights, dtype, skip)
     linears = quantized_linears(weights, s)
     out = {}
     for prefix, tensors in linears.items():
@@ -220,7 +275,11 @@ def float_weights(weights: dict, s: Scheme, dtype: torch.dtype,
 def blocks_by_name(weights: dict, s: Scheme) -> tuple[dict[str, tuple[int, torch.Tensor]],
                                                         dict[str, torch.Tensor]]:
     """({`prefix.weight`: (GGML type, raw blocks)} for each linear the blocks hold, {the same
-    name: the column order its blocks hold} for those not in column order)."""
+    name: the column order its blocks hold} for those not in column order). MXFP4: {`<name>`:
+    (MXFP4, its GGML blocks [..., N, K / 32 * 17])}, a stack of experts' blocks 3-D."""
+    if s.packing == "mxfp4":
+        return {n: (quant.MXFP4, mxfp4_as_gguf(b, sc)) for n, (b, sc) in
+                mxfp4_pairs(weights).items()}, {}
     blocks, orders = {}, {}
     for prefix, tensors in quantized_linears(weights, s).items():
         _, linear_blocks, order = convert(tensors, s)

@@ -13,6 +13,9 @@ receives exactly what a Hugging Face checkpoint holds:
 - arch `gemma`, `gemma2`, `gemma3`: every `*norm.weight` is stored plus one (Gemma's RMSNorm
   multiplies by 1 + weight; llama.cpp folds the 1 in). We subtract it again, as transformers'
   GGUF loader does: Hugging Face names hold the raw weight.
+- arch `gpt2`: the layers' Conv1D weights are stored transposed ([out, in], as every other
+  linear); the float values are transposed back (blocks keep the file's rows, which are
+  already the rows a Linear multiplies).
 """
 from __future__ import annotations
 
@@ -22,80 +25,26 @@ import torch
 from pagewire.gguf_header import GGML_TYPES, GGUFHeader, TensorInfo
 from pagewire.kernels import gguf_blocks
 
+from .gguf_names import CONV1D, ROPE_PERMUTED, hf_name, tensor_parts
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma 2 and 3 have four norms per layer: ffn_norm is the one before the MLP there.
-_GEMMA2_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                       "post_attention_norm": "post_attention_layernorm",
-                       "post_ffw_norm": "post_feedforward_layernorm"}
-# Mixtures of experts: llama.cpp stacks a layer's experts in one 3-D tensor per projection
-# ([experts, rows, cols]); "{e}" stands for the expert each slice becomes.
-_MOE_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate",
-              "ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
-              "ffn_down_exps": "mlp.experts.{e}.down_proj",
-              "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-              "ffn_up_shexp": "mlp.shared_expert.up_proj",
-              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
-_MIXTRAL_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate",     # GGUF arch llama
-                  "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
-                  "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
-                  "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
-# GPT-NeoX (its fused QKV as the converter leaves it: head by head, as Hugging Face's).
-_NEOX_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense",
-               "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-              "output": "lm_head"}
-LAYER_NAMES = {"llama": _MIXTRAL_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
-               "gemma": _LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES,
-               "gemma3": _GEMMA2_LAYER_NAMES, "qwen2moe": _MOE_NAMES, "qwen3moe": _MOE_NAMES,
-               "olmoe": _MOE_NAMES, "gptneox": _NEOX_NAMES}
-# Where an architecture's Hugging Face names differ from Llama's: its layers' prefix and
-# top-level tensors.
-_LAYER_PREFIX = {"gptneox": "gpt_neox.layers"}
-_ARCH_TOP_NAMES = {"gptneox": {"token_embd": "gpt_neox.embed_in",
-                               "output_norm": "gpt_neox.final_layer_norm",
-                               "output": "embed_out"}}
-ROPE_PERMUTED = {"llama"}
+
 _CHUNK_VALUES = 1 << 18     # values dequantized per slice (1 MiB of float32)
 NORM_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors the
-    model does not use (rope_freqs, ...). A stack of experts' name holds "{e}" (expert_slices)."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4:
-        kind = LAYER_NAMES[arch].get(parts[2])
-        prefix = _LAYER_PREFIX.get(arch, "model.layers")
-        return None if kind is None else f"{prefix}.{parts[1]}.{kind}.{parts[3]}"
-    top = _ARCH_TOP_NAMES.get(arch, _TOP_NAMES)
-    if len(parts) == 2 and parts[0] in top:
-        return f"{top[parts[0]]}.{parts[1]}"
-    return None
 
 
 def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_heads: int,
                       dtype: torch.dtype = torch.float32,
                       skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Every tensor the model uses but those in `skip`, under Hugging Face names, in `dtype`.
-    Each tensor is
-    dequantized (float32), fixed up and converted before the next is read, so the float32
-    copy of the whole model never exists at once."""
+    Each tensor is dequantized (float32), fixed up and converted before the next is read, so
+    the float32 copy of the whole model never exists at once."""
     arch = header.metadata.get("general.architecture", "llama")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     weights = {}
     for info in header.tensors.values():
         name = hf_name(info.name, arch)
-        slices = expert_slices(name, info) if name is not None else []
-        if name is None or name in skip or slices and all(n in skip for n, _ in slices):
+        parts = tensor_parts(name, info, num_heads, num_kv_heads) if name is not None else []
+        if name is None or name in skip or parts and all(n in skip for n, _ in parts):
             continue
         plus_one = arch in NORM_PLUS_ONE and name.endswith("norm.weight")
         tensor = read_tensor(data, info, torch.float32 if plus_one else dtype)
@@ -103,49 +52,46 @@ def read_gguf_weights(path: str, header: GGUFHeader, num_heads: int, num_kv_head
             tensor = (tensor - 1.0).to(dtype)
         if name.endswith("shared_expert_gate.weight"):       # llama.cpp: [H]; theirs [1, H]
             tensor = tensor.reshape(1, -1)
-        for part, e in slices:
+        if arch in CONV1D and tensor.dim() == 2 and ".h." in name:     # a layer's linear
+            tensor = tensor.t().contiguous()                  # Hugging Face's [in, out]
+        for part, index in parts:
             if part not in skip:
-                weights[part] = tensor[e].clone()       # a tensor of its own, not a view
-        if "{e}" not in name:
+                weights[part] = tensor[index].clone()       # a tensor of its own, not a view
+        if not parts:
             weights[name] = _rows_in_hf_order(tensor, name, arch, num_heads, num_kv_heads)
     return weights
-
-
-def expert_slices(name: str, info: TensorInfo) -> list[tuple[str, int | None]]:
-    """(Hugging Face name, expert index) of each slice of a stack of experts [E, rows, cols]
-    (its name holds "{e}"); [] for any other tensor."""
-    if "{e}" not in name:
-        return []
-    return [(name.format(e=e), e) for e in range(info.shape[0])]
 
 
 def read_blocks(path: str, header: GGUFHeader, names: list[str], types: set[int],
                 num_heads: int, num_kv_heads: int) -> dict[str, tuple[int, torch.Tensor]]:
     """The 2-D tensors among Hugging Face `names` stored in one of the GGML `types`, as the
     file stores them: {name: (GGML type, uint8 [rows, bytes of a row's blocks])}, rows in
-    Hugging Face order (kernels/quant.py packs them). Other names are left out."""
+    Hugging Face order (kernels/quant.py packs them). Other names are left out. A stored
+    tensor's parts (tensor_parts: an expert of a stack, q, k or v of a fused QKV) are
+    contiguous runs of its rows."""
     arch = header.metadata.get("general.architecture", "llama")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     wanted = set(names)
     out = {}
     for info in header.tensors.values():
         name = hf_name(info.name, arch)
-        if name is None or info.ggml_type not in types:
+        if name is None or info.ggml_type not in types or len(info.shape) not in (2, 3):
             continue
         _, block, type_size = GGML_TYPES[info.ggml_type]
         row_bytes = info.shape[-1] // block * type_size
-        if len(info.shape) == 2 and name in wanted:
-            rows = info.shape[0]
+        rows = info.shape[-2]
+        if name in wanted:
             raw = np.array(data[info.offset: info.offset + rows * row_bytes])
             raw = torch.from_numpy(raw).reshape(rows, -1)
             out[name] = (info.ggml_type, _rows_in_hf_order(raw, name, arch, num_heads,
                                                            num_kv_heads))
-        for part, e in expert_slices(name, info) if len(info.shape) == 3 else ():
-            if part in wanted:            # one expert's rows: a contiguous run of the stack
-                rows = info.shape[1]
-                start = info.offset + e * rows * row_bytes
-                raw = np.array(data[start: start + rows * row_bytes])
-                out[part] = (info.ggml_type, torch.from_numpy(raw).reshape(rows, -1))
+        for part, index in tensor_parts(name, info, num_heads, num_kv_heads):
+            if part in wanted:
+                first, count = (index * rows, rows) if isinstance(index, int) else \
+                    (index.start, index.stop - index.start)
+                start = info.offset + first * row_bytes
+                raw = np.array(data[start: start + count * row_bytes])
+                out[part] = (info.ggml_type, torch.from_numpy(raw).reshape(count, -1))
     return out
 
 
@@ -235,6 +181,11 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _nibbles(blocks[:, 4:], 1, 16).float() + _f16(blocks, 2)
 
 
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    scale, levels = gguf_blocks.mxfp4_parts(blocks)
+    return scale * levels.float()
+
+
 def _with_minimum(parts):
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         scale, minimum, q = parts(blocks)
@@ -252,7 +203,7 @@ def _scaled(parts):
 _DEQUANT = {2: _q4_0, 3: _q4_1, 8: _q8_0, 10: _with_minimum(gguf_blocks.q2_k_parts),
             11: _scaled(gguf_blocks.q3_k_parts),
             12: _with_minimum(gguf_blocks.q4_k_parts), 13: _with_minimum(gguf_blocks.q5_k_parts),
-            14: _scaled(gguf_blocks.q6_k_parts)}
+            14: _scaled(gguf_blocks.q6_k_parts), gguf_blocks.MXFP4: _mxfp4}
 DEQUANTIZED = frozenset(_DEQUANT)     # the types dequantize_rows takes
 
 

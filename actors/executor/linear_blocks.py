@@ -60,8 +60,8 @@ def keep_quantized(model: nn.Module, info: ModelInfo, max_tokens: int | None,
                    roundings: dict[int, str] | None = None, rounded: dict | None = None,
                    dtype: torch.dtype | None = None, dense_room: int | None = None) -> int:
     """Give each Linear whose weight is blocks — Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
-    Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face checkpoint's
-    codes make (checkpoint_formats.py), or those --quantization rounded (`rounded`:
+    MXFP4, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K: a GGUF file's, those a quantized Hugging Face
+    checkpoint's codes make (checkpoint_formats.py), or those --quantization rounded (`rounded`:
     read_model()'s rounded_blocks) — a quantized copy of its weight, this rank's share of it
     (kernels/quant.py), for steps of up to `max_tokens` tokens (-1: every step, and those
     Linears drop their float copies: called before pack_linears, which then packs none of them;
@@ -232,6 +232,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 _GGUF_BLOCK_TYPES = {quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0, quant.IQ4_NL,
+                     quant.MXFP4,
                      *gguf_blocks.SUPERBLOCKS}
 
 
@@ -247,11 +248,15 @@ def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
 
 def _hf_blocks(path: str) -> tuple[dict[str, Blocks], dict[str, torch.Tensor]]:
     """A quantized Hugging Face checkpoint's blocks by weight name, and the column order
-    each holds where not the weight's own (checkpoint_formats.blocks_by_name)."""
+    each holds where not the weight's own (checkpoint_formats.blocks_by_name). Not a stack of
+    experts' (MXFP4's 3-D blocks): which rows an expert's Linear takes from it is the model's
+    mapping (gpt-oss interleaves gate and up rows), so those Linears keep their float
+    weights, the stack's exact values."""
     scheme = hf_scheme(path)
     if scheme is None:
         return {}, {}
-    return checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
+    blocks, orders = checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
+    return {name: b for name, b in blocks.items() if b[1].dim() == 2}, orders
 
 
 def holdings(model: nn.Module) -> str:

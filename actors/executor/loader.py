@@ -34,6 +34,7 @@ from . import checkpoint_formats, weight_cache
 from .block_embedding import BlockEmbedding, block_embedding
 from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
+from .models.weights import embedding_source
 from .load_quantization import round_linears
 from .parallel import TensorParallel, shard_state
 
@@ -112,9 +113,10 @@ def _blocks_only_sources(model: nn.Module, cfg) -> frozenset[str]:
     held = held_linear_sources(model)
     skip = {src for name, names in sources.items() if name not in held
             or getattr(model.get_submodule(name), "weight", 0) is None for src in names}
+    embed = embedding_source(cfg)
     if isinstance(model.embed, BlockEmbedding):
-        return frozenset(skip | {"model.embed_tokens.weight"})
-    return frozenset(skip - {"model.embed_tokens.weight"})
+        return frozenset(skip | {embed})
+    return frozenset(skip - {embed})
 
 
 def held_linear_sources(model: nn.Module) -> dict[str, list[str]]:
@@ -163,7 +165,7 @@ def _read_weights(info: ModelInfo, cfg, dtype: torch.dtype,
     time a cache file would cost on disk."""
     if info.format == "gguf":
         header, heads = gguf_header(info.path), (cfg.num_heads, cfg.num_kv_heads)
-        if skip - {"model.embed_tokens.weight"}:
+        if skip - {embedding_source(cfg)}:
             return read_gguf_weights(info.path, header, *heads, dtype, skip)
         weights = weight_cache.load(info.digest, dtype)
         if weights is None:

@@ -213,7 +213,7 @@ class Shares:
         for suffix, cols in row_parallel.items():
             if name.endswith(suffix):
                 return w[:, cols] if columns is None else columns(w, cols)
-        if name in ("embed.weight", "lm_head.weight"):
+        if name in ("embed.weight", "lm_head.weight", "lm_head.bias"):
             return w[self.vocab]
         return w
 

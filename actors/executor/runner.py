@@ -170,6 +170,8 @@ class ModelRunner:
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [], tier=loaded)
+        if self.model.cfg.num_experts:
+            result.experts_read = self.model.take_expert_reads()
         spans = spans_of(rows)
         if spans:
             result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,

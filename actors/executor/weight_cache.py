@@ -40,10 +40,10 @@ _HERE = os.path.dirname(__file__)
 _KERNELS = os.path.join(_HERE, "..", "..", "kernels")
 # kind -> the sources that convert (their hash versions the cache files)
 _CONVERTERS = {
-    "gguf": ("gguf_weights.py",),
+    "gguf": ("gguf_weights.py", "gguf_names.py"),
     "int8": ("load_quantization.py",),
     "int4": ("load_quantization.py",),
-    "tiles": ("gguf_weights.py", "parallel.py", "tile_cache.py",
+    "tiles": ("gguf_weights.py", "gguf_names.py", "parallel.py", "tile_cache.py",
               os.path.join(_KERNELS, "quant.py"), os.path.join(_KERNELS, "gguf_blocks.py"),
               os.path.join(_KERNELS, "csrc", "quant_tiles.h")),
 }

@@ -1,5 +1,6 @@
-"""One chat choice's message, from its text: a reasoning model's <think> block apart as
-`reasoning_content` (--reasoning-parser), and tool calls read from what follows (tools.py).
+"""One chat choice's message, from its text: a reasoning model's <think> block (or gpt-oss's
+channels other than the final one: harmony.py) apart as `reasoning_content`
+(--reasoning-parser), and tool calls read from what follows (tools.py).
 
 message() shapes a finished text at once; feed() and finish() shape the same text as it
 streams into OpenAI delta objects, holding back only what may still turn out to be a marker
@@ -7,6 +8,8 @@ streams into OpenAI delta objects, holding back only what may still turn out to 
 """
 from __future__ import annotations
 
+from . import harmony
+from .harmony import safe_prefix
 from .tools import CALL_MARKERS, ToolPlan, calls_of, call_id, tool_call_dicts
 
 THINK, END_THINK = "<think>", "</think>"
@@ -14,9 +17,12 @@ THINK, END_THINK = "<think>", "</think>"
 
 def split_reasoning(parser: str | None, text: str) -> tuple[str | None, str]:
     """(reasoning, content). deepseek_r1: the output starts inside the block, so a text with
-    no end is all reasoning; qwen3: a block exists only where the output opens one."""
+    no end is all reasoning; qwen3: a block exists only where the output opens one;
+    openai_gptoss: harmony.split."""
     if parser is None:
         return None, text
+    if parser == "openai_gptoss":
+        return harmony.split(text)
     if END_THINK not in text:
         return (text.replace(THINK, "", 1), "") if parser == "deepseek_r1" else (None, text)
     before, _, after = text.partition(END_THINK)
@@ -25,20 +31,14 @@ def split_reasoning(parser: str | None, text: str) -> tuple[str | None, str]:
     return before.replace(THINK, "", 1), after.lstrip("\n")
 
 
-def _safe_prefix(text: str, marker: str) -> int:
-    """How much of `text` cannot be the start of `marker` cut off at its end."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
-
-
 class ChatOutput:
     def __init__(self, tools: ToolPlan, reasoning_parser: str | None):
         self.tools, self.parser = tools, reasoning_parser
-        # phase: "open" (qwen3: is there a block?), "reasoning", "content"
+        # phase: "open" (qwen3: is there a block?), "reasoning", "content"; a harmony
+        # output's content (openai_gptoss) is what `harmony` splits off its text
         self.phase = {"deepseek_r1": "reasoning", "qwen3": "open"}.get(reasoning_parser,
                                                                        "content")
+        self.harmony = harmony.HarmonySplit() if reasoning_parser == "openai_gptoss" else None
         self.pending = ""          # text received, not yet sent or decided
         self.held = ""             # content held back as (possible) tool calls
         self.in_calls = False      # auto: a call's marker was seen; the rest is held
@@ -63,8 +63,11 @@ class ChatOutput:
     # -- streamed ------------------------------------------------------------------------------
 
     def feed(self, text: str) -> list[dict]:
-        self.pending += text
         out = []
+        if self.harmony is not None:
+            reasoning, text = self.harmony.feed(text)
+            out += _delta("reasoning_content", reasoning)
+        self.pending += text
         if self.phase == "open":
             head = self.pending.lstrip()
             if head.startswith(THINK):
@@ -77,7 +80,7 @@ class ChatOutput:
                 out += _delta("reasoning_content", before.replace(THINK, "", 1))
                 self.phase, self.pending, self.trim = "content", after, True
             else:
-                cut = _safe_prefix(self.pending, END_THINK)
+                cut = safe_prefix(self.pending, END_THINK)
                 out += _delta("reasoning_content", self.pending[:cut].replace(THINK, "", 1))
                 self.pending = self.pending[cut:]
         if self.phase == "content":
@@ -113,7 +116,7 @@ class ChatOutput:
         if found:
             self.in_calls, self.held = True, marker + after
             return _delta("content", before)
-        cut = _safe_prefix(text, marker)
+        cut = safe_prefix(text, marker)
         self.held = text[cut:]          # a marker's beginning, maybe
         return _delta("content", text[:cut])
 
@@ -129,6 +132,14 @@ class ChatOutput:
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """The deltas still held, and the choice's finish_reason."""
+        if self.harmony is None:
+            return self._finish(finish_reason)
+        reasoning, content = self.harmony.finish()
+        self.pending += content
+        out, finish_reason = self._finish(finish_reason)
+        return _delta("reasoning_content", reasoning) + out, finish_reason
+
+    def _finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         if self.phase == "open":
             self.phase = "content"
         if self.phase == "reasoning":

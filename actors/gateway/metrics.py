@@ -81,6 +81,9 @@ COUNTERS = {
     "external_prefix_cache_hits": (
         "vllm:external_prefix_cache_hits",
         "External prefix cache (the disk KV tier) hits, in tokens."),
+    "experts_read": ("pagewire:moe_experts_read",
+                     "Mixture of experts: experts read, each chosen expert once a layer and step."),
+    "moe_steps": ("pagewire:moe_steps", "Mixture of experts: steps that read experts."),
     "kv_offload_stores": ("pagewire:kv_offload_stores", "KV blocks written to the disk tier."),
     "kv_offload_loads": ("pagewire:kv_offload_loads",
                          "KV blocks planned to load from the disk tier."),

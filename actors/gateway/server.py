@@ -30,6 +30,7 @@ from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..disagg import answer_params, request_transfer
+from . import harmony
 from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
                        check_count, completion_prompts, decode_body, template_kwargs,
@@ -195,6 +196,7 @@ class Gateway:
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
                                chat_logprobs(body), body.prompt_logprobs, tools.constraint)
+        sampling = harmony.keep_markers(sampling, self.config.server.reasoning_parser)
         sub = TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                               messages=chat_messages(body), tools=tools.template_tools,
                               add_generation_prompt=body.add_generation_prompt,

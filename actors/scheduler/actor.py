@@ -61,6 +61,7 @@ class StatsReporter:
         self.reported_at, self.dirty = now, False
         self.logged_at, self.logged_totals = now, self._totals()
         self.logged_drafts = (0, 0, 0)            # drafts, draft tokens, accepted: last logged
+        self.logged_experts = (0, 0)              # expert reads, MoE steps: last logged
         self.quiet = True        # idle with nothing left to log: the log interval restarts
 
     # -- events --------------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class StatsReporter:
             spec_accepted_tokens=s.drafts.num_accepted_tokens,
             spec_accepted_per_pos=list(s.drafts.accepted_per_pos),
             running_loras=_adapters(s.running), waiting_loras=_adapters(s.waiting),
+            experts_read=s.num_experts_read, moe_steps=s.num_moe_steps,
             **_tier_stats(tables, s.config))
 
     def step_running_for(self) -> float:
@@ -148,7 +150,18 @@ class StatsReporter:
                  len(self.sched.running), len(self.sched.waiting),
                  100 * self.sched.kv_cache_usage(), 100 * hits / queries if queries else 0.0)
         self.log_drafts()
+        self.log_experts()
         self.logged_at, self.logged_totals = now, totals
+
+    def log_experts(self) -> None:
+        """A mixture of experts' reads over the steps since the last line."""
+        s = self.sched
+        now = (s.num_experts_read, s.num_moe_steps)
+        reads, steps = (a - b for a, b in zip(now, self.logged_experts))
+        self.logged_experts = now
+        if steps:
+            log.info("MoE: %.1f experts read a step (each chosen expert once a layer), "
+                     "over %d steps", reads / steps, steps)
 
     def log_drafts(self) -> None:
         """vLLM's speculative decoding line, over the drafts verified since the last one."""

@@ -79,6 +79,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0               # metrics counters; see the module docstring
         self.num_generation_tokens = 0
+        self.num_experts_read = 0                # mixtures of experts: expert reads, and the
+        self.num_moe_steps = 0                   # steps that read any
         self.drafts = DraftPolicy(config.speculative_config)   # speculation.py; its counters
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
@@ -305,6 +307,9 @@ class Scheduler:
             self._back_in_line(seq)
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
+        if result.experts_read:
+            self.num_experts_read += result.experts_read
+            self.num_moe_steps += 1
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
         deltas, groups = [], []
         # A sequence preempted while in this step is RUNNING again only from a plan made after

@@ -2,9 +2,9 @@
 formats' readers (tests/actors/test_checkpoint_formats.py) and bench/formats.py.
 
 Each format's packer (GPTQ v1 and v2, AWQ's interleaved nibbles, compressed-tensors
-pack-quantized and int-quantized, FP8) rounds a float weight to codes, scales and zeros and
-returns the tensors the format stores with the float values they define; `write_quantized`
-rewrites a float checkpoint's linears in a format."""
+pack-quantized and int-quantized, FP8, MXFP4 by gguf-py's quantizer) rounds a float weight to
+codes, scales and zeros and returns the tensors the format stores with the float values they
+define; `write_quantized` rewrites a float checkpoint's linears in a format."""
 from __future__ import annotations
 
 import json
@@ -101,6 +101,27 @@ def _fp8(w, group, per_tensor=False):
     return {"weight": q, "weight_scale": scale}, q.float() * scale
 
 
+def mxfp4_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., N, K] as a Hugging Face MXFP4 pair, gguf-py's rounding (blocks uint8 [..., N,
+    K / 32, 16]: weights 2j and 2j + 1 in byte j's low and high nibbles; scales uint8 [...,
+    N, K / 32]), and the float32 values it holds."""
+    import gguf
+    import numpy as np
+    kind = gguf.GGMLQuantizationType.MXFP4
+    raw = gguf.quants.quantize(w.float().reshape(-1, w.shape[-1]).numpy(), kind)
+    values = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, kind), np.float32))
+    blocks = torch.from_numpy(raw.copy()).reshape(*w.shape[:-1], -1, 17)
+    nibbles = blocks[..., 1:]
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], -1)               # weights in order
+    pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return pairs.contiguous(), blocks[..., 0].contiguous(), values.reshape(w.shape)
+
+
+def _mxfp4(w, group):
+    blocks, scales, values = mxfp4_pair(w)
+    return {"weight_blocks": blocks, "weight_scales": scales}, values
+
+
 FORMATS = {
     "gptq-v1-4bit-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32,
                           "desc_act": False, "sym": False}, lambda w: _gptq(w, 4, 32)),
@@ -129,6 +150,8 @@ FORMATS = {
     "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, lambda w: _fp8(w, -1)),
     "fp8-per-tensor": ({"quant_method": "fp8", "activation_scheme": "dynamic"},
                        lambda w: _fp8(w, -1, per_tensor=True)),
+    "mxfp4": ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
+              lambda w: _mxfp4(w, 32)),
 }
 
 

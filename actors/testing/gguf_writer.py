@@ -33,12 +33,14 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    if arch == "gptneox":
-        writer.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-5))
-        writer.add_parallel_residual(cfg.get("use_parallel_residual", True))
+    if arch in ("gptneox", "gpt2", "phi2", "starcoder2"):    # LayerNorms
+        writer.add_layer_norm_eps(cfg.get("layer_norm_eps") or cfg.get("layer_norm_epsilon")
+                                  or cfg.get("norm_epsilon") or 1e-5)
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                         cfg.get("rotary_pct", 1.0))
         writer.add_rope_dimension_count(int(head_dim * factor))
+        if arch == "gptneox":
+            writer.add_parallel_residual(cfg.get("use_parallel_residual", True))
     else:
         writer.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
     rope = cfg.get("rope_parameters") or {}
@@ -106,6 +108,8 @@ def _to_gguf_tensor(name: str, w: torch.Tensor, arch: str, cfg: dict) -> np.ndar
         a = llama_cpp_permute(a, cfg.get("num_key_value_heads") or heads)
     if arch.startswith("gemma") and name.endswith("norm.weight"):
         a = a + 1
+    if arch == "gpt2" and a.ndim == 2 and name.startswith("transformer.h."):
+        a = a.T                                  # Conv1D [in, out] -> [out, in], as llama.cpp
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
@@ -233,6 +237,8 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     import gguf
     from gguf.quants import quantize
 
+    from pagewire.model_info import hf_text_config
+    cfg = hf_text_config(cfg)                    # GPT-2's n_embd, ... under the usual keys
     kind = gguf.GGMLQuantizationType[tensor_type(qtype, "")]
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
@@ -280,17 +286,21 @@ QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs, "Q4_K": quan
 # infinite or NaN
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                "IQ4_NL": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,), "IQ4_XS": (0,)}
+               "Q6_K": (208,), "IQ4_XS": (0,), "MXFP4": ()}
+# byte offsets of each type's E8M0 exponents, which random bytes would make 2^-128..2^127
+EXPONENT_FIELDS = {"MXFP4": (0,)}
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng) -> torch.Tensor:
     """uint8 [rows, the bytes of `cols` weights] of GGML type `qtype` (its name): random
     quants and sub-block scales (every bit pattern), fp16 fields of magnitude 0.001-0.01
-    (either sign)."""
+    (either sign), E8M0 exponents 2^-10..2^-1 (MXFP4's scale halved: fp16 holds them)."""
     import gguf
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for at in FP16_FIELDS[qtype]:
         value = rng.uniform(0.001, 0.01, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])
         raw[:, at:at + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for at in EXPONENT_FIELDS.get(qtype, ()):
+        raw[:, at] = rng.integers(118, 128, raw.shape[0])
     return torch.from_numpy(raw.reshape(rows, -1))

@@ -65,14 +65,61 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t toke
   });
 }
 
-// Neox rotary embedding, in place, on the query and key heads of a fused qkv row.
+// The GPT family's LayerNorm with add_rms_norm's residual: (v - mean) / sqrt(var + eps) * w
+// + b, mean and variance in two passes (double sums), the output rounded once, as torch's
+// layer_norm (float32 inside).
+template <typename T>
+void add_layer_norm(T* out, T* residual, const T* x, const T* weight, const T* bias,
+                    int64_t tokens, int64_t hidden, int64_t x_stride, float eps) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * x_stride;
+      T* rt = residual ? residual + t * hidden : nullptr;
+      double sum = 0.0, ss = 0.0;
+      for (int64_t i = 0; i < hidden; ++i) {
+        float v = to_float(xt[i]);
+        if (rt) {                     // residual' = x + residual, rounded to T
+          v = round_as(v + to_float(rt[i]), xt);
+          from_float(v, rt + i);
+        }
+        row[i] = v;
+        sum += v;
+      }
+      const float mean = static_cast<float>(sum / hidden);
+      for (int64_t i = 0; i < hidden; ++i) ss += double(row[i] - mean) * (row[i] - mean);
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
+      T* ot = out + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i)
+        from_float((row[i] - mean) * inv * to_float(weight[i]) + to_float(bias[i]), ot + i);
+    }
+  });
+}
+
+// GELU of `count` values: exact (erf) or tanh's approximation, in float32, rounded once.
+template <typename T>
+void gelu(T* out, const T* x, int64_t count, bool tanh_form) {
+  at::parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = to_float(x[i]);
+      const float g = tanh_form
+          ? 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+          : 0.5f * v * (1.f + std::erf(v * 0.7071067811865476f));
+      from_float(g, out + i);
+    }
+  });
+}
+
+// Neox rotary embedding, in place, on the query and key heads of a fused qkv row: the first
+// `rotary` columns of each head of D (the GPT family rotates part of a head; else D), whose
+// pairs are (i, rotary / 2 + i); cos_sin rows are `rotary` wide.
 template <typename T>
 void rope_inplace(T* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
-                  int64_t tokens, int64_t heads, int64_t D) {
-  const int64_t half = D / 2;
+                  int64_t tokens, int64_t heads, int64_t D, int64_t rotary) {
+  const int64_t half = rotary / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* cs = cos_sin + positions[t] * D;
+      const float* cs = cos_sin + positions[t] * rotary;
       for (int64_t h = 0; h < heads; ++h) {
         T* x = qkv + t * row_stride + h * D;
         for (int64_t i = 0; i < half; ++i) {
@@ -134,13 +181,41 @@ void pw_add_rms_norm_bf16(bf16* out, bf16* residual, const bf16* x, const bf16* 
   add_rms_norm(out, residual, x, w, tokens, hidden, x_stride, eps);
 }
 
+void pw_add_layer_norm_f32(float* out, float* residual, const float* x, const float* w,
+                           const float* b, int64_t tokens, int64_t hidden, int64_t x_stride,
+                           float eps) {
+  add_layer_norm(out, residual, x, w, b, tokens, hidden, x_stride, eps);
+}
+void pw_add_layer_norm_bf16(bf16* out, bf16* residual, const bf16* x, const bf16* w,
+                            const bf16* b, int64_t tokens, int64_t hidden, int64_t x_stride,
+                            float eps) {
+  add_layer_norm(out, residual, x, w, b, tokens, hidden, x_stride, eps);
+}
+
+void pw_gelu_f32(float* out, const float* x, int64_t count, int64_t tanh_form) {
+  gelu(out, x, count, tanh_form != 0);
+}
+void pw_gelu_bf16(bf16* out, const bf16* x, int64_t count, int64_t tanh_form) {
+  gelu(out, x, count, tanh_form != 0);
+}
+
 void pw_rope_f32(float* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
                  int64_t tokens, int64_t heads, int64_t D) {
-  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D, D);
 }
 void pw_rope_bf16(bf16* qkv, int64_t row_stride, const float* cos_sin, const int64_t* positions,
                   int64_t tokens, int64_t heads, int64_t D) {
-  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D);
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D, D);
+}
+void pw_rope_partial_f32(float* qkv, int64_t row_stride, const float* cos_sin,
+                         const int64_t* positions, int64_t tokens, int64_t heads, int64_t D,
+                         int64_t rotary) {
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D, rotary);
+}
+void pw_rope_partial_bf16(bf16* qkv, int64_t row_stride, const float* cos_sin,
+                          const int64_t* positions, int64_t tokens, int64_t heads, int64_t D,
+                          int64_t rotary) {
+  rope_inplace(qkv, row_stride, cos_sin, positions, tokens, heads, D, rotary);
 }
 
 void pw_silu_and_mul_f32(float* out, const float* gate_up, int64_t tokens, int64_t inter) {

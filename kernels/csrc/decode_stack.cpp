@@ -23,8 +23,10 @@ namespace {
 int64_t arity(int64_t op) {
   switch (op) {
     case PW_OP_ADD_NORM: case PW_OP_NORM: return 2;
+    case PW_OP_ADD_LAYER_NORM: case PW_OP_BRANCH_LAYER_NORM: return 3;
+    case PW_OP_JOIN: case PW_OP_GELU: case PW_OP_GELU_TANH: return 0;
     case PW_OP_LINEAR: return 5;
-    case PW_OP_ROPE: return 3;
+    case PW_OP_ROPE: return 4;
     case PW_OP_ATTEND: return 12;
     case PW_OP_SILU_MUL: return 0;
     case PW_OP_MOE: return 1;
@@ -39,7 +41,9 @@ template <typename T> struct Kernels;
 #define PW_KERNELS(type, sfx)                                                                \
   template <> struct Kernels<type> {                                                         \
     static constexpr auto norm = pw_add_rms_norm_##sfx;                                      \
-    static constexpr auto rope = pw_rope_##sfx;                                              \
+    static constexpr auto layer_norm = pw_add_layer_norm_##sfx;                              \
+    static constexpr auto gelu = pw_gelu_##sfx;                                              \
+    static constexpr auto rope = pw_rope_partial_##sfx;                                      \
     static constexpr auto silu = pw_silu_and_mul_##sfx;                                      \
     static constexpr auto attend = pw_decode_attention_##sfx;                                \
     static constexpr auto attend_q8 = pw_decode_attention_q8_##sfx;                          \
@@ -75,11 +79,14 @@ struct Machine {
   std::vector<T> ordered;          // a linear's input in its weight's column order
   std::vector<T> queries;          // head rows: q of every token, contiguous
   std::vector<float> lse;          // ATTEND with sinks: each row's log-sum-exp
+  std::vector<T> branch;           // parallel residual: the attention's output set aside
   int64_t layer = 0;               // attends so far (head rows: the layer's slots and tables)
 
   T* next() { return cur == a.data() ? b.data() : a.data(); }
 
-  void add_norm(const int64_t* o, bool add) {
+  // RMSNorm (o: weight, eps) or LayerNorm (o: weight, bias, eps) of cur, `add`: after the
+  // residual stream takes cur (the first layer's: cur itself)
+  void add_norm(const int64_t* o, bool add, bool layer_norm = false) {
     T* out = next();
     T* res = nullptr;
     if (add && residual_started) {
@@ -88,7 +95,32 @@ struct Machine {
       std::memcpy(residual, cur, tokens * hidden * sizeof(T));
       residual_started = true;
     }
-    Kernels<T>::norm(out, res, cur, ptr<T>(o[0]), tokens, hidden, width, real(o[1]));
+    if (layer_norm)
+      Kernels<T>::layer_norm(out, res, cur, ptr<T>(o[0]), ptr<T>(o[1]), tokens, hidden, width,
+                             real(o[2]));
+    else
+      Kernels<T>::norm(out, res, cur, ptr<T>(o[0]), tokens, hidden, width, real(o[1]));
+    cur = out;
+  }
+
+  // parallel residual: cur (the attention's output) set aside, cur = layer_norm(residual)
+  void branch_layer_norm(const int64_t* o) {
+    branch.assign(cur, cur + tokens * hidden);
+    T* out = next();
+    Kernels<T>::layer_norm(out, nullptr, residual, ptr<T>(o[0]), ptr<T>(o[1]), tokens, hidden,
+                           hidden, real(o[2]));
+    cur = out, width = hidden;
+  }
+
+  // cur += the branch set aside, each sum rounded once (torch's x + branch)
+  void join() {
+    for (int64_t i = 0; i < tokens * hidden; ++i)
+      pw::from_float(pw::to_float(cur[i]) + pw::to_float(branch[i]), &cur[i]);
+  }
+
+  void gelu(bool tanh_form) {
+    T* out = next();
+    Kernels<T>::gelu(out, cur, tokens * width, tanh_form);
     cur = out;
   }
 
@@ -136,7 +168,8 @@ struct Machine {
   }
 
   void rope(const int64_t* o) {
-    Kernels<T>::rope(cur, width, ptr<float>(o[0]), positions, tokens, o[1], o[2]);
+    if (o[3] > 0)
+      Kernels<T>::rope(cur, width, ptr<float>(o[0]), positions, tokens, o[1], o[2], o[3]);
   }
 
   // cur: qkv [tokens, (Hq + 2 Hkv) D]; k and v go to the cache, then q attends.
@@ -248,6 +281,11 @@ struct Machine {
     switch (op) {
       case PW_OP_ADD_NORM: add_norm(o, true); break;
       case PW_OP_NORM: add_norm(o, false); break;
+      case PW_OP_ADD_LAYER_NORM: add_norm(o, true, true); break;
+      case PW_OP_BRANCH_LAYER_NORM: branch_layer_norm(o); break;
+      case PW_OP_JOIN: join(); break;
+      case PW_OP_GELU: gelu(false); break;
+      case PW_OP_GELU_TANH: gelu(true); break;
       case PW_OP_LINEAR: linear(o); break;
       case PW_OP_ROPE: rope(o); break;
       case PW_OP_ATTEND: attend(o); break;

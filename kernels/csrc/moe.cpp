@@ -254,15 +254,19 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
   std::vector<Work> work;
   std::vector<int64_t> rows;
   std::vector<float> scale;
+  std::vector<char> chosen(experts, 0);
+  for (int64_t i = 0; i < tokens * k; ++i) chosen[ids[i]] = 1;
+  if (spec[PW_MOE_READS])
+    *reinterpret_cast<int64_t*>(spec[PW_MOE_READS]) +=
+        std::count(chosen.begin(), chosen.end(), 1);
   for (int64_t e = 0; e < experts; ++e) {     // each chosen expert once, its tokens ascending
     const int64_t* words = tables + PW_MOE_EXPERT_WORDS * e;
-    if (words[0] == 0) continue;              // another rank's
+    if (!chosen[e] || words[0] == 0) continue;        // unchosen, or another rank's
     const size_t before = rows.size();
     for (int64_t i = 0; i < tokens * k; ++i)
       if (ids[i] == e) rows.push_back(i / k), scale.push_back(weights[i]);
-    if (rows.size() > before)
-      add_work(work, rows.size() - before, inter, ptr<int64_t>(words[0]),
-               ptr<int64_t>(words[1]), words[2], words[3]);
+    add_work(work, rows.size() - before, inter, ptr<int64_t>(words[0]), ptr<int64_t>(words[1]),
+             words[2], words[3]);
   }
   if (spec[PW_MOE_SHARED_GATE_UP]) {          // Qwen2-MoE: sigmoid(x . g) * shared(x)
     std::vector<float> gate(tokens);

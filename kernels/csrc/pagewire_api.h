@@ -32,7 +32,8 @@ enum PwOp : int64_t {
   // rms_norm of each query and key head of qkv, in place; q weight, k weight, Hq, Hkv, D,
   // eps bits
   PW_OP_QK_NORM = 4,
-  // rotate q and k of qkv by position, x becomes (q, k, v); cos|sin table, heads, head dim
+  // rotate q and k of qkv by position, x becomes (q, k, v); cos|sin table, heads, head dim,
+  // the columns of a head rotated (the GPT family: a part, or 0: none)
   PW_OP_ROPE = 5,
   // write k, v to the paged cache, x = paged attention of q; k cache, v cache, Hq, Hkv, D,
   // block size, window, scale bits, softcap bits, PwKvCache, head rows (0: a paged cache of
@@ -51,15 +52,17 @@ enum PwOp : int64_t {
   PW_OP_QK_NORM_FLAT = 10,
   // x = the routed experts' weighted sum (models/moe.py): moe.cpp's pw_moe; its spec (PwMoe)
   PW_OP_MOE = 11,
-  // ADD_NORM with a LayerNorm (mean, variance, weight, bias: the GPT family); per-op
+  // ADD_NORM with a LayerNorm (mean, variance, weight, bias: the GPT family); weight, bias,
+  // eps bits
   PW_OP_ADD_LAYER_NORM = 12,
-  // parallel residual: the attention's output set aside, x = layer_norm(residual); per-op
+  // parallel residual: the attention's output set aside, x = layer_norm(residual); weight,
+  // bias, eps bits
   PW_OP_BRANCH_LAYER_NORM = 13,
-  // x += what BRANCH_LAYER_NORM set aside; per-op
+  // x += what BRANCH_LAYER_NORM set aside
   PW_OP_JOIN = 14,
-  // x = gelu(x), exact (erf); per-op
+  // x = gelu(x), exact (erf)
   PW_OP_GELU = 15,
-  // x = gelu(x), tanh's approximation; per-op
+  // x = gelu(x), tanh's approximation
   PW_OP_GELU_TANH = 16,
 };
 
@@ -81,12 +84,14 @@ enum PwMoe : int64_t {
   PW_MOE_SHARED_DOWN = 7,
   PW_MOE_SHARED_GATE = 8,
   PW_MOE_SHARED_INTER = 9,
-  PW_MOE_ROUTER_BIAS = 10,      // 0: none
-  PW_MOE_TOPK_SOFTMAX = 11,     // 1: the top k of the logits, then their softmax
-  PW_MOE_SWIGLU_OAI = 12,       // 1: (up + 1) * g * sigmoid(alpha g), g and up clamped
-  PW_MOE_SWIGLU_ALPHA = 13,
-  PW_MOE_SWIGLU_LIMIT = 14,
-  PW_MOE_EXPERT_TABLES = 15,
+  PW_MOE_READS = 10,            // an int64 counter's address (0: none): += the experts the
+                                // call's tokens chose (held here or not), each once
+  PW_MOE_ROUTER_BIAS = 11,      // 0: none
+  PW_MOE_TOPK_SOFTMAX = 12,     // 1: the top k of the logits, then their softmax
+  PW_MOE_SWIGLU_OAI = 13,       // 1: (up + 1) * g * sigmoid(alpha g), g and up clamped
+  PW_MOE_SWIGLU_ALPHA = 14,
+  PW_MOE_SWIGLU_LIMIT = 15,
+  PW_MOE_EXPERT_TABLES = 16,
   PW_MOE_EXPERT_WORDS = 4,      // gate/up table, down table, gate/up bias, down bias
 };
 
@@ -157,11 +162,28 @@ PW_API(void, pw_add_rms_norm_f32, (float* out, float* residual, const float* x,
 PW_API(void, pw_add_rms_norm_bf16, (pw_bf16* out, pw_bf16* residual, const pw_bf16* x,
                                     const pw_bf16* w, int64_t tokens, int64_t hidden,
                                     int64_t x_stride, float eps))
+// As pw_add_rms_norm with the GPT family's LayerNorm: weight w and bias b [H].
+PW_API(void, pw_add_layer_norm_f32, (float* out, float* residual, const float* x,
+                                     const float* w, const float* b, int64_t tokens,
+                                     int64_t hidden, int64_t x_stride, float eps))
+PW_API(void, pw_add_layer_norm_bf16, (pw_bf16* out, pw_bf16* residual, const pw_bf16* x,
+                                      const pw_bf16* w, const pw_bf16* b, int64_t tokens,
+                                      int64_t hidden, int64_t x_stride, float eps))
+// out = gelu(x), `count` values: exact (erf), or tanh's approximation where tanh_form is 1.
+PW_API(void, pw_gelu_f32, (float* out, const float* x, int64_t count, int64_t tanh_form))
+PW_API(void, pw_gelu_bf16, (pw_bf16* out, const pw_bf16* x, int64_t count, int64_t tanh_form))
 // qkv [T, row_stride]: the first `heads` heads of each row (queries then keys) are rotated.
 PW_API(void, pw_rope_f32, (float* qkv, int64_t row_stride, const float* cos_sin,
                            const int64_t* positions, int64_t tokens, int64_t heads, int64_t D))
 PW_API(void, pw_rope_bf16, (pw_bf16* qkv, int64_t row_stride, const float* cos_sin,
                             const int64_t* positions, int64_t tokens, int64_t heads, int64_t D))
+// The same on the first `rotary` columns of each head (cos_sin rows `rotary` wide).
+PW_API(void, pw_rope_partial_f32, (float* qkv, int64_t row_stride, const float* cos_sin,
+                                   const int64_t* positions, int64_t tokens, int64_t heads,
+                                   int64_t D, int64_t rotary))
+PW_API(void, pw_rope_partial_bf16, (pw_bf16* qkv, int64_t row_stride, const float* cos_sin,
+                                    const int64_t* positions, int64_t tokens, int64_t heads,
+                                    int64_t D, int64_t rotary))
 // gate_up [T, 2I] (gate first) -> out [T, I].
 PW_API(void, pw_silu_and_mul_f32, (float* out, const float* gate_up, int64_t tokens,
                                    int64_t inter))

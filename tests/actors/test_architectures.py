@@ -22,9 +22,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=160, num_hidde
 
 def _configs():
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GPT2Config,
-                              GptOssConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+                              GPTJConfig, GptOssConfig,
+                              GPTNeoXConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Starcoder2Config)
     return {
         "llama3-rope": (LlamaConfig, "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -73,6 +74,15 @@ def _configs():
             hidden_size=128, rotary_pct=0.5, use_parallel_residual=False)),
         "gpt2": (GPT2Config, "GPT2LMHeadModel", dict(n_embd=128, n_layer=3, n_head=4,
                                                      n_positions=512)),
+        # GPT-J: interleaved rope on half of each head, one norm for a parallel block, an
+        # LM head with a bias; Phi-2: rotate-half on half of each head, grouped-query, the
+        # same block and head; Starcoder2: sequential LayerNorm blocks, a sliding window.
+        "gptj": (GPTJConfig, "GPTJForCausalLM", dict(hidden_size=128, n_head=4, n_layer=3,
+                                                    rotary_dim=16, n_positions=512)),
+        "phi-2": (PhiConfig, "PhiForCausalLM", dict(hidden_size=128, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+        "starcoder2": (Starcoder2Config, "Starcoder2ForCausalLM", dict(
+            hidden_size=128, sliding_window=WINDOW, norm_epsilon=1e-5)),
     }
 
 
@@ -112,7 +122,8 @@ def test_greedy_matches_transformers(tmp_path, smol_tokenizer_dir, name):
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{name}, prompt {len(prompt)}")
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcap", "qwen2-bias", "gpt-neox-parallel", "gpt2"])
+@pytest.mark.parametrize("name", ["gemma2-softcap", "qwen2-bias", "gpt-neox-parallel", "gpt2",
+                                  "gptj", "phi-2"])
 def test_logits_close_to_transformers(tmp_path, smol_tokenizer_dir, name):
     """The whole prompt's last logits, float32 on both sides."""
     path = make_model(str(tmp_path / name), smol_tokenizer_dir, name)

@@ -69,6 +69,16 @@ def test_tool_call_parsers(parser, text, content, calls):
     ("qwen3", "<think>hmm</think>Yes.", "hmm", "Yes."),
     ("qwen3", "Just an answer.", None, "Just an answer."),
     (None, "<think>x</think>y", None, "<think>x</think>y"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>2 + 2 is 4.<|end|><|start|>assistant"
+     "<|channel|>final<|message|>4<|return|>", "2 + 2 is 4.", "4"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut short", "cut short", ""),
+    ("openai_gptoss", "<|channel|>final<|message|>At once.", None, "At once."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>"
+     "commentary<|message|>b<|end|><|start|>assistant<|channel|>final <|constrain|>json"
+     "<|message|>{}<|return|>", "a\nb", "{}"),         # messages joined as vLLM joins them
+    ("openai_gptoss", "no harmony here", "no harmony here", ""),
+    ("openai_gptoss", "<|channel|>analysis<|message|>x <|e|> y<|end|><|start|>assistant<|chan",
+     "x <|e|> y", ""),                       # a marker-like body; a header cut short: dropped
 ])
 def test_reasoning_split(parser, text, reasoning, content):
     assert split_reasoning(parser, text) == (reasoning, content)
@@ -92,6 +102,11 @@ def _stream(out: ChatOutput, text: str, cut: int, reason: str = "stop"):
     return fields, [calls[i] for i in sorted(calls)], reason
 
 
+HARMONY = ("<|channel|>analysis<|message|>Think: <b>|a|</b> then more.<|end|><|start|>assistant"
+           "<|channel|>analysis<|message|>Second thought.<|end|><|start|>assistant<|channel|>"
+           "final<|message|>Final <|answer|>.<|return|>")
+
+
 @pytest.mark.parametrize("tools, parser, text", [
     (ToolPlan(), "deepseek_r1", "a b</think>\n\nc d"),
     (ToolPlan(), "qwen3", "<think>deep</think>plain"),
@@ -105,6 +120,11 @@ def _stream(out: ChatOutput, text: str, cut: int, reason: str = "stop"):
      '<think>plan</think>[TOOL_CALLS][{"name": "f", "arguments": {"x": 5}}]'),
     (ToolPlan(mode="required"), None, '[{"name": "f", "parameters": {"x": 1}}]'),
     (ToolPlan(mode="named", function="f"), None, '{"x": 7}'),
+    (ToolPlan(), "openai_gptoss", HARMONY),
+    (ToolPlan(), "openai_gptoss", "<|channel|>analysis<|message|>only <|ret thinking"),
+    (ToolPlan(mode="auto", parser="hermes"), "openai_gptoss",
+     '<|channel|>analysis<|message|>call f<|end|><|start|>assistant<|channel|>final<|message|>'
+     'ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call><|return|>'),
 ])
 @pytest.mark.parametrize("cut", [1, 3, 1000])
 def test_streaming_gives_the_whole_texts_message(tools, parser, text, cut):
@@ -115,3 +135,21 @@ def test_streaming_gives_the_whole_texts_message(tools, parser, text, cut):
     assert [(c["name"], c["arguments"]) for c in calls] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
     assert reason == whole_reason == ("tool_calls" if calls else "stop")
+
+
+def test_harmony_streamed_in_any_two_pieces_or_by_tokens_gives_the_whole_message():
+    """Every cut of the text into two, and the token pieces a detokenizer sends (a marker
+    whole, a word apart): the same reasoning and content as the whole text."""
+    import re
+    whole, _ = ChatOutput(ToolPlan(), "openai_gptoss").message(HARMONY, "stop")
+    expected = {"content": "Final <|answer|>.",
+                "reasoning_content": "Think: <b>|a|</b> then more.\nSecond thought."}
+    assert {k: whole[k] for k in expected} == expected
+    tokens = re.findall(r"<\|[a-z]+\|>|\s?[^<\s]+|\s?<", HARMONY)
+    assert "".join(tokens) == HARMONY
+    cuts = [[HARMONY[:i], HARMONY[i:]] for i in range(len(HARMONY) + 1)] + [tokens]
+    for pieces in cuts:
+        out = ChatOutput(ToolPlan(), "openai_gptoss")
+        deltas = [d for p in pieces for d in out.feed(p)] + out.finish("stop")[0]
+        got = {k: "".join(d.get(k, "") for d in deltas) for k in expected}
+        assert got == expected, pieces

@@ -26,10 +26,10 @@ from tests.helpers import HFOracle, assert_greedy_equal
 BLOCKS = {"gptq-v1-4bit-g32": quant.Q4_1, "gptq-v2-4bit-channel": quant.Q4_1,
           "gptq-8bit-sym-g32": quant.Q8_0, "gptq-desc-act": quant.Q4_1, "awq-g32": quant.Q4_1,
           "compressed-w4a16": quant.Q4_1, "compressed-w8a8": quant.Q8_0, "fp8": quant.FP8,
-          "fp8-per-tensor": quant.FP8}
+          "fp8-per-tensor": quant.FP8, "mxfp4": quant.Q8_0}
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.startswith("fp8")])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.startswith(("fp8", "mxfp4"))])
 def test_unpacking_gives_the_codes_back(fmt):
     """Each reader returns the values the packer's codes, scales and zeros define, exactly, and
     so do the blocks made of them (these scales leave -scale * zero exact in float16)."""

@@ -114,7 +114,7 @@ def test_the_stack_runs_the_layers_programs(runner):
     assert ops == [int(step.op) for layer in model.layers for step in layer.program]
 
 
-@pytest.mark.parametrize("step", [Step(Op.GELU_MUL), Step(Op.JOIN), Step(Op.ALL_REDUCE)],
+@pytest.mark.parametrize("step", [Step(Op.GELU_MUL), Step(Op.ALL_REDUCE)],
                          ids=lambda s: s.op.name)
 def test_a_program_with_an_op_it_lacks_is_refused(runner, step):
     """One layer's program with an op the native interpreter does not implement: the whole

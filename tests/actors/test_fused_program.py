@@ -1,7 +1,8 @@
 """The native interpreter of the layer program (csrc/decode_stack.cpp) against the per-op
 path, on tiny random models with random Q8_0 weights: the options the default model lacks
-(QKV biases, sandwich norms, soft-capped and windowed attention) bit-identical too, and the
-architectures whose programs hold an op it lacks refused."""
+(QKV biases, sandwich norms, soft-capped and windowed attention, the GPT family's LayerNorms,
+GELUs, parallel residuals and partial rope) bit-identical too, and the architectures whose
+programs hold an op it lacks refused."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,11 @@ GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8,
           "attn_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh"}
 GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
           "layer_types": ["sliding_attention", "full_attention"]}
+# The GPT family: LayerNorms, biases, plain GELU MLPs; GPT-NeoX's parallel residual (BRANCH,
+# JOIN) and partial rope; GPT-2's learned positions and no rope; Phi-2's one norm.
+NEOX = {"architectures": ["GPTNeoXForCausalLM"], "rotary_pct": 0.5, "hidden_act": "gelu"}
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "activation_function": "gelu_new"}
+PHI2 = {"architectures": ["PhiForCausalLM"], "partial_rotary_factor": 0.5}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -71,10 +77,12 @@ GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
     (GEMMA2, {**PLAIN_LAYERS, "sandwich_norms": True}),      # sandwich norms, soft-cap, window
     ({"architectures": ["Qwen3ForCausalLM"]}, None),                 # QK_NORM
     (GEMMA3, PLAIN_LAYERS),                                  # QK_NORM, a rope base per layer
-], ids=["mistral", "qwen2", "gemma2-silu", "qwen3", "gemma3-silu"])
+    (NEOX, None), (NEOX, {"parallel_residual": False}), (GPT2, None), (PHI2, None),
+], ids=["mistral", "qwen2", "gemma2-silu", "qwen3", "gemma3-silu", "gpt-neox",
+        "gpt-neox-sequential", "gpt2", "phi-2"])
 def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, overrides):
     model = model_for(native_lib, dtype, extra, overrides)
-    caches = allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16, dtype)
+    caches = allocate_kv_cache(2, BLOCKS, BLOCK, model.num_kv_heads, 16, dtype)
     fused = FusedDecode.build(model, caches)
     assert fused is not None
     g = torch.Generator().manual_seed(1)
@@ -97,8 +105,7 @@ def test_interpreter_equals_the_per_op_path(tier, native_lib, dtype, extra, over
 
 @pytest.mark.parametrize("extra, overrides", [
     (GEMMA2, None),                                                  # GELU_MUL
-    ({"architectures": ["GPTNeoXForCausalLM"]}, None),               # ADD_LAYER_NORM, ...
-], ids=["gemma2", "gpt-neox"])
+], ids=["gemma2"])
 def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
     model = model_for(native_lib, torch.float32, extra, overrides)
     assert FusedDecode.build(model, allocate_kv_cache(2, BLOCKS, BLOCK, 2, 16,

@@ -60,14 +60,14 @@ def _gguf_from_hf_dir(hf_dir: str, out: str, meta: dict, qtype: str) -> str:
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS",
-                                   "Q4_K_M"])
+                                   "MXFP4", "Q4_K_M"])
 def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, tokenizer_meta, qtype,
                                                      monkeypatch):
     """Ours on the GGUF file vs transformers on the same file (its own GGUF loader: its own
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
     a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
-    file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0 and IQ4_NL as
-    Q8_0 blocks of the same values, Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
+    file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks and Q5_0, IQ4_NL and
+    MXFP4 as Q8_0 blocks of the same values, Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
     values; prefill their dequantized copies, but for Q4_K_M, run with
     --quantized-matmul-tokens -1 (the default): every step on the blocks, no float copies
     kept (nor packed only to be dropped), none of its linears even dequantized as it loads
@@ -94,7 +94,7 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     dense = [n for n in weights if n.endswith("proj.weight") or n == "lm_head.weight"]
     # the embedding looks its rows up from the file's blocks where torch dequantizes them
     block_embedding = isinstance(model.embed, BlockEmbedding)
-    assert block_embedding == (qtype in ("Q8_0", "Q4_1", "Q4_0", "Q4_K_M"))
+    assert block_embedding == (qtype in ("Q8_0", "Q4_1", "Q4_0", "MXFP4", "Q4_K_M"))
     assert (dense == []) == blocks_only
     assert (model.embed.weight.numel() == 0) == block_embedding       # no float table held
     cache = os.path.join(os.environ["PAGEWIRE_CACHE_DIR"], "weights")
@@ -123,12 +123,12 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
         assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"{qtype} prompt {len(prompt)}")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "MXFP4"])
 def test_tensor_parallel_ranks_multiply_their_share_of_the_files_blocks(tiny_llama, tmp_path,
                                                                         tokenizer_meta, qtype):
     """Each of two ranks packs its rows of qkv, gate_up and the LM head and its block columns
-    of o_proj from the file's blocks (Q5_0 as Q8_0 ones); down's share (208 of 416 columns)
-    ends inside a block, so it stays float."""
+    of o_proj from the file's blocks (Q5_0 and MXFP4 as Q8_0 ones); down's share (208 of 416
+    columns) ends inside a block, so it stays float."""
     hf_dir = tiny_llama((192, 6, 3, 32))
     path = _gguf_from_hf_dir(hf_dir, str(tmp_path / "tiny.gguf"), tokenizer_meta, qtype)
     for kinds in rank_blocks(path):

@@ -76,7 +76,7 @@ def test_k_quants_match_gguf_py_and_the_weights(tmp_path, qtype):
     assert torch.equal(ours, torch.from_numpy(w.reshape(SHAPE)))
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_K", "Q5_1", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q5_K", "Q5_1", "IQ4_XS", "MXFP4"])
 def test_other_types_read_as_gguf_py_reads_them(tmp_path, qtype):
     """Blocks of random bytes (tests/kernels/test_gguf_blocks.py): every bit pattern."""
     import gguf

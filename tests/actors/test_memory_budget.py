@@ -97,7 +97,7 @@ def test_resolve_sizes_the_pool_from_free_memory(monkeypatch, free_gib):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K",
-                                   "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+                                   "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"])
 def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
     """The estimate's bytes a 32 weights of each type are the tiles' (kernels/quant.py)."""
     import gguf
@@ -138,3 +138,13 @@ def test_a_gguf_files_weights_are_counted_by_type(tmp_path, info):
 def test_block_embedding_types_are_those_torch_dequantizes():
     from pagewire.executor.gguf_weights import DEQUANTIZED
     assert memory_budget.BLOCK_EMBEDDINGS == set(DEQUANTIZED)
+
+
+def test_an_mxfp4_checkpoint_counts_its_blocks_as_q8_0_tiles(tmp_path, info):
+    """gpt-oss's MXFP4 experts: 17 bytes a 32 weights on disk, 34 as the tiles hold them."""
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(GiB)
+    mxfp4 = msgspec.structs.replace(info, path=str(tmp_path), format="hf",
+                                    stored_quantization="mxfp4")
+    assert memory_budget.weights_estimate(mxfp4, -1) == 2 * GiB
+    assert memory_budget.TILE_BYTES[39] == 2 * 17

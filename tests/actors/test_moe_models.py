@@ -17,6 +17,7 @@ from pagewire.executor.loader import read_safetensors
 from pagewire.executor.models.moe import SparseMoE
 from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
+from pagewire.model_info import hf_text_config, resolve_model
 from pagewire.testing.gguf_writer import write_gguf
 from tests.actors.test_architectures import VOCAB, make_model
 from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
@@ -37,19 +38,21 @@ def private_cache(tmp_path, monkeypatch):
     use_private_cache(tmp_path, monkeypatch)
 
 
-def _gguf_and_reference(tmp_path, tokenizer_dir, meta, case) -> tuple[str, str]:
+def _gguf_and_reference(tmp_path, tokenizer_dir, meta, case, fuse=None) -> tuple[str, str]:
     """(the GGUF file, a Hugging Face directory of the values its blocks hold) of CASES[case]
-    or of a (test_architectures config, GGUF arch, type, overrides) tuple."""
+    or of a (test_architectures config, GGUF arch, type, overrides) tuple. `fuse`: rewrites
+    the Hugging Face tensors before they are written (older files' fused layouts)."""
     import json
     from safetensors.torch import save_file
     name, arch, qtype, overrides = CASES[case] if isinstance(case, str) else case
     hf_dir = make_model(str(tmp_path / "hf"), tokenizer_dir, name, **overrides)
     with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    path = write_gguf(str(tmp_path / "m.gguf"), arch, read_safetensors(hf_dir), cfg, meta, qtype)
+        cfg = hf_text_config(json.load(f))
+    state = (fuse or (lambda s: s))(read_safetensors(hf_dir))
+    path = write_gguf(str(tmp_path / "m.gguf"), arch, state, cfg, meta, qtype)
     header = read_gguf_header(path)
-    values = read_gguf_weights(path, header, cfg["num_attention_heads"],
-                               cfg["num_key_value_heads"])
+    info = resolve_model(path)
+    values = read_gguf_weights(path, header, cfg["num_attention_heads"], info.num_kv_heads)
     ref = str(tmp_path / "ref")
     shutil.copytree(hf_dir, ref)
     save_file({k: v.contiguous() for k, v in values.items()},
@@ -86,6 +89,14 @@ def test_gguf_experts_as_stored_match_transformers(tmp_path, smol_tokenizer_dir,
                 assert linear.quantized is not None and linear.weight is None
     assert model.fused_decode is not None
     _check_greedy(llm, ref, case)
+    # A one-token prompt and three decode steps: one token a step, so each sparse layer reads
+    # exactly its top k (pagewire:moe_experts_read counts these)
+    sched = llm.scheduler
+    before = sched.num_experts_read, sched.num_moe_steps
+    llm.generate([{"prompt_token_ids": [5]}], SamplingParams(temperature=0, max_tokens=4,
+                                                             ignore_eos=True))
+    reads = sched.num_experts_read - before[0], sched.num_moe_steps - before[1]
+    assert reads == (4 * model.cfg.experts_per_token * len(blocks), 4)
 
 
 @pytest.mark.parametrize("case, dtype", [("olmoe-Q8_0", "float32"), ("olmoe-Q8_0", "bfloat16"),

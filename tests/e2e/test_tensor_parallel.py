@@ -79,10 +79,11 @@ def test_mixture_of_experts_ranks_match_transformers(tmp_path, smol_tokenizer_di
         assert_matches_transformers(srv, path)
 
 
-@pytest.mark.parametrize("name", ["gpt-neox-parallel", "gpt2"])
+@pytest.mark.parametrize("name", ["gpt-neox-parallel", "gpt2", "phi-2"])
 def test_gpt_family_ranks_match_transformers(tmp_path, smol_tokenizer_dir, name):
     """LayerNorms, biased linears (a row-parallel one's bias added by rank 0 alone), GPT-2's
-    learned positions after the vocab-parallel embedding's all-reduce."""
+    learned positions after the vocab-parallel embedding's all-reduce; Phi-2's LM-head bias
+    split with its vocabulary rows and its two KV heads one per rank."""
     from tests.actors.test_architectures import make_model
     path = make_model(str(tmp_path / name), smol_tokenizer_dir, name)
     with running_server([path, *F32, *TWO_RANKS]) as srv:

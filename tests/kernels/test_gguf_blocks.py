@@ -11,7 +11,8 @@ from pagewire.kernels import gguf_blocks as gb
 from pagewire.testing.gguf_writer import random_blocks
 
 gguf = pytest.importorskip("gguf")
-CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+CONVERTED = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+             "MXFP4"]
 def dequantized(raw: torch.Tensor, qtype: str) -> np.ndarray:
     """gguf-py's values of the file's blocks, float32 [rows, cols]."""
     kind = gguf.GGMLQuantizationType[qtype]
@@ -49,9 +50,32 @@ def test_blocks_become_a_tile_types_blocks_of_the_same_values(qtype):
     tile, blocks = as_tile_blocks(qtype, raw)
     expected = {"Q4_0": gb.Q4_1, "Q5_0": gb.Q8_0, "Q5_1": gb.Q5_K, "IQ4_NL": gb.Q8_0,
                 "Q2_K": gb.Q2_K, "Q3_K": gb.Q6_K, "Q4_K": gb.Q4_K, "Q5_K": gb.Q5_K,
-                "Q6_K": gb.Q6_K, "IQ4_XS": gb.Q6_K}[qtype]
+                "Q6_K": gb.Q6_K, "IQ4_XS": gb.Q6_K, "MXFP4": gb.Q8_0}[qtype]
     assert tile == expected
     assert torch.equal(tile_block_values(tile, blocks), torch.from_numpy(dequantized(raw, qtype)))
+
+
+def test_mxfp4_of_every_exponent_becomes_q6_k_blocks_of_the_same_values():
+    """Exponents fp16 cannot hold as 2^(e - 128) (below 104, from 144; 0 and 1 float32
+    subnormals) take Q6_K's float32 scales, bit for bit gguf-py's values; a tensor whose
+    exponents all fit keeps Q8_0's fp16 d, the scale exactly."""
+    raw = torch.arange(256 * 17, dtype=torch.int64).remainder(251).to(torch.uint8)
+    raw = raw.reshape(8, 32 * 17)
+    raw.view(8, 32, 17)[..., 0] = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    tile, blocks = gb.mxfp4_as_tile_blocks(raw)
+    assert tile == gb.Q6_K and blocks.shape == (8, 32 * 40)
+    ours = tile_block_values(tile, blocks).numpy()
+    with np.errstate(over="ignore"):           # 12 * 2^127: inf, in gguf-py as in ggml
+        theirs = dequantized(raw, "MXFP4")
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    inside = raw.view(8, 32, 17)[:, :5].clone()                      # exponents 104..143
+    inside[..., 0] = torch.arange(104, 144, dtype=torch.uint8).reshape(8, 5)
+    tile, blocks = gb.mxfp4_as_tile_blocks(inside.reshape(8, -1))
+    assert tile == gb.Q8_0
+    assert torch.equal(tile_block_values(tile, blocks),
+                       torch.from_numpy(dequantized(inside.reshape(8, -1), "MXFP4")))
+    assert torch.equal(gb.mxfp4_scale(torch.tensor([104, 128, 143], dtype=torch.uint8)),
+                       torch.tensor([2.0 ** -24, 1.0, 2.0 ** 15]))
 
 
 def test_k_quants_from_known_parts():

@@ -149,6 +149,27 @@ def test_native_block_equals_torch_grouping(native_lib, dtype, shared):
         assert torch.allclose(got.float()[clear], want.float()[clear], **tol), tokens
 
 
+def test_both_paths_count_the_experts_a_call_chose(native_lib):
+    """SparseMoE.reads: csrc/moe.cpp and kernels/moe.py each add the distinct experts the
+    call's tokens chose (the metric pagewire:moe_experts_read sums them)."""
+    from pagewire.kernels.ops import CpuOps
+    block = _quantized_moe(native_lib, False, torch.float32)
+    block.reads = torch.zeros(1, dtype=torch.int64)
+    ops = CpuOps(native_lib)
+    block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
+    torch.manual_seed(4)
+    for tokens in (1, 2, 17):
+        block.reads.zero_()
+        x = torch.randn(tokens, 32)
+        with torch.no_grad():
+            chosen = len(set(moe.block_route(block, x)[1].flatten().tolist()))
+            ops.moe(block, x)
+            assert int(block.reads) == chosen, tokens
+            moe.sparse_mlp(TorchOps(), block, x)
+            assert int(block.reads) == 2 * chosen, tokens
+        assert chosen == (block.top_k if tokens == 1 else chosen)
+
+
 def test_native_spec_refuses_what_the_kernels_cannot_run(native_lib):
     from pagewire.kernels.ops import CpuOps
     kinds = CpuOps(native_lib).capabilities.block_kinds

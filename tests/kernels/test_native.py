@@ -85,6 +85,49 @@ def test_rope_in_place_on_fused_qkv(native_lib, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_layer_norm(native_lib, dtype, with_residual):
+    """The GPT family's LayerNorm against torch's (kernels/norm.py), the residual's add
+    rounded the same and updated in place."""
+    from pagewire.kernels.norm import add_layer_norm
+    g = torch.Generator().manual_seed(5)
+    x = (3 + torch.randn(37, 96, generator=g)).to(dtype)          # a mean far from zero
+    res = torch.randn(37, 96, generator=g).to(dtype) if with_residual else None
+    w, b = torch.randn(96, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    ref_out, ref_res = add_layer_norm(x, None if res is None else res.clone(), w, b, 1e-5)
+    out, new_res = native_lib.add_layer_norm(x, res, w, b, 1e-5)
+    torch.testing.assert_close(out, ref_out, **tol(dtype))
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    if with_residual:
+        assert new_res.data_ptr() == res.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(native_lib, dtype, approximate):
+    x = (4 * torch.randn(23, 300, generator=torch.Generator().manual_seed(6))).to(dtype)
+    torch.testing.assert_close(native_lib.gelu(x, approximate == "tanh"),
+                               torch.nn.functional.gelu(x, approximate=approximate), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rope_rotates_the_first_columns_of_each_head(native_lib, dtype):
+    """GPT-NeoX's rope on a quarter of each head (kernels/rotary.py partial_rope): the other
+    columns and v untouched."""
+    from pagewire.kernels.rotary import partial_rope
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, r, t = 4, 2, 64, 16, 19
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    table = rope_cos_sin(r, 512, 10000.0)
+    positions = torch.randint(0, 512, (t,), generator=g)
+    want = partial_rope(qkv.clone(), hq, hkv, d, r, table, positions)
+    native_lib.rope_(qkv, hq + hkv, d, table, positions, r)
+    got = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    for g_part, w_part in zip(got, want):
+        torch.testing.assert_close(g_part.reshape(w_part.shape), w_part, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(native_lib, dtype):
     x = torch.randn(23, 2 * 300, generator=torch.Generator().manual_seed(2)).to(dtype)
     torch.testing.assert_close(native_lib.silu_and_mul(x), silu_and_mul(x), **tol(dtype))

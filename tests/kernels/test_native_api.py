@@ -45,8 +45,8 @@ def test_the_python_codes_are_the_headers():
     assert {w.name: w.value for w in moe.MoeWord} == {
         "EXPERTS": 0, "TOP_K": 1, "NORMALIZE": 2, "HIDDEN": 3, "INTER": 4, "ROUTER": 5,
         "SHARED_GATE_UP": 6, "SHARED_DOWN": 7, "SHARED_GATE": 8, "SHARED_INTER": 9,
-        "ROUTER_BIAS": 10, "TOPK_SOFTMAX": 11, "SWIGLU_OAI": 12, "SWIGLU_ALPHA": 13,
-        "SWIGLU_LIMIT": 14, "EXPERT_TABLES": 15}
+        "READS": 10, "ROUTER_BIAS": 11, "TOPK_SOFTMAX": 12, "SWIGLU_OAI": 13,
+        "SWIGLU_ALPHA": 14, "SWIGLU_LIMIT": 15, "EXPERT_TABLES": 16}
     assert moe.MoeWord.EXPERT_WORDS == 4          # a count (INTER's value: an alias)
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 60, 62, 63, 64, 73,
                            103, 108, 112, 113, 114, 110, 160, 162, 163, 164, 173,
@@ -67,10 +67,12 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
-    assert len(functions) == 32
+    assert len(functions) == 38
     assert functions["pw_moe_bf16"].signature == "vppip"
     assert functions["pw_apply_sinks_f32"].signature == "vpppiii"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
+    assert functions["pw_rope_partial_bf16"].signature == "vpippiiii"
+    assert functions["pw_add_layer_norm_f32"].signature == "vpppppiiif"
     assert functions["pw_decode_attention_q8_f32"].signature == "vppppppiiiiiiiififip"
     assert functions["pw_int16_mac_ratio"].signature == "di"
     assert functions["pw_api_entry"].restype == "const char*"

@@ -17,7 +17,8 @@ gguf = pytest.importorskip("gguf")
 # every type pack() takes, by the tile type it multiplies as (the K-quants: superblock tiles)
 TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quant.Q8_0,
         "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_KS, "Q3_K": quant.Q6_KS,
-        "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS, "IQ4_XS": quant.IQ4_XSS}
+        "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS, "IQ4_XS": quant.IQ4_XSS,
+        "MXFP4": quant.Q8_0}
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
 # them, as the loader does)
@@ -28,11 +29,11 @@ TYPES = {qtype: TILE[qtype] if qtype in K_QUANTS else int(gguf.GGMLQuantizationT
 
 def blocks_of(w: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(32-weight blocks uint8 [rows, bytes] as pack() takes them, their values float64
-    [rows, cols] as gguf-py dequantizes the file's): Q4_0, Q4_1, Q8_0 quantized from w by
-    gguf-py; the others random blocks of w's shape (test_gguf_blocks.py), whose K-quant
+    [rows, cols] as gguf-py dequantizes the file's): Q4_0, Q4_1, Q8_0, MXFP4 quantized from w
+    by gguf-py; the others random blocks of w's shape (test_gguf_blocks.py), whose K-quant
     superblocks become 32-weight blocks of their superblock tile types."""
     kind = gguf.GGMLQuantizationType[qtype]
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    if qtype in ("Q4_0", "Q4_1", "Q8_0", "MXFP4"):
         raw = torch.from_numpy(gguf.quants.quantize(w.astype(np.float32), kind).copy())
     else:
         raw = random_blocks(qtype, *w.shape, np.random.default_rng(w.shape[1]))
@@ -230,6 +231,26 @@ def _check_within_rounding(out, x, w, top, dtype):
     assert ((out - ref).abs() <= bound * 1.001 + output_rounding + 1e-6).all()
     if dtype == torch.float32:
         assert ((out - ref).abs() > 0).any()                # rounded indeed, not exact
+
+
+@pytest.mark.parametrize("rounding, top", [("exact", None), ("int8", 127), ("int16", 127 * 128)])
+def test_mxfp4_exponents_beyond_fp16_multiply_as_q6_k_tiles(native_lib, rounding, top):
+    """MXFP4 blocks whose scales 2^(e - 128) fp16 cannot hold (2^-38..2^31 here) take Q6_K's
+    float32 scales: float32 activations' products within float32 rounding of the exact
+    weights', integer ones within their rounding."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks("MXFP4", 32, 256, rng)
+    raw.view(32, 8, 17)[..., 0] = torch.from_numpy(rng.integers(90, 160, (32, 8), dtype=np.uint8))
+    w = torch.from_numpy(dequantized(raw, "MXFP4")).double()
+    weight = quant.pack(quant.MXFP4, raw, 256, native_lib, rounding)
+    assert weight.kind == quant.Q6_K + {"exact": 0, "int8": 100, "int16": 200}[rounding]
+    x = torch.from_numpy(rng.standard_normal((5, 256)).astype(np.float32))
+    out = quant.matmul(x, weight)
+    if top is not None:
+        _check_within_rounding(out, x, w, top, torch.float32)
+        return
+    bound = (x.double().abs() @ w.abs().T) * 256 * 2.0 ** -24
+    assert ((out.double() - x.double() @ w.T).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("rounding", ["int8", "int16"])

@@ -123,10 +123,12 @@ class _Encoder:
         return True
 
     def norm(self, norm) -> list[int] | None:
-        w = norm.weight
-        if w.dtype != self.dtype or not w.is_contiguous():
+        """An RMSNorm's weight, or a LayerNorm's weight and bias; then eps."""
+        params = [norm.weight] if getattr(norm, "bias", None) is None else [norm.weight,
+                                                                             norm.bias]
+        if any(p.dtype != self.dtype or not p.is_contiguous() for p in params):
             return None
-        return [w.data_ptr(), _real(norm.eps)]
+        return [*(p.data_ptr() for p in params), _real(norm.eps)]
 
     def linear(self, linear) -> list[int] | None:
         q, bias = linear.quantized, linear.bias
@@ -143,7 +145,8 @@ class _Encoder:
         table = self.rope_table
         if table.dtype != torch.float32 or not table.is_contiguous():
             return None
-        return [table.data_ptr(), attn.num_heads + attn.num_kv_heads, attn.head_dim]
+        return [table.data_ptr(), attn.num_heads + attn.num_kv_heads, attn.head_dim,
+                attn.rotary_dim]
 
     def attend(self, attn) -> list[int] | None:
         cache = self.kv_cache          # [2, num_blocks, bs, Hkv, D (+ 4)]; head rows: Hkv 1
@@ -179,7 +182,13 @@ class _Encoder:
             [native.words.data_ptr()]
 
 
+def _no_operands(enc, _) -> list[int]:
+    return []
+
+
 _ENCODERS = {Op.ADD_NORM: _Encoder.norm, Op.NORM: _Encoder.norm, Op.LINEAR: _Encoder.linear,
              Op.ROPE: _Encoder.rope, Op.ATTEND: _Encoder.attend,
-             Op.SILU_MUL: lambda enc, _: [], Op.MOE: _Encoder.moe,
-             Op.QK_NORM: _Encoder.qk_norm, Op.QK_NORM_FLAT: _Encoder.qk_norm_flat}
+             Op.SILU_MUL: _no_operands, Op.MOE: _Encoder.moe,
+             Op.QK_NORM: _Encoder.qk_norm, Op.QK_NORM_FLAT: _Encoder.qk_norm_flat,
+             Op.ADD_LAYER_NORM: _Encoder.norm, Op.BRANCH_LAYER_NORM: _Encoder.norm,
+             Op.JOIN: _no_operands, Op.GELU: _no_operands, Op.GELU_TANH: _no_operands}

@@ -114,9 +114,10 @@ class MLP(nn.Module):
         if cfg.gated_mlp:
             self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False,
                                   lora_slot=lora_slot(layer, "mlp.gate_up"))
-        else:                                   # the GPT family's: act(up x + b), biases
-            self.up = Linear(cfg.hidden_size, end - start, bias=True)
-        self.down = Linear(end - start, cfg.hidden_size, bias=not cfg.gated_mlp,
+        else:                                   # the GPT family's: act(up x + b)
+            self.up = Linear(cfg.hidden_size, end - start, bias=cfg.mlp_bias)
+        self.down = Linear(end - start, cfg.hidden_size,
+                           bias=not cfg.gated_mlp and cfg.mlp_bias,
                            float_partial=tp.size > 1,
                            lora_slot=lora_slot(layer, "mlp.down") if cfg.gated_mlp else -1)
 
@@ -167,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
         # GPT-2: learned absolute positions added to the embeddings
         self.pos_embed = nn.Embedding(cfg.learned_positions, cfg.hidden_size) \
             if cfg.learned_positions else None
-        self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=False)   # tied: shares embed's weight
+        # tied: shares embed's weight; GPT-J's and Phi-2's have a bias
+        self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=cfg.lm_head_bias)
         self.ops = ops if ops is not None else TorchOps()
         self._fused = None        # fused_decode.py's program, where the backend built one
         self.register_buffer("cos_sin", None, persistent=False)
@@ -190,6 +192,18 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = self.rope_tables[0]
         for layer in self.layers:
             layer.attn.reset_variant()
+        # experts read, per layer (models/moe.py SparseMoE.reads): the step's report takes them
+        self.expert_reads = torch.zeros(cfg.num_layers, dtype=torch.int64)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.reads = self.expert_reads[i:i + 1]
+
+    def take_expert_reads(self) -> int:
+        """Experts read since the last call (each chosen expert once a layer and forward
+        pass), and the count starts over."""
+        total = int(self.expert_reads.sum())
+        self.expert_reads.zero_()
+        return total
 
     @property
     def fused_decode(self):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagewire.model_info import MOE_ARCHITECTURES, hf_text_config
+from pagewire.model_info import GPT_ARCHITECTURES, MOE_ARCHITECTURES, hf_text_config
 
 
 @dataclass
@@ -46,8 +46,10 @@ class LlamaConfig:
     # learned absolute positions instead.
     layer_norm: bool = False                 # LayerNorm (with bias), not RMSNorm
     parallel_residual: bool = False          # x + attn(norm1(x)) + mlp(norm2(x))
-    gated_mlp: bool = True                   # act(gate) * up; else act(up) (with biases)
+    gated_mlp: bool = True                   # act(gate) * up; else act(up)
+    mlp_bias: bool = True                    # the plain MLP's biases (Starcoder2: use_bias)
     o_proj_bias: bool = False
+    lm_head_bias: bool = False               # GPT-J, Phi-2
     rotary_dim: int = 0                      # rope on the first rotary_dim of a head (0: all;
     #                                          -1: no rope: learned positions)
     learned_positions: int = 0               # a table of this many positions added to the
@@ -130,7 +132,7 @@ class LlamaConfig:
             base.update(_moe(cfg, arch, n))
         if arch == "GptOssForCausalLM":
             base.update(_gpt_oss(cfg, base))
-        if arch in ("GPTNeoXForCausalLM", "GPT2LMHeadModel"):
+        if arch in GPT_ARCHITECTURES:
             base.update(_gpt(cfg, arch, base))
         return cls(**base)
 
@@ -166,17 +168,25 @@ class LlamaConfig:
                        moe_intermediate_size=int(get("expert_feed_forward_length", 0)) or None,
                        shared_expert_intermediate_size=get("expert_shared_feed_forward_length"),
                        norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
-        if arch == "gptneox":             # LayerNorms, rope on rope.dimension_count columns
-            head_dim = hidden // heads
-            cfg.update(hidden_act="gelu", layer_norm_eps=cfg["rms_norm_eps"],
-                       use_parallel_residual=bool(get("use_parallel_residual", True)),
-                       rotary_pct=int(get("rope.dimension_count", head_dim)) / head_dim,
-                       rotary_emb_base=cfg["rope_theta"])
+        if arch in ("gptneox", "gpt2", "phi2", "starcoder2"):
+            cfg.update(_gguf_gpt(arch, get, cfg, hidden // heads))
         if arch == "llama":
             cfg["sliding_window"] = None
         if arch == "qwen2":
             cfg["use_sliding_window"] = False
         return cls.from_hf({k: v for k, v in cfg.items() if v is not None})
+
+
+def _gguf_gpt(arch: str, get, cfg: dict, head_dim: int) -> dict:
+    """The GPT family's keys from llama.cpp's: LayerNorms' epsilon, the activation (GPT-NeoX's
+    exact GELU, the others' tanh form), rope on rope.dimension_count columns."""
+    out = dict(hidden_act="gelu" if arch == "gptneox" else "gelu_new",
+               layer_norm_eps=cfg["rms_norm_eps"], norm_epsilon=cfg["rms_norm_eps"],
+               partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim)
+    if arch == "gptneox":
+        out.update(use_parallel_residual=bool(get("use_parallel_residual", True)),
+                   rotary_pct=out["partial_rotary_factor"], rotary_emb_base=cfg["rope_theta"])
+    return out
 
 
 def _moe(cfg: dict, arch: str, n: int) -> dict:
@@ -206,29 +216,49 @@ def _moe(cfg: dict, arch: str, n: int) -> dict:
 
 
 def _gpt(cfg: dict, arch: str, base: dict) -> dict:
-    """Both: multi-head attention (head_dim hidden / heads, whatever other keys say),
-    LayerNorms, a plain MLP with biases. GPT-NeoX: parallel residual (unless
-    use_parallel_residual says not), rope on
-    partial_rotary_factor of each head, exact GELU. GPT-2: learned positions, GELU's tanh
-    form, a tied head (config keys normalised by model_info.hf_text_config)."""
+    """Every one: LayerNorms, a plain MLP, head_dim hidden / heads whatever other keys say.
+    GPT-NeoX, GPT-J and Phi-2: attention and MLP in parallel (GPT-J and Phi-2 off one norm,
+    which the loader gives both norms' places: gpt_weights.py), rope on part of each head
+    (GPT-J's interleaved pairs made rotate-half by its q/k rows' order). GPT-2: learned
+    positions, a tied head. Starcoder2: sequential, grouped-query, a sliding window.
+    Activation: exact GELU where the config says "gelu", else its tanh form."""
     act = cfg.get("hidden_act") or cfg.get("activation_function")
-    heads = cfg["num_attention_heads"]                        # every head its own K and V
-    out = dict(num_kv_heads=heads, head_dim=cfg["hidden_size"] // heads,
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    grouped = arch in ("PhiForCausalLM", "Starcoder2ForCausalLM")      # the others: MHA
+    out = dict(num_kv_heads=cfg.get("num_key_value_heads") or heads if grouped else heads,
+               head_dim=head_dim,
                layer_norm=True, gated_mlp=False, attention_bias=True, o_proj_bias=True,
                rms_norm_eps=cfg.get("layer_norm_eps", 1e-5),
                activation="gelu" if act == "gelu" else "gelu_tanh")
     if arch == "GPTNeoXForCausalLM":
-        rope = cfg.get("rope_parameters") or {}
         factor = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0))
         out.update(parallel_residual=cfg.get("use_parallel_residual", True),
                    attention_bias=cfg.get("attention_bias", True),
-                   o_proj_bias=cfg.get("attention_bias", True),
-                   rotary_dim=int(out["head_dim"] * factor),
+                   o_proj_bias=cfg.get("attention_bias", True), rotary_dim=int(head_dim * factor),
                    rope_theta=rope.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
-        out["rope_tables"] = [(out["rope_theta"], None)]
+    elif arch == "GPTJForCausalLM":
+        out.update(parallel_residual=True, attention_bias=False, o_proj_bias=False,
+                   lm_head_bias=True, rotary_dim=cfg.get("rotary_dim") or head_dim,
+                   rope_theta=10000.0)
+    elif arch == "PhiForCausalLM":
+        if cfg.get("qk_layernorm"):
+            raise ValueError("PhiForCausalLM with qk_layernorm is not supported")
+        out.update(parallel_residual=True, lm_head_bias=True,
+                   rotary_dim=int(head_dim * rope.get("partial_rotary_factor",
+                                                      cfg.get("partial_rotary_factor", 0.5))),
+                   rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    elif arch == "Starcoder2ForCausalLM":
+        bias = cfg.get("use_bias", True)
+        out.update(attention_bias=bias, o_proj_bias=bias, mlp_bias=bias,
+                   rms_norm_eps=cfg.get("norm_epsilon", 1e-5),
+                   layer_windows=[cfg.get("sliding_window")] * base["num_layers"])
+        return out                          # full rope, base["rope_tables"] as read
     else:
-        out.update(rotary_dim=-1, learned_positions=base["max_position"],
-                   tie_word_embeddings=cfg.get("tie_word_embeddings", True))
+        return {**out, "rotary_dim": -1, "learned_positions": base["max_position"],
+                "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+    out["rope_tables"] = [(out["rope_theta"], None)]
     return out
 
 

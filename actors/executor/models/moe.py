@@ -35,10 +35,13 @@ class SparseMoE(nn.Module):
     shared expert's gate are plain torch Linears, never packed or quantized: their float32
     products (kernels/moe.py) read the weights as loaded. `native_spec`: the native kernels'
     description of the block (kernels/moe.py native_spec), which the backend's prepare sets
-    where they run it. gpt-oss's options (model_config.py): biases on the router and the
-    experts, `topk_then_softmax` routing, the experts' `activation` (name, alpha, limit)."""
+    where they run it. `reads`: an int64 [1] counter (a view of the model's expert_reads)
+    every path adds the experts a call's tokens chose to, each once (all of them, whichever
+    rank holds them), or None. gpt-oss's options (model_config.py): biases on the router and
+    the experts, `topk_then_softmax` routing, the experts' `activation` (name, alpha, limit)."""
 
     native_spec = None
+    reads = None
 
     def __init__(self, cfg, tp: TensorParallel):
         super().__init__()

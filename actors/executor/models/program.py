@@ -18,7 +18,6 @@ import torch
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
 from pagewire.kernels.native_api import API
-from pagewire.kernels.rotary import partial_rope
 
 # The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, QK_NORM_FLAT, ROPE, ATTEND, SILU_MUL, GELU_MUL,
 # MOE, ALL_REDUCE, and the GPT family's ADD_LAYER_NORM, BRANCH_LAYER_NORM, JOIN, GELU,
@@ -133,7 +132,8 @@ def _rope(ops, attn, s: State) -> None:
     if attn.rotary_dim == attn.head_dim:
         s.x = ops.split_qkv_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim, *s.rope)
     else:                    # the GPT family: the first rotary_dim columns of a head, or none
-        s.x = partial_rope(s.x, attn, *s.rope)
+        s.x = ops.split_qkv_partial_rope(s.x, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                         attn.rotary_dim, *s.rope)
 
 
 def _attend(ops, attn, s: State) -> None:

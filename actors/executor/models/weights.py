@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from .gpt_oss_weights import gpt_oss_layer, gpt_oss_mlp_sources
-from .gpt_weights import fuse_gpt_weights, gpt_linear_sources, gpt_row_orders
+from .gpt_weights import (fuse_gpt_weights, gpt_embedding_source, gpt_linear_sources,
+                          gpt_row_orders)
 from .model_config import LlamaConfig
 
 # Hugging Face layer norm name -> ours, per family. Llama's post_attention_layernorm is the
@@ -62,6 +63,11 @@ def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
         out[dst + "attn.o_proj"] = [src + "self_attn.o_proj.weight"]
         out.update((dst + name, names) for name, names in mlp_sources(cfg, i).items())
     return out
+
+
+def embedding_source(cfg: LlamaConfig) -> str:
+    """The Hugging Face name of the token embedding (GGUF token_embd)."""
+    return "model.embed_tokens.weight" if cfg.gated_mlp else gpt_embedding_source(cfg)
 
 
 def linear_row_orders(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
