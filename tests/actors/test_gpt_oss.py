@@ -234,3 +234,47 @@ def test_the_released_config_reads():
     assert cfg.rope_tables[0][0] == 150000 and cfg.rope_tables[0][1]["factor"] == 32.0
     assert cfg.rope_table_len == 131072
     assert hf_context_length(hf, hf_rope_scaling(hf)) == 131072
+
+
+def _mxfp4_and_reference(tmp_path, tokenizer_dir) -> tuple[str, str]:
+    """(an MXFP4 checkpoint of the TIGHT model, as openai's are: each layer's expert stacks
+    `<name>_blocks` / `_scales` pairs, quantization_config mxfp4; a float directory of the
+    values those pairs hold, for transformers)."""
+    import json
+    from safetensors.torch import load_file, save_file
+    from pagewire.testing.checkpoints import mxfp4_pair
+    ref = make_gpt_oss(str(tmp_path / "ref"), tokenizer_dir, **TIGHT)
+    tensors = load_file(os.path.join(ref, "model.safetensors"))
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        blocks, scales, values = mxfp4_pair(tensors[name].transpose(1, 2))   # [E, N, K]
+        tensors[name] = values.transpose(1, 2).contiguous()                   # [E, K, N]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    save_file(tensors, os.path.join(ref, "model.safetensors"))
+    mxfp4 = str(tmp_path / "mxfp4")
+    shutil.copytree(ref, mxfp4)
+    save_file({**{n: t for n, t in tensors.items() if n.replace("_proj", "_proj_blocks")
+                  not in packed}, **packed}, os.path.join(mxfp4, "model.safetensors"))
+    with open(os.path.join(mxfp4, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    with open(os.path.join(mxfp4, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return mxfp4, ref
+
+
+def test_an_mxfp4_checkpoint_reads_through_the_expert_mapping(tmp_path, smol_tokenizer_dir):
+    """The MXFP4 reader (checkpoint_formats.py) gives each expert stack as transformers
+    dequantizes it; gpt_oss_weights.py splits it as a bfloat16 one's: greedy tokens and
+    log-probabilities as transformers' on those values (float32)."""
+    from safetensors import safe_open
+    mxfp4, ref = _mxfp4_and_reference(tmp_path, smol_tokenizer_dir)
+    with safe_open(os.path.join(mxfp4, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.3.mlp.experts.down_proj_blocks" in names
+    assert not any(n.endswith(("gate_up_proj", "down_proj")) for n in names)
+    llm = LLM(mxfp4, dtype="float32", kernels="torch", block_size=16,
+              max_num_batched_tokens=24, num_kv_blocks=64)
+    print("mxfp4", compare(llm, ref, "mxfp4"))
