@@ -125,7 +125,8 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     if moe.float_partial or dtype not in (torch.bfloat16, torch.float32) \
             or moe.activation[0] not in ("silu", "swiglu_oai") \
             or not all(_tiled(linear, kinds, dtype) for linear in routed) \
-            or not all(_tiled(linear, kinds, None) for e in shared for linear in (e.gate_up, e.down)) \
+            or not all(_tiled(linear, kinds, None)
+                       for e in shared for linear in (e.gate_up, e.down)) \
             or not _biased(moe.router, dtype):
         return None
     per = MoeWord.EXPERT_WORDS

@@ -237,7 +237,8 @@ class CpuOps(TorchOps):
     def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
         """bfloat16 prefills (plain or windowed) on the native kernel; the rest (soft-capped,
         with sinks) on torch."""
-        if variant.softcap is not None or variant.sinks is not None or not self.lib.prefill_attention_serves(q, cache[0]):
+        if variant.softcap is not None or variant.sinks is not None \
+                or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
         blocks = None

@@ -210,6 +210,9 @@ def _linear_blocks(info: ModelInfo, model) -> Iterator[tuple[str, LinearBlocks]]
                 yield module_name, LinearBlocks([(segments[0][0], segments[0][1][rows])], None)
         return
     stored, orders = _hf_blocks(info.path)
+    for module_name, blocks in model.expert_blocks(stored, model.cfg, sources).items():
+        yield module_name, LinearBlocks([blocks], None)       # cut from a stack by the model
+    stored = {name: b for name, b in stored.items() if b[1].dim() == 2}   # stacks left: float
     for module_name, names in sources.items():
         order = orders.get(names[0])
         if all(n in stored and _same(orders.get(n), order) for n in names):
@@ -248,15 +251,14 @@ def _gguf_blocks(info: ModelInfo, cfg, names: list[str]) -> dict[str, Blocks]:
 
 def _hf_blocks(path: str) -> tuple[dict[str, Blocks], dict[str, torch.Tensor]]:
     """A quantized Hugging Face checkpoint's blocks by weight name, and the column order
-    each holds where not the weight's own (checkpoint_formats.blocks_by_name). Not a stack of
-    experts' (MXFP4's 3-D blocks): which rows an expert's Linear takes from it is the model's
-    mapping (gpt-oss interleaves gate and up rows), so those Linears keep their float
-    weights, the stack's exact values."""
+    each holds where not the weight's own (checkpoint_formats.blocks_by_name), a stack of
+    experts' (MXFP4's 3-D blocks) among them too: which rows an expert's Linear takes from it
+    is the model's mapping (gpt-oss interleaves gate and up rows: model.expert_blocks); a
+    stack it does not map leaves its Linears their float weights, the stack's exact values."""
     scheme = hf_scheme(path)
     if scheme is None:
         return {}, {}
-    blocks, orders = checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
-    return {name: b for name, b in blocks.items() if b[1].dim() == 2}, orders
+    return checkpoint_formats.blocks_by_name(read_safetensors(path), scheme)
 
 
 def holdings(model: nn.Module) -> str:

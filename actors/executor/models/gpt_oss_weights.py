@@ -23,15 +23,45 @@ def gpt_oss_layer(weights: dict[str, torch.Tensor], cfg, layer: int) -> dict[str
     for kind in ("weight", "bias"):
         out[f"{dst}mlp.router.{kind}"] = weights[f"{src}mlp.router.{kind}"]
     experts = src + "mlp.experts."
-    gate_up, gate_up_bias = weights[experts + "gate_up_proj"], weights[experts + "gate_up_proj_bias"]
-    down, down_bias = weights[experts + "down_proj"], weights[experts + "down_proj_bias"]
+    # the stacks are absent where every expert keeps its stored blocks (gpt_oss_expert_blocks)
+    gate_up, down = weights.get(experts + "gate_up_proj"), weights.get(experts + "down_proj")
+    gate_up_bias, down_bias = weights[experts + "gate_up_proj_bias"], \
+        weights[experts + "down_proj_bias"]
     for e in range(cfg.num_experts):
         ours = f"{dst}mlp.experts.{e}."
-        w, b = gate_up[e], gate_up_bias[e]                          # [H, 2I], [2I]
-        out[ours + "gate_up.weight"] = torch.cat([w[:, 0::2].t(), w[:, 1::2].t()]).contiguous()
+        b = gate_up_bias[e]                                          # [2I], interleaved
         out[ours + "gate_up.bias"] = torch.cat([b[0::2], b[1::2]])
-        out[ours + "down.weight"] = down[e].t().contiguous()         # [H, I]
         out[ours + "down.bias"] = down_bias[e]
+        if gate_up is not None:
+            w = gate_up[e]                                           # [H, 2I]
+            out[ours + "gate_up.weight"] = torch.cat([w[:, 0::2].t(), w[:, 1::2].t()]) \
+                .contiguous()
+        if down is not None:
+            out[ours + "down.weight"] = down[e].t().contiguous()     # [H, I]
+    return out
+
+
+def gpt_oss_expert_blocks(stored: dict[str, tuple[int, torch.Tensor]], cfg,
+                          held) -> dict[str, tuple[int, torch.Tensor]]:
+    """The experts' Linears' stored blocks (an MXFP4 checkpoint's), cut from each layer's
+    stacks (popped from `stored`: (GGML type, uint8 [E, N, K / 32 * bytes a block]), a row
+    per output column of x @ W): gate_up's the even rows (gate) then the odd ones (up), as
+    gpt_oss_layer orders the float weight; down's its expert's rows. Only Linears in `held`
+    (module names)."""
+    out = {}
+    for layer in range(cfg.num_layers):
+        experts = f"model.layers.{layer}.mlp.experts."
+        if experts + "gate_up_proj" not in stored or experts + "down_proj" not in stored:
+            continue
+        (gate_up_kind, gate_up), (down_kind, down) = \
+            stored.pop(experts + "gate_up_proj"), stored.pop(experts + "down_proj")
+        rows = gate_up.shape[1]
+        order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+        for e in range(cfg.num_experts):
+            ours = f"layers.{layer}.mlp.experts.{e}."
+            if ours + "gate_up" in held:
+                out[ours + "gate_up"] = (gate_up_kind, gate_up[e][order].contiguous())
+                out[ours + "down"] = (down_kind, down[e].contiguous())
     return out
 
 

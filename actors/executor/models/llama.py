@@ -21,7 +21,7 @@ from ..parallel import TensorParallel, split_range
 from . import program
 from .model_config import LlamaConfig
 from .moe import SparseMoE
-from .weights import fuse_weights, linear_row_orders, linear_sources
+from .weights import expert_blocks, fuse_weights, linear_row_orders, linear_sources
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
@@ -256,3 +256,4 @@ class LlamaForCausalLM(nn.Module):
     fuse_weights = staticmethod(fuse_weights)
     linear_sources = staticmethod(linear_sources)
     linear_row_orders = staticmethod(linear_row_orders)
+    expert_blocks = staticmethod(expert_blocks)

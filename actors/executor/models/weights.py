@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .gpt_oss_weights import gpt_oss_layer, gpt_oss_mlp_sources
+from .gpt_oss_weights import gpt_oss_expert_blocks, gpt_oss_layer, gpt_oss_mlp_sources
 from .gpt_weights import (fuse_gpt_weights, gpt_embedding_source, gpt_linear_sources,
                           gpt_row_orders)
 from .model_config import LlamaConfig
@@ -74,6 +74,16 @@ def linear_row_orders(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """Linears whose stored rows fuse_weights reorders -> the order, for loaders keeping
     blocks as stored (GPT-NeoX's head-by-head QKV); other Linears keep their rows."""
     return gpt_row_orders(cfg)
+
+
+def expert_blocks(stored: dict[str, tuple[int, torch.Tensor]], cfg: LlamaConfig,
+                  held) -> dict[str, tuple[int, torch.Tensor]]:
+    """Linears' stored blocks that the model's mapping cuts from stacks of experts' blocks
+    (a quantized checkpoint's 3-D ones, popped from `stored`): {module name: (GGML type,
+    rows)}, for the Linears in `held`. gpt-oss's only; other stacks are left."""
+    if cfg.architecture != "GptOssForCausalLM":
+        return {}
+    return gpt_oss_expert_blocks(stored, cfg, held)
 
 
 def mlp_sources(cfg: LlamaConfig, layer: int) -> dict[str, list[str]]:
