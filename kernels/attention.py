@@ -246,7 +246,9 @@ def _sdpa_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.
     query sees: each head's vectors gain a column, 0 in the real keys and values, sink / scale
     in each query (its head's sink), 1 in the sink's key, whose value is zero. Its score is
     then the sink, the real keys' scores are unchanged, and the extra output column is
-    dropped. q: [n, Hq, D]; k, v: [ctx, Hkv, D]; mask [n, ctx] -> [n, Hq, D]."""
+    dropped (sink / scale is rounded to q's dtype: exact in bfloat16 for gpt-oss's bfloat16
+    sinks and head_dim 64, scale 1/8). q: [n, Hq, D]; k, v: [ctx, Hkv, D]; mask [n, ctx]
+    -> [n, Hq, D]."""
     n, hq, d = q.shape
     hkv = k.shape[1]
     extra = (sinks.float() / scale).to(q.dtype).view(1, hq, 1).expand(n, hq, 1)
@@ -267,7 +269,9 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor,
     """Attention computed without sinks -> with them: out [B, Hq, D] (q's dtype) and its rows'
     log-sum-exp lse [B, Hq] float32. A row's softmax over its scores and the sink is its
     softmax over the scores times Z / (Z + e^sink) = sigmoid(lse - sink), so the sink needs no
-    kernel of its own (the native decode's output, scaled). Returns (out, lse with the sink)."""
+    kernel of its own: the torch form of the native pw_apply_sinks (CpuOps scales its decode
+    kernel's rows so), and a backend's way to add sinks to a kernel that returns lse.
+    Returns (out, lse with the sink)."""
     sinks = sinks.float()
     share = torch.sigmoid(lse - sinks)                                   # [B, Hq]
     return (out.float() * share[..., None]).to(out.dtype), torch.logaddexp(lse, sinks)
