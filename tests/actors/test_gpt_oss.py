@@ -300,3 +300,23 @@ def test_mxfp4_experts_multiply_as_stored(tmp_path, smol_tokenizer_dir, tier):
             for linear in (expert.gate_up, expert.down):
                 assert linear.weight is None and linear.quantized is not None
     print(tier, "mxfp4 as stored", compare(llm, ref, tier, bound=3e-4))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_every_positions_logits_within_bound(tmp_path, smol_tokenizer_dir, kernels):
+    """One 70-token prompt's logits at every position, ours (a prefill through the paged
+    cache) against transformers', float32: within 2e-5 (measured: see the print)."""
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+    path = make_gpt_oss(str(tmp_path / "m"), smol_tokenizer_dir, **TIGHT)
+    runner = LLM(path, dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=64).runner
+    prompt = _prompts()[2]
+    n = len(prompt)
+    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
+    batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch)
+        ours = runner.model.compute_logits(hidden)
+        theirs = HFOracle.from_dir(path).model(torch.tensor([prompt])).logits[0].float()
+    worst = float((ours - theirs).abs().max())
+    print(kernels, "max |logit difference| over", n, "positions:", worst)
+    assert worst < 2e-5
