@@ -59,7 +59,8 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
         try:
             tok = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                 gguf_file=os.path.basename(path))
-        except ValueError:       # an architecture transformers has no model for (olmoe, ...)
+        except (ValueError, TypeError):   # an architecture transformers has no model for
+            #                                 (olmoe, ...), or whose keys it misreads (gpt-oss)
             copy = _tokenizer_alone(path, os.path.join(tmp, "tokenizer.gguf"))
             tok = AutoTokenizer.from_pretrained(tmp, gguf_file=os.path.basename(copy))
             os.unlink(copy)

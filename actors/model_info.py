@@ -48,7 +48,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM",
                       "gpt2": "GPT2LMHeadModel", "phi2": "PhiForCausalLM",
-                      "starcoder2": "Starcoder2ForCausalLM"}
+                      "starcoder2": "Starcoder2ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")

@@ -42,13 +42,21 @@ _PHI2_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                "attn_qkv": "self_attn.{p}_proj", "attn_output": "self_attn.dense",
                "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 _STARCODER2_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+# gpt-oss: its norm before the MLP is post_attention_norm; gate and up de-interleaved by the
+# converter into stacks of their own (with biases [E, rows]); sinks "blk.N.attn_sinks.weight".
+_GPT_OSS_NAMES = {**{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm"},
+                  "post_attention_norm": "post_attention_layernorm",
+                  "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router",
+                  "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                  "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                  "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 LAYER_NAMES = {"llama": _MIXTRAL_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
                "gemma": _LAYER_NAMES, "gemma2": _GEMMA2_LAYER_NAMES,
                "gemma3": _GEMMA2_LAYER_NAMES, "qwen2moe": _MOE_NAMES, "qwen3moe": _MOE_NAMES,
                "olmoe": _MOE_NAMES, "gptneox": _NEOX_NAMES, "gpt2": _GPT2_NAMES,
-               "phi2": _PHI2_NAMES, "starcoder2": _STARCODER2_NAMES}
+               "phi2": _PHI2_NAMES, "starcoder2": _STARCODER2_NAMES, "gpt-oss": _GPT_OSS_NAMES}
 # Where an architecture's Hugging Face names differ from Llama's: its layers' prefix and
 # top-level tensors.
 _LAYER_PREFIX = {"gptneox": "gpt_neox.layers", "gpt2": "transformer.h"}

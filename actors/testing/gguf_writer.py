@@ -53,6 +53,8 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gpt-oss":
+        _gpt_oss_metadata(writer, cfg)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
@@ -61,6 +63,41 @@ def add_metadata(writer, arch: str, cfg: dict, vocab_size: int) -> None:
             writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _gpt_oss_metadata(writer, cfg: dict) -> None:
+    """What convert_hf_to_gguf.py's GptOssModel adds: the window, the experts' width, yarn
+    (llama.cpp's alternation of sliding and full layers and the SwiGLU's limit are its own)."""
+    import gguf
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def gpt_oss_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's expert stacks as llama.cpp's converter writes them: gate_up_proj [E, H, 2I]
+    (x @ W, gate and up interleaved by column) -> gate_proj and up_proj [E, I, H] (nn.Linear's
+    layout), their biases [E, I]; down_proj [E, I, H] -> [E, H, I]. Other tensors as they are."""
+    out = {}
+    for name, w in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            stem = name[:-len("gate_up_proj")]
+            out[stem + "gate_proj.weight"] = w[:, :, 0::2].transpose(1, 2)
+            out[stem + "up_proj.weight"] = w[:, :, 1::2].transpose(1, 2)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            stem = name[:-len("gate_up_proj_bias")]
+            out[stem + "gate_proj.bias"], out[stem + "up_proj.bias"] = w[:, 0::2], w[:, 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[name + ".weight"] = w.transpose(1, 2)
+        elif name.endswith("experts.down_proj_bias"):
+            out[name[:-len("_bias")] + ".bias"] = w
+        else:
+            out[name] = w
+    return out
 
 
 _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight")
@@ -245,11 +282,16 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
     writer = gguf.GGUFWriter(path, arch)
     add_metadata(writer, arch, cfg, cfg["vocab_size"])
     copy_tokenizer(writer, tokenizer_meta)
+    if arch == "gpt-oss":
+        state = gpt_oss_tensors(state)
     for name, w in stack_experts(state).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf-py has no name for {name}"
+        if name.endswith("self_attn.sinks"):
+            gguf_name += ".weight"                # as llama.cpp's converter names them
         a = _to_gguf_tensor(name, w, arch, cfg)
-        if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or "ffn_gate_inp" in gguf_name:
+        if a.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or "ffn_gate_inp" in gguf_name \
+                or name.endswith(".bias"):        # (a stack of experts' biases is 2-D)
             writer.add_tensor(gguf_name, a)      # routers stay float32, as llama.cpp keeps them
         elif kind in (gguf.GGMLQuantizationType.F16,):
             writer.add_tensor(gguf_name, a.astype(np.float16))

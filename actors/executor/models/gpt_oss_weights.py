@@ -17,11 +17,14 @@ import torch
 def gpt_oss_layer(weights: dict[str, torch.Tensor], cfg, layer: int) -> dict[str, torch.Tensor]:
     """Layer `layer`'s gpt-oss-only entries of the state dict (names within the model)."""
     src, dst = f"model.layers.{layer}.", f"layers.{layer}."
-    out = {dst + "attn.sinks": weights[src + "self_attn.sinks"]}
+    sinks = weights.get(src + "self_attn.sinks", weights.get(src + "self_attn.sinks.weight"))
+    out = {dst + "attn.sinks": sinks}                         # (GGUF's name has .weight)
     if cfg.o_proj_bias:
         out[dst + "attn.o_proj.bias"] = weights[src + "self_attn.o_proj.bias"]
     for kind in ("weight", "bias"):
         out[f"{dst}mlp.router.{kind}"] = weights[f"{src}mlp.router.{kind}"]
+    if not cfg.stacked_experts:
+        return {**out, **_split_experts(weights, cfg, layer)}
     experts = src + "mlp.experts."
     # the stacks are absent where every expert keeps its stored blocks (gpt_oss_expert_blocks)
     gate_up, down = weights.get(experts + "gate_up_proj"), weights.get(experts + "down_proj")
@@ -38,6 +41,22 @@ def gpt_oss_layer(weights: dict[str, torch.Tensor], cfg, layer: int) -> dict[str
                 .contiguous()
         if down is not None:
             out[ours + "down.weight"] = down[e].t().contiguous()     # [H, I]
+    return out
+
+
+def _split_experts(weights: dict[str, torch.Tensor], cfg, layer: int) -> dict[str, torch.Tensor]:
+    """A GGUF file's experts (each expert's gate, up and down apart, nn.Linear's layout,
+    gate and up already de-interleaved by llama.cpp's converter): gate_up is gate then up by
+    rows, its bias likewise. A weight read as blocks (absent) gets no entry."""
+    out = {}
+    for e in range(cfg.num_experts):
+        src, ours = f"model.layers.{layer}.mlp.experts.{e}.", f"layers.{layer}.mlp.experts.{e}."
+        for kind in ("weight", "bias"):
+            gate, up = weights.get(f"{src}gate_proj.{kind}"), weights.get(f"{src}up_proj.{kind}")
+            if gate is not None and up is not None:
+                out[f"{ours}gate_up.{kind}"] = torch.cat([gate, up])
+            if f"{src}down_proj.{kind}" in weights:
+                out[f"{ours}down.{kind}"] = weights[f"{src}down_proj.{kind}"]
     return out
 
 
@@ -65,12 +84,18 @@ def gpt_oss_expert_blocks(stored: dict[str, tuple[int, torch.Tensor]], cfg,
     return out
 
 
-def gpt_oss_mlp_sources(layer: int, num_experts: int) -> dict[str, list[str]]:
+def gpt_oss_mlp_sources(layer: int, cfg) -> dict[str, list[str]]:
     """weights.mlp_sources for a gpt-oss layer: the router, and every expert's Linears from
-    their layer's stacked tensors (the loader reads those for any expert that needs them)."""
+    their layer's stacked tensors (the loader reads those for any expert that needs them),
+    or, from GGUF, each expert's gate and up (joined by rows) and down."""
     experts = f"model.layers.{layer}.mlp.experts."
     out = {"mlp.router": [f"model.layers.{layer}.mlp.router.weight"]}
-    for e in range(num_experts):
-        out[f"mlp.experts.{e}.gate_up"] = [experts + "gate_up_proj"]
-        out[f"mlp.experts.{e}.down"] = [experts + "down_proj"]
+    for e in range(cfg.num_experts):
+        if cfg.stacked_experts:
+            out[f"mlp.experts.{e}.gate_up"] = [experts + "gate_up_proj"]
+            out[f"mlp.experts.{e}.down"] = [experts + "down_proj"]
+        else:
+            out[f"mlp.experts.{e}.gate_up"] = [f"{experts}{e}.{p}_proj.weight"
+                                               for p in ("gate", "up")]
+            out[f"mlp.experts.{e}.down"] = [f"{experts}{e}.down_proj.weight"]
     return out

@@ -71,6 +71,8 @@ class LlamaConfig:
     expert_activation: str = "silu"          # "silu" | "swiglu_oai"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    stacked_experts: bool = True             # Hugging Face's [E, H, 2I] stacks; GGUF's: gate,
+    #                                          up and down stacked apart, [E, rows, cols]
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
@@ -170,6 +172,9 @@ class LlamaConfig:
                        norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")))
         if arch in ("gptneox", "gpt2", "phi2", "starcoder2"):
             cfg.update(_gguf_gpt(arch, get, cfg, hidden // heads))
+        if arch == "gpt-oss":             # converter: gate and up stacked apart, yarn untruncated
+            cfg.update(stacked_experts=False, rope_scaling=cfg["rope_scaling"] and
+                       {**cfg["rope_scaling"], "truncate": False})
         if arch == "llama":
             cfg["sliding_window"] = None
         if arch == "qwen2":
@@ -276,6 +281,7 @@ def _gpt_oss(cfg: dict, base: dict) -> dict:
                 topk_then_softmax=True, expert_activation="swiglu_oai",
                 swiglu_alpha=cfg.get("swiglu_alpha", 1.702),
                 swiglu_limit=cfg.get("swiglu_limit", 7.0),
+                stacked_experts=cfg.get("stacked_experts", True),
                 layer_windows=[cfg.get("sliding_window") if t == "sliding_attention" else None
                                for t in types],
                 rope_table_len=max(base["max_position"], extended))

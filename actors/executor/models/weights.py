@@ -92,7 +92,7 @@ def mlp_sources(cfg: LlamaConfig, layer: int) -> dict[str, list[str]]:
     (Mixtral calls gate, up and down w1, w3 and w2) and a shared expert with its gate."""
     src = f"model.layers.{layer}."
     if cfg.architecture == "GptOssForCausalLM":
-        return gpt_oss_mlp_sources(layer, cfg.num_experts)
+        return gpt_oss_mlp_sources(layer, cfg)
     if not cfg.sparse_layers[layer]:
         return {"mlp.gate_up": [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"],
                 "mlp.down": [src + "mlp.down_proj.weight"]}
