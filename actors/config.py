@@ -87,7 +87,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         lora_files.check_options(self, info)
         check_architecture_options(info, {"--enable-lora": self.lora.enable_lora,
                              "--tensor-parallel-size > 1": self.parallel.tensor_parallel_size > 1,
-                             "--kv-compress-rate": self.cache.kv_compress_rate is not None})
+                             "--kv-compress-rate": self.cache.kv_compress_rate is not None,
+                             "--decode-context-parallel-size > 1":
+                                 self.parallel.decode_context_parallel_size > 1})
         resolved = self.replace(
             model_info=info, draft_model_info=draft, dtype=dtype, max_model_len=max_len,
             num_kv_blocks=num_blocks, num_host_blocks=host_blocks, num_tier_blocks=tier_blocks,

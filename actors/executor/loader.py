@@ -111,8 +111,11 @@ def _blocks_only_sources(model: nn.Module, cfg) -> frozenset[str]:
     leaves a float table's rows to look up."""
     sources = model.linear_sources(cfg)
     held = held_linear_sources(model)
-    skip = {src for name, names in sources.items() if name not in held
-            or getattr(model.get_submodule(name), "weight", 0) is None for src in names}
+    # a tensor several Linears read (gpt-oss's stack of a layer's experts) is read if any
+    # Linear this rank holds needs its float weight
+    needed = {src for name, names in held.items()
+              if getattr(model.get_submodule(name), "weight", 0) is not None for src in names}
+    skip = {src for names in sources.values() for src in names} - needed
     embed = embedding_source(cfg)
     if isinstance(model.embed, BlockEmbedding):
         return frozenset(skip | {embed})

@@ -176,6 +176,8 @@ class Shares:
     expert_inter: slice  # an expert's rows it holds (all of them with expert parallel)
     shared_inter: slice  # the shared expert's rows it holds
     first: bool        # rank 0: the one that adds a row-parallel linear's bias
+    heads: slice       # its query heads (gpt-oss's attention sinks)
+    whole_experts: bool  # expert parallel: each expert's down bias is its one holder's
 
     @classmethod
     def of(cls, cfg, tp: TensorParallel) -> "Shares":
@@ -191,7 +193,8 @@ class Shares:
                    slice(0, inter) if tp.expert_parallel else
                    slice(*split_range(inter, tp.size, tp.rank)),
                    slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)),
-                   tp.rank == 0)
+                   tp.rank == 0, slice(heads.q_start, heads.q_start + heads.num_q),
+                   tp.expert_parallel)
 
     def take(self, name: str, w: torch.Tensor, columns=None) -> torch.Tensor | None:
         """w's share: rows sliced here, columns (row-parallel weights) by `columns(w, cols)`
@@ -199,6 +202,8 @@ class Shares:
         another rank holds, is none of this rank's)."""
         if ".experts." in name or ".shared." in name:
             return self._expert_share(name, w, columns)
+        if name.endswith("attn.sinks"):
+            return w[self.heads]
         if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
             qw, kw, vw = w.split(list(self.sizes))
             return torch.cat([qw[self.q], kw[self.kv], vw[self.kv]])
@@ -219,15 +224,19 @@ class Shares:
 
     def _expert_share(self, name: str, w: torch.Tensor, columns) -> torch.Tensor | None:
         """An expert's gate_up rows and down columns of this rank's intermediate slice (the
-        shared expert's likewise); None for an expert another rank holds."""
+        shared expert's likewise); None for an expert another rank holds. gpt-oss's biases:
+        gate_up's rows alike; down's added once, by its expert's one holder (expert
+        parallel) or rank 0."""
         inter = self.shared_inter
         if ".experts." in name:
             if int(name.split(".experts.")[1].split(".")[0]) not in self.experts:
                 return None
             inter = self.expert_inter
-        if name.endswith("gate_up.weight"):
+        if name.endswith(("gate_up.weight", "gate_up.bias")):
             gate, up = w.chunk(2)
             return torch.cat([gate[inter], up[inter]])
+        if name.endswith("down.bias"):
+            return w if self.whole_experts or self.first else torch.zeros_like(w)
         return w[:, inter] if columns is None else columns(w, inter)
 
 

@@ -154,7 +154,8 @@ def test_config_reads_gpt_oss_options(tmp_path, smol_tokenizer_dir):
 
 @pytest.mark.parametrize("options, what", [
     (dict(enable_lora=True), "--enable-lora"),
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size > 1"),
+    (dict(tensor_parallel_size=4, decode_context_parallel_size=2),
+     "--decode-context-parallel-size > 1"),
     (dict(kv_compress_rate=0.5, enable_prefix_caching=False), "--kv-compress-rate")])
 def test_what_gpt_oss_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir, options,
                                                        what):

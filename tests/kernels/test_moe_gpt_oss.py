@@ -114,3 +114,36 @@ def test_native_gpt_oss_block_equals_torch_grouping(native_lib, dtype, limit):
             clear = top[:, 1] - top[:, 2] > 1e-3             # no near-tie for the k-th expert
         assert got.dtype == dtype and clear.any()
         torch.testing.assert_close(got.float()[clear], want.float()[clear], **tol)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_partial_sums_are_one_ranks_output(expert_parallel):
+    """gpt-oss's block on two ranks: every expert's rows split (gate_up's bias with them,
+    down's bias added by rank 0 alone) or whole experts apart (each down bias its holder's):
+    the ranks' float32 partials sum to the one rank's output."""
+    from pagewire.executor.parallel import shard_state
+    whole = _ours(_hf_mlp(0.5, seed=6), 0.5)
+    cfg = _cfg(0.5)
+    state = {f"layers.0.mlp.{k}": v for k, v in whole.state_dict().items()}
+    x = torch.randn(5, HIDDEN) * 2
+    with torch.no_grad():
+        want = moe.sparse_mlp(TorchOps(), whole, x)
+        total = torch.zeros(5, HIDDEN)
+        for rank in range(2):
+            tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
+            block = SparseMoE(cfg, tp)
+            block.load_state_dict({k.removeprefix("layers.0.mlp."): v
+                                   for k, v in shard_state(state, cfg, tp).items()})
+            assert len(block.experts) == (EXPERTS // 2 if expert_parallel else EXPERTS)
+            total += moe.sparse_mlp(TorchOps(), block, x)
+    torch.testing.assert_close(total, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_ranks_sinks_are_its_query_heads():
+    from pagewire.executor.parallel import Shares
+    cfg = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=32, num_layers=1,
+                      num_heads=8, num_kv_heads=2, head_dim=8, attention_sinks=True)
+    sinks = torch.arange(8.0)
+    shares = [Shares.of(cfg, TensorParallel(rank, 2)).take("layers.0.attn.sinks", sinks)
+              for rank in range(2)]
+    assert [s.tolist() for s in shares] == [[0, 1, 2, 3], [4, 5, 6, 7]]
