@@ -39,6 +39,20 @@ inline float round_as(float x, const bf16*) {
   return to_float(b);
 }
 
+// row = x's row, or residual' = x + residual rounded to T (written back to the residual's row
+// `rt` where there is one): what a norm after the residual add reads.
+template <typename T>
+void take_residual(float* row, const T* xt, T* rt, int64_t hidden) {
+  for (int64_t i = 0; i < hidden; ++i) {
+    float v = to_float(xt[i]);
+    if (rt) {
+      v = round_as(v + to_float(rt[i]), xt);
+      from_float(v, rt + i);
+    }
+    row[i] = v;
+  }
+}
+
 template <typename T>
 void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t tokens,
                   int64_t hidden, int64_t x_stride, float eps) {
@@ -46,17 +60,9 @@ void add_rms_norm(T* out, T* residual, const T* x, const T* weight, int64_t toke
     std::vector<float> row(hidden);
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * x_stride;
-      T* rt = residual ? residual + t * hidden : nullptr;
+      take_residual(row.data(), xt, residual ? residual + t * hidden : nullptr, hidden);
       float ss = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = to_float(xt[i]);
-        if (rt) {                     // residual' = x + residual, rounded to T
-          v = round_as(v + to_float(rt[i]), xt);
-          from_float(v, rt + i);
-        }
-        row[i] = v;
-        ss += v * v;
-      }
+      for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
       const float inv = 1.f / std::sqrt(ss / hidden + eps);
       T* ot = out + t * hidden;
       for (int64_t i = 0; i < hidden; ++i)
@@ -74,18 +80,10 @@ void add_layer_norm(T* out, T* residual, const T* x, const T* weight, const T* b
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
     for (int64_t t = begin; t < end; ++t) {
-      const T* xt = x + t * x_stride;
-      T* rt = residual ? residual + t * hidden : nullptr;
+      take_residual(row.data(), x + t * x_stride, residual ? residual + t * hidden : nullptr,
+                    hidden);
       double sum = 0.0, ss = 0.0;
-      for (int64_t i = 0; i < hidden; ++i) {
-        float v = to_float(xt[i]);
-        if (rt) {                     // residual' = x + residual, rounded to T
-          v = round_as(v + to_float(rt[i]), xt);
-          from_float(v, rt + i);
-        }
-        row[i] = v;
-        sum += v;
-      }
+      for (int64_t i = 0; i < hidden; ++i) sum += row[i];
       const float mean = static_cast<float>(sum / hidden);
       for (int64_t i = 0; i < hidden; ++i) ss += double(row[i] - mean) * (row[i] - mean);
       const float inv = static_cast<float>(1.0 / std::sqrt(ss / hidden + eps));
