@@ -119,7 +119,7 @@ def test_bfloat16_checkpoint_stays_close_to_transformers(tmp_path, smol_tokenize
     rounding, and did for one prompt here (transformers' two runs 0.25 apart; ours matched
     one of them within 0.008)."""
     from transformers import AutoModelForCausalLM
-    bf16 = _bf16_copy(tmp_path, smol_tokenizer_dir)
+    bf16 = bf16_copy(tmp_path, smol_tokenizer_dir)
     llm = LLM(bf16, dtype="bfloat16", kernels=kernels, num_kv_blocks=64)
     blocks = [layer.mlp for layer in llm.runner.model.layers]
     assert all((b.native_spec is not None) == (kernels == "cpu") for b in blocks)  # BF16 tiles
@@ -178,7 +178,7 @@ def test_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
                                    "prompt_lookup_min": 1}) == run()
 
 
-def _bf16_copy(tmp_path, tokenizer_dir) -> str:
+def bf16_copy(tmp_path, tokenizer_dir) -> str:
     """The TIGHT model saved in bfloat16, as gpt-oss's unquantized checkpoints are."""
     from transformers import AutoModelForCausalLM
     path = make_gpt_oss(str(tmp_path / "f32"), tokenizer_dir, **TIGHT)

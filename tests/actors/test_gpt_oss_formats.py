@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagewire import LLM
-from tests.actors.test_gpt_oss import (TIGHT, VOCAB, WINDOW, _bf16_copy, compare,
+from tests.actors.test_gpt_oss import (TIGHT, VOCAB, WINDOW, bf16_copy, compare,
                                        make_gpt_oss)
 
 
@@ -25,7 +25,7 @@ def test_fused_decode_equals_the_per_op_path(tmp_path, smol_tokenizer_dir, tier,
     pw_apply_sinks, the MOE op with gpt-oss's block), and the stack's hidden states and KV
     writes are the per-op path's bit for bit, windows and all."""
     from tests.actors.test_fused_decode import decode_step
-    path = _bf16_copy(tmp_path, smol_tokenizer_dir) if checkpoint == "bf16" else \
+    path = bf16_copy(tmp_path, smol_tokenizer_dir) if checkpoint == "bf16" else \
         _mxfp4_and_reference(tmp_path, smol_tokenizer_dir)[0]
     runner = LLM(path, dtype="bfloat16", kernels=tier, num_kv_blocks=64, max_model_len=512,
                  kv_cache_dtype=kv).runner
