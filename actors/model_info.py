@@ -115,11 +115,9 @@ def resolve_model(model: str | None) -> ModelInfo:
 
 
 # What an architecture cannot do yet, by option (README's table): LoRA adapters of experts
-# or of GPT-family blocks; OLMoE's q/k norms span every head, which tensor parallelism would
-# split; gpt-oss's sinks would count once a rank in context parallelism's merged softmax,
+# or of GPT-family blocks; gpt-oss's sinks would count once a rank in context parallelism's merged softmax,
 # and its sliding layers are not KV-Compress's.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
-            "OlmoeForCausalLM": ("--enable-lora", "--tensor-parallel-size > 1"),
             "GptOssForCausalLM": ("--enable-lora", "--decode-context-parallel-size > 1",
                                   "--kv-compress-rate")}
 

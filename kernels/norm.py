@@ -16,6 +16,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def rms_norm_split(x: torch.Tensor, weight: torch.Tensor, eps: float, width: int,
+                   all_reduce) -> torch.Tensor:
+    """rms_norm of a vector `width` wide whose columns are split over tensor-parallel ranks:
+    x [T, w] and weight [w] this rank's columns; the sum of squares (float32 [T, 1]) summed
+    over the ranks by `all_reduce` (OLMoE's q/k norms over every head under -tp)."""
+    x32 = x.float()
+    squares = all_reduce(x32.pow(2).sum(-1, keepdim=True))
+    return weight * (x32 * torch.rsqrt(squares / width + eps)).to(x.dtype)
+
+
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                    bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual (x alone where None), rounded to x's dtype; returns

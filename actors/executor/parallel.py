@@ -178,6 +178,7 @@ class Shares:
     first: bool        # rank 0: the one that adds a row-parallel linear's bias
     heads: slice       # its query heads (gpt-oss's attention sinks)
     whole_experts: bool  # expert parallel: each expert's down bias is its one holder's
+    flat_qk_norms: bool  # q/k norm weights span every head (OLMoE): sliced as q and kv rows
 
     @classmethod
     def of(cls, cfg, tp: TensorParallel) -> "Shares":
@@ -194,7 +195,7 @@ class Shares:
                    slice(*split_range(inter, tp.size, tp.rank)),
                    slice(*split_range(cfg.shared_expert_size, tp.size, tp.rank)),
                    tp.rank == 0, slice(heads.q_start, heads.q_start + heads.num_q),
-                   tp.expert_parallel)
+                   tp.expert_parallel, cfg.qk_norm_flat)
 
     def take(self, name: str, w: torch.Tensor, columns=None) -> torch.Tensor | None:
         """w's share: rows sliced here, columns (row-parallel weights) by `columns(w, cols)`
@@ -212,6 +213,8 @@ class Shares:
             return torch.cat([gate[self.inter], up[self.inter]])
         if name.endswith(("mlp.up.weight", "mlp.up.bias")):         # the GPT family's plain MLP
             return w[self.inter]
+        if self.flat_qk_norms and name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+            return w[self.q if ".q_norm." in name else self.kv]     # OLMoE's: every head's
         if name.endswith(("attn.o_proj.bias", "mlp.down.bias")):   # the GPT family's: added
             return w if self.first else torch.zeros_like(w)          # once, by rank 0
         row_parallel = {"attn.o_proj.weight": self.q, "mlp.down.weight": self.inter}

@@ -62,6 +62,29 @@ def decode_step(runner, contexts: list[int], seed: int):
     return ids, lens - 1, AttentionBatch(slots, len(contexts), tables, lens, [])
 
 
+def assert_fused_equals_per_op(runner, vocab: int) -> None:
+    """The runner's fused decode against its per-op path over decode steps of one, three and
+    nine sequences: the hidden states and the KV writes bit for bit (compared as bytes: an
+    FP8 cache row's scale read as float8 codes may spell NaN)."""
+    model, fused = runner.model, runner.model.fused_decode
+    assert fused is not None
+    for contexts in ([1], [37, 5, 200], [3 + 7 * i for i in range(9)]):
+        ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
+        ids = ids % vocab
+        caches = [c.clone() for c in runner.kv_caches]
+        with torch.inference_mode():
+            model.use_fused_decode(None)
+            expected = model(ids, positions, runner.kv_caches, batch)
+            model.use_fused_decode(fused)
+            written = [c.clone() for c in runner.kv_caches]
+            for cache, before in zip(runner.kv_caches, caches):
+                cache.copy_(before)
+            got = model(ids, positions, runner.kv_caches, batch)
+        assert torch.equal(got, expected), contexts
+        assert all(torch.equal(c.view(torch.uint8), w.view(torch.uint8))
+                   for c, w in zip(runner.kv_caches, written)), contexts
+
+
 # 14 rows: from 12 tokens int16 linears take the GEMM (csrc/quant_gemm_avx2.h), in both paths
 @pytest.mark.parametrize("contexts", [[1], [37], [300], [5, 129, 17, 64, 250],
                                       [2 + 5 * i for i in range(14)]])

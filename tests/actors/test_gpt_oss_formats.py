@@ -24,29 +24,11 @@ def test_fused_decode_equals_the_per_op_path(tmp_path, smol_tokenizer_dir, tier,
     cache: every layer encodes (biased linears, sinks applied after the decode kernel by
     pw_apply_sinks, the MOE op with gpt-oss's block), and the stack's hidden states and KV
     writes are the per-op path's bit for bit, windows and all."""
-    from tests.actors.test_fused_decode import decode_step
+    from tests.actors.test_fused_decode import assert_fused_equals_per_op
     path = bf16_copy(tmp_path, smol_tokenizer_dir) if checkpoint == "bf16" else \
         _mxfp4_and_reference(tmp_path, smol_tokenizer_dir)[0]
-    runner = LLM(path, dtype="bfloat16", kernels=tier, num_kv_blocks=64, max_model_len=512,
-                 kv_cache_dtype=kv).runner
-    model, fused = runner.model, runner.model.fused_decode
-    assert fused is not None
-    for contexts in ([1], [37, 5, 200], [3 + 7 * i for i in range(9)]):
-        ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
-        ids = ids % VOCAB
-        caches = [c.clone() for c in runner.kv_caches]
-        with torch.inference_mode():
-            model.use_fused_decode(None)
-            expected = model(ids, positions, runner.kv_caches, batch)
-            model.use_fused_decode(fused)
-            written = [c.clone() for c in runner.kv_caches]
-            for cache, before in zip(runner.kv_caches, caches):
-                cache.copy_(before)
-            got = model(ids, positions, runner.kv_caches, batch)
-        assert torch.equal(got, expected)
-        # as bytes: an FP8 cache row's scale read as float8 codes may spell NaN
-        assert all(torch.equal(c.view(torch.uint8), w.view(torch.uint8)) if c.element_size() == 1
-                   else torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
+    assert_fused_equals_per_op(LLM(path, dtype="bfloat16", kernels=tier, num_kv_blocks=64,
+                                   max_model_len=512, kv_cache_dtype=kv).runner, VOCAB)
 
 
 def _mxfp4_and_reference(tmp_path, tokenizer_dir) -> tuple[str, str]:

@@ -105,25 +105,10 @@ def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer
                                                         gguf_tokenizer_meta, case, dtype):
     """OLMoE (q/k norms over all heads) and Qwen3-MoE (per head), their experts: the fused
     stack's hidden states and KV writes are the per-op path's bit for bit."""
-    from tests.actors.test_fused_decode import decode_step
+    from tests.actors.test_fused_decode import assert_fused_equals_per_op
     path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, case)
-    runner = LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=512).runner
-    model, fused = runner.model, runner.model.fused_decode
-    assert fused is not None
-    for contexts in ([1], [37, 5, 200], [3 + 7 * i for i in range(9)]):
-        ids, positions, batch = decode_step(runner, contexts, seed=len(contexts))
-        ids = ids % VOCAB
-        caches = [c.clone() for c in runner.kv_caches]
-        with torch.inference_mode():
-            model.use_fused_decode(None)
-            expected = model(ids, positions, runner.kv_caches, batch)
-            model.use_fused_decode(fused)
-            written = [c.clone() for c in runner.kv_caches]
-            for cache, before in zip(runner.kv_caches, caches):
-                cache.copy_(before)
-            got = model(ids, positions, runner.kv_caches, batch)
-        assert torch.equal(got, expected)
-        assert all(torch.equal(c, w) for c, w in zip(runner.kv_caches, written))
+    assert_fused_equals_per_op(LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=512).runner,
+                               VOCAB)
 
 
 def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, tier):
@@ -167,12 +152,10 @@ def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, gguf_t
     assert said.endswith("3 blocks native")
 
 
-@pytest.mark.parametrize("options", [dict(enable_lora=True), dict(tensor_parallel_size=2)])
-def test_what_moe_models_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir,
-                                                          options):
+def test_what_moe_models_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir):
     path = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "olmoe")
-    with pytest.raises(ValueError, match="OlmoeForCausalLM with --"):
-        LLM(path, dtype="float32", num_kv_blocks=64, **options)
+    with pytest.raises(ValueError, match="OlmoeForCausalLM with --enable-lora"):
+        LLM(path, dtype="float32", num_kv_blocks=64, enable_lora=True)
 
 
 def test_speculation_and_kv_compress_keep_the_tokens(tmp_path, smol_tokenizer_dir):

@@ -67,13 +67,15 @@ def test_local_ranks_match_transformers(models):
         assert_matches_transformers(srv, path)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_mixture_of_experts_ranks_match_transformers(tmp_path, smol_tokenizer_dir,
+@pytest.mark.parametrize("name, expert_parallel", [("qwen2-moe-shared", False),
+                                                   ("qwen2-moe-shared", True), ("olmoe", False)])
+def test_mixture_of_experts_ranks_match_transformers(tmp_path, smol_tokenizer_dir, name,
                                                      expert_parallel):
     """Qwen2-MoE (a shared expert, a dense layer among sparse ones) on two ranks: each holding
-    a slice of every expert, or with --enable-expert-parallel three whole experts each."""
+    a slice of every expert, or with --enable-expert-parallel three whole experts each. OLMoE:
+    its q/k norms over every head, each rank's sums of squares all-reduced."""
     from tests.actors.test_architectures import make_model
-    path = make_model(str(tmp_path / "moe"), smol_tokenizer_dir, "qwen2-moe-shared")
+    path = make_model(str(tmp_path / "moe"), smol_tokenizer_dir, name)
     extra = ["--enable-expert-parallel"] if expert_parallel else []
     with running_server([path, *F32, *TWO_RANKS, *extra]) as srv:
         assert_matches_transformers(srv, path)

@@ -79,9 +79,12 @@ class Attention(nn.Module):
                           lora_slot=lora_slot(layer, "attn.qkv"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias,
                              float_partial=tp.size > 1, lora_slot=lora_slot(layer, "attn.o_proj"))
-        if cfg.qk_norm_flat and tp.size > 1:
-            raise ValueError(f"{cfg.architecture}: its q/k norms span every head, which tensor "
-                             "parallelism would split")
+        if cfg.qk_norm_flat and cfg.num_kv_heads % tp.size:
+            raise ValueError(f"{cfg.architecture}: its k norm spans every key head, which "
+                             f"{tp.size} ranks cannot split without repeating one")
+        # the q/k norms' whole widths (OLMoE's span every head, a rank holding some of them)
+        self.q_width, self.k_width = (cfg.num_heads * cfg.head_dim,
+                                      cfg.num_kv_heads * cfg.head_dim)
         q_width, k_width = (self.q_size, self.kv_size) if cfg.qk_norm_flat else (cfg.head_dim,) * 2
         self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None

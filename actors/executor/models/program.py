@@ -18,6 +18,7 @@ import torch
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
 from pagewire.kernels.native_api import API
+from pagewire.kernels.norm import rms_norm_split
 
 # The opcodes (ADD_NORM, NORM, LINEAR, QK_NORM, QK_NORM_FLAT, ROPE, ATTEND, SILU_MUL, GELU_MUL,
 # MOE, ALL_REDUCE, and the GPT family's ADD_LAYER_NORM, BRANCH_LAYER_NORM, JOIN, GELU,
@@ -120,6 +121,11 @@ def _qk_norm(ops, attn, s: State) -> None:
 
 
 def _qk_norm_flat(ops, attn, s: State) -> None:
+    if attn.tp.size > 1:           # each rank holds some heads: the sums of squares all-reduced
+        q, k = s.x[:, :attn.q_size], s.x[:, attn.q_size:attn.q_size + attn.kv_size]
+        for part, norm, width in ((q, attn.q_norm, attn.q_width), (k, attn.k_norm, attn.k_width)):
+            part.copy_(rms_norm_split(part, norm.weight, norm.eps, width, attn.tp.all_reduce))
+        return
     ops.rms_norm_flat_qk_(s.x, attn.q_size, attn.kv_size, attn.q_norm.weight,
                           attn.k_norm.weight, attn.q_norm.eps)
 
