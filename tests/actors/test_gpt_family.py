@@ -65,3 +65,22 @@ def test_gpt_family_gguf_matches_transformers(tmp_path, smol_tokenizer_dir, gguf
     assert all(blocks) if qtype != "F32" else not any(blocks)
     assert (llm.runner.model.fused_decode is not None) == (qtype != "F32")
     _check_greedy(llm, ref, f"{name} {arch} {qtype}")
+
+
+def _gpt_neox_greedy(tmp_path, tokenizer_dir, meta, kernels: str) -> None:
+    path, ref = _gguf_and_reference(tmp_path, tokenizer_dir, meta,
+                                    ("gpt-neox-parallel", "gptneox", "Q8_0", {}))
+    llm = LLM(path, dtype="float32", kernels=kernels, block_size=16, max_num_batched_tokens=24,
+              num_kv_blocks=64)
+    assert (llm.runner.model.fused_decode is not None) == (kernels != "torch")
+    _check_greedy(llm, ref, f"gpt-neox {kernels}")
+
+
+def test_gpt_neox_on_each_tier(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, tier):
+    """Every tier's native LayerNorm, exact GELU, partial rope and parallel residual, in its
+    fused decode, give transformers' greedy tokens."""
+    _gpt_neox_greedy(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, tier)
+
+
+def test_gpt_neox_on_the_torch_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta):
+    _gpt_neox_greedy(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, "torch")
