@@ -235,6 +235,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def _check_chat(self) -> None:
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.server.tool_call_parser == "openai" and \
+                self.server.reasoning_parser != "openai_gptoss":
+            raise ValueError("--tool-call-parser openai (gpt-oss's harmony messages) needs "
+                             "--reasoning-parser openai_gptoss")
         if self.server.chat_template is not None and not os.path.isfile(self.server.chat_template):
             raise ValueError(f"--chat-template {self.server.chat_template}: no such file")
 

@@ -21,7 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ACTIVATIONS = ("auto", "exact", "int16", "int8", "int8-all",     # --quantized-activations
                "int8-prefill")
 EXECUTORS = LOCAL, EXTERNAL = ("local", "external")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")       # gateway/tools.py PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "openai")   # gateway/tools.py PARSERS
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")   # gateway/chat_output.py
 SPECULATIVE_METHODS = ("ngram", "suffix", "self", "draft_model")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

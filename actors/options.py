@@ -230,7 +230,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                **_RUN),
         Option("tool_call_parser", "the model's tool-call syntax: `hermes` (`<tool_call>` JSON "
                "`</tool_call>`: Qwen, Hermes), `llama3_json` (a JSON object, Llama 3.x), "
-               "`mistral` (`[TOOL_CALLS]` and a JSON list)", "none",
+               "`mistral` (`[TOOL_CALLS]` and a JSON list), `openai` (gpt-oss's harmony "
+               "messages to `functions.NAME`; with `--reasoning-parser openai_gptoss`)", "none",
                choices=TOOL_CALL_PARSERS, **_RUN),
         Option("reasoning_parser", "return a reasoning model's `<think>` block as "
                "`reasoning_content` apart from `content` (`deepseek_r1`: the output starts in "

@@ -38,7 +38,11 @@ class ChatOutput:
         # output's content (openai_gptoss) is what `harmony` splits off its text
         self.phase = {"deepseek_r1": "reasoning", "qwen3": "open"}.get(reasoning_parser,
                                                                        "content")
-        self.harmony = harmony.HarmonySplit() if reasoning_parser == "openai_gptoss" else None
+        # openai (gpt-oss): tool calls are harmony messages of their own, read by the split
+        self.harmony_calls = tools.mode == "auto" and tools.parser == "openai"
+        self.harmony = harmony.HarmonySplit(self.harmony_calls) \
+            if reasoning_parser == "openai_gptoss" else None
+        self.calls_sent = 0        # harmony calls streamed so far (their indices)
         self.pending = ""          # text received, not yet sent or decided
         self.held = ""             # content held back as (possible) tool calls
         self.in_calls = False      # auto: a call's marker was seen; the rest is held
@@ -48,12 +52,16 @@ class ChatOutput:
     # -- whole ---------------------------------------------------------------------------------
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        reasoning, content = split_reasoning(self.parser, text)
+        if self.harmony_calls:
+            reasoning, content, message_calls = harmony.parts(text, read_calls=True)
+        else:
+            (reasoning, content), message_calls = split_reasoning(self.parser, text), []
         msg = {"role": "assistant", "content": content}
         if self.parser is not None:
             msg["reasoning_content"] = reasoning
         if self.tools.mode != "text":
             content, calls = calls_of(self.tools, content)
+            calls = message_calls + calls
             msg["content"] = content
             if calls:
                 msg["tool_calls"] = tool_call_dicts(calls)
@@ -66,7 +74,7 @@ class ChatOutput:
         out = []
         if self.harmony is not None:
             reasoning, text = self.harmony.feed(text)
-            out += _delta("reasoning_content", reasoning)
+            out += _delta("reasoning_content", reasoning) + self._harmony_calls()
         self.pending += text
         if self.phase == "open":
             head = self.pending.lstrip()
@@ -102,6 +110,8 @@ class ChatOutput:
             return []
         text, self.held = self.held + text, ""
         marker = CALL_MARKERS[self.tools.parser]
+        if marker is None:              # openai: calls are messages of their own
+            return _delta("content", text)
         if marker == "{":               # llama3_json: a call is the whole output
             head = text.lstrip()
             if head.startswith(("{", "<|python_tag|>")):
@@ -137,7 +147,18 @@ class ChatOutput:
         reasoning, content = self.harmony.finish()
         self.pending += content
         out, finish_reason = self._finish(finish_reason)
-        return _delta("reasoning_content", reasoning) + out, finish_reason
+        calls = self._harmony_calls()
+        if self.calls_sent and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return _delta("reasoning_content", reasoning) + out + calls, finish_reason
+
+    def _harmony_calls(self) -> list[dict]:
+        """The harmony calls ended since the last delta, each whole in one."""
+        calls, self.harmony.calls = self.harmony.calls, []
+        dicts = tool_call_dicts(calls)
+        for d in dicts:
+            d["index"], self.calls_sent = self.calls_sent, self.calls_sent + 1
+        return [{"tool_calls": dicts}] if dicts else []
 
     def _finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         if self.phase == "open":

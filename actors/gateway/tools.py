@@ -160,9 +160,18 @@ def _call(obj: dict, args_key: str) -> ToolCall:
                     else json.dumps(args, ensure_ascii=False))
 
 
-PARSERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral}
-# Where a parser's calls begin: streamed text before it is content, after it is held back.
-CALL_MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]"}
+def _in_messages(text: str) -> tuple[str | None, list[ToolCall]]:
+    """openai (gpt-oss): calls are harmony messages of their own (harmony.py reads them),
+    never in the content."""
+    return text, []
+
+
+PARSERS = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral,
+           "openai": _in_messages}
+# Where a parser's calls begin: streamed text before it is content, after it is held back
+# (None: the content holds none).
+CALL_MARKERS = {"hermes": "<tool_call>", "llama3_json": "{", "mistral": "[TOOL_CALLS]",
+                "openai": None}
 
 
 def call_id() -> str:

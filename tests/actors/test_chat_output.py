@@ -102,6 +102,10 @@ def _stream(out: ChatOutput, text: str, cut: int, reason: str = "stop"):
     return fields, [calls[i] for i in sorted(calls)], reason
 
 
+HARMONY_CALLS = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+                 "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                 '{"city": "SF"}<|call|><|start|>assistant to=functions.get_time<|channel|>'
+                 'commentary json<|message|>{"tz": "PST"}<|call|>')
 HARMONY = ("<|channel|>analysis<|message|>Think: <b>|a|</b> then more.<|end|><|start|>assistant"
            "<|channel|>analysis<|message|>Second thought.<|end|><|start|>assistant<|channel|>"
            "final<|message|>Final <|answer|>.<|return|>")
@@ -122,6 +126,8 @@ HARMONY = ("<|channel|>analysis<|message|>Think: <b>|a|</b> then more.<|end|><|s
     (ToolPlan(mode="named", function="f"), None, '{"x": 7}'),
     (ToolPlan(), "openai_gptoss", HARMONY),
     (ToolPlan(), "openai_gptoss", "<|channel|>analysis<|message|>only <|ret thinking"),
+    (ToolPlan(mode="auto", parser="openai"), "openai_gptoss", HARMONY_CALLS),
+    (ToolPlan(mode="auto", parser="openai"), "openai_gptoss", HARMONY),
     (ToolPlan(mode="auto", parser="hermes"), "openai_gptoss",
      '<|channel|>analysis<|message|>call f<|end|><|start|>assistant<|channel|>final<|message|>'
      'ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call><|return|>'),
@@ -153,3 +159,27 @@ def test_harmony_streamed_in_any_two_pieces_or_by_tokens_gives_the_whole_message
         deltas = [d for p in pieces for d in out.feed(p)] + out.finish("stop")[0]
         got = {k: "".join(d.get(k, "") for d in deltas) for k in expected}
         assert got == expected, pieces
+
+
+def test_harmony_calls_are_messages_to_functions():
+    """--tool-call-parser openai: each commentary message to functions.NAME (the recipient
+    before or after the channel) is a call, its body the arguments; the analysis stays
+    reasoning; without the parser the calls' bodies are reasoning too."""
+    msg, reason = ChatOutput(ToolPlan(mode="auto", parser="openai"), "openai_gptoss").message(
+        HARMONY_CALLS, "stop")
+    assert reason == "tool_calls" and msg["reasoning_content"] == "Need the weather."
+    assert not msg["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
+        [("get_weather", '{"city": "SF"}'), ("get_time", '{"tz": "PST"}')]
+    plain, reason = ChatOutput(ToolPlan(), "openai_gptoss").message(HARMONY_CALLS, "stop")
+    assert reason == "stop" and "tool_calls" not in plain
+    assert plain["reasoning_content"] == 'Need the weather.\n{"city": "SF"}\n{"tz": "PST"}'
+
+
+def test_harmony_calls_need_the_harmony_reasoning_parser():
+    with pytest.raises(ValueError, match="needs --reasoning-parser openai_gptoss"):
+        EngineConfig.from_options(max_model_len=512, kv_cache_memory=64 * 2**20,
+                                  tool_call_parser="openai").resolve()
+    EngineConfig.from_options(max_model_len=512, kv_cache_memory=64 * 2**20,
+                              enable_auto_tool_choice=True, tool_call_parser="openai",
+                              reasoning_parser="openai_gptoss").resolve()
