@@ -16,8 +16,8 @@ import argparse
 import os
 import sys
 
-from pagewire.testing.real_shapes import (FORMATS, SHAPES, gguf_is_whole, hf_is_whole,
-                                          write_gguf_model, write_hf_model)
+from pagewire.testing.real_shapes import FORMATS, SHAPES, gguf_is_whole, write_gguf_model
+from pagewire.testing.real_shapes_hf import hf_is_whole, write_hf_model
 
 
 def default_out_dir() -> str:

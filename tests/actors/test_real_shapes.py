@@ -14,8 +14,8 @@ from pagewire.executor.gguf_weights import read_gguf_weights
 from pagewire.gguf_header import GGML_TYPES, read_gguf_header
 from pagewire.model_info import resolve_model
 from pagewire.testing.real_shapes import (SHAPES, default_tokenizer_meta, gguf_is_whole,
-                                          hf_is_whole, tensor_plan, write_gguf_model,
-                                          write_hf_model)
+                                          tensor_plan, write_gguf_model)
+from pagewire.testing.real_shapes_hf import hf_is_whole, write_hf_model
 from tests.helpers import use_private_cache
 
 TINY = dict(architecture="LlamaForCausalLM", hidden_size=256, num_hidden_layers=2,
