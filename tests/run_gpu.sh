@@ -12,6 +12,8 @@ workers=()
 python -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
 exec python -m pytest -q "${workers[@]}" -p no:cacheprovider \
     tests/kernels/test_triton.py tests/kernels/test_kv_quant.py tests/kernels/test_cascade.py \
+    tests/kernels/test_moe_triton.py tests/kernels/test_attention_sinks.py \
+    tests/actors/test_moe_models.py tests/actors/test_gpt_oss.py tests/actors/test_gpt_family.py \
     tests/kernels/test_context_parallel.py tests/kernels/test_sampling.py \
     tests/actors/test_cuda_graphs.py tests/actors/test_llm_vs_hf.py \
     tests/actors/test_pipelining.py tests/actors/test_lora.py tests/actors/test_kv_cache_dtype.py \
