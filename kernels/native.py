@@ -205,7 +205,8 @@ class Library:
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           chunks: torch.Tensor, tables: torch.Tensor, scale: float,
                           window: int | None, out: torch.Tensor,
-                          blocks: torch.Tensor | None = None) -> None:
+                          blocks: torch.Tensor | None = None,
+                          sinks: torch.Tensor | None = None) -> None:
         """Causal attention of prefill chunks whose keys and values are already in the cache.
         q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
         chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
@@ -213,7 +214,9 @@ class Library:
         of out. Only what prefill_attention_serves accepts. A quantized cache's blocks that
         `tables` names are dequantized to bfloat16 first: the values the torch reference
         attends. `blocks` (quantized caches): those blocks [U], `tables` then indexing them
-        (AttentionBatch.packed_prefill_blocks, found once a step); found here if None."""
+        (AttentionBatch.packed_prefill_blocks, found once a step); found here if None.
+        `sinks`: float32 [Hq], a logit per query head in each row's softmax (gpt-oss), or
+        None."""
         _check_cpu(q, k_cache, v_cache, chunks, tables, out)
         if kv_quant.is_quantized(k_cache):
             if blocks is None:
@@ -231,10 +234,14 @@ class Library:
                 or tables.dtype != torch.int64 or not tables.is_contiguous():
             raise ValueError("prefill_attention: chunks [S, 4] and tables must be contiguous "
                              "int64")
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                                  or sinks.shape != (num_heads,)):
+            raise ValueError("prefill_attention: sinks must be contiguous float32 [Hq]")
         self.cdll.pw_prefill_attention_bf16(
             out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads,
-            head_dim, block_size, q.stride(0), out.stride(0), scale, window or 0)
+            head_dim, block_size, q.stride(0), out.stride(0), scale, window or 0,
+            None if sinks is None else sinks.data_ptr())
 
     def sample_serves(self, logits: torch.Tensor) -> bool:
         """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""

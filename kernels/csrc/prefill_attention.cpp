@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -54,6 +55,7 @@ struct Chunk {         // one prefill chunk, as the Python side packs it (int64 
 struct Shape {
   int64_t Hq, Hkv, bs, q_stride, out_stride, window;
   float scale;
+  const float* sinks;   // a logit per query head joining each row's softmax, or null
 };
 
 // One row group's state: 16 query positions of one head.
@@ -200,7 +202,9 @@ void attend_item(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_ca
   for (const Rows<kD>& rows : groups)
     for (int64_t r = 0; r < kTile && rows.first + r < i1; ++r) {
       bf16* o = out + (ch.start + rows.first + r) * sh.out_stride + rows.head * kD;
-      const float inv = 1.f / rows.l[r];
+      // a sink adds its exponential (on the row's running maximum's scale) to the sum alone
+      const float sink = sh.sinks ? std::exp(sh.sinks[rows.head] - rows.m[r]) : 0.f;
+      const float inv = 1.f / (rows.l[r] + sink);
       for (int d = 0; d < kD; ++d) pw::from_float(rows.out[r][d] * inv, o + d);
     }
 }
@@ -242,9 +246,10 @@ void pw_prefill_attention_bf16(pw::bf16* out, const pw::bf16* q, const pw::bf16*
                                const pw::bf16* v_cache, const int64_t* tables,
                                const int64_t* chunks, int64_t num_chunks, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t bs, int64_t q_stride,
-                               int64_t out_stride, float scale, int64_t window) {
+                               int64_t out_stride, float scale, int64_t window,
+                               const float* sinks) {
 #if defined(__AVX512BF16__)
-  const pw::Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale};
+  const pw::Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale, sinks};
   const pw::Chunk* c = reinterpret_cast<const pw::Chunk*>(chunks);
   if (D == 64) pw::prefill_attention<64>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
   else if (D == 128)

@@ -1,7 +1,8 @@
 """Attention sinks (gpt-oss): a learned logit per query head in each row's softmax, with no
 value. The paged paths (torch reference; the native CPU backend, whose decode applies them
-to its kernel's rows from their log-sum-exp and whose prefill defers to torch) against the
-definition written out: softmax over [scores, sink], the sink's column dropped."""
+to its kernel's rows from their log-sum-exp and whose bfloat16 prefill adds each sink to its
+rows' sums) against the definition written out: softmax over [scores, sink], the sink's
+column dropped."""
 from __future__ import annotations
 
 import pytest
@@ -85,6 +86,29 @@ def test_native_decode_with_sinks_matches_torch(native_lib, dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2       # bf16: torch's scores rounded
         torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(ours_lse, ref_lse, atol=tol, rtol=0)
+
+
+def test_native_prefill_with_sinks_matches_the_definition(native_lib, monkeypatch):
+    """The AVX512-BF16 prefill kernel (each sink's exponential on its row's running maximum
+    added to the row's sum) over fresh prompts and chunks with cached context, windowed."""
+    from pagewire.kernels.ops import CpuOps
+    if not native_lib.bf16_dot:
+        pytest.skip(f"the native prefill needs AVX512-BF16 (tier {native_lib.tier})")
+    calls = []
+    kernel = native_lib.prefill_attention
+    monkeypatch.setattr(native_lib, "prefill_attention",
+                        lambda *a, **kw: calls.append(a[-1]) or kernel(*a, **kw))
+    cache, q, k, v, batch, full_kv = _build(16, 64, 4, 2, seed=12)
+    sinks, bf = torch.tensor([-2.0, 0.5, 1.5, 3.0]), torch.bfloat16
+    out = CpuOps(native_lib).attention(q.to(bf), k.to(bf), v.to(bf), cache.to(bf), batch,
+                                       0.125, Variant(window=6, sinks=sinks))
+    assert len(calls) == 1 and calls[0] is not None             # the kernel took the sinks
+    row = 0
+    for (ctx, n), (keys, values) in zip(DECODES + PREFILLS, full_kv):
+        expected = naive_sink_attention(q[row:row + n].to(bf), keys.to(bf), values.to(bf),
+                                        0.125, sinks, 6)
+        torch.testing.assert_close(out[row:row + n].double(), expected, atol=3e-2, rtol=3e-2)
+        row += n
 
 
 def test_variants_compare_by_window_and_softcap():
