@@ -251,6 +251,9 @@ def triton_moe_block(ops, sparse, x: torch.Tensor, experts: StackedExperts) -> t
     """kernels/moe.py sparse_mlp's contract with the routed experts fused (fused_moe); the
     shared expert, where the block has one, through ops as sparse_mlp runs it."""
     weights, ids = torch_moe.block_route(sparse, x)
+    if sparse.reads is not None:      # the distinct experts chosen, counted on the device
+        chosen = torch.zeros(sparse.num_experts, dtype=torch.int64, device=ids.device)
+        sparse.reads += chosen.index_fill_(0, ids.flatten(), 1).sum().to(sparse.reads.device)
     out = fused_moe_float(x, experts.w13, experts.w2, weights, ids,
                           expert_map=experts.expert_map, float_partial=sparse.float_partial)
     torch_moe.add_shared(ops, sparse, x, out)

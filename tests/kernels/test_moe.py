@@ -149,6 +149,22 @@ def test_native_block_equals_torch_grouping(native_lib, dtype, shared):
         assert torch.allclose(got.float()[clear], want.float()[clear], **tol), tokens
 
 
+def test_the_counts_follow_the_model_wherever_it_moves():
+    """LlamaForCausalLM.expert_reads: each sparse layer's block counts into its row, on the
+    model's device, the links kept when the model is moved or converted."""
+    from pagewire.executor.models.llama import LlamaForCausalLM
+    from pagewire.executor.models.model_config import LlamaConfig
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
+                      experts_per_token=2, expert_intermediate_size=16)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    assert model.expert_reads.dtype == torch.int64
+    for i, layer in enumerate(model.layers):
+        layer.mlp.reads += i + 3
+    assert model.expert_reads.tolist() == [3, 4] and model.take_expert_reads() == 7
+    assert model.expert_reads.tolist() == [0, 0]
+
+
 def test_both_paths_count_the_experts_a_call_chose(native_lib):
     """SparseMoE.reads: csrc/moe.cpp and kernels/moe.py each add the distinct experts the
     call's tokens chose (the metric pagewire:moe_experts_read sums them)."""

@@ -179,6 +179,23 @@ def test_block_with_shared_expert_and_expert_parallel_partials(shared):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@on_cpu
+def test_the_fused_block_counts_the_experts_chosen():
+    """SparseMoE.reads on the Triton path: the distinct experts the tokens chose (all of
+    them, whichever rank holds them), as the torch grouping counts, added on the device."""
+    block = _block(seed=7)
+    block.reads = torch.zeros(1, dtype=torch.int64)
+    for tokens in (1, 9):
+        x = torch.randn(tokens, H)
+        with torch.no_grad():
+            chosen = len(set(moe.block_route(block, x)[1].flatten().tolist()))
+            triton_moe_block(TorchOps(), block, x, stacked_experts(block))
+            assert int(block.reads) == chosen
+            moe.sparse_mlp(TorchOps(), block, x)
+            assert int(block.reads) == 2 * chosen
+        block.reads.zero_()
+
+
 def test_stacked_experts_are_the_experts_weights_once():
     block = _block(seed=6)
     before = block.experts["3"].down.weight.detach().clone()

@@ -196,10 +196,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.attn.reset_variant()
         # experts read, per layer (models/moe.py SparseMoE.reads): the step's report takes them
-        self.expert_reads = torch.zeros(cfg.num_layers, dtype=torch.int64)
+        self._count_expert_reads(torch.zeros(cfg.num_layers, dtype=torch.int64,
+                                             device=self.cos_sin.device))
+
+    def _count_expert_reads(self, counts: torch.Tensor) -> None:
+        """counts [L] int64 on the model's device (a GPU's counts are added there, in the
+        step's stream, and read once a step), each sparse layer's block counting into its row."""
+        self.expert_reads = counts
         for i, layer in enumerate(self.layers):
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.reads = self.expert_reads[i:i + 1]
+                layer.mlp.reads = counts[i:i + 1]
 
     def take_expert_reads(self) -> int:
         """Experts read since the last call (each chosen expert once a layer and forward
@@ -224,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_tables = [self.cos_sin] + [fn(t) for t in self.rope_tables[1:]]
         for layer in self.layers:
             layer.attn.reset_variant()
+        self._count_expert_reads(self.expert_reads.to(self.cos_sin.device))
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
