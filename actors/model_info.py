@@ -36,7 +36,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
 # Those whose every head has its own keys and values, whatever num_key_value_heads says.
-_MULTI_HEAD = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM")
+MULTI_HEAD_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM")
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM", "GptOssForCausalLM")
@@ -222,7 +222,7 @@ def _hf_info(path: str) -> ModelInfo:
         vocab_size=int(text_cfg["vocab_size"]),
         num_layers=int(text_cfg["num_hidden_layers"]),
         num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads
-                         if architecture not in _MULTI_HEAD else heads),
+                         if architecture not in MULTI_HEAD_ARCHITECTURES else heads),
         head_dim=int(text_cfg["hidden_size"] // heads if architecture in GPT_ARCHITECTURES
                      else text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
         eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagewire.model_info import GPT_ARCHITECTURES, MOE_ARCHITECTURES, hf_text_config
+from pagewire.model_info import (GPT_ARCHITECTURES, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES,
+                                 hf_text_config)
 
 
 @dataclass
@@ -231,8 +232,8 @@ def _gpt(cfg: dict, arch: str, base: dict) -> dict:
     heads = cfg["num_attention_heads"]
     head_dim = cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
-    grouped = arch in ("PhiForCausalLM", "Starcoder2ForCausalLM")      # the others: MHA
-    out = dict(num_kv_heads=cfg.get("num_key_value_heads") or heads if grouped else heads,
+    out = dict(num_kv_heads=heads if arch in MULTI_HEAD_ARCHITECTURES
+               else cfg.get("num_key_value_heads") or heads,
                head_dim=head_dim,
                layer_norm=True, gated_mlp=False, attention_bias=True, o_proj_bias=True,
                rms_norm_eps=cfg.get("layer_norm_eps", 1e-5),
