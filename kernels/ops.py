@@ -113,6 +113,11 @@ class TorchOps:
         """kernels/moe.py sparse_mlp: x [T, H] through the experts its router picks."""
         return moe.sparse_mlp(self, sparse, x)
 
+    def moe_in_graphs(self, sparse, dtype) -> bool:
+        """Whether `moe` runs this block without reading its routing on the host, as a CUDA
+        graph's capture needs: not torch's grouping (it loops over the experts chosen)."""
+        return False
+
     def silu_and_mul(self, gate_up):
         return activation.silu_and_mul(gate_up)
 

@@ -48,6 +48,12 @@ class TritonOps(TorchOps):
             return super().moe(sparse, x)
         return triton_moe_block(self, sparse, x, experts)
 
+    def moe_in_graphs(self, sparse, dtype):
+        """The fused kernels read the routing on the device; torch's grouping (the other
+        blocks) does not."""
+        experts = stacked_experts(sparse) if sparse.activation[0] == "silu" else None
+        return experts is not None and experts.w13.is_cuda and experts.w13.dtype == dtype
+
     def silu_and_mul(self, gate_up):
         return triton_silu_and_mul(gate_up)
 

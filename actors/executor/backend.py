@@ -10,7 +10,7 @@ the runner, the loader and the model code never ask which device, tier or backen
     backend = Backend(device, config.device.kernels)
     model = backend.load(info, config, tp, cp)        # built with its kernels, weights laid out
     backend.prepare_caches(model, kv_caches)          # its fused decode program, if any
-    backend.captures_graphs(config, tp_size, ...)     # CUDA graphs or eager steps
+    backend.captures_graphs(config, tp_size, ..., model)  # CUDA graphs or eager steps
     ids, positions, batch = backend.to_device(ids, positions, batch)
     tokens = backend.sample(logits, sampling_batch, spans)
 """
@@ -113,11 +113,17 @@ class Backend:
         one and every op of its layers encodes (fused_decode.py); else none."""
         model.use_fused_decode(FusedDecode.build(model, kv_caches, head_rows=head_rows))
 
-    def captures_graphs(self, config, tp_size: int, compressed: bool) -> bool:
+    def captures_graphs(self, config, tp_size: int, compressed: bool, model=None) -> bool:
         """Whether decode steps replay CUDA graphs: where the backend has them, not with
-        --enforce-eager, tensor parallelism or KV-Compress (its layouts change every step)."""
-        return self.capabilities.graphs and not config.device.enforce_eager and tp_size == 1 \
-            and not compressed
+        --enforce-eager, tensor parallelism or KV-Compress (its layouts change every step), nor
+        where one of the model's expert blocks runs through a path that reads its routing on
+        the host (Ops.moe_in_graphs: torch's grouping)."""
+        if not (self.capabilities.graphs and not config.device.enforce_eager and tp_size == 1
+                and not compressed):
+            return False
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)] if model else []
+        return all(self.ops.moe_in_graphs(block, TORCH_DTYPES[config.model.dtype])
+                   for block in blocks)
 
     def decode_graphs(self, model, kv_caches, config, scratch_block: int, capture: bool,
                       with_adapters: bool) -> DecodeGraphs:

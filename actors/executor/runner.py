@@ -95,7 +95,7 @@ class ModelRunner:
                              self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
         self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
-            config, self.tp.size, self.compressor is not None) else None
+            config, self.tp.size, self.compressor is not None, self.model) else None
         huge_pages.release_freed_memory()
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

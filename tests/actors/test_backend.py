@@ -52,6 +52,19 @@ def test_graphs_and_pools_follow_the_capabilities():
     assert on_cpu.to_device(ids, positions, None) == (ids, positions, None)   # left in place
 
 
+def test_no_graphs_where_an_expert_block_reads_its_routing_on_the_host():
+    """torch's grouping loops over the experts chosen (a host sync a capture refuses): a model
+    with such a block decodes eagerly; one without any block still captures."""
+    from pagewire.executor.models.moe import SparseMoE
+    block = SparseMoE.__new__(SparseMoE)
+    torch.nn.Module.__init__(block)
+    block.activation = ("silu", None, None)
+    on_gpu, config = Backend(CUDA, "torch"), EngineConfig.from_options(dtype="bfloat16")
+    assert not on_gpu.ops.moe_in_graphs(block, torch.bfloat16)
+    assert not on_gpu.captures_graphs(config, 1, False, torch.nn.Sequential(block))
+    assert on_gpu.captures_graphs(config, 1, False, torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
 def test_amx_selects_the_avx512_bf16_tier():
     """--kernels amx is avx512_bf16 (kernels/tiers.py ALIASES)."""
     if "avx512_bf16" not in tiers.runnable():
