@@ -35,6 +35,7 @@ from .metrics import GatewayMetrics
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
                        check_count, completion_prompts, decode_body, template_kwargs,
                        to_sampling)
+from .doors import Door
 from .request_run import RequestRun
 from .responses import Formatter
 from .tools import plan_tools
@@ -75,6 +76,8 @@ class Gateway:
                                       config.lora.max_loras if config.lora.enable_lora else None)
         self.metrics.set_backend(config.device.backend or "unknown", config.model.dtype)
         self.metrics.set_cache_config(config)
+        # (path prefix, shaper): an API's errors in its own shape (doors.py Door.error_body)
+        self.error_shapes: list[tuple[str, object]] = []
         self.loras = LoraRoutes(self)
         self.stream_input = StreamInputRoutes(self, PushChannel(
             ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
@@ -115,18 +118,24 @@ class Gateway:
                 self.api_key(request)
             response = await handler(request)
         except ApiError as e:
-            response = web.json_response(e.body(), status=e.status)
+            response = self.error_response(request, e)
         except InvalidParam as e:
-            response = web.json_response(ApiError(400, str(e), e.param).body(), status=400)
+            response = self.error_response(request, ApiError(400, str(e), e.param))
         except web.HTTPRequestEntityTooLarge:
-            e = ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
-            response = web.json_response(e.body(), status=413)
+            response = self.error_response(
+                request, ApiError(413, f"request body over {MAX_BODY_BYTES} bytes"))
         except web.HTTPException as e:
-            err = ApiError(e.status, e.reason or "error", error_type=e.reason)
-            response = web.json_response(err.body(), status=e.status)
+            response = self.error_response(
+                request, ApiError(e.status, e.reason or "error", error_type=e.reason))
         if "X-Request-Id" in request.headers and not response.prepared:
             response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
         return response
+
+    def error_response(self, request: web.Request, error: ApiError) -> web.Response:
+        """`error` in the shape of the API whose route was asked (OpenAI's by default)."""
+        shape = next((fn for prefix, fn in self.error_shapes
+                      if request.path.startswith(prefix)), Door.error_body)
+        return web.json_response(shape(error), status=error.status)
 
     async def health(self, request: web.Request) -> web.Response:
         status = self.engine_status()
@@ -190,7 +199,12 @@ class Gateway:
         return await self.serve(request, body, fmt, subs, session)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_body(await request.read(), ChatBody)
+        return await self.serve_chat(request, decode_body(await request.read(), ChatBody))
+
+    async def serve_chat(self, request: web.Request, body: ChatBody,
+                         door: type[Door] = Door) -> web.StreamResponse:
+        """A chat request, whichever API's route translated it (doors.py), answered through
+        `door`'s shapes."""
         lora = self.check_model(body.model)
         check_count("tools", body.tools)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
@@ -209,7 +223,7 @@ class Gateway:
                         logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
                         token_ids=body.return_tokens_as_token_ids, tools=tools,
                         reasoning_parser=self.config.server.reasoning_parser)
-        return await self.serve(request, body, fmt, [sub])
+        return await self.serve(request, body, fmt, [sub], door=door)
 
     def kv_transfer(self, body, sampling, num_prompts: int) -> KvTransfer | None:
         """The request's part in disaggregated prefill/decode (disagg.py), or a 400."""
@@ -227,7 +241,8 @@ class Gateway:
         if not self.config.server.api_keys:
             return None
         header = request.headers.get("Authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        given = header[7:].strip() if header[:7].lower() == "bearer " else \
+            request.headers.get("x-api-key", "").strip()      # Anthropic's clients send this
         matched = None
         for key in self.config.server.api_keys:     # no early exit: timing does not tell which key
             if hmac.compare_digest(given.encode(), key.encode()):
@@ -257,10 +272,10 @@ class Gateway:
         return lora
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
-                    prompts: list[TokenizeRequest],
-                    session: str | None = None) -> web.StreamResponse:
+                    prompts: list[TokenizeRequest], session: str | None = None,
+                    door: type[Door] = Door) -> web.StreamResponse:
         """Run the prompts (each generating its n sequences), answer in one response or a
-        stream. `session`: a streamed prompt's name (stream_input.py)."""
+        stream, in `door`'s shapes. `session`: a streamed prompt's name (stream_input.py)."""
         if body.stream and prompts[0].sampling.num_outputs > prompts[0].sampling.n:
             raise ApiError(400, "best_of > n cannot be streamed", "best_of")
         for i, p in enumerate(prompts):
@@ -279,10 +294,11 @@ class Gateway:
                 else:
                     self.tokenizers.send(p)
             await run.first_replies()
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            answer = door(fmt, include_usage)
             if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return await self.stream(request, fmt, run, include_usage)
-            return await self.collect(fmt, run)
+                return await self.stream(request, fmt, run, answer)
+            return await self.collect(fmt, run, answer)
         finally:
             self.in_flight -= 1
             self.metrics.on_request_end(list(run.slot), run.open_ids)
@@ -293,30 +309,31 @@ class Gateway:
             if session:
                 self.stream_input.close(session)
 
-    async def collect(self, fmt: Formatter, run: RequestRun) -> web.Response:
+    async def collect(self, fmt: Formatter, run: RequestRun, door: Door) -> web.Response:
         async for _ in run:
             pass
-        return web.json_response(fmt.full(run.best_choices(), run.usage()), dumps=_dumps)
+        return web.json_response(door.full(fmt.full(run.best_choices(), run.usage())),
+                                 dumps=_dumps)
 
     async def stream(self, request: web.Request, fmt: Formatter, run: RequestRun,
-                     include_usage: bool) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                     door: Door) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": door.content_type,
                                                "Cache-Control": "no-cache"})
         if "X-Request-Id" in request.headers:
             response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
         await response.prepare(request)
-        if fmt.chat:
-            for index in range(run.num_choices):
-                await _send_event(response, fmt.role_chunk(index))
+        for data in door.opening(run.num_choices):
+            await response.write(data)
         try:
             async for index, delta in run:
                 for chunk in fmt.chunks(index, delta):
-                    await _send_event(response, chunk)
-            if include_usage:
-                await _send_event(response, fmt.usage_chunk(run.usage()))
-        except ApiError as e:   # the engine failed mid-stream: an error event, then [DONE]
-            await _send_event(response, e.body())
-        await response.write(b"data: [DONE]\n\n")
+                    for data in door.events(chunk):
+                        await response.write(data)
+            tail = door.closing(run.usage())
+        except ApiError as e:   # the engine failed mid-stream
+            tail = door.failed(e)
+        for data in tail:
+            await response.write(data)
         await response.write_eof()
         return response
 
@@ -331,6 +348,3 @@ class Gateway:
 def _dumps(obj) -> str:
     return _json.encode(obj).decode()
 
-
-async def _send_event(response: web.StreamResponse, obj: dict) -> None:
-    await response.write(b"data: " + _json.encode(obj) + b"\n\n")
