@@ -124,6 +124,8 @@ class ServerConfig(_Section):
     enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
     tool_call_parser: str | None = None      # TOOL_CALL_PARSERS
     reasoning_parser: str | None = None      # REASONING_PARSERS: <think> blocks (channels) apart
+    responses_store_entries: int = 1000      # /v1/responses kept (per server, every key's)...
+    responses_store_bytes: int = 64 * 2**20  # ...and their bound in bytes: LRU out past either
 
 
 class ObservabilityConfig(_Section):

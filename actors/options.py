@@ -239,6 +239,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "channels, the final one the content, the others (analysis) the reasoning); an "
                "output constraint applies from the block's end (gpt-oss: the final channel's "
                "message marker)", "none", choices=REASONING_PARSERS, serve_only=True),
+        Option("responses_store_entries", "`/v1/responses` kept for `previous_response_id` "
+               "and `GET` (the least recently used go first)", **_RUN),
+        Option("responses_store_bytes", "the responses store's bound in bytes", "64MiB",
+               parse=parse_bytes, **_RUN),
     ),
     "LoRA adapters": (
         Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "

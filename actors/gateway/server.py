@@ -37,6 +37,7 @@ from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_l
                        to_sampling)
 from .doors import Door
 from .request_run import RequestRun
+from .responses_api import ResponsesRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
@@ -87,6 +88,7 @@ class Gateway:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
+            *ResponsesRoutes(self).routes(),
             *self.stream_input.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 

@@ -89,6 +89,22 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
+    def kv_blocks_freed(self, timeout: float = 10.0) -> bool:
+        """Whether the KV cache's use (vllm:kv_cache_usage_perc) falls to 0 within `timeout`
+        seconds: every block of every request was given back (the scheduler reports it up to
+        a second late)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+                lines = r.read().decode().splitlines()
+            usage = [float(line.rsplit(" ", 1)[1]) for line in lines
+                     if line.startswith("vllm:kv_cache_usage_perc{")]
+            if usage and max(usage) == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -33,7 +33,7 @@ FLAT_FIELDS = (
     "model_info", "draft_model_info", "num_host_blocks", "num_tier_blocks", "kv_block_bytes",
     "backend")
 # Fields added since (a recording before them reads with their defaults).
-ADDED_SINCE = ("enable_expert_parallel",)
+ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes")
 
 
 def _resolved(**options) -> EngineConfig:
