@@ -113,6 +113,9 @@ class GatewayMetrics:
         self.in_flight = Gauge("pagewire:requests_in_flight",
                                "HTTP generation requests being handled by the gateway.",
                                registry=r)
+        self.api_requests = Counter("pagewire:api_requests",
+                                    "HTTP generation requests by the API they came in by.",
+                                    ["api"], registry=r)
         self.backend = Gauge("pagewire:backend_info",
                              "The executors' kernel backend (device and CPU tier) and dtype: 1.",
                              ["backend", "dtype"], registry=r)
@@ -205,10 +208,13 @@ class GatewayMetrics:
 
     # -- per request, measured at the gateway --------------------------------------------------
 
-    def on_request_start(self, seq_ids: list[SeqId], now: float | None = None) -> None:
-        """An HTTP request arrived that will produce these sequences."""
+    def on_request_start(self, seq_ids: list[SeqId], now: float | None = None,
+                         api: str = "openai") -> None:
+        """An HTTP request arrived by `api` (doors.py Door.name) that will produce these
+        sequences."""
         now = time.monotonic() if now is None else now
         self.in_flight.inc()
+        self.api_requests.labels(api=api).inc()
         for sid in seq_ids:
             self.seqs[sid] = _Seq(now)
 

@@ -231,7 +231,7 @@ class ResponsesRoutes:
         queued = run.envelope("queued", [])
         run.keep(queued, [])
         task = asyncio.create_task(self._in_background(request, chat, door, run))
-        self.background[(tenant, run.id)] = task
+        self.background[(tenant, run.id)] = (task, run)
         task.add_done_callback(lambda _: self.background.pop((tenant, run.id), None))
         return web.json_response(queued)
 
@@ -257,9 +257,8 @@ class ResponsesRoutes:
     async def delete(self, request: web.Request) -> web.Response:
         self._stored(request)
         key = (self.tenant(request), request.match_info["id"])
-        task = self.background.get(key)
-        if task is not None:
-            task.cancel()
+        if key in self.background:
+            self.background[key][0].cancel()
         self.store.pop(*key)
         return web.json_response({"id": key[1], "object": "response", "deleted": True})
 
@@ -268,8 +267,9 @@ class ResponsesRoutes:
         if not stored.response["background"]:
             raise ApiError(400, "only background responses can be cancelled", "id")
         key = (self.tenant(request), request.match_info["id"])
-        task = self.background.get(key)
-        if task is not None:
+        task, run = self.background.get(key, (None, None))
+        if task is not None and not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            run.keep(run.envelope("cancelled", []), [])   # also where it had not yet started
         return web.json_response(self._stored(request).response)

@@ -284,11 +284,13 @@ class Gateway:
             p.req_id = f"{fmt.id}-{i}"
         if prompts[0].kv_transfer is not None and prompts[0].kv_transfer.remote_decode:
             fmt.kv_transfer_params = answer_params(self.config, prompts[0].req_id)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        answer = door(fmt, include_usage)
         run = RequestRun(prompts)
         for rid in run.route_ids():
             self.routes[rid] = run.queue
         self.in_flight += 1
-        self.metrics.on_request_start(list(run.slot))
+        self.metrics.on_request_start(list(run.slot), api=answer.name)
         try:
             for p in prompts:
                 if session:
@@ -296,8 +298,6 @@ class Gateway:
                 else:
                     self.tokenizers.send(p)
             await run.first_replies()
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            answer = door(fmt, include_usage)
             if body.stream:
                 return await self.stream(request, fmt, run, answer)
             return await self.collect(fmt, run, answer)

@@ -7,6 +7,7 @@ hostile bodies."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import httpx
 import jsonschema
@@ -158,6 +159,14 @@ def test_hostile_bodies_get_openai_errors(server, body, status, param):
     assert code == status and answer["error"]["code"] == status
     assert answer["error"]["param"] == param
     assert server.healthy()
+
+
+def test_requests_are_counted_by_api(server):
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        text = r.read().decode()
+    counts = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("pagewire:api_requests_total{")}
+    assert counts["responses"] >= 10 and counts["openai"] == 1   # the one chat request
 
 
 def test_the_key_is_required(server):
