@@ -5,12 +5,22 @@
 # device="cpu" check the CPU backends there too. Without the default model's package,
 # PAGEWIRE_TEST_TOKENIZER=DIR names a saved copy of its tokenizer for the tiny models, and the
 # tests that load the default model itself fail.
-set -euo pipefail
+# On the lent GPU machine (no registries): tests/gpu_prepare.sh, run here, puts the wheels it
+# installs in .whl/ and the tokenizer in .gpu/tokenizer; carry both. BENCH=1 runs
+# bench/gpu.py after the tests. TRITON_INTERPRET=0 matters: tests/conftest.py defaults it to 1.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export TRITON_INTERPRET=0
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+        --target /tmp/site \
+        .whl/*.whl . >/dev/null || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+[ -d .gpu/tokenizer ] && export PAGEWIRE_TEST_TOKENIZER="${PAGEWIRE_TEST_TOKENIZER:-$PWD/.gpu/tokenizer}"
 workers=()
-python -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
-exec python -m pytest -q "${workers[@]}" -p no:cacheprovider \
+python3 -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
+python3 -m pytest -q "${workers[@]}" -p no:cacheprovider --timeout 150 -rfE \
     tests/kernels/test_triton.py tests/kernels/test_kv_quant.py tests/kernels/test_cascade.py \
     tests/kernels/test_moe_triton.py tests/kernels/test_attention_sinks.py \
     tests/actors/test_moe_models.py tests/actors/test_gpt_oss.py tests/actors/test_gpt_family.py \
@@ -25,4 +35,7 @@ exec python -m pytest -q "${workers[@]}" -p no:cacheprovider \
     tests/actors/test_disk_tier.py tests/actors/test_kv_tier.py tests/actors/test_disagg.py \
     tests/actors/test_engine_sharing.py tests/actors/test_kv_blocks.py \
     tests/e2e/test_lora.py tests/e2e/test_kv_tier.py tests/e2e/test_disagg.py \
-    tests/e2e/test_tensor_parallel.py "$@"
+    tests/e2e/test_tensor_parallel.py tests/actors/test_backend.py "$@"
+status=$?
+[ -n "${BENCH:-}" ] && python3 bench/gpu.py
+exit $status
