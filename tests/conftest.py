@@ -88,7 +88,13 @@ def tiny_llama(tmp_path, smol_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def gguf_tokenizer_meta() -> dict:
-    """The default model's tokenizer as its GGUF holds it, for the GGUF files tests write."""
+    """The default model's tokenizer as its GGUF holds it, for the GGUF files tests write.
+    PAGEWIRE_TEST_GGUF_TOKENIZER names a JSON copy instead (tests/gpu_prepare.sh writes it for
+    a machine without the default model's package)."""
+    if os.environ.get("PAGEWIRE_TEST_GGUF_TOKENIZER"):
+        import json
+        with open(os.environ["PAGEWIRE_TEST_GGUF_TOKENIZER"]) as f:
+            return json.load(f)
     from pagewire.gguf_header import read_gguf_header
     from pagewire.model_info import default_model_path
     from pagewire.testing.gguf_writer import TOKENIZER_KEYS

@@ -29,5 +29,14 @@ python3 - <<'PY'
 from pagewire.hf_tokenizer import load_tokenizer
 from pagewire.model_info import resolve_model
 load_tokenizer(resolve_model(None)).save_pretrained(".gpu/tokenizer")
+import json
+import numpy as np
+from pagewire.gguf_header import read_gguf_header
+from pagewire.model_info import default_model_path
+from pagewire.testing.gguf_writer import TOKENIZER_KEYS
+meta = read_gguf_header(default_model_path()).metadata
+with open(".gpu/gguf_tokenizer.json", "w") as f:     # what tests/conftest.py's fixture reads
+    json.dump({k: meta[k].tolist() if isinstance(meta[k], np.ndarray) else meta[k]
+               for k in TOKENIZER_KEYS if k in meta}, f)
 PY
 du -sh .whl .gpu

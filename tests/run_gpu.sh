@@ -18,6 +18,7 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site
 fi
 [ -d .gpu/tokenizer ] && export PAGEWIRE_TEST_TOKENIZER="${PAGEWIRE_TEST_TOKENIZER:-$PWD/.gpu/tokenizer}"
+[ -f .gpu/gguf_tokenizer.json ] && export PAGEWIRE_TEST_GGUF_TOKENIZER="$PWD/.gpu/gguf_tokenizer.json"
 workers=()
 python3 -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
 python3 -m pytest -q "${workers[@]}" -p no:cacheprovider --timeout 150 -rfE \
