@@ -25,6 +25,10 @@ from pagewire.wire.sampling_params import InvalidParam
 from .call_list import CallList, ToolCall
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+# The whitespace a forced call may hold between its JSON's tokens: a space, or one line break
+# and an indent (pretty-printed JSON, 40 columns deep), never runs of blank lines. With the
+# closed schemas this bounds a call's whitespace by its keys: a model cannot ramble in it.
+CALL_WHITESPACE = r"[ \t]?|\r?\n[ \t]{0,40}"
 
 
 class FunctionDef(msgspec.Struct, kw_only=True):
@@ -94,7 +98,8 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
 def _closed(schema: dict) -> dict:
     """The constraint of a schema whose objects take only the properties they name, unless
     they say otherwise (the grammar compiler closes them)."""
-    return {"json": schema, "disable_additional_properties": True}
+    return {"json": schema, "disable_additional_properties": True,
+            "whitespace_pattern": CALL_WHITESPACE}
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:

@@ -9,8 +9,8 @@ import pytest
 
 from pagewire.config import EngineConfig
 from pagewire.gateway.chat_output import ChatOutput, split_reasoning
-from pagewire.gateway.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool,
-                                    ToolPlan, calls_of, plan_tools)
+from pagewire.gateway.tools import (CALL_WHITESPACE, FunctionDef, NamedFunction,
+                                    NamedToolChoice, Tool, ToolPlan, calls_of, plan_tools)
 from pagewire.wire.sampling_params import InvalidParam
 
 TOOLS = [Tool(function=FunctionDef(name="f", parameters={"type": "object", "properties": {
@@ -25,7 +25,8 @@ def test_tool_choice_plans():
     named = plan_tools(TOOLS, NamedToolChoice(function=NamedFunction(name="g")), True, OFF)
     assert (named.mode, named.function) == ("named", "g")
     assert named.constraint == [("tool_choice", {"json": {"type": "object", "properties": {}},
-                                                 "disable_additional_properties": True})]
+                                                 "disable_additional_properties": True,
+                                                 "whitespace_pattern": CALL_WHITESPACE})]
     required = plan_tools(TOOLS, "required", False, OFF)
     schema = required.constraint[0][1]["json"]
     assert (schema["minItems"], schema["maxItems"]) == (1, 1)

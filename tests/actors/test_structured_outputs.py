@@ -18,6 +18,7 @@ from pagewire import StructuredOutputsParams as S
 from pagewire.config import EngineConfig
 from pagewire.executor.sampler import apply_bitmasks
 from pagewire.executor.seq_table import SeqState, SeqTable
+from pagewire.gateway.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool, plan_tools
 from pagewire.grammar_compiler import grammar_text, result_of
 from pagewire.tokenizer import RequestTokenizer
 from pagewire.wire.structured import MAX_CHOICES, MAX_CONSTRAINT_CHARS
@@ -343,3 +344,16 @@ def test_disable_additional_properties_closes_only_what_says_nothing(rt, schema,
                                                                      opened):
     assert _accepts(rt, S(json=schema, disable_additional_properties=True), text) is closed
     assert _accepts(rt, S(json=schema), text) is opened
+
+
+@pytest.mark.parametrize("text, taken", [
+    ('{"city": "Paris", "unit": "celsius"}', True),
+    ('{\n    "city": "Paris",\n    "unit": "celsius"\n}', True),         # pretty-printed
+    ('{"city": "Paris",\n\n\n"unit": "celsius"}', False),        # blank lines: rambling
+    ('{"city": "Paris", "country": "France"}', False),           # a key the schema does not name
+])
+def test_a_forced_calls_json_is_closed_and_its_whitespace_bounded(rt, text, taken):
+    plan = plan_tools([Tool(function=FunctionDef(name="get_weather", parameters=WEATHER))],
+                      NamedToolChoice(function=NamedFunction(name="get_weather")), True, None)
+    [(_, fields)] = plan.constraint
+    assert _accepts(rt, S(**fields), text) is taken
