@@ -80,12 +80,12 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
             raise InvalidParam("tool_choice", f"tool_choice names {choice.function.name!r}, "
                                f"which is not among the tools ({', '.join(by_name)})")
         schema = by_name[choice.function.name].parameters or _NO_PARAMETERS
-        return ToolPlan(template_tools=dicts, constraint=[("tool_choice", _closed(schema))],
+        return ToolPlan(template_tools=dicts, constraint=[("tool_choice", _forced_constraint(schema))],
                         mode="named", function=choice.function.name)
     if choice == "required":
         return ToolPlan(template_tools=dicts, mode="required",
                         functions=[t.function.name for t in tools],
-                        constraint=[("tool_choice", _closed(_calls_schema(tools, parallel)))])
+                        constraint=[("tool_choice", _forced_constraint(_calls_schema(tools, parallel)))])
     if choice not in (None, "auto"):
         raise InvalidParam("tool_choice", f"tool_choice must be none, auto, required or a "
                            f"named function, got {choice!r}")
@@ -95,9 +95,9 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
     return ToolPlan(template_tools=dicts, mode="auto", parser=config.server.tool_call_parser)
 
 
-def _closed(schema: dict) -> dict:
-    """The constraint of a schema whose objects take only the properties they name, unless
-    they say otherwise (the grammar compiler closes them)."""
+def _forced_constraint(schema: dict) -> dict:
+    """A forced call's constraint: its objects take only the properties they name unless they
+    say otherwise (the grammar compiler closes them), its whitespace bounded."""
     return {"json": schema, "disable_additional_properties": True,
             "whitespace_pattern": CALL_WHITESPACE}
 
@@ -125,12 +125,12 @@ def calls_of(tool_plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]
         calls.feed(text)
         calls.finish()
         return None, calls.calls
+    if tool_plan.mode != "auto":
+        return text, []
     try:
-        if tool_plan.mode == "auto":
-            return PARSERS[tool_plan.parser](text)
+        return PARSERS[tool_plan.parser](text)
     except (ValueError, KeyError, TypeError):
-        pass
-    return text, []
+        return text, []
 
 
 def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:
