@@ -72,17 +72,33 @@ def _schema(so: StructuredOutputsParams) -> dict:
     return schema
 
 
+# Where a schema holds subschemas (draft 2020-12 and the older `definitions`, `items` lists):
+# only these are walked, so a value (enum, const, default) or a property that happens to be
+# named "properties" is never taken for a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_ONES = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+                "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+
+
 def _closed(node):
     """The schema with additionalProperties: false on every object schema that names its
-    properties and says nothing of others (vLLM's disable_additional_properties)."""
-    if isinstance(node, dict):
-        if "properties" in node and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-        for value in node.values():
-            _closed(value)
-    elif isinstance(node, list):
-        for value in node:
-            _closed(value)
+    properties and says nothing of others (vLLM's disable_additional_properties; OpenAI's
+    strict tools). An object schema naming no properties stays open: it asks for any."""
+    if not isinstance(node, dict):
+        return node
+    if "properties" in node and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for sub in node[key].values():
+                _closed(sub)
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for sub in node[key]:
+                _closed(sub)
+    for key in _SCHEMA_ONES:
+        _closed(node.get(key))
     return node
 
 

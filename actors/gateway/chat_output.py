@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import harmony
 from .harmony import safe_prefix
+from .call_list import CallList
 from .tools import CALL_MARKERS, ToolPlan, calls_of, call_id, tool_call_dicts
 
 THINK, END_THINK = "<think>", "</think>"
@@ -47,7 +48,10 @@ class ChatOutput:
         self.held = ""             # content held back as (possible) tool calls
         self.in_calls = False      # auto: a call's marker was seen; the rest is held
         self.trim = False          # drop newlines opening the content (after </think>)
-        self.named_id: str | None = None
+        # a forced choice's calls as they stream: the named function's (its arguments are the
+        # output) or those the `required` list holds
+        self.forced = CallList(tools.functions) if tools.mode == "required" else None
+        self.named_begun = False
 
     # -- whole ---------------------------------------------------------------------------------
 
@@ -105,7 +109,9 @@ class ChatOutput:
             return _delta("content", text)
         if mode == "named":
             return self._named_arguments(text)
-        if mode == "required" or self.in_calls:
+        if mode == "required":
+            return _call_deltas(self.forced.feed(text), self.forced)
+        if self.in_calls:
             self.held += text
             return []
         text, self.held = self.held + text, ""
@@ -130,15 +136,12 @@ class ChatOutput:
         self.held = text[cut:]          # a marker's beginning, maybe
         return _delta("content", text[:cut])
 
-    def _named_arguments(self, text: str) -> list[dict]:
-        if not text:
+    def _named_arguments(self, text: str, last: bool = False) -> list[dict]:
+        """The named function's call: begun with its first text (or at the end, empty)."""
+        if not (text or last and not self.named_begun):
             return []
-        call = {"index": 0, "function": {"arguments": text}}
-        if self.named_id is None:
-            self.named_id = call_id()
-            call = {"index": 0, "id": self.named_id, "type": "function",
-                    "function": {"name": self.tools.function, "arguments": text}}
-        return [{"tool_calls": [call]}]
+        new, self.named_begun = not self.named_begun, True
+        return [{"tool_calls": [_call_delta(0, new, self.tools.function, text)]}]
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """The deltas still held, and the choice's finish_reason."""
@@ -152,6 +155,10 @@ class ChatOutput:
             finish_reason = "tool_calls"
         return _delta("reasoning_content", reasoning) + out + calls, finish_reason
 
+    def _reported_calls(self) -> bool:
+        """Whether a forced choice's stream reported a call."""
+        return self.named_begun or bool(self.forced and self.forced.calls)
+
     def _harmony_calls(self) -> list[dict]:
         """The harmony calls ended since the last delta, each whole in one."""
         calls, self.harmony.calls = self.harmony.calls, []
@@ -163,13 +170,20 @@ class ChatOutput:
     def _finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         if self.phase == "open":
             self.phase = "content"
-        if self.phase == "reasoning":
-            return _delta("reasoning_content", self.pending.replace(THINK, "", 1)), \
-                finish_reason
+        if self.phase == "reasoning":          # cut short in it: a named call is still one
+            out = _delta("reasoning_content", self.pending.replace(THINK, "", 1))
+            if self.tools.mode == "named":
+                out += self._named_arguments("", last=True)
+            return out, finish_reason
         held, self.held = self.held + self.pending, ""
-        if self.tools.mode in ("text", "named"):
-            return self._content(held) if held else [], \
-                "tool_calls" if self.named_id and finish_reason == "stop" else finish_reason
+        mode = self.tools.mode
+        if mode in ("named", "required"):      # forced: the output is the call(s)
+            out = self._named_arguments(held, last=True) if mode == "named" else \
+                _call_deltas({**self.forced.feed(held), **self.forced.finish()}, self.forced)
+            return out, "tool_calls" if self._reported_calls() and finish_reason == "stop" \
+                else finish_reason
+        if mode == "text":
+            return self._content(held) if held else [], finish_reason
         content, calls = calls_of(self.tools, held)
         out = _delta("content", content or "")
         if calls:
@@ -181,3 +195,19 @@ class ChatOutput:
 
 def _delta(field: str, text: str) -> list[dict]:
     return [{field: text}] if text else []
+
+
+def _call_deltas(added: dict[int, list], calls: CallList) -> list[dict]:
+    """The tool-call deltas of what CallList.feed / finish added."""
+    if not added:
+        return []
+    return [{"tool_calls": [_call_delta(i, new, calls.calls[i].name, piece)
+                            for i, (new, piece) in sorted(added.items())]}]
+
+
+def _call_delta(index: int, new: bool, name: str, arguments: str) -> dict:
+    """A call's delta: its first carries the id, type and name, the rest only arguments."""
+    if not new:
+        return {"index": index, "function": {"arguments": arguments}}
+    return {"index": index, "id": call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}

@@ -5,7 +5,11 @@ output constraint need, and the model's text turned back into OpenAI tool calls.
 - `required` / a named function: the output is constrained (structured outputs) to the
   functions' argument schemas: a JSON list of {"name", "parameters"} objects for `required`
   (one object unless parallel_tool_calls), the named function's arguments object itself
-  otherwise. Every such answer is a valid call; finish_reason is `tool_calls`.
+  otherwise. The schemas are closed as OpenAI's strict function calling closes them: an
+  object schema naming its properties takes no others unless it says additionalProperties,
+  so a small model cannot ramble on in keys of its own. The output is the call(s) whatever
+  a parser would make of free text: tool_calls with finish_reason `tool_calls`, or `length`
+  with the calls begun (their arguments cut short) still reported (call_list.py reads them).
 - `auto` (the default with tools) needs --enable-auto-tool-choice: the output is free and the
   --tool-call-parser finds calls in the model's own syntax (PARSERS).
 """
@@ -18,7 +22,13 @@ import msgspec
 
 from pagewire.wire.sampling_params import InvalidParam
 
+from .call_list import CallList, ToolCall
+
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+# The whitespace a forced call may hold between its JSON's tokens: a space, or one line break
+# and an indent (pretty-printed JSON, 40 columns deep), never runs of blank lines. With the
+# closed schemas this bounds a call's whitespace by its keys: a model cannot ramble in it.
+CALL_WHITESPACE = r"[ \t]?|\r?\n[ \t]{0,40}"
 
 
 class FunctionDef(msgspec.Struct, kw_only=True):
@@ -42,11 +52,6 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
     function: NamedFunction
 
 
-class ToolCall(msgspec.Struct):
-    name: str
-    arguments: str              # JSON text
-
-
 class ToolPlan(msgspec.Struct, kw_only=True):
     """What one chat request's tools decide: the tools the template sees, the constraint
     asked (as constraints.requested_constraints lists them) and how the output is read."""
@@ -54,6 +59,7 @@ class ToolPlan(msgspec.Struct, kw_only=True):
     constraint: list[tuple[str, dict]] = []
     mode: str = "text"          # text | required | named | auto
     function: str | None = None      # the named function
+    functions: list[str] = []        # the tools' names (required)
     parser: str | None = None        # the tool-call parser of `auto`
 
 
@@ -74,11 +80,12 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
             raise InvalidParam("tool_choice", f"tool_choice names {choice.function.name!r}, "
                                f"which is not among the tools ({', '.join(by_name)})")
         schema = by_name[choice.function.name].parameters or _NO_PARAMETERS
-        return ToolPlan(template_tools=dicts, constraint=[("tool_choice", {"json": schema})],
+        return ToolPlan(template_tools=dicts, constraint=[("tool_choice", _forced_constraint(schema))],
                         mode="named", function=choice.function.name)
     if choice == "required":
         return ToolPlan(template_tools=dicts, mode="required",
-                        constraint=[("tool_choice", {"json": _calls_schema(tools, parallel)})])
+                        functions=[t.function.name for t in tools],
+                        constraint=[("tool_choice", _forced_constraint(_calls_schema(tools, parallel)))])
     if choice not in (None, "auto"):
         raise InvalidParam("tool_choice", f"tool_choice must be none, auto, required or a "
                            f"named function, got {choice!r}")
@@ -86,6 +93,13 @@ def plan_tools(tools: list[Tool] | None, choice, parallel: bool, config) -> Tool
         raise InvalidParam("tool_choice", '"auto" tool choice requires '
                            "--enable-auto-tool-choice and --tool-call-parser to be set")
     return ToolPlan(template_tools=dicts, mode="auto", parser=config.server.tool_call_parser)
+
+
+def _forced_constraint(schema: dict) -> dict:
+    """A forced call's constraint: its objects take only the properties they name unless they
+    say otherwise (the grammar compiler closes them), its whitespace bounded."""
+    return {"json": schema, "disable_additional_properties": True,
+            "whitespace_pattern": CALL_WHITESPACE}
 
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
@@ -101,19 +115,22 @@ def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
 
 
 def calls_of(tool_plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of a finished output. Text that does not parse stays content."""
+    """(content, tool calls) of a finished output. A forced choice's text is its calls (the
+    grammar held it to them), even cut short; a parser's text that does not parse stays
+    content."""
+    if tool_plan.mode == "named":
+        return None, [ToolCall(tool_plan.function, text)]
+    if tool_plan.mode == "required":
+        calls = CallList(tool_plan.functions)
+        calls.feed(text)
+        calls.finish()
+        return None, calls.calls
+    if tool_plan.mode != "auto":
+        return text, []
     try:
-        if tool_plan.mode == "named":
-            json.loads(text)
-            return None, [ToolCall(tool_plan.function, text)]
-        if tool_plan.mode == "required":
-            return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                          for c in json.loads(text)]
-        if tool_plan.mode == "auto":
-            return PARSERS[tool_plan.parser](text)
+        return PARSERS[tool_plan.parser](text)
     except (ValueError, KeyError, TypeError):
-        pass
-    return text, []
+        return text, []
 
 
 def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:

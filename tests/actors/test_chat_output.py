@@ -9,8 +9,8 @@ import pytest
 
 from pagewire.config import EngineConfig
 from pagewire.gateway.chat_output import ChatOutput, split_reasoning
-from pagewire.gateway.tools import (FunctionDef, NamedFunction, NamedToolChoice, Tool,
-                                    ToolPlan, calls_of, plan_tools)
+from pagewire.gateway.tools import (CALL_WHITESPACE, FunctionDef, NamedFunction,
+                                    NamedToolChoice, Tool, ToolPlan, calls_of, plan_tools)
 from pagewire.wire.sampling_params import InvalidParam
 
 TOOLS = [Tool(function=FunctionDef(name="f", parameters={"type": "object", "properties": {
@@ -24,12 +24,16 @@ def test_tool_choice_plans():
     assert plan_tools(TOOLS, "none", True, OFF) == ToolPlan()          # tools kept out
     named = plan_tools(TOOLS, NamedToolChoice(function=NamedFunction(name="g")), True, OFF)
     assert (named.mode, named.function) == ("named", "g")
-    assert named.constraint == [("tool_choice", {"json": {"type": "object", "properties": {}}})]
+    assert named.constraint == [("tool_choice", {"json": {"type": "object", "properties": {}},
+                                                 "disable_additional_properties": True,
+                                                 "whitespace_pattern": CALL_WHITESPACE})]
     required = plan_tools(TOOLS, "required", False, OFF)
     schema = required.constraint[0][1]["json"]
     assert (schema["minItems"], schema["maxItems"]) == (1, 1)
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["f"], ["g"]]
     assert [t["function"]["name"] for t in required.template_tools] == ["f", "g"]
+    assert required.constraint[0][1]["disable_additional_properties"] is True
+    assert required.functions == ["f", "g"]
     assert plan_tools(TOOLS, "auto", True, AUTO).parser == "hermes"
 
 
@@ -123,7 +127,10 @@ HARMONY = ("<|channel|>analysis<|message|>Think: <b>|a|</b> then more.<|end|><|s
     (ToolPlan(mode="auto", parser="mistral"), "qwen3",
      '<think>plan</think>[TOOL_CALLS][{"name": "f", "arguments": {"x": 5}}]'),
     (ToolPlan(mode="required"), None, '[{"name": "f", "parameters": {"x": 1}}]'),
+    (ToolPlan(mode="required"), None, '[ {\n "name" : "f",\n "parameters": {"s": "}]\\"{"}}, '
+                                      '{"name":"g","parameters":{}} ]'),
     (ToolPlan(mode="named", function="f"), None, '{"x": 7}'),
+    (ToolPlan(mode="named", function="f"), "qwen3", '<think>f it is</think>{"x": 7}'),
     (ToolPlan(), "openai_gptoss", HARMONY),
     (ToolPlan(), "openai_gptoss", "<|channel|>analysis<|message|>only <|ret thinking"),
     (ToolPlan(mode="auto", parser="openai"), "openai_gptoss", HARMONY_CALLS),
@@ -183,3 +190,63 @@ def test_harmony_calls_need_the_harmony_reasoning_parser():
     EngineConfig.from_options(max_model_len=512, kv_cache_memory=64 * 2**20,
                               enable_auto_tool_choice=True, tool_call_parser="openai",
                               reasoning_parser="openai_gptoss").resolve()
+
+
+REQUIRED = ToolPlan(mode="required", functions=["get_weather", "get_time"])
+NAMED = ToolPlan(mode="named", function="get_weather")
+
+
+@pytest.mark.parametrize("tools, text, calls", [
+    (NAMED, '{"city": "Par', [("get_weather", '{"city": "Par')]),
+    (NAMED, "", [("get_weather", "")]),                   # cut before its first character
+    (REQUIRED, '[{"name": "get_time", "parameters": {"zone": "U',
+     [("get_time", '{"zone": "U')]),
+    (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_t',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", "")]),    # a name's unique start
+    (REQUIRED, '[{"name": "get_', []),                  # not yet decided between the two
+    (REQUIRED, '[{"name": "get_weather", "parameters": 12', [("get_weather", "12")]),
+    (ToolPlan(mode="required", functions=["only"]), "[", [("only", "")]),
+])
+@pytest.mark.parametrize("cut", [1, 4, 1000])
+def test_a_forced_choice_cut_short_still_reports_its_calls(tools, text, calls, cut):
+    """named / required: the constrained text is the call(s), whatever max_tokens cut off."""
+    msg, reason = ChatOutput(tools, None).message(text, "length")
+    assert msg["content"] is None and reason == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in msg.get("tool_calls", [])] == calls
+    fields, streamed, reason = _stream(ChatOutput(tools, None), text, cut, "length")
+    assert fields["content"] == "" and reason == "length"
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+
+
+@pytest.mark.parametrize("cut", [1, 1000])
+def test_a_named_choice_cut_short_in_its_reasoning_still_reports_the_call(cut):
+    msg, reason = ChatOutput(NAMED, "deepseek_r1").message("Paris, so", "length")
+    assert (msg["reasoning_content"], msg["content"], reason) == ("Paris, so", None, "length")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
+        [("get_weather", "")]
+    fields, calls, reason = _stream(ChatOutput(NAMED, "deepseek_r1"), "Paris, so", cut, "length")
+    assert (fields["reasoning_content"], fields["content"], reason) == ("Paris, so", "", "length")
+    assert calls == [{"name": "get_weather", "arguments": ""}]
+
+
+def test_forced_calls_stream_as_deltas_with_id_type_and_name_first():
+    out = ChatOutput(REQUIRED, None)
+    deltas = [d for piece in ('[{"name": "get_w', 'eather", "parameters": {"ci', 'ty": "Paris"}',
+                              '}, {"name": "get_time", "parameters": {}}]')
+              for d in out.feed(piece)]
+    rest, reason = out.finish("stop")
+    calls = [c for d in deltas + rest for c in d["tool_calls"]]
+    assert reason == "tool_calls" and all(set(d) == {"tool_calls"} for d in deltas + rest)
+    heads = [c for c in calls if "id" in c]
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in heads] == \
+        [(0, "function", "get_weather"), (1, "function", "get_time")]
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in heads)
+    assert [c["function"]["arguments"] for c in calls if c["index"] == 0] == \
+        ["{\"ci", 'ty": "Paris"}']
+    named = ChatOutput(NAMED, None)
+    [first] = named.feed('{"city"')
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert named.feed(': "Rome"}') == [{"tool_calls": [{"index": 0, "function": {
+        "arguments": ': "Rome"}'}}]}]
+    assert named.finish("stop") == ([], "tool_calls")

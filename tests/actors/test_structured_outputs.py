@@ -18,7 +18,8 @@ from pagewire import StructuredOutputsParams as S
 from pagewire.config import EngineConfig
 from pagewire.executor.sampler import apply_bitmasks
 from pagewire.executor.seq_table import SeqState, SeqTable
-from pagewire.grammar_compiler import result_of
+from pagewire.gateway.tools import FunctionDef, NamedFunction, NamedToolChoice, Tool, plan_tools
+from pagewire.grammar_compiler import grammar_text, result_of
 from pagewire.tokenizer import RequestTokenizer
 from pagewire.wire.structured import MAX_CHOICES, MAX_CONSTRAINT_CHARS
 from pagewire.wire.to_gateway import RequestFailed
@@ -309,3 +310,50 @@ def test_jump_forward_drafts_what_the_grammar_forces_and_keeps_the_output(fuzz_l
     drafts = spec.scheduler.drafts
     assert drafts.num_accepted_tokens >= 3 * 8          # the keys came as forced drafts
     assert spec.scheduler.step_id < max(len(t) for t in plain)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city"]}
+
+
+def _accepts(rt, so: S, text: str) -> bool:
+    """Whether the constraint's grammar takes `text` whole (llguidance's own matcher)."""
+    import llguidance
+    tokenizer = rt.grammars.llg_tokenizer()
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(so))
+    tokens = tokenizer.tokenize_str(text)
+    return matcher.validate_tokens(tokens) == len(tokens) and \
+        matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("schema, text, closed, opened", [
+    (WEATHER, '{"city": "Paris", "unit": "celsius"}', True, True),
+    (WEATHER, '{"city": "Paris", "unit_low": 3}', False, True),       # a key it does not name
+    ({**WEATHER, "additionalProperties": True}, '{"city": "Paris", "x": 1}', True, True),
+    ({**WEATHER, "additionalProperties": {"type": "integer"}}, '{"city": "P", "x": 1}',
+     True, True),
+    ({"type": "object", "properties": {"at": {"type": "object", "properties": {
+        "lat": {"type": "number"}}}}}, '{"at": {"lat": 1, "lon": 2}}', False, True),  # nested
+    ({"type": "object", "properties": {"properties": {"type": "string"}}},   # a key so named
+     '{"properties": "x"}', True, True),
+    ({"enum": [{"properties": {"a": 1}}]}, '{"properties": {"a": 1}}', True, True),  # a value
+    ({"type": "object"}, '{"anything": 1}', True, True),   # names no properties: stays open
+])
+def test_disable_additional_properties_closes_only_what_says_nothing(rt, schema, text, closed,
+                                                                     opened):
+    assert _accepts(rt, S(json=schema, disable_additional_properties=True), text) is closed
+    assert _accepts(rt, S(json=schema), text) is opened
+
+
+@pytest.mark.parametrize("text, taken", [
+    ('{"city": "Paris", "unit": "celsius"}', True),
+    ('{\n    "city": "Paris",\n    "unit": "celsius"\n}', True),         # pretty-printed
+    ('{"city": "Paris",\n\n\n"unit": "celsius"}', False),        # blank lines: rambling
+    ('{"city": "Paris", "country": "France"}', False),           # a key the schema does not name
+])
+def test_a_forced_calls_json_is_closed_and_its_whitespace_bounded(rt, text, taken):
+    plan = plan_tools([Tool(function=FunctionDef(name="get_weather", parameters=WEATHER))],
+                      NamedToolChoice(function=NamedFunction(name="get_weather")), True, None)
+    [(_, fields)] = plan.constraint
+    assert _accepts(rt, S(**fields), text) is taken

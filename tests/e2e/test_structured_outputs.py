@@ -150,6 +150,57 @@ def test_a_named_tool_choice_returns_its_function_streamed_and_not(client):
     assert reason == "tool_calls"
 
 
+# Issue #45: get_weather(city, unit) as a client writes it, saying nothing of other keys;
+# held to it, the default model once added "country", "unit_low", ... until max_tokens.
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+ASK_PARIS = [{"role": "user", "content": "What's the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _arguments(call) -> dict:
+    """A finished call's arguments: JSON with its required keys and no others."""
+    args = json.loads(call.function.arguments)
+    assert "city" in args and set(args) <= {"city", "unit"}, args
+    return args
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_choice_is_a_call_of_the_declared_keys_streamed_and_not(client, choice):
+    kw = dict(messages=ASK_PARIS, tools=[OPEN_WEATHER], tool_choice=choice, max_tokens=60,
+              parallel_tool_calls=False)
+    choice = _chat(client, **kw).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.type == "function"
+    _arguments(call)
+    text, calls, reason = _streamed(_chat(client, stream=True, **kw))
+    assert (text, reason) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather",
+                                                            call.function.arguments)]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_cut_short_is_still_reported(client, choice):
+    kw = dict(messages=ASK_PARIS, tools=[OPEN_WEATHER, TIME], tool_choice=choice,
+              parallel_tool_calls=False)
+    whole = _chat(client, max_tokens=60, **kw).choices[0].message.tool_calls[0]
+    cut = _chat(client, max_tokens=14, **kw).choices[0]
+    assert (cut.finish_reason, cut.message.content) == ("length", None)
+    [call] = cut.message.tool_calls
+    assert call.function.name == whole.function.name           # greedy: the same call, begun
+    assert whole.function.arguments.startswith(call.function.arguments)
+    assert call.function.arguments != whole.function.arguments
+    text, calls, reason = _streamed(_chat(client, stream=True, max_tokens=14, **kw))
+    assert (text, reason) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.function.name,
+                                                            call.function.arguments)]
+
+
 def test_auto_tool_choice_parses_the_models_hermes_calls(client):
     # The model is held to one call in Hermes syntax, as a tool-calling model would write it.
     said = 'Sure. <tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
