@@ -188,7 +188,9 @@ class RequestTokenizer:
             if msg.messages is not None:
                 ids = self.encode_chat(TokenizeRequest(
                     req_id=msg.req_id, arrival_time=0.0, sampling=_NO_SAMPLING,
-                    messages=msg.messages, add_generation_prompt=msg.add_generation_prompt))
+                    messages=msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                    continue_final_message=msg.continue_final_message,
+                    chat_template_kwargs=msg.chat_template_kwargs, tools=msg.tools))
             else:
                 ids = self.tokenizer.encode(msg.prompt or "",
                                             add_special_tokens=msg.add_special_tokens)

@@ -55,6 +55,9 @@ class TokenizeOnly(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
+    tools: list[dict] | None = None      # the template's tools: counted as a request's prompt
 
 
 class DetokenizeOnly(msgspec.Struct, tag=True):

@@ -42,6 +42,9 @@ class Door:
         """The whole answer (non-streamed), from the OpenAI dict."""
         return answer
 
+    def started(self, usage: dict) -> None:
+        """The prompt was taken: `usage` counts its tokens (before a stream's opening)."""
+
     def opening(self, num_choices: int) -> list[bytes]:
         """What a stream sends before the first delta."""
         if not self.fmt.chat:

@@ -55,6 +55,7 @@ class RequestRun:
                 self.open_ids.discard(msg.seq_id)
                 raise ApiError(503, msg.error or "the server is overloaded")
             answered.add(self.slot[msg.seq_id][0])
+            self.prompt_tokens[self.slot[msg.seq_id][0]] = msg.num_prompt_tokens
             self.buffer.append(msg)
 
     def __aiter__(self):

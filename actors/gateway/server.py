@@ -38,6 +38,7 @@ from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_l
 from .doors import Door
 from .request_run import RequestRun
 from .responses_api import ResponsesRoutes
+from .anthropic_api import AnthropicRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
@@ -88,7 +89,7 @@ class Gateway:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
-            *ResponsesRoutes(self).routes(),
+            *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
             *self.stream_input.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
@@ -324,6 +325,7 @@ class Gateway:
         if "X-Request-Id" in request.headers:
             response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
         await response.prepare(request)
+        door.started(run.usage())
         for data in door.opening(run.num_choices):
             await response.write(data)
         try:
