@@ -163,6 +163,19 @@ USER = [{"role": "user", "content": "x"}]
      "not_found_error"),
     ("/v1/messages", {"model": MODEL, "max_tokens": 100000, "messages": USER}, 400,
      "invalid_request_error"),                                  # past the context
+    ("/v1/messages", {"model": MODEL, "max_tokens": 100000, "messages": USER, "stream": True},
+     400, "invalid_request_error"),                             # refused before the stream
+    ("/v1/messages", {"model": MODEL, "max_tokens": 0, "messages": USER}, 400,
+     "invalid_request_error"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "invalid_request_error"),                                  # a wrong type deep inside
+    ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x"}] * 300}]}, 400,
+     "invalid_request_error"),                                  # too many blocks
+    ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "server_tool_use", "id": "s"}]}]}, 400,
+     "invalid_request_error"),
     ("/v1/messages/count_tokens", {"model": MODEL, "messages": USER, "max_tokens": 1}, 400,
      "invalid_request_error"),
     ("/v1/messages/nothing", {}, 404, "not_found_error"),
