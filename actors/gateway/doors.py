@@ -42,6 +42,10 @@ class Door:
         """The whole answer (non-streamed), from the OpenAI dict."""
         return answer
 
+    def first_tokens(self) -> None:
+        """Every prompt has its first token (the prefill is over): a door that reports
+        durations (Ollama's) notes the time. Called streamed or not."""
+
     def opening(self, num_choices: int) -> list[bytes]:
         """What a stream sends before the first delta."""
         if not self.fmt.chat:

@@ -4,8 +4,9 @@ newline-delimited JSON, ending in one object with "done": true and Ollama's figu
 
 Ollama sends a tool call whole, its arguments an object; OpenAI streams a named call's
 arguments in pieces, so calls are gathered and sent once the choice finishes. Durations are
-nanoseconds: the prompt's part runs from the request's arrival to its first token (queueing
-and tokenizing included), the rest is generating; nothing is ever loaded (load_duration 0).
+nanoseconds: the prompt's part runs from the request's start (the door is made before the
+prompt is sent) to its first token, queueing and tokenizing included; the rest is
+generating; nothing is ever loaded (load_duration 0).
 """
 from __future__ import annotations
 
@@ -48,14 +49,14 @@ def completion_logprobs(lp: dict) -> list[dict]:
 
 
 class OllamaChat(Door):
-    """/api/chat's answers. Made by server.serve once the prompt's first token is out."""
+    """/api/chat's answers."""
 
     name = "ollama"
     content_type = "application/x-ndjson"
 
-    def __init__(self, fmt: Formatter, include_usage: bool = False, *, started_ns: int):
+    def __init__(self, fmt: Formatter, include_usage: bool = False):
         super().__init__(fmt, include_usage)
-        self.started, self.first = started_ns, time.monotonic_ns()
+        self.started = self.first = time.monotonic_ns()
         self.reason: str | None = None
         self.calls: dict[int, dict] = {}         # streamed tool calls, gathered by index
 
@@ -68,6 +69,9 @@ class OllamaChat(Door):
         if calls:
             message["tool_calls"] = calls
         return {"message": message}
+
+    def first_tokens(self) -> None:
+        self.first = time.monotonic_ns()
 
     def obj(self, part: dict, done: bool = False) -> dict:
         return {"model": self.fmt.model, "created_at": now_iso(), **part, "done": done}

@@ -5,9 +5,7 @@ chat and completions requests, answered through ollama_door.py), /api/tags, /api
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
-import time
 from datetime import datetime, timezone
 
 import msgspec
@@ -50,25 +48,21 @@ class OllamaRoutes:
         return web.Response(text="Ollama is running")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        started = time.monotonic_ns()
         req = decode_body(await request.read(), ChatRequest)
         if not req.messages:             # Ollama's way to load a model: nothing to run
             return self._loaded(req, {"message": {"role": "assistant", "content": ""}})
         body = chat_body(req, self.config.model.max_model_len, self.config.server.reasoning_parser)
-        return await self.gateway.serve_chat(
-            request, body, door=functools.partial(OllamaChat, started_ns=started))
+        return await self.gateway.serve_chat(request, body, door=OllamaChat)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        started = time.monotonic_ns()
         req = decode_body(await request.read(), GenerateRequest)
         if not req.prompt:
             return self._loaded(req, {"response": ""})
         body = generate_body(req, self.config.model.max_model_len,
                              self.config.server.reasoning_parser)
-        door = functools.partial(OllamaGenerate, started_ns=started)
         if isinstance(body, ChatBody):
-            return await self.gateway.serve_chat(request, body, door=door)
-        return await self.gateway.serve_completion(request, body, door=door,
+            return await self.gateway.serve_chat(request, body, door=OllamaGenerate)
+        return await self.gateway.serve_completion(request, body, door=OllamaGenerate,
                                                    default_max_tokens=None)
 
     def _loaded(self, req, part: dict) -> web.Response:

@@ -309,6 +309,7 @@ class Gateway:
                 else:
                     self.tokenizers.send(p)
             await run.first_replies()
+            answer.first_tokens()
             if body.stream:
                 return await self.stream(request, fmt, run, answer)
             return await self.collect(fmt, run, answer)

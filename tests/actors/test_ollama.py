@@ -101,7 +101,7 @@ def deltas(texts: list[str], reason: str) -> list[TextDelta]:
 
 def test_a_named_tool_call_streams_as_one_ollama_call():
     fmt = Formatter(True, "r", 0, "m", tools=ToolPlan(mode="named", function="t"))
-    door = OllamaChat(fmt, started_ns=0)
+    door = OllamaChat(fmt)
     lines = [json.loads(line) for d in deltas(['{"zo', 'ne": "UTC"}'], "stop")
              for chunk in fmt.chunks(0, d) for line in door.events(chunk)]
     lines += [json.loads(line) for line in door.closing({"prompt_tokens": 9,
@@ -118,7 +118,7 @@ def test_a_named_tool_call_streams_as_one_ollama_call():
 
 def test_generate_streams_responses_and_answers_whole():
     fmt = Formatter(False, "r", 0, "m", logprobs=True)
-    door = OllamaGenerate(fmt, started_ns=0)
+    door = OllamaGenerate(fmt)
     lines = [json.loads(line) for d in deltas([" a", " b"], "length")
              for chunk in fmt.chunks(0, d) for line in door.events(chunk)]
     assert [(line["response"], line["done"]) for line in lines] == [(" a", False), (" b", False)]
@@ -137,7 +137,7 @@ def test_generate_streams_responses_and_answers_whole():
 
 def test_reasoning_is_thinking_streamed_and_whole():
     fmt = Formatter(True, "r", 0, "m", reasoning_parser="deepseek_r1")
-    door = OllamaChat(fmt, started_ns=0)
+    door = OllamaChat(fmt)
     lines = [json.loads(line) for d in deltas(["why", "</think>", "Paris"], "stop")
              for chunk in fmt.chunks(0, d) for line in door.events(chunk)]
     assert [line["message"] for line in lines] == [
@@ -148,7 +148,7 @@ def test_reasoning_is_thinking_streamed_and_whole():
                                     "logprobs": None}],
                        "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
     assert whole["message"] == {"role": "assistant", "content": "Paris", "thinking": "why"}
-    generated = OllamaGenerate(fmt, started_ns=0).full(
+    generated = OllamaGenerate(fmt).full(
         {"choices": [{"message": message, "finish_reason": reason, "logprobs": None}],
          "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
     assert (generated["response"], generated["thinking"]) == ("Paris", "why")

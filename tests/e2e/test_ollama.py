@@ -54,7 +54,8 @@ def test_chat_streamed_and_not_agree_with_the_openai_route(server, client):
     assert "Paris" in full.message.content and full.message.role == "assistant"
     assert (full.done, full.done_reason, full.load_duration) == (True, "stop", 0)
     assert full.prompt_eval_count > 10 and full.eval_count > 3
-    assert full.total_duration >= full.prompt_eval_duration + full.eval_duration > 0
+    assert full.total_duration >= full.prompt_eval_duration + full.eval_duration
+    assert full.prompt_eval_duration > 0 and full.eval_duration > 0
     parts = list(client.chat(model=MODEL, messages=FRANCE, options=GREEDY, stream=True))
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
     assert "".join(p.message.content for p in parts) == full.message.content
@@ -209,9 +210,12 @@ def test_hostile_generate_bodies(server, body, words):
 
 
 def scrape(server) -> dict[str, float]:
+    """Sample name (with its `api` label where it has one) -> value, of the unlabelled and
+    the per-api samples."""
     with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {s.name: s.value for family in text_string_to_metric_families(text)
+    return {s.name + (f"/{s.labels['api']}" if "api" in s.labels else ""): s.value
+            for family in text_string_to_metric_families(text)
             for s in family.samples if not s.labels.get("finished_reason")
             and not s.labels.get("type")}
 
@@ -224,6 +228,7 @@ def poll(server, done, timeout: float = 5.0) -> dict[str, float]:
 
 
 def test_a_disconnect_mid_stream_frees_its_blocks(server, client):
+    before = scrape(server)
     stream = client.generate(model=MODEL, prompt="1, 2, 3,", raw=True, stream=True,
                              options={"temperature": 0, "num_predict": 900})
     for i, _ in enumerate(stream):
@@ -236,3 +241,6 @@ def test_a_disconnect_mid_stream_frees_its_blocks(server, client):
                  and s["vllm:kv_cache_usage_perc"] == 0)
     assert (after["vllm:num_requests_running"], after["vllm:kv_cache_usage_perc"],
             after["pagewire:requests_in_flight"]) == (0, 0, 0)
+    counted = {api: after.get(f"pagewire:api_requests_total/{api}", 0) -
+               before.get(f"pagewire:api_requests_total/{api}", 0) for api in ("ollama", "openai")}
+    assert counted == {"ollama": 1, "openai": 0}
