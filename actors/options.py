@@ -262,7 +262,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     ),
     "security": (
         Option("api_keys", "accepted bearer key, repeatable (also `$PAGEWIRE_API_KEY` or "
-               "`$VLLM_API_KEY`, comma-separated); guards `/v1/*`", "none", flags=("--api-key",),
+               "`$VLLM_API_KEY`, comma-separated); guards `/v1/*` and Ollama's `/api/*`",
+               "none", flags=("--api-key",),
                **_RUN),
         Option("cache_salt_per_api_key", "each API key's requests get their own prefix-cache salt "
                "(tenants never share blocks)", **_RUN),

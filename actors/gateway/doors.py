@@ -43,7 +43,9 @@ class Door:
         return answer
 
     def started(self, usage: dict) -> None:
-        """The prompt was taken: `usage` counts its tokens (before a stream's opening)."""
+        """Every prompt has its first reply (the prefill is over; `usage` counts the prompt's
+        tokens), streamed or not, before a stream's opening: a door that reports the prompt's
+        tokens up front (Anthropic's) or durations (Ollama's) notes them."""
 
     def opening(self, num_choices: int) -> list[bytes]:
         """What a stream sends before the first delta."""

@@ -42,6 +42,7 @@ from .anthropic_api import AnthropicRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
+from .ollama_routes import OllamaRoutes
 from .stream_input import StreamInputRoutes
 from .tokenize_routes import TokenizeRoutes
 
@@ -50,6 +51,8 @@ MAX_BODY_BYTES = 32 * 2**20
 ENGINE_SILENT_AFTER = 10.0    # seconds without a scheduler heartbeat: the engine is down
 STEP_STALLED_AFTER = 60.0     # seconds one step may run before the engine counts as hung
 _json = msgspec.json.Encoder()
+# What the API keys guard (/api/: Ollama's routes, ollama_routes.py); /metrics optionally.
+KEYED_PATHS = ("/v1/", "/api/", "/tokenize", "/detokenize", "/admin/")
 
 
 class Gateway:
@@ -90,6 +93,7 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions),
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
             *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
+            *OllamaRoutes(self).routes(),
             *self.stream_input.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
@@ -116,7 +120,7 @@ class Gateway:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith(("/v1/", "/tokenize", "/detokenize", "/admin/")) or (
+            if request.path.startswith(KEYED_PATHS) or (
                     request.path == "/metrics" and self.config.server.metrics_require_api_key):
                 self.api_key(request)
             response = await handler(request)
@@ -179,13 +183,21 @@ class Gateway:
                                   "data": [entry, *self.loras.model_entries(self.created)]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = decode_body(await request.read(), CompletionBody)
+        return await self.serve_completion(request, decode_body(await request.read(),
+                                                                CompletionBody))
+
+    async def serve_completion(self, request: web.Request, body: CompletionBody,
+                               door: type[Door] = Door,
+                               default_max_tokens: int | None = 16) -> web.StreamResponse:
+        """A completion request, whichever API's route translated it, answered through
+        `door`'s shapes. Without max_tokens it generates default_max_tokens (OpenAI's 16;
+        None: up to the context)."""
         lora = self.check_model(body.model)
         # echo with logprobs reports the prompt's tokens too: their logprobs are computed.
         prompt_lps = body.prompt_logprobs if body.prompt_logprobs is not None or not body.echo \
             else body.logprobs
-        sampling = to_sampling(body, 16 if body.max_tokens is None else body.max_tokens,
-                               body.logprobs, prompt_lps)
+        sampling = to_sampling(body, default_max_tokens if body.max_tokens is None
+                               else body.max_tokens, body.logprobs, prompt_lps)
         prompts = completion_prompts(body)
         session = self.stream_input.check(body, prompts) if body.stream_input else None
         transfer = self.kv_transfer(body, sampling, len(prompts))
@@ -199,7 +211,7 @@ class Gateway:
                         logprobs=body.logprobs is not None,
                         prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo,
                         token_ids=body.return_tokens_as_token_ids)
-        return await self.serve(request, body, fmt, subs, session)
+        return await self.serve(request, body, fmt, subs, session, door=door)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serve_chat(request, decode_body(await request.read(), ChatBody))
@@ -299,6 +311,7 @@ class Gateway:
                 else:
                     self.tokenizers.send(p)
             await run.first_replies()
+            answer.started(run.usage())
             if body.stream:
                 return await self.stream(request, fmt, run, answer)
             return await self.collect(fmt, run, answer)
@@ -325,7 +338,6 @@ class Gateway:
         if "X-Request-Id" in request.headers:
             response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
         await response.prepare(request)
-        door.started(run.usage())
         for data in door.opening(run.num_choices):
             await response.write(data)
         try:
