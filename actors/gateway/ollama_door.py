@@ -56,7 +56,7 @@ class OllamaChat(Door):
 
     def __init__(self, fmt: Formatter, include_usage: bool = False):
         super().__init__(fmt, include_usage)
-        self.started = self.first = time.monotonic_ns()
+        self.began = self.first = time.monotonic_ns()
         self.reason: str | None = None
         self.calls: dict[int, dict] = {}         # streamed tool calls, gathered by index
 
@@ -79,9 +79,9 @@ class OllamaChat(Door):
     def figures(self, usage: dict, reason: str | None) -> dict:
         end = time.monotonic_ns()
         return {"done_reason": DONE_REASONS.get(reason, reason),
-                "total_duration": end - self.started, "load_duration": 0,
+                "total_duration": end - self.began, "load_duration": 0,
                 "prompt_eval_count": usage["prompt_tokens"],
-                "prompt_eval_duration": self.first - self.started,
+                "prompt_eval_duration": self.first - self.began,
                 "eval_count": usage["completion_tokens"], "eval_duration": end - self.first}
 
     def full(self, answer: dict) -> dict:
