@@ -61,8 +61,16 @@ def test_the_tower_gives_transformers_image_features(tmp_path, smol_tokenizer_di
     assert float((ours - theirs.reshape(ours.shape)).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("kernels", ["torch", "cpu"])
-def test_every_positions_logits_with_two_images(tmp_path, smol_tokenizer_dir, kernels):
+def test_every_positions_logits_with_two_images(tmp_path, smol_tokenizer_dir):
+    _logits_with_two_images(tmp_path, smol_tokenizer_dir, "torch")
+
+
+def test_every_positions_logits_with_two_images_on_each_tier(tmp_path, smol_tokenizer_dir,
+                                                             tier):
+    _logits_with_two_images(tmp_path, smol_tokenizer_dir, tier)
+
+
+def _logits_with_two_images(tmp_path, smol_tokenizer_dir, kernels):
     """The prompt's image rows replaced by the tower's output (forward's `images`), a
     prefill through the paged cache: every position within 1e-4 of transformers' logits."""
     from pagewire.kernels.attention import AttentionBatch, PrefillSpan
@@ -97,13 +105,14 @@ def _images():
             for i in range(2)]
 
 
-def test_generate_with_images_matches_transformers(tmp_path, smol_tokenizer_dir):
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_generate_with_images_matches_transformers(tmp_path, smol_tokenizer_dir, kernels):
     """LLM.generate with multi_modal_data: the tokenizer's preparation (one placeholder an
     image widened to its 4 rows), the executor's image rows, greedy tokens equal to
     transformers' generate on the processor's pixels; the second image changes the answer."""
     from transformers import CLIPImageProcessor
     path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
-    llm = LLM(path, dtype="float32", kernels="torch", block_size=4, num_kv_blocks=64)
+    llm = LLM(path, dtype="float32", kernels=kernels, block_size=16, num_kv_blocks=64)
     images = _images()
     short = [1, 20, 30, IMAGE_TOKEN, 40, 50, IMAGE_TOKEN, 60, 70, 80]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
