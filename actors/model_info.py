@@ -121,7 +121,10 @@ def resolve_model(model: str | None) -> ModelInfo:
 # and its sliding layers are not KV-Compress's.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
             "GptOssForCausalLM": ("--enable-lora", "--decode-context-parallel-size > 1",
-                                  "--kv-compress-rate")}
+                                  "--kv-compress-rate"),
+            **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
+                      "--decode-context-parallel-size > 1", "--kv-compress-rate")
+               for arch in VISION_ARCHITECTURES}}
 
 
 # GPT-2's config.json names for the keys every other family's uses.

@@ -5,6 +5,7 @@ the torch reference and on each native CPU tier, float32."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -198,3 +199,14 @@ def test_a_text_model_takes_no_images(tiny_llama):
     llm = LLM(tiny_llama(), dtype="float32", kernels="torch", num_kv_blocks=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [b"x"]}})
+
+
+@pytest.mark.parametrize("options, what", [
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(tensor_parallel_size=2, device="cpu"), "--tensor-parallel-size > 1"),
+    (dict(kv_compress_rate=0.5, enable_prefix_caching=False), "--kv-compress-rate")])
+def test_what_llava_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir, options,
+                                                     what):
+    path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
+    with pytest.raises(ValueError, match=f"LlavaForConditionalGeneration with {re.escape(what)}"):
+        LLM(path, dtype="float32", num_kv_blocks=16, **options)
