@@ -9,6 +9,7 @@ step is planned (and the last one's tokens detokenized) while a step runs, as in
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import queue
 import time
@@ -111,7 +112,10 @@ class LLM:
                  kv_transfer_params: dict | list[dict | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt (greedy by default); outputs in prompt order. A prompt is
-        text, a list of token ids, or {"prompt_token_ids": [...]}; `lora_request`: the
+        text, a list of token ids, or {"prompt": text} / {"prompt_token_ids": [...]}, with
+        "multi_modal_data": {"image": an image or a list of them} for a vision model (PIL
+        images or image files' bytes; one placeholder token an image in the prompt, as vLLM
+        takes them); `lora_request`: the
         adapter of every prompt, or one per prompt (None: the base model);
         `kv_transfer_params`: disaggregated prefill/decode, as the HTTP field."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -151,13 +155,15 @@ class LLM:
                               tools=tools, lora=self._lora(lora_request),
                               kv_transfer=request_transfer(self.config, kv_transfer_params,
                                                            sampling), prompt_open=prompt_open)
+        if isinstance(prompt, dict):        # {"prompt" | "prompt_token_ids", "multi_modal_data"}
+            req.images = image_files(prompt.get("multi_modal_data"))
+            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if messages is not None:
             req.messages = [ChatMessage(**m) for m in messages]
         elif isinstance(prompt, str):
             req.prompt = prompt
         else:
-            req.prompt_token_ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict)
-                                        else prompt)
+            req.prompt_token_ids = list(prompt)
         self._prompts[req_id] = req.prompt
         self._deliver([("tokenizer", req)])
         self._prompts.pop(req_id, None)
@@ -371,3 +377,22 @@ def _per_prompt(value, n: int, what: str, default=None) -> list:
     if len(values) != n:
         raise ValueError(f"{n} prompts but {len(values)} {what}")
     return values
+
+
+def image_files(data: dict | None) -> list[bytes]:
+    """multi_modal_data's images as files: PIL images saved as PNG, bytes as given."""
+    if not data:
+        return []
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise ValueError(f"multi_modal_data: only images are taken, not {sorted(unknown)}")
+    images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+    out = []
+    for image in images:
+        if isinstance(image, (bytes, bytearray)):
+            out.append(bytes(image))
+        else:                                   # a PIL image
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            out.append(buffer.getvalue())
+    return out

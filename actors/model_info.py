@@ -31,7 +31,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                            "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                            "PhiForCausalLM", "Starcoder2ForCausalLM",
-                           "GptOssForCausalLM")
+                           "GptOssForCausalLM", "LlavaForConditionalGeneration")
+# Those that take images (a vision tower beside the language model: executor/models/llava.py).
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
@@ -119,7 +121,10 @@ def resolve_model(model: str | None) -> ModelInfo:
 # and its sliding layers are not KV-Compress's.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
             "GptOssForCausalLM": ("--enable-lora", "--decode-context-parallel-size > 1",
-                                  "--kv-compress-rate")}
+                                  "--kv-compress-rate"),
+            **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
+                      "--decode-context-parallel-size > 1", "--kv-compress-rate")
+               for arch in VISION_ARCHITECTURES}}
 
 
 # GPT-2's config.json names for the keys every other family's uses.
@@ -136,6 +141,16 @@ def hf_text_config(cfg: dict) -> dict:
         text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
         text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]
     return text
+
+
+def image_placeholders(cfg: dict) -> tuple[int, int]:
+    """A vision model's config.json -> (its image placeholder token, the rows an image
+    encodes to): LLaVA's patches of its tower's grid, the class token kept only by the "full"
+    feature strategy."""
+    vision = cfg["vision_config"]
+    grid = vision["image_size"] // vision["patch_size"]
+    full = cfg.get("vision_feature_select_strategy", "default") == "full"
+    return cfg.get("image_token_index", cfg.get("image_token_id")), grid * grid + int(full)
 
 
 def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:

@@ -25,6 +25,7 @@ from .config import EngineConfig
 from .gateway import harmony
 from .grammar_compiler import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
 from .hf_tokenizer import load_tokenizer
+from .image_inputs import ImagePreparer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
 _NO_SAMPLING = SamplingParams()
@@ -53,6 +54,7 @@ class RequestTokenizer:
             with open(config.server.chat_template) as f:
                 tokenizer.chat_template = f.read()
         self.compiling: list[tuple] = []      # (future, DetokStart, NewRequest, deadline)
+        self.images = ImagePreparer.of(config.model.model_info)   # None: text only
 
     def handle(self, msg: TokenizeRequest | TokenizeOnly | DetokenizeOnly) -> Sends:
         if isinstance(msg, TokenizeOnly):
@@ -101,6 +103,7 @@ class RequestTokenizer:
     def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
         try:
             ids = self.encode(req)
+            ids, images = self.with_images(ids, req.images)
             if req.sampling.truncate_prompt_tokens is not None:
                 ids = ids[-req.sampling.truncate_prompt_tokens:]
             self.check_length(ids, req.sampling.max_tokens)
@@ -126,7 +129,16 @@ class RequestTokenizer:
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority, lora=req.lora,
-                                 kv_transfer=req.kv_transfer, prompt_open=req.prompt_open)
+                                 kv_transfer=req.kv_transfer, prompt_open=req.prompt_open,
+                                 images=images)
+
+    def with_images(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list]:
+        """The prompt with its images' rows (image_inputs.py), and the images."""
+        if self.images is None:
+            if files:
+                raise InvalidParam("images", "this model takes no images")
+            return ids, []
+        return self.images.expand(ids, files)
 
     def piece(self, msg: TokenizePiece) -> Sends:
         """More of an open prompt, encoded on its own (no special tokens): to the scheduler,

@@ -13,6 +13,7 @@ import msgspec
 from .ids import SeqId
 from .kv_transfer import KvLease, KvSource
 from .lora import LoraRef
+from .multimodal import ImageInput
 from .sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
     sampling: SamplingParams
     lora: LoraRef | None = None     # its adapter; None: the base model
     compress: bool = False      # KV-Compress: evict after this step (executor/head_blocks.py)
+    images: list[ImageInput] = []   # the prompt's images (multimodal.py), sent with it each time
 
 
 class RunSeq(msgspec.Struct, array_like=True, gc=False):

@@ -7,6 +7,7 @@ import msgspec
 from .ids import SeqId
 from .kv_transfer import KvLeaseEnded, KvPulled, KvTransfer
 from .lora import LoraRef
+from .multimodal import ImageInput
 from .sampling_params import LogprobsChunk, SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     lora: LoraRef | None = None
     kv_transfer: KvTransfer | None = None     # disaggregated prefill/decode (kv_transfer.py)
     prompt_open: bool = False    # more of the prompt comes in PromptPieces (streaming input)
+    images: list[ImageInput] = []   # the prompt's images, preprocessed (multimodal.py)
 
 
 class PromptPiece(msgspec.Struct, tag=True):

@@ -35,6 +35,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     lora: LoraRef | None = None          # the adapter it runs with; None: the base model
     kv_transfer: KvTransfer | None = None   # disaggregated prefill/decode (kv_transfer.py)
     prompt_open: bool = False            # more of the prompt follows in TokenizePieces
+    images: list[bytes] = []             # image files (PNG, JPEG, ...), one per placeholder
 
 
 class TokenizePiece(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

@@ -33,6 +33,7 @@ from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
 from .grammar_matchers import Matchers
 from .head_blocks import Compressor
+from .image_rows import ImageRows
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
@@ -78,6 +79,8 @@ class ModelRunner:
             if config.lora.enable_lora else None
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
         self.scratch_block = config.cache.num_kv_blocks
+        # a vision model's image rows and its encoder cache (image_rows.py)
+        self.images = ImageRows(self.model) if hasattr(self.model, "encode_images") else None
         self.compressor = Compressor.of(config, self.model) \
             if config.cache.kv_compress_rate is not None else None
         self.kv_caches, self.host_caches = self._caches(self.model)
@@ -166,7 +169,8 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         lora = self._lora_batch(rows, len(input_ids))
-        hidden = self._forward(input_ids, positions, batch, lora)              # [T, H]
+        images = self.images.step(rows, self.device) if self.images is not None else None
+        hidden = self._forward(input_ids, positions, batch, lora, images)      # [T, H]
         if self.drafter is not None and self.drafter.mirrors:
             self._mirror(order, to_draft)
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [], tier=loaded)
@@ -269,10 +273,12 @@ class ModelRunner:
         return self.adapters.batch(spans, num_rows, self.device) if spans else None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 batch: AttentionBatch, lora: LoraBatch | None = None) -> torch.Tensor:
+                 batch: AttentionBatch, lora: LoraBatch | None = None,
+                 images=None) -> torch.Tensor:
+        """`images`: the step's image rows and embeddings (image_rows.py), or None."""
         decode_only = not batch.prefills
         graphs = self.graphs
-        if decode_only and graphs is not None and batch.cascade is None \
+        if decode_only and graphs is not None and batch.cascade is None and images is None \
                 and (lora is None or graphs.lora is not None) \
                 and graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
             return graphs.run(input_ids, positions, batch.slot_mapping,
@@ -280,6 +286,8 @@ class ModelRunner:
         if self.cp is not None:
             batch = local_batch(batch, self.cp.rank, self.cp.size, self.block_size)
         input_ids, positions, batch = self.backend.to_device(input_ids, positions, batch)
+        if images is not None:
+            return self.model(input_ids, positions, self.kv_caches, batch, lora, images)
         return self.model(input_ids, positions, self.kv_caches, batch, lora)
 
     def _move_blocks(self, plan: StepPlan) -> TierResult | None:

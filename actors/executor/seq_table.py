@@ -43,6 +43,7 @@ class SeqState:
     lora: LoraRef | None = None     # its adapter; None: the base model
     compress: bool = False          # KV-Compress: evict after this step
     heads: object | None = None     # KV-Compress: its head rows (executor/head_blocks.py)
+    images: list = field(default_factory=list)    # its prompt's (wire/multimodal.py ImageInput)
 
     @property
     def num_output_tokens(self) -> int:
@@ -83,7 +84,7 @@ class SeqTable:
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
                            list(new.block_ids), new.sampling, new.num_scheduled,
-                           lora=new.lora, compress=new.compress)
+                           lora=new.lora, compress=new.compress, images=new.images)
             so = new.sampling.structured_outputs
             if so is not None and self.matchers is not None:
                 seq.matcher = self.matchers.start(so, seq.token_ids[seq.num_prompt_tokens:])

@@ -6,6 +6,7 @@ take_copies(), the disk tier's work by tier.take_work()."""
 from __future__ import annotations
 
 from pagewire.wire.kv_transfer import KvLease, KvSource
+from pagewire.wire.multimodal import image_spans
 from pagewire.wire.to_executor import KvLoad
 from pagewire.wire.to_scheduler import CompressResult
 
@@ -152,7 +153,8 @@ class BlockTables:
         if self.device.enable_caching and len(seq.block_hashes) < full:
             seq.block_hashes = block_hashes(seq.token_ids, self.block_size,
                                             f"{self.root}\x00{seq.request.cache_salt or ''}",
-                                            seq.block_hashes)
+                                            seq.block_hashes,
+                                            image_spans(seq.request.images or []))
 
     def step_computed(self, seq: Sequence, compress: CompressResult | None) -> None:
         """A step's result counted more of seq computed: register its full blocks, free those

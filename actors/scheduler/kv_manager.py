@@ -21,15 +21,20 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_hashes(token_ids: list[int], block_size: int, salt: str | None,
-                 start: list[bytes]) -> list[bytes]:
+                 start: list[bytes], images: list[tuple[int, int, bytes]] = ()) -> list[bytes]:
     """Extend `start` (hashes of the first len(start) blocks) to every full block of
     token_ids. A block's hash chains its parent's, so equal hashes mean equal prefixes; the
     salt seeds the chain, so differently salted requests never share. SHA-256: a crafted
-    prompt cannot collide with another's blocks."""
+    prompt cannot collide with another's blocks. `images` (offset, length, digest): a block
+    holding some of an image's rows hashes the image's digest too (the rows' tokens are one
+    placeholder whatever the image)."""
     hashes = list(start)
     parent = hashes[-1] if hashes else hashlib.sha256(b"pagewire-kv\0" + (salt or "").encode()).digest()
     for i in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hashlib.sha256(parent + array("q", token_ids[i:i + block_size]).tobytes()).digest()
+        seen = b"".join(digest for offset, length, digest in images
+                        if offset < i + block_size and offset + length > i)
+        parent = hashlib.sha256(parent + array("q", token_ids[i:i + block_size]).tobytes()
+                                + seen).digest()
         hashes.append(parent)
     return hashes
 

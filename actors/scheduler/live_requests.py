@@ -114,6 +114,7 @@ def open_request(msg: NewRequest, max_model_len: int, priority: int) -> Sequence
     req = Request(msg.req_id, len(msg.prompt_token_ids), msg.sampling, msg.arrival_time,
                   max_model_len, priority, msg.cache_salt, msg.lora)
     req.transfer = msg.kv_transfer
+    req.images = msg.images or None
     if msg.prompt_open:
         req.stream = StreamState()
     seq = Sequence(SeqId(msg.req_id), req, list(msg.prompt_token_ids))

@@ -10,6 +10,7 @@ import msgspec
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
+from pagewire.wire.multimodal import ImageInput
 from pagewire.wire.sampling_params import LogprobsChunk, SamplingParams, stops_on
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq
@@ -43,13 +44,14 @@ class Request:
     `transfer` (disaggregated prefill/decode, the NewRequest's KvTransfer: its blocks go under
     a lease when it ends (remote_decode), or its prefix is pulled from a prefill engine
     (remote_prefill), cleared once pulled), `stream` (streaming input, prompt_stream.py),
-    `group` (beam search, beam.py).
+    `group` (beam search, beam.py), `images` (the prompt's images: their digests enter the
+    block hashes, and every NewSeq carries them to the executors).
     """
 
     __slots__ = ("req_id", "sampling", "arrival_time", "priority", "cache_salt", "lora",
                  "order", "num_prompt_tokens", "max_tokens", "scheduled_before",
                  "prompt_counted", "num_prompt_logprobs_sent", "seqs", "group", "transfer",
-                 "stream")
+                 "stream", "images")
 
     def __init__(self, req_id: str, num_prompt_tokens: int, sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -70,6 +72,7 @@ class Request:
         self.group: BeamGroup | None = None
         self.transfer: KvTransfer | None = None
         self.stream: StreamState | None = None
+        self.images: list[ImageInput] | None = None   # its prompt's (wire/multimodal.py)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -242,7 +245,8 @@ class Sequence:
             self.on_executor = True
             entry = NewSeq(self.seq_id, list(self.token_ids), self.request.num_prompt_tokens,
                            self.num_computed, self.num_scheduled, list(self.block_ids),
-                           self.sampling, self.request.lora, compress)
+                           self.sampling, self.request.lora, compress,
+                           self.request.images or [])
         self.num_blocks_sent, self.new_token_ids = len(self.block_ids), []
         if stream is not None:
             stream.not_sent = []

@@ -235,15 +235,19 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], batch: AttentionBatch,
-                lora=None) -> torch.Tensor:
+                lora=None, images=None) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H]. `lora`: the rows'
-        adapters (executor/lora.py LoraBatch), or None."""
+        adapters (executor/lora.py LoraBatch), or None. `images`: (rows [R], embeddings
+        [R, H]) that replace those rows' token embeddings (a vision model's image tokens:
+        llava.py), or None."""
         cfg = self.cfg
         x = self.tp.embed(self.embed, input_ids, cfg.vocab_size)          # [T, H]
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed.weight[positions]
+        if images is not None:
+            x = x.index_copy(0, images[0], images[1].to(x.dtype))
         fused = self._fused
         if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call

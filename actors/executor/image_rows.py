@@ -1,0 +1,64 @@
+"""A step's image rows for a vision model (models/llava.py): which rows of the flat batch are
+image positions, and their embeddings from the vision tower, each image encoded once and kept
+in an encoder cache by its digest (least recently used out) so a chunked prefill, a preempted
+and resumed sequence, or another request with the same image reads it again for free."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from pagewire.wire.multimodal import ImageInput
+
+
+class ImageRows:
+    """The executor's encoder and its cache, `capacity` images' embeddings."""
+
+    def __init__(self, model, capacity: int = 64):
+        self.model, self.capacity = model, capacity
+        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = self.queries = 0
+
+    def step(self, rows: list[tuple[object, object, int]], device
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`rows` (seq id, SeqState, first row): the runner's layout. -> (rows [R], embeddings
+        [R, H]) of the image positions this step computes, or None."""
+        picks = []                                  # (batch row, image, its embedding row)
+        for _, seq, row in rows:
+            start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
+            for image in seq.images:
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                picks += [(row + p - start, image, p - image.offset) for p in range(lo, hi)]
+        if not picks:
+            return None
+        embeds = self._encoded({im.digest: im for _, im, _ in picks}.values())
+        index = torch.tensor([r for r, _, _ in picks], device=device)
+        return index, torch.stack([embeds[im.digest][i] for _, im, i in picks])
+
+    def _encoded(self, images) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings [length, H]: from the cache, the rest encoded in one call."""
+        out, missing = {}, []
+        for image in images:
+            self.queries += 1
+            if image.digest in self.cache:
+                self.hits += 1
+                self.cache.move_to_end(image.digest)
+                out[image.digest] = self.cache[image.digest]
+            else:
+                missing.append(image)
+        if missing:
+            pixels = torch.from_numpy(np.stack([_pixels(im) for im in missing]))
+            encoded = self.model.encode_images(pixels.to(self.model.embed.weight.device))
+            for image, embeds in zip(missing, encoded):
+                if embeds.shape[0] != image.length:
+                    raise ValueError(f"an image of {image.length} placeholder tokens encodes "
+                                     f"to {embeds.shape[0]} rows")
+                out[image.digest] = self.cache[image.digest] = embeds
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+        return out
+
+
+def _pixels(image: ImageInput) -> np.ndarray:
+    return np.frombuffer(image.pixels, dtype=np.float32).reshape(image.shape)
