@@ -124,6 +124,9 @@ class ServerConfig(_Section):
     enable_auto_tool_choice: bool = False    # tool_choice "auto": parse the model's tool calls
     tool_call_parser: str | None = None      # TOOL_CALL_PARSERS
     reasoning_parser: str | None = None      # REASONING_PARSERS: <think> blocks (channels) apart
+    limit_mm_per_prompt: dict = {}           # {"image": N}: images one prompt may hold (8)
+    allowed_local_media_path: str | None = None   # file:// image URLs only under here
+    allowed_media_domains: list[str] = []    # http(s):// image URLs only from these hosts
     responses_store_entries: int = 1000      # /v1/responses kept (per server, every key's)...
     responses_store_bytes: int = 64 * 2**20  # ...and their bound in bytes: LRU out past either
 

@@ -44,12 +44,12 @@ class ImagePreparer:
         images differ in number, or an image cannot be read."""
         runs = _runs(ids, self.token_id)
         if len(runs) != len(files):
-            raise InvalidParam("images", f"the prompt has {len(runs)} image placeholders and "
+            raise InvalidParam("messages", f"the prompt has {len(runs)} image placeholders and "
                                          f"{len(files)} images")
         out, images, last = [], [], 0
         for index, ((start, length), data) in enumerate(zip(runs, files)):
             if length not in (1, self.rows):
-                raise InvalidParam("images", f"image {index}: a run of {length} placeholders "
+                raise InvalidParam("messages", f"image {index}: a run of {length} placeholders "
                                              f"(one, or {self.rows})")
             out += ids[last:start]
             pixels = self.pixels(data, index)
@@ -66,14 +66,14 @@ class ImagePreparer:
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > MAX_IMAGE_PIXELS:
-                raise InvalidParam("images", f"image {index}: {width}x{height} pixels is over "
+                raise InvalidParam("messages", f"image {index}: {width}x{height} pixels is over "
                                              f"the limit of {MAX_IMAGE_PIXELS}")
             image.seek(0)
             image = image.convert("RGB")
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             if isinstance(e, InvalidParam):
                 raise
-            raise InvalidParam("images", f"image {index} cannot be read: {e}") from None
+            raise InvalidParam("messages", f"image {index} cannot be read: {e}") from None
         values = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
         return np.ascontiguousarray(values, dtype=np.float32)
 

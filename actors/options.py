@@ -244,6 +244,15 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("responses_store_bytes", "the responses store's bound in bytes", "64MiB",
                parse=parse_bytes, **_RUN),
     ),
+    "Images": (
+        Option("limit_mm_per_prompt", "images one prompt may hold, as JSON: `{\"image\": 4}` "
+               "(see docs/models.md \"Vision\")", "`{\"image\": 8}`",
+               parse=parse_json_object, **_RUN),
+        Option("allowed_local_media_path", "`file://` image URLs are read only under this "
+               "directory", "none: refused", **_RUN),
+        Option("allowed_media_domains", "`http(s)://` image URLs are fetched only from these "
+               "hosts (several after one flag)", "none: refused", many=True, **_RUN),
+    ),
     "LoRA adapters": (
         Option("enable_lora", "serve LoRA adapters (PEFT directories) beside the base model "
                "(see \"LoRA adapters\")"),

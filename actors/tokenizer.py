@@ -136,7 +136,7 @@ class RequestTokenizer:
         """The prompt with its images' rows (image_inputs.py), and the images."""
         if self.images is None:
             if files:
-                raise InvalidParam("images", "this model takes no images")
+                raise InvalidParam("messages", "this model takes no images")
             return ids, []
         return self.images.expand(ids, files)
 
@@ -249,12 +249,25 @@ class RequestTokenizer:
             raise InvalidParam("prompt", f"token id {bad[0]} is out of range "
                                          f"[0, {self.vocab_size})")
 
+    def with_placeholders(self, message) -> str:
+        """A message's text with the model's image placeholder where each image part was."""
+        text = message.content or ""
+        if not message.image_slots:
+            return text
+        if self.images is None:
+            raise InvalidParam("messages", "this model takes no images")
+        mark = self.tokenizer.convert_ids_to_tokens(self.images.token_id)
+        for at in reversed(message.image_slots):
+            text = text[:at] + mark + text[at:]
+        return text
+
     def encode_chat(self, req: TokenizeRequest) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise InvalidParam("messages", "this model has no chat template; use /v1/completions")
-        messages = [msgspec.structs.asdict(m) | {"content": m.content or ""}
+        messages = [msgspec.structs.asdict(m) | {"content": self.with_placeholders(m)}
                     for m in req.messages]
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [{k: v for k, v in m.items() if v is not None and k != "image_slots"}
+                    for m in messages]
         kwargs = dict(req.chat_template_kwargs)
         if req.tools:
             kwargs["tools"] = req.tools

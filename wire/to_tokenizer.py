@@ -14,6 +14,9 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[dict] | None = None     # an assistant's calls: {id, type, function}
     tool_call_id: str | None = None          # a tool message: the call it answers
+    image_slots: list[int] | None = None     # where in content the request's images go, in
+                                             # order (character offsets; the tokenizer puts
+                                             # the model's image placeholder there)
 
 
 class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

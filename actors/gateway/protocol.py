@@ -82,9 +82,15 @@ class CompletionBody(_Common, kw_only=True):
     stream_input: bool = False           # the prompt continues in pieces (stream_input.py)
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCallBody(msgspec.Struct, kw_only=True):
@@ -245,16 +251,34 @@ def chat_messages(body: ChatBody) -> list[ChatMessage]:
     check_count("messages", body.messages)
     out = []
     for m in body.messages:
-        content = m.content
+        content, slots = m.content, None
         if isinstance(content, list):
-            check_count("content", content, "messages")
-            if any(part.type != "text" for part in content):
-                raise ApiError(400, "only text content parts are supported", "messages")
-            content = "".join(part.text or "" for part in content)
+            content, slots = _joined_parts(content)
         out.append(ChatMessage(role=m.role, content=content, name=m.name,
                                tool_calls=_template_calls(m.tool_calls),
-                               tool_call_id=m.tool_call_id))
+                               tool_call_id=m.tool_call_id, image_slots=slots))
     return out
+
+
+def _joined_parts(parts: list[ContentPart]) -> tuple[str, list[int] | None]:
+    """Text parts joined; each image part's place in that text."""
+    check_count("content", parts, "messages")
+    text, slots = "", []
+    for part in parts:
+        if part.type == "text":
+            text += part.text or ""
+        elif part.type == "image_url" and part.image_url is not None:
+            slots.append(len(text))
+        else:
+            raise ApiError(400, f"content part type {part.type!r} is not supported (text, "
+                           f"image_url)", "messages")
+    return text, slots or None
+
+
+def chat_images(body: ChatBody) -> list[str]:
+    """The URLs of the messages' image parts, in order."""
+    return [part.image_url.url for m in body.messages if isinstance(m.content, list)
+            for part in m.content if part.type == "image_url" and part.image_url is not None]
 
 
 def _template_calls(calls: list[ToolCallBody] | None) -> list[dict] | None:

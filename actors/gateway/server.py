@@ -32,9 +32,10 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 from ..disagg import answer_params, request_transfer
 from . import harmony
 from .metrics import GatewayMetrics
-from .protocol import (ApiError, ChatBody, CompletionBody, chat_messages, chat_logprobs,
-                       check_count, completion_prompts, decode_body, template_kwargs,
-                       to_sampling)
+from .media import MediaFetcher
+from .protocol import (ApiError, ChatBody, CompletionBody, chat_images, chat_logprobs,
+                       chat_messages, check_count, completion_prompts, decode_body,
+                       template_kwargs, to_sampling)
 from .doors import Door
 from .request_run import RequestRun
 from .responses_api import ResponsesRoutes
@@ -83,6 +84,7 @@ class Gateway:
         self.metrics.set_cache_config(config)
         # (path prefix, shaper): an API's errors in its own shape (doors.py Door.error_body)
         self.error_shapes: list[tuple[str, object]] = []
+        self.media = MediaFetcher(config.server)
         self.loras = LoraRoutes(self)
         self.stream_input = StreamInputRoutes(self, PushChannel(
             ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
@@ -226,8 +228,10 @@ class Gateway:
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
                                chat_logprobs(body), body.prompt_logprobs, tools.constraint)
         sampling = harmony.keep_markers(sampling, self.config.server.reasoning_parser)
+        messages = chat_messages(body)
+        images = await self.media.fetch_all(chat_images(body))
         sub = TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
-                              messages=chat_messages(body), tools=tools.template_tools,
+                              messages=messages, images=images, tools=tools.template_tools,
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
                               cache_salt=self.salt(request, body), priority=body.priority,

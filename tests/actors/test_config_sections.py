@@ -33,7 +33,8 @@ FLAT_FIELDS = (
     "model_info", "draft_model_info", "num_host_blocks", "num_tier_blocks", "kv_block_bytes",
     "backend")
 # Fields added since (a recording before them reads with their defaults).
-ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes")
+ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes",
+               "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains")
 
 
 def _resolved(**options) -> EngineConfig:

@@ -4,15 +4,14 @@ two images (their rows taken from the tower, the rest of the program the text mo
 the torch reference and on each native CPU tier, float32."""
 from __future__ import annotations
 
-import os
 import re
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
 from pagewire import LLM, SamplingParams
+from pagewire.testing.tiny_vision import make_tiny_llava
 
 IMAGE_TOKEN = 500
 # the tower's output rows: (28 / 14)^2 = 4 patches an image, the class token dropped
@@ -20,28 +19,7 @@ PROMPT = [1, 20, 30] + [IMAGE_TOKEN] * 4 + [40, 50] + [IMAGE_TOKEN] * 4 + [60, 7
 
 
 def make_llava(path: str, tokenizer_dir: str) -> str:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    from transformers import LlavaForConditionalGeneration as HfLlava
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                              num_attention_heads=2, image_size=28, patch_size=14,
-                              projection_dim=32)
-    text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
-                         image_token_index=IMAGE_TOKEN)
-    torch.manual_seed(3)
-    model = HfLlava(config).float()
-    with torch.no_grad():              # weights large enough that an error would show
-        for p in model.parameters():
-            p.mul_(4.0 if p.dim() > 1 else 1.0)
-    model.save_pretrained(path)
-    from transformers import CLIPImageProcessor
-    CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
-                       ).save_pretrained(path)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return path
+    return make_tiny_llava(path, tokenizer_dir, IMAGE_TOKEN)
 
 
 def _hf(path: str):
@@ -199,6 +177,18 @@ def test_a_text_model_takes_no_images(tiny_llama):
     llm = LLM(tiny_llama(), dtype="float32", kernels="torch", num_kv_blocks=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [b"x"]}})
+
+
+def test_ngram_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
+    path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
+    prompt = {"prompt_token_ids": [1, IMAGE_TOKEN] + [7, 8, 9] * 6,
+              "multi_modal_data": {"image": _images()[0]}}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64)
+    drafted = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert drafted.generate(prompt, params)[0].outputs[0].token_ids == \
+        plain.generate(prompt, params)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("options, what", [

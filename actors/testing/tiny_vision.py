@@ -1,0 +1,38 @@
+"""Tiny random-weight vision models for tests (and nothing else): a LLaVA directory in
+transformers' layout with its image processor and a borrowed tokenizer."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+IMAGE_SIZE = 28       # 2 x 2 patches of 14: four rows an image (the class token dropped)
+
+
+def make_tiny_llava(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
+                    vocab_size: int = 512) -> str:
+    """A LlavaForConditionalGeneration of a 3-layer CLIP tower (width 32) and a 2-layer Llama
+    (width 64; a vocabulary of 512 for token-id prompts, the tokenizer's for text ones),
+    weights scaled up so that errors show."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=14,
+                              projection_dim=32)
+    text = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_index=image_token)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    model.save_pretrained(path)
+    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
