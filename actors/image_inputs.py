@@ -59,6 +59,15 @@ class ImagePreparer:
             last = start + length
         return out + ids[last:], images
 
+    def widen(self, ids: list[int]) -> list[int]:
+        """The prompt with each lone placeholder widened to an image's rows, no image read:
+        what /tokenize counts."""
+        out, last = [], 0
+        for start, length in _runs(ids, self.token_id):
+            out += ids[last:start] + [self.token_id] * (self.rows if length == 1 else length)
+            last = start + length
+        return out + ids[last:]
+
     def pixels(self, data: bytes, index: int) -> np.ndarray:
         """One image file -> float32 [3, H, W], as the model's processor prepares it."""
         from PIL import Image, UnidentifiedImageError

@@ -203,6 +203,8 @@ class RequestTokenizer:
                     messages=msg.messages, add_generation_prompt=msg.add_generation_prompt,
                     continue_final_message=msg.continue_final_message,
                     chat_template_kwargs=msg.chat_template_kwargs, tools=msg.tools))
+                if self.images is not None:      # an image's rows counted, none read
+                    ids = self.images.widen(ids)
             else:
                 ids = self.tokenizer.encode(msg.prompt or "",
                                             add_special_tokens=msg.add_special_tokens)

@@ -84,6 +84,13 @@ def test_the_answer_is_the_offline_engines_for_the_same_image(server, model_dir)
     assert token_ids(answer) == offline.outputs[0].token_ids
 
 
+def test_tokenize_counts_an_images_rows(server):
+    answer = chat(server, ask(data_url(png(1))))
+    code, body, _ = server.request("POST", "/tokenize", {"messages": ask(data_url(png(1)))})
+    assert code == 200 and body["count"] == answer["usage"]["prompt_tokens"]
+    assert body["tokens"].count(IMAGE_TOKEN) == 4
+
+
 def test_a_local_file_is_the_same_image_and_hits_the_prefix_cache(server, media):
     def hits() -> float:
         text = httpx.get(server.url + "/metrics").text
