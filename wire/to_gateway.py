@@ -89,6 +89,9 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     external_prefix_cache_hits: int = 0      # of which loaded
     experts_read: int = 0                    # mixtures of experts: expert reads (each chosen
     moe_steps: int = 0                       # expert once a layer and step) over these steps
+    encoder_cache_queries: int = 0           # vision: images the steps read (cumulative),
+    encoder_cache_hits: int = 0              # of which found encoded in the encoder cache,
+    encoder_seconds: float = 0.0             # and the seconds encoding the rest
     kv_offload_stores: int = 0               # blocks written, read back, failed to read back
     kv_offload_loads: int = 0
     kv_offload_load_failures: int = 0

@@ -81,6 +81,14 @@ class CompressResult(msgspec.Struct, array_like=True, gc=False):
     head_lens: dict[SeqId, list[int]]
 
 
+class EncoderResult(msgspec.Struct, array_like=True, gc=False):
+    """StepResult section, a vision model's encoder (executor/image_rows.py): the images this
+    step's rows read, of those found in the encoder cache, and the seconds encoding the rest."""
+    queries: int
+    hits: int
+    seconds: float
+
+
 class StepResult(msgspec.Struct, tag=True, gc=False):
     """What one step produced, one row per sequence whose computed tokens reached the end of
     its known tokens: the token sampled (the most likely one for beam search, which appends
@@ -88,7 +96,8 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     that failed alone (a token their grammar refused): their rows' tokens are not theirs to
     append. What a feature returns travels in that feature's section, None when no row used
     it: `logprobs` (SampledLogprobs), `prompt_logprobs`, `drafts` (speculative decoding),
-    `tier` (disk-tier loads), `compress` (KV-Compress). `experts_read`: a mixture of
+    `tier` (disk-tier loads), `compress` (KV-Compress), `encoder` (images encoded or read
+    from the encoder cache). `experts_read`: a mixture of
     experts' expert reads this step (each chosen expert once a layer; 0 for a dense model).
     Traces of format 1 carried these flat; trace_v1.py converts them."""
     step_id: int
@@ -102,6 +111,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     tier: TierResult | None = None
     compress: CompressResult | None = None
     experts_read: int = 0
+    encoder: EncoderResult | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

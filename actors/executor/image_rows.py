@@ -4,12 +4,14 @@ in an encoder cache by its digest (least recently used out) so a chunked prefill
 and resumed sequence, or another request with the same image reads it again for free."""
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from pagewire.wire.multimodal import ImageInput
+from pagewire.wire.to_scheduler import EncoderResult
 
 
 class ImageRows:
@@ -18,7 +20,8 @@ class ImageRows:
     def __init__(self, model, capacity: int = 64):
         self.model, self.capacity = model, capacity
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.hits = self.queries = 0
+        self.hits = self.queries = 0          # since the last take_counts()
+        self.seconds = 0.0
 
     def step(self, rows: list[tuple[object, object, int]], device
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -36,6 +39,14 @@ class ImageRows:
         index = torch.tensor([r for r, _, _ in picks], device=device)
         return index, torch.stack([embeds[im.digest][i] for _, im, i in picks])
 
+    def take_counts(self) -> EncoderResult:
+        """The images read, the cache's hits and the seconds encoding since the last call
+        (the step result's section)."""
+        counts = EncoderResult(self.queries, self.hits, self.seconds)
+        self.queries = self.hits = 0
+        self.seconds = 0.0
+        return counts
+
     def _encoded(self, images) -> dict[bytes, torch.Tensor]:
         """Each image's embeddings [length, H]: from the cache, the rest encoded in one call."""
         out, missing = {}, []
@@ -48,8 +59,10 @@ class ImageRows:
             else:
                 missing.append(image)
         if missing:
+            started = time.perf_counter()
             pixels = torch.from_numpy(np.stack([_pixels(im) for im in missing]))
             encoded = self.model.encode_images(pixels.to(self.model.embed.weight.device))
+            self.seconds += time.perf_counter() - started
             for image, embeds in zip(missing, encoded):
                 if embeds.shape[0] != image.length:
                     raise ValueError(f"an image of {image.length} placeholder tokens encodes "

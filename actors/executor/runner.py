@@ -176,6 +176,8 @@ class ModelRunner:
         result = StepResult(plan.step_id, [rid for rid, _ in sample_seqs], [], tier=loaded)
         if self.model.cfg.num_experts:
             result.experts_read = self.model.take_expert_reads()
+        if images is not None:
+            result.encoder = self.images.take_counts()
         spans = spans_of(rows)
         if spans:
             result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,

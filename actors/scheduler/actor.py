@@ -130,6 +130,8 @@ class StatsReporter:
             spec_accepted_per_pos=list(s.drafts.accepted_per_pos),
             running_loras=_adapters(s.running), waiting_loras=_adapters(s.waiting),
             experts_read=s.num_experts_read, moe_steps=s.num_moe_steps,
+            encoder_cache_queries=s.encoder.queries, encoder_cache_hits=s.encoder.hits,
+            encoder_seconds=s.encoder.seconds,
             **_tier_stats(tables, s.config))
 
     def step_running_for(self) -> float:

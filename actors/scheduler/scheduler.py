@@ -39,7 +39,7 @@ from pagewire.wire.ids import SeqId
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_executor import NewSeq, StepPlan
-from pagewire.wire.to_scheduler import NewRequest, PromptPiece, StepResult
+from pagewire.wire.to_scheduler import EncoderResult, NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
 from ..config_sections import PRIORITY, RECOMPUTE
@@ -81,6 +81,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_experts_read = 0                # mixtures of experts: expert reads, and the
         self.num_moe_steps = 0                   # steps that read any
+        self.encoder = EncoderResult(0, 0, 0.0)  # vision: the encoder's totals
         self.drafts = DraftPolicy(config.speculative_config)   # speculation.py; its counters
         self.first_scheduled: list[float] = []   # arrival times, reset by each schedule()
 
@@ -310,6 +311,11 @@ class Scheduler:
         if result.experts_read:
             self.num_experts_read += result.experts_read
             self.num_moe_steps += 1
+        if result.encoder is not None:
+            e = result.encoder
+            self.encoder = EncoderResult(self.encoder.queries + e.queries,
+                                         self.encoder.hits + e.hits,
+                                         self.encoder.seconds + e.seconds)
         rows = {sid: i for i, sid in enumerate(result.seq_ids)}
         deltas, groups = [], []
         # A sequence preempted while in this step is RUNNING again only from a plan made after

@@ -128,8 +128,9 @@ def test_the_same_image_hits_the_caches_and_another_misses_them(tmp_path, smol_t
     # 17 prompt tokens: blocks 0-3 full; the image's rows are tokens 3-6 (blocks 0 and 1)
     assert (hit, other_hit) == (16, 0)
     assert again.outputs[0].token_ids == a.outputs[0].token_ids
-    rows = llm.runner.images      # the second run computed no image row: nothing to encode
-    assert (rows.queries, rows.hits, len(rows.cache)) == (2, 0, 2)
+    encoder = llm.scheduler.encoder   # the second run computed no image row: nothing to encode
+    assert (encoder.queries, encoder.hits, len(llm.runner.images.cache)) == (2, 0, 2)
+    assert encoder.seconds > 0
 
 
 def test_a_chunked_prefill_encodes_its_image_once(tmp_path, smol_tokenizer_dir):
@@ -144,8 +145,8 @@ def test_a_chunked_prefill_encodes_its_image_once(tmp_path, smol_tokenizer_dir):
                   max_num_batched_tokens=5, enable_prefix_caching=False)
     assert chunked.generate(prompt, params)[0].outputs[0].token_ids == \
         whole.generate(prompt, params)[0].outputs[0].token_ids
-    rows = chunked.runner.images
-    assert (rows.queries, rows.hits) == (2, 1)
+    encoder = chunked.scheduler.encoder
+    assert (encoder.queries, encoder.hits) == (2, 1)
 
 
 @pytest.mark.parametrize("prompt, images, message", [

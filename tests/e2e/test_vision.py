@@ -101,6 +101,11 @@ def test_a_local_file_is_the_same_image_and_hits_the_prefix_cache(server, media)
     again = chat(server, ask("file://" + os.path.join(media, "one.png"), "Once more?"))
     assert token_ids(again) == token_ids(first)
     assert hits() > before
+    text = httpx.get(server.url + "/metrics").text
+    encoded = [float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("pagewire:encoder_cache_queries_total",
+                                   "pagewire:encoder_seconds_total"))]
+    assert len(encoded) == 2 and min(encoded) > 0
 
 
 def test_an_aborted_image_request_frees_its_blocks(server):
