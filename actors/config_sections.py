@@ -80,6 +80,8 @@ class SchedulerConfig(_Section):
     scheduling_policy: str = FCFS            # SCHEDULING_POLICIES (priority: lower first)
     max_num_queued_reqs: int | None = None   # beyond: new requests are refused (HTTP 503)
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
+    encoder_budget: int | None = None        # image rows encoded in one step; None: the
+                                             # token budget (scheduler/encoder_budget.py)
 
 
 class DeviceConfig(_Section):

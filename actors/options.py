@@ -131,6 +131,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "chunks"),
         Option("enable_chunked_prefill", "turn chunking off (a prompt then runs whole in one step)",
                flags=("--no-enable-chunked-prefill",)),
+        Option("encoder_budget", "image rows a vision model encodes in one step (an image "
+               "larger than it is encoded alone)", "max-num-batched-tokens"),
         Option("speculative_config", "speculative decoding, as JSON: `{\"method\": \"ngram\", "
                "\"num_speculative_tokens\": 3, \"prompt_lookup_min\": 3, "
                "\"prompt_lookup_max\": 4}`; `method` `suffix` also matches recent outputs, `self` "

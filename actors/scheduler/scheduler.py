@@ -46,6 +46,7 @@ from ..config_sections import PRIORITY, RECOMPUTE
 from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
+from .encoder_budget import EncoderBudget
 from .head_tables import CompressedTables
 from .live_requests import LiveRequests
 from .prompt_stream import extend_prompt
@@ -138,6 +139,7 @@ class Scheduler:
         """Decide the next step, given how many plans are in flight (their results not yet
         applied): the plan and its rows (for update()), or None when there is nothing to run."""
         budget = self.config.scheduler.max_num_batched_tokens
+        self.encoder_rows = EncoderBudget(self.config.scheduler.encoder_budget or budget)
         self.first_scheduled = []
         self._make_room_for_priority()
         scheduled, budget, preempted = self._schedule_running(budget)
@@ -165,7 +167,7 @@ class Scheduler:
         scheduled, preempted, i = [], False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending, budget)
+            n = self.encoder_rows.cut(seq, min(seq.num_pending, budget))
             k = self.drafts.grant(seq, budget - 1, len(self.running)) if n == 1 else 0
             grown = n > 0 and self.tables.grow(seq, n + k)
             if not grown and k:        # no room for the drafts' slots: a plain decode
@@ -220,7 +222,7 @@ class Scheduler:
                 continue
             if n > budget and not self.config.scheduler.enable_chunked_prefill:
                 n = 0
-            n = min(n, budget)
+            n = self.encoder_rows.cut(seq, min(n, budget))
             if n == 0 or not self.tables.grow(seq, n):
                 if fresh:                      # give back the cached prefix it mapped
                     self._forget_blocks(seq)

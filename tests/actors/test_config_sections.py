@@ -34,7 +34,8 @@ FLAT_FIELDS = (
     "backend")
 # Fields added since (a recording before them reads with their defaults).
 ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes",
-               "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains")
+               "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
+               "encoder_budget")
 
 
 def _resolved(**options) -> EngineConfig:

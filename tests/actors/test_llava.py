@@ -201,3 +201,43 @@ def test_what_llava_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_di
     path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
     with pytest.raises(ValueError, match=f"LlavaForConditionalGeneration with {re.escape(what)}"):
         LLM(path, dtype="float32", num_kv_blocks=16, **options)
+
+
+def test_the_encoder_budget_splits_a_prompt_before_an_image(tmp_path, smol_tokenizer_dir):
+    """A budget of 4 image rows: the second image's rows start the next step (the first
+    step stops just before them); the answer is the unbudgeted one's."""
+    path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
+    prompt = {"prompt_token_ids": [1, 20, 30, IMAGE_TOKEN, 40, 50, IMAGE_TOKEN, 60, 70, 80],
+              "multi_modal_data": {"image": _images()}}
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    whole = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64)
+    budgeted = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64, encoder_budget=4)
+    chunks = []
+    schedule = budgeted.scheduler.schedule
+
+    def recording(*args):
+        planned = schedule(*args)
+        if planned is not None:
+            chunks.append([n for _, n in planned[1]])
+        return planned
+    budgeted.scheduler.schedule = recording
+    assert budgeted.generate(prompt, params)[0].outputs[0].token_ids == \
+        whole.generate(prompt, params)[0].outputs[0].token_ids
+    assert chunks[:2] == [[9], [7]]          # 3 + 4 image + 2 rows, then 4 image + 3 rows
+
+
+def test_the_encoder_budget_counts_an_image_where_its_first_row_runs():
+    from types import SimpleNamespace
+
+    from pagewire.scheduler.encoder_budget import EncoderBudget
+    from pagewire.wire.multimodal import ImageInput
+
+    def seq(planned, *offsets):
+        images = [ImageInput(bytes([o]), o, 4, b"", [3, 1, 1]) for o in offsets]
+        return SimpleNamespace(num_planned=planned, request=SimpleNamespace(images=images))
+    budget = EncoderBudget(6)
+    assert budget.cut(seq(0, 2, 10), 20) == 10          # the first fits, the second waits
+    assert budget.cut(seq(0, 0), 4) == 0                 # 2 rows left: an image of 4 waits
+    assert budget.cut(seq(3, 2), 5) == 5                 # started earlier: not counted again
+    alone = EncoderBudget(2)
+    assert alone.cut(seq(0, 1), 8) == 8                  # larger than the budget: alone
