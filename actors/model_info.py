@@ -31,9 +31,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                            "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                            "PhiForCausalLM", "Starcoder2ForCausalLM",
-                           "GptOssForCausalLM", "LlavaForConditionalGeneration")
-# Those that take images (a vision tower beside the language model: executor/models/llava.py).
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+                           "GptOssForCausalLM", "LlavaForConditionalGeneration",
+                           "Idefics3ForConditionalGeneration")
+# Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
@@ -144,13 +145,16 @@ def hf_text_config(cfg: dict) -> dict:
 
 
 def image_placeholders(cfg: dict) -> tuple[int, int]:
-    """A vision model's config.json -> (its image placeholder token, the rows an image
-    encodes to): LLaVA's patches of its tower's grid, the class token kept only by the "full"
-    feature strategy."""
+    """A vision model's config.json -> (its image placeholder token, the rows an image (a
+    tile: Idefics3) encodes to): LLaVA's patches of its tower's grid, the class token kept
+    only by the "full" feature strategy; Idefics3's patches over its pixel shuffle's square."""
     vision = cfg["vision_config"]
     grid = vision["image_size"] // vision["patch_size"]
+    token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    if "scale_factor" in cfg:
+        return token, grid * grid // cfg["scale_factor"] ** 2
     full = cfg.get("vision_feature_select_strategy", "default") == "full"
-    return cfg.get("image_token_index", cfg.get("image_token_id")), grid * grid + int(full)
+    return token, grid * grid + int(full)
 
 
 def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:

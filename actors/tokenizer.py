@@ -54,7 +54,7 @@ class RequestTokenizer:
             with open(config.server.chat_template) as f:
                 tokenizer.chat_template = f.read()
         self.compiling: list[tuple] = []      # (future, DetokStart, NewRequest, deadline)
-        self.images = ImagePreparer.of(config.model.model_info)   # None: text only
+        self.images = ImagePreparer.of(config.model.model_info, tokenizer)   # None: text only
 
     def handle(self, msg: TokenizeRequest | TokenizeOnly | DetokenizeOnly) -> Sends:
         if isinstance(msg, TokenizeOnly):

@@ -1,7 +1,8 @@
-"""A step's image rows for a vision model (models/llava.py): which rows of the flat batch are
-image positions, and their embeddings from the vision tower, each image encoded once and kept
-in an encoder cache by its digest (least recently used out) so a chunked prefill, a preempted
-and resumed sequence, or another request with the same image reads it again for free."""
+"""A step's image rows for a vision model (models/vision_language.py): which rows of the
+flat batch are image positions, and their embeddings from the vision tower, each image
+encoded once and kept in an encoder cache by its digest (least recently used out) so a
+chunked prefill, a preempted and resumed sequence, or another request with the same image
+reads it again for free."""
 from __future__ import annotations
 
 import time

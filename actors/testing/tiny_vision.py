@@ -36,3 +36,32 @@ def make_tiny_llava(path: str, tokenizer_dir: str, image_token: int = 500, seed:
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
     return path
+
+
+def make_tiny_idefics3(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
+                       vocab_size: int = 512) -> str:
+    """An Idefics3ForConditionalGeneration (SmolVLM's architecture): a 3-layer SigLIP tower
+    (width 32, 32-pixel tiles of 8-pixel patches), a pixel shuffle of 2 (four rows a tile)
+    and a 2-layer Llama (width 64), weights scaled up so that errors show; its image
+    processor splits images into tiles of 32 pixels (longest edge 64) plus the global one."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=2, image_size=32, patch_size=8)
+    text = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                            scale_factor=2, image_token_id=image_token)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    model.save_pretrained(path)
+    from transformers import Idefics3ImageProcessor
+    Idefics3ImageProcessor(size={"longest_edge": 64},
+                           max_image_size={"longest_edge": 32}).save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path

@@ -1,12 +1,12 @@
 """Model code: one module per architecture family, selected by the HF architecture name."""
-from pagewire.model_info import SUPPORTED_ARCHITECTURES
+from pagewire.model_info import SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES
 
 from .llama import LlamaConfig, LlamaForCausalLM
-from .llava import LlavaForConditionalGeneration
+from .vision_language import VisionLanguageModel
 
 # Every supported architecture is an option set of the one decoder (see model_config.py);
-# LLaVA adds a vision tower beside it.
-MODELS = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
-MODELS["LlavaForConditionalGeneration"] = LlavaForConditionalGeneration
+# the vision ones add a tower beside it.
+MODELS = {name: VisionLanguageModel if name in VISION_ARCHITECTURES else LlamaForCausalLM
+          for name in SUPPORTED_ARCHITECTURES}
 
 __all__ = ["MODELS", "LlamaConfig", "LlamaForCausalLM"]

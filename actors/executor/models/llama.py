@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H]. `lora`: the rows'
         adapters (executor/lora.py LoraBatch), or None. `images`: (rows [R], embeddings
         [R, H]) that replace those rows' token embeddings (a vision model's image tokens:
-        llava.py), or None."""
+        vision_language.py), or None."""
         cfg = self.cfg
         x = self.tp.embed(self.embed, input_ids, cfg.vocab_size)          # [T, H]
         if cfg.embed_scale != 1.0:

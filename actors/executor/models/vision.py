@@ -1,10 +1,12 @@
-"""A vision tower and its projector: images in, language-model embeddings out (one row per
-image token). CLIP's ViT (LLaVA): patch embedding, a class token and learned positions, a
-pre-norm, encoder layers of LayerNorm -> self-attention (every patch sees every patch: no KV
-cache, no mask) -> LayerNorm -> MLP; the hidden states of one layer (LLaVA: the second last)
-without the class token, then the projector's Linear -> GELU -> Linear into the language
-model's width. torch ops, float32 or the model's dtype; the step loop never runs it while a
-decode waits on it (the runner encodes an image once and caches the result).
+"""Vision towers and their connectors: images in, language-model embeddings out (one row per
+image token). Two of one shape: CLIP's ViT (LLaVA: patch embedding, a class token and learned
+positions, a pre-norm, encoder layers of LayerNorm -> self-attention -> LayerNorm -> MLP, the
+hidden states of one layer, LLaVA's the second last, without the class token, then a
+Linear -> GELU -> Linear projector) and SigLIP's (Idefics3 / SmolVLM: a patch embedding with a
+bias, no class token, the last layer's states after a post-norm, then a pixel shuffle that
+folds each scale x scale square of patches into one row, and one Linear). Every patch sees
+every patch: no KV cache, no mask. torch ops in the model's dtype; the runner encodes an image
+(a tile, for Idefics3) once and caches the result (executor/image_rows.py).
 """
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ class VisionConfig:
     image_size: int
     patch_size: int
     layer_norm_eps: float = 1e-5
-    activation: str = "quick_gelu"          # CLIP's; "gelu" elsewhere
+    activation: str = "quick_gelu"          # CLIP's; "gelu_pytorch_tanh" SigLIP's
     feature_layer: int = -2                 # hidden_states index the language model reads
+    class_token: bool = True                # CLIP: a class token first, a pre-norm
     keep_class_token: bool = False          # LLaVA's "default" strategy drops it
+    patch_bias: bool = False
+    post_norm: bool = False                 # SigLIP (Idefics3): the last states normalized
+    scale_factor: int = 0                   # Idefics3: pixel shuffle, then one Linear
     projector_activation: str = "gelu"
     projector_bias: bool = True
     text_hidden_size: int = 0
@@ -34,28 +40,37 @@ class VisionConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "VisionConfig":
-        """A LLaVA config.json's vision_config and projector settings."""
+        """A LLaVA or Idefics3 config.json's vision_config and connector settings."""
         v = cfg["vision_config"]
+        common = dict(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+                      num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"],
+                      image_size=v["image_size"], patch_size=v["patch_size"],
+                      text_hidden_size=cfg["text_config"]["hidden_size"],
+                      image_token_id=cfg.get("image_token_index", cfg.get("image_token_id",
+                                                                          -1)))
+        if "scale_factor" in cfg:                                   # Idefics3
+            return cls(**common, layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+                       activation=v.get("hidden_act", "gelu_pytorch_tanh"), feature_layer=-1,
+                       class_token=False, patch_bias=True, post_norm=True,
+                       scale_factor=cfg["scale_factor"], projector_bias=False)
         strategy = cfg.get("vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported")
         layer = cfg.get("vision_feature_layer", -2)
         if not isinstance(layer, int):
             raise ValueError("vision_feature_layer as a list of layers is not supported yet")
-        return cls(hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
-                   num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"],
-                   image_size=v["image_size"], patch_size=v["patch_size"],
-                   layer_norm_eps=v.get("layer_norm_eps", 1e-5),
+        return cls(**common, layer_norm_eps=v.get("layer_norm_eps", 1e-5),
                    activation=v.get("hidden_act", "quick_gelu"), feature_layer=layer,
                    keep_class_token=strategy == "full",
                    projector_activation=cfg.get("projector_hidden_act", "gelu"),
-                   projector_bias=cfg.get("multimodal_projector_bias", True),
-                   text_hidden_size=cfg["text_config"]["hidden_size"],
-                   image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", -1)))
+                   projector_bias=cfg.get("multimodal_projector_bias", True))
 
     @property
     def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2 + int(self.keep_class_token)
+        patches = (self.image_size // self.patch_size) ** 2
+        if self.scale_factor:
+            return patches // self.scale_factor ** 2
+        return patches + int(self.class_token and self.keep_class_token)
 
 
 def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -95,45 +110,76 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg, d = cfg, cfg.hidden_size
         grid = cfg.image_size // cfg.patch_size
-        self.patch = nn.Conv2d(3, d, cfg.patch_size, stride=cfg.patch_size, bias=False)
-        self.class_embedding = nn.Parameter(torch.zeros(d), requires_grad=False)
-        self.positions = nn.Embedding(grid * grid + 1, d)
-        self.pre_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.patch = nn.Conv2d(3, d, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
+        self.class_embedding = nn.Parameter(torch.zeros(d), requires_grad=False) \
+            if cfg.class_token else None
+        self.positions = nn.Embedding(grid * grid + int(cfg.class_token), d)
+        self.pre_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.class_token else None
         # only the layers up to the one whose output is read
         depth = cfg.feature_layer % (cfg.num_layers + 1)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(depth))
-        self.proj1 = nn.Linear(d, cfg.text_hidden_size, bias=cfg.projector_bias)
-        self.proj2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size,
-                               bias=cfg.projector_bias)
+        self.post_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.post_norm else None
+        wide = d * cfg.scale_factor ** 2 if cfg.scale_factor else d
+        self.proj1 = nn.Linear(wide, cfg.text_hidden_size, bias=cfg.projector_bias)
+        self.proj2 = None if cfg.scale_factor else nn.Linear(
+            cfg.text_hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         dtype = self.patch.weight.dtype
         x = self.patch(pixel_values.to(dtype)).flatten(2).transpose(1, 2)   # [N, P, D]
-        cls = self.class_embedding.expand(x.shape[0], 1, -1)
-        x = torch.cat([cls, x], dim=1) + self.positions.weight                # [N, P+1, D]
-        x = self.pre_norm(x)
+        if self.class_embedding is not None:
+            cls = self.class_embedding.expand(x.shape[0], 1, -1)
+            x = torch.cat([cls, x], dim=1)                                    # [N, P+1, D]
+        x = x + self.positions.weight
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         for layer in self.layers:
             x = layer(x)
-        if not self.cfg.keep_class_token:
+        if self.post_norm is not None:
+            x = self.post_norm(x)
+        if self.class_embedding is not None and not self.cfg.keep_class_token:
             x = x[:, 1:]
-        x = _activation(self.cfg.projector_activation, self.proj1(x))
-        return self.proj2(x)                                                  # [N, P, H]
+        if self.cfg.scale_factor:
+            return self.proj1(pixel_shuffle(x, self.cfg.scale_factor))       # [N, P/s^2, H]
+        return self.proj2(_activation(self.cfg.projector_activation, self.proj1(x)))
+
+
+def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
+    """[N, P, D] patches of a square grid -> [N, P / s^2, D s^2]: each s x s square of
+    patches one row (Idefics3's order: s columns of a row, then the next row's)."""
+    n, p, d = x.shape
+    side = int(p ** 0.5)
+    x = x.view(n, side, side // s, d * s).permute(0, 2, 1, 3)
+    x = x.reshape(n, side // s, side // s, d * s * s).permute(0, 2, 1, 3)
+    return x.reshape(n, p // (s * s), d * s * s)
+
+
+# the tower's own names, after its prefix: LLaVA's (vision_tower.[vision_model.]) or
+# Idefics3's (model.vision_model.)
+_TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.vision_model.")
+_PLAIN = {"embeddings.patch_embedding.weight": "patch.weight",
+          "embeddings.patch_embedding.bias": "patch.bias",
+          "embeddings.class_embedding": "class_embedding",
+          "embeddings.position_embedding.weight": "positions.weight",
+          "pre_layrnorm.weight": "pre_norm.weight", "pre_layrnorm.bias": "pre_norm.bias",
+          "post_layernorm.weight": "post_norm.weight", "post_layernorm.bias": "post_norm.bias"}
+# the connector's: LLaVA's projector, Idefics3's one Linear after the pixel shuffle
+_CONNECTOR = {"multi_modal_projector.linear_1.weight": "proj1.weight",
+              "multi_modal_projector.linear_1.bias": "proj1.bias",
+              "multi_modal_projector.linear_2.weight": "proj2.weight",
+              "multi_modal_projector.linear_2.bias": "proj2.bias",
+              "connector.modality_projection.proj.weight": "proj1.weight"}
 
 
 def vision_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face's vision tower and projector names (either LLaVA layout) -> the tower's
-    state dict, q/k/v fused by rows. Takes the entries out of `weights`."""
-    out, prefixes = {}, ("model.vision_tower.", "vision_tower.")
-    plain = {"embeddings.patch_embedding.weight": "patch.weight",
-             "embeddings.class_embedding": "class_embedding",
-             "embeddings.position_embedding.weight": "positions.weight",
-             "pre_layrnorm.weight": "pre_norm.weight", "pre_layrnorm.bias": "pre_norm.bias"}
+    """Hugging Face's vision tower and connector names (LLaVA's layouts, Idefics3's) -> the
+    tower's state dict, q/k/v fused by rows. Takes the entries out of `weights`."""
     tower = {}
-    for name in [n for n in weights if n.startswith(prefixes)]:
-        short = name.split("vision_tower.", 1)[1].removeprefix("vision_model.")
-        tower[short] = weights.pop(name)
-    for theirs, ours in plain.items():
-        out[ours] = tower[theirs]
+    for name in [n for n in weights if n.startswith(_TOWER_PREFIXES)]:
+        short = name.split("vision_tower.", 1)[-1] if "vision_tower." in name else \
+            name.split("vision_model.", 1)[1]
+        tower[short.removeprefix("vision_model.")] = weights.pop(name)
+    out = {ours: tower[theirs] for theirs, ours in _PLAIN.items() if theirs in tower}
     i = 0
     while f"encoder.layers.{i}.layer_norm1.weight" in tower:
         src, dst = f"encoder.layers.{i}.", f"layers.{i}."
@@ -145,7 +191,8 @@ def vision_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                                  ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
                 out[f"{dst}{ours}.{kind}"] = tower[f"{src}{theirs}.{kind}"]
         i += 1
-    for name in [n for n in weights if "multi_modal_projector." in n]:
-        linear, kind = name.split("multi_modal_projector.", 1)[1].split(".")
-        out[("proj1." if linear == "linear_1" else "proj2.") + kind] = weights.pop(name)
+    for name in list(weights):
+        short = name.removeprefix("model.")
+        if short in _CONNECTOR:
+            out[_CONNECTOR[short]] = weights.pop(name)
     return out
