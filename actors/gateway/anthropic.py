@@ -17,8 +17,8 @@ from typing import Any, Literal
 import msgspec
 
 from .constraints import JsonSchemaFormat, ResponseFormat
-from .protocol import (ApiError, ChatBody, ChatMessageBody, FunctionCallBody, StreamOptions,
-                       ToolCallBody, check_count)
+from .protocol import (ApiError, ChatBody, ChatMessageBody, ContentPart, FunctionCallBody,
+                       ImageUrl, StreamOptions, ToolCallBody, check_count)
 from .tools import FunctionDef, NamedFunction, NamedToolChoice, Tool
 
 
@@ -34,7 +34,7 @@ class TextBlock(_Block, tag="text"):
 
 
 class ImageBlock(_Block, tag="image"):
-    source: dict | None = None              # refused until the vision issue lands
+    source: dict | None = None              # base64 (media_type, data) or url: a chat image part
 
 
 class DocumentBlock(_Block, tag="document"):
@@ -202,22 +202,43 @@ def _system_turn(blocks: list, where: str) -> list[ChatMessageBody]:
 
 
 def _user_turn(blocks: list, where: str) -> list[ChatMessageBody]:
-    """Text blocks as user messages, each tool_result as a tool message, in their order."""
-    out, text = [], []
+    """Text and image blocks as user messages, each tool_result as a tool message, in their
+    order."""
+    out, parts = [], []
     for block in blocks:
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            parts.append(ContentPart(type="text", text=block.text))
+        elif isinstance(block, ImageBlock):
+            parts.append(ContentPart(type="image_url",
+                                     image_url=ImageUrl(url=_image_url(block, where))))
         elif isinstance(block, ToolResultBlock):
-            if text:
-                out.append(ChatMessageBody(role="user", content="".join(text)))
-                text = []
+            if parts:
+                out.append(_user_message(parts))
+                parts = []
             out.append(ChatMessageBody(role="tool", tool_call_id=block.tool_use_id,
                                        content=_result_text(block, where)))
         else:
             _refuse(block, where, "a user")
-    if text or not out:
-        out.append(ChatMessageBody(role="user", content="".join(text)))
+    if parts or not out:
+        out.append(_user_message(parts))
     return out
+
+
+def _user_message(parts: list[ContentPart]) -> ChatMessageBody:
+    """Text alone as a string (as before images); with images, the parts in order."""
+    if all(p.type == "text" for p in parts):
+        return ChatMessageBody(role="user", content="".join(p.text for p in parts))
+    return ChatMessageBody(role="user", content=parts)
+
+
+def _image_url(block: ImageBlock, where: str) -> str:
+    """An image block's source as the URL a chat image part takes."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError(400, f"{where}: an image's source must be base64 or url")
 
 
 def _result_text(block: ToolResultBlock, where: str) -> str:
@@ -247,7 +268,7 @@ def _assistant_turn(blocks: list, where: str) -> list[ChatMessageBody]:
 
 def _refuse(block, where: str, holder: str):
     kind = type(block).__struct_config__.tag
-    if isinstance(block, (ImageBlock, DocumentBlock)):
+    if isinstance(block, DocumentBlock):
         raise ApiError(400, f"{where}: {kind} content is not supported yet (text only)")
     raise ApiError(400, f"{where}: {holder} message cannot hold {kind} blocks")
 

@@ -7,8 +7,9 @@ routes. No I/O here.
 Decisions where Ollama's model does not map one to one (docs/api.md "Ollama"):
 - /api/generate with `raw` false puts the prompt (after `system`) through the model's chat
   template, as Ollama does, so it becomes a chat request; `raw` true is a completion of the
-  prompt as it stands. `template`, `suffix`, `context` and `images` are 400s (the chat
-  template is the server's; no fill-in-the-middle, no token context, no vision).
+  prompt as it stands. `template`, `suffix` and `context` are 400s (the chat template is the
+  server's; no fill-in-the-middle, no token context). `images` (base64) are chat image parts
+  ahead of the message's text, for a vision model (a raw prompt cannot place them: a 400).
 - Ollama's options that tune llama.cpp's runtime (num_gpu, num_thread, mirostat, ...) are
   ignored, as Ollama ignores options it does not know. num_ctx cannot resize the server's
   context (--max-model-len): one below it keeps the prompt's last num_ctx tokens.
@@ -22,8 +23,8 @@ import json
 import msgspec
 
 from .constraints import JsonSchemaFormat, ResponseFormat
-from .protocol import ApiError, ChatBody, ChatMessageBody, CompletionBody, FunctionCallBody, \
-    ToolCallBody
+from .protocol import (ApiError, ChatBody, ChatMessageBody, CompletionBody, ContentPart,
+                       FunctionCallBody, ImageUrl, ToolCallBody)
 from .tools import Tool
 
 THINK_LEVELS = ("high", "medium", "low")     # gpt-oss's reasoning efforts, as Ollama names them
@@ -106,10 +107,12 @@ def generate_body(req: GenerateRequest, max_model_len: int,
                   reasoning_parser: str | None) -> ChatBody | CompletionBody:
     """/api/generate's body: a chat request of the system and the prompt (Ollama applies the
     chat template unless `raw`), or a completion of the raw prompt."""
-    for name in ("suffix", "template", "context", "images"):
+    for name in ("suffix", "template", "context"):
         if getattr(req, name):
             raise ApiError(400, f"{name} is not supported (pagewire applies the model's own "
-                           "chat template; no fill-in-the-middle, token context or images)", name)
+                           "chat template; no fill-in-the-middle or token context)", name)
+    if req.raw and req.images:
+        raise ApiError(400, "images need the chat template (raw is false)", "images")
     common = _common(req, max_model_len, reasoning_parser)
     if req.raw:
         common.pop("logprobs"), common.pop("top_logprobs"), common.pop("chat_template_kwargs")
@@ -117,7 +120,7 @@ def generate_body(req: GenerateRequest, max_model_len: int,
         return CompletionBody(model=model_name(req.model), prompt=req.prompt, logprobs=logprobs,
                               **common)
     messages = [ChatMessageBody(role="system", content=req.system)] if req.system else []
-    messages.append(ChatMessageBody(role="user", content=req.prompt))
+    messages.append(ChatMessageBody(role="user", content=_with_images(req.prompt, req.images)))
     return ChatBody(model=model_name(req.model), messages=messages, **common)
 
 
@@ -177,11 +180,20 @@ def _think(think: bool | str | None, model: str, parser: str | None) -> dict | N
     return {"reasoning_effort": think}
 
 
+def _with_images(text: str, images: list[str] | None) -> str | list[ContentPart]:
+    """Ollama's images (base64, no data: prefix) as chat image parts ahead of the text, where
+    Ollama puts them."""
+    if not images:
+        return text
+    parts = [ContentPart(type="image_url", image_url=ImageUrl(url="data:image;base64," + data))
+             for data in images]
+    return parts + [ContentPart(type="text", text=text)]
+
+
 def _message(m: OllamaMessage) -> ChatMessageBody:
-    if m.images:
-        raise ApiError(400, "images are not supported (the model reads text)", "messages")
     calls = [ToolCallBody(id=c.id, function=FunctionCallBody(
         name=c.function.name, arguments=json.dumps(c.function.arguments, ensure_ascii=False)))
         for c in m.tool_calls] if m.tool_calls else None
-    return ChatMessageBody(role=m.role, content=m.content, name=m.tool_name, tool_calls=calls,
+    return ChatMessageBody(role=m.role, content=_with_images(m.content, m.images),
+                           name=m.tool_name, tool_calls=calls,
                            tool_call_id=m.tool_call_id)

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from .constraints import JsonSchemaFormat, ResponseFormat
-from .protocol import (ApiError, ChatBody, ChatMessageBody, FunctionCallBody, StreamOptions,
-                       ToolCallBody, check_count)
+from .protocol import (ApiError, ChatBody, ChatMessageBody, ContentPart, FunctionCallBody,
+                       ImageUrl, StreamOptions, ToolCallBody, check_count)
 from .tools import FunctionDef, NamedFunction, NamedToolChoice, Tool
 
 MAX_INPUT_ITEMS = 4096
@@ -83,6 +83,8 @@ class ResponsesBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class _Part(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: str | None = None            # input_image: a data: or http(s) URL
+    detail: str | None = None
 
 
 class _MessageItem(msgspec.Struct, kw_only=True):
@@ -154,13 +156,24 @@ def input_messages(body: ResponsesBody) -> list[ChatMessageBody]:
     return out
 
 
-def _text(item: _MessageItem, index: int) -> str:
+def _text(item: _MessageItem, index: int) -> str | list[ContentPart]:
+    """A message's content: its text, or its text and image parts in order (a chat message's
+    image_url parts)."""
     if isinstance(item.content, str):
         return item.content
     check_count("content", item.content, "input")
-    if any(part.type not in TEXT_PARTS for part in item.content):
-        raise ApiError(400, f"input[{index}]: only text content is supported", "input")
-    return "".join(part.text or "" for part in item.content)
+    parts = []
+    for part in item.content:
+        if part.type in TEXT_PARTS:
+            parts.append(ContentPart(type="text", text=part.text or ""))
+        elif part.type == "input_image" and part.image_url:
+            parts.append(ContentPart(type="image_url", image_url=ImageUrl(url=part.image_url)))
+        else:
+            raise ApiError(400, f"input[{index}]: content part {part.type!r} is not supported "
+                           f"(input_text, output_text, input_image with image_url)", "input")
+    if all(p.type == "text" for p in parts):
+        return "".join(p.text for p in parts)
+    return parts
 
 
 def _tool_choice(choice) -> str | NamedToolChoice | None:

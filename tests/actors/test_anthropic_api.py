@@ -76,7 +76,9 @@ def test_sampling_tools_and_switches_carry_over():
 
 @pytest.mark.parametrize("fields, message", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "messages[0]: image content is not supported yet"),
+     "messages[0]: an image's source must be base64 or url"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages[0]: document content is not supported yet"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "w",
                                                  "input": {}}]}]},
      "messages[0]: a user message cannot hold tool_use blocks"),
@@ -172,3 +174,16 @@ def test_held_from_finds_the_longest_end_that_starts_a_stop():
     assert held_from("abc", ["STOP"]) == 3
     assert held_from("xSTOP", ["STOP", "OPEN"]) == 1
     assert held_from("text", []) == 4
+
+
+def test_image_blocks_become_chat_image_parts_in_place():
+    chat = to_chat(body(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                     "data": "AAAA"}},
+        {"type": "text", "text": " and "},
+        {"type": "image", "source": {"type": "url", "url": "https://x.example/a.png"}}]}]))
+    parts = chat.messages[-1].content
+    assert [(p.type, p.text or p.image_url.url) for p in parts] == [
+        ("text", "Look: "), ("image_url", "data:image/jpeg;base64,AAAA"), ("text", " and "),
+        ("image_url", "https://x.example/a.png")]

@@ -103,3 +103,12 @@ def test_the_store_drops_the_least_recently_used_past_either_bound():
     assert [k[1] for k in small.entries] == ["z"] and small.nbytes <= 40
     small.put("k", {"id": "huge", "pad": "y" * 100}, [])   # over the whole bound: not kept
     assert small.get("k", "huge") is None and small.get(None, "z") is not None
+
+
+def test_input_image_parts_become_chat_image_parts_in_place():
+    (message,) = input_messages(body(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is "},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "auto"},
+        {"type": "input_text", "text": "?"}]}]))
+    assert [(p.type, p.text or p.image_url.url) for p in message.content] == [
+        ("text", "What is "), ("image_url", "data:image/png;base64,AAAA"), ("text", "?")]

@@ -186,7 +186,7 @@ def test_the_api_key_guards_api(server):
      "maximum context length"),
     ({"model": MODEL, "messages": FRANCE, "think": True}, 400, "does not support thinking"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}], },
-     400, "images are not supported"),
+     400, "this model takes no images"),
     ({"model": "nope", "messages": FRANCE}, 404, "does not exist"),
     ({"messages": FRANCE}, 400, "missing required field `model`"),
 ])

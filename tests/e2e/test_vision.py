@@ -150,3 +150,29 @@ def test_the_openai_client_sends_images(server):
         model=server.request("GET", "/v1/models")[1]["data"][0]["id"], max_tokens=3,
         messages=ask(data_url(png(4))), temperature=0)
     assert reply.usage.prompt_tokens > 4 and reply.choices[0].finish_reason == "length"
+
+
+def test_every_door_takes_the_image_as_chat_does(server):
+    """The same image and question through Responses, Anthropic's Messages and Ollama's chat:
+    each the chat route's greedy answer (one request path)."""
+    picture = png(5)
+    url = data_url(picture)
+    want = chat(server, ask(url), max_tokens=5)["choices"][0]["message"]["content"]
+    _, responses, _ = server.request("POST", "/v1/responses", {
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": "What is this?"}]}],
+        "max_output_tokens": 5, "temperature": 0})
+    model = server.request("GET", "/v1/models")[1]["data"][0]["id"]
+    _, anthropic, _ = server.request("POST", "/v1/messages", {
+        "model": model, "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(picture).decode()}},
+            {"type": "text", "text": "What is this?"}]}]})
+    _, ollama, _ = server.request("POST", "/api/chat", {
+        "model": model, "stream": False, "options": {"num_predict": 5, "temperature": 0}, "messages": [
+            {"role": "user", "content": "What is this?",
+             "images": [base64.b64encode(picture).decode()]}]})
+    assert responses["output"][0]["content"][0]["text"] == want
+    assert anthropic["content"][0]["text"] == want
+    assert ollama["message"]["content"] == want
