@@ -20,7 +20,7 @@ from aiohttp import web
 from pagewire.wire.to_tokenizer import TokenizeOnly
 
 from .anthropic import CountTokensBody, MessagesBody, error_body, to_chat
-from .doors import Door, sse
+from .doors import Door, chunk_choice, sse
 from .protocol import ApiError, chat_messages, check_count, decode_body, template_kwargs
 from .tokenize_routes import TokenizeRoutes
 from .tools import plan_tools
@@ -109,9 +109,9 @@ class AnthropicDoor(Door):
                     "message_start")]
 
     def events(self, chunk: dict) -> list[bytes]:
-        if not chunk["choices"]:
-            return []                           # the usage chunk: closing() reports usage
-        choice = chunk["choices"][0]
+        choice = chunk_choice(chunk)
+        if choice is None:
+            return []
         delta, out = choice["delta"], []
         if delta.get("reasoning_content"):
             out += self._flush()

@@ -28,6 +28,12 @@ def ndjson(obj: dict) -> bytes:
     return _json.encode(obj) + b"\n"
 
 
+def chunk_choice(chunk: dict) -> dict | None:
+    """An OpenAI chat stream chunk's one choice; None for the usage chunk (a door reports
+    usage from closing())."""
+    return chunk["choices"][0] if chunk["choices"] else None
+
+
 class Door:
     """OpenAI's own chat and completions (the shapes the Formatter makes, unchanged). Other
     APIs subclass it and override what differs. `name` labels the request metrics."""

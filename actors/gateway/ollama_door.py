@@ -14,7 +14,7 @@ import json
 import time
 from datetime import datetime, timezone
 
-from .doors import Door, ndjson
+from .doors import Door, chunk_choice, ndjson
 from .protocol import ApiError
 from .responses import Formatter
 
@@ -103,9 +103,9 @@ class OllamaChat(Door):
         return []
 
     def events(self, chunk: dict) -> list[bytes]:
-        if not chunk["choices"]:
+        choice = chunk_choice(chunk)
+        if choice is None:
             return []
-        choice = chunk["choices"][0]
         if self.fmt.chat:
             delta = choice["delta"]
             for call in delta.get("tool_calls") or []:

@@ -13,7 +13,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from .doors import Door, sse
+from .doors import Door, chunk_choice, sse
 from .protocol import ApiError, decode_body
 from .responses_items import (ResponsesBody, ResponseStore, answer_messages, call_item,
                               message_item, new_id, output_items, reasoning_item, text_part,
@@ -103,9 +103,9 @@ class ResponsesDoor(Door):
                 self._event("response.in_progress", response=started)]
 
     def events(self, chunk: dict) -> list[bytes]:
-        if not chunk["choices"]:
-            return []                        # the usage chunk: closing() reports usage
-        choice = chunk["choices"][0]
+        choice = chunk_choice(chunk)
+        if choice is None:
+            return []
         delta, out = choice["delta"], []
         if delta.get("reasoning_content"):
             out += self._text("reasoning", delta["reasoning_content"], None)

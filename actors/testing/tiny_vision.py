@@ -25,17 +25,9 @@ def make_tiny_llava(path: str, tokenizer_dir: str, image_token: int = 500, seed:
                        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
                          image_token_index=image_token)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0 if p.dim() > 1 else 1.0)
-    model.save_pretrained(path)
-    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
-                       crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(path)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return path
+    processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                   crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return _save(LlavaForConditionalGeneration, config, processor, path, tokenizer_dir, seed)
 
 
 def make_tiny_idefics3(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
@@ -53,15 +45,35 @@ def make_tiny_idefics3(path: str, tokenizer_dir: str, image_token: int = 500, se
                        max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
                             scale_factor=2, image_token_id=image_token)
+    from transformers import Idefics3ImageProcessor
+    processor = Idefics3ImageProcessor(size={"longest_edge": 64},
+                                       max_image_size={"longest_edge": 32})
+    return _save(Idefics3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed)
+
+
+def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int) -> str:
+    """Random float32 weights (scaled up so that errors show), the processor and the
+    borrowed tokenizer, saved in `path`."""
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).float()
+    model = model_class(config).float()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     model.save_pretrained(path)
-    from transformers import Idefics3ImageProcessor
-    Idefics3ImageProcessor(size={"longest_edge": 64},
-                           max_image_size={"longest_edge": 32}).save_pretrained(path)
+    processor.save_pretrained(path)
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path)
     return path
+
+
+def prefill_logits(runner, prompt: list[int], images=None) -> torch.Tensor:
+    """Every position's logits of `prompt` run as one prefill through the runner's paged
+    cache (blocks 0.. of 16 tokens), `images` (rows, embeddings) in place of those rows."""
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+    n = len(prompt)
+    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
+    batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch,
+                              images=images)
+        return runner.model.compute_logits(hidden)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagewire import LLM
-from pagewire.testing.tiny_vision import make_tiny_idefics3
+from pagewire.testing.tiny_vision import make_tiny_idefics3, prefill_logits
 
 IMAGE_TOKEN = 500
 
@@ -37,7 +37,6 @@ def test_each_tiles_rows_are_transformers_image_features(tmp_path, smol_tokenize
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
 def test_every_positions_logits_with_a_tiled_image(tmp_path, smol_tokenizer_dir, kernels):
-    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
     path = make_tiny_idefics3(str(tmp_path / "m"), smol_tokenizer_dir)
     runner = LLM(path, dtype="float32", kernels=kernels, block_size=16,
                  num_kv_blocks=64).runner
@@ -46,17 +45,11 @@ def test_every_positions_logits_with_a_tiled_image(tmp_path, smol_tokenizer_dir,
     for _ in range(3):                      # a tile: its marker tokens, then its four rows
         prompt += [30, 31] + [IMAGE_TOKEN] * 4
     prompt += [40, 41, 42]
-    n = len(prompt)
     rows = torch.tensor([i for i, t in enumerate(prompt) if t == IMAGE_TOKEN])
-    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
-    batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
     with torch.inference_mode():
         images = (rows, runner.model.encode_images(pixels[0]).reshape(-1, 64))
-        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch,
-                              images=images)
-        ours = runner.model.compute_logits(hidden)
         theirs = _hf(path)(input_ids=torch.tensor([prompt]), pixel_values=pixels).logits[0]
-    worst = float((ours - theirs.float()).abs().max())
+    worst = float((prefill_logits(runner, prompt, images) - theirs).abs().max())
     print(kernels, "max |logit difference|:", worst)
     assert worst < 1e-4
 

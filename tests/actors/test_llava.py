@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagewire import LLM, SamplingParams
-from pagewire.testing.tiny_vision import make_tiny_llava
+from pagewire.testing.tiny_vision import make_tiny_llava, prefill_logits
 
 IMAGE_TOKEN = 500
 # the tower's output rows: (28 / 14)^2 = 4 patches an image, the class token dropped
@@ -52,29 +52,19 @@ def test_every_positions_logits_with_two_images_on_each_tier(tmp_path, smol_toke
 def _logits_with_two_images(tmp_path, smol_tokenizer_dir, kernels):
     """The prompt's image rows replaced by the tower's output (forward's `images`), a
     prefill through the paged cache: every position within 1e-4 of transformers' logits."""
-    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
     path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
     runner = LLM(path, dtype="float32", kernels=kernels, block_size=16,
                  num_kv_blocks=16).runner
     pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(1))
-    n = len(PROMPT)
     rows = torch.tensor([i for i, t in enumerate(PROMPT) if t == IMAGE_TOKEN])
-    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
-    batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
     with torch.inference_mode():
         images = (rows, runner.model.encode_images(pixels).reshape(-1, 64))
-        hidden = runner.model(torch.tensor(PROMPT), torch.arange(n), runner.kv_caches, batch,
-                              images=images)
-        ours = runner.model.compute_logits(hidden)
         theirs = _hf(path)(input_ids=torch.tensor([PROMPT]), pixel_values=pixels).logits[0]
-    worst = float((ours - theirs.float()).abs().max())
+    worst = float((prefill_logits(runner, PROMPT, images) - theirs).abs().max())
     print(kernels, "max |logit difference|:", worst)
     assert worst < 1e-4
     # and the images matter: without them the image rows are token 500's embedding
-    with torch.inference_mode():
-        plain = runner.model.compute_logits(runner.model(
-            torch.tensor(PROMPT), torch.arange(n), runner.kv_caches, batch))
-    assert float((plain - theirs.float()).abs().max()) > 1e-2
+    assert float((prefill_logits(runner, PROMPT) - theirs).abs().max()) > 1e-2
 
 
 def _images():
