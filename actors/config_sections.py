@@ -129,6 +129,9 @@ class ServerConfig(_Section):
     limit_mm_per_prompt: dict = {}           # {"image": N}: images one prompt may hold (8)
     allowed_local_media_path: str | None = None   # file:// image URLs only under here
     allowed_media_domains: list[str] = []    # http(s):// image URLs only from these hosts
+    files_dir: str | None = None             # /v1/files on disk; None: <cache>/files
+    files_max_bytes: int = 2**30             # ...and their bound in all
+    batch_concurrency: int = 16              # a /v1/batches job's requests in flight
     responses_store_entries: int = 1000      # /v1/responses kept (per server, every key's)...
     responses_store_bytes: int = 64 * 2**20  # ...and their bound in bytes: LRU out past either
 

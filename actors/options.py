@@ -241,6 +241,13 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "channels, the final one the content, the others (analysis) the reasoning); an "
                "output constraint applies from the block's end (gpt-oss: the final channel's "
                "message marker)", "none", choices=REASONING_PARSERS, serve_only=True),
+        Option("files_dir", "where `/v1/files` (batch inputs and outputs) are kept",
+               "$PAGEWIRE_CACHE_DIR/files", **_RUN),
+        Option("files_max_bytes", "the files' bound in all (an upload past it is a 413)",
+               "1GiB", parse=parse_bytes, **_RUN),
+        Option("batch_concurrency", "a `/v1/batches` job's requests in flight (at priority "
+               "1000: interactive requests, 0 by default, go first under `--scheduling-policy "
+               "priority`)", **_RUN),
         Option("responses_store_entries", "`/v1/responses` kept for `previous_response_id` "
                "and `GET` (the least recently used go first)", **_RUN),
         Option("responses_store_bytes", "the responses store's bound in bytes", "64MiB",

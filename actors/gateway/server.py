@@ -36,6 +36,7 @@ from .media import MediaFetcher
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_images, chat_logprobs,
                        chat_messages, check_count, completion_prompts, decode_body,
                        template_kwargs, to_sampling)
+from .batch_routes import BatchRoutes
 from .doors import Door
 from .request_run import RequestRun
 from .responses_api import ResponsesRoutes
@@ -95,7 +96,7 @@ class Gateway:
             web.post("/v1/chat/completions", self.chat_completions),
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
             *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
-            *OllamaRoutes(self).routes(),
+            *OllamaRoutes(self).routes(), *BatchRoutes(self).routes(),
             *self.stream_input.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
@@ -145,6 +146,12 @@ class Gateway:
         shape = next((fn for prefix, fn in self.error_shapes
                       if request.path.startswith(prefix)), Door.error_body)
         return web.json_response(shape(error), status=error.status)
+
+    def own_url(self) -> str:
+        """This gateway's address, as a batch reaches its routes (batch_routes.py)."""
+        host = self.config.server.host
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:" \
+            f"{self.config.server.port}"
 
     async def health(self, request: web.Request) -> web.Response:
         status = self.engine_status()
