@@ -20,10 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 from .batch_lines import BatchFileError, done_ids, read_requests, run_requests
+from .process import die_with_parent
 
 START_TIMEOUT_S = 900.0
 BATCH_MAX_NUM_SEQS = "512"
@@ -42,6 +44,8 @@ def run(args: argparse.Namespace, serve_argv: list[str]) -> int:
     try:
         with open(args.input_file) as f:
             requests = read_requests(f.read())
+        with open(args.output_file, "a"):            # a bad output path fails before the engine
+            pass
     except (OSError, BatchFileError) as e:
         print(f"run-batch: {e}", file=sys.stderr)
         return 2
@@ -61,12 +65,13 @@ def run(args: argparse.Namespace, serve_argv: list[str]) -> int:
     config = _config(serve_argv)
     args.concurrency = args.concurrency or config.scheduler.max_num_seqs
     keys = config.server.api_keys
-    server, url = _start_server(serve_argv)
-    try:
-        _answer(url, todo, args, keys[0] if keys else None)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
+    with tempfile.TemporaryDirectory(prefix="pagewire-run-batch-") as run_dir:
+        server, url = _start_server(serve_argv, run_dir)
+        try:
+            _answer(url, todo, args, keys[0] if keys else None)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
     return 0
 
 
@@ -82,17 +87,22 @@ def _answer(url: str, todo: list[dict], args, key: str | None) -> None:
                                  progress=bar.update))
 
 
-def _start_server(serve_argv: list[str]) -> tuple[subprocess.Popen, str]:
+def _start_server(serve_argv: list[str], run_dir: str) -> tuple[subprocess.Popen, str]:
+    """`pagewire serve` on a free loopback port, its log in run_dir (off the progress bar;
+    its tail printed if it fails to start); it dies with this process, so a killed
+    run-batch leaves no engine behind."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "serve", *serve_argv,
-                               "--host", "127.0.0.1", "--port", str(port)])
+    log_path = os.path.join(run_dir, "server.log")
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "serve", *serve_argv,
+                                   "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=log, stderr=log, preexec_fn=die_with_parent,
+                                  env={**os.environ, "RUNTIME_DIRECTORY": run_dir})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"run-batch: the server exited with {server.returncode}")
+    while time.monotonic() < deadline and server.poll() is None:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -100,7 +110,9 @@ def _start_server(serve_argv: list[str]) -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise SystemExit("run-batch: the server did not start")
+    with open(log_path, "rb") as f:
+        sys.stderr.write(f.read()[-4000:].decode(errors="replace"))
+    raise SystemExit(f"run-batch: the server did not start (exit {server.poll()})")
 
 
 def _config(serve_argv: list[str]):

@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model")
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--ours", nargs=argparse.REMAINDER, default=[],
-                    help="more `pagewire run-batch` options (last)")
+    ap.add_argument("--ours", default="", help="more `pagewire run-batch` options, one string")
+    ap.add_argument("--theirs", default="", help="more `vllm run-batch` options, one string")
     args = ap.parse_args()
     model = args.model or subprocess.run(["bash", PEER, "model"], check=True,
                                          capture_output=True, text=True).stdout.split()[-1]
@@ -65,7 +65,8 @@ def main() -> None:
     write_file(inp, args.lines, args.max_tokens, model)
     ours_out, theirs_out = os.path.join(work, "ours.jsonl"), os.path.join(work, "vllm.jsonl")
     ours = timed([sys.executable, "-m", "pagewire.cli", "run-batch", "-i", inp, "-o", ours_out,
-                  model, "--max-model-len", "2048", "--served-model-name", model, *args.ours],
+                  model, "--max-model-len", "2048", "--served-model-name", model,
+                  *args.ours.split()],
                  ours_out)
     print(f"pagewire run-batch: {ours[1]} tokens in {ours[0]:.1f} s = {ours[1] / ours[0]:.1f} "
           f"output tok/s")
@@ -73,7 +74,7 @@ def main() -> None:
         return
     theirs = timed(["bash", PEER, "exec", "vllm", "run-batch", "-i", inp, "-o", theirs_out,
                     "--model", model, "--dtype", os.environ.get("VLLM_DTYPE", "bfloat16"),
-                    "--max-model-len", "2048"], theirs_out)
+                    "--max-model-len", "2048", *args.theirs.split()], theirs_out)
     print(f"vllm run-batch:     {theirs[1]} tokens in {theirs[0]:.1f} s = "
           f"{theirs[1] / theirs[0]:.1f} output tok/s")
     print(f"ratio (output tok/s): {(ours[1] / ours[0]) / (theirs[1] / theirs[0]):.2f}x")

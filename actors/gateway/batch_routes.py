@@ -88,10 +88,21 @@ class BatchRoutes:
             if part.name == "purpose":
                 purpose = (await part.read()).decode(errors="replace")
             elif part.name == "file":
-                name, data = part.filename or "upload.jsonl", await part.read()
+                name, data = part.filename or "upload.jsonl", await self._capped(part)
         if data is None or purpose is None:
             raise ApiError(400, "a file upload needs the fields file and purpose", "file")
         return web.json_response(self.files.save(owner, data, name, purpose))
+
+    async def _capped(self, part) -> bytes:
+        """A file part's bytes, refused (413) as soon as they pass --files-max-bytes: an
+        upload is never held whole beyond the bound."""
+        data = bytearray()
+        while chunk := await part.read_chunk(1 << 16):
+            data += chunk
+            if len(data) > self.files.max_bytes:
+                raise ApiError(413, f"the file is over --files-max-bytes "
+                                    f"({self.files.max_bytes})")
+        return bytes(data)
 
     async def list_files(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": self.files.list(self.owner(request)),
@@ -118,9 +129,11 @@ class BatchRoutes:
                            "/v1/completions", "endpoint")
         if body.completion_window not in WINDOWS:
             raise ApiError(400, "completion_window must be 24h", "completion_window")
-        text = self.files.content(owner, body.input_file_id).decode(errors="replace")
-        try:
-            requests = read_requests(text)
+        self.files.get(owner, body.input_file_id)          # a 404 before the work below
+        try:       # reading and parsing a large file off the event loop: other requests stream
+            requests = await asyncio.to_thread(
+                lambda: read_requests(self.files.content(owner, body.input_file_id).decode(
+                    errors="replace")))
         except BatchFileError as e:
             raise ApiError(400, f"input file: {e}", "input_file_id") from None
         job = BatchJob(owner, body, self.gw.api_key(request))

@@ -136,8 +136,7 @@ def test_bad_batches_are_openai_errors(server, body, param):
 def run_batch(inp: str, out: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pagewire.cli", "run-batch", "-i", inp, "-o",
                              out, "--max-model-len", "512", "--kv-cache-memory", "64MiB",
-                             "--concurrency", "8"], stderr=subprocess.DEVNULL,
-                            env={**os.environ, "RUNTIME_DIRECTORY": os.path.dirname(out)})
+                             "--concurrency", "8"], stderr=subprocess.DEVNULL)
 
 
 def test_run_batch_resumes_after_a_kill(tmp_path):
@@ -149,12 +148,12 @@ def test_run_batch_resumes_after_a_kill(tmp_path):
                                            out.read_text().count("\n") < 40):
         time.sleep(0.2)
     family = [killed.pid] + child_pids(killed.pid)
-    for pid in family:                               # the command and the server it started
-        os.kill(pid, signal.SIGKILL)
+    os.kill(killed.pid, signal.SIGKILL)              # the command alone: its server dies with it
     killed.wait()
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert len(family) == 2 and not any(alive(pid) for pid in family)
     first = out.read_text().count("\n")
     assert 40 <= first < 200
     with open(out, "a") as f:
@@ -168,3 +167,11 @@ def test_run_batch_resumes_after_a_kill(tmp_path):
         return {a["custom_id"]: a["response"]["body"]["choices"][0]["message"]["content"]
                 for a in answers}
     assert texts(resumed) == texts(json.loads(x) for x in whole.read_text().splitlines())
+
+
+def test_run_batch_refuses_a_bad_file_before_starting_an_engine(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(jsonl([line(1), line(1)]))                   # r1 twice
+    assert run_batch(str(inp), str(tmp_path / "out.jsonl")).wait(timeout=60) == 2
+    inp.write_bytes(jsonl([line(1)]))
+    assert run_batch(str(inp), str(tmp_path / "missing" / "out.jsonl")).wait(timeout=60) == 2
