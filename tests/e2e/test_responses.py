@@ -172,3 +172,19 @@ def test_requests_are_counted_by_api(server):
 def test_the_key_is_required(server):
     code, answer, _ = server.request("POST", "/v1/responses", {"input": "x"})
     assert code == 401 and answer["error"]["type"] == "AuthenticationError"
+
+
+def test_reasoning_is_a_reasoning_item_streamed_and_not():
+    """--reasoning-parser deepseek_r1: the output starts in the reasoning block, so a short
+    answer is reasoning alone, a reasoning item (reasoning_text deltas when streamed)."""
+    with running_server(["--max-model-len", "512", "--kv-cache-memory", "32MiB",
+                         "--reasoning-parser", "deepseek_r1"]) as srv:
+        client = openai_client(srv)
+        whole = client.responses.create(input=ASK, max_output_tokens=6, temperature=0)
+        assert [item.type for item in whole.output] == ["reasoning"]
+        text = whole.output[0].content[0].text
+        events = list(client.responses.create(input=ASK, max_output_tokens=6, temperature=0,
+                                              stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert text and deltas == text
+        assert [e.type for e in events][-1] == "response.incomplete"
