@@ -122,6 +122,8 @@ _TEXT_FIELDS = frozenset({"prompt", "content", "text", "stop", "echo_prompt", "t
 _TOKEN_FIELDS = frozenset({"prompt_token_ids", "token_ids", "prompt_tail", "top_ids",
                            "new_token_ids", "allowed_token_ids", "bad_words_ids",
                            "first_prompt_token", "token_id", "top"})
+# Images a user sent (files, prepared pixels): as many zero bytes.
+_BYTES_FIELDS = frozenset({"images", "pixels"})
 
 
 def redact(value, field: str = ""):
@@ -131,6 +133,8 @@ def redact(value, field: str = ""):
             f: redact(getattr(value, f), f) for f in value.__struct_fields__})
     if isinstance(value, str):
         return "\u2588" * len(value) if field in _TEXT_FIELDS else value
+    if isinstance(value, bytes):
+        return bytes(len(value)) if field in _BYTES_FIELDS else value
     if isinstance(value, int) and not isinstance(value, bool):
         return 0 if field in _TOKEN_FIELDS else value
     if isinstance(value, (list, tuple)):

@@ -95,6 +95,16 @@ def test_redaction_keeps_counts_and_structure(tmp_path):
     assert lp.top == [(0, "\u2588" * 5, -0.1), (0, "\u2588" * 4, -2.5)]
 
 
+def test_redaction_blanks_images():
+    from pagewire.wire.multimodal import ImageInput
+    from pagewire.wire.trace import redact
+    image = ImageInput(b"digest", 3, 4, b"\x01\x02\x03\x04", [1, 1, 1])
+    req = msgspec.structs.replace(new_request(3), images=[image])
+    (blank,) = redact(req).images
+    assert (blank.pixels, blank.digest, blank.offset, blank.length) == \
+        (bytes(4), b"digest", 3, 4)
+
+
 def test_rotation_keeps_the_newest_segments(tmp_path):
     w = writer(str(tmp_path), segment_bytes=600, max_segments=3)
     for i in range(60):
