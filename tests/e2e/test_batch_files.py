@@ -136,7 +136,7 @@ def test_bad_batches_are_openai_errors(server, body, param):
 def run_batch(inp: str, out: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pagewire.cli", "run-batch", "-i", inp, "-o",
                              out, "--max-model-len", "512", "--kv-cache-memory", "64MiB",
-                             "--concurrency", "8"], stderr=subprocess.DEVNULL)
+                             "--concurrency", "32"], stderr=subprocess.DEVNULL)
 
 
 def test_run_batch_resumes_after_a_kill(tmp_path):
