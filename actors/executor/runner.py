@@ -288,9 +288,7 @@ class ModelRunner:
         if self.cp is not None:
             batch = local_batch(batch, self.cp.rank, self.cp.size, self.block_size)
         input_ids, positions, batch = self.backend.to_device(input_ids, positions, batch)
-        if images is not None:
-            return self.model(input_ids, positions, self.kv_caches, batch, lora, images)
-        return self.model(input_ids, positions, self.kv_caches, batch, lora)
+        return self.model(input_ids, positions, self.kv_caches, batch, lora, images)
 
     def _move_blocks(self, plan: StepPlan) -> TierResult | None:
         """Blocks between engines and tiers, before the step writes any: leases to serve,
