@@ -69,6 +69,11 @@ def start(engine: str, port: int, trace_dir: str, model: str | None) -> subproce
     else:
         os.environ.setdefault("VLLM_DTYPE", peer_dtype())      # its faster one on this CPU
         cmd = ["bash", PEER, "serve", "--port", str(port), "--served-model-name", MODEL]
+    return launch(cmd, port, engine)
+
+
+def launch(cmd: list[str], port: int, engine: str) -> subprocess.Popen:
+    """Start a server in its own process group; return it once /health answers 200."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 600

@@ -38,7 +38,7 @@ IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<
 def write_model(path: str) -> str:
     """The random bfloat16 directory, written once."""
     if os.path.exists(os.path.join(path, "model.safetensors")):
-        return path
+        return write_processor(path)
     import torch
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,
                               Idefics3ImageProcessor)
@@ -55,6 +55,17 @@ def write_model(path: str) -> str:
     tokenizer.save_pretrained(path)
     Idefics3ImageProcessor(size={"longest_edge": 1024},
                            max_image_size={"longest_edge": 512}).save_pretrained(path)
+    return write_processor(path)
+
+
+def write_processor(path: str) -> str:
+    """Idefics3's processor settings beside the image processor's (vLLM reads the image
+    rows a tile from them: 64 here, (512 / 16)^2 / 4^2), written once."""
+    if not os.path.exists(os.path.join(path, "processor_config.json")):
+        from transformers import AutoImageProcessor, AutoTokenizer, Idefics3Processor
+        Idefics3Processor(AutoImageProcessor.from_pretrained(path),
+                          AutoTokenizer.from_pretrained(path),
+                          image_seq_len=64).save_pretrained(path)
     return path
 
 
