@@ -1,0 +1,123 @@
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) on a tiny random config against
+transformers: the windowed ViT and patch merger's rows for images of their own sizes, every
+position's logits of a prompt with two images (M-RoPE: the image rows' (t, h, w) positions,
+the text after each image shifted), and greedy generation through LLM.generate, whole and
+with the image split across prefill chunks, the decode steps after the image at the shifted
+positions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewire import LLM, SamplingParams
+from pagewire.executor.mrope import image_row_positions, rope_positions
+from pagewire.testing.tiny_vision import make_tiny_qwen25vl
+from pagewire.wire.multimodal import ImageInput
+
+IMAGE_TOKEN = 500
+# (height, width) in pixels -> the processor's grids in merged patches: 2 x 3 (two windows
+# of 2 x 2 squares: 4 and 2) and 4 x 2 (two windows of 4)
+SIZES = [(60, 90), (120, 70)]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory, smol_tokenizer_dir) -> str:
+    return make_tiny_qwen25vl(str(tmp_path_factory.mktemp("qwen25vl")), smol_tokenizer_dir,
+                              IMAGE_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _images():
+    from PIL import Image
+    return [Image.fromarray(np.random.default_rng(i).integers(0, 256, (h, w, 3), np.uint8))
+            for i, (h, w) in enumerate(SIZES)]
+
+
+def _processed(path, images):
+    from transformers import AutoImageProcessor
+    out = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    grids = [[t, h // 2, w // 2] for t, h, w in out["image_grid_thw"].tolist()]
+    return out["pixel_values"], out["image_grid_thw"], grids
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_the_tower_gives_transformers_image_features(path, hf, count):
+    model = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64).runner.model
+    pixels, thw, grids = _processed(path, _images()[:count])
+    assert grids == [[1, 2, 3], [1, 4, 2]][:count]
+    with torch.inference_mode():
+        ours = model.encode_images(pixels, grids)
+        theirs = hf.model.get_image_features(pixel_values=pixels, image_grid_thw=thw)
+    assert [tuple(x.shape) for x in ours] == [(6, 64), (8, 64)][:count]
+    for a, b in zip(ours, theirs.pooler_output):
+        assert float((a - b).abs().max()) < 1e-5
+
+
+def _prompt(grids) -> tuple[list[int], list[ImageInput]]:
+    prompt, images = [1, 20, 21], []
+    for grid in grids:
+        n = int(np.prod(grid))
+        images.append(ImageInput(bytes(len(images)), len(prompt), n, b"", [], grid))
+        prompt += [IMAGE_TOKEN] * n + [30, 31]
+    return prompt + [40, 41, 42], images
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_every_positions_logits_with_two_images(path, hf, kernels):
+    from pagewire.kernels.attention import AttentionBatch, PrefillSpan
+    runner = LLM(path, dtype="float32", kernels=kernels, block_size=16,
+                 num_kv_blocks=64).runner
+    pixels, thw, grids = _processed(path, _images())
+    prompt, images = _prompt(grids)
+    n = len(prompt)
+    positions = rope_positions(images, np.arange(n))
+    # text after the 2 x 3 image: 6 rows advance 3; after the 4 x 2 one: 8 rows advance 4
+    assert positions[-3:].tolist() == [n - 3 - 3 - 4, n - 2 - 3 - 4, n - 1 - 3 - 4]
+    rows = torch.tensor([i for i, t in enumerate(prompt) if t == IMAGE_TOKEN])
+    batch = AttentionBatch(torch.arange(n), 0, None, None,
+                           [PrefillSpan(0, n, n, torch.arange(-(-n // 16)))])
+    with torch.inference_mode():
+        embeds = torch.cat(runner.model.encode_images(pixels, grids))
+        thw_rows = torch.from_numpy(np.concatenate(
+            [image_row_positions(images, im, range(im.length)) for im in images]))
+        hidden = runner.model(torch.tensor(prompt), torch.from_numpy(positions),
+                              runner.kv_caches, batch, images=(rows, embeds, thw_rows))
+        ours = runner.model.compute_logits(hidden)
+        theirs = hf(input_ids=torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=thw,
+                    mm_token_type_ids=(torch.tensor([prompt]) == IMAGE_TOKEN).int()).logits[0]
+    worst = float((ours - theirs).abs().max())
+    print(kernels, "max |logit difference|:", worst)
+    assert worst < 1e-4
+
+
+def test_generate_matches_transformers_whole_chunked_and_cached(path, hf):
+    """One placeholder an image, widened to its rows by the tokenizer; 8 greedy tokens equal
+    transformers' (decodes at the shifted positions); the same with 5-token prefill chunks
+    (the image's 6 rows in two chunks) and, prefix caching on, again from cached blocks."""
+    image = _images()[0]
+    short = [1, 20, 21, IMAGE_TOKEN, 30, 31, 40]
+    prompt = [1, 20, 21] + [IMAGE_TOKEN] * 6 + [30, 31, 40]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    pixels, thw, _ = _processed(path, [image])
+    theirs = hf.generate(input_ids=torch.tensor([prompt]), pixel_values=pixels,
+                         image_grid_thw=thw, do_sample=False, max_new_tokens=8,
+                         mm_token_type_ids=(torch.tensor([prompt]) == IMAGE_TOKEN).int()
+                         )[0, len(prompt):].tolist()
+    request = {"prompt_token_ids": short, "multi_modal_data": {"image": image}}
+    whole = LLM(path, dtype="float32", kernels="torch", block_size=4, num_kv_blocks=160)
+    out = whole.generate(request, params)[0]
+    assert out.prompt_token_ids == prompt
+    assert out.outputs[0].token_ids == theirs
+    before = whole.scheduler.tables.prefix_hits
+    assert whole.generate(request, params)[0].outputs[0].token_ids == theirs
+    assert whole.scheduler.tables.prefix_hits - before == 8   # the blocks before the last token's
+    chunked = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64,
+                  max_num_batched_tokens=5, enable_prefix_caching=False)
+    assert chunked.generate(request, params)[0].outputs[0].token_ids == theirs
+    assert (chunked.scheduler.encoder.queries, chunked.scheduler.encoder.hits) == (2, 1)
