@@ -27,7 +27,8 @@ class ImagePreparer:
 
     def __init__(self, path: str, tokenizer):
         with open(os.path.join(path, "config.json")) as f:
-            self.token_id, self.rows = image_placeholders(json.load(f))
+            self.config = json.load(f)
+        self.token_id, self.rows = image_placeholders(self.config)
         self.tokenizer = tokenizer
         if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
             raise ValueError(f"{path} holds a vision model but no preprocessor_config.json "
@@ -65,6 +66,11 @@ class ImagePreparer:
             out += segment
             last = start + length
         return out + ids[last:], images
+
+    def mark(self) -> str:
+        """The text a chat message's image part becomes (then rendered by the chat template):
+        the placeholder token."""
+        return self.tokenizer.convert_ids_to_tokens(self.token_id)
 
     def run_lengths(self) -> tuple[int, ...]:
         """The placeholder runs a prompt may hold for one image."""
@@ -152,6 +158,13 @@ class GridImagePreparer(ImagePreparer):
     template's <|vision_start|><|image_pad|><|vision_end|>: the pad) widened to that many
     rows. A lone placeholder only, and /tokenize does not widen it: the rows depend on the
     image's size, known once it is read."""
+
+    def mark(self) -> str:
+        """<|vision_start|><|image_pad|><|vision_end|>, as Qwen's chat template writes an
+        image part (the pad is the placeholder)."""
+        ids = [self.config.get("vision_start_token_id"), self.token_id,
+               self.config.get("vision_end_token_id")]
+        return "".join(self.tokenizer.convert_ids_to_tokens(i) for i in ids if i is not None)
 
     def run_lengths(self) -> tuple[int, ...]:
         return (1,)

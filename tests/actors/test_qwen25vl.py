@@ -121,3 +121,32 @@ def test_generate_matches_transformers_whole_chunked_and_cached(path, hf):
                   max_num_batched_tokens=5, enable_prefix_caching=False)
     assert chunked.generate(request, params)[0].outputs[0].token_ids == theirs
     assert (chunked.scheduler.encoder.queries, chunked.scheduler.encoder.hits) == (2, 1)
+
+
+def test_a_text_prompts_image_part_is_qwens_placeholder(tmp_path, smol_tokenizer_dir):
+    """The borrowed tokenizer's <repo_name> (3) as <|image_pad|>, <file_sep> (5) and
+    <filename> (6) as <|vision_start|> and <|vision_end|>: a chat image part becomes the
+    three (as Qwen's template writes it), the pad widened to the image's 6 rows by a text
+    prompt's generate, whose greedy tokens are transformers'."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from pagewire.image_inputs import ImagePreparer
+    from pagewire.model_info import resolve_model
+    path = make_tiny_qwen25vl(str(tmp_path / "m"), smol_tokenizer_dir, image_token=3,
+                              vocab_size=49152)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    preparer = ImagePreparer.of(resolve_model(path), tokenizer)
+    assert preparer.mark() == "<file_sep><repo_name><filename>"
+    assert preparer.widen([1, 5, 3, 6]) == [1, 5, 3, 6]      # rows unknown until it is read
+    llm = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64)
+    out = llm.generate({"prompt": "Look: " + preparer.mark() + " What is it?",
+                        "multi_modal_data": {"image": _images()[0]}},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    ids = out.prompt_token_ids
+    start = ids.index(5)
+    assert ids[start:start + 8] == [5] + [3] * 6 + [6]
+    pixels, thw, _ = _processed(path, _images()[:1])
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    theirs = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, image_grid_thw=thw,
+                         mm_token_type_ids=(torch.tensor([ids]) == 3).int(), do_sample=False,
+                         max_new_tokens=6)[0, len(ids):].tolist()
+    assert out.outputs[0].token_ids == theirs
