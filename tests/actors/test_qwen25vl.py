@@ -150,3 +150,21 @@ def test_a_text_prompts_image_part_is_qwens_placeholder(tmp_path, smol_tokenizer
                          mm_token_type_ids=(torch.tensor([ids]) == 3).int(), do_sample=False,
                          max_new_tokens=6)[0, len(ids):].tolist()
     assert out.outputs[0].token_ids == theirs
+
+
+def test_fused_decode_and_ngram_drafts_keep_the_tokens(path):
+    """The native kernels' fused decode program (int8 blocks: it encodes only quantized
+    linears) and n-gram drafts (verified as decode rows) read the shifted positions the
+    runner gives them: the per-op path's greedy tokens (that path is transformers', above)."""
+    request = {"prompt_token_ids": [1, IMAGE_TOKEN] + [7, 8, 9] * 4,
+               "multi_modal_data": {"image": _images()[1]}}      # 4 x 2: 8 rows, advances 4
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    fused = LLM(path, dtype="float32", kernels="cpu", num_kv_blocks=64, quantization="int8",
+                enable_prefix_caching=False)
+    assert fused.runner.model.fused_decode is not None
+    tokens = fused.generate(request, params)[0].outputs[0].token_ids
+    fused.runner.model.use_fused_decode(None)
+    assert fused.generate(request, params)[0].outputs[0].token_ids == tokens
+    drafted = LLM(path, dtype="float32", kernels="cpu", num_kv_blocks=64, quantization="int8",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert drafted.generate(request, params)[0].outputs[0].token_ids == tokens
