@@ -168,3 +168,28 @@ def test_fused_decode_and_ngram_drafts_keep_the_tokens(path):
     drafted = LLM(path, dtype="float32", kernels="cpu", num_kv_blocks=64, quantization="int8",
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert drafted.generate(request, params)[0].outputs[0].token_ids == tokens
+
+
+def test_a_flat_released_config_reads_as_the_nested_one():
+    """The released checkpoints' config.json: the text model's keys at the top level, rope
+    as rope_scaling of type "mrope" beside rope_theta (Qwen2.5-VL-3B-Instruct's shape)."""
+    from pagewire.executor.models.vision_language import VisionLanguageConfig
+    from pagewire.model_info import hf_rope_scaling
+    cfg = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 2048,
+           "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+           "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "tie_word_embeddings": True, "image_token_id": 151655,
+           "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                             "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                             "out_hidden_size": 2048, "patch_size": 14,
+                             "spatial_merge_size": 2, "window_size": 112,
+                             "fullatt_block_indexes": [7, 15, 23, 31],
+                             "temporal_patch_size": 2}}
+    read = VisionLanguageConfig.from_hf(cfg)
+    assert (read.mrope_section, read.rope_tables, read.attention_bias, read.head_dim,
+            read.tie_word_embeddings) == ([16, 24, 24], [(1000000.0, None)], True, 128, True)
+    assert (read.vision.depth, read.vision.fullatt_block_indexes, read.vision.out_hidden_size,
+            read.vision.image_token_id) == (32, [7, 15, 23, 31], 2048, 151655)
+    assert hf_rope_scaling(cfg) is None
