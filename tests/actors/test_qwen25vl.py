@@ -193,3 +193,21 @@ def test_a_flat_released_config_reads_as_the_nested_one():
     assert (read.vision.depth, read.vision.fullatt_block_indexes, read.vision.out_hidden_size,
             read.vision.image_token_id) == (32, [7, 15, 23, 31], 2048, 151655)
     assert hf_rope_scaling(cfg) is None
+
+
+def test_preempted_sequences_resume_at_the_same_positions(path):
+    """Four image prompts in a pool too small for all: sequences are preempted and come back
+    (recomputed), their answers those of a pool that holds them all."""
+    from PIL import Image
+    images = [Image.fromarray(np.random.default_rng(s).integers(0, 256, (120, 70 + 28 * s, 3),
+                                                                 np.uint8)) for s in range(4)]
+    requests = [{"prompt_token_ids": [1, 20 + s, IMAGE_TOKEN] + [7, 8, 9] * 3,
+                 "multi_modal_data": {"image": image}} for s, image in enumerate(images)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    roomy = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=200, block_size=4,
+                max_model_len=100)
+    tight = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=30, block_size=4,
+                max_model_len=100)
+    answers = [o.outputs[0].token_ids for o in tight.generate(requests, params)]
+    assert tight.scheduler.num_preemptions > 0
+    assert answers == [o.outputs[0].token_ids for o in roomy.generate(requests, params)]
