@@ -27,7 +27,8 @@ class ImagePreparer:
 
     def __init__(self, path: str, tokenizer):
         with open(os.path.join(path, "config.json")) as f:
-            self.token_id, self.rows = image_placeholders(json.load(f))
+            self.config = json.load(f)
+        self.token_id, self.rows = image_placeholders(self.config)
         self.tokenizer = tokenizer
         if not os.path.exists(os.path.join(path, "preprocessor_config.json")):
             raise ValueError(f"{path} holds a vision model but no preprocessor_config.json "
@@ -40,8 +41,9 @@ class ImagePreparer:
         """The preparer of a vision model; None for a text-only one."""
         if info.architecture not in VISION_ARCHITECTURES:
             return None
-        tiled = info.architecture == "Idefics3ForConditionalGeneration"
-        return (TiledImagePreparer if tiled else ImagePreparer)(info.path, tokenizer)
+        kind = {"Idefics3ForConditionalGeneration": TiledImagePreparer,
+                "Qwen2_5_VLForConditionalGeneration": GridImagePreparer}
+        return kind.get(info.architecture, ImagePreparer)(info.path, tokenizer)
 
     def expand(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's placeholder run widened to its rows (a run already
@@ -55,15 +57,20 @@ class ImagePreparer:
         for index, ((start, length), data) in enumerate(zip(runs, files)):
             if length not in self.run_lengths():
                 raise InvalidParam("messages", f"image {index}: a run of {length} placeholders "
-                                               f"(one, or {self.rows})")
+                                               f"(one, or {self.rows})" if self.rows else
+                                   f"image {index}: a run of {length} placeholders (one)")
             out += ids[last:start]
             segment, inputs = self.prepared(data, index)
-            images += [ImageInput(hashlib.sha256(pixels.tobytes()).digest(), len(out) + at,
-                                  self.rows, pixels.tobytes(), list(pixels.shape))
-                       for pixels, at in inputs]
+            images += [_input(pixels, len(out) + at, self.rows, grid)
+                       for pixels, at, grid in inputs]
             out += segment
             last = start + length
         return out + ids[last:], images
+
+    def mark(self) -> str:
+        """The text a chat message's image part becomes (then rendered by the chat template):
+        the placeholder token."""
+        return self.tokenizer.convert_ids_to_tokens(self.token_id)
 
     def run_lengths(self) -> tuple[int, ...]:
         """The placeholder runs a prompt may hold for one image."""
@@ -71,8 +78,8 @@ class ImagePreparer:
 
     def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
         """One image -> (the tokens in place of its placeholder, its encoder inputs: (pixels
-        [3, S, S], where its rows start among those tokens))."""
-        return [self.token_id] * self.rows, [(self.pixels(data, index), 0)]
+        [3, S, S], where its rows start among those tokens, its grid: ImageInput.grid))."""
+        return [self.token_id] * self.rows, [(self.pixels(data, index), 0, [])]
 
     def widen(self, ids: list[int]) -> list[int]:
         """The prompt with each lone placeholder widened to an image's rows, no image read:
@@ -128,7 +135,7 @@ class TiledImagePreparer(ImagePreparer):
         if len(starts) != len(tiles):
             raise InvalidParam("messages", f"image {index}: {len(tiles)} tiles but "
                                            f"{len(starts)} runs of placeholders")
-        return segment, list(zip(tiles, starts))
+        return segment, [(tile, at, []) for tile, at in zip(tiles, starts)]
 
     def prompt_string(self, rows: int, cols: int) -> str:
         """Idefics3's text for an image of rows x cols tiles (0 x 0: the global image
@@ -142,6 +149,46 @@ class TiledImagePreparer(ImagePreparer):
 
     def widen(self, ids: list[int]) -> list[int]:
         return ids                      # the tiles are the image's: counted when it is read
+
+
+class GridImagePreparer(ImagePreparer):
+    """Qwen2.5-VL's: dynamic resolution. The processor resizes an image to whole 28-pixel
+    merge squares (its pixel bounds kept) and flattens its 14-pixel patches ([patches, 1176]);
+    the image is one encoder input of t x h x w merged patches, its placeholder (the chat
+    template's <|vision_start|><|image_pad|><|vision_end|>: the pad) widened to that many
+    rows. A lone placeholder only, and /tokenize does not widen it: the rows depend on the
+    image's size, known once it is read."""
+
+    def mark(self) -> str:
+        """<|vision_start|><|image_pad|><|vision_end|>, as Qwen's chat template writes an
+        image part (the pad is the placeholder)."""
+        ids = [self.config.get("vision_start_token_id"), self.token_id,
+               self.config.get("vision_end_token_id")]
+        return "".join(self.tokenizer.convert_ids_to_tokens(i) for i in ids if i is not None)
+
+    def run_lengths(self) -> tuple[int, ...]:
+        return (1,)
+
+    def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
+        out = self.processor(images=[self.decoded(data, index)], return_tensors="np")
+        patches = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        m = self.processor.merge_size
+        t, h, w = (int(x) for x in out["image_grid_thw"][0])
+        grid = [t, h // m, w // m]
+        return [self.token_id] * (t * grid[1] * grid[2]), [(patches, 0, grid)]
+
+    def widen(self, ids: list[int]) -> list[int]:
+        return ids                      # the rows are the image's: counted when it is read
+
+
+def _input(pixels: np.ndarray, offset: int, rows: int, grid: list[int]) -> ImageInput:
+    """An encoder input at prompt position `offset`: `rows` long, or its grid's t h w. The
+    digest covers the grid too: the same patches in another grid are another image (other
+    M-RoPE positions for the tokens after it)."""
+    data = pixels.tobytes()
+    digest = hashlib.sha256(data + (np.asarray(grid, np.int64).tobytes() if grid else b""))
+    length = int(np.prod(grid)) if grid else rows
+    return ImageInput(digest.digest(), offset, length, data, list(pixels.shape), grid)
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -32,9 +32,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                            "PhiForCausalLM", "Starcoder2ForCausalLM",
                            "GptOssForCausalLM", "LlavaForConditionalGeneration",
-                           "Idefics3ForConditionalGeneration")
+                           "Idefics3ForConditionalGeneration",
+                           "Qwen2_5_VLForConditionalGeneration")
 # Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                        "Qwen2_5_VLForConditionalGeneration")
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
@@ -147,8 +149,11 @@ def hf_text_config(cfg: dict) -> dict:
 def image_placeholders(cfg: dict) -> tuple[int, int]:
     """A vision model's config.json -> (its image placeholder token, the rows an image (a
     tile: Idefics3) encodes to): LLaVA's patches of its tower's grid, the class token kept
-    only by the "full" feature strategy; Idefics3's patches over its pixel shuffle's square."""
+    only by the "full" feature strategy; Idefics3's patches over its pixel shuffle's square;
+    Qwen2.5-VL's 0: an image's rows depend on its size (dynamic resolution)."""
     vision = cfg["vision_config"]
+    if "image_size" not in vision:                                    # Qwen2.5-VL
+        return cfg.get("image_token_id", 151655), 0
     grid = vision["image_size"] // vision["patch_size"]
     token = cfg.get("image_token_index", cfg.get("image_token_id"))
     if "scale_factor" in cfg:
@@ -274,6 +279,8 @@ def hf_rope_scaling(cfg: dict, where: str = "config.json") -> dict | None:
     params = {k: v for k, v in params.items() if k != "rope_theta"}
     kind = params.pop("type", None)
     kind = params.setdefault("rope_type", kind or "default")
+    if kind == "mrope":             # Qwen2.5-VL's older configs: plain rope over 3D positions
+        return None
     if kind not in ROPE_TYPES:
         raise ValueError(f"{where}: rope scaling {kind!r} is not supported "
                          f"(supported: {', '.join(ROPE_TYPES)})")

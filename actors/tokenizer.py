@@ -258,7 +258,7 @@ class RequestTokenizer:
             return text
         if self.images is None:
             raise InvalidParam("messages", "this model takes no images")
-        mark = self.tokenizer.convert_ids_to_tokens(self.images.token_id)
+        mark = self.images.mark()
         for at in reversed(message.image_slots):
             text = text[:at] + mark + text[at:]
         return text

@@ -13,12 +13,15 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     encoder output. `digest`: SHA-256 of the preprocessed pixels, which keys the executors'
     encoder cache and enters the KV block hashes of the blocks the image's rows are in (the
     same image and prompt share blocks; a different image never does). `pixels`: float32,
-    C order, `shape` [3, height, width]."""
+    C order, `shape` [3, height, width] (Qwen2.5-VL: [patches, values of a patch]). `grid`:
+    Qwen2.5-VL's (t, h, w) of the image in merged patches (length = t h w; its rows' M-RoPE
+    positions: executor/mrope.py); empty for a model of fixed-size images."""
     digest: bytes
     offset: int
     length: int
     pixels: bytes
     shape: list[int]
+    grid: list[int] = []
 
 
 def image_spans(images: list[ImageInput]) -> list[tuple[int, int, bytes]]:

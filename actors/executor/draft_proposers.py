@@ -26,11 +26,13 @@ of its drafts where one-hot ones accept p(argmax q).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagewire.kernels import token_sampling
 
 from .decode_layout import batch_to, decode_batch
+from .mrope import rope_positions
 from .sampler import sampling_tensors, uniforms
 
 _RECENT_OUTPUTS = 64          # finished sequences whose tokens `suffix` also searches
@@ -139,7 +141,9 @@ class InStepDraft:
             positions = [s.num_computed + i for s in rows]
             ids = [s.token_ids[p] if p < len(s.token_ids) else s.verifying[p - len(s.token_ids)]
                    for s, p in zip(rows, positions)]
-            hidden = self._forward(torch.tensor(ids), torch.tensor(positions),
+            rope = [int(rope_positions(s.images, np.array([p]))[0])   # M-RoPE's shift
+                    for s, p in zip(rows, positions)]                  # (mrope.py); slots: p
+            hidden = self._forward(torch.tensor(ids), torch.tensor(rope),
                                    decode_batch(rows, positions, self.block_size))
             drafting = [r for r, s in enumerate(rows) if len(s.verifying) < s.num_draft_slots]
             if drafting:

@@ -2,7 +2,9 @@
 flat batch are image positions, and their embeddings from the vision tower, each image
 encoded once and kept in an encoder cache by its digest (least recently used out) so a
 chunked prefill, a preempted and resumed sequence, or another request with the same image
-reads it again for free."""
+reads it again for free. Qwen2.5-VL's images (each of its own size, ImageInput.grid) are
+encoded together in one call too, and their rows' M-RoPE positions (mrope.py) come with
+their embeddings."""
 from __future__ import annotations
 
 import time
@@ -14,6 +16,8 @@ import torch
 from pagewire.wire.multimodal import ImageInput
 from pagewire.wire.to_scheduler import EncoderResult
 
+from .mrope import image_row_positions
+
 
 class ImageRows:
     """The executor's encoder and its cache, `capacity` images' embeddings."""
@@ -24,21 +28,25 @@ class ImageRows:
         self.hits = self.queries = 0          # since the last take_counts()
         self.seconds = 0.0
 
-    def step(self, rows: list[tuple[object, object, int]], device
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step(self, rows: list[tuple[object, object, int]], device) -> tuple | None:
         """`rows` (seq id, SeqState, first row): the runner's layout. -> (rows [R], embeddings
-        [R, H]) of the image positions this step computes, or None."""
-        picks = []                                  # (batch row, image, its embedding row)
+        [R, H]) of the image positions this step computes, or None; with a third, their M-RoPE
+        (t, h, w) [R, 3], where the images have grids (Qwen2.5-VL)."""
+        picks, thw = [], []                         # (batch row, image, its embedding row)
         for _, seq, row in rows:
             start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
             for image in seq.images:
                 lo, hi = max(start, image.offset), min(end, image.offset + image.length)
                 picks += [(row + p - start, image, p - image.offset) for p in range(lo, hi)]
+                if image.grid and lo < hi:
+                    thw.append(image_row_positions(seq.images, image,
+                                                   range(lo - image.offset, hi - image.offset)))
         if not picks:
             return None
         embeds = self._encoded({im.digest: im for _, im, _ in picks}.values())
         index = torch.tensor([r for r, _, _ in picks], device=device)
-        return index, torch.stack([embeds[im.digest][i] for _, im, i in picks])
+        out = (index, torch.stack([embeds[im.digest][i] for _, im, i in picks]))
+        return out + (torch.from_numpy(np.concatenate(thw)).to(device),) if thw else out
 
     def take_counts(self) -> EncoderResult:
         """The images read, the cache's hits and the seconds encoding since the last call
@@ -61,8 +69,14 @@ class ImageRows:
                 missing.append(image)
         if missing:
             started = time.perf_counter()
-            pixels = torch.from_numpy(np.stack([_pixels(im) for im in missing]))
-            encoded = self.model.encode_images(pixels.to(self.model.embed.weight.device))
+            device = self.model.embed.weight.device
+            if missing[0].grid:        # images of their own sizes: patches end to end
+                pixels = torch.from_numpy(np.concatenate([_pixels(im) for im in missing]))
+                encoded = self.model.encode_images(pixels.to(device),
+                                                   [im.grid for im in missing])
+            else:
+                pixels = torch.from_numpy(np.stack([_pixels(im) for im in missing]))
+                encoded = self.model.encode_images(pixels.to(device))
             self.seconds += time.perf_counter() - started
             for image, embeds in zip(missing, encoded):
                 if embeds.shape[0] != image.length:

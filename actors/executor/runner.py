@@ -40,6 +40,7 @@ from .kv_transfer import KvPuller, KvServer
 from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
+from .mrope import rope_positions
 from .models.moe import describe_experts
 from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
@@ -332,7 +333,7 @@ class ModelRunner:
             rows.append((rid, seq, row))
             ids.extend(seq.token_ids[start:start + n])    # drafts run after its last token
             ids.extend(seq.verifying)
-            pos.append(p)
+            pos.append(rope_positions(seq.images, p))     # p, or M-RoPE's (mrope.py)
             if self.compressor is None:        # (else each head row's own: head_blocks.py)
                 slots.append(blocks[p // bs] * bs + p % bs)
             if not seq.runs_as_decode:

@@ -51,6 +51,32 @@ def make_tiny_idefics3(path: str, tokenizer_dir: str, image_token: int = 500, se
     return _save(Idefics3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed)
 
 
+def make_tiny_qwen25vl(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
+                       vocab_size: int = 512) -> str:
+    """A Qwen2_5_VLForConditionalGeneration: a 2-layer ViT (width 32; the second layer full
+    attention, the first in windows of 2 x 2 merge squares, 56 pixels, so an image over
+    56 pixels a side has several windows), a 2 x 2 patch merger and a 2-layer Qwen2 text model
+    (width 64, head 16: M-RoPE sections 2, 3, 3), weights scaled up so that errors show; its
+    image processor keeps images between 4 and 48 merge squares (28 x 28 pixels each)."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  out_hidden_size=64, fullatt_block_indexes=[1])
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                 "rope_theta": 10000.0})
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=image_token,
+                              video_token_id=image_token + 1,
+                              vision_start_token_id=image_token + 2,
+                              vision_end_token_id=image_token + 3)
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48)
+    return _save(Qwen2_5_VLForConditionalGeneration, config, processor, path, tokenizer_dir,
+                 seed)
+
+
 def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int) -> str:
     """Random float32 weights (scaled up so that errors show), the processor and the
     borrowed tokenizer, saved in `path`."""

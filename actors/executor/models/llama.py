@@ -249,16 +249,23 @@ class LlamaForCausalLM(nn.Module):
         if images is not None:
             x = x.index_copy(0, images[0], images[1].to(x.dtype))
         fused = self._fused
-        if fused is not None and fused.serves(x.shape[0], batch, kv_caches):
+        ropes = self.rope_inputs(positions, images)
+        if fused is not None and ropes[0][1] is positions \
+                and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call
         else:
             residual = None
-            ropes = [(table, positions) for table in self.rope_tables]  # [P, D] table, [T]
             for layer, kv_cache, which in zip(self.layers, kv_caches, cfg.layer_rope):
                 x, residual = layer.forward(self.ops, x, residual, ropes[which], kv_cache, batch,
                                             lora)
         x, _ = self.norm.forward(self.ops, x, residual)
         return x
+
+    def rope_inputs(self, positions: torch.Tensor, images=None) -> list:
+        """(table [P, D], the rows' positions [T]) per rope table: what each layer's rope
+        gathers. A model whose step brings its own table (M-RoPE: vision_language.py) gives
+        other positions than `positions`, and so never takes the fused decode path."""
+        return [(table, positions) for table in self.rope_tables]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows)."""
