@@ -33,10 +33,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "Starcoder2ForCausalLM",
                            "GptOssForCausalLM", "LlavaForConditionalGeneration",
                            "Idefics3ForConditionalGeneration",
-                           "Qwen2_5_VLForConditionalGeneration")
+                           "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 # Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                        "Qwen2_5_VLForConditionalGeneration")
+                        "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# Those whose image tokens attend each other both ways within one image during prefill
+# (Gemma 3): a prefill chunk holds an image whole (scheduler/encoder_budget.py), and an image
+# longer than the step's token budget is refused.
+WHOLE_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
@@ -150,12 +154,15 @@ def image_placeholders(cfg: dict) -> tuple[int, int]:
     """A vision model's config.json -> (its image placeholder token, the rows an image (a
     tile: Idefics3) encodes to): LLaVA's patches of its tower's grid, the class token kept
     only by the "full" feature strategy; Idefics3's patches over its pixel shuffle's square;
-    Qwen2.5-VL's 0: an image's rows depend on its size (dynamic resolution)."""
+    Qwen2.5-VL's 0: an image's rows depend on its size (dynamic resolution); Gemma 3's
+    mm_tokens_per_image (its pooled grid)."""
     vision = cfg["vision_config"]
     if "image_size" not in vision:                                    # Qwen2.5-VL
         return cfg.get("image_token_id", 151655), 0
     grid = vision["image_size"] // vision["patch_size"]
     token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    if "mm_tokens_per_image" in cfg:
+        return token, cfg["mm_tokens_per_image"]
     if "scale_factor" in cfg:
         return token, grid * grid // cfg["scale_factor"] ** 2
     full = cfg.get("vision_feature_select_strategy", "default") == "full"

@@ -103,3 +103,28 @@ def prefill_logits(runner, prompt: list[int], images=None) -> torch.Tensor:
         hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch,
                               images=images)
         return runner.model.compute_logits(hidden)
+
+
+def make_tiny_gemma3(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
+                     vocab_size: int = 512) -> str:
+    """A Gemma3ForConditionalGeneration: a 2-layer SigLIP tower (width 32, 32-pixel images of
+    8-pixel patches: a 4 x 4 grid), pooled to 4 rows an image, and a 2-layer Gemma 3 text
+    model (width 64; layer 0 slides, window 4, so a window ends inside an image), weights
+    scaled up so that errors show; boi/eoi are the two ids before `image_token`."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+    from transformers import SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import \
+        Gemma3ImageProcessorPil
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=32, patch_size=8,
+                                vision_use_head=False)
+    text = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=256, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"],
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Gemma3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=image_token,
+                          boi_token_index=image_token - 2, eoi_token_index=image_token - 1)
+    processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return _save(Gemma3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed)

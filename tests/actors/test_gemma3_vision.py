@@ -1,0 +1,41 @@
+"""Gemma 3 (Gemma3ForConditionalGeneration) on a tiny random config against transformers: the
+SigLIP tower, average pool, soft-embedding norm and projection's rows; every position's
+logits of a prompt with two images, whose tokens attend their own image both ways (the
+prefill's per-query key limits) under a sliding layer and a global one; and greedy
+generation through LLM.generate, whole and in small chunks that never split an image."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewire import LLM
+from pagewire.testing.tiny_vision import make_tiny_gemma3, prefill_logits
+
+IMAGE, BOI, EOI = 500, 498, 499
+# four rows an image (mm_tokens_per_image 4): each between its boi and eoi
+PROMPT = [1, 20, 30, BOI] + [IMAGE] * 4 + [EOI, 40, 50, BOI] + [IMAGE] * 4 + [EOI, 60, 70]
+
+
+def _hf(path: str):
+    from transformers import Gemma3ForConditionalGeneration
+    return Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _pixels(n: int) -> torch.Tensor:
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, smol_tokenizer_dir) -> str:
+    return make_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), smol_tokenizer_dir)
+
+
+def test_the_tower_gives_transformers_image_features(gemma3):
+    model = LLM(gemma3, dtype="float32", kernels="torch", num_kv_blocks=16).runner.model
+    pixels = _pixels(2)
+    with torch.inference_mode():
+        ours = model.encode_images(pixels)                              # [2, 4, 64]
+        theirs = _hf(gemma3).model.get_image_features(pixel_values=pixels).pooler_output
+    assert ours.shape == (2, 4, 64)
+    assert float((ours - theirs).abs().max()) < 1e-5
