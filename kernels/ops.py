@@ -241,8 +241,9 @@ class CpuOps(TorchOps):
 
     def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
         """bfloat16 prefills (plain, windowed, with sinks) on the native kernel; the rest
-        (soft-capped) on torch."""
-        if variant.softcap is not None or not self.lib.prefill_attention_serves(q, cache[0]):
+        (soft-capped, or seeing past a query's own position: batch.beyond_causal) on torch."""
+        if variant.softcap is not None or batch.beyond_causal \
+                or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
         blocks = None

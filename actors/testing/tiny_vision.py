@@ -92,12 +92,13 @@ def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: i
     return path
 
 
-def prefill_logits(runner, prompt: list[int], images=None) -> torch.Tensor:
+def prefill_logits(runner, prompt: list[int], images=None, key_ends=None) -> torch.Tensor:
     """Every position's logits of `prompt` run as one prefill through the runner's paged
-    cache (blocks 0.. of 16 tokens), `images` (rows, embeddings) in place of those rows."""
+    cache (blocks 0.. of 16 tokens), `images` (rows, embeddings) in place of those rows;
+    `key_ends`: the span's (PrefillSpan.key_ends), or None: causal."""
     from pagewire.kernels.attention import AttentionBatch, PrefillSpan
     n = len(prompt)
-    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
+    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)), key_ends)
     batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch,

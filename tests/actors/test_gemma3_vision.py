@@ -39,3 +39,32 @@ def test_the_tower_gives_transformers_image_features(gemma3):
         theirs = _hf(gemma3).model.get_image_features(pixel_values=pixels).pooler_output
     assert ours.shape == (2, 4, 64)
     assert float((ours - theirs).abs().max()) < 1e-5
+
+
+def _ends(prompt: list[int]) -> torch.Tensor:
+    """Each position's key end: an image token's its image's end, the others' own + 1."""
+    from pagewire.executor.image_rows import image_key_ends
+    from pagewire.wire.multimodal import ImageInput
+    starts = [i for i, t in enumerate(prompt) if t == IMAGE and prompt[i - 1] != IMAGE]
+    return image_key_ends([ImageInput(b"", s, 4, b"", []) for s in starts], 0, len(prompt))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_every_positions_logits_with_two_images(gemma3, kernels):
+    """Image tokens see their whole image (transformers' token_type_ids mask), a sliding
+    layer's window (4) counted back from each query: every position within 1e-4 of
+    transformers' logits; attending causally instead differs."""
+    runner = LLM(gemma3, dtype="float32", kernels=kernels, block_size=16,
+                 num_kv_blocks=16).runner
+    pixels = _pixels(2)
+    rows = torch.tensor([i for i, t in enumerate(PROMPT) if t == IMAGE])
+    types = (torch.tensor([PROMPT]) == IMAGE).long()
+    with torch.inference_mode():
+        images = (rows, runner.model.encode_images(pixels).reshape(-1, 64))
+        theirs = _hf(gemma3)(input_ids=torch.tensor([PROMPT]), pixel_values=pixels,
+                             token_type_ids=types).logits[0]
+    assert _ends(PROMPT).tolist()[3:9] == [4, 8, 8, 8, 8, 9]
+    worst = float((prefill_logits(runner, PROMPT, images, _ends(PROMPT)) - theirs).abs().max())
+    print(kernels, "max |logit difference|:", worst)
+    assert worst < 1e-4
+    assert float((prefill_logits(runner, PROMPT, images) - theirs).abs().max()) > 1e-2
