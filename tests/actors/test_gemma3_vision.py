@@ -68,3 +68,53 @@ def test_every_positions_logits_with_two_images(gemma3, kernels):
     print(kernels, "max |logit difference|:", worst)
     assert worst < 1e-4
     assert float((prefill_logits(runner, PROMPT, images) - theirs).abs().max()) > 1e-2
+
+
+def _images():
+    from PIL import Image
+    rng = np.random.default_rng(5)
+    return [Image.fromarray(rng.integers(0, 256, (40 + 8 * i, 36, 3), dtype=np.uint8))
+            for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def gemma3_wide(tmp_path_factory, smol_tokenizer_dir) -> str:
+    """A vocabulary of 2048: the tokenizer's "\\n\\n" (1116) around each image is in it."""
+    return make_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), smol_tokenizer_dir,
+                            vocab_size=2048)
+
+
+def test_generate_matches_transformers_whole_and_in_chunks(gemma3_wide):
+    """LLM.generate with a lone boi an image: widened to "\\n\\n" boi, 4 image tokens, eoi
+    "\\n\\n" (Gemma 3's processor's sequence), greedy tokens equal to transformers' generate
+    with token_type_ids; with a budget of 6 tokens a step, each chunk ends before an image it
+    would split (chunks 4, 6, 3, 6, 2 of the 21-token prompt) and the tokens are the same."""
+    from transformers import AutoImageProcessor
+    from pagewire import SamplingParams
+    nn = 1116
+    short = [1, 20, BOI, 40, BOI, 60, 70]
+    widened = [1, 20] + [nn, BOI] + [IMAGE] * 4 + [EOI, nn, 40] + [nn, BOI] + [IMAGE] * 4 + \
+        [EOI, nn, 60, 70]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": short, "multi_modal_data": {"image": _images()}}
+    llm = LLM(gemma3_wide, dtype="float32", kernels="torch", num_kv_blocks=16)
+    out = llm.generate(prompt, params)[0]
+    assert out.prompt_token_ids == widened
+    pixels = AutoImageProcessor.from_pretrained(gemma3_wide)(
+        images=_images(), return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([widened])
+    theirs = _hf(gemma3_wide).generate(
+        input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long(),
+        max_new_tokens=6, do_sample=False)[0, len(widened):].tolist()
+    assert out.outputs[0].token_ids == theirs
+
+    chunked = LLM(gemma3_wide, dtype="float32", kernels="cpu", num_kv_blocks=16,
+                  max_num_batched_tokens=6, enable_prefix_caching=False)
+    sizes, execute = [], chunked.runner.execute
+
+    def recording(plan):
+        sizes.extend(s.num_scheduled for s in [*plan.new, *plan.running])
+        return execute(plan)
+    chunked.runner.execute = recording
+    assert chunked.generate(prompt, params)[0].outputs[0].token_ids == theirs
+    assert sizes[:5] == [4, 6, 3, 6, 2]
