@@ -118,3 +118,22 @@ def test_generate_matches_transformers_whole_and_in_chunks(gemma3_wide):
     chunked.runner.execute = recording
     assert chunked.generate(prompt, params)[0].outputs[0].token_ids == theirs
     assert sizes[:5] == [4, 6, 3, 6, 2]
+
+
+def test_an_image_over_the_token_budget_is_refused(gemma3_wide):
+    """Its 4 rows cannot be one chunk of a 3-token step: an error, not a split image."""
+    from pagewire import SamplingParams
+    from pagewire.scheduler.live_requests import queue_refusal
+    llm = LLM(gemma3_wide, dtype="float32", kernels="torch", num_kv_blocks=16,
+              max_num_batched_tokens=3)
+    out = llm.generate({"prompt_token_ids": [1, 20, BOI, 40],
+                        "multi_modal_data": {"image": _images()[0]}},
+                       SamplingParams(max_tokens=2))[0]
+    assert (out.outputs[0].finish_reason, out.outputs[0].token_ids) == ("error", [])
+    from pagewire.wire.to_scheduler import NewRequest
+    from pagewire.wire.multimodal import ImageInput
+    from pagewire.wire.sampling_params import SamplingParams as WireParams
+    msg = NewRequest(req_id="r", prompt_token_ids=[1] * 8, sampling=WireParams(),
+                     arrival_time=0.0, images=[ImageInput(b"", 2, 4, b"", [])])
+    reason, error = queue_refusal(msg, llm.config, [])
+    assert reason == "error" and error.startswith("an image of 4 tokens does not fit one step")
