@@ -53,8 +53,22 @@ class AttentionBatch:
     @functools.cached_property
     def beyond_causal(self) -> bool:
         """Whether a prefill span's queries see keys past their own (PrefillSpan.key_ends):
-        the backends whose kernels are causal only take the torch path then."""
+        Triton's causal-only prefill takes the torch path then."""
         return any(span.key_ends is not None for span in self.prefills)
+
+    @functools.cached_property
+    def packed_key_ends(self) -> torch.Tensor | None:
+        """The spans' key ends as the native prefill kernel takes them: int64 [T'], one per
+        row up to the last prefill row (a causal span's rows their position + 1; decode
+        rows unread), or None where every span is causal."""
+        if not self.beyond_causal:
+            return None
+        ends = torch.zeros(max(s.start + s.num_tokens for s in self.prefills),
+                           dtype=torch.int64)
+        for s in self.prefills:
+            ends[s.start:s.start + s.num_tokens] = s.key_ends if s.key_ends is not None else \
+                torch.arange(s.context_len - s.num_tokens + 1, s.context_len + 1)
+        return ends
 
     @functools.cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:

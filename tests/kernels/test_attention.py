@@ -242,8 +242,8 @@ def _seen_through_key_ends(q, keys, values, ends, window, scale):
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_key_ends_let_a_query_see_past_itself(kernels, dtype, window):
     """Gemma 3's image tokens: in the prefill spans (ctx 50, n 7) and (ctx 70, n 45), a run of
-    queries sees keys up to its run's end (beyond_causal batches take the torch path on
-    every backend); a window still counts back from each query's own position."""
+    queries sees keys up to its run's end (cpu, bfloat16: the native prefill kernel's
+    key_ends); a window still counts back from each query's own position."""
     from pagewire.kernels.attention import Variant
     cache, q, k, v, batch, full_kv = _build(16, 64, 4, 2)
     cache, q, k, v = (x.to(dtype) for x in (cache, q, k, v))
