@@ -5,8 +5,8 @@
 // Query i (position ctx - n + i) attends keys [0, ctx - n + i] (the last `window` of them with
 // a window), or keys below key_ends[row] where the batch has key ends (Gemma 3's image tokens
 // see their whole image: an end past the query's own position, never past ctx; the window
-// still counts back from the query's position). torch's SDPA ran these at 60-90 GFLOP/s here; this kernel keeps every product on
-// vdpbf16ps and every softmax step vertical:
+// still counts back from the query's position). torch's SDPA ran these at 60-90 GFLOP/s
+// here; this kernel keeps every product on vdpbf16ps and every softmax step vertical:
 //
 // * Sixteen query positions of one head form a row group, one zmm lane per position. Their
 //   queries are transposed once per work item into pairs of dims (Qt[d/2] = 16 lanes of two

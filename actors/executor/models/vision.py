@@ -6,8 +6,8 @@ Linear -> GELU -> Linear projector) and SigLIP's (Idefics3 / SmolVLM: a patch em
 bias, no class token, the last layer's states after a post-norm, then a pixel shuffle that
 folds each scale x scale square of patches into one row, and one Linear; Gemma 3: the same
 SigLIP tower, then its patch grid average-pooled to mm_tokens_per_image rows, a Gemma RMSNorm
-(weight + 1) and one matrix, no bias). Every patch sees every patch: no KV cache, no mask. torch ops in the model's dtype; the runner encodes an image
-(a tile, for Idefics3) once and caches the result (executor/image_rows.py).
+(weight + 1) and one matrix, no bias). Every patch sees every patch: no KV cache, no mask.
+torch ops in the model's dtype; the runner encodes an image (a tile, for Idefics3) once and caches the result (executor/image_rows.py).
 """
 from __future__ import annotations
 
