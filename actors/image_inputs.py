@@ -194,17 +194,17 @@ class Gemma3ImagePreparer(ImagePreparer):
     """Gemma 3's: the chat template writes <start_of_image> (boi) where an image goes, which
     its processor turns into "\\n\\n" boi, mm_tokens_per_image image tokens, eoi "\\n\\n"
     (processing_gemma3.py full_image_sequence); so does a lone image token here. A run of
-    mm_tokens_per_image image tokens is kept as it is (a prompt already widened). Pan-and-
-    scan crops (do_pan_and_scan) are not built yet: refused when the processor asks for
-    them, not dropped."""
+    mm_tokens_per_image image tokens is kept as it is (a prompt already widened). With
+    pan-and-scan (do_pan_and_scan in its preprocessor config) an image whose aspect is
+    stretched enough is also cut into crops: its placeholder becomes the processor's text
+    ("Here is the original image ... and here are some crops ..."), the original and each
+    crop an encoder input of its own sequence."""
 
     def __init__(self, path: str, tokenizer):
         super().__init__(path, tokenizer)
         self.boi = self.config.get("boi_token_index", self.config.get("boi_token_id"))
         self.eoi = self.config.get("eoi_token_index", self.config.get("eoi_token_id"))
-        if getattr(self.processor, "do_pan_and_scan", False):
-            raise ValueError(f"{path}: Gemma 3's pan-and-scan crops (do_pan_and_scan) are not "
-                             f"supported yet")
+        self.pan_and_scan = bool(getattr(self.processor, "do_pan_and_scan", False))
         newlines = tokenizer.encode("\n\n", add_special_tokens=False)
         self.sequence = newlines + [self.boi] + [self.token_id] * self.rows + [self.eoi] + \
             newlines
@@ -218,12 +218,34 @@ class Gemma3ImagePreparer(ImagePreparer):
 
     def prepared(self, data: bytes, index: int, length: int = 1
                  ) -> tuple[list[int], list[tuple]]:
-        pixels = self.pixels(data, index)
+        out = self.processor(images=[self.decoded(data, index)], return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # original, crops
+        crops = int(out["num_crops"][0]) if "num_crops" in out else 0
         if length == self.rows:
-            return [self.token_id] * self.rows, [(pixels, 0, [])]
-        return list(self.sequence), [(pixels, self.first_row, [])]
+            if crops:
+                raise InvalidParam("messages", f"image {index}: a run of {length} image tokens "
+                                               f"cannot take pan-and-scan crops (one boi)")
+            return [self.token_id] * self.rows, [(pixels[0], 0, [])]
+        if not crops:
+            return list(self.sequence), [(pixels[0], self.first_row, [])]
+        segment = self.tokenizer.encode(self.crops_string(crops), add_special_tokens=False)
+        starts = [start for start, _ in _runs(segment, self.token_id)]
+        if len(starts) != len(pixels):
+            raise InvalidParam("messages", f"image {index}: {len(pixels)} crops but "
+                                           f"{len(starts)} runs of image tokens")
+        return segment, [(crop, start, []) for crop, start in zip(pixels, starts)]
+
+    def crops_string(self, crops: int) -> str:
+        """Gemma 3's processor's text for an image and its `crops` pan-and-scan crops
+        (replace_image_token), with this tokenizer's boi, image and eoi tokens."""
+        name = self.tokenizer.convert_ids_to_tokens
+        full = f"\n\n{name(self.boi)}{name(self.token_id) * self.rows}{name(self.eoi)}\n\n"
+        return (f"Here is the original image {full} and here are some crops to help you see "
+                f"better " + " ".join([full] * crops))
 
     def widen(self, ids: list[int]) -> list[int]:
+        if self.pan_and_scan:
+            return ids                  # crops depend on the image: counted when it is read
         out, last = [], 0
         for start, length in self.placeholders(ids):
             out += ids[last:start] + (ids[start:start + length] if length == self.rows

@@ -107,11 +107,13 @@ def prefill_logits(runner, prompt: list[int], images=None, key_ends=None) -> tor
 
 
 def make_tiny_gemma3(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
-                     vocab_size: int = 512) -> str:
+                     vocab_size: int = 512, pan_and_scan: bool = False) -> str:
     """A Gemma3ForConditionalGeneration: a 2-layer SigLIP tower (width 32, 32-pixel images of
     8-pixel patches: a 4 x 4 grid), pooled to 4 rows an image, and a 2-layer Gemma 3 text
     model (width 64; layer 0 slides, window 4, so a window ends inside an image), weights
-    scaled up so that errors show; boi/eoi are the two ids before `image_token`."""
+    scaled up so that errors show; boi/eoi are the two ids before `image_token`. With
+    `pan_and_scan` its processor also crops an image stretched 1.2x or more (crops of at
+    least 8 pixels, at most 4)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
     from transformers import SiglipVisionConfig
     from transformers.models.gemma3.image_processing_pil_gemma3 import \
@@ -127,5 +129,8 @@ def make_tiny_gemma3(path: str, tokenizer_dir: str, image_token: int = 500, seed
     config = Gemma3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
                           mm_tokens_per_image=4, image_token_index=image_token,
                           boi_token_index=image_token - 2, eoi_token_index=image_token - 1)
-    processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    crops = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
+                 pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+    processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32},
+                                        **(crops if pan_and_scan else {}))
     return _save(Gemma3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed)

@@ -137,3 +137,35 @@ def test_an_image_over_the_token_budget_is_refused(gemma3_wide):
                      arrival_time=0.0, images=[ImageInput(b"", 2, 4, b"", [])])
     reason, error = queue_refusal(msg, llm.config, [])
     assert reason == "error" and error.startswith("an image of 4 tokens does not fit one step")
+
+
+def test_pan_and_scan_crops_match_transformers(tmp_path, smol_tokenizer_dir):
+    """do_pan_and_scan: a 20 x 50 image (2.5 wide) is the original and 3 crops; its boi becomes
+    Gemma 3's processor's text (each of the 4 its own sequence, an encoder input), greedy
+    tokens equal to transformers' on the same ids and the processor's 4 pixel arrays. The
+    tokenizer's special tokens 3, 4, 5 stand in for boi, eoi and the image token."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+    from pagewire import SamplingParams
+    path = make_tiny_gemma3(str(tmp_path / "m"), smol_tokenizer_dir, image_token=5,
+                            vocab_size=49152, pan_and_scan=True)
+    image = Image.fromarray(np.random.default_rng(7).integers(0, 256, (20, 50, 3),
+                                                              dtype=np.uint8))
+    llm = LLM(path, dtype="float32", kernels="torch", num_kv_blocks=64)
+    out = llm.generate({"prompt": "Look: <repo_name> What is it?",
+                        "multi_modal_data": {"image": image}},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    full = "\n\n<repo_name>" + "<file_sep>" * 4 + "<reponame>\n\n"
+    text = "Here is the original image " + full + \
+        " and here are some crops to help you see better " + " ".join([full] * 3)
+    ids = out.prompt_token_ids
+    assert llm.tokenizer.decode(ids) == \
+        llm.tokenizer.decode(llm.tokenizer.encode("Look: " + text + " What is it?"))
+    assert ids.count(5) == 16
+    pixels = AutoImageProcessor.from_pretrained(path)(images=[image],
+                                                      return_tensors="pt")["pixel_values"]
+    assert pixels.shape == (4, 3, 32, 32)
+    t = torch.tensor([ids])
+    theirs = _hf(path).generate(input_ids=t, pixel_values=pixels, token_type_ids=(t == 5).long(),
+                                max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    assert out.outputs[0].token_ids == theirs
