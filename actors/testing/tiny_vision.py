@@ -77,12 +77,16 @@ def make_tiny_qwen25vl(path: str, tokenizer_dir: str, image_token: int = 500, se
                  seed)
 
 
-def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int) -> str:
-    """Random float32 weights (scaled up so that errors show), the processor and the
-    borrowed tokenizer, saved in `path`."""
+def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int,
+          randomize=None) -> str:
+    """Random float32 weights (scaled up so that errors show; `randomize(model)` first makes
+    random what transformers starts at a constant), the processor and the borrowed
+    tokenizer, saved in `path`."""
     torch.manual_seed(seed)
     model = model_class(config).float()
     with torch.no_grad():
+        if randomize is not None:
+            randomize(model)
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     model.save_pretrained(path)
@@ -133,4 +137,13 @@ def make_tiny_gemma3(path: str, tokenizer_dir: str, image_token: int = 500, seed
                  pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
     processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32},
                                         **(crops if pan_and_scan else {}))
-    return _save(Gemma3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed)
+    return _save(Gemma3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed,
+                 _random_gemma3_projector)
+
+
+def _random_gemma3_projector(model) -> None:
+    """transformers starts Gemma 3's projection at zeros (every image row 0, images then
+    unseen) and its norm at 0 (a scale of 1): both random here."""
+    projector = model.model.multi_modal_projector
+    projector.mm_input_projection_weight.normal_(0, 0.03)
+    projector.mm_soft_emb_norm.weight.normal_(0, 0.3)
