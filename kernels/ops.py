@@ -248,8 +248,10 @@ class CpuOps(TorchOps):
         blocks = None
         if kv_quant.is_quantized(cache[0]):
             blocks, tables = batch.packed_prefill_blocks
+        ends = batch.packed_key_ends          # (named only where a span has them)
         self.lib.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
-                                   out, blocks, variant.sinks, key_ends=batch.packed_key_ends)
+                                   out, blocks, variant.sinks,
+                                   **({} if ends is None else {"key_ends": ends}))
         return True
 
     def _decode(self, q, cache, tables, lens, scale, variant, lse=False):
