@@ -196,3 +196,20 @@ def test_a_cached_prefix_that_ends_inside_an_image(gemma3_wide):
     assert second.token_ids == expected.token_ids
     assert max(abs(a.logprob - b.logprob)
                for a, b in zip(second.logprobs, expected.logprobs)) < 1e-4
+
+
+def test_a_chunk_stops_before_an_image_it_would_split():
+    """The scheduler's rule (EncoderBudget.cut, whole_images): images at [4, 8) and [13, 17);
+    a chunk ends before an image it cannot hold whole, one that starts inside an image (after
+    a cached prefix) runs only when it reaches the image's end; other models split freely."""
+    from types import SimpleNamespace
+    from pagewire.scheduler.encoder_budget import EncoderBudget
+    from pagewire.wire.multimodal import ImageInput
+    images = [ImageInput(b"a", 4, 4, b"", []), ImageInput(b"b", 13, 4, b"", [])]
+
+    def cut(planned: int, n: int, whole: bool = True) -> int:
+        seq = SimpleNamespace(request=SimpleNamespace(images=images), num_planned=planned)
+        return EncoderBudget(100, whole).cut(seq, n)
+    assert [cut(0, 6), cut(4, 6), cut(10, 6), cut(13, 6), cut(19, 6)] == [4, 6, 3, 6, 6]
+    assert (cut(6, 1), cut(6, 2), cut(0, 3)) == (0, 2, 3)
+    assert cut(0, 6, whole=False) == 6
