@@ -140,10 +140,23 @@ _GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
               "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps"}
 
 
+# Gemma 3's text model's defaults (transformers' Gemma3TextConfig): the released multimodal
+# checkpoints' text_config names only what differs from them (gemma-3-4b-it: 6 keys).
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                         "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+
+
 def hf_text_config(cfg: dict) -> dict:
     """The text model's config (a multimodal config's text_config) under the usual keys:
-    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null."""
+    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null;
+    Gemma 3's defaults where its text_config leaves them out."""
     text = dict(cfg.get("text_config", cfg))
+    if text.get("model_type") == "gemma3_text":
+        text = {**_GEMMA3_TEXT_DEFAULTS, **text}
     if "n_embd" in text:                  # GPT-2's own keys are the ones its model reads
         text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
         text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]

@@ -213,3 +213,29 @@ def test_a_chunk_stops_before_an_image_it_would_split():
     assert [cut(0, 6), cut(4, 6), cut(10, 6), cut(13, 6), cut(19, 6)] == [4, 6, 3, 6, 6]
     assert (cut(6, 1), cut(6, 2), cut(0, 3)) == (0, 2, 3)
     assert cut(0, 6, whole=False) == 6
+
+
+def test_a_released_configs_sparse_text_config_takes_gemma3s_defaults():
+    """gemma-3-4b-it's config.json names 6 text keys; the rest are Gemma3TextConfig's."""
+    from pagewire.executor.models.vision_language import VisionLanguageConfig
+    from pagewire.model_info import image_placeholders
+    released = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    cfg = VisionLanguageConfig.from_hf(released)
+    assert (cfg.architecture, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.tie_word_embeddings) == ("Gemma3ForCausalLM", 262208, 8, 4, 256, True)
+    assert cfg.layer_windows[:6] == [1024] * 5 + [None] and len(cfg.layer_windows) == 34
+    assert [theta for theta, _ in cfg.rope_tables] == [1e6, 1e4]
+    assert cfg.rope_tables[0][1]["factor"] == 8.0 and cfg.attn_scale == 256 ** -0.5
+    assert (cfg.vision.pooled_tokens, cfg.vision.layer_norm_eps, cfg.vision.num_layers) == \
+        (256, 1e-6, 27)
+    assert image_placeholders(released) == (262144, 256)
