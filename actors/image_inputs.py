@@ -42,14 +42,15 @@ class ImagePreparer:
         if info.architecture not in VISION_ARCHITECTURES:
             return None
         kind = {"Idefics3ForConditionalGeneration": TiledImagePreparer,
-                "Qwen2_5_VLForConditionalGeneration": GridImagePreparer}
+                "Qwen2_5_VLForConditionalGeneration": GridImagePreparer,
+                "Gemma3ForConditionalGeneration": Gemma3ImagePreparer}
         return kind.get(info.architecture, ImagePreparer)(info.path, tokenizer)
 
     def expand(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's placeholder run widened to its rows (a run already
         that long is kept), and the images. A 400 (InvalidParam) where the runs and the
         images differ in number, or an image cannot be read."""
-        runs = _runs(ids, self.token_id)
+        runs = self.placeholders(ids)
         if len(runs) != len(files):
             raise InvalidParam("messages", f"the prompt has {len(runs)} image placeholders and "
                                          f"{len(files)} images")
@@ -60,7 +61,7 @@ class ImagePreparer:
                                                f"(one, or {self.rows})" if self.rows else
                                    f"image {index}: a run of {length} placeholders (one)")
             out += ids[last:start]
-            segment, inputs = self.prepared(data, index)
+            segment, inputs = self.prepared(data, index, length)
             images += [_input(pixels, len(out) + at, self.rows, grid)
                        for pixels, at, grid in inputs]
             out += segment
@@ -76,9 +77,15 @@ class ImagePreparer:
         """The placeholder runs a prompt may hold for one image."""
         return (1, self.rows)
 
-    def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
-        """One image -> (the tokens in place of its placeholder, its encoder inputs: (pixels
-        [3, S, S], where its rows start among those tokens, its grid: ImageInput.grid))."""
+    def placeholders(self, ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each image's placeholder run in the prompt."""
+        return _runs(ids, self.token_id)
+
+    def prepared(self, data: bytes, index: int, length: int = 1
+                 ) -> tuple[list[int], list[tuple]]:
+        """One image, its placeholder run `length` long -> (the tokens in place of the run,
+        its encoder inputs: (pixels [3, S, S], where its rows start among those tokens, its
+        grid: ImageInput.grid))."""
         return [self.token_id] * self.rows, [(self.pixels(data, index), 0, [])]
 
     def widen(self, ids: list[int]) -> list[int]:
@@ -125,7 +132,8 @@ class TiledImagePreparer(ImagePreparer):
     def run_lengths(self) -> tuple[int, ...]:
         return (1,)
 
-    def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
+    def prepared(self, data: bytes, index: int, length: int = 1
+                 ) -> tuple[list[int], list[tuple]]:
         out = self.processor(images=[[self.decoded(data, index)]], return_tensors="np",
                              return_row_col_info=True)
         tiles = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
@@ -169,7 +177,8 @@ class GridImagePreparer(ImagePreparer):
     def run_lengths(self) -> tuple[int, ...]:
         return (1,)
 
-    def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
+    def prepared(self, data: bytes, index: int, length: int = 1
+                 ) -> tuple[list[int], list[tuple]]:
         out = self.processor(images=[self.decoded(data, index)], return_tensors="np")
         patches = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         m = self.processor.merge_size
@@ -179,6 +188,70 @@ class GridImagePreparer(ImagePreparer):
 
     def widen(self, ids: list[int]) -> list[int]:
         return ids                      # the rows are the image's: counted when it is read
+
+
+class Gemma3ImagePreparer(ImagePreparer):
+    """Gemma 3's: the chat template writes <start_of_image> (boi) where an image goes, which
+    its processor turns into "\\n\\n" boi, mm_tokens_per_image image tokens, eoi "\\n\\n"
+    (processing_gemma3.py full_image_sequence); so does a lone image token here. A run of
+    mm_tokens_per_image image tokens is kept as it is (a prompt already widened). With
+    pan-and-scan (do_pan_and_scan in its preprocessor config) an image whose aspect is
+    stretched enough is also cut into crops: its placeholder becomes the processor's text
+    ("Here is the original image ... and here are some crops ..."), the original and each
+    crop an encoder input of its own sequence."""
+
+    def __init__(self, path: str, tokenizer):
+        super().__init__(path, tokenizer)
+        self.boi = self.config.get("boi_token_index", self.config.get("boi_token_id"))
+        self.eoi = self.config.get("eoi_token_index", self.config.get("eoi_token_id"))
+        self.pan_and_scan = bool(getattr(self.processor, "do_pan_and_scan", False))
+        newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+        self.sequence = newlines + [self.boi] + [self.token_id] * self.rows + [self.eoi] + \
+            newlines
+        self.first_row = len(newlines) + 1        # where the rows start in the sequence
+
+    def placeholders(self, ids: list[int]) -> list[tuple[int, int]]:
+        """Image token runs, and each boi that no image token follows (as a run of one)."""
+        lone = [(i, 1) for i, t in enumerate(ids)
+                if t == self.boi and (i + 1 == len(ids) or ids[i + 1] != self.token_id)]
+        return sorted(_runs(ids, self.token_id) + lone)
+
+    def prepared(self, data: bytes, index: int, length: int = 1
+                 ) -> tuple[list[int], list[tuple]]:
+        out = self.processor(images=[self.decoded(data, index)], return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # original, crops
+        crops = int(out["num_crops"][0]) if "num_crops" in out else 0
+        if length == self.rows:
+            if crops:
+                raise InvalidParam("messages", f"image {index}: a run of {length} image tokens "
+                                               f"cannot take pan-and-scan crops (one boi)")
+            return [self.token_id] * self.rows, [(pixels[0], 0, [])]
+        if not crops:
+            return list(self.sequence), [(pixels[0], self.first_row, [])]
+        segment = self.tokenizer.encode(self.crops_string(crops), add_special_tokens=False)
+        starts = [start for start, _ in _runs(segment, self.token_id)]
+        if len(starts) != len(pixels):
+            raise InvalidParam("messages", f"image {index}: {len(pixels)} crops but "
+                                           f"{len(starts)} runs of image tokens")
+        return segment, [(crop, start, []) for crop, start in zip(pixels, starts)]
+
+    def crops_string(self, crops: int) -> str:
+        """Gemma 3's processor's text for an image and its `crops` pan-and-scan crops
+        (replace_image_token), with this tokenizer's boi, image and eoi tokens."""
+        name = self.tokenizer.convert_ids_to_tokens
+        full = f"\n\n{name(self.boi)}{name(self.token_id) * self.rows}{name(self.eoi)}\n\n"
+        return (f"Here is the original image {full} and here are some crops to help you see "
+                f"better " + " ".join([full] * crops))
+
+    def widen(self, ids: list[int]) -> list[int]:
+        if self.pan_and_scan:
+            return ids                  # crops depend on the image: counted when it is read
+        out, last = [], 0
+        for start, length in self.placeholders(ids):
+            out += ids[last:start] + (ids[start:start + length] if length == self.rows
+                                      else self.sequence)
+            last = start + length
+        return out + ids[last:]
 
 
 def _input(pixels: np.ndarray, offset: int, rows: int, grid: list[int]) -> ImageInput:

@@ -33,10 +33,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "Starcoder2ForCausalLM",
                            "GptOssForCausalLM", "LlavaForConditionalGeneration",
                            "Idefics3ForConditionalGeneration",
-                           "Qwen2_5_VLForConditionalGeneration")
+                           "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 # Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                        "Qwen2_5_VLForConditionalGeneration")
+                        "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# Those whose image tokens attend each other both ways within one image during prefill
+# (Gemma 3): a prefill chunk holds an image whole (scheduler/encoder_budget.py), and an image
+# longer than the step's token budget is refused.
+WHOLE_IMAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 # The GPT family's: LayerNorms, plain MLPs, parallel residuals, learned positions.
 GPT_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM",
                      "PhiForCausalLM", "Starcoder2ForCausalLM")
@@ -136,10 +140,23 @@ _GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
               "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps"}
 
 
+# Gemma 3's text model's defaults (transformers' Gemma3TextConfig): the released multimodal
+# checkpoints' text_config names only what differs from them (gemma-3-4b-it: 6 keys).
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                         "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+
+
 def hf_text_config(cfg: dict) -> dict:
     """The text model's config (a multimodal config's text_config) under the usual keys:
-    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null."""
+    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null;
+    Gemma 3's defaults where its text_config leaves them out."""
     text = dict(cfg.get("text_config", cfg))
+    if text.get("model_type") == "gemma3_text":
+        text = {**_GEMMA3_TEXT_DEFAULTS, **text}
     if "n_embd" in text:                  # GPT-2's own keys are the ones its model reads
         text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
         text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]
@@ -150,12 +167,15 @@ def image_placeholders(cfg: dict) -> tuple[int, int]:
     """A vision model's config.json -> (its image placeholder token, the rows an image (a
     tile: Idefics3) encodes to): LLaVA's patches of its tower's grid, the class token kept
     only by the "full" feature strategy; Idefics3's patches over its pixel shuffle's square;
-    Qwen2.5-VL's 0: an image's rows depend on its size (dynamic resolution)."""
+    Qwen2.5-VL's 0: an image's rows depend on its size (dynamic resolution); Gemma 3's
+    mm_tokens_per_image (its pooled grid)."""
     vision = cfg["vision_config"]
     if "image_size" not in vision:                                    # Qwen2.5-VL
         return cfg.get("image_token_id", 151655), 0
     grid = vision["image_size"] // vision["patch_size"]
     token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    if "mm_tokens_per_image" in cfg:
+        return token, cfg["mm_tokens_per_image"]
     if "scale_factor" in cfg:
         return token, grid * grid // cfg["scale_factor"] ** 2
     full = cfg.get("vision_feature_select_strategy", "default") == "full"

@@ -31,6 +31,11 @@ class PrefillSpan:
     num_tokens: int            # query tokens computed this step
     context_len: int           # tokens in the cache for this sequence once this step's are written
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+    # Per query, the end (exclusive) of the keys it sees, [num_tokens] int64 on the host, or
+    # None: causal (a query at position p sees keys < p + 1). Gemma 3's image tokens see their
+    # whole image (an image's tokens all end at its end); never past context_len, never
+    # below p + 1. A window still counts back from the query's own position.
+    key_ends: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,6 +49,26 @@ class AttentionBatch:
     prefills: list[PrefillSpan]
     cascade: SharedPrefix | None = None       # blocks every decode row starts with (cascade.py)
     heads: object | None = None               # KV-Compress's rows (kv_compress.HeadBatch)
+
+    @functools.cached_property
+    def beyond_causal(self) -> bool:
+        """Whether a prefill span's queries see keys past their own (PrefillSpan.key_ends):
+        Triton's causal-only prefill takes the torch path then."""
+        return any(span.key_ends is not None for span in self.prefills)
+
+    @functools.cached_property
+    def packed_key_ends(self) -> torch.Tensor | None:
+        """The spans' key ends as the native prefill kernel takes them: int64 [T'], one per
+        row up to the last prefill row (a causal span's rows their position + 1; decode
+        rows unread), or None where every span is causal."""
+        if not self.beyond_causal:
+            return None
+        ends = torch.zeros(max(s.start + s.num_tokens for s in self.prefills),
+                           dtype=torch.int64)
+        for s in self.prefills:
+            ends[s.start:s.start + s.num_tokens] = s.key_ends if s.key_ends is not None else \
+                torch.arange(s.context_len - s.num_tokens + 1, s.context_len + 1)
+        return ends
 
     @functools.cached_property
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +214,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         if span.context_len != n or kv_quant.is_quantized(kv_cache):
             k = _gather(kv_cache[0], span.block_table, span.context_len, q.dtype)  # [ctx,Hkv,D]
             v = _gather(kv_cache[1], span.block_table, span.context_len, q.dtype)
-        mask, causal = causal_mask(n, span.context_len, q.device, variant.window), False
+        mask = causal_mask(n, span.context_len, q.device, variant.window, span.key_ends)
+        causal = False
     return attend(q, k, v, mask, causal, scale, variant)
 
 
@@ -212,12 +238,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def causal_mask(num_queries: int, context_len: int, device: torch.device,
-                window: int | None = None) -> torch.Tensor:
-    """[n, ctx] bool: query i (at position ctx - n + i) sees keys at positions <= its own
-    (and, with a window, > its own - window)."""
+                window: int | None = None, key_ends: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """[n, ctx] bool: query i (at position ctx - n + i) sees keys at positions <= its own,
+    or < key_ends[i] where given (PrefillSpan.key_ends), and, with a window, > its own -
+    window (transformers' AND(window, OR(causal, same image)))."""
     q_pos = torch.arange(context_len - num_queries, context_len, device=device).unsqueeze(1)
     k_pos = torch.arange(context_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
+    mask = k_pos <= q_pos if key_ends is None else k_pos < key_ends.to(device).unsqueeze(1)
     return mask if window is None else mask & (k_pos > q_pos - window)
 
 
@@ -279,8 +307,8 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor,
 
 def _reads_fresh(span: PrefillSpan, kv_cache: torch.Tensor, variant: Variant) -> bool:
     """Whether a span attends this step's k, v as computed: a whole prompt, plain attention,
-    a cache that stores them exactly."""
-    return (span.context_len == span.num_tokens and variant.plain
+    a cache that stores them exactly, causal."""
+    return (span.context_len == span.num_tokens and variant.plain and span.key_ends is None
             and not kv_quant.is_quantized(kv_cache))
 
 

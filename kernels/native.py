@@ -206,7 +206,8 @@ class Library:
                           chunks: torch.Tensor, tables: torch.Tensor, scale: float,
                           window: int | None, out: torch.Tensor,
                           blocks: torch.Tensor | None = None,
-                          sinks: torch.Tensor | None = None) -> None:
+                          sinks: torch.Tensor | None = None,
+                          key_ends: torch.Tensor | None = None) -> None:
         """Causal attention of prefill chunks whose keys and values are already in the cache.
         q, out: [T, Hq, D] (heads contiguous); caches [num_blocks, bs, Hkv, D] contiguous;
         chunks: [S, 4] int64 rows (first row in q, queries n, context ctx, offset of its block
@@ -216,7 +217,9 @@ class Library:
         attends. `blocks` (quantized caches): those blocks [U], `tables` then indexing them
         (AttentionBatch.packed_prefill_blocks, found once a step); found here if None.
         `sinks`: float32 [Hq], a logit per query head in each row's softmax (gpt-oss), or
-        None."""
+        None. `key_ends`: int64 [T'] (T' at least every chunk's last row + 1), per row of q
+        the end (exclusive) of the keys it sees (attention.PrefillSpan.key_ends), or None:
+        causal."""
         _check_cpu(q, k_cache, v_cache, chunks, tables, out)
         if kv_quant.is_quantized(k_cache):
             if blocks is None:
@@ -237,11 +240,15 @@ class Library:
         if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                                   or sinks.shape != (num_heads,)):
             raise ValueError("prefill_attention: sinks must be contiguous float32 [Hq]")
+        if key_ends is not None and (key_ends.dtype != torch.int64
+                                     or not key_ends.is_contiguous() or key_ends.dim() != 1):
+            raise ValueError("prefill_attention: key_ends must be contiguous int64 [T]")
         self.cdll.pw_prefill_attention_bf16(
             out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads,
             head_dim, block_size, q.stride(0), out.stride(0), scale, window or 0,
-            None if sinks is None else sinks.data_ptr())
+            None if sinks is None else sinks.data_ptr(),
+            None if key_ends is None else key_ends.data_ptr())
 
     def sample_serves(self, logits: torch.Tensor) -> bool:
         """Whether sample_rows takes these logits: float32 on the CPU, rows contiguous."""

@@ -240,16 +240,18 @@ class CpuOps(TorchOps):
         return self._decode(q, kv_cache, tables, lens, scale, variant, lse=True)
 
     def _prefill(self, q, cache, batch, scale, variant, out) -> bool:
-        """bfloat16 prefills (plain, windowed, with sinks) on the native kernel; the rest
-        (soft-capped) on torch."""
+        """bfloat16 prefills (plain, windowed, with sinks, with key ends) on the native
+        kernel; the rest (soft-capped) on torch."""
         if variant.softcap is not None or not self.lib.prefill_attention_serves(q, cache[0]):
             return False
         chunks, tables = batch.packed_prefills
         blocks = None
         if kv_quant.is_quantized(cache[0]):
             blocks, tables = batch.packed_prefill_blocks
+        ends = batch.packed_key_ends          # (named only where a span has them)
         self.lib.prefill_attention(q, cache[0], cache[1], chunks, tables, scale, variant.window,
-                                   out, blocks, variant.sinks)
+                                   out, blocks, variant.sinks,
+                                   **({} if ends is None else {"key_ends": ends}))
         return True
 
     def _decode(self, q, cache, tables, lens, scale, variant, lse=False):

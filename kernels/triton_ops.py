@@ -74,6 +74,8 @@ class TritonOps(TorchOps):
         return triton_decode_lse(q, kv_cache, tables, lens, scale)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
-        if not variant.plain:        # sliding windows and soft-capping: torch kernels for now
+        # sliding windows, soft-capping and images seen whole (Gemma 3's prefills): torch
+        # kernels for now
+        if not variant.plain or batch.beyond_causal:
             return TorchOps.attention(self, q, k, v, kv_cache, batch, scale, variant)
         return triton_paged_attention(q, k, v, kv_cache, batch, scale)

@@ -48,7 +48,7 @@ def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
         batch.slot_mapping.to(dev), batch.num_decode_tokens,
         *(t.to(dev) if t is not None else None
           for t in (batch.decode_block_tables, batch.decode_context_lens)),
-        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev))
+        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev), p.key_ends)
          for p in batch.prefills],
         None if batch.cascade is None else batch.cascade.to(dev),
         None if batch.heads is None else batch.heads.to(dev))

@@ -88,5 +88,25 @@ class ImageRows:
         return out
 
 
+def image_key_ends(images: list[ImageInput], start: int, n: int) -> torch.Tensor | None:
+    """The key ends (kernels/attention.py PrefillSpan.key_ends) of a prefill chunk of
+    positions [start, start + n) of a prompt whose image tokens see their whole image
+    (Gemma 3): each image position's the image's end, the others' their own position + 1;
+    None when no image is in the chunk. An image the chunk ends inside is an error (the
+    scheduler never plans one: scheduler/encoder_budget.py)."""
+    ends = None
+    for image in images:
+        lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+        if lo >= hi:
+            continue
+        if image.offset + image.length > start + n:
+            raise ValueError(f"a prefill chunk of positions [{start}, {start + n}) ends inside "
+                             f"the image at [{image.offset}, {image.offset + image.length})")
+        if ends is None:
+            ends = torch.arange(start + 1, start + n + 1)
+        ends[lo - start:hi - start] = image.offset + image.length
+    return ends
+
+
 def _pixels(image: ImageInput) -> np.ndarray:
     return np.frombuffer(image.pixels, dtype=np.float32).reshape(image.shape)

@@ -33,7 +33,7 @@ from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
 from .grammar_matchers import Matchers
 from .head_blocks import Compressor
-from .image_rows import ImageRows
+from .image_rows import ImageRows, image_key_ends
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import KvPuller, KvServer
@@ -82,6 +82,8 @@ class ModelRunner:
         self.scratch_block = config.cache.num_kv_blocks
         # a vision model's image rows and its encoder cache (image_rows.py)
         self.images = ImageRows(self.model) if hasattr(self.model, "encode_images") else None
+        # image tokens that see their whole image in prefill (Gemma 3): key ends per query
+        self.whole_images = getattr(self.model, "bidirectional_images", False)
         self.compressor = Compressor.of(config, self.model) \
             if config.cache.kv_compress_rate is not None else None
         self.kv_caches, self.host_caches = self._caches(self.model)
@@ -338,7 +340,9 @@ class ModelRunner:
                 slots.append(blocks[p // bs] * bs + p % bs)
             if not seq.runs_as_decode:
                 nb = -(-(start + n) // bs)
-                prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb])))
+                ends = image_key_ends(seq.images, start, n) if self.whole_images else None
+                prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb]),
+                                            ends))
             if seq.samples:               # the last position; every drafted one too
                 sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))

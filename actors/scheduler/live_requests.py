@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 
+from pagewire.model_info import WHOLE_IMAGE_ARCHITECTURES
 from pagewire.wire.ids import PROMPT, SeqId, output_ids
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_scheduler import NewRequest
@@ -131,6 +132,13 @@ def queue_refusal(msg: NewRequest, config,
     if len(msg.prompt_token_ids) >= limit:
         return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
                          f"max_model_len={limit}")
+    budget = config.scheduler.max_num_batched_tokens
+    if msg.images and config.model.model_info.architecture in WHOLE_IMAGE_ARCHITECTURES and \
+            any(im.length > budget for im in msg.images):
+        return "error", (f"an image of {max(im.length for im in msg.images)} tokens does not fit "
+                         f"one step (max_num_batched_tokens={budget}); "
+                         f"{config.model.model_info.architecture}'s image tokens attend their "
+                         f"whole image, so a prefill chunk cannot split one")
     max_reqs = config.scheduler.max_num_queued_reqs
     max_tokens = config.scheduler.max_num_queued_tokens
     if max_reqs is not None and len(waiting) >= max_reqs:

@@ -35,6 +35,7 @@ sequences that ended or were preempted meanwhile (their in-flight work is droppe
 """
 from __future__ import annotations
 
+from pagewire.model_info import WHOLE_IMAGE_ARCHITECTURES
 from pagewire.wire.ids import SeqId
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
@@ -66,6 +67,8 @@ class Scheduler:
         self.tables = tables.of(config, tier_present)
         self.kv = self.tables.device
         self.eos_ids = frozenset(config.model.model_info.eos_token_ids)
+        # image tokens that attend their whole image: a chunk never splits one
+        self.whole_images = config.model.model_info.architecture in WHOLE_IMAGE_ARCHITECTURES
         self.by_priority = config.scheduler.scheduling_policy == PRIORITY
         self.live = LiveRequests()               # live_requests.py; its tables by name here
         # (the same objects, only ever changed in place)
@@ -139,7 +142,8 @@ class Scheduler:
         """Decide the next step, given how many plans are in flight (their results not yet
         applied): the plan and its rows (for update()), or None when there is nothing to run."""
         budget = self.config.scheduler.max_num_batched_tokens
-        self.encoder_rows = EncoderBudget(self.config.scheduler.encoder_budget or budget)
+        self.encoder_rows = EncoderBudget(self.config.scheduler.encoder_budget or budget,
+                                          self.whole_images)
         self.first_scheduled = []
         self._make_room_for_priority()
         scheduled, budget, preempted = self._schedule_running(budget)

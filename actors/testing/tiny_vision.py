@@ -77,12 +77,16 @@ def make_tiny_qwen25vl(path: str, tokenizer_dir: str, image_token: int = 500, se
                  seed)
 
 
-def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int) -> str:
-    """Random float32 weights (scaled up so that errors show), the processor and the
-    borrowed tokenizer, saved in `path`."""
+def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: int,
+          randomize=None) -> str:
+    """Random float32 weights (scaled up so that errors show; `randomize(model)` first makes
+    random what transformers starts at a constant), the processor and the borrowed
+    tokenizer, saved in `path`."""
     torch.manual_seed(seed)
     model = model_class(config).float()
     with torch.no_grad():
+        if randomize is not None:
+            randomize(model)
         for p in model.parameters():
             p.mul_(4.0 if p.dim() > 1 else 1.0)
     model.save_pretrained(path)
@@ -92,14 +96,54 @@ def _save(model_class, config, processor, path: str, tokenizer_dir: str, seed: i
     return path
 
 
-def prefill_logits(runner, prompt: list[int], images=None) -> torch.Tensor:
+def prefill_logits(runner, prompt: list[int], images=None, key_ends=None) -> torch.Tensor:
     """Every position's logits of `prompt` run as one prefill through the runner's paged
-    cache (blocks 0.. of 16 tokens), `images` (rows, embeddings) in place of those rows."""
+    cache (blocks 0.. of 16 tokens), `images` (rows, embeddings) in place of those rows;
+    `key_ends`: the span's (PrefillSpan.key_ends), or None: causal."""
     from pagewire.kernels.attention import AttentionBatch, PrefillSpan
     n = len(prompt)
-    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)))
+    span = PrefillSpan(0, n, n, torch.arange(-(-n // 16)), key_ends)
     batch = AttentionBatch(torch.arange(n), 0, None, None, [span])
     with torch.inference_mode():
         hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, batch,
                               images=images)
         return runner.model.compute_logits(hidden)
+
+
+def make_tiny_gemma3(path: str, tokenizer_dir: str, image_token: int = 500, seed: int = 3,
+                     vocab_size: int = 512, pan_and_scan: bool = False) -> str:
+    """A Gemma3ForConditionalGeneration: a 2-layer SigLIP tower (width 32, 32-pixel images of
+    8-pixel patches: a 4 x 4 grid), pooled to 4 rows an image, and a 2-layer Gemma 3 text
+    model (width 64; layer 0 slides, window 4, so a window ends inside an image), weights
+    scaled up so that errors show; boi/eoi are the two ids before `image_token`. With
+    `pan_and_scan` its processor also crops an image stretched 1.2x or more (crops of at
+    least 8 pixels, at most 4)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+    from transformers import SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import \
+        Gemma3ImageProcessorPil
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=32, patch_size=8,
+                                vision_use_head=False)
+    text = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=256, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"],
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = Gemma3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=image_token,
+                          boi_token_index=image_token - 2, eoi_token_index=image_token - 1)
+    crops = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
+                 pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
+    processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32},
+                                        **(crops if pan_and_scan else {}))
+    return _save(Gemma3ForConditionalGeneration, config, processor, path, tokenizer_dir, seed,
+                 _random_gemma3_projector)
+
+
+def _random_gemma3_projector(model) -> None:
+    """transformers starts Gemma 3's projection at zeros (every image row 0, images then
+    unseen) and its norm at 0 (a scale of 1): both random here."""
+    projector = model.model.multi_modal_projector
+    projector.mm_input_projection_weight.normal_(0, 0.03)
+    projector.mm_soft_emb_norm.weight.normal_(0, 0.3)

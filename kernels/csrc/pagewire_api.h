@@ -241,12 +241,15 @@ PW_API(int64_t, pw_decode_attention_tiled_q8, (pw_bf16* out, const pw_bf16* q,
 // [num_blocks, bs, Hkv, D] bf16 contiguous, bs % 16 == 0; chunks [num_chunks, 4] int64 (first
 // row, queries, context, offset of its block table in `tables`). D is 64 or 128. sinks
 // (gpt-oss; null: none): float32 [Hq], a logit per query head in each row's softmax.
+// key_ends (null: causal): int64 [T], per row of q the end (exclusive) of the keys it sees,
+// at least its position + 1 and at most its chunk's context (Gemma 3's image tokens).
 PW_API(void, pw_prefill_attention_bf16, (pw_bf16* out, const pw_bf16* q,
                                          const pw_bf16* k_cache, const pw_bf16* v_cache,
                                          const int64_t* tables, const int64_t* chunks,
                                          int64_t num_chunks, int64_t Hq, int64_t Hkv, int64_t D,
                                          int64_t bs, int64_t q_stride, int64_t out_stride,
-                                         float scale, int64_t window, const float* sinks))
+                                         float scale, int64_t window, const float* sinks,
+                                         const int64_t* key_ends))
 
 // --- kv_cache.cpp
 // Copy each token's keys and values (row_bytes each, rows `k_stride` / `v_stride` bytes apart)

@@ -3,8 +3,10 @@
 // A chunk's n queries are the last n positions of its sequence's ctx tokens, whose keys and
 // values are already in the cache ([num_blocks, bs, Hkv, D] per layer, bs a multiple of 16).
 // Query i (position ctx - n + i) attends keys [0, ctx - n + i] (the last `window` of them with
-// a window). torch's SDPA ran these at 60-90 GFLOP/s here; this kernel keeps every product on
-// vdpbf16ps and every softmax step vertical:
+// a window), or keys below key_ends[row] where the batch has key ends (Gemma 3's image tokens
+// see their whole image: an end past the query's own position, never past ctx; the window
+// still counts back from the query's position). torch's SDPA ran these at 60-90 GFLOP/s
+// here; this kernel keeps every product on vdpbf16ps and every softmax step vertical:
 //
 // * Sixteen query positions of one head form a row group, one zmm lane per position. Their
 //   queries are transposed once per work item into pairs of dims (Qt[d/2] = 16 lanes of two
@@ -56,6 +58,7 @@ struct Shape {
   int64_t Hq, Hkv, bs, q_stride, out_stride, window;
   float scale;
   const float* sinks;   // a logit per query head joining each row's softmax, or null
+  const int64_t* key_ends;   // per row of q: the end (exclusive) of its keys, or null: causal
 };
 
 // One row group's state: 16 query positions of one head.
@@ -65,8 +68,10 @@ struct Rows {
   alignas(64) float out[kTile][kD];         // unnormalized output per query
   alignas(64) float m[kTile];               // running score maximum per query
   alignas(64) float l[kTile];               // running sum of exponentials per query
+  alignas(64) int32_t end[kTile];           // per query, the end (exclusive) of its keys
   int64_t head;                             // query head
   int64_t first;                            // chunk index of lane 0's query
+  int64_t last_end;                         // the largest of end[]: no key at or past it
 };
 
 // Scores of one row group against one tile, softmax-updated in place; returns the tile's
@@ -74,6 +79,7 @@ struct Rows {
 template <int kD>
 inline __m512 score_tile(Rows<kD>& rows, const bf16* const* krow, int64_t key0, int64_t pos0,
                          int64_t window, float scale, __m512i* pp) {
+  const __m512i end = _mm512_load_si512(rows.end);
   __m512 s[kTile];
   for (int t = 0; t < kTile; ++t) s[t] = _mm512_setzero_ps();
   for (int dp = 0; dp < kD / 2; ++dp) {
@@ -85,7 +91,7 @@ inline __m512 score_tile(Rows<kD>& rows, const bf16* const* krow, int64_t key0, 
     }
   }
   // lane r is query position pos0 + r; key key0 + t is visible to it when
-  // pos - window < key <= pos.
+  // pos - window < key < end (end: pos + 1 unless the batch has key ends).
   const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos0)),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
                                                          12, 13, 14, 15));
@@ -97,7 +103,7 @@ inline __m512 score_tile(Rows<kD>& rows, const bf16* const* krow, int64_t key0, 
   __mmask16 seen[kTile];
   for (int t = 0; t < kTile; ++t) {
     const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(key0 + t));
-    seen[t] = _mm512_cmple_epi32_mask(key, pos) & _mm512_cmpge_epi32_mask(key, lowest);
+    seen[t] = _mm512_cmplt_epi32_mask(key, end) & _mm512_cmpge_epi32_mask(key, lowest);
     s[t] = _mm512_mask_mul_ps(_mm512_set1_ps(kNoScore), seen[t], s[t], _mm512_set1_ps(scale));
     m_new = _mm512_max_ps(m_new, s[t]);
   }
@@ -171,12 +177,21 @@ void attend_item(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_ca
       std::memset(rows.out, 0, sizeof(rows.out));
       std::fill(rows.m, rows.m + kTile, kNoScore);
       std::fill(rows.l, rows.l + kTile, 0.f);
+      rows.last_end = 0;
+      for (int64_t r = 0; r < kTile; ++r) {     // a dead lane's end: its position + 1
+        const bool live = rows.first + r < i1;
+        const int64_t e = live && sh.key_ends ? sh.key_ends[ch.start + rows.first + r]
+                                              : past + rows.first + r + 1;
+        rows.end[r] = static_cast<int32_t>(e);
+        if (live) rows.last_end = std::max(rows.last_end, e);
+      }
       for (int64_t r = 0; r < kTile && rows.first + r < i1; ++r) {
         const bf16* qr = q + (ch.start + rows.first + r) * sh.q_stride + rows.head * kD;
         for (int dp = 0; dp < kD / 2; ++dp) std::memcpy(&rows.qt[dp][r], qr + 2 * dp, 4);
       }
     }
-  const int64_t end = past + i1;                 // keys [lo, end) are visible to someone
+  int64_t end = past + i1;                       // keys [lo, end) are visible to someone
+  for (const Rows<kD>& rows : groups) end = std::max(end, rows.last_end);
   const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, past + i0 - sh.window + 1) : 0;
   const int64_t* table = tables + ch.table;
   __m512i vt[kTile / 2 * C], pp[kTile / 2];
@@ -193,7 +208,7 @@ void attend_item(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_ca
     for (Rows<kD>& rows : groups) {
       const int64_t pos0 = past + rows.first;
       const int live = static_cast<int>(std::min<int64_t>(kTile, i1 - rows.first));
-      if (key0 > pos0 + live - 1) continue;                          // all keys in its future
+      if (key0 >= rows.last_end) continue;                           // all keys unseen
       if (sh.window > 0 && key0 + kTile <= pos0 - sh.window + 1) continue;   // all too old
       const __m512 alpha = score_tile<kD>(rows, krow, key0, pos0, sh.window, sh.scale, pp);
       accumulate_tile<kD, kR>(rows, pp, vt, alpha, (live + kR - 1) / kR * kR);
@@ -247,9 +262,9 @@ void pw_prefill_attention_bf16(pw::bf16* out, const pw::bf16* q, const pw::bf16*
                                const int64_t* chunks, int64_t num_chunks, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t bs, int64_t q_stride,
                                int64_t out_stride, float scale, int64_t window,
-                               const float* sinks) {
+                               const float* sinks, const int64_t* key_ends) {
 #if defined(__AVX512BF16__)
-  const pw::Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale, sinks};
+  const pw::Shape sh{Hq, Hkv, bs, q_stride, out_stride, window, scale, sinks, key_ends};
   const pw::Chunk* c = reinterpret_cast<const pw::Chunk*>(chunks);
   if (D == 64) pw::prefill_attention<64>(out, q, k_cache, v_cache, tables, c, num_chunks, sh);
   else if (D == 128)

@@ -221,3 +221,46 @@ def test_silu_and_mul_matches_silu_gate_times_up(dtype):
     out = silu_and_mul(torch.cat([gate, up], dim=-1))
     assert out.shape == (6, 40) and out.dtype == dtype
     torch.testing.assert_close(out, F.silu(gate) * up, atol=0, rtol=0)
+
+
+def _seen_through_key_ends(q, keys, values, ends, window, scale):
+    """The definition with PrefillSpan.key_ends: query i (position ctx - n + i) sees keys
+    < ends[i] and, with a window, > its position - window. Float32."""
+    n, ctx = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    pos = torch.arange(ctx - n, ctx).unsqueeze(1)
+    k_pos = torch.arange(ctx).unsqueeze(0)
+    mask = (k_pos < ends.unsqueeze(1)) & ((k_pos > pos - window) if window else True)
+    scores = torch.einsum("qhd,khd->hqk", q.float(),
+                          keys.float().repeat_interleave(group, 1)) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values.float().repeat_interleave(group, 1))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_key_ends_let_a_query_see_past_itself(kernels, dtype, window):
+    """Gemma 3's image tokens: in the prefill spans (ctx 50, n 7) and (ctx 70, n 45), a run of
+    queries sees keys up to its run's end (cpu, bfloat16: the native prefill kernel's
+    key_ends); a window still counts back from each query's own position."""
+    from pagewire.kernels.attention import Variant
+    cache, q, k, v, batch, full_kv = _build(16, 64, 4, 2)
+    cache, q, k, v = (x.to(dtype) for x in (cache, q, k, v))
+    for span, (lo, hi) in zip([batch.prefills[1], batch.prefills[4]], [(1, 5), (10, 30)]):
+        past = span.context_len - span.num_tokens
+        span.key_ends = torch.arange(past + 1, span.context_len + 1)
+        span.key_ends[lo:hi] = past + hi
+    assert batch.beyond_causal
+    scale = 64 ** -0.5
+    out = select_ops(torch.device("cpu"), kernels).attention(q, k, v, cache, batch, scale,
+                                                              Variant(window=window))
+    row = batch.num_decode_tokens
+    for span, (keys, values) in zip(batch.prefills, full_kv[len(DECODES):]):
+        n, ctx = span.num_tokens, span.context_len
+        ends = span.key_ends if span.key_ends is not None else torch.arange(ctx - n + 1, ctx + 1)
+        expected = _seen_through_key_ends(q[row:row + n], keys.to(dtype), values.to(dtype),
+                                          ends, window, scale)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out[row:row + n].float(), expected, atol=tol, rtol=tol)
+        row += n

@@ -4,9 +4,10 @@ positions, a pre-norm, encoder layers of LayerNorm -> self-attention -> LayerNor
 hidden states of one layer, LLaVA's the second last, without the class token, then a
 Linear -> GELU -> Linear projector) and SigLIP's (Idefics3 / SmolVLM: a patch embedding with a
 bias, no class token, the last layer's states after a post-norm, then a pixel shuffle that
-folds each scale x scale square of patches into one row, and one Linear). Every patch sees
-every patch: no KV cache, no mask. torch ops in the model's dtype; the runner encodes an image
-(a tile, for Idefics3) once and caches the result (executor/image_rows.py).
+folds each scale x scale square of patches into one row, and one Linear; Gemma 3: the same
+SigLIP tower, then its patch grid average-pooled to mm_tokens_per_image rows, a Gemma RMSNorm
+(weight + 1) and one matrix, no bias). Every patch sees every patch: no KV cache, no mask.
+torch ops in the model's dtype; the runner encodes an image (a tile, for Idefics3) once and caches the result (executor/image_rows.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class VisionConfig:
     projector_bias: bool = True
     text_hidden_size: int = 0
     image_token_id: int = -1                # the prompt's placeholder, once per image row
+    pooled_tokens: int = 0                  # Gemma 3: the grid pooled to this many rows
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "VisionConfig":
@@ -48,6 +50,11 @@ class VisionConfig:
                       text_hidden_size=cfg["text_config"]["hidden_size"],
                       image_token_id=cfg.get("image_token_index", cfg.get("image_token_id",
                                                                           -1)))
+        if "mm_tokens_per_image" in cfg:                            # Gemma 3
+            return cls(**common, layer_norm_eps=v.get("layer_norm_eps", 1e-6),
+                       activation=v.get("hidden_act", "gelu_pytorch_tanh"), feature_layer=-1,
+                       class_token=False, patch_bias=True, post_norm=True,
+                       pooled_tokens=cfg["mm_tokens_per_image"], projector_bias=False)
         if "scale_factor" in cfg:                                   # Idefics3
             return cls(**common, layer_norm_eps=v.get("layer_norm_eps", 1e-6),
                        activation=v.get("hidden_act", "gelu_pytorch_tanh"), feature_layer=-1,
@@ -68,6 +75,8 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         patches = (self.image_size // self.patch_size) ** 2
+        if self.pooled_tokens:
+            return self.pooled_tokens
         if self.scale_factor:
             return patches // self.scale_factor ** 2
         return patches + int(self.class_token and self.keep_class_token)
@@ -121,8 +130,12 @@ class VisionTower(nn.Module):
         self.post_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps) if cfg.post_norm else None
         wide = d * cfg.scale_factor ** 2 if cfg.scale_factor else d
         self.proj1 = nn.Linear(wide, cfg.text_hidden_size, bias=cfg.projector_bias)
-        self.proj2 = None if cfg.scale_factor else nn.Linear(
+        one_linear = cfg.scale_factor or cfg.pooled_tokens
+        self.proj2 = None if one_linear else nn.Linear(
             cfg.text_hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
+        # Gemma 3's mm_soft_emb_norm: RMSNorm, its weight stored less one
+        self.soft_norm = nn.Parameter(torch.zeros(d), requires_grad=False) \
+            if cfg.pooled_tokens else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         dtype = self.patch.weight.dtype
@@ -141,6 +154,10 @@ class VisionTower(nn.Module):
             x = x[:, 1:]
         if self.cfg.scale_factor:
             return self.proj1(pixel_shuffle(x, self.cfg.scale_factor))       # [N, P/s^2, H]
+        if self.soft_norm is not None:
+            x = gemma_rms_norm(average_pool(x, self.cfg.pooled_tokens), self.soft_norm,
+                               self.cfg.layer_norm_eps)
+            return self.proj1(x)                                              # [N, rows, H]
         return self.proj2(_activation(self.cfg.projector_activation, self.proj1(x)))
 
 
@@ -152,6 +169,22 @@ def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
     x = x.view(n, side, side // s, d * s).permute(0, 2, 1, 3)
     x = x.reshape(n, side // s, side // s, d * s * s).permute(0, 2, 1, 3)
     return x.reshape(n, p // (s * s), d * s * s)
+
+
+def average_pool(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N, P, D] patches of a square grid -> [N, rows, D]: each k x k square of patches
+    averaged (k = grid side / sqrt(rows)), squares in row-major order (Gemma 3's AvgPool2d)."""
+    n, p, d = x.shape
+    side, out = int(p ** 0.5), int(rows ** 0.5)
+    grid = x.transpose(1, 2).reshape(n, d, side, side)
+    return F.avg_pool2d(grid, side // out).flatten(2).transpose(1, 2)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: float32 math, scaled by (1 + weight), back in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
 
 
 # the tower's own names, after its prefix: LLaVA's (vision_tower.[vision_model.]) or
@@ -168,11 +201,14 @@ _CONNECTOR = {"multi_modal_projector.linear_1.weight": "proj1.weight",
               "multi_modal_projector.linear_1.bias": "proj1.bias",
               "multi_modal_projector.linear_2.weight": "proj2.weight",
               "multi_modal_projector.linear_2.bias": "proj2.bias",
-              "connector.modality_projection.proj.weight": "proj1.weight"}
+              "connector.modality_projection.proj.weight": "proj1.weight",
+              "multi_modal_projector.mm_soft_emb_norm.weight": "soft_norm"}
+# Gemma 3's projection, stored [vision width, text width] (a matmul's, not a Linear's)
+_GEMMA3_PROJECTION = "multi_modal_projector.mm_input_projection_weight"
 
 
 def vision_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face's vision tower and connector names (LLaVA's layouts, Idefics3's) -> the
+    """Hugging Face's vision tower and connector names (LLaVA's, Idefics3's, Gemma 3's) -> the
     tower's state dict, q/k/v fused by rows. Takes the entries out of `weights`."""
     tower = {}
     for name in [n for n in weights if n.startswith(_TOWER_PREFIXES)]:
@@ -195,4 +231,6 @@ def vision_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         short = name.removeprefix("model.")
         if short in _CONNECTOR:
             out[_CONNECTOR[short]] = weights.pop(name)
+        elif short == _GEMMA3_PROJECTION:
+            out["proj1.weight"] = weights.pop(name).t().contiguous()
     return out

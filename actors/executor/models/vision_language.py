@@ -1,15 +1,19 @@
 """Models that take images: a vision tower and connector (vision.py, qwen_vision.py) beside a
 Llama-family language model (llama.py, unchanged): LLaVA (LlavaForConditionalGeneration),
-Idefics3 (Idefics3ForConditionalGeneration: SmolVLM) and Qwen2.5-VL
-(Qwen2_5_VLForConditionalGeneration: a Qwen2 text model with M-RoPE). The language model
-reads the prompt's image tokens' rows from the tower's output instead of its embedding
-table; everything after the embedding is the text model's program, so the backends, the KV
-cache, prefix caching and chunked prefill treat an image's rows as any prompt's.
+Idefics3 (Idefics3ForConditionalGeneration: SmolVLM), Qwen2.5-VL
+(Qwen2_5_VLForConditionalGeneration: a Qwen2 text model with M-RoPE) and Gemma 3
+(Gemma3ForConditionalGeneration: a Gemma 3 text model). The language model reads the
+prompt's image tokens' rows from the tower's output instead of its embedding table;
+everything after the embedding is the text model's program, so the backends, the KV cache,
+prefix caching and chunked prefill treat an image's rows as any prompt's.
 
 M-RoPE (Qwen2.5-VL): the runner's positions are already each text row's shifted position
 (executor/mrope.py); a step with image rows also brings their (t, h, w), and the model
 builds that step's own rope table (one row per batch row) so the layers' rope op is the
 same (table, positions) gather as every model's.
+
+Gemma 3's image tokens see their whole image during prefill (`bidirectional_images`), which
+the runner turns into per-query key ends (kernels/attention.py PrefillSpan.key_ends).
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
                   ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))
 
 
+# the language model's architecture where its text_config names none
+_TEXT_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 @dataclass
 class VisionLanguageConfig(LlamaConfig):
     vision: VisionConfig | QwenVisionConfig | None = None
@@ -40,7 +48,8 @@ class VisionLanguageConfig(LlamaConfig):
     def from_hf(cls, cfg: dict) -> "VisionLanguageConfig":
         qwen = (cfg.get("architectures") or [""])[0] == "Qwen2_5_VLForConditionalGeneration"
         text = _qwen_text(cfg) if qwen else dict(cfg["text_config"])
-        text.setdefault("architectures", ["LlamaForCausalLM"])
+        text.setdefault("architectures", [_TEXT_ARCHITECTURES.get(
+            (cfg.get("architectures") or [""])[0], "LlamaForCausalLM")])
         if "tie_word_embeddings" in cfg:
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         base = LlamaConfig.from_hf(text)
@@ -73,6 +82,8 @@ class VisionLanguageModel(LlamaForCausalLM):
         super().__init__(cfg, tp, ops, cp)
         self.vision = QwenVisionTower(cfg.vision) if cfg.mrope_section else \
             VisionTower(cfg.vision)
+        # an image's tokens attend each other both ways in prefill (Gemma 3's token_type_ids)
+        self.bidirectional_images = getattr(cfg.vision, "pooled_tokens", 0) > 0
 
     def encode_images(self, pixel_values: torch.Tensor, grids=None):
         """pixel_values [N, 3, S, S] -> [N, tokens_per_image, H], in the model's dtype.
