@@ -240,9 +240,8 @@ class Library:
         if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
                                   or sinks.shape != (num_heads,)):
             raise ValueError("prefill_attention: sinks must be contiguous float32 [Hq]")
-        if key_ends is not None and (key_ends.dtype != torch.int64
-                                     or not key_ends.is_contiguous() or key_ends.dim() != 1):
-            raise ValueError("prefill_attention: key_ends must be contiguous int64 [T]")
+        if key_ends is not None:
+            _check_key_ends(key_ends, chunks)
         self.cdll.pw_prefill_attention_bf16(
             out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), chunks.data_ptr(), chunks.shape[0], num_heads, num_kv_heads,
@@ -396,3 +395,24 @@ class Library:
         self.typed("pw_lora_delta", y.dtype)(
             y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), tokens, n, x.shape[1],
             adapter_of_row.data_ptr(), table.data_ptr(), slot, table.shape[1])
+
+
+def _check_key_ends(key_ends: torch.Tensor, chunks: torch.Tensor) -> None:
+    """Each chunk row's key end within [its causal end, the chunk's ctx]: past ctx the kernel
+    would read keys outside the chunk's blocks."""
+    start, n, ctx = chunks[:, 0], chunks[:, 1], chunks[:, 2]
+    rows = int((start + n).max()) if len(chunks) else 0
+    if key_ends.dtype != torch.int64 or not key_ends.is_contiguous() or key_ends.dim() != 1 \
+            or key_ends.shape[0] < rows:
+        raise ValueError(f"prefill_attention: key_ends must be contiguous int64 [T >= {rows}]")
+    within = _offsets(n)                                     # each row's index in its chunk
+    causal = torch.repeat_interleave(ctx - n, n) + within + 1
+    ends = key_ends[torch.repeat_interleave(start, n) + within]
+    if bool(((ends < causal) | (ends > torch.repeat_interleave(ctx, n))).any()):
+        raise ValueError("prefill_attention: a key end before its query's own key or past its "
+                         "chunk's context")
+
+
+def _offsets(n: torch.Tensor) -> torch.Tensor:
+    """0 .. n[i] - 1 for each i, concatenated."""
+    return torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)

@@ -135,6 +135,11 @@ class TorchOps:
         kernels and the native CPU decode implement them; Triton falls back to these."""
         return attention.paged_attention(q, k, v, kv_cache, batch, scale, variant=variant)
 
+    def full_attention(self, q, k, v, scale):
+        """A vision tower's attention over each image (attention.full_attention): the
+        native kernel where this backend has one, else torch's SDPA."""
+        return attention.full_attention(q, k, v, scale, self.lib)
+
     def write_kv(self, kv_cache, k, v, slots):
         """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""
         attention.write_kv(kv_cache, k, v, slots)

@@ -38,8 +38,6 @@ namespace pw {
 namespace {
 
 #if defined(__AVX512BF16__)
-constexpr int64_t kItemPositions = 32;
-
 // Two vectors of 16 floats -> 16 dwords, each the pair (lo[i], hi[i]) rounded to bfloat16.
 inline __m512i pair_bf16(__m512 lo, __m512 hi) {
   const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
@@ -224,16 +222,29 @@ void attend_item(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_ca
     }
 }
 
+// A work item's query positions: enough items to balance the threads (the causal triangle's
+// costs differ), as many positions as that allows, up to 256: each key tile's values are
+// paired once per item, so an item of many positions (a vision tower's image, G = 1) pairs
+// them for all its row groups at once (bench/NOTES.md "Vision tower": a LLM prefill's
+// speed unchanged, a SigLIP tile's attention 1.4x).
+int64_t item_positions(const Chunk* chunks, int64_t num_chunks, int64_t Hkv) {
+  int64_t rows = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) rows += chunks[c].n * Hkv;
+  const int64_t per = rows / (8 * at::get_num_threads()) / 32 * 32;
+  return std::clamp<int64_t>(per, 32, 256);
+}
+
 template <int kD>
 void prefill_attention(bf16* out, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                        const int64_t* tables, const Chunk* chunks, int64_t num_chunks,
                        const Shape& sh) {
   struct Item { int64_t chunk, head, i0, i1, cost; };
+  const int64_t positions = item_positions(chunks, num_chunks, sh.Hkv);
   std::vector<Item> items;
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t j = 0; j < sh.Hkv; ++j)
-      for (int64_t i0 = 0; i0 < chunks[c].n; i0 += kItemPositions) {
-        const int64_t i1 = std::min(chunks[c].n, i0 + kItemPositions);
+      for (int64_t i0 = 0; i0 < chunks[c].n; i0 += positions) {
+        const int64_t i1 = std::min(chunks[c].n, i0 + positions);
         const int64_t keys = chunks[c].ctx - chunks[c].n + i1;
         const int64_t seen = sh.window > 0 ? std::min(keys, sh.window) : keys;
         items.push_back({c, j, i0, i1, (i1 - i0) * seen});

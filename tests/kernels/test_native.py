@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagewire import LLM, SamplingParams
 from pagewire.kernels.activation import silu_and_mul
@@ -237,6 +238,56 @@ def test_prefill_attention_matches_the_float32_reference(native_lib, heads, kv_h
             sdpa = prefill_attention(q[rows], *new, cache, span, 0.125)
             ours, theirs = ((x.float() - ref).abs().mean() for x in (out[rows], sdpa))
             assert ours <= 1.1 * theirs
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_key_ends_let_a_query_see_keys_past_its_own(native_lib, window):
+    """key_ends: each chunk's rows 3..9 see up to its row 9 (an image seen whole, Gemma 3's
+    way), the others causally: the float32 reference under that mask; a key end past a chunk's
+    context or before its query's own key is refused."""
+    from pagewire.kernels.attention import attend
+    if not native_lib.bf16_dot:
+        pytest.skip(f"the native prefill kernel needs a bfloat16 dot product ({native_lib.tier})")
+    cache, q, batch = _prefill_case(6, 2, 64, 16)
+    chunks, tables = batch.packed_prefills
+    ends, masks = [], []
+    for span in batch.prefills:
+        past = span.context_len - span.num_tokens
+        end = torch.arange(past + 1, span.context_len + 1)
+        if span.num_tokens >= 10:
+            end[3:10] = past + 10
+        ends.append(end)
+        masks.append(torch.arange(span.context_len)[None] < end[:, None])
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    native_lib.prefill_attention(q, cache[0], cache[1], chunks, tables, 0.125, window, out,
+                                 key_ends=torch.cat(ends))
+    for span, mask in zip(batch.prefills, masks):
+        rows = slice(span.start, span.start + span.num_tokens)
+        if window is not None:
+            own = torch.arange(span.context_len - span.num_tokens, span.context_len)
+            mask &= torch.arange(span.context_len)[None] > own[:, None] - window
+        k, v = (c[span.block_table].flatten(0, 1)[:span.context_len].float() for c in cache)
+        ref = attend(q[rows].float(), k, v, mask, False, 0.125)
+        torch.testing.assert_close(out[rows].float(), ref, **tol(torch.bfloat16))
+    for bad in (torch.cat(ends) + 1, torch.cat(ends) - 1):
+        with pytest.raises(ValueError, match="key end"):
+            native_lib.prefill_attention(q, cache[0], cache[1], chunks, tables, 0.125, window,
+                                         out, key_ends=bad)
+
+
+@pytest.mark.parametrize("patches", [64, 37])
+def test_full_attention_of_images_matches_torch(native_lib, patches):
+    """A vision tower's attention (every patch sees every patch of its image, none of the
+    next's) on the native kernel, 37 patches padded to blocks of 16: equal to SDPA in float32
+    within bfloat16's rounding."""
+    from pagewire.kernels.attention import full_attention
+    g = torch.Generator().manual_seed(patches)
+    qkv = torch.randn(3, patches, 3, 4, 64, generator=g).bfloat16()    # [N, P, 3, H, D]
+    q, k, v = qkv.unbind(2)
+    out = full_attention(q, k, v, 0.125, native_lib)
+    ref = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v)),
+                                         scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.float(), ref, **tol(torch.bfloat16))
 
 
 def test_native_and_torch_kernel_sets_give_the_same_greedy_tokens(tiny_llama, tier):

@@ -103,21 +103,23 @@ class EncoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
         n, p, d = x.shape                                               # [N, P, D]
         heads = self.cfg.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(n, p, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v)                  # [N, heads, P, D/h]
-        x = x + self.out(attn.transpose(1, 2).reshape(n, p, d))
+        q, k, v = self.qkv(self.norm1(x)).view(n, p, 3, heads, d // heads).unbind(2)
+        attn = ops.full_attention(q, k, v, (d // heads) ** -0.5)       # [N, P, heads, D/h]
+        x = x + self.out(attn.reshape(n, p, d))
         return x + self.fc2(_activation(self.cfg.activation, self.fc1(self.norm2(x))))
 
 
 class VisionTower(nn.Module):
     """pixel_values [N, 3, S, S] -> image embeddings [N, tokens_per_image, text hidden]."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, ops):
+        """ops: the backend's kernel set (kernels/ops.py), whose full_attention the layers
+        call."""
         super().__init__()
-        self.cfg, d = cfg, cfg.hidden_size
+        self.cfg, self.ops, d = cfg, ops, cfg.hidden_size
         grid = cfg.image_size // cfg.patch_size
         self.patch = nn.Conv2d(3, d, cfg.patch_size, stride=cfg.patch_size, bias=cfg.patch_bias)
         self.class_embedding = nn.Parameter(torch.zeros(d), requires_grad=False) \
@@ -147,7 +149,7 @@ class VisionTower(nn.Module):
         if self.pre_norm is not None:
             x = self.pre_norm(x)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(self.ops, x)
         if self.post_norm is not None:
             x = self.post_norm(x)
         if self.class_embedding is not None and not self.cfg.keep_class_token:

@@ -81,7 +81,7 @@ class VisionLanguageModel(LlamaForCausalLM):
     def __init__(self, cfg: VisionLanguageConfig, tp=None, ops=None, cp=None):
         super().__init__(cfg, tp, ops, cp)
         self.vision = QwenVisionTower(cfg.vision) if cfg.mrope_section else \
-            VisionTower(cfg.vision)
+            VisionTower(cfg.vision, self.ops)
         # an image's tokens attend each other both ways in prefill (Gemma 3's token_type_ids)
         self.bidirectional_images = getattr(cfg.vision, "pooled_tokens", 0) > 0
 
