@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .llama import LayerNorm
+
 
 @dataclass
 class VisionConfig:
@@ -82,34 +84,45 @@ class VisionConfig:
         return patches + int(self.class_token and self.keep_class_token)
 
 
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+def _activation(name: str, x: torch.Tensor, ops=None) -> torch.Tensor:
+    """The tower's (or projector's) activation; GELUs through `ops` where given (the
+    backend's native one: torch's tanh GELU took a tenth of a SigLIP tile's time)."""
     if name == "quick_gelu":
         return x * torch.sigmoid(1.702 * x)
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu(x)
+    if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+        form = "none" if name == "gelu" else "tanh"
+        return ops.gelu(x.contiguous(), form) if ops is not None else F.gelu(x, approximate=form)
     raise ValueError(f"activation {name!r} is not supported in the vision tower")
 
 
 class EncoderLayer(nn.Module):
+    """LayerNorm -> attention -> LayerNorm -> MLP on the backend's ops, as the GPT family's
+    blocks run: a residual stream beside each sublayer's output, each norm adding the two."""
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         d, self.cfg = cfg.hidden_size, cfg
-        self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.norm1 = LayerNorm(d, cfg.layer_norm_eps)
         self.qkv = nn.Linear(d, 3 * d)                # q, k, v stacked by rows
         self.out = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.norm2 = LayerNorm(d, cfg.layer_norm_eps)
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
 
-    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
-        n, p, d = x.shape                                               # [N, P, D]
+    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None, images: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N P, D] the last sublayer's output (the embeddings, with residual None) ->
+        this layer's MLP output and the stream before it (their sum: the layer's states)."""
+        h, residual = self.norm1.forward(ops, x, residual)
+        t, d = h.shape
         heads = self.cfg.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(n, p, 3, heads, d // heads).unbind(2)
+        q, k, v = ops.linear(self.qkv, h).view(images, t // images, 3, heads,
+                                               d // heads).unbind(2)
         attn = ops.full_attention(q, k, v, (d // heads) ** -0.5)       # [N, P, heads, D/h]
-        x = x + self.out(attn.reshape(n, p, d))
-        return x + self.fc2(_activation(self.cfg.activation, self.fc1(self.norm2(x))))
+        h, residual = self.norm2.forward(ops, ops.linear(self.out, attn.reshape(t, d)),
+                                         residual)
+        h = _activation(self.cfg.activation, ops.linear(self.fc1, h), ops)
+        return ops.linear(self.fc2, h), residual
 
 
 class VisionTower(nn.Module):
@@ -148,8 +161,11 @@ class VisionTower(nn.Module):
         x = x + self.positions.weight
         if self.pre_norm is not None:
             x = self.pre_norm(x)
+        n, p, d = x.shape
+        x, residual = x.reshape(n * p, d).contiguous(), None
         for layer in self.layers:
-            x = layer(self.ops, x)
+            x, residual = layer(self.ops, x, residual, n)
+        x = (x if residual is None else x + residual).view(n, p, d)
         if self.post_norm is not None:
             x = self.post_norm(x)
         if self.class_embedding is not None and not self.cfg.keep_class_token:
