@@ -40,6 +40,9 @@ class ImagePreparer:
         """The preparer of a vision model; None for a text-only one."""
         if info.architecture not in VISION_ARCHITECTURES:
             return None
+        if info.mmproj:                 # a GGUF's tower file: its own settings and steps
+            from pagewire.gguf_image_inputs import gguf_preparer
+            return gguf_preparer(info, tokenizer)
         tiled = info.architecture == "Idefics3ForConditionalGeneration"
         return (TiledImagePreparer if tiled else ImagePreparer)(info.path, tokenizer)
 
@@ -47,7 +50,7 @@ class ImagePreparer:
         """The prompt with each image's placeholder run widened to its rows (a run already
         that long is kept), and the images. A 400 (InvalidParam) where the runs and the
         images differ in number, or an image cannot be read."""
-        runs = _runs(ids, self.token_id)
+        runs = placeholder_runs(ids, self.token_id)
         if len(runs) != len(files):
             raise InvalidParam("messages", f"the prompt has {len(runs)} image placeholders and "
                                          f"{len(files)} images")
@@ -78,7 +81,7 @@ class ImagePreparer:
         """The prompt with each lone placeholder widened to an image's rows, no image read:
         what /tokenize counts."""
         out, last = [], 0
-        for start, length in _runs(ids, self.token_id):
+        for start, length in placeholder_runs(ids, self.token_id):
             out += ids[last:start] + [self.token_id] * (self.rows if length == 1 else length)
             last = start + length
         return out + ids[last:]
@@ -124,7 +127,7 @@ class TiledImagePreparer(ImagePreparer):
         tiles = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
         text = self.prompt_string(int(out["rows"][0][0]), int(out["cols"][0][0]))
         segment = self.tokenizer.encode(text, add_special_tokens=False)
-        starts = [start for start, _ in _runs(segment, self.token_id)]
+        starts = [start for start, _ in placeholder_runs(segment, self.token_id)]
         if len(starts) != len(tiles):
             raise InvalidParam("messages", f"image {index}: {len(tiles)} tiles but "
                                            f"{len(starts)} runs of placeholders")
@@ -144,7 +147,7 @@ class TiledImagePreparer(ImagePreparer):
         return ids                      # the tiles are the image's: counted when it is read
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+def placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(start, length) of each maximal run of `token` in ids."""
     runs, i = [], 0
     while i < len(ids):
