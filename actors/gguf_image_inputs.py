@@ -17,6 +17,7 @@ import numpy as np
 from pagewire.image_inputs import ImagePreparer, TiledImagePreparer, placeholder_runs
 from pagewire.mmproj import IMAGE_TOKEN, ClipSettings, read_mmproj
 from pagewire.model_info import ModelInfo
+from pagewire.wire.sampling_params import InvalidParam
 
 LLAVA_PAD = (122, 116, 104)     # llama.cpp's pad colour for the "mlp" projector
 
@@ -58,7 +59,10 @@ class GGUFTiledImagePreparer(GGUFImagePreparer, TiledImagePreparer):
         pixels = [self.normalized(tile) for tile in tiles]
         segment = self.tokenizer.encode(self.prompt_string(rows, cols), add_special_tokens=False)
         starts = [start for start, _ in placeholder_runs(segment, self.token_id)]
-        return segment, list(zip(pixels, starts, strict=True))
+        if len(starts) != len(pixels):
+            raise InvalidParam("messages", f"image {index}: {len(pixels)} tiles but "
+                                           f"{len(starts)} runs of placeholders")
+        return segment, list(zip(pixels, starts))
 
 
 def placeholder_id(tokenizer, path: str) -> int:

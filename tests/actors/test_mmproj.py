@@ -154,3 +154,19 @@ def test_a_mmproj_that_does_not_fit_is_refused_by_name(pairs, tmp_path, small_vo
                                  small_vocab)[0]
     with pytest.raises(ValueError, match="the vocabulary has no <image> token"):
         resolve_model(plain, mmproj)
+
+
+def test_llava_images_are_letterboxed_as_llama_cpp_does():
+    """40 x 20 -> 28 x 14 (bicubic), centred on a 28 x 28 square of LLaVA's grey (rows 7-20);
+    an image of the tower's size is kept as it is."""
+    from PIL import Image
+
+    from pagewire.gguf_image_inputs import LLAVA_PAD, letterboxed
+    image = _image(40, 20)
+    out = np.asarray(letterboxed(image, 28))
+    inner = np.asarray(image.resize((28, 14), Image.Resampling.BICUBIC))
+    assert out.shape == (28, 28, 3)
+    assert (out[:7] == LLAVA_PAD).all() and (out[21:] == LLAVA_PAD).all()
+    assert np.array_equal(out[7:21], inner)
+    same = _image(28, 28)
+    assert letterboxed(same, 28) is same
