@@ -54,9 +54,11 @@ def write_llama_cpp_pair(hf_dir: str, text_path: str, mmproj_path: str, tokenize
 
 
 def write_mmproj(path: str, hf_dir: str, cfg: dict, state: dict[str, torch.Tensor],
-                 projector: str | None = None, drop: tuple[str, ...] = ()) -> str:
+                 projector: str | None = None, drop: tuple[str, ...] = (),
+                 f16: bool = False) -> str:
     """The tower of `state` as llama.cpp's mmproj file. `projector` overrides the type
-    written, `drop` leaves tensors out (tests of bad files)."""
+    written, `drop` leaves tensors out (tests of bad files); `f16` stores the weights of two
+    or more dimensions as float16 (the files llama.cpp ships), the rest float32."""
     import gguf
     with open(os.path.join(hf_dir, "preprocessor_config.json")) as f:
         processor = json.load(f)
@@ -89,7 +91,8 @@ def write_mmproj(path: str, hf_dir: str, cfg: dict, state: dict[str, torch.Tenso
     for name, w in state.items():
         clip = clip_name(name, depth, legacy=not idefics3)
         if clip is not None and clip not in drop:
-            writer.add_tensor(clip, np.ascontiguousarray(w.float().numpy()))
+            a = np.ascontiguousarray(w.float().numpy())
+            writer.add_tensor(clip, a.astype(np.float16) if f16 and a.ndim >= 2 else a)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -170,3 +170,19 @@ def test_llava_images_are_letterboxed_as_llama_cpp_does():
     assert np.array_equal(out[7:21], inner)
     same = _image(28, 28)
     assert letterboxed(same, 28) is same
+
+
+def test_a_float16_mmproj_gives_the_rows_within_its_rounding(pairs, tmp_path):
+    """The files llama.cpp ships keep the tower's matrices (and the 4-D patch embedding) in
+    float16: read and widened, the rows stay within float16's rounding of the weights."""
+    hf, text, _ = pairs["idefics3"]
+    tower = _mmproj(pairs["idefics3"], str(tmp_path / "f16.gguf"), f16=True)
+    ours = LLM(text, mmproj=tower, dtype="float32", kernels="torch",
+               num_kv_blocks=64).runner.model
+    theirs = LLM(hf, dtype="float32", kernels="torch", num_kv_blocks=64).runner.model
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        got, want = ours.encode_images(pixels), theirs.encode_images(pixels)
+    worst = float((got - want).abs().max() / want.abs().max())
+    print("float16 mmproj: max |difference| / max |row value|:", worst)
+    assert 0 < worst < 1e-2
