@@ -63,7 +63,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def resolve(self) -> "EngineConfig":
         """Return a copy with the model read, dtype, context and KV pool size decided.
         Raises ValueError with a clear message if the options do not fit together."""
-        info = self.model.model_info or resolve_model(self.model.model)
+        info = self.model.model_info or resolve_model(self.model.model, self.model.mmproj)
         tier = self._check_kernels()
         self = self.replace(device=self._device())   # what follows reads it
         dtype = _resolve_dtype(self.model.dtype, tier, self._on_cuda())

@@ -41,6 +41,7 @@ class _Section(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
 class ModelConfig(_Section):
     """What model runs and how its weights and outputs are numbered: every actor reads it."""
     model: str | None = None                 # path to a GGUF file or HF directory; None: default
+    mmproj: str | None = None                # a GGUF model's vision tower (llama.cpp's mmproj)
     served_model_name: str | None = None
     dtype: str = "auto"                      # DTYPES
     max_model_len: int | None = None         # None: the model's own context length

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 
-from .model_info import ModelInfo, cache_root
+from .model_info import ModelInfo, cache_root, file_digest
 
 
 def cache_dir(*parts: str) -> str:
@@ -20,7 +20,9 @@ def cache_dir(*parts: str) -> str:
 def load_tokenizer(info: ModelInfo):
     if info.format == "hf":
         return _from_directory(info.path)
-    target = os.path.join(cache_dir("tokenizers"), info.digest)
+    # with a mmproj file, the digest is the pair's; the tokenizer is the text file's alone
+    key = file_digest(info.path) if info.mmproj else info.digest
+    target = os.path.join(cache_dir("tokenizers"), key)
     if not os.path.isdir(target):
         # Several actors start at once; the lock makes one convert while the others wait.
         with open(target + ".lock", "w") as lock:

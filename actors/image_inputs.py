@@ -41,6 +41,9 @@ class ImagePreparer:
         """The preparer of a vision model; None for a text-only one."""
         if info.architecture not in VISION_ARCHITECTURES:
             return None
+        if info.mmproj:                 # a GGUF's tower file: its own settings and steps
+            from pagewire.gguf_image_inputs import gguf_preparer
+            return gguf_preparer(info, tokenizer)
         kind = {"Idefics3ForConditionalGeneration": TiledImagePreparer,
                 "Qwen2_5_VLForConditionalGeneration": GridImagePreparer,
                 "Gemma3ForConditionalGeneration": Gemma3ImagePreparer}
@@ -79,7 +82,7 @@ class ImagePreparer:
 
     def placeholders(self, ids: list[int]) -> list[tuple[int, int]]:
         """(start, length) of each image's placeholder run in the prompt."""
-        return _runs(ids, self.token_id)
+        return placeholder_runs(ids, self.token_id)
 
     def prepared(self, data: bytes, index: int, length: int = 1
                  ) -> tuple[list[int], list[tuple]]:
@@ -92,7 +95,7 @@ class ImagePreparer:
         """The prompt with each lone placeholder widened to an image's rows, no image read:
         what /tokenize counts."""
         out, last = [], 0
-        for start, length in _runs(ids, self.token_id):
+        for start, length in placeholder_runs(ids, self.token_id):
             out += ids[last:start] + [self.token_id] * (self.rows if length == 1 else length)
             last = start + length
         return out + ids[last:]
@@ -139,7 +142,7 @@ class TiledImagePreparer(ImagePreparer):
         tiles = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
         text = self.prompt_string(int(out["rows"][0][0]), int(out["cols"][0][0]))
         segment = self.tokenizer.encode(text, add_special_tokens=False)
-        starts = [start for start, _ in _runs(segment, self.token_id)]
+        starts = [start for start, _ in placeholder_runs(segment, self.token_id)]
         if len(starts) != len(tiles):
             raise InvalidParam("messages", f"image {index}: {len(tiles)} tiles but "
                                            f"{len(starts)} runs of placeholders")
@@ -214,7 +217,7 @@ class Gemma3ImagePreparer(ImagePreparer):
         """Image token runs, and each boi that no image token follows (as a run of one)."""
         lone = [(i, 1) for i, t in enumerate(ids)
                 if t == self.boi and (i + 1 == len(ids) or ids[i + 1] != self.token_id)]
-        return sorted(_runs(ids, self.token_id) + lone)
+        return sorted(placeholder_runs(ids, self.token_id) + lone)
 
     def prepared(self, data: bytes, index: int, length: int = 1
                  ) -> tuple[list[int], list[tuple]]:
@@ -229,7 +232,7 @@ class Gemma3ImagePreparer(ImagePreparer):
         if not crops:
             return list(self.sequence), [(pixels[0], self.first_row, [])]
         segment = self.tokenizer.encode(self.crops_string(crops), add_special_tokens=False)
-        starts = [start for start, _ in _runs(segment, self.token_id)]
+        starts = [start for start, _ in placeholder_runs(segment, self.token_id)]
         if len(starts) != len(pixels):
             raise InvalidParam("messages", f"image {index}: {len(pixels)} crops but "
                                            f"{len(starts)} runs of image tokens")
@@ -264,7 +267,7 @@ def _input(pixels: np.ndarray, offset: int, rows: int, grid: list[int]) -> Image
     return ImageInput(digest.digest(), offset, length, data, list(pixels.shape), grid)
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+def placeholder_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(start, length) of each maximal run of `token` in ids."""
     runs, i = [], 0
     while i < len(ids):

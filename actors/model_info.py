@@ -87,6 +87,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     num_heads: int = 0                 # against them)
     intermediate_size: int = 0
     stored_quantization: str = ""      # a quantized checkpoint's packing (quant_config.py)
+    mmproj: str = ""                   # a GGUF model's vision tower file (mmproj.py)
 
     def kv_bytes_per_token(self, dtype_bytes: int, quantized: bool = False) -> int:
         """Keys and values of one token over all layers: D values of `dtype_bytes` per head,
@@ -107,7 +108,9 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 
 
-def resolve_model(model: str | None) -> ModelInfo:
+def resolve_model(model: str | None, mmproj: str | None = None) -> ModelInfo:
+    """The model at `model` (None: the default one); with `mmproj`, a GGUF language model and
+    llama.cpp's vision tower file beside it make one vision model (mmproj.py)."""
     path = default_model_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ModelNotFound(f"no model at {path} (weights are never downloaded: pass a local "
@@ -120,7 +123,22 @@ def resolve_model(model: str | None) -> ModelInfo:
         raise ModelNotFound(f"{path} is neither a .gguf file nor a directory with config.json")
     if model is None:
         info.name = DEFAULT_MODEL_NAME
-    return info
+    return info if mmproj is None else with_mmproj(info, mmproj)
+
+
+def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
+    """A GGUF language model's info as the vision model it makes with the mmproj file: the
+    architecture whose tower that is, a digest of both files."""
+    path = os.path.abspath(os.path.expanduser(mmproj))
+    if info.format != "gguf":
+        raise ValueError(f"--mmproj takes a GGUF language model's vision tower; {info.path} is "
+                         f"a Hugging Face directory (its tower is in its own weights)")
+    if not os.path.isfile(path):
+        raise ModelNotFound(f"no mmproj file at {path}")
+    from .mmproj import check_pair
+    architecture, _ = check_pair(info.path, read_gguf_header(info.path).metadata, path)
+    digest = hashlib.sha256(f"{info.digest}:{file_digest(path)}".encode()).hexdigest()[:32]
+    return msgspec.structs.replace(info, architecture=architecture, mmproj=path, digest=digest)
 
 
 # What an architecture cannot do yet, by option (README's table): LoRA adapters of experts

@@ -78,6 +78,9 @@ GROUPS: dict[str, tuple[Option, ...]] = {
     "model": (
         Option("model", "a `.gguf` file or a Hugging Face directory (safetensors)",
                "embedded SmolLM2", flags=("model",)),
+        Option("mmproj", "a GGUF model's vision tower and projector, llama.cpp's mmproj file "
+               "(LLaVA's `mlp` or SmolVLM's `idefics3` projector): the pair takes images "
+               "(see docs/models.md \"Vision\")", "none"),
         Option("served_model_name", "the id clients pass as `model`", "model's name"),
         Option("dtype", "`auto` (bfloat16 on a GPU, or where the backend's CPU tier "
                "multiplies it in hardware, AVX512-BF16 or AMX; else float32, faster there than "

@@ -96,7 +96,8 @@ def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, l
     """The recorded configuration with `overrides` applied, and what they changed."""
     config = EngineConfig.from_json(header.config_json.encode())
     recorded_digest = header.model_id.rsplit("@", 1)[1]
-    info = resolve_model(overrides.get("model", config.model.model))
+    info = resolve_model(overrides.get("model", config.model.model),
+                         overrides.get("mmproj", config.model.mmproj))
     if info.digest != recorded_digest:
         raise CannotReplay(f"the model changed since the recording: it had weights "
                            f"{recorded_digest}, {info.path} now has {info.digest}; replay "
@@ -110,7 +111,7 @@ def replay_config(header: TraceHeader, overrides: dict) -> tuple[EngineConfig, l
     if absent and not overrides:
         return config, []
     config = config.with_sections(**{s: SECTIONS[s]() for s in absent})
-    fresh = {"model_info": None} if "model" in overrides else {}     # re-read a new path
+    fresh = {"model_info": None} if {"model", "mmproj"} & set(overrides) else {}  # re-read
     if "speculative_config" in overrides:
         fresh["draft_model_info"] = None
     config = config.replace(**overrides, **fresh).resolve()

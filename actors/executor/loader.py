@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -152,7 +153,12 @@ def _read_config(info: ModelInfo, model_cls):
     if info.format != "gguf":
         return model_cls.config_class.from_hf(_hf_config(info.path))
     header = gguf_header(info.path)
-    cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
+    if info.mmproj:                     # the language model's file and the tower's
+        from .gguf_vision import vision_language_config
+        cfg = vision_language_config(header.metadata, "output.weight" in header.tensors,
+                                     info.mmproj)
+    else:
+        cfg = model_cls.config_class.from_gguf(header.metadata, "output.weight" in header.tensors)
     freqs = header.tensors.get("rope_freqs.weight")
     if freqs is not None:     # Llama 3's rope scaling as llama.cpp keeps it: a divisor per
         data = np.memmap(info.path, dtype=np.uint8, mode="r")        # rope frequency
@@ -165,7 +171,11 @@ def _read_weights(info: ModelInfo, cfg, dtype: torch.dtype,
     """{Hugging Face name: tensor in dtype}, but the names in `skip`. A GGUF model whose
     linears are all read is cached dequantized (weight_cache.py); one that skips its
     blocks-only linears is not: what is left (embedding, norms) converts in a fraction of the
-    time a cache file would cost on disk."""
+    time a cache file would cost on disk. A mmproj file's tower is read beside them, uncached."""
+    if info.mmproj:
+        from .gguf_vision import read_tower
+        text = msgspec.structs.replace(info, mmproj="")
+        return {**_read_weights(text, cfg, dtype, skip), **read_tower(info.mmproj, dtype)}
     if info.format == "gguf":
         header, heads = gguf_header(info.path), (cfg.num_heads, cfg.num_kv_heads)
         if skip - {embedding_source(cfg)}:

@@ -35,7 +35,8 @@ FLAT_FIELDS = (
 # Fields added since (a recording before them reads with their defaults).
 ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes",
                "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
-               "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency")
+               "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency",
+               "mmproj")
 
 
 def _resolved(**options) -> EngineConfig:
