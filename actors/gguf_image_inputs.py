@@ -53,7 +53,8 @@ class GGUFTiledImagePreparer(GGUFImagePreparer, TiledImagePreparer):
     """Idefics3's (SmolVLM), from a mmproj file's settings: rows x cols tiles, then the
     whole image, each one encoder input."""
 
-    def prepared(self, data: bytes, index: int) -> tuple[list[int], list[tuple]]:
+    def prepared(self, data: bytes, index: int, length: int = 1
+                 ) -> tuple[list[int], list[tuple]]:
         tiles, rows, cols = idefics3_tiles(self.decoded(data, index), self.clip.image_size,
                                            self.clip.longest_edge)
         pixels = [self.normalized(tile) for tile in tiles]
@@ -62,7 +63,7 @@ class GGUFTiledImagePreparer(GGUFImagePreparer, TiledImagePreparer):
         if len(starts) != len(pixels):
             raise InvalidParam("messages", f"image {index}: {len(pixels)} tiles but "
                                            f"{len(starts)} runs of placeholders")
-        return segment, list(zip(pixels, starts))
+        return segment, [(tile, start, []) for tile, start in zip(pixels, starts)]
 
 
 def placeholder_id(tokenizer, path: str) -> int:
