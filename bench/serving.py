@@ -103,6 +103,11 @@ def bench(port: int, extra: list[str]) -> dict[str, float]:
     cmd = ["bash", PEER, "bench-serve", "--backend", "openai", "--base-url",
            f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", MODEL,
            "--tokenizer", tokenizer, *WORKLOAD, *extra]
+    return run_load(cmd)
+
+
+def run_load(cmd: list[str]) -> dict[str, float]:
+    """Run a `vllm bench serve` command; its FIELDS, or exit with its output's tail."""
     out = subprocess.run(cmd, capture_output=True, text=True)
     text = out.stdout + out.stderr
     values = {}

@@ -25,13 +25,12 @@ import base64
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import urllib.request
 
 from compare import PEER, peer_dtype, split_argv
-from serving import FIELDS, LLAMACPP, free_port, launch, stop
+from serving import LLAMACPP, free_port, launch, run_load, stop
 from vision import write_model
 
 MODEL = "smolvlm-256m"
@@ -113,15 +112,7 @@ def bench(port: int, path: str, a, extra: list[str]) -> dict[str, float]:
            "--random-mm-bucket-config", f"{{({a.side}, {a.side}, 1): 1.0}}",
            "--num-prompts", str(a.prompts), "--max-concurrency", str(a.concurrency),
            "--ignore-eos", "--seed", "0", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    text = out.stdout + out.stderr
-    values = {}
-    for name, pattern in FIELDS.items():
-        m = re.search(pattern, text)
-        if not m:
-            sys.exit(f"bench serve output lacks {name}:\n{text[-3000:]}")
-        values[name] = float(m.group(1))
-    return values
+    return run_load(cmd)
 
 
 def main() -> None:
