@@ -16,7 +16,7 @@ from pagewire.model_info import default_model_path
 from pagewire.testing.gguf_writer import TOKENIZER_KEYS
 from pagewire.testing.mmproj_writer import write_llama_cpp_pair
 from pagewire.testing.tiny_vision import make_tiny_idefics3, make_tiny_llava
-from tests.helpers import use_private_cache
+from tests.helpers import first_tokens, use_private_cache
 
 IMAGE_TOKEN = 3           # the vocabulary entry the GGUF's tokenizer calls <image>
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -27,15 +27,7 @@ def small_vocab() -> dict:
     """The default model's GGUF tokenizer cut to its first 512 tokens (a valid byte-level
     BPE: converted in a fraction of the full one's seconds), token 3 named <image>."""
     meta = read_gguf_header(default_model_path()).metadata
-    meta = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
-    tokens = list(meta["tokenizer.ggml.tokens"][:512])
-    kept = set(tokens)
-    meta["tokenizer.ggml.tokens"] = tokens
-    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:512]
-    meta["tokenizer.ggml.merges"] = [
-        m for m in meta["tokenizer.ggml.merges"]
-        if all(part in kept for part in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
-    return meta
+    return first_tokens({k: meta[k] for k in TOKENIZER_KEYS if k in meta})
 
 
 @pytest.fixture(scope="module")
