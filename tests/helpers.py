@@ -156,18 +156,3 @@ def use_private_cache(tmp_path, monkeypatch) -> None:
     cache.mkdir()
     (cache / "kernels").symlink_to(native.kernel_cache_dir())
     monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(cache))
-
-
-def first_tokens(meta: dict, n: int = 512) -> dict:
-    """A GGUF tokenizer's metadata cut to its first n tokens (the specials, every byte, the
-    first merges) and the merges among them: a valid byte-level BPE that transformers' GGUF
-    reader and our tokenizer conversion parse in a fraction of the full one's time."""
-    meta = dict(meta)
-    tokens = list(meta["tokenizer.ggml.tokens"][:n])
-    kept = set(tokens)
-    meta["tokenizer.ggml.tokens"] = tokens
-    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:n]
-    meta["tokenizer.ggml.merges"] = [
-        m for m in meta["tokenizer.ggml.merges"]
-        if all(part in kept for part in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
-    return meta

@@ -77,21 +77,28 @@ class Planned(NamedTuple):
 
 
 def default_tokenizer_meta(limit: int | None = None) -> dict:
-    """The default model's tokenizer as its GGUF holds it; `limit` keeps the first tokens
-    (specials, bytes, first merges) and the merges among them: a valid byte-level BPE that
-    converts in a fraction of the time, for tiny test models."""
+    """The default model's tokenizer as its GGUF holds it, cut to its first `limit` tokens
+    where given (cut_tokenizer)."""
     from pagewire.gguf_header import read_gguf_header
     from pagewire.model_info import default_model_path
     meta = read_gguf_header(default_model_path()).metadata
     meta = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
-    if limit is not None:
-        tokens = list(meta["tokenizer.ggml.tokens"][:limit])
-        kept = set(tokens)
-        meta["tokenizer.ggml.tokens"] = tokens
-        meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:limit]
-        meta["tokenizer.ggml.merges"] = [
-            m for m in meta["tokenizer.ggml.merges"]
-            if all(p in kept for p in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
+    return meta if limit is None else cut_tokenizer(meta, limit)
+
+
+def cut_tokenizer(meta: dict, limit: int = 512) -> dict:
+    """A GGUF tokenizer's metadata cut to its first `limit` tokens (the specials, every byte,
+    the first merges) and the merges among them: a valid byte-level BPE that transformers'
+    GGUF reader and our conversion parse in a fraction of the full one's time (tiny test
+    models are fed token ids)."""
+    meta = dict(meta)
+    tokens = list(meta["tokenizer.ggml.tokens"][:limit])
+    kept = set(tokens)
+    meta["tokenizer.ggml.tokens"] = tokens
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:limit]
+    meta["tokenizer.ggml.merges"] = [
+        m for m in meta["tokenizer.ggml.merges"]
+        if all(p in kept for p in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
     return meta
 
 

@@ -19,7 +19,8 @@ from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
 from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
-from tests.helpers import (HFOracle, assert_greedy_equal, first_tokens, rank_blocks,
+from pagewire.testing.real_shapes import cut_tokenizer
+from tests.helpers import (HFOracle, assert_greedy_equal, rank_blocks,
                            use_private_cache)
 
 
@@ -35,7 +36,7 @@ def tokenizer_meta(full_tokenizer_meta) -> dict:
     """Its first 512 tokens (the specials, every byte, the first merges) and the merges among
     them: a valid byte-level BPE that transformers' GGUF reader and our tokenizer conversion
     parse in a fraction of the time (the tiny models here are fed token ids)."""
-    return first_tokens(full_tokenizer_meta)
+    return cut_tokenizer(full_tokenizer_meta)
 
 
 @pytest.fixture(autouse=True)

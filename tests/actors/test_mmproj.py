@@ -16,7 +16,8 @@ from pagewire.model_info import default_model_path
 from pagewire.testing.gguf_writer import TOKENIZER_KEYS
 from pagewire.testing.mmproj_writer import write_llama_cpp_pair
 from pagewire.testing.tiny_vision import make_tiny_idefics3, make_tiny_llava
-from tests.helpers import first_tokens, use_private_cache
+from pagewire.testing.real_shapes import cut_tokenizer
+from tests.helpers import use_private_cache
 
 IMAGE_TOKEN = 3           # the vocabulary entry the GGUF's tokenizer calls <image>
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -27,7 +28,7 @@ def small_vocab() -> dict:
     """The default model's GGUF tokenizer cut to its first 512 tokens (a valid byte-level
     BPE: converted in a fraction of the full one's seconds), token 3 named <image>."""
     meta = read_gguf_header(default_model_path()).metadata
-    return first_tokens({k: meta[k] for k in TOKENIZER_KEYS if k in meta})
+    return cut_tokenizer({k: meta[k] for k in TOKENIZER_KEYS if k in meta})
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pagewire import LLM, SamplingParams
 from pagewire.kernels import quant, tiers
 from pagewire.kernels.linear import Linear
 from pagewire.testing.gguf_writer import write_gguf
+from pagewire.testing.real_shapes import cut_tokenizer
 from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
 
 gguf = pytest.importorskip("gguf")
@@ -24,20 +25,6 @@ VOCAB = 512
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     use_private_cache(tmp_path, monkeypatch)
-
-
-def _small_tokenizer(meta: dict) -> dict:
-    """The first VOCAB tokens and the merges among them (a valid BPE transformers parses
-    fast; the model is fed token ids)."""
-    meta = dict(meta)
-    tokens = meta["tokenizer.ggml.tokens"][:VOCAB]
-    kept = set(tokens)
-    meta["tokenizer.ggml.tokens"] = tokens
-    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"][:VOCAB]
-    meta["tokenizer.ggml.merges"] = [
-        m for m in meta["tokenizer.ggml.merges"]
-        if all(part in kept for part in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
-    return meta
 
 
 @pytest.mark.parametrize("kernels", ["torch", *tiers.TIERS])
@@ -51,7 +38,7 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
         cfg = json.load(f)
     state = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
     path = write_gguf(str(tmp_path / "mx.gguf"), "llama", state, cfg,
-                      _small_tokenizer(gguf_tokenizer_meta), "MXFP4")
+                      cut_tokenizer(gguf_tokenizer_meta, VOCAB), "MXFP4")
     llm = LLM(path, dtype="float32", num_kv_blocks=128, max_model_len=256, kernels=kernels,
               quantized_matmul_tokens=-1)
     kinds = {s.kind % 100 for m in llm.runner.model.modules() if isinstance(m, Linear)
