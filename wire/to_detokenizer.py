@@ -38,6 +38,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     cumulative_logprob: float | None = None   # on the final delta, when it was computed
     logprobs: LogprobsChunk | None = None     # of token_ids, when asked
     prompt_logprobs: LogprobsChunk | None = None
+    pooled: bytes | None = None       # a pooling request's output, float32 (pooling.py)
 
 
 class TokenDeltas(msgspec.Struct, tag=True, gc=False):

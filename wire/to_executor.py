@@ -14,6 +14,7 @@ from .ids import SeqId
 from .kv_transfer import KvLease, KvSource
 from .lora import LoraRef
 from .multimodal import ImageInput
+from .pooling import PoolingSeq
 from .sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewSeq(msgspec.Struct, array_like=True, gc=False):
     lora: LoraRef | None = None     # its adapter; None: the base model
     compress: bool = False      # KV-Compress: evict after this step (executor/head_blocks.py)
     images: list[ImageInput] = []   # the prompt's images (multimodal.py), sent with it each time
+    pooling: PoolingSeq | None = None   # pooled once computed, never sampled (pooling.py)
 
 
 class RunSeq(msgspec.Struct, array_like=True, gc=False):

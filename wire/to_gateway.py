@@ -27,6 +27,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[TokenLogprob] | None = None          # of this delta's tokens
     prompt_logprobs: list[TokenLogprob] | None = None   # once, before any output
     echo_prompt: str | None = None                      # once, before any output
+    pooled: bytes | None = None         # a pooling request's output, float32 (pooling.py)
 
 
 class TextDeltas(msgspec.Struct, tag=True, gc=False):

@@ -8,6 +8,7 @@ from .ids import SeqId
 from .kv_transfer import KvLeaseEnded, KvPulled, KvTransfer
 from .lora import LoraRef
 from .multimodal import ImageInput
+from .pooling import PooledResult, PoolingSeq
 from .sampling_params import LogprobsChunk, SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     kv_transfer: KvTransfer | None = None     # disaggregated prefill/decode (kv_transfer.py)
     prompt_open: bool = False    # more of the prompt comes in PromptPieces (streaming input)
     images: list[ImageInput] = []   # the prompt's images, preprocessed (multimodal.py)
+    pooling: PoolingSeq | None = None   # a prompt read, not continued (pooling.py)
 
 
 class PromptPiece(msgspec.Struct, tag=True):
@@ -97,7 +99,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     append. What a feature returns travels in that feature's section, None when no row used
     it: `logprobs` (SampledLogprobs), `prompt_logprobs`, `drafts` (speculative decoding),
     `tier` (disk-tier loads), `compress` (KV-Compress), `encoder` (images encoded or read
-    from the encoder cache). `experts_read`: a mixture of
+    from the encoder cache), `pooled` (pooling requests' outputs, pooling.py). `experts_read`: a mixture of
     experts' expert reads this step (each chosen expert once a layer; 0 for a dense model).
     Traces of format 1 carried these flat; trace_v1.py converts them."""
     step_id: int
@@ -112,6 +114,7 @@ class StepResult(msgspec.Struct, tag=True, gc=False):
     compress: CompressResult | None = None
     experts_read: int = 0
     encoder: EncoderResult | None = None
+    pooled: PooledResult | None = None
 
 
 class AbortAll(msgspec.Struct, tag=True):

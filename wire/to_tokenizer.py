@@ -5,6 +5,7 @@ import msgspec
 
 from .kv_transfer import KvTransfer
 from .lora import LoraRef
+from .pooling import PoolingInput
 from .sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True
     kv_transfer: KvTransfer | None = None   # disaggregated prefill/decode (kv_transfer.py)
     prompt_open: bool = False            # more of the prompt follows in TokenizePieces
     images: list[bytes] = []             # image files (PNG, JPEG, ...), one per placeholder
+    pooling: PoolingInput | None = None  # a prompt to pool, not continue (pooling.py)
 
 
 class TokenizePiece(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
