@@ -20,7 +20,7 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               ObservabilityConfig, ParallelConfig, SchedulerConfig,
                               ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
                               check_kv_transfer, group_by_section)
-from .model_info import ModelInfo, check_architecture_options, resolve_model
+from .model_info import ModelInfo, check_architecture_options, resolve_model, with_pooler
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,18 @@ def parse_bytes(text: str | int) -> int:
     if not match:
         raise ValueError(f"not a size: {text!r} (try 2GiB or 512MiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def encoder_only_options(config: "EngineConfig", info: ModelInfo) -> dict:
+    """An encoder-only model keeps no KV: a prompt runs whole in one step (no chunks, a
+    token budget of at least a context), nothing is cached, and the scheduler's blocks only
+    count the tokens in flight (two plans' worth; executor/pooling_runner.py allocates none)."""
+    max_len = config.model.max_model_len or info.max_model_len
+    budget = max(config.scheduler.max_num_batched_tokens, max_len)
+    bs, seqs = config.cache.block_size, config.scheduler.max_num_seqs
+    return dict(enable_chunked_prefill=False, enable_prefix_caching=False,
+                max_num_batched_tokens=budget,
+                num_kv_blocks=config.cache.num_kv_blocks or 2 * (-(-budget // bs) + seqs))
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -63,7 +75,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     def resolve(self) -> "EngineConfig":
         """Return a copy with the model read, dtype, context and KV pool size decided.
         Raises ValueError with a clear message if the options do not fit together."""
-        info = self.model.model_info or resolve_model(self.model.model, self.model.mmproj)
+        info = self.model.model_info or with_pooler(
+            resolve_model(self.model.model, self.model.mmproj), self.model.runner,
+            self.model.convert, self.model.pooler_config)
+        if info.pooler is not None and info.pooler.encoder_only:
+            self = self.replace(**encoder_only_options(self, info))
         tier = self._check_kernels()
         self = self.replace(device=self._device())   # what follows reads it
         dtype = _resolve_dtype(self.model.dtype, tier, self._on_cuda())

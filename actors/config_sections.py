@@ -47,6 +47,9 @@ class ModelConfig(_Section):
     max_model_len: int | None = None         # None: the model's own context length
     quantization: str = "none"               # QUANTIZATIONS: linears rounded at load
     seed: int = 0                            # the executor's random state for unseeded sampling
+    runner: str = "auto"                     # RUNNERS: generate, or pool (pooler_info.py)
+    convert: str = "auto"                    # CONVERTS: a causal LM's pooled output
+    pooler_config: dict | None = None        # pooler overrides (pooler_info._OVERRIDES)
     model_info: ModelInfo | None = None      # filled in by resolve()
     draft_model_info: ModelInfo | None = None    # speculative method draft_model's (resolve())
 

@@ -61,7 +61,8 @@ class IncrementalText:
                         num_output_tokens=self.num_tokens, finish_reason=finish, error=delta.error,
                         cumulative_logprob=delta.cumulative_logprob,
                         logprobs=self._texts(delta.logprobs),
-                        prompt_logprobs=self._texts(delta.prompt_logprobs, first=self.first_prompt))
+                        prompt_logprobs=self._texts(delta.prompt_logprobs, first=self.first_prompt),
+                        pooled=delta.pooled)
         if delta.prompt_logprobs is not None:
             self.first_prompt = False
         out.echo_prompt, self.echo = self.echo, None

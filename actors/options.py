@@ -18,6 +18,7 @@ import msgspec
 from pagewire.kernels import tiers
 
 from .config import FIELD_SECTION, SECTIONS, EngineConfig, parse_bytes
+from .pooler_info import CONVERTS, RUNNERS
 from .config_sections import (ACTIVATIONS, DEVICES, DTYPES, EXECUTORS, KV_CACHE_DTYPES,
                               PREEMPTION_MODES, QUANTIZATIONS, REASONING_PARSERS,
                               SCHEDULING_POLICIES, TOOL_CALL_PARSERS, parse_json_object)
@@ -82,6 +83,16 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(LLaVA's `mlp` or SmolVLM's `idefics3` projector): the pair takes images "
                "(see docs/models.md \"Vision\")", "none"),
         Option("served_model_name", "the id clients pass as `model`", "model's name"),
+        Option("runner", "`generate` (completions, chat, ...) or `pooling` (embeddings, "
+               "scores, classification: see docs/pooling.md); `auto`: pooling for an "
+               "encoder-only model (BERT, RoBERTa, ...), else generate", choices=RUNNERS),
+        Option("convert", "what a pooling runner makes of the model: `embed` (a causal LM's "
+               "last token's hidden state; an encoder's pooled one), `classify` (a "
+               "*ForSequenceClassification head's logits); `auto`: the architecture's own",
+               choices=CONVERTS),
+        Option("pooler_config", "pooler overrides, as JSON: `{\"pooling_type\": \"MEAN\", "
+               "\"normalize\": false, \"use_activation\": false}`", "model's",
+               parse=parse_json_object),
         Option("dtype", "`auto` (bfloat16 on a GPU, or where the backend's CPU tier "
                "multiplies it in hardware, AVX512-BF16 or AMX; else float32, faster there than "
                "emulated bfloat16), `bfloat16`, `float16`, `float32`: weights are converted to "

@@ -5,6 +5,9 @@ sentence-transformers' files beside it (modules.json, the pooling module's confi
 Normalize module) and the flags --runner, --convert and --pooler-config."""
 from __future__ import annotations
 
+import json
+import os
+
 import msgspec
 
 POOLING_TASKS = EMBED, CLASSIFY = ("embed", "classify")
@@ -20,7 +23,10 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     (`labels`, id2label's order), through `activation` by default (sigmoid for one label,
     softmax for several). `encoder_only`: attention is bidirectional, so there is no KV cache
     and a prompt runs whole in one step (executor/pooling_runner.py); else a causal model's
-    prompt runs as a prefill that samples nothing (prefix cache and chunks as usual)."""
+    prompt runs as a prefill that samples nothing (prefix cache and chunks as usual).
+    `also_generates`: a causal LM under --runner generate with a --convert serves pooling and
+    generation requests both (one engine, one batch); else a pooling model answers pooling
+    requests only."""
     task: str                                # POOLING_TASKS
     pooling_type: str                        # POOLING_TYPES
     size: int
@@ -29,3 +35,109 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     labels: list[str] = []
     activation: str = NO_ACTIVATION          # ACTIVATIONS
     encoder_only: bool = False
+    also_generates: bool = False
+
+
+RUNNERS = AUTO, GENERATE, POOLING = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", EMBED, CLASSIFY)
+_ST_MODES = {"pooling_mode_cls_token": CLS, "pooling_mode_mean_tokens": MEAN,
+             "pooling_mode_lasttoken": LAST}
+_OVERRIDES = ("pooling_type", "normalize", "use_activation")     # --pooler-config's keys
+
+
+def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
+                   runner: str = AUTO, convert: str = "auto",
+                   overrides: dict | None = None) -> PoolerInfo | None:
+    """The model's pooler under --runner / --convert / --pooler-config (None: it generates).
+    An encoder-only architecture only pools; a causal LM pools under --runner pooling or a
+    --convert (embed: its last token's final hidden state)."""
+    if runner not in RUNNERS or convert not in CONVERTS:
+        raise ValueError(f"--runner must be one of {', '.join(RUNNERS)} and --convert one of "
+                         f"{', '.join(CONVERTS)}; got {runner!r}, {convert!r}")
+    pools = encoder_only or runner == POOLING or convert in (EMBED, CLASSIFY)
+    if runner == GENERATE and encoder_only:
+        raise ValueError(f"{architecture} cannot generate: it is an encoder-only model "
+                         "(serve it with --runner pooling)")
+    if not pools:
+        return None
+    classifies = architecture.endswith("ForSequenceClassification")
+    task = convert if convert in (EMBED, CLASSIFY) else (CLASSIFY if classifies else EMBED)
+    if task == CLASSIFY and not classifies:
+        raise ValueError(f"--convert classify needs a classifier's weights "
+                         f"(*ForSequenceClassification); {architecture} has none")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(_OVERRIDES))
+    if unknown:
+        raise ValueError(f"--pooler-config: unknown keys {unknown} (known: {list(_OVERRIDES)})")
+    pooler = _classifier(cfg, encoder_only, overrides) if task == CLASSIFY else \
+        _embedder(path, cfg, encoder_only, overrides)
+    return msgspec.structs.replace(pooler, also_generates=runner == GENERATE)
+
+
+def _embedder(path: str, cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
+    """sentence-transformers' modules where present: the pooling module's mode, a Normalize
+    module; else CLS for an encoder, LAST for a causal LM, normalised (vLLM's defaults)."""
+    modules = _sentence_modules(path)
+    pooling = _st_pooling_mode(path, modules) or (CLS if encoder_only else LAST)
+    normalize = True if not modules else any(m.endswith("Normalize") for m in modules.values())
+    pooling = str(overrides.get("pooling_type", pooling)).upper()
+    if pooling not in POOLING_TYPES:
+        raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
+    if not encoder_only and pooling != LAST:
+        raise ValueError(f"a causal model pools its last token (pooling_type LAST); "
+                         f"{pooling} is not supported yet")
+    size = int(cfg.get("hidden_size", cfg.get("text_config", {}).get("hidden_size", 0)))
+    dims = cfg.get("matryoshka_dimensions")
+    if dims is None and cfg.get("is_matryoshka"):
+        dims = list(range(1, size + 1))
+    return PoolerInfo(task=EMBED, pooling_type=pooling, size=size,
+                      normalize=bool(overrides.get("normalize", normalize)),
+                      matryoshka_dimensions=[int(d) for d in dims] if dims else None,
+                      encoder_only=encoder_only)
+
+
+def _classifier(cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
+    """id2label in id order; sigmoid for one label, softmax for several, or what
+    sentence-transformers' CrossEncoder config names (an Identity: none)."""
+    id2label = cfg.get("id2label") or {}
+    count = int(cfg.get("num_labels", len(id2label) or 2))
+    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
+    activation = SIGMOID if count == 1 else SOFTMAX
+    named = (cfg.get("sentence_transformers") or {}).get("activation_fn", "")
+    if named.endswith("Identity"):
+        activation = NO_ACTIVATION
+    elif named.endswith("Sigmoid"):
+        activation = SIGMOID
+    if overrides.get("use_activation") is False:
+        activation = NO_ACTIVATION
+    return PoolerInfo(task=CLASSIFY, pooling_type=CLS if encoder_only else LAST, size=count,
+                      labels=labels, activation=activation, encoder_only=encoder_only)
+
+
+def _sentence_modules(path: str) -> dict[str, str]:
+    """modules.json's {folder: type} (sentence-transformers' pipeline), {} where absent. A
+    Dense projection is refused: its weights are not read yet."""
+    file = os.path.join(path, "modules.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        modules = {m.get("path", ""): m.get("type", "") for m in json.load(f)}
+    dense = [p for p, t in modules.items() if t.endswith("Dense")]
+    if dense:
+        raise ValueError(f"{file}: a Dense projection module ({dense[0]}) is not supported yet")
+    return modules
+
+
+def _st_pooling_mode(path: str, modules: dict[str, str]) -> str | None:
+    """The sentence-transformers pooling module's mode, or None."""
+    folder = next((p for p, t in modules.items() if t.endswith("Pooling")), None)
+    file = os.path.join(path, folder or "1_Pooling", "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        st = json.load(f)
+    modes = [mode for key, mode in _ST_MODES.items() if st.get(key)]
+    if len(modes) != 1:
+        raise ValueError(f"{file}: pooling modes {modes or 'none'} (one of "
+                         f"{', '.join(_ST_MODES)} is supported)")
+    return modes[0]

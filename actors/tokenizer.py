@@ -25,6 +25,7 @@ from .config import EngineConfig
 from .gateway import harmony
 from .grammar_compiler import COMPILE_TIMEOUT_S, GrammarCompiler, find, result_of
 from .hf_tokenizer import load_tokenizer
+from .pooling_prompts import encode_pooled
 from .image_inputs import ImagePreparer
 
 PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
@@ -102,6 +103,8 @@ class RequestTokenizer:
 
     def process(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest] | RequestFailed:
         try:
+            if req.pooling is not None:
+                return self.process_pooled(req)
             ids = self.encode(req)
             ids, images = self.with_images(ids, req.images)
             if req.sampling.truncate_prompt_tokens is not None:
@@ -131,6 +134,15 @@ class RequestTokenizer:
                                  priority=req.priority, lora=req.lora,
                                  kv_transfer=req.kv_transfer, prompt_open=req.prompt_open,
                                  images=images)
+
+    def process_pooled(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest]:
+        """A prompt to pool (pooling_prompts.py): nothing to sample, so no sampling checks;
+        an invalid input raises InvalidParam (process() answers it)."""
+        ids, pooling = encode_pooled(self.tokenizer, req, self.max_model_len, self.vocab_size)
+        start = DetokStart(req_id=req.req_id, prompt_tail=[], num_prompt_tokens=len(ids))
+        return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=req.sampling,
+                                 arrival_time=req.arrival_time, cache_salt=req.cache_salt,
+                                 priority=req.priority, lora=req.lora, pooling=pooling)
 
     def with_images(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list]:
         """The prompt with its images' rows (image_inputs.py), and the images."""

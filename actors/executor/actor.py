@@ -25,6 +25,7 @@ from ..config_sections import EXTERNAL
 from ..model_info import ModelInfo
 from .parallel import init_group
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
+from .pooling_runner import runner_for
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -41,12 +42,12 @@ def run(env) -> None:
         def notify(msg) -> None:
             with lock:
                 notices.send(msg)
-        serve_steps(env, ModelRunner(config, notify=notify))
+        serve_steps(env, runner_for(config, notify=notify))
     elif env.index == 0:
         server = admit_ranks(env)
         tp = init_group(server.welcome.dist_address, 0, config.parallel.tensor_parallel_size,
                         config.parallel.tp_timeout, resolve_device(config.device.device, 0))
-        serve_steps(env, ModelRunner(config, tp), server)
+        serve_steps(env, runner_for(config, tp), server)
     else:
         client = RankClient(env.ctx, env.address("ranks"), env.index)
         welcome = client.attach(hello(config.model.model_info, env.index,
@@ -54,7 +55,7 @@ def run(env) -> None:
                                 LOCAL_ATTACH_TIMEOUT)
         tp = init_group(welcome.dist_address, env.index, config.parallel.tensor_parallel_size,
                         config.parallel.tp_timeout, resolve_device(config.device.device, env.index))
-        runner = ModelRunner(config, tp)
+        runner = runner_for(config, tp)
         env.ready()
         follow_steps(runner, client, env.heartbeat)
 
@@ -84,7 +85,7 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
         except Exception as e:
             # The step's requests fail; the executor lives on (the scheduler drops their state).
             log.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            runner.table.fail(plan)
+            runner.fail(plan)
             result = StepResult(plan.step_id, [], [], error=f"{type(e).__name__}: {e}")
         results.send(result)
 
@@ -181,7 +182,7 @@ def attached(address: str, rank: int, info: ModelInfo, keys: str | None, timeout
                      config.parallel.tensor_parallel_size)
             tp = init_group(welcome.dist_address, rank, config.parallel.tensor_parallel_size,
                             config.parallel.tp_timeout, resolve_device(config.device.device, rank))
-            follow_steps(ModelRunner(config, tp), client, lambda: None)
+            follow_steps(runner_for(config, tp), client, lambda: None)
         except AttachFailed:
             raise
         except (RuntimeError, OSError) as e:

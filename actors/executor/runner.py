@@ -19,6 +19,7 @@ from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.context_parallel import local_batch
 from pagewire.kernels.ops import resolve_device
 from pagewire.wire.ids import SeqId
+from pagewire.wire.pooling import PooledResult, to_bytes
 from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogprobsResult,
@@ -169,7 +170,7 @@ class ModelRunner:
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
         if to_draft:              # methods self, draft_model: a model drafts now
             self.drafter.fill(to_draft)
-        input_ids, positions, batch, sample_rows, sample_seqs, rows = self._layout(order)
+        input_ids, positions, batch, sample_rows, sample_seqs, rows, pooled = self._layout(order)
         masks = self._grammar_masks(sample_seqs)              # filled while the model runs
         lora = self._lora_batch(rows, len(input_ids))
         images = self.images.step(rows, self.device) if self.images is not None else None
@@ -185,6 +186,9 @@ class ModelRunner:
         if spans:
             result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,
                                                                           spans))
+        if pooled:                      # a causal model's last token (pooler_info.LAST)
+            vectors = hidden[[row for _, row in pooled]].float().cpu().numpy()
+            result.pooled = PooledResult({sid: to_bytes(v) for (sid, _), v in zip(pooled, vectors)})
         produced = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
@@ -199,6 +203,10 @@ class ModelRunner:
             result.drafts = result.drafts or DraftsResult({}, {}, {})
             result.drafts.num_drafts = num_drafts
         return result
+
+    def fail(self, plan: StepPlan) -> None:
+        """The plan's step failed: its sequences' state is no longer theirs (seq_table.py)."""
+        self.table.fail(plan)
 
     def _mirror(self, order: list[tuple[SeqId, SeqState]], drafted: list[SeqState]) -> None:
         """draft_model: the step's tokens its draft passes did not run, through the draft."""
@@ -320,7 +328,7 @@ class ModelRunner:
         the hidden states to sample from (with their requests)."""
         bs = self.block_size
         ids, pos, slots, sample_rows, sample_seqs, prefills = [], [], [], [], [], []
-        rows = []
+        rows, pooled = [], []
         # Decode rows: (sequence, context length). A sequence verifying drafts is one decode
         # row per position: every row's K/V is written before any row attends, and each row
         # sees up to its own position, so the span is causal without a prefill kernel (and
@@ -343,7 +351,9 @@ class ModelRunner:
                 ends = image_key_ends(seq.images, start, n) if self.whole_images else None
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb]),
                                             ends))
-            if seq.samples:               # the last position; every drafted one too
+            if seq.samples and seq.pooling is not None:     # read, not sampled
+                pooled.append((rid, row + n - 1))
+            elif seq.samples:             # the last position; every drafted one too
                 sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))
         cascade = self.config.device.disable_cascade_attn or self.compressor is not None
@@ -354,7 +364,7 @@ class ModelRunner:
         if self.compressor is not None:
             batch.heads = self.compressor.layout(order)
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
-                sample_rows, sample_seqs, rows)
+                sample_rows, sample_seqs, rows, pooled)
 
     def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]],
                         masks=None) -> SamplingBatch:

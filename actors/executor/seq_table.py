@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pagewire.wire.ids import SeqId
 from pagewire.wire.lora import LoraRef
+from pagewire.wire.pooling import PoolingSeq
 from pagewire.wire.sampling_params import SamplingParams, stops_on
 from pagewire.wire.to_executor import StepPlan
 
@@ -44,6 +45,7 @@ class SeqState:
     compress: bool = False          # KV-Compress: evict after this step
     heads: object | None = None     # KV-Compress: its head rows (executor/head_blocks.py)
     images: list = field(default_factory=list)    # its prompt's (wire/multimodal.py ImageInput)
+    pooling: PoolingSeq | None = None   # pooled, never sampled, once computed (wire/pooling.py)
 
     @property
     def num_output_tokens(self) -> int:
@@ -84,7 +86,8 @@ class SeqTable:
         for new in plan.new:
             seq = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed,
                            list(new.block_ids), new.sampling, new.num_scheduled,
-                           lora=new.lora, compress=new.compress, images=new.images)
+                           lora=new.lora, compress=new.compress, images=new.images,
+                           pooling=new.pooling)
             so = new.sampling.structured_outputs
             if so is not None and self.matchers is not None:
                 seq.matcher = self.matchers.start(so, seq.token_ids[seq.num_prompt_tokens:])

@@ -116,6 +116,7 @@ def open_request(msg: NewRequest, max_model_len: int, priority: int) -> Sequence
                   max_model_len, priority, msg.cache_salt, msg.lora)
     req.transfer = msg.kv_transfer
     req.images = msg.images or None
+    req.pooling = msg.pooling
     if msg.prompt_open:
         req.stream = StreamState()
     seq = Sequence(SeqId(msg.req_id), req, list(msg.prompt_token_ids))
@@ -129,7 +130,13 @@ def queue_refusal(msg: NewRequest, config,
     """(finish reason, error) for a request that can never run or finds the queue full;
     `config`: the EngineConfig (max_model_len and the queue limits)."""
     limit = config.model.max_model_len
-    if len(msg.prompt_token_ids) >= limit:
+    pooler = config.model.model_info.pooler
+    if msg.pooling is not None and pooler is None:    # (the gateway refuses these first)
+        return "error", "this model generates (--runner generate): it pools nothing"
+    if msg.pooling is None and pooler is not None and not pooler.also_generates:
+        return "error", "this model pools (--runner pooling): it generates nothing"
+    # a pooled prompt may fill the context: nothing is generated after it
+    if len(msg.prompt_token_ids) >= limit + (msg.pooling is not None):
         return "error", (f"prompt of {len(msg.prompt_token_ids)} tokens does not fit "
                          f"max_model_len={limit}")
     budget = config.scheduler.max_num_batched_tokens

@@ -11,6 +11,7 @@ from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.multimodal import ImageInput
+from pagewire.wire.pooling import PoolingSeq
 from pagewire.wire.sampling_params import LogprobsChunk, SamplingParams, stops_on
 from pagewire.wire.to_detokenizer import TokenDelta
 from pagewire.wire.to_executor import NewSeq, RunSeq
@@ -45,13 +46,15 @@ class Request:
     a lease when it ends (remote_decode), or its prefix is pulled from a prefill engine
     (remote_prefill), cleared once pulled), `stream` (streaming input, prompt_stream.py),
     `group` (beam search, beam.py), `images` (the prompt's images: their digests enter the
-    block hashes, and every NewSeq carries them to the executors).
+    block hashes, and every NewSeq carries them to the executors), `pooling` (a prompt read,
+    not continued: its sequence ends with the pooled output once computed; every NewSeq
+    carries it).
     """
 
     __slots__ = ("req_id", "sampling", "arrival_time", "priority", "cache_salt", "lora",
                  "order", "num_prompt_tokens", "max_tokens", "scheduled_before",
                  "prompt_counted", "num_prompt_logprobs_sent", "seqs", "group", "transfer",
-                 "stream", "images")
+                 "stream", "images", "pooling")
 
     def __init__(self, req_id: str, num_prompt_tokens: int, sampling: SamplingParams,
                  arrival_time: float, max_model_len: int, priority: int = 0,
@@ -73,6 +76,7 @@ class Request:
         self.transfer: KvTransfer | None = None
         self.stream: StreamState | None = None
         self.images: list[ImageInput] | None = None   # its prompt's (wire/multimodal.py)
+        self.pooling: PoolingSeq | None = None  # pooled once computed (wire/pooling.py)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -246,7 +250,7 @@ class Sequence:
             entry = NewSeq(self.seq_id, list(self.token_ids), self.request.num_prompt_tokens,
                            self.num_computed, self.num_scheduled, list(self.block_ids),
                            self.sampling, self.request.lora, compress,
-                           self.request.images or [])
+                           self.request.images or [], self.request.pooling)
         self.num_blocks_sent, self.new_token_ids = len(self.block_ids), []
         if stream is not None:
             stream.not_sent = []

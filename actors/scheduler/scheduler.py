@@ -336,6 +336,10 @@ class Scheduler:
             reached_end = seq.num_computed == seq.target_len
             if not seq.request.prompt_counted and reached_end and not seq.request.prompt_open:
                 self._count_prompt(seq)
+            if seq.request.pooling is not None:
+                if reached_end:
+                    deltas.append(self._pooled(seq, result))
+                continue
             row = rows.get(seq.seq_id)
             if seq.fork_leader:
                 if reached_end:
@@ -400,6 +404,14 @@ class Scheduler:
             self._finish(seq, lease=transfer is not None and transfer.remote_decode)
         cum = seq.cum_logprob if reason and seq.sampling.logprobs is not None else None
         return TokenDelta(seq.seq_id, appended, reason, None, cum, logprobs)
+
+    def _pooled(self, seq: Sequence, result: StepResult) -> TokenDelta:
+        """A pooling sequence's prompt is computed: it ends with its pooled output."""
+        vector = result.pooled.vectors.get(seq.seq_id) if result.pooled is not None else None
+        self._finish(seq)
+        if vector is None:
+            return TokenDelta(seq.seq_id, [], "error", "the executor returned no pooled output")
+        return TokenDelta(seq.seq_id, [], "stop", pooled=vector)
 
     def _fork(self, leader: Sequence) -> None:
         """Split a computed prompt into its sequences. They share its blocks; each one's first

@@ -1,0 +1,90 @@
+"""A pooling model's pooler as resolved from its files and the flags (pooler_info.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagewire.pooler_info import PoolerInfo, resolve_pooler
+
+BERT = {"hidden_size": 64, "num_labels": 2}
+
+
+def _write(path, name: str, value) -> None:
+    file = path / name
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(value))
+
+
+def _sentence_transformers(path, mode: str, normalize: bool) -> None:
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    _write(path, "modules.json", modules)
+    _write(path, "1_Pooling/config.json", {"word_embedding_dimension": 64, mode: True,
+                                            "pooling_mode_cls_token": mode == "pooling_mode_cls_token"})
+
+
+def test_sentence_transformers_files_decide_pooling_and_normalisation(tmp_path):
+    _sentence_transformers(tmp_path, "pooling_mode_mean_tokens", normalize=True)
+    assert resolve_pooler(str(tmp_path), BERT, "MPNetModel", True) == PoolerInfo(
+        task="embed", pooling_type="MEAN", size=64, normalize=True, encoder_only=True)
+    _sentence_transformers(tmp_path, "pooling_mode_cls_token", normalize=False)
+    pooler = resolve_pooler(str(tmp_path), BERT, "BertModel", True)
+    assert (pooler.pooling_type, pooler.normalize) == ("CLS", False)
+    overridden = resolve_pooler(str(tmp_path), BERT, "BertModel", True,
+                                overrides={"pooling_type": "mean", "normalize": True})
+    assert (overridden.pooling_type, overridden.normalize) == ("MEAN", True)
+
+
+def test_defaults_without_sentence_transformers_files(tmp_path):
+    bert = resolve_pooler(str(tmp_path), BERT, "BertModel", True)
+    assert (bert.task, bert.pooling_type, bert.normalize) == ("embed", "CLS", True)
+    assert resolve_pooler(str(tmp_path), BERT, "LlamaForCausalLM", False) is None
+    llama = resolve_pooler(str(tmp_path), {"hidden_size": 64}, "LlamaForCausalLM", False,
+                           convert="embed")
+    assert (llama.pooling_type, llama.encoder_only, llama.also_generates) == ("LAST", False, False)
+    both = resolve_pooler(str(tmp_path), {"hidden_size": 64}, "LlamaForCausalLM", False,
+                          runner="generate", convert="embed")
+    assert both.also_generates
+    matryoshka = resolve_pooler(str(tmp_path), {**BERT, "matryoshka_dimensions": [64, 32, 16]},
+                                "BertModel", True)
+    assert matryoshka.matryoshka_dimensions == [64, 32, 16]
+
+
+def test_a_classifier_reads_its_labels_and_activation(tmp_path):
+    two = {**BERT, "id2label": {"0": "negative", "1": "positive"}}
+    pooler = resolve_pooler(str(tmp_path), two, "BertForSequenceClassification", True)
+    assert (pooler.task, pooler.labels, pooler.size, pooler.activation) == \
+        ("classify", ["negative", "positive"], 2, "softmax")
+    one = {**BERT, "num_labels": 1, "id2label": {"0": "LABEL_0"}}
+    assert resolve_pooler(str(tmp_path), one, "XLMRobertaForSequenceClassification",
+                          True).activation == "sigmoid"
+    identity = {**one, "sentence_transformers": {
+        "activation_fn": "torch.nn.modules.linear.Identity"}}
+    assert resolve_pooler(str(tmp_path), identity, "BertForSequenceClassification",
+                          True).activation == "none"
+
+
+@pytest.mark.parametrize("architecture, options, message", [
+    ("BertModel", dict(runner="generate"), "cannot generate"),
+    ("BertModel", dict(convert="classify"), "needs a classifier"),
+    ("BertModel", dict(overrides={"pooling": "CLS"}), "unknown keys"),
+    ("BertModel", dict(overrides={"pooling_type": "MAX"}), "pooling_type must be"),
+    ("LlamaForCausalLM", dict(convert="embed", overrides={"pooling_type": "MEAN"}),
+     "last token"),
+    ("BertModel", dict(runner="pool"), "--runner must be"),
+])
+def test_what_cannot_be_served_is_refused_by_name(tmp_path, architecture, options, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_pooler(str(tmp_path), BERT, architecture, architecture == "BertModel", **options)
+
+
+def test_a_dense_projection_module_is_refused(tmp_path):
+    _write(tmp_path, "modules.json", [{"path": "2_Dense",
+                                       "type": "sentence_transformers.models.Dense"}])
+    with pytest.raises(ValueError, match="Dense projection"):
+        resolve_pooler(str(tmp_path), BERT, "BertModel", True)
