@@ -146,10 +146,20 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
             cfg = hf_text_config(json.load(f))
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
                             info.architecture in ENCODER_ARCHITECTURES, runner, convert,
-                            overrides)
+                            overrides, lambda text: _one_token(info, text))
     if pooler is not None and info.mmproj:
         raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
     return msgspec.structs.replace(info, pooler=pooler)
+
+
+def _one_token(info: ModelInfo, text: str) -> int:
+    """The id of the one token `text` encodes to (no special tokens added)."""
+    from .hf_tokenizer import load_tokenizer
+    ids = load_tokenizer(info).encode(text, add_special_tokens=False)
+    if len(ids) != 1 or not 0 <= ids[0] < info.vocab_size:
+        raise ValueError(f"classifier_from_token: {text!r} is not one token of the model's "
+                         f"vocabulary (it encodes to {ids})")
+    return ids[0]
 
 
 def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:

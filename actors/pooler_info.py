@@ -21,7 +21,10 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     module, or the runner's default), truncatable to `matryoshka_dimensions` (None: any
     `dimensions` request is refused); classify: a classifier's logits, one per label
     (`labels`, id2label's order), through `activation` by default (sigmoid for one label,
-    softmax for several). `encoder_only`: attention is bidirectional, so there is no KV cache
+    softmax for several); a causal LM classifies with its LM head's rows of
+    `classifier_tokens` (--pooler-config classifier_from_token: a reranker read from a yes/no
+    token, Qwen3-Reranker's way: two tokens [false, true] give one score, true's logit minus
+    false's). `encoder_only`: attention is bidirectional, so there is no KV cache
     and a prompt runs whole in one step (executor/pooling_runner.py); else a causal model's
     prompt runs as a prefill that samples nothing (prefix cache and chunks as usual).
     `also_generates`: a causal LM under --runner generate with a --convert serves pooling and
@@ -36,21 +39,24 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     activation: str = NO_ACTIVATION          # ACTIVATIONS
     encoder_only: bool = False
     also_generates: bool = False
+    classifier_tokens: list[int] = []
 
 
 RUNNERS = AUTO, GENERATE, POOLING = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", EMBED, CLASSIFY)
 _ST_MODES = {"pooling_mode_cls_token": CLS, "pooling_mode_mean_tokens": MEAN,
              "pooling_mode_lasttoken": LAST}
-_OVERRIDES = ("pooling_type", "normalize", "use_activation")     # --pooler-config's keys
+_OVERRIDES = ("pooling_type", "normalize", "use_activation",     # --pooler-config's keys
+              "classifier_from_token")
 
 
 def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
                    runner: str = AUTO, convert: str = "auto",
-                   overrides: dict | None = None) -> PoolerInfo | None:
+                   overrides: dict | None = None, token_id=None) -> PoolerInfo | None:
     """The model's pooler under --runner / --convert / --pooler-config (None: it generates).
     An encoder-only architecture only pools; a causal LM pools under --runner pooling or a
-    --convert (embed: its last token's final hidden state)."""
+    --convert (embed: its last token's final hidden state; classify: its LM head's logits of
+    classifier_from_token's tokens). `token_id(text)`: the one token a text encodes to."""
     if runner not in RUNNERS or convert not in CONVERTS:
         raise ValueError(f"--runner must be one of {', '.join(RUNNERS)} and --convert one of "
                          f"{', '.join(CONVERTS)}; got {runner!r}, {convert!r}")
@@ -62,10 +68,14 @@ def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
         return None
     classifies = architecture.endswith("ForSequenceClassification")
     task = convert if convert in (EMBED, CLASSIFY) else (CLASSIFY if classifies else EMBED)
-    if task == CLASSIFY and not classifies:
-        raise ValueError(f"--convert classify needs a classifier's weights "
-                         f"(*ForSequenceClassification); {architecture} has none")
     overrides = dict(overrides or {})
+    from_tokens = overrides.pop("classifier_from_token", None)
+    if task == CLASSIFY and not classifies and not (from_tokens and not encoder_only):
+        raise ValueError(f"--convert classify needs a classifier's weights "
+                         f"(*ForSequenceClassification) or, for a causal LM, --pooler-config "
+                         f"classifier_from_token; {architecture} has neither")
+    if from_tokens:
+        return _token_classifier(from_tokens, token_id, runner == GENERATE)
     unknown = sorted(set(overrides) - set(_OVERRIDES))
     if unknown:
         raise ValueError(f"--pooler-config: unknown keys {unknown} (known: {list(_OVERRIDES)})")
@@ -112,6 +122,18 @@ def _classifier(cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
         activation = NO_ACTIVATION
     return PoolerInfo(task=CLASSIFY, pooling_type=CLS if encoder_only else LAST, size=count,
                       labels=labels, activation=activation, encoder_only=encoder_only)
+
+
+def _token_classifier(texts: list[str], token_id, also_generates: bool) -> PoolerInfo:
+    """A causal LM's classifier from its LM head's rows of these tokens."""
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError("classifier_from_token must be a list of token texts, e.g. "
+                         "[\"no\", \"yes\"]")
+    ids = [token_id(t) for t in texts]
+    labels = texts[1:] if len(texts) == 2 else texts
+    return PoolerInfo(task=CLASSIFY, pooling_type=LAST, size=len(labels), labels=labels,
+                      activation=SIGMOID if len(labels) == 1 else SOFTMAX,
+                      classifier_tokens=ids, also_generates=also_generates)
 
 
 def _sentence_modules(path: str) -> dict[str, str]:

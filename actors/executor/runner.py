@@ -187,7 +187,7 @@ class ModelRunner:
             result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,
                                                                           spans))
         if pooled:                      # a causal model's last token (pooler_info.LAST)
-            vectors = hidden[[row for _, row in pooled]].float().cpu().numpy()
+            vectors = self._pooled_output(hidden[[row for _, row in pooled]]).cpu().numpy()
             result.pooled = PooledResult({sid: to_bytes(v) for (sid, _), v in zip(pooled, vectors)})
         produced = []
         if sample_rows:
@@ -203,6 +203,16 @@ class ModelRunner:
             result.drafts = result.drafts or DraftsResult({}, {}, {})
             result.drafts.num_drafts = num_drafts
         return result
+
+    def _pooled_output(self, states: torch.Tensor) -> torch.Tensor:
+        """Pooling rows' last-token states [R, H] -> their output, float32: the states (embed),
+        or the LM head's logits of the classifier tokens (two: the second's minus the
+        first's, one score: pooler_info.PoolerInfo.classifier_tokens)."""
+        tokens = self.config.model.model_info.pooler.classifier_tokens
+        if not tokens:
+            return states.float()
+        logits = self.model.compute_logits(states)[:, tokens]                # [R, K]
+        return logits[:, 1:] - logits[:, :1] if len(tokens) == 2 else logits
 
     def fail(self, plan: StepPlan) -> None:
         """The plan's step failed: its sequences' state is no longer theirs (seq_table.py)."""

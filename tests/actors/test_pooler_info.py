@@ -77,6 +77,9 @@ def test_a_classifier_reads_its_labels_and_activation(tmp_path):
     ("LlamaForCausalLM", dict(convert="embed", overrides={"pooling_type": "MEAN"}),
      "last token"),
     ("BertModel", dict(runner="pool"), "--runner must be"),
+    ("LlamaForCausalLM", dict(convert="classify"), "has neither"),
+    ("LlamaForCausalLM", dict(convert="classify", overrides={"classifier_from_token": "yes"}),
+     "list of token texts"),
 ])
 def test_what_cannot_be_served_is_refused_by_name(tmp_path, architecture, options, message):
     with pytest.raises(ValueError, match=message):

@@ -84,3 +84,26 @@ def test_a_long_input_is_refused_or_truncated_as_asked(tiny_llama):
     with pytest.raises(ValueError, match="the input is empty"):
         llm.encode([[]])
     assert _all_blocks_free(llm)
+
+
+def test_a_causal_lm_reranks_from_its_yes_and_no_tokens_logits(tiny_llama):
+    """Qwen3-Reranker's way: the score is the "true" token's logit minus the "false" one's
+    at the last token, through a sigmoid by default (the gateway's)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_llama()
+    llm = LLM(path, convert="classify", pooler_config={"classifier_from_token": ["a", "b"]},
+              **OPTIONS)
+    pooler = llm.config.model.model_info.pooler
+    no, yes = pooler.classifier_tokens
+    assert (pooler.task, pooler.labels, pooler.activation) == ("classify", ["b"], "sigmoid")
+    prompts = [[5, 9, 200, 31, 7], [40, 41]]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [(lambda z: float(z[yes] - z[no]))(hf(torch.tensor([p])).logits[0, -1])
+                for p in prompts]
+    got = [float(o.outputs.data[0]) for o in llm.encode(prompts)]
+    assert len(llm.encode(prompts)[0].outputs.data) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="not one token"):
+        LLM(path, convert="classify", pooler_config={"classifier_from_token": ["no way", "b"]},
+            **OPTIONS)
