@@ -42,6 +42,10 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaM
                          "XLMRobertaForSequenceClassification", "MPNetModel",
                          "MPNetForSequenceClassification", "ModernBertModel",
                          "ModernBertForSequenceClassification")
+# Causal LMs with a classifier's score head in place of the LM head (reward models,
+# rerankers): the same decoder (executor/models/llama.py), the head's rows one per label.
+DECODER_CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM"
+                       for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 # Those that take images (a vision tower beside the language model: executor/models/vision_language.py).
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
                         "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
@@ -181,6 +185,8 @@ def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
 # or of GPT-family blocks; gpt-oss's sinks would count once a rank in context parallelism's merged softmax,
 # and its sliding layers are not KV-Compress's.
 _UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
+            **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
+                      "--decode-context-parallel-size > 1") for arch in DECODER_CLASSIFIERS},
             "GptOssForCausalLM": ("--enable-lora", "--decode-context-parallel-size > 1",
                                   "--kv-compress-rate"),
             **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
@@ -245,9 +251,10 @@ def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
 
 
 def check_architecture(architecture: str, path: str) -> None:
-    if architecture not in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES:
+    known = SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES + tuple(DECODER_CLASSIFIERS)
+    if architecture not in known:
         raise ValueError(f"{path}: architecture {architecture} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})")
+                         f"{', '.join(known)})")
 
 
 def gguf_architecture(meta: dict) -> str:
@@ -300,6 +307,7 @@ def _hf_info(path: str) -> ModelInfo:
     if architecture is None:
         raise ValueError(f"{config_path}: no \"architectures\" entry")
     check_architecture(architecture, path)
+    causal = DECODER_CLASSIFIERS.get(architecture, architecture)   # its decoder's options
     text_cfg = hf_text_config(cfg)
     scheme = read_scheme(text_cfg.get("quantization_config"), config_path)  # refuses the rest
     missing = [k for k in _HF_REQUIRED if k not in text_cfg]
@@ -325,7 +333,7 @@ def _hf_info(path: str) -> ModelInfo:
                      else text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads),
         eos_token_ids=_eos_ids(path, text_cfg), digest=digest.hexdigest()[:32],
         rope_scaling=rope, sliding_window=text_cfg.get("sliding_window")
-        if architecture in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+        if causal in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
                             "Starcoder2ForCausalLM")
         else None,
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),

@@ -60,13 +60,13 @@ def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
     if runner not in RUNNERS or convert not in CONVERTS:
         raise ValueError(f"--runner must be one of {', '.join(RUNNERS)} and --convert one of "
                          f"{', '.join(CONVERTS)}; got {runner!r}, {convert!r}")
-    pools = encoder_only or runner == POOLING or convert in (EMBED, CLASSIFY)
-    if runner == GENERATE and encoder_only:
-        raise ValueError(f"{architecture} cannot generate: it is an encoder-only model "
-                         "(serve it with --runner pooling)")
+    classifies = architecture.endswith("ForSequenceClassification")
+    pools = encoder_only or classifies or runner == POOLING or convert in (EMBED, CLASSIFY)
+    if runner == GENERATE and (encoder_only or classifies):
+        raise ValueError(f"{architecture} cannot generate: it is an encoder-only model or a "
+                         "classifier (serve it with --runner pooling)")
     if not pools:
         return None
-    classifies = architecture.endswith("ForSequenceClassification")
     task = convert if convert in (EMBED, CLASSIFY) else (CLASSIFY if classifies else EMBED)
     overrides = dict(overrides or {})
     from_tokens = overrides.pop("classifier_from_token", None)

@@ -18,6 +18,7 @@ from pagewire.kernels import kv_quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.context_parallel import local_batch
 from pagewire.kernels.ops import resolve_device
+from pagewire.pooler_info import CLASSIFY
 from pagewire.wire.ids import SeqId
 from pagewire.wire.pooling import PooledResult, to_bytes
 from pagewire.wire.sampling_params import LogprobsChunk
@@ -208,7 +209,10 @@ class ModelRunner:
         """Pooling rows' last-token states [R, H] -> their output, float32: the states (embed),
         or the LM head's logits of the classifier tokens (two: the second's minus the
         first's, one score: pooler_info.PoolerInfo.classifier_tokens)."""
-        tokens = self.config.model.model_info.pooler.classifier_tokens
+        pooler = self.config.model.model_info.pooler
+        tokens = pooler.classifier_tokens
+        if pooler.task == CLASSIFY and not tokens:     # a score head (DECODER_CLASSIFIERS)
+            return self.model.compute_logits(states)
         if not tokens:
             return states.float()
         logits = self.model.compute_logits(states)[:, tokens]                # [R, K]

@@ -12,7 +12,7 @@ from pagewire import cli
 from pagewire.executor.loader import load_model, read_safetensors
 from pagewire.executor.models import MODELS
 from pagewire.kernels.rotary import ROPE_TYPES as KERNEL_ROPE_TYPES
-from pagewire.model_info import (ROPE_TYPES, SUPPORTED_ARCHITECTURES, default_model_path,
+from pagewire.model_info import (DECODER_CLASSIFIERS, ROPE_TYPES, SUPPORTED_ARCHITECTURES, default_model_path,
                                  resolve_model)
 
 
@@ -142,7 +142,7 @@ def test_serve_exits_2_before_starting_actors(tiny_llama, caplog, monkeypatch):
 
 
 def test_torch_free_lists_match_the_model_code():
-    assert sorted(SUPPORTED_ARCHITECTURES) == sorted(MODELS)
+    assert sorted(SUPPORTED_ARCHITECTURES + tuple(DECODER_CLASSIFIERS)) == sorted(MODELS)
     assert ROPE_TYPES == KERNEL_ROPE_TYPES
 
 

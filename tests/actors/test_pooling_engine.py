@@ -3,6 +3,8 @@ token (--convert embed) against transformers, in chunks, from the prefix cache, 
 generation in one batch, and refused where the runner does not serve them."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -107,3 +109,33 @@ def test_a_causal_lm_reranks_from_its_yes_and_no_tokens_logits(tiny_llama):
     with pytest.raises(ValueError, match="not one token"):
         LLM(path, convert="classify", pooler_config={"classifier_from_token": ["no way", "b"]},
             **OPTIONS)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_a_decoder_classifier_reads_its_score_head_at_the_last_token(tmp_path, family,
+                                                                     smol_tokenizer_dir):
+    """*ForSequenceClassification over a causal decoder (reward models, rerankers): the
+    score head's logits at the last token, as transformers computes them."""
+    import shutil
+    import transformers
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForSequenceClassification")
+    config = config_cls(vocab_size=512, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_labels=3, max_position_embeddings=256,
+                        tie_word_embeddings=family == "Qwen3", pad_token_id=0)
+    torch.manual_seed(0)
+    hf = model_cls(config).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    for name in os.listdir(smol_tokenizer_dir):
+        shutil.copy(os.path.join(smol_tokenizer_dir, name), tmp_path)
+    llm = LLM(str(tmp_path), **OPTIONS)
+    pooler = llm.config.model.model_info.pooler
+    assert (pooler.task, pooler.size, pooler.activation) == ("classify", 3, "softmax")
+    prompts = [[5, 9, 200, 31, 7], [40, 41, 42]]
+    with torch.no_grad():
+        want = [hf(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    for out, w in zip(llm.encode(prompts), want):
+        np.testing.assert_allclose(out.outputs.data, w, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="cannot generate"):
+        LLM(str(tmp_path), runner="generate", **OPTIONS)

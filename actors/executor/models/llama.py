@@ -171,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         # GPT-2: learned absolute positions added to the embeddings
         self.pos_embed = nn.Embedding(cfg.learned_positions, cfg.hidden_size) \
             if cfg.learned_positions else None
-        # tied: shares embed's weight; GPT-J's and Phi-2's have a bias
-        self.lm_head = Linear(cfg.hidden_size, v1 - v0, bias=cfg.lm_head_bias)
+        # tied: shares embed's weight; GPT-J's and Phi-2's have a bias; a classifier's score
+        # head in its place, one row per label (tensor parallelism refused: model_info)
+        self.lm_head = Linear(cfg.hidden_size, cfg.num_labels or v1 - v0, bias=cfg.lm_head_bias)
         self.ops = ops if ops is not None else TorchOps()
         self._fused = None        # fused_decode.py's program, where the backend built one
         self.register_buffer("cos_sin", None, persistent=False)
@@ -268,7 +269,10 @@ class LlamaForCausalLM(nn.Module):
         return [(table, positions) for table in self.rope_tables]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows)."""
+        """hidden: [S, H] -> float32 logits [S, V] (every rank's vocabulary rows); a
+        classifier's: its labels' [S, L]."""
+        if self.cfg.num_labels:
+            return self.ops.linear(self.lm_head, hidden).float()
         logits = self.tp.gather_vocab(self.ops.linear(self.lm_head, hidden).float(),
                                       self.cfg.vocab_size)
         cap = self.cfg.final_softcap

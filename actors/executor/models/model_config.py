@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagewire.model_info import (GPT_ARCHITECTURES, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES,
-                                 hf_text_config)
+from pagewire.model_info import (DECODER_CLASSIFIERS, GPT_ARCHITECTURES, MOE_ARCHITECTURES,
+                                 MULTI_HEAD_ARCHITECTURES, hf_text_config)
 
 
 @dataclass
@@ -75,6 +75,8 @@ class LlamaConfig:
     stacked_experts: bool = True             # Hugging Face's [E, H, 2I] stacks; GGUF's: gate,
     #                                          up and down stacked apart, [E, rows, cols]
     architecture: str = "LlamaForCausalLM"
+    num_labels: int = 0                      # a classifier's (*ForSequenceClassification):
+    #                                          its score head's rows replace the LM head's
 
     def __post_init__(self):
         if not self.rope_tables:
@@ -101,6 +103,9 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels", 2) \
+            if arch in DECODER_CLASSIFIERS else 0
+        arch = DECODER_CLASSIFIERS.get(arch, arch)           # the decoder under the score head
         cfg = hf_text_config(cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -113,7 +118,10 @@ class LlamaConfig:
             rope_theta=rope.get("rope_theta", 10000.0),
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", arch.startswith("Gemma")),
-            attention_bias=cfg.get("attention_bias", False), architecture=arch)
+            attention_bias=cfg.get("attention_bias", False), architecture=arch,
+            num_labels=labels)
+        if labels:                   # the score head is its own matrix, whatever ties say
+            base["tie_word_embeddings"] = False
         scaled = rope if rope.get("rope_type", "default") != "default" else None
         base["rope_tables"] = [(base["rope_theta"], scaled)]
         n = base["num_layers"]

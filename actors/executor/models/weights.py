@@ -29,7 +29,7 @@ def fuse_weights(weights: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     out = {"norm.weight": norm(weights["model.norm.weight"])}
     _put(out, "embed.weight", weights.get("model.embed_tokens.weight"))    # absent: blocks
     tied = cfg.tie_word_embeddings
-    lm_head = out.get("embed.weight") if tied else weights.get("lm_head.weight")
+    lm_head = out.get("embed.weight") if tied else weights.get(_head_source(cfg))
     _put(out, "lm_head.weight", lm_head)
     names = _SANDWICH_NORMS if cfg.sandwich_norms else _NORMS
     for i in range(cfg.num_layers):
@@ -56,13 +56,18 @@ def linear_sources(cfg: LlamaConfig) -> dict[str, list[str]]:
     if not cfg.gated_mlp:
         return gpt_linear_sources(cfg)
     out = {"lm_head": ["model.embed_tokens.weight" if cfg.tie_word_embeddings
-                       else "lm_head.weight"]}
+                       else _head_source(cfg)]}
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         out[dst + "attn.qkv"] = [f"{src}self_attn.{p}_proj.weight" for p in "qkv"]
         out[dst + "attn.o_proj"] = [src + "self_attn.o_proj.weight"]
         out.update((dst + name, names) for name, names in mlp_sources(cfg, i).items())
     return out
+
+
+def _head_source(cfg: LlamaConfig) -> str:
+    """The LM head's tensor, or a classifier's score head in its place."""
+    return "score.weight" if cfg.num_labels else "lm_head.weight"
 
 
 def embedding_source(cfg: LlamaConfig) -> str:
