@@ -11,6 +11,7 @@ from .attention_triton import (triton_decode_attention, triton_decode_lse,
                                triton_paged_attention)
 from .cache import triton_write_kv
 from .cascade import CUDA_THRESHOLDS
+from .encoder_attention_triton import triton_encoder_attention
 from .lora import triton_lora_delta
 from .moe_triton import stacked_experts, triton_moe_block
 from .norm import triton_add_rms_norm
@@ -72,6 +73,12 @@ class TritonOps(TorchOps):
         if not variant.plain:
             return TorchOps.decode_lse(self, q, kv_cache, tables, lens, scale, variant)
         return triton_decode_lse(q, kv_cache, tables, lens, scale)
+
+    def encoder_attention(self, q, k, v, seq_lens, scale, bias=None, window=None):
+        # MPNet's position bias and ModernBERT's local windows: torch kernels for now
+        if bias is not None or window is not None:
+            return TorchOps.encoder_attention(self, q, k, v, seq_lens, scale, bias, window)
+        return triton_encoder_attention(q, k, v, seq_lens, scale)
 
     def attention(self, q, k, v, kv_cache, batch, scale, variant=PLAIN):
         # sliding windows, soft-capping and images seen whole (Gemma 3's prefills): torch
