@@ -2,7 +2,7 @@
 random-weight model of all-mpnet-base-v2's shape (pagewire.testing.encoder_shapes), one
 engine at a time, all on the same texts.
 
-    python bench/embeddings.py [--workload embed|rerank] [--engines pagewire,st,vllm]
+    python bench/embeddings.py [--workload embed|rerank] [--engines pagewire,st,st-fp32,vllm]
                                [--sentences 10000] [--queries 10] [--seed 0]
 
 embed: `--sentences` deterministic random sentences of 16-64 text tokens (words of a fixed
@@ -11,10 +11,14 @@ rerank: `--queries` queries of 8-16 tokens, `--candidates` documents each (16-64
 queries/s.
 
 Engines: `st` is sentence-transformers in this process (`SentenceTransformer.encode` /
-`CrossEncoder.predict`, torch threads = the machine's cores, `--st-dtype`); `pagewire` is
-`pagewire serve DIR --runner pooling` and `vllm` is `vllm serve DIR --runner pooling`
-(../shared/peers/vllm-cpu.sh), each sent POST /v1/embeddings of `--batch` inputs (or
-POST /rerank, one query a request) with `--concurrency` requests in flight. vLLM implements
+`CrossEncoder.predict` in batches of `--batch`, torch threads = the machine's cores) in
+bfloat16, the checkpoint's dtype and what it loads by default; `pagewire` is `pagewire serve
+DIR --runner pooling` ($PAGEWIRE_SERVE_ARGS added) and `vllm` is `vllm serve DIR --runner
+pooling` (../shared/peers/vllm-cpu.sh; $VLLM_DTYPE, else bfloat16 where the CPU has
+AVX512-BF16; $VLLM_SERVE_ARGS added), each sent POST /v1/embeddings of `--batch` inputs (or
+POST /rerank, one query a request) with `--concurrency` requests in flight. A `-fp32` suffix
+(`st-fp32`, `vllm-fp32`, `pagewire-fp32`) computes in float32: on a CPU without AMX, PyTorch's
+float32 GEMMs may beat its bfloat16 path, so compare against the faster. vLLM implements
 no MPNetModel: it serves the same shape as a BertModel (BERT-base: the same linears, so the
 same FLOPs); `--pagewire-arch BertModel` runs pagewire on that directory too. Rerank is a
 one-label BertForSequenceClassification for all three.
@@ -115,13 +119,13 @@ def gemm_peak(dtype: str, n: int = 2048, reps: int = 5) -> float:
 
 # --- the engines ------------------------------------------------------------------------------
 
-def st_embed(path: str, sentences: list[str], a) -> float:
+def st_embed(path: str, sentences: list[str], a, dtype: str) -> float:
     """Seconds sentence-transformers takes to encode `sentences` (after a warm-up batch)."""
     import torch
     from sentence_transformers import SentenceTransformer
     torch.set_num_threads(os.cpu_count())
     model = SentenceTransformer(path, device="cpu",
-                                model_kwargs={"dtype": getattr(torch, a.st_dtype)})
+                                model_kwargs={"dtype": getattr(torch, dtype)})
     model.encode(sentences[:a.batch], batch_size=a.batch)
     t = time.perf_counter()
     out = model.encode(sentences, batch_size=a.batch)
@@ -130,11 +134,11 @@ def st_embed(path: str, sentences: list[str], a) -> float:
     return seconds
 
 
-def st_rerank(path: str, queries: list[tuple[str, list[str]]], a) -> float:
+def st_rerank(path: str, queries: list[tuple[str, list[str]]], a, dtype: str) -> float:
     import torch
     from sentence_transformers import CrossEncoder
     torch.set_num_threads(os.cpu_count())
-    model = CrossEncoder(path, device="cpu", model_kwargs={"dtype": getattr(torch, a.st_dtype)})
+    model = CrossEncoder(path, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
     model.predict([(queries[0][0], d) for d in queries[0][1][:a.batch]], batch_size=a.batch)
     t = time.perf_counter()
     for query, docs in queries:
@@ -179,15 +183,15 @@ def served(port: int, workload: str, items: list, a) -> float:
     return time.perf_counter() - t
 
 
-def server_command(engine: str, path: str, port: int) -> list[str]:
+def server_command(engine: str, path: str, port: int, dtype: str | None) -> list[str]:
     common = ["--port", str(port), "--served-model-name", MODEL, "--max-model-len", "512"]
     if engine == "pagewire":
         exe = os.path.join(os.path.dirname(sys.executable), "pagewire")
         return [exe if os.path.exists(exe) else "pagewire", "serve", path, "--runner", "pooling",
-                "--dtype", "bfloat16", *common,
+                "--dtype", dtype or "bfloat16", *common,
                 *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
     return ["bash", PEER, "exec", "vllm", "serve", path, "--runner", "pooling",
-            "--dtype", os.environ.get("VLLM_DTYPE", peer_dtype()), *common,
+            "--dtype", dtype or os.environ.get("VLLM_DTYPE", peer_dtype()), *common,
             *os.environ.get("VLLM_SERVE_ARGS", "").split()]
 
 
@@ -213,12 +217,16 @@ def workload_items(tokenizer, a) -> tuple[list, list[list[int]]]:
     return items, lens
 
 
-def run_engine(engine: str, workload: str, items: list, a) -> float:
+def run_engine(name: str, workload: str, items: list, a) -> float:
+    """Seconds engine `name` (pagewire, st or vllm; a -fp32 suffix computes in float32)
+    takes for `items`."""
+    engine, fp32 = name.removesuffix("-fp32"), name.endswith("-fp32")
     path = model_dir(architecture(engine, workload, a))
     if engine == "st":
-        return (st_embed if workload == "embed" else st_rerank)(path, items, a)
+        return (st_embed if workload == "embed" else st_rerank)(
+            path, items, a, "float32" if fp32 else "bfloat16")
     port = free_port()
-    proc = launch(server_command(engine, path, port), port, engine)
+    proc = launch(server_command(engine, path, port, "float32" if fp32 else None), port, name)
     try:
         return served(port, workload, items, a)
     finally:
@@ -253,7 +261,7 @@ def report(a, rates: dict[str, float], ceiling: dict[str, float], unit: str) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=("embed", "rerank"), default="embed")
-    p.add_argument("--engines", default="pagewire,st,vllm")
+    p.add_argument("--engines", default="pagewire,st,st-fp32,vllm")
     p.add_argument("--sentences", type=int, default=10000)
     p.add_argument("--queries", type=int, default=10)
     p.add_argument("--candidates", type=int, default=100)
@@ -261,7 +269,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="inputs a request / ST batch size")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--encoding-format", choices=("float", "base64"), default="float")
-    p.add_argument("--st-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--pagewire-arch", choices=("MPNetModel", "BertModel"), default="MPNetModel")
     p.add_argument("--json", default=None, help="result file (default embeddings-WORKLOAD.json)")
     a = p.parse_args()
