@@ -225,8 +225,16 @@ def run_engine(name: str, workload: str, items: list, a) -> float:
     if engine == "st":
         return (st_embed if workload == "embed" else st_rerank)(
             path, items, a, "float32" if fp32 else "bfloat16")
-    port = free_port()
-    proc = launch(server_command(engine, path, port, "float32" if fp32 else None), port, name)
+    port, log = free_port(), f"embeddings-{name}.log"
+    # The server's output goes to `log` (launch() discards it), shown when it fails to start.
+    cmd = ["bash", "-c", f'exec "$@" >{log} 2>&1', "-",
+           *server_command(engine, path, port, "float32" if fp32 else None)]
+    try:
+        proc = launch(cmd, port, name)
+    except SystemExit:
+        with open(log) as f:
+            print(f.read()[-3000:], file=sys.stderr)
+        raise
     try:
         return served(port, workload, items, a)
     finally:
