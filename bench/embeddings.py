@@ -44,13 +44,15 @@ from serving import free_port, launch, stop
 from pagewire.testing.encoder_shapes import SHAPES, write_encoder
 
 MODEL = "all-mpnet-base-v2-shape"
-WORDS = tuple(dict.fromkeys(("the of and to in is was for on that with as by at from his her an were are which "
-         "this be or has had not but one their also its new after who first two they have "
-         "been all more most other into time only year over some under people state between "
-         "city during three where world work house water music light river school family "
-         "small large early later known high during order place power point system south "
-         "north music group still team game book film long part since life day night end "
-         "case line side hand body war form field name test model table market road").split()))
+# Common English words; duplicates dropped (dict.fromkeys keeps the first).
+WORDS = tuple(dict.fromkeys((
+    "the of and to in is was for on that with as by at from his her an were are which this be "
+    "or has had not but one their also its new after who first two they have been all more "
+    "most other into time only year over some under people state between city during three "
+    "where world work house water music light river school family small large early later "
+    "known high order place power point system south north group still team game book film "
+    "long part since life day night end case line side hand body war form field name test "
+    "model table market road").split()))
 
 
 def cache_dir() -> str:
@@ -156,7 +158,8 @@ def post(port: int, route: str, body: dict) -> dict:
 
 def embed_batch(port: int, batch: list[str], fmt: str) -> None:
     out = post(port, "/v1/embeddings", {"model": MODEL, "input": batch, "encoding_format": fmt})
-    if len(out.get("data", [])) != len(batch):
+    if len(out.get("data", [])) != len(batch) or fmt == "float" and len(
+            out["data"][0]["embedding"]) != SHAPES["mpnet-base"]["hidden_size"]:
         raise RuntimeError(f"/v1/embeddings answered {str(out)[:300]}")
 
 

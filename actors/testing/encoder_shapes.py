@@ -95,7 +95,8 @@ def save_tokenizer(path: str, token_types: bool):
 def _write_st_files(path: str, hidden: int) -> None:
     """sentence-transformers' files as all-mpnet-base-v2 ships them: Transformer, mean
     Pooling, Normalize."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize",
