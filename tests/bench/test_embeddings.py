@@ -77,3 +77,26 @@ def test_written_directories_load_in_transformers(tiny_dirs):
         assert json.load(f)["pooling_mode_mean_tokens"] is True
     assert not os.path.exists(os.path.join(tiny_dirs["BertForSequenceClassification"],
                                            "modules.json"))
+
+
+def test_pagewire_reads_the_pooling_files(tiny_dirs):
+    from pagewire.model_info import resolve_model, with_pooler
+    embed = with_pooler(resolve_model(tiny_dirs["MPNetModel"]), "pooling").pooler
+    assert (embed.task, embed.pooling_type, embed.size, embed.normalize) == ("embed", "MEAN", 64,
+                                                                            True)
+    cross = with_pooler(resolve_model(tiny_dirs["BertForSequenceClassification"]),
+                        "pooling").pooler
+    assert (cross.task, cross.pooling_type, cross.size, cross.activation) == (
+        "classify", "CLS", 1, "sigmoid")
+
+
+def test_sentence_transformers_loads_them(tiny_dirs):
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(tiny_dirs["MPNetModel"], device="cpu")
+    assert [type(m).__name__ for m in model] == ["Transformer", "Pooling", "Normalize"]
+    vectors = model.encode(["a b c", "d e"])
+    assert vectors.shape == (2, 64)
+    assert abs(float((vectors[0] ** 2).sum()) - 1) < 0.02        # normalized (bfloat16)
+    scores = st.CrossEncoder(tiny_dirs["BertForSequenceClassification"], device="cpu").predict(
+        [("q", "a b"), ("q", "c")])
+    assert scores.shape == (2,) and all(0 < s < 1 for s in scores)
