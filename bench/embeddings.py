@@ -24,8 +24,9 @@ same FLOPs); `--pagewire-arch BertModel` runs pagewire on that directory too. Re
 one-label BertForSequenceClassification for all three.
 
 The ceiling row is the machine's GEMM peak (a torch matmul of 2048x2048 in bfloat16 and
-float32, best of 5, torch threads = cores) over the set's FLOPs (2 x linear parameters x
-tokens + 4 x layers x tokens^2 x hidden for attention scores and values).
+float32, best of 10, before the engines run, torch threads = cores) over the set's FLOPs
+(2 x linear parameters x tokens + 4 x layers x tokens^2 x hidden for attention scores and
+values). Each server's output goes to embeddings-ENGINE.log in the working directory.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def encoder_flops(tokens: int, shape: dict) -> float:
     return 2.0 * linear_params * tokens + 4.0 * layers * tokens * tokens * h
 
 
-def gemm_peak(dtype: str, n: int = 2048, reps: int = 5) -> float:
+def gemm_peak(dtype: str, n: int = 2048, reps: int = 10) -> float:
     """FLOP/s of the best of `reps` n x n x n torch matmuls in `dtype`."""
     import torch
     torch.set_num_threads(os.cpu_count())
@@ -287,12 +288,12 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir("BertModel"))
     items, lens = workload_items(tokenizer, a)
     unit = "sentences/s" if a.workload == "embed" else "queries/s"
+    ceiling = ceilings(len(items), lens)        # before the engines: the peaks on a quiet machine
     rates = {}
     for engine in a.engines.split(","):
         seconds = run_engine(engine, a.workload, items, a)
         rates[engine] = len(items) / seconds
         print(f"{engine}: {len(items)} in {seconds:.2f} s = {rates[engine]:.2f} {unit}", flush=True)
-    ceiling = ceilings(len(items), lens)
     report(a, rates, ceiling, unit)
     result = {"workload": a.workload, "unit": unit, "items": len(items), "rates": rates,
               "args": vars(a), "cpu": cpu_name(), "cores": os.cpu_count(), **ceiling,
