@@ -49,6 +49,22 @@ def test_sentences_are_16_to_64_tokens_and_repeat_by_seed(bench, tiny_dirs):
     assert pair["token_type_ids"].count(1) == lens[1] + 1
 
 
+def test_rerank_items_are_queries_with_their_candidates(bench, tiny_dirs):
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["BertModel"])
+    a = Namespace(workload="rerank", queries=3, candidates=5, seed=0)
+    items, lens = bench.workload_items(tok, a)
+    assert [len(docs) for _, docs in items] == [5, 5, 5] and len(lens) == 3
+    query, docs = items[1]
+    assert 8 <= bench.text_tokens(tok, [query])[0] <= 16
+    # A pair's length is its specials' and both texts' tokens, as the tokenizer counts it.
+    assert lens[1] == [len(tok(query, d)["input_ids"]) for d in docs]
+    embed, embed_lens = bench.workload_items(tok, Namespace(workload="embed", sentences=4, seed=0))
+    assert embed_lens == [[len(ids) for ids in tok(embed)["input_ids"]]]
+
+
 def test_encoder_flops_counts_linears_and_attention(bench):
     shape = SHAPES["mpnet-base"]
     linear_params = 12 * (4 * 768 * 768 + 2 * 768 * 3072)       # 84,934,656
