@@ -140,6 +140,13 @@ class TorchOps:
         native kernel where this backend has one, else torch's SDPA."""
         return attention.full_attention(q, k, v, scale, self.lib)
 
+    def encoder_attention(self, q, k, v, seq_lens, scale, bias=None, window=None):
+        """An encoder's bidirectional attention over a flat batch of sequences, each seeing
+        only its own keys (attention.encoder_attention: `bias` MPNet's relative position
+        scores, `window` ModernBERT's local layers): the native kernel where this backend has
+        one and it serves, else torch's SDPA."""
+        return attention.encoder_attention(q, k, v, seq_lens, scale, self.lib, bias, window)
+
     def write_kv(self, kv_cache, k, v, slots):
         """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""
         attention.write_kv(kv_cache, k, v, slots)
