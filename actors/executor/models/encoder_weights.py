@@ -103,16 +103,32 @@ def encoder_state(weights: dict[str, torch.Tensor], cfg: EncoderConfig) -> dict[
     return state
 
 
-def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None, tp=None
-                 ) -> EncoderModel:
-    """The encoder of a Hugging Face safetensors directory, its weights cast to `dtype`, built
-    with the backend's `ops` (None: torch's), on `device` (None: the CPU). `tp`: a
-    TensorParallel of one rank or None; encoders do not split across ranks. The caller lays
-    the weights out for its kernels (Backend.prepare)."""
-    from ..loader import one_thread, read_safetensors     # the loader imports this package
+def read_encoder(info, dtype: torch.dtype, tp=None, quantization: str = "none", ops=None,
+                 cp=None) -> EncoderModel:
+    """loader.read_model for an encoder ModelInfo (info.path, a Hugging Face directory), on
+    the CPU: Backend.load moves it to its device and lays it out (prepare). One rank, no
+    --quantization, no context parallelism: each refused with a ValueError."""
+    if info.format != "hf":
+        raise ValueError(f"{info.architecture}: encoder models load from a Hugging Face "
+                         "safetensors directory, not GGUF")
     if tp is not None and tp.size > 1:
-        raise ValueError("encoder models run on one rank: tensor parallelism is not supported "
-                         "for them (use --tensor-parallel-size 1)")
+        raise ValueError(f"{info.architecture}: encoder models run on one rank; tensor "
+                         "parallelism is not supported for them (--tensor-parallel-size 1)")
+    if cp is not None:
+        raise ValueError(f"{info.architecture}: encoder models have no KV cache to split "
+                         "(--decode-context-parallel-size 1)")
+    if quantization != "none":
+        raise ValueError(f"{info.architecture}: --quantization {quantization} is not "
+                         "supported for encoder models")
+    return load_encoder(info.path, dtype, ops)
+
+
+def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None) -> EncoderModel:
+    """The encoder of a Hugging Face safetensors directory, its weights cast to `dtype`, built
+    with the backend's `ops` (None: torch's), on `device` (None: the CPU). The caller lays
+    the weights out for its kernels (Backend.prepare); the weights as read serve the torch
+    ops."""
+    from ..loader import one_thread, read_safetensors     # the loader imports this package
     with open(os.path.join(path, "config.json")) as f:
         cfg = EncoderConfig.from_hf(json.load(f))
     with one_thread():
@@ -123,4 +139,4 @@ def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None, tp=None
     if result.missing_keys:
         raise ValueError(f"weights missing from {path}: {', '.join(result.missing_keys[:5])}")
     model.reset_buffers()
-    return model.to(device or torch.device("cpu")).eval()
+    return model.requires_grad_(False).to(device or torch.device("cpu")).eval()
