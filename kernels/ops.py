@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, attention, cascade, kv_quant, moe, native, norm, quant, rotary
+from .encoder_attention import encoder_attention
 from . import token_sampling
 from . import tiers
 from . import lora as lora_kernels
@@ -142,10 +143,10 @@ class TorchOps:
 
     def encoder_attention(self, q, k, v, seq_lens, scale, bias=None, window=None):
         """An encoder's bidirectional attention over a flat batch of sequences, each seeing
-        only its own keys (attention.encoder_attention: `bias` MPNet's relative position
+        only its own keys (kernels/encoder_attention.py: `bias` MPNet's relative position
         scores, `window` ModernBERT's local layers): the native kernel where this backend has
         one and it serves, else torch's SDPA."""
-        return attention.encoder_attention(q, k, v, seq_lens, scale, self.lib, bias, window)
+        return encoder_attention(q, k, v, seq_lens, scale, self.lib, bias, window)
 
     def write_kv(self, kv_cache, k, v, slots):
         """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""

@@ -142,3 +142,47 @@ def test_a_base_model_has_no_classifier_and_one_rank_only(checkpoints):
     two = TensorParallel(rank=0, size=2)
     with pytest.raises(ValueError, match="tensor parallelism"):
         _load(checkpoints["BertModel"], "BertModel", "torch", torch.float32, two)
+
+
+def test_prefixed_names_and_old_layer_norm_names_load_the_same(checkpoints, tmp_path):
+    """A base model's tensors under its base-model prefix ("bert."), with old BERT's LayerNorm
+    gamma / beta names and a masked-LM head beside them, give the same states."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    source = checkpoints["BertModel"]
+    renamed = {}
+    for name, tensor in load_file(f"{source}/model.safetensors").items():
+        name = name.replace("LayerNorm.weight", "LayerNorm.gamma") \
+            .replace("LayerNorm.bias", "LayerNorm.beta")
+        renamed["bert." + name] = tensor
+    renamed["cls.predictions.bias"] = torch.zeros(TINY["vocab_size"])
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{source}/config.json", tmp_path / "config.json")
+    ours = _run(_load(str(tmp_path), "BertModel", "torch", torch.float32), "BertModel")
+    assert torch.equal(ours, _run(_load(source, "BertModel", "torch", torch.float32),
+                                  "BertModel"))
+
+
+def test_config_options():
+    """ModernBERT's older keys (global_attn_every_n_layers, global/local_rope_theta, a null
+    local theta: global's); what the encoder cannot compute is refused by name."""
+    from pagewire.executor.models.encoder_config import EncoderConfig
+    base = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                intermediate_size=96, vocab_size=100, max_position_embeddings=512)
+    old = EncoderConfig.from_hf({**base, "architectures": ["ModernBertModel"],
+                                 "global_attn_every_n_layers": 3, "local_attention": 128,
+                                 "global_rope_theta": 160000.0, "local_rope_theta": None})
+    assert (old.global_layers, old.local_window) == ((True, False, False, True), 64)
+    assert old.local_rope_theta == old.global_rope_theta == 160000.0
+    assert (old.norm_bias, old.mlp_bias, old.classifier) == (False, False, False)
+    cls = EncoderConfig.from_hf({**base, "architectures": ["XLMRobertaForSequenceClassification"],
+                                 "pad_token_id": 1, "id2label": {"0": "a", "1": "b", "2": "c",
+                                                                  "3": "d"}})
+    assert (cls.family, cls.padding_idx, cls.num_labels, cls.classifier) == \
+        ("roberta", 1, 4, True)
+    with pytest.raises(ValueError, match="relative_key"):
+        EncoderConfig.from_hf({**base, "architectures": ["BertModel"],
+                               "position_embedding_type": "relative_key"})
+    with pytest.raises(ValueError, match="silu"):
+        EncoderConfig.from_hf({**base, "architectures": ["BertModel"], "hidden_act": "silu"})

@@ -1,13 +1,14 @@
-"""encoder_attention (kernels/attention.py): each sequence of a flat batch attends all and only
-its own keys, against a plain float32 reference per sequence, on the torch backend and each
-native CPU tier (the native prefill kernel serves bfloat16 with head dim 64 or 128 on
-AVX512-BF16; the other tiers and shapes take SDPA)."""
+"""encoder_attention (kernels/encoder_attention.py): each sequence of a flat batch attends
+all and only its own keys, against a plain float32 reference per sequence, on the torch
+backend and each native CPU tier (the native prefill kernel serves bfloat16 with head dim 64
+or 128 on AVX512-BF16; the other tiers and shapes take SDPA)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagewire.kernels import attention, tiers
+from pagewire.kernels import tiers
+from pagewire.kernels.encoder_attention import encoder_attention
 from pagewire.kernels.ops import CpuOps, TorchOps
 
 LENS = [5, 17, 1, 33]
@@ -80,6 +81,6 @@ def test_the_native_kernel_serves_bfloat16_where_it_can(native_lib):
     if not native_lib.prefill_attention_serves(q, k.new_empty(1, 16, 4, 64)):
         pytest.skip(f"the {native_lib.tier} tier has no native prefill attention")
     for window in (None, 3):
-        native = attention.encoder_attention(q, k, v, LENS, 0.125, native_lib, window=window)
-        sdpa = attention.encoder_attention(q, k, v, LENS, 0.125, None, window=window)
+        native = encoder_attention(q, k, v, LENS, 0.125, native_lib, window=window)
+        sdpa = encoder_attention(q, k, v, LENS, 0.125, None, window=window)
         assert float((native.float() - sdpa.float()).abs().max()) < 2e-2

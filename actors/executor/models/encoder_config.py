@@ -67,8 +67,11 @@ class EncoderConfig:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "EncoderConfig":
-        architecture = (cfg.get("architectures") or ["BertModel"])[0]
+    def from_hf(cls, cfg: dict, architecture: str | None = None) -> "EncoderConfig":
+        """A config.json's options, for `architecture` (None: its first "architectures")."""
+        architecture = architecture or (cfg.get("architectures") or [None])[0]
+        if architecture is None:
+            raise ValueError("config.json names no architecture")
         family = family_of(architecture)
         common = dict(architecture=architecture, family=family, hidden_size=cfg["hidden_size"],
                       num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],

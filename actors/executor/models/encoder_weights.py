@@ -120,17 +120,18 @@ def read_encoder(info, dtype: torch.dtype, tp=None, quantization: str = "none", 
     if quantization != "none":
         raise ValueError(f"{info.architecture}: --quantization {quantization} is not "
                          "supported for encoder models")
-    return load_encoder(info.path, dtype, ops)
+    return load_encoder(info.path, dtype, ops, architecture=info.architecture)
 
 
-def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None) -> EncoderModel:
+def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None,
+                 architecture: str | None = None) -> EncoderModel:
     """The encoder of a Hugging Face safetensors directory, its weights cast to `dtype`, built
-    with the backend's `ops` (None: torch's), on `device` (None: the CPU). The caller lays
-    the weights out for its kernels (Backend.prepare); the weights as read serve the torch
-    ops."""
+    with the backend's `ops` (None: torch's), on `device` (None: the CPU), as `architecture`
+    (None: config.json's). The caller lays the weights out for its kernels
+    (Backend.prepare); the weights as read serve the torch ops."""
     from ..loader import one_thread, read_safetensors     # the loader imports this package
     with open(os.path.join(path, "config.json")) as f:
-        cfg = EncoderConfig.from_hf(json.load(f))
+        cfg = EncoderConfig.from_hf(json.load(f), architecture)
     with one_thread():
         with torch.device("meta"):                 # no init: every tensor comes from the file
             model = EncoderModel(cfg, ops)
