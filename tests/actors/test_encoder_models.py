@@ -186,3 +186,16 @@ def test_config_options():
                                "position_embedding_type": "relative_key"})
     with pytest.raises(ValueError, match="silu"):
         EncoderConfig.from_hf({**base, "architectures": ["BertModel"], "hidden_act": "silu"})
+
+
+def test_roberta_reads_no_token_types(checkpoints):
+    """A pair's types (1 from its second text on, as the engine lays them out for every
+    model) change BERT's states and not XLM-R's (type_vocab_size 1; its tokenizer gives
+    none, transformers then uses type 0)."""
+    ids = torch.randint(3, TINY["vocab_size"], (9,), generator=torch.Generator().manual_seed(2))
+    pair = torch.tensor([0] * 4 + [1] * 5)
+    for architecture, changes in (("BertModel", True), ("XLMRobertaModel", False)):
+        model = _load(checkpoints[architecture], architecture, "torch", torch.float32)
+        with torch.inference_mode():
+            plain, typed = model(ids, None, [9]), model(ids, pair, [9])
+        assert torch.equal(plain, typed) != changes

@@ -150,8 +150,9 @@ class EncoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor | None,
                 seq_lens: list[int]) -> torch.Tensor:
-        """input_ids, token_types: [T] int64 (token_types None: all 0); seq_lens sums to T.
-        Returns [T, H] in the model's dtype."""
+        """input_ids, token_types: [T] int64 (token_types None: all 0; read by BERT only, 1
+        from a pair's second text on); seq_lens (each >= 1) sums to T. Returns [T, H] in the
+        model's dtype."""
         batch = self._batch(seq_lens, input_ids.device)
         x = self._embeddings(input_ids, token_types, batch)
         ops = self.ops
@@ -181,8 +182,10 @@ class EncoderModel(nn.Module):
         the norm."""
         x = self.words(input_ids)
         if self.token_types is not None:
-            types = torch.zeros_like(input_ids) if token_types is None else token_types
-            x = x + self.token_types(types)
+            # RoBERTa's and XLM-R's tokenizers give no token types (a pair's second text is
+            # type 0 too): only BERT reads them
+            use = token_types is not None and self.cfg.family == "bert"
+            x = x + self.token_types(token_types if use else torch.zeros_like(input_ids))
         if self.positions is not None:
             x = x + self.positions(self._positions(input_ids, batch))
         return self.embed_norm.forward(self.ops, x.contiguous())[0]
