@@ -199,3 +199,17 @@ def test_roberta_reads_no_token_types(checkpoints):
         with torch.inference_mode():
             plain, typed = model(ids, None, [9]), model(ids, pair, [9])
         assert torch.equal(plain, typed) != changes
+
+
+def test_mpnet_position_bias_is_transformers_at_every_distance():
+    """Relative distances past the exact buckets (8) and past max_distance (128: the last
+    bucket) index the table as transformers' compute_position_bias does."""
+    from transformers import MPNetConfig
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    from pagewire.executor.models.encoder import mpnet_position_bias
+    torch.manual_seed(0)
+    encoder = MPNetEncoder(MPNetConfig(**TINY, relative_attention_num_buckets=32))
+    theirs = encoder.compute_position_bias(torch.zeros(1, 300, 1))[0]          # [H, L, L]
+    ours = mpnet_position_bias(encoder.relative_attention_bias.weight.detach(), 300)
+    assert torch.equal(ours, theirs)
