@@ -244,3 +244,7 @@ def _no_init():
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+# for the models whose own loaders build them (models/encoder_weights.py)
+no_init = _no_init

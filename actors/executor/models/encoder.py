@@ -132,6 +132,7 @@ class EncoderModel(nn.Module):
             self.classifier = Linear(d, cfg.num_labels)
         self.register_buffer("global_rope", None, persistent=False)
         self.register_buffer("local_rope", None, persistent=False)
+        self.reset_buffers()
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -140,7 +141,7 @@ class EncoderModel(nn.Module):
 
     def reset_buffers(self) -> None:
         """ModernBERT's (cos | sin) tables, one a rope base, float32 on the CPU (Module.to
-        moves them); the loader calls it after filling a model built on the meta device."""
+        moves them)."""
         cfg = self.cfg
         if cfg.family == "modernbert":
             self.global_rope = rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings,

@@ -129,15 +129,14 @@ def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None,
     with the backend's `ops` (None: torch's), on `device` (None: the CPU), as `architecture`
     (None: config.json's). The caller lays the weights out for its kernels
     (Backend.prepare); the weights as read serve the torch ops."""
-    from ..loader import one_thread, read_safetensors     # the loader imports this package
+    from ..loader import no_init, one_thread, read_safetensors    # (it imports this module)
     with open(os.path.join(path, "config.json")) as f:
         cfg = EncoderConfig.from_hf(json.load(f), architecture)
     with one_thread():
-        with torch.device("meta"):                 # no init: every tensor comes from the file
+        with no_init():                   # every tensor comes from the file: no init
             model = EncoderModel(cfg, ops)
         state = encoder_state(read_safetensors(path, dtype), cfg)
         result = model.load_state_dict(state, strict=False, assign=True)
     if result.missing_keys:
         raise ValueError(f"weights missing from {path}: {', '.join(result.missing_keys[:5])}")
-    model.reset_buffers()
     return model.requires_grad_(False).to(device or torch.device("cpu")).eval()
