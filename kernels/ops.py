@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from . import activation, attention, cascade, kv_quant, moe, native, norm, quant, rotary
-from .encoder_attention import encoder_attention
 from . import token_sampling
 from . import tiers
 from . import lora as lora_kernels
+from .encoder_attention import encoder_attention
 
 
 _PLAIN = attention.PLAIN
@@ -145,7 +145,7 @@ class TorchOps:
         """An encoder's bidirectional attention over a flat batch of sequences, each seeing
         only its own keys (kernels/encoder_attention.py: `bias` MPNet's relative position
         scores, `window` ModernBERT's local layers): the native kernel where this backend has
-        one and it serves, else torch's SDPA."""
+        one and it serves, else torch's (SDPA; explicit scores with a bias)."""
         return encoder_attention(q, k, v, seq_lens, scale, self.lib, bias, window)
 
     def write_kv(self, kv_cache, k, v, slots):
