@@ -45,10 +45,11 @@ def _inputs(architecture: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 _REFERENCE: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-def _reference(path: str, architecture: str, dtype: torch.dtype):
+def _reference(path: str, key_name: str, dtype: torch.dtype):
     """transformers' hidden states [T, H] and logits [B, labels] (None for a base model),
-    each sequence run alone, in float32 on the weights rounded to `dtype`."""
-    key = (architecture, dtype)
+    each sequence run alone, in float32 on the weights rounded to `dtype`; cached by
+    `key_name` (the architecture, and "-variant" for another checkpoint of it)."""
+    key, architecture = (key_name, dtype), key_name.split("-")[0]
     if key not in _REFERENCE:
         import transformers
         model = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32)
@@ -213,3 +214,14 @@ def test_mpnet_position_bias_is_transformers_at_every_distance():
     theirs = encoder.compute_position_bias(torch.zeros(1, 300, 1))[0]          # [H, L, L]
     ours = mpnet_position_bias(encoder.relative_attention_bias.weight.detach(), 300)
     assert torch.equal(ours, theirs)
+
+
+def test_modernbert_classifies_from_the_mean_too(tmp_path):
+    """classifier_pooling "mean": the head reads each sequence's mean state."""
+    architecture = "ModernBertForSequenceClassification"
+    path = make_tiny_encoder(str(tmp_path), architecture, classifier_pooling="mean")
+    model = _load(path, architecture, "torch", torch.float32)
+    assert model.cfg.classifier_pooling == "mean"
+    _, theirs = _reference(path, architecture + "-mean", torch.float32)
+    logits = model.classify(_run(model, architecture), LENS)
+    assert float((logits - theirs).abs().max()) < 1e-4
