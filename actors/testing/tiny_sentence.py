@@ -36,8 +36,15 @@ def make_sentence_model(path: str, architecture: str = "BertModel", pooling: str
     "cls" or "lasttoken"); a *ForSequenceClassification one is a CrossEncoder (no modules)."""
     make_tiny_encoder(path, architecture, **overrides)
     write_wordpiece(path)
-    if architecture.endswith("ForSequenceClassification"):
-        return path
+    if not architecture.endswith("ForSequenceClassification"):
+        write_sentence_modules(path, pooling, normalize)
+    return path
+
+
+def write_sentence_modules(path: str, pooling: str = "mean", normalize: bool = True,
+                           width: int = TINY["hidden_size"]) -> None:
+    """sentence-transformers' modules.json and pooling config (`pooling`: "mean", "cls"
+    or "lasttoken"), with a Normalize module where `normalize`."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
@@ -50,7 +57,6 @@ def make_sentence_model(path: str, architecture: str = "BertModel", pooling: str
     modes = {f"pooling_mode_{m}": pooling == m.split("_")[0] for m in
              ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": TINY["hidden_size"], **modes}, f)
+        json.dump({"word_embedding_dimension": width, **modes}, f)
     with open(os.path.join(path, "modules.json"), "w") as f:
         json.dump(modules, f)
-    return path
