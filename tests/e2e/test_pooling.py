@@ -23,8 +23,13 @@ RERANKER = ["--runner", "pooling", "--convert", "classify",
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smol_tokenizer_dir) -> str:
     # the borrowed tokenizer's whole vocabulary: text inputs encode to any of its ids
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny")), smol_tokenizer_dir,
+    path = make_tiny_llama(str(tmp_path_factory.mktemp("tiny")), smol_tokenizer_dir,
                            vocab_size=49152)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    with open(f"{path}/config.json", "w") as f:      # trained to be cut to 32 values too
+        json.dump({**config, "matryoshka_dimensions": [32, HIDDEN]}, f)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,9 @@ def test_openai_client_embeddings_equal_the_offline_ones(embedder, model_dir):
         assert np.linalg.norm(served.embedding) == pytest.approx(1.0, abs=1e-5)
     floats = client.embeddings.create(model=model_dir, input="x", encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, got.data[2].embedding, atol=1e-6)
+    cut = client.embeddings.create(model=model_dir, input="x", dimensions=32).data[0].embedding
+    want = offline[2].outputs.embedding[:32]
+    np.testing.assert_allclose(cut, np.array(want) / np.linalg.norm(want), atol=1e-5)
 
 
 def test_generation_and_embeddings_on_one_server(embedder, model_dir):
@@ -68,7 +76,7 @@ def test_generation_and_embeddings_on_one_server(embedder, model_dir):
 def test_hostile_embedding_inputs_are_refused_or_truncated(embedder, model_dir):
     import openai
     client = openai_client(embedder)
-    with pytest.raises(openai.BadRequestError, match="does not support Matryoshka"):
+    with pytest.raises(openai.BadRequestError, match=r"dimensions=8 is not one of .*\[32, 128\]"):
         client.embeddings.create(model=model_dir, input="x", dimensions=8)
     status, body, _ = embedder.request("POST", "/v1/embeddings", {"input": ["x"] * 10_000})
     assert status == 400 and "at most 2048 entries, got 10000" in body["error"]["message"]
