@@ -8,6 +8,7 @@ import asyncio
 import base64
 import tempfile
 
+import aiohttp
 import msgspec
 import numpy as np
 import pytest
@@ -82,6 +83,8 @@ def serve(pooler: PoolerInfo | None, check, **options):
                                                **options).resolve()
             gateway = Gateway(config, lambda name: ipc_address(run_dir, name))
             gateway.tokenizers, gateway.scheduler = FakeTokenizers(gateway), Recorder()
+            # (aiohttp's test server cancels a handler whose client is gone, as the gateway
+            # actor's runner does: handler_cancellation=True)
             async with TestClient(TestServer(gateway.app)) as client:
                 await check(client, gateway)
     asyncio.run(main())
@@ -158,6 +161,22 @@ def test_a_refused_input_fails_the_request_and_aborts_the_rest():
         (abort,) = gateway.scheduler.sent
         rid = gateway.tokenizers.sent[0].req_id.rsplit("-", 1)[0]
         assert abort.seq_ids == [SeqId(f"{rid}-0", 0), SeqId(f"{rid}-2", 0)]
+        assert gateway.routes == {} and gateway.in_flight == 0
+    serve(EMBED, check)
+
+
+def test_a_client_gone_aborts_the_inputs_still_running():
+    async def check(client, gateway):
+        with pytest.raises(asyncio.TimeoutError):
+            await client.post("/v1/embeddings", json={"input": ["a", "slow"]},
+                              timeout=aiohttp.ClientTimeout(total=0.3))
+        for _ in range(200):
+            if gateway.scheduler.sent:
+                break
+            await asyncio.sleep(0.01)
+        rid = gateway.tokenizers.sent[0].req_id.rsplit("-", 1)[0]
+        (abort,) = gateway.scheduler.sent                  # "a" had finished
+        assert abort.seq_ids == [SeqId(f"{rid}-1", 0)]
         assert gateway.routes == {} and gateway.in_flight == 0
     serve(EMBED, check)
 
