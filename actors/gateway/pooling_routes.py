@@ -24,6 +24,7 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 from ..pooler_info import CLASSIFY, EMBED, PoolerInfo
 from ..pooling_outputs import (check_dimensions, check_task, cosine, cross_score, embedding,
                                encoded, probabilities)
+from .ollama_embed import OllamaEmbedRoutes
 from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, classify_data,
                           embedding_data, listed, pooling_inputs, rerank_answer, rerank_texts,
                           score_data, score_texts)
@@ -49,7 +50,7 @@ class PoolingRoutes:
                 web.post("/score", self.score), web.post("/v1/score", self.score),
                 web.post("/rerank", self.rerank), web.post("/v1/rerank", self.rerank),
                 web.post("/v2/rerank", self.rerank), web.post("/classify", self.classify),
-                web.post("/v1/classify", self.classify)]
+                web.post("/v1/classify", self.classify), *OllamaEmbedRoutes(self).routes()]
 
     def pooler(self, body, task: str | None, what: str) -> PoolerInfo:
         """The served model's pooler where it serves `what` (else a 400 naming the runner)."""

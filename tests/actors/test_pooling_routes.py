@@ -231,3 +231,24 @@ def test_classify_and_pooling_answer_vllms_shapes():
         raw = await post(client, "/pooling", {"input": "a"})
         assert raw["data"] == [{"index": 0, "object": "pooling", "data": [3.0, 4.0, 0.0]}]
     serve(SENTIMENT, check)
+
+
+def test_ollamas_embed_routes():
+    async def check(client, gateway):
+        r = await post(client, "/api/embed", {"model": "tiny:latest", "input": ["a", "c"]})
+        assert r["model"] == "tiny:latest" and r["prompt_eval_count"] == 4
+        assert r["embeddings"][0] == pytest.approx([0.6, 0.8, 0.0])
+        assert gateway.tokenizers.sent[0].pooling.truncate_prompt_tokens == -1
+        cut = await post(client, "/api/embed", {"model": "tiny", "input": "c", "dimensions": 2,
+                                                "truncate": False})
+        assert cut["embeddings"] == [pytest.approx([0.6, 0.8])]
+        assert gateway.tokenizers.sent[-1].pooling.truncate_prompt_tokens is None
+        assert (await post(client, "/api/embed", {"model": "tiny"}))["embeddings"] == []
+        old = await post(client, "/api/embeddings", {"model": "tiny", "prompt": "a"})
+        assert old == {"embedding": pytest.approx([0.6, 0.8, 0.0])}
+        error = await post(client, "/api/embed", {"model": "other", "input": "a"}, 404)
+        assert set(error) == {"error"}                       # Ollama's error shape
+        error = await post(client, "/api/embed", {"model": "tiny", "input": "a",
+                                                  "dimensions": 1}, 400)
+        assert "dimensions=1 is not one of" in error["error"]
+    serve(EMBED, check)

@@ -93,6 +93,17 @@ def test_hostile_embedding_inputs_are_refused_or_truncated(embedder, model_dir):
     assert status == 400 and "this model's is embed" in body["error"]["message"]
 
 
+def test_ollama_client_embeds(embedder, model_dir):
+    import ollama
+    client = ollama.Client(host=embedder.url)
+    got = client.embed(model=model_dir, input=["x", "y z"])
+    assert len(got.embeddings) == 2 and len(got.embeddings[0]) == HIDDEN
+    status, body, _ = embedder.request("POST", "/v1/embeddings", {"input": "x",
+                                                                  "encoding_format": "float"})
+    np.testing.assert_allclose(got.embeddings[0], body["data"][0]["embedding"], atol=1e-6)
+    assert "embedding" in client.show(model_dir).capabilities
+
+
 def test_score_of_an_embedding_model_is_cosine(embedder):
     status, body, _ = embedder.request("POST", "/v1/score", {"text_1": "x",
                                                              "text_2": ["x", "y z"]})
