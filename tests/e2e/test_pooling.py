@@ -104,6 +104,18 @@ def test_ollama_client_embeds(embedder, model_dir):
     assert "embedding" in client.show(model_dir).capabilities
 
 
+def test_a_batch_line_asks_for_embeddings(embedder):
+    import asyncio
+    from pagewire.batch_lines import read_requests, run_requests
+    lines = read_requests(json.dumps({"custom_id": "e1", "method": "POST",
+                                      "url": "/v1/embeddings", "body": {"input": "x"}}))
+    out: list[dict] = []
+    asyncio.run(run_requests(embedder.url, lines, out.append, concurrency=1))
+    (answer,) = out
+    assert answer["custom_id"] == "e1" and answer["response"]["status_code"] == 200
+    assert len(answer["response"]["body"]["data"][0]["embedding"]) == HIDDEN
+
+
 def test_score_of_an_embedding_model_is_cosine(embedder):
     status, body, _ = embedder.request("POST", "/v1/score", {"text_1": "x",
                                                              "text_2": ["x", "y z"]})
