@@ -24,6 +24,7 @@ from . import activation, attention, cascade, kv_quant, moe, native, norm, quant
 from . import token_sampling
 from . import tiers
 from . import lora as lora_kernels
+from .encoder_attention import encoder_attention
 
 
 _PLAIN = attention.PLAIN
@@ -139,6 +140,13 @@ class TorchOps:
         """A vision tower's attention over each image (attention.full_attention): the
         native kernel where this backend has one, else torch's SDPA."""
         return attention.full_attention(q, k, v, scale, self.lib)
+
+    def encoder_attention(self, q, k, v, seq_lens, scale, bias=None, window=None):
+        """An encoder's bidirectional attention over a flat batch of sequences, each seeing
+        only its own keys (kernels/encoder_attention.py: `bias` MPNet's relative position
+        scores, `window` ModernBERT's local layers): the native kernel where this backend has
+        one and it serves, else torch's (SDPA; explicit scores with a bias)."""
+        return encoder_attention(q, k, v, seq_lens, scale, self.lib, bias, window)
 
     def write_kv(self, kv_cache, k, v, slots):
         """k, v [T, Hkv, D] into cache slots [T] (all of them >= 0)."""

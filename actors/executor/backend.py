@@ -73,14 +73,15 @@ class Backend:
 
     def _place_blocks(self, info, config):
         """keep_quantized for read_model: stored (or --quantization rounded) blocks first, so
-        a Linear that keeps only them never reads its float weight and packs nothing."""
-        dtype = TORCH_DTYPES[config.model.dtype]
-        roundings = ROUNDINGS[config.device.quantized_activations]
-        tokens = config.device.quantized_matmul_tokens
-        room = None if tokens is not None else memory_budget.dense_budget(
-            config.cache.num_kv_blocks * config.cache.kv_block_bytes)
-
+        a Linear that keeps only them never reads its float weight and packs nothing. The
+        options are read when it is called (an encoder model, which has no KV pool, never
+        calls it)."""
         def place(model, rounded) -> int:
+            dtype = TORCH_DTYPES[config.model.dtype]
+            roundings = ROUNDINGS[config.device.quantized_activations]
+            tokens = config.device.quantized_matmul_tokens
+            room = None if tokens is not None else memory_budget.dense_budget(
+                config.cache.num_kv_blocks * config.cache.kv_block_bytes)
             return keep_quantized(model, info, tokens, roundings, rounded, dtype, room)
         return place
 

@@ -142,7 +142,10 @@ def keep_bf16_tiles(model: nn.Module, max_tokens: int | None) -> int:
       float32 GEMMs, which the float32 arithmetic of these tiers makes faster there. With -1
       the tiles serve every step and the float copy goes.
     For the model's backend (`model.ops`), whose prepare calls it for host-memory weights."""
-    dtype, lib = model.embed.weight.dtype, model.ops.lib
+    # the model's float dtype: its embedding table's, or what it names (an encoder's `embed`
+    # pools: executor/models/encoder.py)
+    dtype = getattr(model, "weights_dtype", None) or model.embed.weight.dtype
+    lib = model.ops.lib
     max_tokens = AUTO_MATMUL_TOKENS if max_tokens is None else max_tokens
     if max_tokens == 0 or not quant.available(lib) or dtype not in (torch.bfloat16,
                                                                     torch.float32):

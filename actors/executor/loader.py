@@ -28,13 +28,14 @@ from torch import nn
 from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_files import safetensors_files
-from pagewire.model_info import ModelInfo
+from pagewire.model_info import ENCODER_ARCHITECTURES, ModelInfo
 from pagewire.quant_config import read_scheme
 
 from . import checkpoint_formats, weight_cache
 from .block_embedding import BlockEmbedding, block_embedding
 from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
+from .models.encoder_weights import read_encoder
 from .models.weights import embedding_source
 from .load_quantization import round_linears
 from .parallel import TensorParallel, shard_state
@@ -67,6 +68,9 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
     before any float weight is read, so a Linear that keeps only its blocks never has its
     float weight read or dequantized (the model's memory is then about its file's); with
     --quantization, after rounding, which needs the float weights."""
+    if info.architecture in ENCODER_ARCHITECTURES:    # pooling models: models/encoder.py
+        return LoadedModel(read_encoder(info, TORCH_DTYPES[dtype], tp, quantization, ops, cp),
+                           None)
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")
@@ -240,3 +244,7 @@ def _no_init():
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+# for the models whose own loaders build them (models/encoder_weights.py)
+no_init = _no_init
