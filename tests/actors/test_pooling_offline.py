@@ -63,3 +63,24 @@ def test_a_generating_model_refuses_pooling_calls(tiny_llama):
                  lambda: llm.classify("hi")):
         with pytest.raises(ValueError, match="--runner generate; start it with --runner pooling"):
             call()
+
+
+def test_a_bert_cross_encoder_scores_and_classifies_as_transformers(tmp_path):
+    """Each (query, document) pair is one input with its token types, as transformers
+    reads it: sigmoid of the one logit; classify gives the same probability."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    from pagewire.testing.tiny_encoder import make_tiny_encoder
+    from tests.helpers import add_wordpiece_tokenizer
+    path = make_tiny_encoder(str(tmp_path), "BertForSequenceClassification", num_labels=1)
+    tokenizer = add_wordpiece_tokenizer(path)
+    query, docs = "what is the capital of france", ["paris is the capital of france", "a cat"]
+    hf = BertForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [torch.sigmoid(hf(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]).item()
+                for d in docs]
+        alone = torch.sigmoid(hf(**tokenizer("a cat", return_tensors="pt")).logits[0, 0]).item()
+    llm = LLM(path, dtype="float32", kernels="torch", max_model_len=64)
+    assert [o.outputs.score for o in llm.score(query, docs)] == pytest.approx(want, abs=1e-5)
+    assert llm.classify("a cat")[0].outputs.probs == pytest.approx([alone], abs=1e-5)
