@@ -64,13 +64,25 @@ def test_openai_client_embeddings_equal_the_offline_ones(embedder, model_dir):
     np.testing.assert_allclose(cut, np.array(want) / np.linalg.norm(want), atol=1e-5)
 
 
-def test_generation_and_embeddings_on_one_server(embedder, model_dir):
+def test_generation_and_embeddings_on_one_server_at_once(embedder, model_dir):
+    from concurrent.futures import ThreadPoolExecutor
     client = openai_client(embedder)
-    out = client.completions.create(model=model_dir, prompt="hello", max_tokens=4,
-                                    temperature=0)
-    assert out.usage.completion_tokens == 4
-    status, body, _ = embedder.request("POST", "/v1/embeddings", {"input": [[5, 9, 31]]})
-    assert status == 200 and len(body["data"][0]["embedding"]) == HIDDEN
+
+    def generate(i: int):
+        return client.completions.create(model=model_dir, prompt=f"hello {i}", max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    def embed(i: int):
+        return embedder.request("POST", "/v1/embeddings", {"input": [[5, 9, 31 + i]] * 4})
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = [pool.submit(generate, i) for i in range(4)]
+        vectors = [pool.submit(embed, i) for i in range(4)]
+        assert all(t.result().usage.completion_tokens == 8 for t in texts)
+        for v in vectors:
+            status, body, _ = v.result()
+            assert status == 200 and [len(d["embedding"]) for d in body["data"]] == [HIDDEN] * 4
+    assert embedder.kv_blocks_freed()
 
 
 def test_hostile_embedding_inputs_are_refused_or_truncated(embedder, model_dir):
