@@ -130,7 +130,7 @@ def usage(prompt_tokens: int) -> dict:
             "completion_tokens": 0}
 
 
-def listed(kind: str, req_id: str, model: str, data: list[dict], prompt_tokens: int) -> dict:
+def listed(req_id: str, model: str, data: list[dict], prompt_tokens: int) -> dict:
     """The list answer /v1/embeddings, /pooling, /score and /classify share."""
     return {"id": req_id, "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": usage(prompt_tokens)}

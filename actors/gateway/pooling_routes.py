@@ -74,10 +74,11 @@ class PoolingRoutes:
             check_dimensions(pooler, body.dimensions)
         encoded([], body.encoding_format)                  # a bad format: 400 before running
         prompts = pooling_inputs(body.input)
-        out = await self.run(request, body, "embd" if kind == "embedding" else "pool", prompts)
+        short = "embd" if kind == "embedding" else "pool"           # vLLM's id prefixes
+        out = await self.run(request, body, short, prompts)
         vectors = [_shaped(pooler, body, kind, v) for v in out.vectors]
         data = embedding_data([encoded(v, body.encoding_format) for v in vectors], kind)
-        return web.json_response(listed(kind, self.answer_id(kind), self.model_name(body),
+        return web.json_response(listed(self.answer_id(short), self.model_name(body),
                                         data, out.prompt_tokens))
 
     async def classify(self, request: web.Request) -> web.Response:
@@ -85,7 +86,7 @@ class PoolingRoutes:
         pooler = self.pooler(body, CLASSIFY, "/classify")
         out = await self.run(request, body, "classify", pooling_inputs(body.input))
         probs = [probabilities(pooler, v, body.activation_asked()).tolist() for v in out.vectors]
-        return web.json_response(listed("classify", self.answer_id("classify"),
+        return web.json_response(listed(self.answer_id("classify"),
                                         self.model_name(body), classify_data(probs, pooler.labels),
                                         out.prompt_tokens))
 
@@ -94,7 +95,7 @@ class PoolingRoutes:
         pooler = self.pooler(body, None, "/score")
         first, second = score_texts(body.text_1, body.text_2)
         scores, tokens = await self.scores(request, body, pooler, first, second)
-        return web.json_response(listed("score", self.answer_id("score"), self.model_name(body),
+        return web.json_response(listed(self.answer_id("score"), self.model_name(body),
                                         score_data(scores), tokens))
 
     async def rerank(self, request: web.Request) -> web.Response:

@@ -100,7 +100,7 @@ async def post(client, path: str, body: dict, status: int = 200) -> dict:
 def test_embeddings_normalised_cut_and_base64():
     async def check(client, gateway):
         a = await post(client, "/v1/embeddings", {"input": ["a", "c"], "model": "tiny"})
-        assert a["object"] == "list" and a["model"] == "tiny" and a["id"].startswith("embedding-")
+        assert a["object"] == "list" and a["model"] == "tiny" and a["id"].startswith("embd-")
         assert [d["index"] for d in a["data"]] == [0, 1]
         assert a["data"][0]["object"] == "embedding"
         assert a["data"][0]["embedding"] == pytest.approx([0.6, 0.8, 0.0])
@@ -230,6 +230,7 @@ def test_classify_and_pooling_answer_vllms_shapes():
             (np.exp([3.0, 4.0, 0.0]) / np.exp([3.0, 4.0, 0.0]).sum()).tolist(), rel=1e-6)
         raw = await post(client, "/pooling", {"input": "a"})
         assert raw["data"] == [{"index": 0, "object": "pooling", "data": [3.0, 4.0, 0.0]}]
+        assert raw["id"].startswith("pool-")
     serve(SENTIMENT, check)
 
 
