@@ -12,7 +12,7 @@ from aiohttp import web
 from ..pooler_info import EMBED
 from ..pooling_outputs import check_dimensions, embedding
 from .ollama import model_name
-from .pooling_api import pooling_inputs
+from .pooling_api import json_answer, pooling_inputs
 from .protocol import decode_body
 
 
@@ -61,7 +61,7 @@ class OllamaEmbedRoutes:
         out = await self.pooling.run(request, fields, "embed", texts) if texts else None
         vectors = [embedding(pooler, v, req.dimensions).tolist() for v in out.vectors] \
             if out else []
-        return web.json_response({
+        return json_answer({
             "model": req.model, "embeddings": vectors,
             "total_duration": int((time.monotonic() - start) * 1e9), "load_duration": 0,
             "prompt_eval_count": out.prompt_tokens if out else 0})
@@ -71,6 +71,6 @@ class OllamaEmbedRoutes:
         fields = _Fields(model=model_name(req.model), truncate_prompt_tokens=-1)
         pooler = self.pooling.pooler(fields, EMBED, "/api/embeddings")
         if not req.prompt:                         # Ollama answers an empty prompt so
-            return web.json_response({"embedding": []})
+            return json_answer({"embedding": []})
         out = await self.pooling.run(request, fields, "embed", [{"prompt": req.prompt}])
-        return web.json_response({"embedding": embedding(pooler, out.vectors[0]).tolist()})
+        return json_answer({"embedding": embedding(pooler, out.vectors[0]).tolist()})

@@ -26,8 +26,8 @@ from ..pooling_outputs import (check_dimensions, check_task, cosine, cross_score
                                encoded, probabilities)
 from .ollama_embed import OllamaEmbedRoutes
 from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, classify_data,
-                          embedding_data, listed, pooling_inputs, rerank_answer, rerank_texts,
-                          score_data, score_texts)
+                          embedding_data, json_answer, listed, pooling_inputs, rerank_answer,
+                          rerank_texts, score_data, score_texts)
 from .protocol import ApiError, decode_body
 
 # A pooled prompt samples nothing; the engine still takes a SamplingParams (wire contract).
@@ -78,7 +78,7 @@ class PoolingRoutes:
         out = await self.run(request, body, short, prompts)
         vectors = [_shaped(pooler, body, kind, v) for v in out.vectors]
         data = embedding_data([encoded(v, body.encoding_format) for v in vectors], kind)
-        return web.json_response(listed(self.answer_id(short), self.model_name(body),
+        return json_answer(listed(self.answer_id(short), self.model_name(body),
                                         data, out.prompt_tokens))
 
     async def classify(self, request: web.Request) -> web.Response:
@@ -86,7 +86,7 @@ class PoolingRoutes:
         pooler = self.pooler(body, CLASSIFY, "/classify")
         out = await self.run(request, body, "classify", pooling_inputs(body.input))
         probs = [probabilities(pooler, v, body.activation_asked()).tolist() for v in out.vectors]
-        return web.json_response(listed(self.answer_id("classify"),
+        return json_answer(listed(self.answer_id("classify"),
                                         self.model_name(body), classify_data(probs, pooler.labels),
                                         out.prompt_tokens))
 
@@ -95,7 +95,7 @@ class PoolingRoutes:
         pooler = self.pooler(body, None, "/score")
         first, second = score_texts(body.text_1, body.text_2)
         scores, tokens = await self.scores(request, body, pooler, first, second)
-        return web.json_response(listed(self.answer_id("score"), self.model_name(body),
+        return json_answer(listed(self.answer_id("score"), self.model_name(body),
                                         score_data(scores), tokens))
 
     async def rerank(self, request: web.Request) -> web.Response:
@@ -103,7 +103,7 @@ class PoolingRoutes:
         pooler = self.pooler(body, None, request.path)
         query, documents = rerank_texts(body)
         scores, tokens = await self.scores(request, body, pooler, query, documents)
-        return web.json_response(rerank_answer(
+        return json_answer(rerank_answer(
             self.answer_id("rerank"), self.model_name(body), body, scores, tokens,
             cohere=request.path == "/v2/rerank"))
 
