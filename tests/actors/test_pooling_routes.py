@@ -139,6 +139,15 @@ def test_embedding_refusals_are_openai_errors():
         error = (await post(client, "/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "a"}]}, 400))["error"]
         assert "--runner pooling" in error["message"]
+        for path, body in (("/v1/responses", {"input": "a", "background": True}),
+                           ("/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "a"}]}),
+                           ("/api/generate", {"model": "tiny", "prompt": "a"}),
+                           ("/api/chat", {"model": "tiny",
+                                          "messages": [{"role": "user", "content": "a"}]})):
+            r = await client.post(path, json=body)
+            assert r.status == 400 and "--runner pooling" in await r.text(), path
+        assert gateway.tokenizers.sent == []
     serve(EMBED, check)
 
 
