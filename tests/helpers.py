@@ -156,23 +156,3 @@ def use_private_cache(tmp_path, monkeypatch) -> None:
     cache.mkdir()
     (cache / "kernels").symlink_to(native.kernel_cache_dir())
     monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(cache))
-
-
-# A WordPiece vocabulary for tiny encoders (pagewire.testing.tiny_encoder writes none): the
-# special tokens, the letters (any lower-case word splits into them) and a few whole words;
-# 43 entries, inside the tiny encoders' vocabulary of 160.
-WORDPIECE_VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-                   + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-                   + ["the", "cat", "dog", "is", "a", "on", "mat", "paris", "france", "capital",
-                      "of", "what"])
-
-
-def add_wordpiece_tokenizer(path: str):
-    """Write a BERT tokenizer (WORDPIECE_VOCAB) beside a tiny encoder at `path`, so texts,
-    and cross-encoder pairs with their token types, reach it; returns the tokenizer."""
-    from transformers import BertTokenizerFast
-    with open(os.path.join(path, "vocab.txt"), "w") as f:
-        f.write("\n".join(WORDPIECE_VOCAB) + "\n")
-    tokenizer = BertTokenizerFast(os.path.join(path, "vocab.txt"))
-    tokenizer.save_pretrained(path)
-    return tokenizer

@@ -71,11 +71,12 @@ def test_a_bert_cross_encoder_scores_and_classifies_as_transformers(tmp_path):
     import torch
     from transformers import BertForSequenceClassification
 
-    from pagewire.testing.tiny_encoder import make_tiny_encoder
-    from tests.helpers import add_wordpiece_tokenizer
-    path = make_tiny_encoder(str(tmp_path), "BertForSequenceClassification", num_labels=1)
-    tokenizer = add_wordpiece_tokenizer(path)
-    query, docs = "what is the capital of france", ["paris is the capital of france", "a cat"]
+    from transformers import AutoTokenizer
+
+    from pagewire.testing.tiny_sentence import make_sentence_model
+    path = make_sentence_model(str(tmp_path), "BertForSequenceClassification", num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    query, docs = "what city is paris", ["paris is a big city", "a cat"]
     hf = BertForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         want = [torch.sigmoid(hf(**tokenizer(query, d, return_tensors="pt")).logits[0, 0]).item()

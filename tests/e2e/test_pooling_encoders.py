@@ -1,8 +1,8 @@
 """Encoder models behind the pooling endpoints of a running `pagewire serve`: a tiny random
-BertModel (CLS, normalised: the default for an encoder without sentence-transformers' files)
-through the openai client, and a tiny BertForSequenceClassification cross-encoder over plain
-HTTP (/rerank in Jina's and Cohere's shapes, /score, /classify); every value against
-transformers on the same tokenizer (pairs with their token types)."""
+BertModel with sentence-transformers' files (mean pooling, Normalize) through the openai
+client, and a tiny BertForSequenceClassification cross-encoder over plain HTTP (/rerank in
+Jina's and Cohere's shapes, /score, /classify); every value against transformers on the same
+tokenizer (pairs with their token types)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from pagewire.testing.server import openai_client, running_server
-from pagewire.testing.tiny_encoder import make_tiny_encoder
-from tests.helpers import add_wordpiece_tokenizer
+from pagewire.testing.tiny_sentence import make_sentence_model
 
 pytestmark = pytest.mark.slow
 ARGS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "64"]
-QUERY = "what is the capital of france"
-DOCS = ["the cat is on a mat", "paris is the capital of france", "a dog", "france"]
+QUERY = "what city is paris"
+DOCS = ["the cat eats fish", "paris is a big city", "a dog runs on the road", "rome"]
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +23,8 @@ def bert_dirs(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name, arch, extra in (("embed", "BertModel", {}),
                               ("rerank", "BertForSequenceClassification", {"num_labels": 1})):
-        path = make_tiny_encoder(str(tmp_path_factory.mktemp(name)), arch, **extra)
-        add_wordpiece_tokenizer(path)
-        out[name] = path
+        out[name] = make_sentence_model(str(tmp_path_factory.mktemp(name)), arch, "mean",
+                                        **extra)
     return out
 
 
@@ -37,12 +35,12 @@ def _hf(path: str, arch: str):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def test_bert_embeddings_equal_transformers_cls(bert_dirs):
+def test_bert_embeddings_equal_transformers_mean(bert_dirs):
     path = bert_dirs["embed"]
     model, tokenizer = _hf(path, "BertModel")
     texts = [QUERY, *DOCS, ""]             # "" is [CLS] [SEP]: allowed
-    with torch.no_grad():
-        want = [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0, 0].numpy()
+    with torch.no_grad():               # sentence-transformers' mean over every token
+        want = [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
                 for t in texts]
     with running_server([path, *ARGS]) as srv:
         got = openai_client(srv).embeddings.create(model=path, input=texts)
