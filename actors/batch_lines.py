@@ -14,7 +14,9 @@ from typing import Callable
 
 import aiohttp
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# what a line may ask (OpenAI's batch endpoints, and vLLM's run-batch's /v1/score, /v1/rerank)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score",
+             "/v1/rerank")
 BATCH_PRIORITY = 1000          # a batch line's `priority` (lower first under --scheduling-policy
                                # priority); interactive requests default to 0
 

@@ -39,8 +39,10 @@ class ImagePreparer:
     @staticmethod
     def of(info: ModelInfo, tokenizer) -> "ImagePreparer | None":
         """The preparer of a vision model; None for a text-only one."""
-        if info.architecture not in VISION_ARCHITECTURES:
+        if info.architecture not in VISION_ARCHITECTURES + ("CLIPModel",):
             return None
+        if info.architecture == "CLIPModel":        # images to embed, not to read
+            return PooledImagePreparer(info.path, tokenizer)
         if info.mmproj:                 # a GGUF's tower file: its own settings and steps
             from pagewire.gguf_image_inputs import gguf_preparer
             return gguf_preparer(info, tokenizer)
@@ -255,6 +257,24 @@ class Gemma3ImagePreparer(ImagePreparer):
                                       else self.sequence)
             last = start + length
         return out + ids[last:]
+
+
+class PooledImagePreparer(ImagePreparer):
+    """A pooling model's images (CLIP's): an image is a request of its own, embedded whole
+    by the image tower; its prompt is one token (the tokenizer's BOS) that only carries it
+    through the scheduler. Texts have no image placeholder."""
+
+    def __init__(self, path: str, tokenizer):
+        self.token_id, self.rows, self.tokenizer = None, 1, tokenizer
+        from transformers import AutoImageProcessor
+        self.processor = AutoImageProcessor.from_pretrained(path)
+
+    def pooled(self, files: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+        """One image -> its one-token prompt and the image."""
+        if len(files) != 1:
+            raise InvalidParam("input", f"an image embedding takes one image, got {len(files)}")
+        token = self.tokenizer.bos_token_id or 0
+        return [token], [_input(self.pixels(files[0], 0), 0, 1, [])]
 
 
 def _input(pixels: np.ndarray, offset: int, rows: int, grid: list[int]) -> ImageInput:

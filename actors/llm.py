@@ -35,6 +35,7 @@ from .disagg import answer_params, request_transfer
 from .detokenizer import Detokenizer
 from .executor.pooling_runner import runner_for
 from .hf_tokenizer import load_tokenizer
+from .llm_pooling import PoolingCalls
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
 from .scheduler.engine import InProcessExecutor, StepEngine
@@ -86,7 +87,7 @@ class PoolingRequestOutput:
     finished: bool = True
 
 
-class LLM:
+class LLM(PoolingCalls):
     """An engine in this process. Keyword options are EngineConfig's (dtype, max_model_len,
     max_num_seqs, block_size, kv_cache_memory, ...).
 

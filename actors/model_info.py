@@ -42,6 +42,9 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaM
                          "XLMRobertaForSequenceClassification", "MPNetModel",
                          "MPNetForSequenceClassification", "ModernBertModel",
                          "ModernBertForSequenceClassification")
+# Text and image towers embedding into one space (executor/models/clip.py): pooling only, no
+# KV cache, as the encoders.
+CLIP_ARCHITECTURES = ("CLIPModel",)
 # Causal LMs with a classifier's score head in place of the LM head (reward models,
 # rerankers): the same decoder (executor/models/llama.py), the head's rows one per label.
 DECODER_CLASSIFIERS = {f"{family}ForSequenceClassification": f"{family}ForCausalLM"
@@ -147,10 +150,13 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
     cfg = {"hidden_size": info.hidden_size}
     if info.format == "hf":
         with open(os.path.join(info.path, "config.json")) as f:
-            cfg = hf_text_config(json.load(f))
+            full = json.load(f)
+        cfg = hf_text_config(full)
+        if info.architecture in CLIP_ARCHITECTURES:      # its embeddings are projected
+            cfg["hidden_size"] = full.get("projection_dim", 512)
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
-                            info.architecture in ENCODER_ARCHITECTURES, runner, convert,
-                            overrides, lambda text: _one_token(info, text))
+                            info.architecture in ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES,
+                            runner, convert, overrides, lambda text: _one_token(info, text))
     if pooler is not None and info.mmproj:
         raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
     return msgspec.structs.replace(info, pooler=pooler)
@@ -251,7 +257,8 @@ def check_architecture_options(info: ModelInfo, asked: dict[str, bool]) -> None:
 
 
 def check_architecture(architecture: str, path: str) -> None:
-    known = SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES + tuple(DECODER_CLASSIFIERS)
+    known = SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES + \
+        tuple(DECODER_CLASSIFIERS)
     if architecture not in known:
         raise ValueError(f"{path}: architecture {architecture} is not supported (supported: "
                          f"{', '.join(known)})")

@@ -88,7 +88,9 @@ def _embedder(path: str, cfg: dict, encoder_only: bool, overrides: dict) -> Pool
     """sentence-transformers' modules where present: the pooling module's mode, a Normalize
     module; else CLS for an encoder, LAST for a causal LM, normalised (vLLM's defaults)."""
     modules = _sentence_modules(path)
-    pooling = _st_pooling_mode(path, modules) or (CLS if encoder_only else LAST)
+    # CLIP's text tower reads its end-of-text token, the last
+    first = CLS if encoder_only and "projection_dim" not in cfg else LAST
+    pooling = _st_pooling_mode(path, modules) or first
     normalize = True if not modules else any(m.endswith("Normalize") for m in modules.values())
     pooling = str(overrides.get("pooling_type", pooling)).upper()
     if pooling not in POOLING_TYPES:

@@ -13,6 +13,7 @@ import time
 import msgspec
 
 from pagewire.wire.channels import Sends
+from pagewire.wire.pooling import PoolingSeq
 from pagewire.wire.sampling_params import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint
 from pagewire.wire.to_detokenizer import DetokStart, PromptGrew
@@ -138,11 +139,21 @@ class RequestTokenizer:
     def process_pooled(self, req: TokenizeRequest) -> tuple[DetokStart, NewRequest]:
         """A prompt to pool (pooling_prompts.py): nothing to sample, so no sampling checks;
         an invalid input raises InvalidParam (process() answers it)."""
-        ids, pooling = encode_pooled(self.tokenizer, req, self.max_model_len, self.vocab_size)
+        images = []
+        if req.images:                              # an image to embed (CLIP)
+            if not hasattr(self.images, "pooled") or req.prompt or req.prompt_token_ids:
+                raise InvalidParam("input", "this model embeds no images" if not hasattr(
+                    self.images, "pooled") else "an image is embedded alone, without text")
+            ids, images = self.images.pooled(req.images)
+            pooling = PoolingSeq()
+        else:
+            ids, pooling = encode_pooled(self.tokenizer, req, self.max_model_len,
+                                         self.vocab_size)
         start = DetokStart(req_id=req.req_id, prompt_tail=[], num_prompt_tokens=len(ids))
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=req.sampling,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
-                                 priority=req.priority, lora=req.lora, pooling=pooling)
+                                 priority=req.priority, lora=req.lora, pooling=pooling,
+                                 images=images)
 
     def with_images(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list]:
         """The prompt with its images' rows (image_inputs.py), and the images."""

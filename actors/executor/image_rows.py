@@ -71,11 +71,11 @@ class ImageRows:
             started = time.perf_counter()
             device = self.model.embed.weight.device
             if missing[0].grid:        # images of their own sizes: patches end to end
-                pixels = torch.from_numpy(np.concatenate([_pixels(im) for im in missing]))
+                pixels = torch.from_numpy(np.concatenate([image_pixels(im) for im in missing]))
                 encoded = self.model.encode_images(pixels.to(device),
                                                    [im.grid for im in missing])
             else:
-                pixels = torch.from_numpy(np.stack([_pixels(im) for im in missing]))
+                pixels = torch.from_numpy(np.stack([image_pixels(im) for im in missing]))
                 encoded = self.model.encode_images(pixels.to(device))
             self.seconds += time.perf_counter() - started
             for image, embeds in zip(missing, encoded):
@@ -108,5 +108,6 @@ def image_key_ends(images: list[ImageInput], start: int, n: int) -> torch.Tensor
     return ends
 
 
-def _pixels(image: ImageInput) -> np.ndarray:
+def image_pixels(image: ImageInput) -> np.ndarray:
+    """An image's pixels as the tokenizer prepared them (read-only: the message's bytes)."""
     return np.frombuffer(image.pixels, dtype=np.float32).reshape(image.shape)

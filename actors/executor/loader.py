@@ -28,13 +28,14 @@ from torch import nn
 from pagewire.gguf_header import read_gguf_header
 from pagewire.kernels.linear import Linear
 from pagewire.model_files import safetensors_files
-from pagewire.model_info import ENCODER_ARCHITECTURES, ModelInfo
+from pagewire.model_info import CLIP_ARCHITECTURES, ENCODER_ARCHITECTURES, ModelInfo
 from pagewire.quant_config import read_scheme
 
 from . import checkpoint_formats, weight_cache
 from .block_embedding import BlockEmbedding, block_embedding
 from .gguf_weights import read_gguf_weights, read_tensor
 from .models import MODELS
+from .models.clip import load_clip
 from .models.encoder_weights import read_encoder
 from .models.weights import embedding_source
 from .load_quantization import round_linears
@@ -68,6 +69,8 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
     before any float weight is read, so a Linear that keeps only its blocks never has its
     float weight read or dequantized (the model's memory is then about its file's); with
     --quantization, after rounding, which needs the float weights."""
+    if info.architecture in CLIP_ARCHITECTURES:        # pooling: models/clip.py
+        return LoadedModel(load_clip(info.path, TORCH_DTYPES[dtype], ops), None)
     if info.architecture in ENCODER_ARCHITECTURES:    # pooling models: models/encoder.py
         return LoadedModel(read_encoder(info, TORCH_DTYPES[dtype], tp, quantization, ops, cp),
                            None)

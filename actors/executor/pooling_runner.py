@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pagewire.kernels.ops import resolve_device
@@ -16,6 +17,7 @@ from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
 from ..config import EngineConfig, default_threads
+from .image_rows import image_pixels
 from .backend import Backend
 from .parallel import TensorParallel
 from .runner import ModelRunner
@@ -50,17 +52,27 @@ class PoolingRunner:
         if plan.running:          # a prompt split over steps: the configuration forbids it
             raise RuntimeError("an encoder-only model runs each prompt whole in one step; "
                                f"step {plan.step_id} continues {len(plan.running)} sequences")
-        if not plan.new:
-            return StepResult(plan.step_id, [], [])
-        ids, types, lens = self._layout(plan.new)
+        texts = [new for new in plan.new if not new.images]
+        images = [new for new in plan.new if new.images]           # CLIP's: one image each
+        vectors = {}
+        if texts:
+            vectors.update(zip([new.seq_id for new in texts], self._texts(texts)))
+        if images:
+            pixels = torch.from_numpy(np.stack([image_pixels(new.images[0]) for new in images]))
+            out = self.model.embed_images(pixels.to(self.device))          # [N, P]
+            vectors.update(zip([new.seq_id for new in images], out.cpu().numpy()))
+        return StepResult(plan.step_id, [], [], pooled=PooledResult(
+            {sid: to_bytes(v) for sid, v in vectors.items()}))
+
+    def _texts(self, seqs: list[NewSeq]):
+        """Whole prompts -> their pooled outputs [B, H] (embeddings) or [B, labels]."""
+        ids, types, lens = self._layout(seqs)
         hidden = self.model(ids, types, lens)                                # [T, H]
         if self.pooler.task == EMBED:
             out = self.model.embed(hidden, lens, self.pooler.pooling_type)   # [B, H]
         else:
             out = self.model.classify(hidden, lens)                          # [B, labels]
-        vectors = out.float().cpu().numpy()
-        return StepResult(plan.step_id, [], [], pooled=PooledResult(
-            {new.seq_id: to_bytes(v) for new, v in zip(plan.new, vectors)}))
+        return out.float().cpu().numpy()
 
     def _layout(self, seqs: list[NewSeq]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The flat batch: token ids [T], token types [T] (1 from a pair's second text on:

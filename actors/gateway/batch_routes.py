@@ -16,7 +16,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from ..batch_lines import BatchFileError, read_requests, run_requests
+from ..batch_lines import ENDPOINTS, BatchFileError, read_requests, run_requests
 from ..model_info import cache_root
 from .file_store import FileStore
 from .protocol import ApiError, decode_body
@@ -124,9 +124,9 @@ class BatchRoutes:
     async def create(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), BatchBody)
         owner = self.owner(request)
-        if body.endpoint not in ("/v1/chat/completions", "/v1/completions"):
-            raise ApiError(400, f"endpoint {body.endpoint!r}: /v1/chat/completions or "
-                           "/v1/completions", "endpoint")
+        if body.endpoint not in ENDPOINTS:
+            raise ApiError(400, f"endpoint {body.endpoint!r}: one of {', '.join(ENDPOINTS)}",
+                           "endpoint")
         if body.completion_window not in WINDOWS:
             raise ApiError(400, "completion_window must be 24h", "completion_window")
         self.files.get(owner, body.input_file_id)          # a 404 before the work below

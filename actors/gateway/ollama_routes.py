@@ -95,6 +95,9 @@ class OllamaRoutes:
         server = self.config.server
         capabilities = ["completion"] + (["tools"] if server.enable_auto_tool_choice else []) + \
             (["thinking"] if server.reasoning_parser else [])
+        if info.pooler is not None:       # Ollama's "embedding" (ollama_embed.py serves it)
+            generates = info.pooler.also_generates
+            capabilities = (capabilities if generates else []) + ["embedding"]
         return web.json_response({
             "license": "", "modelfile": f"# served by pagewire\nFROM {info.path}\n",
             "parameters": "", "template": files["template"],

@@ -223,6 +223,7 @@ class ResponsesRoutes:
             earlier = previous.conversation
         chat = to_chat(body, earlier)
         lora = self.gw.loras.lookup(body.model)
+        self.gw.check_generates()          # a 400 now, not a queued response that fails
         run = ResponseRun(self, body, tenant, chat.messages[1 if body.instructions else 0:],
                           lora.name if lora else self.gw.model_name)
         door = functools.partial(ResponsesDoor, run=run)

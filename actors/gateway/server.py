@@ -45,6 +45,7 @@ from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
 from .ollama_routes import OllamaRoutes
+from .pooling_routes import PoolingRoutes
 from .stream_input import StreamInputRoutes
 from .tokenize_routes import TokenizeRoutes
 
@@ -53,8 +54,10 @@ MAX_BODY_BYTES = 32 * 2**20
 ENGINE_SILENT_AFTER = 10.0    # seconds without a scheduler heartbeat: the engine is down
 STEP_STALLED_AFTER = 60.0     # seconds one step may run before the engine counts as hung
 _json = msgspec.json.Encoder()
-# What the API keys guard (/api/: Ollama's routes, ollama_routes.py); /metrics optionally.
-KEYED_PATHS = ("/v1/", "/api/", "/tokenize", "/detokenize", "/admin/")
+# What the API keys guard (/api/: Ollama's routes, ollama_routes.py; the pooling routes
+# outside /v1/, pooling_routes.py); /metrics optionally.
+KEYED_PATHS = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/admin/", "/pooling",
+               "/score", "/rerank", "/classify")
 
 
 class Gateway:
@@ -97,7 +100,7 @@ class Gateway:
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
             *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
             *OllamaRoutes(self).routes(), *BatchRoutes(self).routes(),
-            *self.stream_input.routes()])
+            *self.stream_input.routes(), *PoolingRoutes(self).routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -202,6 +205,7 @@ class Gateway:
         `door`'s shapes. Without max_tokens it generates default_max_tokens (OpenAI's 16;
         None: up to the context)."""
         lora = self.check_model(body.model)
+        self.check_generates()
         # echo with logprobs reports the prompt's tokens too: their logprobs are computed.
         prompt_lps = body.prompt_logprobs if body.prompt_logprobs is not None or not body.echo \
             else body.logprobs
@@ -230,6 +234,7 @@ class Gateway:
         """A chat request, whichever API's route translated it (doors.py), answered through
         `door`'s shapes."""
         lora = self.check_model(body.model)
+        self.check_generates()
         check_count("tools", body.tools)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.config)
         sampling = to_sampling(body, body.max_completion_tokens or body.max_tokens,
@@ -296,6 +301,16 @@ class Gateway:
         if self.engine_down:
             raise ApiError(503, f"the engine is restarting ({self.engine_down})")
         return lora
+
+    def check_generates(self) -> None:
+        """A 400 for a generation request (completions, chat and every door onto them) to a
+        model that only pools (--runner pooling; pooling_routes.py serves it)."""
+        pooler = self.config.model.model_info.pooler
+        if pooler is not None and not pooler.also_generates:
+            raise ApiError(400, f"this model runs with --runner pooling (task {pooler.task}): "
+                           "it generates nothing; use /v1/embeddings, /pooling, /score, "
+                           "/rerank or /classify, or serve a generating model with --runner "
+                           "generate", "model")
 
     async def serve(self, request: web.Request, body, fmt: Formatter,
                     prompts: list[TokenizeRequest], session: str | None = None,

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from pagewire.pooler_info import PoolerInfo, resolve_pooler
+from pagewire.testing.tiny_sentence import write_sentence_modules
 
 BERT = {"hidden_size": 64, "num_labels": 2}
 
@@ -16,23 +17,11 @@ def _write(path, name: str, value) -> None:
     file.write_text(json.dumps(value))
 
 
-def _sentence_transformers(path, mode: str, normalize: bool) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-    _write(path, "modules.json", modules)
-    _write(path, "1_Pooling/config.json", {"word_embedding_dimension": 64, mode: True,
-                                            "pooling_mode_cls_token": mode == "pooling_mode_cls_token"})
-
-
 def test_sentence_transformers_files_decide_pooling_and_normalisation(tmp_path):
-    _sentence_transformers(tmp_path, "pooling_mode_mean_tokens", normalize=True)
+    write_sentence_modules(str(tmp_path), "mean", normalize=True)
     assert resolve_pooler(str(tmp_path), BERT, "MPNetModel", True) == PoolerInfo(
         task="embed", pooling_type="MEAN", size=64, normalize=True, encoder_only=True)
-    _sentence_transformers(tmp_path, "pooling_mode_cls_token", normalize=False)
+    write_sentence_modules(str(tmp_path), "cls", normalize=False)
     pooler = resolve_pooler(str(tmp_path), BERT, "BertModel", True)
     assert (pooler.pooling_type, pooler.normalize) == ("CLS", False)
     overridden = resolve_pooler(str(tmp_path), BERT, "BertModel", True,

@@ -121,7 +121,7 @@ def test_bad_uploads_are_openai_errors(server, upload, status, param):
 @pytest.mark.parametrize("body, param", [
     ({"input_file_id": "file-missing", "endpoint": "/v1/chat/completions",
       "completion_window": "24h"}, "file_id"),
-    ({"input_file_id": "x", "endpoint": "/v1/embeddings", "completion_window": "24h"},
+    ({"input_file_id": "x", "endpoint": "/v1/moderations", "completion_window": "24h"},
      "endpoint"),
     ({"input_file_id": "x", "endpoint": "/v1/chat/completions", "completion_window": "1h"},
      "completion_window"),

@@ -109,16 +109,21 @@ class EncoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, d)
 
-    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None, images: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None, images: int,
+                attend=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N P, D] the last sublayer's output (the embeddings, with residual None) ->
-        this layer's MLP output and the stream before it (their sum: the layer's states)."""
+        this layer's MLP output and the stream before it (their sum: the layer's states).
+        `attend(q, k, v, scale)` on [T, heads, D/h] in place of every patch seeing every patch
+        of its image (CLIP's text tower: causal, sequences of their own lengths)."""
         h, residual = self.norm1.forward(ops, x, residual)
         t, d = h.shape
         heads = self.cfg.num_heads
-        q, k, v = ops.linear(self.qkv, h).view(images, t // images, 3, heads,
-                                               d // heads).unbind(2)
-        attn = ops.full_attention(q, k, v, (d // heads) ** -0.5)       # [N, P, heads, D/h]
+        qkv = ops.linear(self.qkv, h)
+        if attend is not None:
+            attn = attend(*qkv.view(t, 3, heads, d // heads).unbind(1), (d // heads) ** -0.5)
+        else:
+            q, k, v = qkv.view(images, t // images, 3, heads, d // heads).unbind(2)
+            attn = ops.full_attention(q, k, v, (d // heads) ** -0.5)   # [N, P, heads, D/h]
         h, residual = self.norm2.forward(ops, ops.linear(self.out, attn.reshape(t, d)),
                                          residual)
         h = _activation(self.cfg.activation, ops.linear(self.fc1, h), ops)
@@ -153,6 +158,20 @@ class VisionTower(nn.Module):
             if cfg.pooled_tokens else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.states(pixel_values)
+        if self.class_embedding is not None and not self.cfg.keep_class_token:
+            x = x[:, 1:]
+        if self.cfg.scale_factor:
+            return self.proj1(pixel_shuffle(x, self.cfg.scale_factor))       # [N, P/s^2, H]
+        if self.soft_norm is not None:
+            x = gemma_rms_norm(average_pool(x, self.cfg.pooled_tokens), self.soft_norm,
+                               self.cfg.layer_norm_eps)
+            return self.proj1(x)                                              # [N, rows, H]
+        return self.proj2(_activation(self.cfg.projector_activation, self.proj1(x)))
+
+    def states(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, 3, S, S] -> the read layer's states [N, P (+1), D], through the
+        post-norm where the tower has one; the class token's first where it has one."""
         dtype = self.patch.weight.dtype
         x = self.patch(pixel_values.to(dtype)).flatten(2).transpose(1, 2)   # [N, P, D]
         if self.class_embedding is not None:
@@ -166,17 +185,7 @@ class VisionTower(nn.Module):
         for layer in self.layers:
             x, residual = layer(self.ops, x, residual, n)
         x = (x if residual is None else x + residual).view(n, p, d)
-        if self.post_norm is not None:
-            x = self.post_norm(x)
-        if self.class_embedding is not None and not self.cfg.keep_class_token:
-            x = x[:, 1:]
-        if self.cfg.scale_factor:
-            return self.proj1(pixel_shuffle(x, self.cfg.scale_factor))       # [N, P/s^2, H]
-        if self.soft_norm is not None:
-            x = gemma_rms_norm(average_pool(x, self.cfg.pooled_tokens), self.soft_norm,
-                               self.cfg.layer_norm_eps)
-            return self.proj1(x)                                              # [N, rows, H]
-        return self.proj2(_activation(self.cfg.projector_activation, self.proj1(x)))
+        return x if self.post_norm is None else self.post_norm(x)
 
 
 def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:

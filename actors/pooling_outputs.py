@@ -1,0 +1,111 @@
+"""What a request asks of a pooling model's raw output (wire/pooling.py: the engine returns the
+model's pooled float32 vector untouched): Matryoshka truncation, L2 normalisation, a
+classifier's activation, cosine and cross-encoder scores, base64 encoding. Shared by the
+gateway's routes (gateway/pooling_routes.py) and the offline LLM (llm_pooling.py), so both
+answer alike; numpy only (the gateway loads no torch)."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from pagewire.wire.sampling_params import InvalidParam
+
+from .pooler_info import CLASSIFY, EMBED, NO_ACTIVATION, SIGMOID, SOFTMAX, PoolerInfo
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+def check_dimensions(pooler: PoolerInfo, dimensions: int | None) -> None:
+    """`dimensions` must be one the model was trained to be cut to (Matryoshka); a model
+    without matryoshka_dimensions refuses any (vLLM's rule)."""
+    if dimensions is None:
+        return
+    if not pooler.matryoshka_dimensions:
+        raise InvalidParam("dimensions", "this model does not support Matryoshka "
+                           "representation: the dimensions parameter is not allowed")
+    if dimensions not in pooler.matryoshka_dimensions:
+        raise InvalidParam("dimensions", f"dimensions={dimensions} is not one of the model's "
+                           f"Matryoshka dimensions {_listed(pooler.matryoshka_dimensions)}")
+
+
+def _listed(values: list[int]) -> str:
+    """A long list (every size up to the hidden size) said by its ends."""
+    return str(values) if len(values) <= 16 else f"[{values[0]}, ..., {values[-1]}]"
+
+
+def embedding(pooler: PoolerInfo, raw: np.ndarray, dimensions: int | None = None,
+              normalize: bool | None = None) -> np.ndarray:
+    """An embedding as asked: its first `dimensions` values (checked by check_dimensions),
+    then L2-normalised where `normalize` (None: the model's default). Truncation comes first:
+    a Matryoshka prefix is normalised on its own, as sentence-transformers does."""
+    vector = np.asarray(raw, dtype=np.float32)
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    if pooler.normalize if normalize is None else normalize:
+        norm = float(np.linalg.norm(vector.astype(np.float64)))
+        vector = vector / max(norm, 1e-12)         # a zero vector stays zero
+    return vector.astype(np.float32)
+
+
+def activate(logits: np.ndarray, activation: str) -> np.ndarray:
+    """A classifier's logits through its activation (pooler_info.ACTIVATIONS)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if activation == SIGMOID:
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+    if activation == SOFTMAX:
+        e = np.exp(x - x.max())
+        return (e / e.sum()).astype(np.float32)
+    if activation == NO_ACTIVATION:
+        return x.astype(np.float32)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def probabilities(pooler: PoolerInfo, logits: np.ndarray,
+                  use_activation: bool | None = None) -> np.ndarray:
+    """A classifier's output: its logits through the model's activation, or raw where the
+    request turns activation off (vLLM's use_activation)."""
+    return activate(logits, pooler.activation if use_activation in (None, True)
+                    else NO_ACTIVATION)
+
+
+def cross_score(pooler: PoolerInfo, logits: np.ndarray,
+                use_activation: bool | None = None) -> float:
+    """A cross-encoder's score of one (query, document) pair: its one label's activated
+    logit (sigmoid for a reranker); with several labels, the last label's probability (a
+    [not relevant, relevant] classifier's "relevant")."""
+    return float(probabilities(pooler, logits, use_activation)[-1])
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity (0 where either vector is zero)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b / norms) if norms > 0 else 0.0
+
+
+def encoded(vector: np.ndarray, encoding_format: str = "float") -> list[float] | str:
+    """A vector as the response carries it: a list of floats, or base64 of its float32
+    little-endian bytes (OpenAI's base64: the openai client decodes it with numpy)."""
+    if encoding_format == "float":
+        return np.asarray(vector, dtype=np.float32).tolist()
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    raise InvalidParam("encoding_format", f"encoding_format must be one of "
+                       f"{', '.join(ENCODING_FORMATS)}, got {encoding_format!r}")
+
+
+def check_task(pooler: PoolerInfo | None, task: str | None, what: str) -> PoolerInfo:
+    """The model's pooler, where it serves `what` (an endpoint or offline call) asking for
+    `task` (None: either task). A generating model, or the other task's model, refuses it,
+    naming the runner or the --convert that would serve it."""
+    if pooler is None:
+        raise InvalidParam("model", f"{what} needs a pooling model, but the model runs with "
+                           "--runner generate; start it with --runner pooling (a causal LM "
+                           "also takes --convert embed or classify)")
+    if task is not None and pooler.task != task:
+        convert = {EMBED: "embed", CLASSIFY: "classify"}[task]
+        raise InvalidParam("model", f"{what} needs a model whose pooling task is {task}, but "
+                           f"this model's is {pooler.task} (--runner pooling --convert "
+                           f"{convert} serves it, where the model allows)")
+    return pooler

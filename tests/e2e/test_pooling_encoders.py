@@ -1,0 +1,84 @@
+"""Encoder models behind the pooling endpoints of a running `pagewire serve`: a tiny random
+BertModel with sentence-transformers' files (mean pooling, Normalize) through the openai
+client, and a tiny BertForSequenceClassification cross-encoder over plain HTTP (/rerank in
+Jina's and Cohere's shapes, /score, /classify); every value against transformers on the same
+tokenizer (pairs with their token types)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewire.testing.server import openai_client, running_server
+from pagewire.testing.tiny_sentence import make_sentence_model
+
+pytestmark = pytest.mark.slow
+ARGS = ["--dtype", "float32", "--kernels", "torch", "--max-model-len", "64"]
+QUERY = "what city is paris"
+DOCS = ["the cat eats fish", "paris is a big city", "a dog runs on the road", "rome"]
+
+
+@pytest.fixture(scope="module")
+def bert_dirs(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name, arch, extra in (("embed", "BertModel", {}),
+                              ("rerank", "BertForSequenceClassification", {"num_labels": 1})):
+        out[name] = make_sentence_model(str(tmp_path_factory.mktemp(name)), arch, "mean",
+                                        **extra)
+    return out
+
+
+def _hf(path: str, arch: str):
+    import transformers
+    from transformers import AutoTokenizer
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def test_bert_embeddings_equal_transformers_mean(bert_dirs):
+    path = bert_dirs["embed"]
+    model, tokenizer = _hf(path, "BertModel")
+    texts = [QUERY, *DOCS, ""]             # "" is [CLS] [SEP]: allowed
+    with torch.no_grad():               # sentence-transformers' mean over every token
+        want = [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
+                for t in texts]
+    with running_server([path, *ARGS]) as srv:
+        got = openai_client(srv).embeddings.create(model=path, input=texts)
+        for served, w in zip(got.data, want):
+            np.testing.assert_allclose(served.embedding, w / np.linalg.norm(w), atol=1e-5)
+        assert got.usage.prompt_tokens == sum(len(tokenizer(t).input_ids) for t in texts)
+        status, body, _ = srv.request("POST", "/score", {"text_1": QUERY, "text_2": DOCS})
+        unit = [w / np.linalg.norm(w) for w in want]
+        assert [d["score"] for d in body["data"]] == pytest.approx(
+            [float(unit[0] @ u) for u in unit[1:5]], abs=1e-5)
+        status, body, _ = srv.request("POST", "/v1/completions", {"prompt": "a"})
+        assert status == 400 and "--runner pooling" in body["error"]["message"]
+
+
+def test_bert_cross_encoder_reranks_as_transformers(bert_dirs):
+    path = bert_dirs["rerank"]
+    model, tokenizer = _hf(path, "BertForSequenceClassification")
+    with torch.no_grad():
+        want = [torch.sigmoid(model(**tokenizer(QUERY, d, return_tensors="pt")).logits[0, 0])
+                .item() for d in DOCS]
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    with running_server([path, *ARGS]) as srv:
+        status, jina, _ = srv.request("POST", "/rerank", {"query": QUERY, "documents": DOCS,
+                                                          "top_n": 3})
+        assert status == 200
+        assert [r["index"] for r in jina["results"]] == order[:3]
+        assert [r["relevance_score"] for r in jina["results"]] == pytest.approx(
+            [want[i] for i in order[:3]], abs=1e-5)
+        assert [r["document"]["text"] for r in jina["results"]] == [DOCS[i] for i in order[:3]]
+        status, cohere, _ = srv.request("POST", "/v2/rerank", {
+            "query": QUERY, "documents": [{"text": d} for d in DOCS], "return_documents": False})
+        assert [r["index"] for r in cohere["results"]] == order
+        assert cohere["meta"]["billed_units"] == {"search_units": 1}
+        status, nn, _ = srv.request("POST", "/score", {"text_1": [QUERY] * 2,
+                                                       "text_2": DOCS[:2]})
+        assert [d["score"] for d in nn["data"]] == pytest.approx(want[:2], abs=1e-5)
+        status, classified, _ = srv.request("POST", "/classify", {"input": DOCS[:1]})
+        assert classified["data"][0]["num_classes"] == 1
+        assert classified["data"][0]["label"] == "LABEL_0"
+        status, body, _ = srv.request("POST", "/v1/embeddings", {"input": "a"})
+        assert status == 400 and "this model's is classify" in body["error"]["message"]
