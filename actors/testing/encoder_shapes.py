@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 
+from .tiny_sentence import write_sentence_modules
+
 SHAPES = {
     # all-mpnet-base-v2 / BERT-base: 12 layers of 768, 12 heads, FFN 3072.
     "mpnet-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -47,7 +49,10 @@ def write_encoder(path: str, architecture: str, shape: str = "mpnet-base", seed:
     model = getattr(transformers, architecture)(config).to(getattr(torch, dtype))
     model.save_pretrained(part)
     if not architecture.endswith("ForSequenceClassification"):
-        _write_st_files(part, config.hidden_size)
+        # As all-mpnet-base-v2 ships them: Transformer, mean Pooling, Normalize.
+        write_sentence_modules(part, "mean", True, width=config.hidden_size)
+        _write_json(os.path.join(part, "sentence_bert_config.json"),
+                    {"max_seq_length": MAX_TOKENS, "do_lower_case": False})
     shutil.rmtree(path, ignore_errors=True)
     os.rename(part, path)
     return path
@@ -90,26 +95,6 @@ def save_tokenizer(path: str, token_types: bool):
                                   model_max_length=MAX_TOKENS, model_input_names=names)
     tok.save_pretrained(path)
     return tok
-
-
-def _write_st_files(path: str, hidden: int) -> None:
-    """sentence-transformers' files as all-mpnet-base-v2 ships them: Transformer, mean
-    Pooling, Normalize."""
-    modules = [{"idx": 0, "name": "0", "path": "",
-                "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize"}]
-    pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
-               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-               "pooling_mode_mean_sqrt_len_tokens": False}
-    _write_json(os.path.join(path, "modules.json"), modules)
-    _write_json(os.path.join(path, "sentence_bert_config.json"),
-                {"max_seq_length": MAX_TOKENS, "do_lower_case": False})
-    os.makedirs(os.path.join(path, "1_Pooling"))
-    _write_json(os.path.join(path, "1_Pooling", "config.json"), pooling)
-    os.makedirs(os.path.join(path, "2_Normalize"))
 
 
 def _write_json(path: str, value) -> None:
