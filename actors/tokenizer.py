@@ -265,6 +265,9 @@ class RequestTokenizer:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
         if not ids:
             raise InvalidParam("prompt", "the prompt is empty")
+        if max(ids) >= self.vocab_size:      # a tokenizer wider than the model's embedding
+            raise InvalidParam("prompt", f"the prompt encodes to token {max(ids)}, past the "
+                                         f"model's vocabulary of {self.vocab_size}")
         return ids
 
     def check_prompt_ids(self, ids: list[int]) -> None:
