@@ -24,10 +24,9 @@ def encode_pooled(tokenizer, req: TokenizeRequest, max_model_len: int,
         raise InvalidParam("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} is longer "
                            f"than the model's context ({max_model_len} tokens)")
     ids, pair_start = _encode(tokenizer, req, keep)
-    if req.prompt_token_ids is not None:
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidParam("input", f"token id {bad[0]} is out of range [0, {vocab_size})")
+    bad = [t for t in ids if not 0 <= t < vocab_size]    # ids given, or a tokenizer wider
+    if bad:                                              # than the model's embedding
+        raise InvalidParam("input", f"token id {bad[0]} is out of range [0, {vocab_size})")
     if not ids:
         raise InvalidParam("input", "the input is empty (it encodes to no token)")
     if len(ids) > max_model_len:

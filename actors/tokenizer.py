@@ -140,6 +140,8 @@ class RequestTokenizer:
         """A prompt to pool (pooling_prompts.py): nothing to sample, so no sampling checks;
         an invalid input raises InvalidParam (process() answers it)."""
         images = []
+        if req.messages is not None:                # vLLM's chat embeddings: one input
+            req = self.flattened(req)
         if req.images:                              # an image to embed (CLIP)
             if not hasattr(self.images, "pooled") or req.prompt or req.prompt_token_ids:
                 raise InvalidParam("input", "this model embeds no images" if not hasattr(
@@ -154,6 +156,15 @@ class RequestTokenizer:
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority, lora=req.lora, pooling=pooling,
                                  images=images)
+
+    def flattened(self, req: TokenizeRequest) -> TokenizeRequest:
+        """A pooled chat's messages as one prompt: rendered by the chat template where the
+        model has one, else their texts joined by newlines (CLIP's)."""
+        if self.tokenizer.chat_template is not None and not req.images:
+            ids = self.encode_chat(req)
+            return msgspec.structs.replace(req, messages=None, prompt_token_ids=ids)
+        text = "\n".join(m.content for m in req.messages if m.content)
+        return msgspec.structs.replace(req, messages=None, prompt=text or None)
 
     def with_images(self, ids: list[int], files: list[bytes]) -> tuple[list[int], list]:
         """The prompt with its images' rows (image_inputs.py), and the images."""
@@ -265,6 +276,9 @@ class RequestTokenizer:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
         if not ids:
             raise InvalidParam("prompt", "the prompt is empty")
+        if max(ids) >= self.vocab_size:      # a tokenizer wider than the model's embedding
+            raise InvalidParam("prompt", f"the prompt encodes to token {max(ids)}, past the "
+                                         f"model's vocabulary of {self.vocab_size}")
         return ids
 
     def check_prompt_ids(self, ids: list[int]) -> None:

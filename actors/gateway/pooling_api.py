@@ -9,7 +9,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from .protocol import ApiError
+from .protocol import ApiError, ChatMessageBody
 
 # One request's inputs (texts, token-id lists, score pairs, rerank documents): each is an
 # engine request of its own, tokenized and pooled, so a client may not ask for unbounded
@@ -31,8 +31,11 @@ class _PoolingCommon(msgspec.Struct, kw_only=True):
 
 class EmbeddingBody(_PoolingCommon, kw_only=True):
     """/v1/embeddings and /pooling. `normalize` (older vLLM) or `use_activation` (newer)
-    override the model's normalisation; None keeps it."""
-    input: Input
+    override the model's normalisation; None keeps it. `input`, or vLLM's chat embeddings:
+    `messages`, one input (rendered by the model's chat template, or its texts joined; an
+    image part alone: CLIP's image embedding)."""
+    input: Input | None = None
+    messages: list[ChatMessageBody] | None = None
     encoding_format: str = "float"
     dimensions: int | None = None
     normalize: bool | None = None

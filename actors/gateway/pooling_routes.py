@@ -28,7 +28,7 @@ from .ollama_embed import OllamaEmbedRoutes
 from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, classify_data,
                           embedding_data, json_answer, listed, pooling_inputs, rerank_answer,
                           rerank_texts, score_data, score_texts)
-from .protocol import ApiError, decode_body
+from .protocol import ApiError, chat_images, chat_messages, decode_body
 
 # A pooled prompt samples nothing; the engine still takes a SamplingParams (wire contract).
 POOL_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
@@ -73,7 +73,8 @@ class PoolingRoutes:
         if body.dimensions is not None or kind == "embedding":
             check_dimensions(pooler, body.dimensions)
         encoded([], body.encoding_format)                  # a bad format: 400 before running
-        prompts = pooling_inputs(body.input)
+        prompts = await self.chat_input(body) if body.messages is not None \
+            else pooling_inputs(body.input)
         short = "embd" if kind == "embedding" else "pool"           # vLLM's id prefixes
         out = await self.run(request, body, short, prompts)
         vectors = [_shaped(pooler, body, kind, v) for v in out.vectors]
@@ -123,6 +124,13 @@ class PoolingRoutes:
         return [cosine(left[0 if len(first) == 1 else i], v) for i, v in enumerate(right)], \
             out.prompt_tokens
 
+    async def chat_input(self, body: EmbeddingBody) -> list[dict]:
+        """vLLM's chat embeddings: the messages as one input, their images fetched."""
+        if body.input is not None:
+            raise ApiError(400, "give input or messages, not both", "messages")
+        return [{"messages": chat_messages(body),
+                 "images": await self.gw.media.fetch_all(chat_images(body))}]
+
     def answer_id(self, kind: str) -> str:
         return f"{kind}-{uuid.uuid4().hex}"
 
@@ -138,7 +146,9 @@ class PoolingRoutes:
         salt = gw.salt(request, body)
         subs = [TokenizeRequest(req_id=f"{rid}-{i}", arrival_time=time.time(),
                                 sampling=POOL_SAMPLING, prompt=p.get("prompt"),
-                                prompt_token_ids=p.get("prompt_token_ids"), cache_salt=salt,
+                                prompt_token_ids=p.get("prompt_token_ids"),
+                                messages=p.get("messages"), images=p.get("images", []),
+                                add_generation_prompt=False, cache_salt=salt,
                                 priority=body.priority, lora=lora, pooling=PoolingInput(
                                     pairs[i] if pairs else None, body.truncate_prompt_tokens))
                 for i, p in enumerate(prompts)]

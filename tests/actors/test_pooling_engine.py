@@ -139,3 +139,14 @@ def test_a_decoder_classifier_reads_its_score_head_at_the_last_token(tmp_path, f
         np.testing.assert_allclose(out.outputs.data, w, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="cannot generate"):
         LLM(str(tmp_path), runner="generate", **OPTIONS)
+
+
+def test_a_text_past_the_models_vocabulary_is_refused_not_run(tiny_llama):
+    """The borrowed tokenizer is wider than the tiny model's 512 rows: a text that encodes
+    past them is a 400 at the tokenizer, for generation and pooling alike."""
+    llm = LLM(tiny_llama(), runner="generate", convert="embed", **OPTIONS)
+    with pytest.raises(ValueError, match="past the model's vocabulary of 512"):
+        llm.generate("Photosynthesis", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"out of range \[0, 512\)"):
+        llm.encode("Photosynthesis")
+    assert llm.generate("a", SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"

@@ -82,3 +82,36 @@ def test_bert_cross_encoder_reranks_as_transformers(bert_dirs):
         assert classified["data"][0]["label"] == "LABEL_0"
         status, body, _ = srv.request("POST", "/v1/embeddings", {"input": "a"})
         assert status == 400 and "this model's is classify" in body["error"]["message"]
+
+
+def test_clip_embeds_texts_and_images_through_chat_style_messages(tmp_path):
+    """vLLM's chat embeddings: a message of one image part is CLIP's image embedding, a
+    message of text its text embedding; both equal the offline engine's, normalised."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from pagewire.llm import LLM
+    from pagewire.testing.tiny_clip import make_tiny_clip
+    path = make_tiny_clip(str(tmp_path / "clip"))
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.RandomState(0).rand(40, 50, 3) * 255).astype(np.uint8)).save(
+        buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    offline = LLM(path, dtype="float32", kernels="torch")
+    want_image = offline.encode({"prompt": "", "multi_modal_data": {"image": buffer.getvalue()}})
+    want_text = offline.encode("the cat sat.")
+    image_part = {"type": "image_url", "image_url": {"url": url}}
+    with running_server([path, *ARGS]) as srv:
+        for parts, want in (([image_part], want_image), ([{"type": "text", "text": "the cat sat."}],
+                                                         want_text)):
+            status, body, _ = srv.request("POST", "/v1/embeddings", {
+                "messages": [{"role": "user", "content": parts}]})
+            assert status == 200, body
+            w = want[0].outputs.data
+            np.testing.assert_allclose(body["data"][0]["embedding"], w / np.linalg.norm(w),
+                                       atol=1e-5)
+        status, body, _ = srv.request("POST", "/v1/embeddings", {"messages": [
+            {"role": "user", "content": [image_part, {"type": "text", "text": "a cat"}]}]})
+        assert status == 400 and "without text" in body["error"]["message"]
