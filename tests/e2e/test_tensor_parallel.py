@@ -177,8 +177,10 @@ def test_bfloat16_ranks_answer_as_one_rank():
     Prefill runs on oneDNN's dense copy here (`--quantized-matmul-tokens 16`, the default
     before #43): with every step on the blocks, the cooking answer parts at its 14th token
     with one rank's top two 0.25 apart, which #43's note leaves open (the ranks' partials are
-    float32 there too)."""
+    float32 there too). The last four questions (the cooking one among them) keep the suite's
+    time."""
     from tests.actors.test_default_model import QUESTIONS
+    QUESTIONS = QUESTIONS[4:]      # noqa: N806
     args = ["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
             "--quantized-matmul-tokens", "16"]
     answers = {}
