@@ -35,7 +35,7 @@ from .disagg import answer_params, request_transfer
 from .detokenizer import Detokenizer
 from .executor.pooling_runner import runner_for
 from .hf_tokenizer import load_tokenizer
-from .llm_pooling import PoolingCalls
+from .llm_pooling import PoolingCalls, PoolingOutput, PoolingRequestOutput
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
 from .scheduler.engine import InProcessExecutor, StepEngine
@@ -71,20 +71,6 @@ class RequestOutput:
     prompt_logprobs: list | None = None   # TokenLogprob per prompt token (first: logprob None)
     kv_transfer_params: dict | None = None   # a prefill engine's answer (disagg.py)
     pooled: np.ndarray | None = None      # a pooling request's output (float32; encode())
-
-
-@dataclass
-class PoolingOutput:
-    data: np.ndarray                      # the model's pooled output, float32
-
-
-@dataclass
-class PoolingRequestOutput:
-    """vLLM's: what LLM.encode() returns for one prompt."""
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: PoolingOutput
-    finished: bool = True
 
 
 class LLM(PoolingCalls):

@@ -6,9 +6,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .pooler_info import CLASSIFY, EMBED, PoolerInfo
 from .pooling_outputs import check_dimensions, check_task, cosine, cross_score, embedding, \
     probabilities
+
+
+@dataclass
+class PoolingOutput:
+    data: np.ndarray                      # the model's pooled output, float32
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: what LLM.encode() returns for one prompt."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
 
 
 @dataclass
