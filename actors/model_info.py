@@ -72,7 +72,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM",
                       "gpt2": "GPT2LMHeadModel", "phi2": "PhiForCausalLM",
-                      "starcoder2": "Starcoder2ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                      "starcoder2": "Starcoder2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                      "bert": "BertModel"}     # embedding models (gguf_bert.py)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")
@@ -154,12 +155,24 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
         cfg = hf_text_config(full)
         if info.architecture in CLIP_ARCHITECTURES:      # its embeddings are projected
             cfg["hidden_size"] = full.get("projection_dim", 512)
+    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
+        overrides = _gguf_pooling(info, overrides)
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
                             info.architecture in ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES,
                             runner, convert, overrides, lambda text: _one_token(info, text))
     if pooler is not None and info.mmproj:
         raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
     return msgspec.structs.replace(info, pooler=pooler)
+
+
+def _gguf_pooling(info: ModelInfo, overrides: dict | None) -> dict:
+    """--pooler-config with a GGUF encoder's bert.pooling_type as its default pooling type
+    (the file keeps no sentence-transformers modules; normalised, as without them)."""
+    overrides = dict(overrides or {})
+    if "pooling_type" not in overrides:
+        from .gguf_bert import pooling_type
+        overrides["pooling_type"] = pooling_type(read_gguf_header(info.path).metadata, info.path)
+    return overrides
 
 
 def _one_token(info: ModelInfo, text: str) -> int:
@@ -281,7 +294,9 @@ def _gguf_info(path: str) -> ModelInfo:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     missing = [f"{arch}.{k}" for k in _GGUF_REQUIRED if f"{arch}.{k}" not in meta]
-    missing += [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id") if k not in meta]
+    needed = ("tokenizer.ggml.tokens",) if architecture_pools(arch) else \
+        ("tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id")
+    missing += [k for k in needed if k not in meta]
     if missing:
         raise ValueError(f"{path}: GGUF metadata is missing {', '.join(missing)}")
     architecture = gguf_architecture(meta)
@@ -297,10 +312,17 @@ def _gguf_info(path: str) -> ModelInfo:
         num_layers=int(meta[f"{arch}.block_count"]),
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])],
+        eos_token_ids=[int(meta["tokenizer.ggml.eos_token_id"])]
+        if "tokenizer.ggml.eos_token_id" in meta else [],
         digest=file_digest(path), rope_scaling=gguf_rope_scaling(meta, arch),
         hidden_size=int(hidden), num_heads=int(heads),
         intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)))
+
+
+def architecture_pools(gguf_arch: str) -> bool:
+    """Whether a GGUF general.architecture is an encoder's (pooling only: no end of sequence
+    is needed)."""
+    return GGUF_ARCHITECTURES.get(gguf_arch) in ENCODER_ARCHITECTURES
 
 
 def _hf_info(path: str) -> ModelInfo:

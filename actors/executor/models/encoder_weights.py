@@ -105,12 +105,10 @@ def encoder_state(weights: dict[str, torch.Tensor], cfg: EncoderConfig) -> dict[
 
 def read_encoder(info, dtype: torch.dtype, tp=None, quantization: str = "none", ops=None,
                  cp=None) -> EncoderModel:
-    """loader.read_model for an encoder ModelInfo (info.path, a Hugging Face directory), on
-    the CPU: Backend.load moves it to its device and lays it out (prepare). One rank, no
-    --quantization, no context parallelism: each refused with a ValueError."""
-    if info.format != "hf":
-        raise ValueError(f"{info.architecture}: encoder models load from a Hugging Face "
-                         "safetensors directory, not GGUF")
+    """loader.read_model for an encoder ModelInfo (info.path, a Hugging Face directory or a
+    llama.cpp "bert" GGUF file: gguf_encoder.py), on the CPU: Backend.load moves it to its
+    device and lays it out (prepare). One rank, no --quantization, no context parallelism:
+    each refused with a ValueError."""
     if tp is not None and tp.size > 1:
         raise ValueError(f"{info.architecture}: encoder models run on one rank; tensor "
                          "parallelism is not supported for them (--tensor-parallel-size 1)")
@@ -120,6 +118,9 @@ def read_encoder(info, dtype: torch.dtype, tp=None, quantization: str = "none", 
     if quantization != "none":
         raise ValueError(f"{info.architecture}: --quantization {quantization} is not "
                          "supported for encoder models")
+    if info.format == "gguf":
+        from .gguf_encoder import load_gguf_encoder
+        return load_gguf_encoder(info.path, dtype, ops, architecture=info.architecture)
     return load_encoder(info.path, dtype, ops, architecture=info.architecture)
 
 

@@ -1,0 +1,92 @@
+"""BERT embedding models as llama.cpp's converter (convert_hf_to_gguf.py, BertModel) writes
+them: general.architecture "bert". Read here without torch: the Hugging Face config the
+encoder is built from, the pooling type, and the WordPiece vocabulary under its Hugging
+Face spellings (the weights: executor/models/gguf_encoder.py; the tokenizer:
+gguf_wordpiece.py).
+
+What the converter changes, and how it is undone:
+- metadata: bert.context_length (max_position_embeddings), embedding_length,
+  feed_forward_length, block_count, attention.head_count, attention.layer_norm_epsilon;
+  type_vocab_size as tokenizer.ggml.token_type_count. The activation is not recorded:
+  BERT's exact (erf) GELU is assumed, as transformers' BertModel has it.
+- bert.pooling_type: llama.cpp's enum, from sentence-transformers' pooling module.
+- vocabulary: "##x" continuation pieces become "x", word-initial pieces "\\u2581x"
+  (llama.cpp's phantom space); tokens in brackets ([CLS], [unused0]) are kept as they are.
+"""
+from __future__ import annotations
+
+ARCH = "bert"
+HF_ARCHITECTURE = "BertModel"
+PHANTOM = "\u2581"
+# llama.cpp's enum llama_pooling_type -> pooler_info's pooling types (None: refused)
+POOLING_TYPES = {0: None, 1: "MEAN", 2: "CLS", 3: "LAST", 4: None}
+_POOLING_NAMES = {0: "none", 4: "rank"}
+
+
+def hf_config(meta: dict, type_vocab_size: int | None = None) -> dict:
+    """The config.json of the model a "bert" GGUF was converted from (the keys
+    EncoderConfig.from_hf reads). `type_vocab_size`: the token_types tensor's rows, where the
+    file has no token_type_count."""
+    count = meta.get("tokenizer.ggml.token_type_count", type_vocab_size)
+    return {"architectures": [HF_ARCHITECTURE], "model_type": "bert",
+            "hidden_size": int(meta[f"{ARCH}.embedding_length"]),
+            "num_hidden_layers": int(meta[f"{ARCH}.block_count"]),
+            "num_attention_heads": int(meta[f"{ARCH}.attention.head_count"]),
+            "intermediate_size": int(meta[f"{ARCH}.feed_forward_length"]),
+            "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+            "max_position_embeddings": int(meta[f"{ARCH}.context_length"]),
+            "type_vocab_size": int(count if count is not None else 2),
+            "layer_norm_eps": float(meta.get(f"{ARCH}.attention.layer_norm_epsilon", 1e-12)),
+            "hidden_act": "gelu", "position_embedding_type": "absolute"}
+
+
+def pooling_type(meta: dict, path: str = "") -> str:
+    """The pooling type bert.pooling_type names (MEAN, CLS or LAST). A file without one, or
+    with none or rank (a reranker's classifier head, not read yet), is refused: give
+    --pooler-config pooling_type to pool it anyway."""
+    value = meta.get(f"{ARCH}.pooling_type")
+    kind = POOLING_TYPES.get(int(value)) if value is not None else None
+    if kind is None:
+        what = "no bert.pooling_type" if value is None else \
+            f"bert.pooling_type {_POOLING_NAMES.get(int(value), value)}"
+        raise ValueError(f"{path}: a GGUF BERT model with {what} is not supported (mean, cls "
+                         "and last are; --pooler-config '{\"pooling_type\": \"MEAN\"}' "
+                         "chooses one)")
+    return kind
+
+
+def hf_vocab(tokens: list[str]) -> list[str]:
+    """The converter's vocabulary in WordPiece's own spellings: "\\u2581x" -> "x", a bracketed
+    token as it is, any other "x" -> "##x" (the inverse of its phantom-space rewriting; a
+    continuation piece that was itself bracketed, "##[x]", cannot be told from "[x]")."""
+    out = []
+    for token in tokens:
+        if token.startswith(PHANTOM):
+            out.append(token[len(PHANTOM):])
+        elif token.startswith("[") and token.endswith("]"):
+            out.append(token)
+        else:
+            out.append("##" + token)
+    return out
+
+
+def lowercases(vocab: list[str]) -> bool:
+    """Whether the model's tokenizer lowercased its text: llama.cpp's WPM always does, but a
+    cased BERT's vocabulary has capitals, which lowercased text could never reach. Uncased
+    (no capital outside brackets): lowercase and strip accents, as BertTokenizer's
+    do_lower_case; cased: neither."""
+    return not any(t != t.lower() for t in vocab if not (t.startswith("[") and t.endswith("]")))
+
+
+def special_ids(meta: dict) -> dict[str, int]:
+    """The special tokens' ids: {cls, sep, pad, unk, mask}. gguf-py writes CLS as BOS and SEP
+    also as EOS where a tokenizer_config names no BOS or EOS; older files have cls_token_id."""
+    key = "tokenizer.ggml.{}_token_id".format
+    found = {"cls": meta.get(key("cls"), meta.get(key("bos"))),
+             "sep": meta.get(key("seperator"), meta.get(key("eos"))),
+             "pad": meta.get(key("padding")), "unk": meta.get(key("unknown")),
+             "mask": meta.get(key("mask"))}
+    missing = [name for name in ("cls", "sep", "unk") if found[name] is None]
+    if missing:
+        raise ValueError(f"GGUF BERT tokenizer: no {', '.join(missing)} token id")
+    return {name: int(value) for name, value in found.items() if value is not None}
