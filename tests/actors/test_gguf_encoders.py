@@ -112,8 +112,8 @@ def sentence_embeddings(models) -> np.ndarray:
 
 
 # float32 torch ops: F32 weights are the checkpoint's own (the same sums); F16 rounds each
-# weight by up to 2^-11 of itself, BF16 by 2^-8, Q8_0 by up to 1/254 of its block's largest (measured
-# worst cosines: F32 1 - 0, F16 1 - 6e-8, BF16 1 - 5.7e-6, Q8_0 1 - 5.3e-5)
+# weight by up to 2^-11 of itself, BF16 by 2^-8, Q8_0 by up to 1/254 of its block's largest
+# (measured worst cosines: F32 1 - 0, F16 1 - 6e-8, BF16 1 - 5.7e-6, Q8_0 1 - 5.3e-5)
 BOUNDS = {"F32": 1 - 1e-6, "F16": 1 - 1e-6, "BF16": 1 - 5e-5, "Q8_0": 1 - 2e-4}
 
 
