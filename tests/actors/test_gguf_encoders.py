@@ -60,6 +60,15 @@ def test_a_gguf_bert_without_a_supported_pooling_type_is_refused(tmp_path):
     assert pooled.pooler.pooling_type == "MEAN"
 
 
+@pytest.mark.parametrize("value, refusal", [(0, "bert.pooling_type none"),
+                                             (4, "bert.pooling_type rank")])
+def test_pooling_types_none_and_rank_are_refused(value, refusal):
+    from pagewire.gguf_bert import pooling_type
+    assert [pooling_type({"bert.pooling_type": v}) for v in (1, 2, 3)] == ["MEAN", "CLS", "LAST"]
+    with pytest.raises(ValueError, match=refusal):
+        pooling_type({"bert.pooling_type": value}, "m.gguf")
+
+
 def test_the_gguf_tokenizer_encodes_as_the_hugging_face_one(models):
     from transformers import AutoTokenizer
 
