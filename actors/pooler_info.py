@@ -165,20 +165,3 @@ def _st_pooling_mode(path: str, modules: dict[str, str]) -> str | None:
         raise ValueError(f"{file}: pooling modes {modes or 'none'} (one of "
                          f"{', '.join(_ST_MODES)} is supported)")
     return modes[0]
-
-
-def encoder_only_options(config, info) -> dict:
-    """(EngineConfig, its ModelInfo) -> the options an encoder-only model runs with. It keeps
-    no KV: a prompt runs whole in one step (no chunks, a token budget of at least a context),
-    nothing is cached, and the scheduler's blocks only count the tokens in flight (two plans' worth; executor/pooling_runner.py allocates none).
-    Its linears multiply dense packed weights at every step (a step is a whole batch of
-    prompts: oneDNN's packing ran a base-sized encoder 13 % faster in bfloat16 than the BF16
-    tiles, 2x in float32) unless --quantized-matmul-tokens says otherwise."""
-    max_len = config.model.max_model_len or info.max_model_len
-    budget = max(config.scheduler.max_num_batched_tokens, max_len)
-    bs, seqs = config.cache.block_size, config.scheduler.max_num_seqs
-    tokens = config.device.quantized_matmul_tokens
-    return dict(enable_chunked_prefill=False, enable_prefix_caching=False,
-                max_num_batched_tokens=budget,
-                quantized_matmul_tokens=0 if tokens == -1 else tokens,
-                num_kv_blocks=config.cache.num_kv_blocks or 2 * (-(-budget // bs) + seqs))
