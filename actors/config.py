@@ -47,14 +47,16 @@ def encoder_only_options(config: "EngineConfig", info: ModelInfo) -> dict:
     executor/pooling_runner.py allocates none). Its linears multiply dense packed weights at
     every step (a step is a whole batch of prompts: oneDNN's packing ran a base-sized encoder
     13 % faster in bfloat16 than the BF16 tiles, 2x in float32) unless
-    --quantized-matmul-tokens says otherwise."""
+    --quantized-matmul-tokens says otherwise (with --quantization int8: its blocks, every step)."""
     max_len = config.model.max_model_len or info.max_model_len
     budget = max(config.scheduler.max_num_batched_tokens, max_len)
     bs, seqs = config.cache.block_size, config.scheduler.max_num_seqs
-    tokens = config.device.quantized_matmul_tokens
+    tokens = config.device.quantized_matmul_tokens     # --quantization int8: its blocks
+    if tokens == -1 and config.model.quantization == "none":
+        tokens = 0
     return dict(enable_chunked_prefill=False, enable_prefix_caching=False,
                 max_num_batched_tokens=budget,
-                quantized_matmul_tokens=0 if tokens == -1 else tokens,
+                quantized_matmul_tokens=tokens,
                 num_kv_blocks=config.cache.num_kv_blocks or 2 * (-(-budget // bs) + seqs))
 
 

@@ -72,8 +72,15 @@ def read_model(info: ModelInfo, dtype: str, tp: TensorParallel | None = None,
     if info.architecture in CLIP_ARCHITECTURES:        # pooling: models/clip.py
         return LoadedModel(load_clip(info.path, TORCH_DTYPES[dtype], ops), None)
     if info.architecture in ENCODER_ARCHITECTURES:    # pooling models: models/encoder.py
-        return LoadedModel(read_encoder(info, TORCH_DTYPES[dtype], tp, quantization, ops, cp),
-                           None)
+        model = read_encoder(info, TORCH_DTYPES[dtype], tp, quantization, ops, cp)
+        rounded = None
+        if quantization != "none":      # its Linears rounded to blocks, as a decoder's are
+            linears = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+            weights = {f"{n}.weight": model.get_submodule(n).weight.detach() for n in linears}
+            rounded = round_linears(weights, linears, quantization, info.digest)
+            if place_blocks is not None:
+                place_blocks(model, rounded)
+        return LoadedModel(model, rounded)
     if info.architecture not in MODELS:
         raise ValueError(f"architecture {info.architecture} is not supported "
                          f"(supported: {', '.join(sorted(MODELS))})")

@@ -24,6 +24,7 @@ from pagewire.kernels.linear import Linear
 from pagewire.kernels.ops import TorchOps
 from pagewire.kernels.rotary import rope_cos_sin
 
+from ..parallel import TensorParallel
 from .encoder_config import GELU_FORMS, MPNET_BUCKETS, EncoderConfig
 from .llama import LayerNorm
 
@@ -114,6 +115,7 @@ class EncoderModel(nn.Module):
         super().__init__()
         d, self.cfg = cfg.hidden_size, cfg
         self.ops = ops if ops is not None else TorchOps()
+        self.tp = TensorParallel()           # one rank (read_encoder refuses more)
         self.words = nn.Embedding(cfg.vocab_size, d)
         self.positions = None if cfg.family == "modernbert" else \
             nn.Embedding(cfg.max_position_embeddings, d)

@@ -107,17 +107,17 @@ def read_encoder(info, dtype: torch.dtype, tp=None, quantization: str = "none", 
                  cp=None) -> EncoderModel:
     """loader.read_model for an encoder ModelInfo (info.path, a Hugging Face directory or a
     llama.cpp "bert" GGUF file: gguf_encoder.py), on the CPU: Backend.load moves it to its
-    device and lays it out (prepare). One rank, no --quantization, no context parallelism:
-    each refused with a ValueError."""
+    device and lays it out (prepare). One rank, no context parallelism: each refused with a
+    ValueError; --quantization int8 (its Linears rounded to Q8_0) is read_model's."""
     if tp is not None and tp.size > 1:
         raise ValueError(f"{info.architecture}: encoder models run on one rank; tensor "
                          "parallelism is not supported for them (--tensor-parallel-size 1)")
     if cp is not None:
         raise ValueError(f"{info.architecture}: encoder models have no KV cache to split "
                          "(--decode-context-parallel-size 1)")
-    if quantization != "none":
+    if quantization not in ("none", "int8"):
         raise ValueError(f"{info.architecture}: --quantization {quantization} is not "
-                         "supported for encoder models")
+                         "supported for encoder models (int8 is)")
     if info.format == "gguf":
         from .gguf_encoder import load_gguf_encoder
         return load_gguf_encoder(info.path, dtype, ops, architecture=info.architecture)
