@@ -16,7 +16,7 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
                               MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                               SECTIONS, SWAP, TOP_LEVEL, WHOLE_SECTIONS, CacheConfig,
-                              DeviceConfig, KVTransferConfig, LoraConfig, ModelConfig,
+                              DeviceConfig, FleetConfig, KVTransferConfig, LoraConfig, ModelConfig,
                               ObservabilityConfig, ParallelConfig, SchedulerConfig,
                               ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
                               check_kv_transfer, group_by_section)
@@ -74,6 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     server: ServerConfig | None = msgspec.field(default_factory=ServerConfig)
     observability: ObservabilityConfig | None = msgspec.field(default_factory=ObservabilityConfig)
     lora: LoraConfig | None = msgspec.field(default_factory=LoraConfig)
+    fleet: FleetConfig | None = msgspec.field(default_factory=FleetConfig)
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
     kv_transfer_config: KVTransferConfig | None = None    # disaggregated prefill/decode
     # What every actor's process reads as it starts (process.py):

@@ -140,6 +140,18 @@ class ServerConfig(_Section):
     responses_store_bytes: int = 64 * 2**20  # ...and their bound in bytes: LRU out past either
 
 
+class FleetConfig(_Section):
+    """Several models behind one server (actors/front/): read by the front alone, never sent
+    to an actor. Either models_file or models_dir turns it on."""
+    models_file: str | None = None           # TOML/YAML/JSON: served name -> path and options
+    models_dir: str | None = None            # every GGUF file / model directory in it
+    model_idle_timeout: float = 0.0          # seconds unused before a model unloads; 0: never
+    models_memory_budget: int | None = None  # bytes the loaded models may hold (LRU out past it)
+    max_loaded_models: int = 0               # models loaded at once (LRU out past it); 0: any
+    model_load_timeout: float = 300.0        # seconds a request waits for its model to load
+    model_queue_size: int = 64               # requests one loading model may hold waiting
+
+
 class ObservabilityConfig(_Section):
     """Tracing: every actor records its messages when trace_dir is set."""
     trace_dir: str | None = None             # record every actor's messages here
@@ -238,7 +250,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "parallel": ParallelConfig, "device": DeviceConfig, "server": ServerConfig,
-            "observability": ObservabilityConfig, "lora": LoraConfig}
+            "observability": ObservabilityConfig, "lora": LoraConfig, "fleet": FleetConfig}
 WHOLE_SECTIONS = {"speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
 # EngineConfig's fields besides the sections: the options that are whole sections, and what
 # every actor's process reads as it starts (process.py).
