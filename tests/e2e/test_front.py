@@ -1,9 +1,8 @@
 """Several models behind one endpoint (`pagewire serve --models-file`), with real engines:
 three tiny models, one pinned; a model loads on its first request and answers with its own
-weights' greedy tokens; the memory budget unloads the least recently used; a killed executor
-of one model leaves the others answering; an unload lets the request in flight finish;
-unknown names and paths are refused. (Idle unloading is fleet.py's rule, tested in
-tests/front/test_fleet.py: here it would cost one more engine start.)"""
+weights' greedy tokens; a killed executor of one model leaves the others answering; the
+memory budget unloads the least recently used; a model idle past its timeout unloads; an
+unload lets the request in flight finish; unknown names and paths are refused."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -35,6 +34,7 @@ memory = "1GiB"
 [models.gamma]
 model = "c"
 memory = "1GiB"
+idle_timeout = 2
 """
 
 
@@ -110,7 +110,7 @@ def test_a_killed_executor_of_one_model_leaves_the_others_answering(front):
     assert tokens(complete(front, "beta")[1]) == greedy(front.paths["b"], 6)
 
 
-def test_the_budget_unloads_the_least_recently_used_model(front):
+def test_the_budget_unloads_the_least_recently_used_and_an_idle_model_unloads(front):
     complete(front, "beta")
     status, body = complete(front, "gamma")             # 3 GiB past the 2.5 GiB budget
     assert status == 200 and tokens(body) == greedy(front.paths["c"], 6)
@@ -119,15 +119,27 @@ def test_the_budget_unloads_the_least_recently_used_model(front):
     assert beta["status"] == {"value": "unloaded", "reason":
                               "unloaded to make room for 'gamma' (least recently used)"}
     assert states(front) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
+    wait_for(lambda: states(front)["gamma"] == "unloaded", timeout=15)   # idle for 2 s
+    _, listing, _ = front.request("GET", "/v1/models")
+    assert listing["data"][2]["status"] == {"value": "unloaded", "reason": "idle for 2s"}
+
+
+def test_metrics_name_each_model(front):
+    import urllib.request
+    with urllib.request.urlopen(front.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'pagewire:model_state{model_name="alpha",state="loaded"} 1' in text
+    assert 'pagewire:model_loads_total{model_name="beta"} 1' in text
+    assert 'pagewire:model_state{model_name="gamma",state="unloaded"} 1' in text
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
 
 
 def test_unloading_a_model_lets_its_request_in_flight_finish(front):
-    status, body, _ = front.request("POST", "/models/load", {"model": "gamma"})
-    assert (status, body["state"]) == (200, "loaded")
+    """Even a pinned model's (it loads again on its next request)."""
     streaming = threading.Event()
 
     def stream() -> list[str]:
-        body = json.dumps({"model": "gamma", "prompt": PROMPT, "max_tokens": 200,
+        body = json.dumps({"model": "alpha", "prompt": PROMPT, "max_tokens": 200,
                            "ignore_eos": True, "stream": True,
                            "stream_options": {"include_usage": True}}).encode()
         request = urllib.request.Request(front.url + "/v1/completions", data=body,
@@ -138,22 +150,13 @@ def test_unloading_a_model_lets_its_request_in_flight_finish(front):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(stream)
         assert streaming.wait(30)
-        status, body, _ = front.request("POST", "/models/unload", {"model": "gamma"})
+        status, body, _ = front.request("POST", "/models/unload", {"model": "alpha"})
         assert (status, body["state"]) == (200, "unloaded")
         events = running.result()
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 200
-    status, body, _ = front.request("POST", "/models/unload", {"model": "gamma"})
-    assert status == 400 and body["error"]["message"] == "model 'gamma' is not loaded"
-
-
-def test_metrics_name_each_model(front):
-    import urllib.request
-    with urllib.request.urlopen(front.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    assert 'pagewire:model_state{model_name="alpha",state="loaded"} 1' in text
-    assert 'pagewire:model_loads_total{model_name="beta"} 1' in text
-    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    status, body, _ = front.request("POST", "/models/unload", {"model": "alpha"})
+    assert status == 400 and body["error"]["message"] == "model 'alpha' is not loaded"
 
 
 def test_a_pinned_model_that_cannot_load_stops_the_server_saying_why(tmp_path):
