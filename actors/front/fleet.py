@@ -113,7 +113,15 @@ class Fleet:
     # -- loading and unloading -----------------------------------------------------------------
 
     async def load(self, engine: ModelEngine) -> None:
-        """Make room, then load. A model that cannot get room ends `failed` with why."""
+        """Make room, then load. A model that cannot get room, or whose load raised, ends
+        `failed` with why (its waiters are told)."""
+        try:
+            await self._load(engine)
+        except Exception as e:
+            log.exception("loading %s", engine.name)
+            engine.set_state("failed", f"{type(e).__name__}: {e}")
+
+    async def _load(self, engine: ModelEngine) -> None:
         async with self.room:
             if engine.state in ("loaded", "loading"):
                 return

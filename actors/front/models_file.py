@@ -130,5 +130,7 @@ def weights_bytes(path: str) -> int:
     pool and the processes' own."""
     if os.path.isfile(path):
         return os.path.getsize(path)
+    if not os.path.isdir(path):              # gone since start: its load will say so
+        return 0
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                if f.endswith((".safetensors", ".bin", ".gguf", ".pt")))

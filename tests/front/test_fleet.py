@@ -27,6 +27,8 @@ class FakeEngine(ModelEngine):
         if self.name in FakeEngine.failing:
             self.set_state("failed", "its engine exited with code 1")
             return
+        if self.name == "d":
+            raise OSError("disk gone")
         self.loads += 1
         self.last_used = time.monotonic()
         FakeEngine.events.append(("load", self.name))
@@ -112,6 +114,15 @@ def test_a_failed_load_answers_its_waiters_and_the_next_request_tries_again():
     assert [str(r) for r in results] == \
         ["model 'b' could not be loaded: its engine exited with code 1"] * 3
     assert fleet.engines["b"].state == "loaded" and fleet.engines["b"].loads == 1
+
+
+def test_a_load_that_raises_fails_its_waiters_and_never_hangs_them():
+    async def main():
+        fleet = _fleet(model_load_timeout=5)
+        with pytest.raises(FleetError) as e:
+            await _use(fleet, "d")
+        return e.value
+    assert str(asyncio.run(main())) == "model 'd' could not be loaded: OSError: disk gone"
 
 
 def test_requests_waiting_on_a_load_are_bounded_and_time_out():
