@@ -18,6 +18,7 @@ class FakeEngine(ModelEngine):
     """Loads and unloads at once (or when `gate` opens), logging each in `events`."""
     events: list = []
     failing: set = set()
+    raising: set = set()
     gate: asyncio.Event | None = None
 
     async def load(self, front_values, config_dir, timeout):
@@ -27,7 +28,7 @@ class FakeEngine(ModelEngine):
         if self.name in FakeEngine.failing:
             self.set_state("failed", "its engine exited with code 1")
             return
-        if self.name == "d":
+        if self.name in FakeEngine.raising:
             raise OSError("disk gone")
         self.loads += 1
         self.last_used = time.monotonic()
@@ -41,6 +42,7 @@ class FakeEngine(ModelEngine):
 
 def _fleet(**options) -> Fleet:
     FakeEngine.events, FakeEngine.failing, FakeEngine.gate = [], set(), None
+    FakeEngine.raising = set()
     entries = [ModelEntry("a", "/m/a", pinned=True, memory=GIB)] + \
         [ModelEntry(n, f"/m/{n}", memory=GIB) for n in "bcd"]
     return Fleet(entries, FleetConfig(**options), {}, "/nonexistent", 1.0,
@@ -119,6 +121,7 @@ def test_a_failed_load_answers_its_waiters_and_the_next_request_tries_again():
 def test_a_load_that_raises_fails_its_waiters_and_never_hangs_them():
     async def main():
         fleet = _fleet(model_load_timeout=5)
+        FakeEngine.raising = {"d"}
         with pytest.raises(FleetError) as e:
             await _use(fleet, "d")
         return e.value
