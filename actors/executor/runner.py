@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import numpy as np
 import torch
-import zmq
 
 from pagewire.kernels import kv_quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
@@ -39,7 +38,7 @@ from .head_blocks import Compressor
 from .image_rows import ImageRows, image_key_ends
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
-from .kv_transfer import KvPuller, KvServer
+from .kv_transfer import transfer_ends
 from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
@@ -86,7 +85,8 @@ class ModelRunner:
         self.build_kv()
         self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
                              self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
-        self.kv_server, self.kv_puller = self._transfer(notify)
+        self.kv_server, self.kv_puller = transfer_ends(config, self.all_caches[0], self.tp.rank,
+                                                       notify)
         self.sleep = SleepState()          # sleep mode (sleep_mode.py)
         huge_pages.release_freed_memory()
 
@@ -155,20 +155,6 @@ class ModelRunner:
         host = allocate_kv_cache(cfg.num_layers, config.cache.num_host_blocks,
                                  *layout) if config.cache.num_host_blocks else []
         return on_device, host
-
-    def _transfer(self, notify) -> tuple[KvServer | None, KvPuller | None]:
-        """The ends of disaggregated prefill/decode this engine's role asks for."""
-        transfer = self.config.kv_transfer_config
-        if transfer is None:
-            return None, None
-        blocks = BlockBytes(self.all_caches[0])
-        layout = kv_tier_files.layout_key(self.config, self.tp.rank)
-        ctx, keys = zmq.Context.instance(), self.config.parallel.curve_keys
-        server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
-                          transfer.lease_seconds, notify, keys) if transfer.produces else None
-        puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, notify, keys) \
-            if transfer.consumes else None
-        return server, puller
 
     def _drafter(self, spec) -> InStepDraft | None:
         """Methods self and draft_model draft with a model during the verifying step."""

@@ -6,15 +6,20 @@ uncached after each control. The CUDA path's weight parking runs here on the CPU
 reference backend) for its logic, and for real under the gpu marker."""
 from __future__ import annotations
 
+import asyncio
 import os
+import tempfile
 
 import psutil
 import pytest
 import torch
+from aiohttp.test_utils import TestClient, TestServer
 
 from pagewire import LLM, SamplingParams
 from pagewire.config import EngineConfig
 from pagewire.executor.sleep_mode import model_tensors, park, restore
+from pagewire.wire.channels import ipc_address
+from pagewire.wire.engine_control import ControlDone, SleepEngine, WakeEngine
 from tests.helpers import HFOracle, assert_greedy_equal, make_tiny_llama
 
 PROMPT = [1, 5, 9, 33, 47, 101, 7]
@@ -114,6 +119,21 @@ def test_hostile_calls_are_answered_and_change_nothing(engine):
     assert greedy(llm) == tokens
 
 
+def test_one_control_at_a_time(engine):
+    """A second control while one is pending is answered 409 at once; the first runs on."""
+    llm, _, tokens = engine
+    eng = llm.engine
+    assert eng.handle(SleepEngine(req_id="first", level=1)) == []
+    [(to, busy)] = eng.handle(WakeEngine(req_id="second"))
+    assert (to, busy.req_id, busy.status) == ("gateway", "second", 409)
+    assert isinstance(eng.plan(), SleepEngine) and eng.plan() is None    # sent, in flight
+    [(to, done)] = eng.handle(eng.next_result())
+    assert (to, done.req_id, done.status, done.asleep) == \
+        ("gateway", "first", 200, ["weights", "kv_cache"])
+    llm.wake_up()
+    assert greedy(llm) == tokens
+
+
 def test_new_weights_give_their_checkpoints_transformers_tokens(engine):
     llm, paths, tokens = engine
     llm.generate([PROMPT], GREEDY)                  # blocks cached under the old weights
@@ -166,3 +186,64 @@ def test_level_one_on_cuda_moves_the_weights_to_host_memory(smol_tokenizer_dir, 
     assert all(host.is_pinned() for _, host in llm.runner.sleep.parked)
     llm.wake_up()
     assert greedy(llm) == tokens
+
+
+class FakeScheduler:
+    """Answers each control at once as the engine would; records what it was sent."""
+
+    def __init__(self, gateway):
+        self.gateway, self.sent = gateway, []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+        asleep = ["weights", "kv_cache"] if isinstance(msg, SleepEngine) else []
+        done = ControlDone(req_id=msg.req_id, asleep=asleep)
+        asyncio.get_running_loop().call_soon(self.gateway.routes[msg.req_id].put_nowait, done)
+
+
+def test_the_routes_over_a_fake_engine(engine):
+    """Off without the flag (404), behind the API key, the sleeping gateway's 503 for
+    generation while /tokenize is still served, and the controls' wire messages."""
+    from pagewire.gateway.server import Gateway
+    _, paths, _ = engine
+
+    async def main(check, **options):
+        with tempfile.TemporaryDirectory(dir="/tmp") as run_dir:
+            config = EngineConfig.from_options(model=paths["a"], max_model_len=256,
+                                               run_dir=run_dir, **options).resolve()
+            gateway = Gateway(config, lambda name: ipc_address(run_dir, name))
+            gateway.scheduler = FakeScheduler(gateway)
+            async with TestClient(TestServer(gateway.app)) as client:
+                await check(client, gateway)
+
+    async def off(client, gateway):
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/update_weights")):
+            r = await client.request(method, path)
+            assert r.status == 404 and "--enable-sleep-mode" in (await r.text())
+
+    async def on(client, gateway):
+        key = {"Authorization": "Bearer k"}
+        assert (await client.post("/sleep")).status == 401
+        r = await client.post("/sleep?level=2&mode=wait", headers=key)
+        assert (r.status, await r.json()) == (200, {"is_sleeping": True, "aborted_requests": 0,
+                                                    "asleep": ["weights", "kv_cache"]})
+        assert (await (await client.get("/is_sleeping", headers=key)).json()) == \
+            {"is_sleeping": True}
+        r = await client.post("/v1/completions", json={"prompt": "hi"}, headers=key)
+        assert r.status == 503 and "sleeping" in (await r.json())["error"]["message"]
+        r = await client.post("/wake_up?tags=kv_cache&tags=soul", headers=key)
+        assert r.status == 400 and "soul" in (await r.text())
+        r = await client.post("/update_weights", json={"path": paths["heads"]}, headers=key)
+        assert r.status == 400 and "num_heads" in (await r.text())
+        r = await client.post("/update_weights", json={"model_path": paths["b"],
+                                                       "abort_all_requests": True}, headers=key)
+        assert r.status == 200 and (await r.json())["success"]
+        assert [type(m).__name__ for m in gateway.scheduler.sent] == \
+            ["SleepEngine", "UpdateWeights"]
+        sleep, update = gateway.scheduler.sent
+        assert (sleep.level, sleep.mode, update.path, update.mode) == \
+            (2, "wait", paths["b"], "abort")
+
+    asyncio.run(main(off))
+    asyncio.run(main(on, enable_sleep_mode=True, api_keys=["k"]))
