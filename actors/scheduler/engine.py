@@ -96,8 +96,8 @@ class InProcessExecutor:
 
 @dataclass
 class InFlight:
-    """One entry of the ledger: a plan sent, not yet answered."""
-    plan: StepPlan
+    """One entry of the ledger: a plan (or sleep-mode control) sent, not yet answered."""
+    plan: StepPlan | EngineControl
     rows: StepRows           # the scheduler's: what it scheduled in the plan
     ticket: Any              # the executor handle's
 
