@@ -50,6 +50,7 @@ class ModelConfig(_Section):
     runner: str = "auto"                     # RUNNERS: generate, or pool (pooler_info.py)
     convert: str = "auto"                    # CONVERTS: a causal LM's pooled output
     pooler_config: dict | None = None        # pooler overrides (pooler_info._OVERRIDES)
+    enable_sleep_mode: bool = False          # POST /sleep, /wake_up, /update_weights
     model_info: ModelInfo | None = None      # filled in by resolve()
     draft_model_info: ModelInfo | None = None    # speculative method draft_model's (resolve())
 
@@ -339,3 +340,20 @@ def check_kv_compress(config, info) -> None:
     for what, given in unbuilt.items():
         if given:
             raise ValueError(f"--kv-compress-rate with {what} is not supported")
+
+
+def check_sleep_mode(config, info: ModelInfo) -> None:
+    """--enable-sleep-mode with what it cannot serve (EngineConfig.resolve): what keeps KV
+    blocks beyond the pool's life (a disk tier, leases to decode engines) or holds state
+    the pool's rebuild would lose (KV-Compress's head rows), and encoder-only pooling
+    models (no KV pool, their own runner)."""
+    if not config.model.enable_sleep_mode:
+        return
+    given = {"--kv-offload-dir": config.cache.kv_offload_dir is not None,
+             "--kv-transfer-config": config.kv_transfer_config is not None,
+             "--kv-compress-rate": config.cache.kv_compress_rate is not None,
+             "an encoder-only (pooling) model": info.pooler is not None
+             and info.pooler.encoder_only}
+    for what, on in given.items():
+        if on:
+            raise ValueError(f"--enable-sleep-mode with {what} is not supported")

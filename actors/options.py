@@ -105,6 +105,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("quantization", "`int8` or `int4`: a float checkpoint's linears rounded as "
                "they load to the quantized kernels' blocks (Q8_0; Q4_1 with a Q8_0 LM head); "
                "see \"Quantize at load\"", "none", choices=QUANTIZATIONS),
+        Option("enable_sleep_mode", "serve `POST /sleep`, `/wake_up`, `/update_weights` and "
+               "`GET /is_sleeping`: free the KV pool and park or drop the weights between "
+               "uses, load new weights without a restart (see docs/sleep-mode.md)",
+               decides_outputs=False),
     ),
     "cache": (
         Option("block_size", "tokens per KV block"),

@@ -44,6 +44,7 @@ from .anthropic_api import AnthropicRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
+from .sleep_routes import PATHS as SLEEP_PATHS, SleepRoutes
 from .ollama_routes import OllamaRoutes
 from .pooling_routes import PoolingRoutes
 from .stream_input import StreamInputRoutes
@@ -57,7 +58,7 @@ _json = msgspec.json.Encoder()
 # What the API keys guard (/api/: Ollama's routes, ollama_routes.py; the pooling routes
 # outside /v1/, pooling_routes.py); /metrics optionally.
 KEYED_PATHS = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/admin/", "/pooling",
-               "/score", "/rerank", "/classify")
+               "/score", "/rerank", "/classify", *SLEEP_PATHS)
 
 
 class Gateway:
@@ -90,6 +91,7 @@ class Gateway:
         self.error_shapes: list[tuple[str, object]] = []
         self.media = MediaFetcher(config.server)
         self.loras = LoraRoutes(self)
+        self.sleep = SleepRoutes(self)
         self.stream_input = StreamInputRoutes(self, PushChannel(
             ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
@@ -100,7 +102,7 @@ class Gateway:
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
             *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
             *OllamaRoutes(self).routes(), *BatchRoutes(self).routes(),
-            *self.stream_input.routes(), *PoolingRoutes(self).routes()])
+            *self.stream_input.routes(), *PoolingRoutes(self).routes(), *self.sleep.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -166,6 +168,7 @@ class Gateway:
         log.warning("engine %s: %s", event.status, event.reason)
         if event.status == "up":
             self.engine_down, self.heard_from_engine = None, time.monotonic()
+            self.sleep.engine_restarted()
             return
         if event.status == "down":
             self.engine_down = event.reason
@@ -292,14 +295,16 @@ class Gateway:
         tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]
         return f"{tenant}:{body.cache_salt or ''}"
 
-    def check_model(self, model: str | None) -> LoraRef | None:
+    def check_model(self, model: str | None, needs_weights: bool = True) -> LoraRef | None:
         """The adapter `model` names (None: the base model); 404 for an unknown model, 503
-        while the engine cannot take requests."""
+        while the engine cannot take requests (or, `needs_weights`, while it sleeps)."""
         lora = self.loras.lookup(model)
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         if self.engine_down:
             raise ApiError(503, f"the engine is restarting ({self.engine_down})")
+        if needs_weights:
+            self.sleep.check_awake()
         return lora
 
     def check_generates(self) -> None:
