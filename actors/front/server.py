@@ -1,8 +1,8 @@
 """The front's HTTP side: one endpoint for every model of a models file or directory.
 
-A request is relayed, as it is, to the engine of the model its JSON body names in `model`
-(a model's LoRA adapter names that model's engine; a body naming none goes to the default
-model: the first pinned, else the first listed), after that model is loaded; the answer,
+A request is relayed, as it is, to the engine of the model its JSON body (else its query)
+names in `model` (a model's LoRA adapter names that model's engine; naming none, to the
+default model: the first pinned, else the first listed), after that model is loaded; the answer,
 an event stream included, comes back as the engine sends it, and a client that goes away
 closes the engine's connection too (the engine aborts the request). The front answers
 itself: `GET /v1/models` (every model with its state), llama.cpp's `GET /models`,
@@ -76,7 +76,7 @@ class Front:
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        name = named_model(body)
+        name = named_model(body) or request.query.get("model")     # /sleep?model=chat
         engine = self.fleet.lookup(name) if name else self.fleet.default()
         if engine is None:
             return error(request.path, 404, f"model {name!r} is not served here; served: "
