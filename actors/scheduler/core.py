@@ -8,12 +8,14 @@ apply() takes that result. Which plans are in flight, and when to plan ahead, is
 from __future__ import annotations
 
 from pagewire.wire.channels import Sends
+from pagewire.wire.kv_events import KVEventBatch
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import Abort, AbortAll, NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
+from .kv_event_log import KvEventLog
 from .scheduler import Scheduler, StepRows
 
 
@@ -21,6 +23,9 @@ class SchedulerCore:
     def __init__(self, config: EngineConfig, tier_present: list[bytes] | None = None):
         self.config = config
         self.sched = Scheduler(config, tier_present)
+        events = config.kv_events_config
+        if events is not None and events.publishes:      # the device pool reports to it
+            self.sched.kv.events = KvEventLog(config.cache.block_size)
         self.handlers = {NewRequest: self.sched.add, PromptPiece: self.sched.extend,
                          Abort: lambda m: self.sched.abort(m.seq_ids),
                          AbortAll: lambda m: self.sched.abort_all(),
@@ -40,6 +45,11 @@ class SchedulerCore:
     def handle(self, msg) -> Sends:
         """msg: one of SchedulerInbox's types (wire/to_scheduler.py) except StepResult."""
         return _to_detokenizer(self.handlers[type(msg)](msg))
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The prefix cache's events since the last call (--kv-events-config), or None."""
+        events = self.sched.kv.events
+        return events.take() if events is not None else None
 
     def apply(self, plan: StepPlan, rows: StepRows, result: StepResult) -> Sends:
         """The executor's result for `plan` (the oldest in flight)."""
