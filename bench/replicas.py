@@ -92,6 +92,14 @@ def one_round(url: str, rng: random.Random, args) -> float:
     return time.perf_counter() - start
 
 
+def router_placements(url: str) -> str:
+    """`pagewire router`'s count of requests placed by prefix, by load and in turn."""
+    with urllib.request.urlopen(url + "/router/state", timeout=10) as r:
+        state = json.loads(r.read())
+    served = "/".join(str(x["served"]) for x in state["replicas"])
+    return f"  (placed {state['placed']}, served {served})"
+
+
 def replica_args(common: list[str], run_dir: str, i: int) -> list[str]:
     events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{run_dir}/kv{i}",
               "replay_endpoint": f"ipc://{run_dir}/replay{i}"}
@@ -126,6 +134,7 @@ def main() -> None:
             proc, url = start_router(router_command(kind, policy, replicas, run_dir, args))
             try:
                 elapsed = one_round(url, rng, args)
+                placed = router_placements(url) if kind == "pagewire" else ""
             finally:
                 proc.terminate()
                 proc.wait(10)
@@ -134,7 +143,7 @@ def main() -> None:
             hits = sum(a[1] - b[1] for a, b in zip(after, before))
             n = args.groups * args.per_group
             print(f"{kind + ':' + policy:22} {n / elapsed:6.2f} req/s  {elapsed:6.1f} s  "
-                  f"prefix hit rate {hits / max(queries, 1):.1%}", flush=True)
+                  f"prefix hit rate {hits / max(queries, 1):.1%}{placed}", flush=True)
     finally:
         for r in replicas:
             r.stop()

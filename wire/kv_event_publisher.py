@@ -63,16 +63,26 @@ class KvEventPublisher:
         self.inlet = self.ctx.socket(zmq.PAIR)       # the publisher thread's end
         self.inlet.bind(pipe)
         self.outlet = self.ctx.socket(zmq.PAIR)      # the step loop's end
+        self.outlet.sndhwm = buffer_steps
         self.outlet.connect(pipe)
+        self.dropped = 0           # batches the thread had no room for (it never falls behind)
         self.thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
         self.thread.start()
 
     def publish(self, batch: KVEventBatch) -> None:
-        """Called by the step loop: one batch, one send."""
-        self.outlet.send(self.encoder.encode(batch), copy=False)
+        """Called by the step loop: one batch, one send; never blocks the loop."""
+        try:
+            self.outlet.send(self.encoder.encode(batch), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.error("the KV event publisher's thread is not taking batches: dropping")
 
     def close(self) -> None:
-        self.outlet.send(_STOP)
+        try:
+            self.outlet.send(_STOP, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         self.thread.join(5)
         self.outlet.close(0)
 
@@ -90,7 +100,10 @@ class KvEventPublisher:
                         return
                     self._send(payload)
                 if self.replay is not None and self.replay in ready:
-                    self._answer_replay()
+                    try:
+                        self._answer_replay()
+                    except zmq.ZMQError as e:       # a client gone mid-answer: serve on
+                        log.warning("KV event replay failed: %s", e)
         finally:
             for sock in (self.inlet, self.pub, self.replay):
                 if sock is not None:

@@ -118,6 +118,7 @@ def test_kv_aware_places_requests_where_their_prefix_is(tmp_path_factory):
                 async def b_knows(n):
                     async def check():
                         b.publisher.publish(KVEventBatch(0.0, []))   # until the SUB is joined
+                        await asyncio.sleep(0.01)
                         return (await state())[1]["cached_blocks"] == n
                     return check
                 b.publisher.publish(KVEventBatch(0.0, [stored([3], PROMPT[8:12], 2)]))
@@ -136,9 +137,13 @@ def test_kv_aware_places_requests_where_their_prefix_is(tmp_path_factory):
                 assert await _placed(client, PROMPT) == "a"
                 b.hold.set()
                 assert await asyncio.gather(*held) == ["b", "b"]
-                # b restarted: its pool is empty, and so is the router's view of it
+                # b's scheduler restarted: numbers from 0 again, a fresh pool (the replay
+                # gives the batches the router missed, AllBlocksCleared first)
+                b.publisher.close()
+                b.publisher = KvEventPublisher(b.events_at, b.replay_at, topic="kv")
                 b.publisher.publish(KVEventBatch(0.0, [AllBlocksCleared()]))
-                await _until(await b_knows(0))
+                b.publisher.publish(KVEventBatch(0.0, [stored([7], PROMPT[:4])]))
+                await _until(await b_knows(1))
                 seen = await (await client.get("/router/state")).json()
                 assert seen["placed"] == {"prefix": 5, "load": 3, "round-robin": 0}
                 assert [r["event_gaps"] for r in seen["replicas"]] == [0, 0]
