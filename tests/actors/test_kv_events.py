@@ -13,6 +13,7 @@ import zmq
 from pagewire.scheduler.kv_manager import block_hashes
 from pagewire.wire.channels import make_run_dir
 from pagewire.wire.kv_event_publisher import KvEventPublisher
+from pagewire.wire.kv_events import KVEventBatch as PublishedBatch
 
 from .sched_helpers import assert_pool_whole, make_scheduler, new, step
 
@@ -153,57 +154,119 @@ def endpoints(tmp_path_factory):
     return f"ipc://{run_dir}/kv", f"ipc://{run_dir}/replay"
 
 
-def test_a_subscriber_replays_what_it_missed(endpoints):
+class Subscriber:
     """vLLM's subscriber flow: [topic, seq, payload] on SUB; a gap asks the replay socket for
     the batches from the first missed number, answered up to an end marker (-1, b""). A
     DEALER with REQ's envelope (an empty frame first): a REQ socket takes one reply only."""
+
+    def __init__(self, ctx, pub_at: str, replay_at: str):
+        self.sub, self.replay = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        self.sub.connect(pub_at)
+        self.replay.connect(replay_at)
+        self.got: dict[int, KVEventBatch] = {}
+        self.replayed: list[int] = []
+
+    def receive(self, timeout_ms: int) -> bool:
+        if not self.sub.poll(timeout_ms):
+            return False
+        topic, seq_frame, payload = self.sub.recv_multipart()
+        seq = int.from_bytes(seq_frame, "big")
+        assert topic == b"kv"
+        if seq > len(self.got):                                  # missed some: replay
+            self.replay.send_multipart([b"", len(self.got).to_bytes(8, "big")])
+            while True:
+                _, rseq, rpayload = self.replay.recv_multipart()
+                if rpayload == b"":
+                    assert int.from_bytes(rseq, "big", signed=True) == -1
+                    break
+                self.replayed.append(int.from_bytes(rseq, "big"))
+                self.got.setdefault(self.replayed[-1], DECODER.decode(rpayload))
+        self.got.setdefault(seq, DECODER.decode(payload))
+        return True
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.replay.close(0)
+
+
+def test_a_subscriber_replays_what_it_missed(endpoints):
     pub_at, replay_at = endpoints
     sched = make_scheduler(num_blocks=6, block_size=4, max_len=24, kv_events_config=EVENTS)
     publisher = KvEventPublisher(pub_at, replay_at, topic="kv", buffer_steps=100)
     ctx = zmq.Context()
-    sub, replay = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER)
+    publisher.publish(sched.core.take_kv_events())          # seq 0: nobody listens yet
+    total = 1
+    while not publisher.buffer:                              # (it is sent)
+        time.sleep(0.001)
+    sub = Subscriber(ctx, pub_at, replay_at)
     try:
-        publisher.publish(sched.core.take_kv_events())          # seq 0: nobody listens yet
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-        sub.connect(pub_at)
-        replay.connect(replay_at)
-        time.sleep(0.2)                                          # the subscription lands
+        for _ in range(100):                                 # until the subscription lands
+            publisher.publish(PublishedBatch(time.time(), []))
+            total += 1
+            if sub.receive(50):
+                break
+        assert sub.replayed[0] == 0                          # it missed 0 (and more)
         sched.add(new("a", 10, first=100, max_tokens=3))
-        for _ in range(6):
-            if sched.has_work():
-                step(sched)
-                batch = sched.core.take_kv_events()
-                if batch is not None:
-                    publisher.publish(batch)
-        total = next(publisher.numbers)                          # batches sent, plus one
-        got: dict[int, KVEventBatch] = {}
-        replayed = []
-        while len(got) < total and sub.poll(5000):
-            topic, seq_frame, payload = sub.recv_multipart()
-            seq = int.from_bytes(seq_frame, "big")
-            assert topic == b"kv"
-            if seq > len(got):                                   # missed some: replay
-                replay.send_multipart([b"", len(got).to_bytes(8, "big")])
-                while True:
-                    _, rseq, rpayload = replay.recv_multipart()
-                    if rpayload == b"":
-                        assert int.from_bytes(rseq, "big", signed=True) == -1
-                        break
-                    replayed.append(int.from_bytes(rseq, "big"))
-                    got.setdefault(replayed[-1], DECODER.decode(rpayload))
-            got.setdefault(seq, DECODER.decode(payload))
-        assert sorted(got) == list(range(total)) and replayed[0] == 0
+        while sched.has_work():
+            step(sched)
+            batch = sched.core.take_kv_events()
+            if batch is not None:
+                publisher.publish(batch)
+                total += 1
+        while len(sub.got) < total and sub.receive(5000):
+            pass
+        assert sorted(sub.got) == list(range(total))
         held: set[int] = set()
-        for seq in sorted(got):
-            apply(held, got[seq])
-        assert isinstance(got[0].events[0], AllBlocksCleared)
+        for seq in sorted(sub.got):
+            apply(held, sub.got[seq])
+        assert isinstance(sub.got[0].events[0], AllBlocksCleared)
         assert held == {ext(h) for h in sched.kv.cached} == set(chain(list(range(100, 110))
                                                                      + [5, 5])[:3])
     finally:
         publisher.close()
-        sub.close(0)
-        replay.close(0)
+        sub.close()
         ctx.term()
+
+
+def _replayed(ctx, endpoint: str) -> list[KVEventBatch]:
+    """Every batch the publisher buffers, by a replay from 0."""
+    replay = ctx.socket(zmq.DEALER)
+    replay.connect(endpoint)
+    try:
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches = []
+        while True:
+            assert replay.poll(5000)
+            _, seq, payload = replay.recv_multipart()
+            if payload == b"":
+                return batches
+            assert int.from_bytes(seq, "big") == len(batches)
+            batches.append(DECODER.decode(payload))
+    finally:
+        replay.close(0)
+
+
+def test_the_offline_llm_publishes_as_the_scheduler_actor_does(tiny_llama, endpoints):
+    from pagewire import LLM
+    from pagewire.wire.sampling_params import SamplingParams
+    pub_at, replay_at = endpoints
+    llm = LLM(tiny_llama(), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
+              kv_events_config={**EVENTS, "endpoint": pub_at, "replay_endpoint": replay_at})
+    prompt = list(range(10, 23))                     # 3 full blocks, a 4th once decoded
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4,
+                                                   ignore_eos=True))
+    ctx = zmq.Context()
+    try:
+        batches = _replayed(ctx, replay_at)
+    finally:
+        llm._kv_events.close()
+        ctx.term()
+    held: set[int] = set()
+    for batch in batches:
+        apply(held, batch)
+    assert held == {ext(h) for h in llm.scheduler.kv.cached} \
+        == set(chain(prompt + list(out.outputs[0].token_ids))[:4])
 
 
 def test_events_need_prefix_caching_and_known_keys():
