@@ -4,7 +4,7 @@ consumer written for vLLM (a cache-aware router, an indexer) decodes them unchan
 A batch is one step's events, msgpack-encoded as msgspec `array_like` structs, each event a
 tagged array (its class name first):
 
-    KVEventBatch = [ts, [event, ...]]                       (data_parallel_rank omitted: None)
+    KVEventBatch = [ts, [event, ...], data_parallel_rank]   (rank: None, one engine)
     BlockStored  = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                     lora_id, medium, lora_name]
     BlockRemoved = ["BlockRemoved", block_hashes, medium]

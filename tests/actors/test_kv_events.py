@@ -143,6 +143,31 @@ def test_a_salted_or_adapter_request_chains_from_its_own_root():
     assert [h for e in stored for h in e.block_hashes] == salted[:2] != chain(req.prompt_token_ids)[:2]
 
 
+class LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """vLLM's first BlockStored (five fields): older consumers decode the batches too."""
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+
+
+class LegacyBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[LegacyBlockStored]
+
+
+def test_vllms_first_event_structs_decode_the_batches_too():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_len=24, kv_events_config=EVENTS)
+    sched.core.take_kv_events()
+    sched.add(new("a", 9, first=100, max_tokens=1))
+    step(sched)
+    batch = msgspec.msgpack.Decoder(LegacyBatch).decode(
+        msgspec.msgpack.encode(sched.core.take_kv_events()))
+    assert [(e.block_hashes, e.token_ids) for e in batch.events] == \
+        [(chain(list(range(100, 109)))[:2], list(range(100, 108)))]
+
+
 def test_events_off_cost_nothing():
     sched = make_scheduler(num_blocks=6, block_size=4, max_len=24)
     assert sched.kv.events is None and sched.core.take_kv_events() is None
