@@ -12,14 +12,20 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 _PASSED = ("Authorization", "X-Request-Id")     # request headers the engines see too
 
 
+_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
+                  "accept-encoding", "date", "server"})      # per connection: never relayed
+
+
 async def relay(session: aiohttp.ClientSession, request: web.Request, url: str,
-                body: dict | None, headers: dict, method: str = "POST") -> web.StreamResponse:
-    """The engine's answer as it comes (an event stream stays one). Raises
-    ClientConnectorError when the engine cannot be reached (nothing was sent)."""
+                body: dict | bytes | None, headers: dict,
+                method: str = "POST") -> web.StreamResponse:
+    """The engine's answer as it comes (an event stream stays one), with its headers. `body`:
+    JSON to send, or the client's bytes as they came. Raises ClientConnectorError when the
+    engine cannot be reached (nothing was sent)."""
+    sent = {"data": body or None} if isinstance(body, bytes) else {"json": body}
     try:
-        async with session.request(method, url, json=body, headers=headers) as r:
-            response = web.StreamResponse(status=r.status, headers={
-                "Content-Type": r.headers.get("Content-Type", "application/json")})
+        async with session.request(method, url, headers=headers, **sent) as r:
+            response = web.StreamResponse(status=r.status, headers=end_to_end(r.headers))
             await response.prepare(request)
             async for chunk in r.content.iter_any():
                 await response.write(chunk)
@@ -42,6 +48,11 @@ async def down_engines(session: aiohttp.ClientSession, urls: list[str]) -> list[
         except aiohttp.ClientError:
             down.append(url)
     return down
+
+
+def end_to_end(headers) -> dict:
+    """The headers that go on to the other side (not the connection's own)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
 
 
 def passed_headers(request: web.Request) -> dict:
