@@ -38,6 +38,11 @@ class KvEventLog:
         else:
             self.events.append(BlockRemoved([external_hash(block_hash)], self.medium))
 
+    def cleared(self) -> None:
+        """Every cached block forgotten at once (sleep mode, new weights): what came before in
+        this step's batch no longer matters."""
+        self.events = [AllBlocksCleared()]
+
     def take(self) -> KVEventBatch | None:
         """The events since the last take, as one batch; None if there are none."""
         if not self.events:

@@ -138,6 +138,8 @@ class BlockManager:
         self.cached.clear()
         self.hash_of = [None] * self.num_blocks
         self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.events is not None:          # subscribers forget this pool's blocks too
+            self.events.cleared()
 
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / self.num_blocks

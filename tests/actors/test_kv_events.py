@@ -133,6 +133,16 @@ def test_events_name_exactly_the_blocks_stored_and_evicted():
     assert_pool_whole(sched)
 
 
+def test_sleep_modes_cache_reset_is_published_as_all_blocks_cleared():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_len=24, kv_events_config=EVENTS)
+    decoded(sched)
+    sched.add(new("a", 10, first=100, max_tokens=3))
+    finish(sched, "a")
+    assert sched.kv.cached
+    sched.tables.reset_prefix_cache()            # what a sleep or a weight update does
+    assert [type(e) for e in decoded(sched).events] == [AllBlocksCleared]
+
+
 def test_a_salted_or_adapter_request_chains_from_its_own_root():
     sched = make_scheduler(num_blocks=8, block_size=4, max_len=32, kv_events_config=EVENTS)
     decoded(sched)
