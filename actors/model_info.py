@@ -184,7 +184,8 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermedia
 
 def hf_text_config(cfg: dict) -> dict:
     """The text model's config (a multimodal config's text_config) under the usual keys:
-    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null;
+    GPT-2's n_embd, n_layer, ... renamed (nomic-ai's NomicBERT config has them too), its MLP
+    width 4 x hidden where n_inner is null;
     Gemma 3's defaults where its text_config leaves them out."""
     text = dict(cfg.get("text_config", cfg))
     if text.get("model_type") == "gemma3_text":
@@ -192,6 +193,10 @@ def hf_text_config(cfg: dict) -> dict:
     if "n_embd" in text:                  # GPT-2's own keys are the ones its model reads
         text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
         text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]
+    if text.get("model_type") == "nomic_bert" and "max_trained_positions" in text:
+        # nomic-ai's config: v1 / v1.5 trained for 2048 of their 8192 positions (llama.cpp's
+        # converter writes 2048 too)
+        text["max_position_embeddings"] = text["max_trained_positions"]
     return text
 
 
