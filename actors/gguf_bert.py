@@ -13,6 +13,14 @@ What the converter changes, and how it is undone (ARCH below: "bert" or "nomic-b
   is assumed, as transformers' BertModel has it; nomic-bert's is SwiGLU (the converter
   refuses any other).
 - ARCH.pooling_type: llama.cpp's enum, from sentence-transformers' pooling module.
+- a classifier (a cross-encoder reranker: llama.cpp's `--pooling rank`): its head as `cls`
+  (RoBERTa's classifier.dense, BERT's pooler) and `cls.output` (out_proj, classifier): the
+  model is BertForSequenceClassification (RoBERTa's head computes the same: dense, tanh,
+  out_proj on the first token). The converter drops a BertForSequenceClassification's
+  pooler, leaving `cls.output` alone, which llama.cpp cannot run either: refused.
+- XLM-R (tokenizer.ggml.model "t5": gguf_unigram.py) is written as "bert": its position
+  table cut by the converter to start at pad_token_id + 1, so BERT's positions 0..n-1 read
+  the rows RoBERTa's would; one token type.
 - vocabulary: "##x" continuation pieces become "x", word-initial pieces "\\u2581x"
   (llama.cpp's phantom space); tokens in brackets ([CLS], [unused0]) are kept as they are.
 """
@@ -26,12 +34,42 @@ POOLING_TYPES = {0: None, 1: "MEAN", 2: "CLS", 3: "LAST", 4: None}
 _POOLING_NAMES = {0: "none", 4: "rank"}
 
 
-def hf_config(meta: dict, type_vocab_size: int | None = None) -> dict:
+CLASSIFIER = "BertForSequenceClassification"
+
+
+def hf_architecture(meta: dict, tensors, path: str = "") -> str:
+    """The Hugging Face architecture of a BERT-family GGUF whose tensors are named
+    `tensors`: its encoder's, or BERT's classifier where it has a classification head."""
+    arch = meta["general.architecture"]
+    if "cls.output.weight" not in tensors:
+        return ARCHITECTURES[arch][0]
+    if arch != "bert" or "cls.weight" not in tensors:
+        raise ValueError(f"{path}: a GGUF {arch} classifier with a cls.output head and "
+                         f"{'no' if 'cls.weight' not in tensors else 'a'} cls dense is not "
+                         "supported (a BertForSequenceClassification converted without its "
+                         "pooler cannot be run; an XLM-R reranker's head, cls and cls.output, "
+                         "can)")
+    return CLASSIFIER
+
+
+def file_config(header) -> dict:
+    """The config.json of the model a GGUF file (a gguf_header.GGUFHeader) was converted
+    from: hf_config with its token types and classifier labels read from its tensors."""
+    types = header.tensors.get("token_types.weight")
+    out = header.tensors.get("cls.output.weight")
+    return hf_config(header.metadata, types.shape[0] if types is not None else None,
+                     out.shape[0] if out is not None else None, header.tensors)
+
+
+def hf_config(meta: dict, type_vocab_size: int | None = None, num_labels: int | None = None,
+              tensors=()) -> dict:
     """The config.json of the model a "bert" or "nomic-bert" GGUF was converted from (the
     keys EncoderConfig.from_hf reads). `type_vocab_size`: the token_types tensor's rows,
-    where the file has no token_type_count."""
+    where the file has no token_type_count; `num_labels`: cls.output's rows (a classifier's:
+    `tensors`, the file's tensor names, tell)."""
     arch = meta["general.architecture"]
-    architecture, model_type = ARCHITECTURES[arch]
+    architecture = hf_architecture(meta, tensors)
+    model_type = ARCHITECTURES[arch][1]
     count = meta.get("tokenizer.ggml.token_type_count", type_vocab_size)
     cfg = {"architectures": [architecture], "model_type": model_type,
            "hidden_size": int(meta[f"{arch}.embedding_length"]),
@@ -42,6 +80,11 @@ def hf_config(meta: dict, type_vocab_size: int | None = None) -> dict:
            "max_position_embeddings": int(meta[f"{arch}.context_length"]),
            "type_vocab_size": int(count if count is not None else 2),
            "layer_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-12))}
+    if architecture == CLASSIFIER:
+        labels = meta.get(f"{arch}.classifier.output_labels")
+        cfg["id2label"] = {str(i): str(label) for i, label in enumerate(labels)} \
+            if labels is not None and len(labels) == num_labels else \
+            {str(i): f"LABEL_{i}" for i in range(num_labels)}
     if arch == "nomic-bert":
         base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
         return {**cfg, "hidden_act": "silu",
@@ -50,8 +93,9 @@ def hf_config(meta: dict, type_vocab_size: int | None = None) -> dict:
 
 
 def pooling_type(meta: dict, path: str = "") -> str:
-    """The pooling type ARCH.pooling_type names (MEAN, CLS or LAST). A file without one, or
-    with none or rank (a reranker's classifier head, not read yet), is refused: give
+    """The pooling type ARCH.pooling_type names (MEAN, CLS or LAST), for an embedding model
+    (a classifier's file pools through its head, whatever this says). A file without one,
+    or with none or rank (rank without a classification head), is refused: give
     --pooler-config pooling_type to pool it anyway."""
     key = f"{meta.get('general.architecture', 'bert')}.pooling_type"
     value = meta.get(key)

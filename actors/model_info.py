@@ -102,13 +102,17 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
     """The model's info with its pooler under --runner, --convert and --pooler-config
     (pooler_info.resolve_pooler; None: it generates)."""
     cfg = {"hidden_size": info.hidden_size}
+    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
+        from .gguf_bert import file_config
+        cfg = file_config(read_gguf_header(info.path))      # a classifier's labels
     if info.format == "hf":
         with open(os.path.join(info.path, "config.json")) as f:
             full = json.load(f)
         cfg = hf_text_config(full)
         if info.architecture in CLIP_ARCHITECTURES:      # its embeddings are projected
             cfg["hidden_size"] = full.get("projection_dim", 512)
-    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
+    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES and \
+            not info.architecture.endswith("ForSequenceClassification"):
         overrides = _gguf_pooling(info, overrides)
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
                             info.architecture in ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES,
@@ -258,6 +262,9 @@ def _gguf_info(path: str) -> ModelInfo:
     if missing:
         raise ValueError(f"{path}: GGUF metadata is missing {', '.join(missing)}")
     architecture = gguf_architecture(meta)
+    if architecture_pools(arch):               # BERT's classifier where it has a head
+        from .gguf_bert import hf_architecture
+        architecture = hf_architecture(meta, header.tensors, path)
     check_architecture(architecture, path)
     check_tensors(path, header)
     heads = meta[f"{arch}.attention.head_count"]

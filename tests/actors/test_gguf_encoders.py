@@ -219,3 +219,72 @@ def test_nomic_ais_own_config_reads_as_transformers_one(nomic, tmp_path):
         EncoderConfig.from_hf({**theirs, "prenorm": True, "hidden_size": 128,
                                "num_hidden_layers": 2, "num_attention_heads": 2,
                                "intermediate_size": 256, "max_position_embeddings": 48})
+
+
+# An XLM-R cross-encoder (bge-reranker-style) as llama.cpp's converter writes it: arch "bert",
+# a "t5" Unigram vocabulary, the head as cls / cls.output; transformers'
+# XLMRobertaForSequenceClassification (sigmoid of its one logit) is the oracle.
+QUERY = "where does the cat sleep"
+DOCS = ["the cat sleeps in the house", "Paris is a big city!", "the dog runs", "",
+        "cats sleep, dogs run " * 3]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    """{name: path}: the tiny reranker, its GGUF, and transformers' scores of DOCS."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaForSequenceClassification
+
+    from pagewire.testing.gguf_xlmr import make_reranker, write_reranker_gguf
+    root = tmp_path_factory.mktemp("reranker")
+    hf = make_reranker(str(root / "hf"))
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = XLMRobertaForSequenceClassification.from_pretrained(hf).eval()
+    with torch.inference_mode():
+        want = [torch.sigmoid(model(**tok(QUERY, d, return_tensors="pt")).logits)[0, 0].item()
+                for d in DOCS]
+    return {"hf": hf, "gguf": write_reranker_gguf(hf, str(root / "reranker.gguf")),
+            "want": np.array(want)}
+
+
+def test_a_gguf_reranker_resolves_as_a_classifier_with_its_unigram_tokenizer(reranker):
+    from transformers import AutoTokenizer
+
+    from pagewire.hf_tokenizer import load_tokenizer
+    info = with_pooler(resolve_model(reranker["gguf"]))
+    assert (info.architecture, info.max_model_len, info.pooler.task,
+            info.pooler.labels) == ("BertForSequenceClassification", 62, "classify", ["LABEL_0"])
+    want, got = AutoTokenizer.from_pretrained(reranker["hf"]), load_tokenizer(info)
+    for text, pair in zip(TEXTS + ODD, PAIRS * 2):
+        assert got(text)["input_ids"] == want(text)["input_ids"], text
+        assert got(text, pair)["input_ids"] == want(text, pair)["input_ids"], (text, pair)
+
+
+def test_a_bert_classifier_without_its_pooler_is_refused():
+    """llama.cpp's converter drops a BertForSequenceClassification's pooler (cls.output
+    alone): neither llama.cpp nor pagewire can run that head."""
+    from pagewire.gguf_bert import hf_architecture
+    meta = {"general.architecture": "bert"}
+    assert hf_architecture(meta, {"cls.weight", "cls.output.weight"}) == \
+        "BertForSequenceClassification"
+    assert hf_architecture(meta, {"token_embd.weight"}) == "BertModel"
+    with pytest.raises(ValueError, match="m.gguf: a GGUF bert classifier .* no cls dense"):
+        hf_architecture(meta, {"cls.output.weight"}, "m.gguf")
+
+
+def _scores(path: str, kernels: str = "torch") -> np.ndarray:
+    dtype = "float32" if kernels == "torch" else "bfloat16"
+    llm = LLM(path, dtype=dtype, kernels=kernels, max_num_seqs=3)
+    return np.array([o.outputs.score for o in llm.score(QUERY, DOCS)])
+
+
+def test_gguf_reranker_scores_match_transformers(reranker):
+    """float32 torch ops, F32 weights (measured: within 9e-8), in transformers' order."""
+    got = _scores(reranker["gguf"])
+    np.testing.assert_allclose(got, reranker["want"], atol=1e-6)
+    assert list(np.argsort(-got)) == list(np.argsort(-reranker["want"]))
+
+
+def test_a_gguf_reranker_scores_on_the_native_tiers(reranker, tier):
+    """bfloat16 weights and activations (measured on avx2: within 2e-3)."""
+    np.testing.assert_allclose(_scores(reranker["gguf"], tier), reranker["want"], atol=6e-3)

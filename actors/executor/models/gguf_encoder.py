@@ -6,8 +6,8 @@ the model's dtype as each is read; the config from its metadata.
 llama.cpp's names (gguf-py's MODEL_TENSORS[MODEL_ARCH.BERT] and [NOMIC_BERT]) -> the
 checkpoint's they were converted from: BertModel's, and nomic-ai's for NomicBERT (attn_qkv
 is Wqkv, q, k and v stacked by rows; ffn_up is fc11, ffn_gate fc12: silu(gate) * up). A
-reranker's classifier head (cls, cls.output) is not read: its pooling type is refused at
-start."""
+reranker's classifier head, cls and cls.output, is BERT's pooler and classifier
+(gguf_bert.hf_architecture)."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +25,8 @@ _EMBEDDINGS = {"token_embd": "embeddings.word_embeddings",
                "position_embd": "embeddings.position_embeddings",
                "token_embd_norm": "embeddings.LayerNorm"}
 _NAMES = {
-    "bert": (_EMBEDDINGS, "encoder.layer.{}.", {
+    "bert": ({**_EMBEDDINGS, "cls": "pooler.dense", "cls.output": "classifier"},
+             "encoder.layer.{}.", {
         "attn_q": "attention.self.query", "attn_k": "attention.self.key",
         "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
         "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
@@ -51,11 +52,8 @@ def hf_name(name: str, arch: str = "bert") -> str | None:
 
 
 def gguf_encoder_config(header, architecture: str | None = None) -> EncoderConfig:
-    """The encoder's config from the file's metadata (and its token_types tensor's rows,
-    where the metadata has no token type count)."""
-    types = header.tensors.get("token_types.weight")
-    cfg = gguf_bert.hf_config(header.metadata, types.shape[0] if types is not None else None)
-    return EncoderConfig.from_hf(cfg, architecture)
+    """The encoder's config from the file's metadata and tensors (gguf_bert.file_config)."""
+    return EncoderConfig.from_hf(gguf_bert.file_config(header), architecture)
 
 
 def read_gguf_state(path: str, header, cfg: EncoderConfig,
