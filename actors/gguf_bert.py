@@ -32,9 +32,7 @@ PHANTOM = "\u2581"
 # llama.cpp's enum llama_pooling_type -> pooler_info's pooling types (None: refused)
 POOLING_TYPES = {0: None, 1: "MEAN", 2: "CLS", 3: "LAST", 4: None}
 _POOLING_NAMES = {0: "none", 4: "rank"}
-
-
-CLASSIFIER = "BertForSequenceClassification"
+CLASSIFIER = "BertForSequenceClassification"     # a "bert" file with a classification head
 
 
 def hf_architecture(meta: dict, tensors, path: str = "") -> str:
@@ -90,6 +88,17 @@ def hf_config(meta: dict, type_vocab_size: int | None = None, num_labels: int | 
         return {**cfg, "hidden_act": "silu",
                 "rope_parameters": {"rope_type": "default", "rope_theta": base}}
     return {**cfg, "hidden_act": "gelu", "position_embedding_type": "absolute"}
+
+
+def pooler_inputs(header, path: str, overrides: dict | None) -> tuple[dict, dict]:
+    """What pooler_info.resolve_pooler reads of a BERT-family GGUF: its config (file_config:
+    a classifier's labels) and --pooler-config with the file's pooling type as an embedding
+    model's default (the file keeps no sentence-transformers modules; normalised, as
+    without them)."""
+    cfg, overrides = file_config(header), dict(overrides or {})
+    if cfg["architectures"][0] != CLASSIFIER and "pooling_type" not in overrides:
+        overrides["pooling_type"] = pooling_type(header.metadata, path)
+    return cfg, overrides
 
 
 def pooling_type(meta: dict, path: str = "") -> str:

@@ -103,33 +103,20 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
     (pooler_info.resolve_pooler; None: it generates)."""
     cfg = {"hidden_size": info.hidden_size}
     if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
-        from .gguf_bert import file_config
-        cfg = file_config(read_gguf_header(info.path))      # a classifier's labels
+        from .gguf_bert import pooler_inputs
+        cfg, overrides = pooler_inputs(read_gguf_header(info.path), info.path, overrides)
     if info.format == "hf":
         with open(os.path.join(info.path, "config.json")) as f:
             full = json.load(f)
         cfg = hf_text_config(full)
         if info.architecture in CLIP_ARCHITECTURES:      # its embeddings are projected
             cfg["hidden_size"] = full.get("projection_dim", 512)
-    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES and \
-            not info.architecture.endswith("ForSequenceClassification"):
-        overrides = _gguf_pooling(info, overrides)
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
                             info.architecture in ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES,
                             runner, convert, overrides, lambda text: _one_token(info, text))
     if pooler is not None and info.mmproj:
         raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
     return msgspec.structs.replace(info, pooler=pooler)
-
-
-def _gguf_pooling(info: ModelInfo, overrides: dict | None) -> dict:
-    """--pooler-config with a GGUF encoder's bert.pooling_type as its default pooling type
-    (the file keeps no sentence-transformers modules; normalised, as without them)."""
-    overrides = dict(overrides or {})
-    if "pooling_type" not in overrides:
-        from .gguf_bert import pooling_type
-        overrides["pooling_type"] = pooling_type(read_gguf_header(info.path).metadata, info.path)
-    return overrides
 
 
 def _one_token(info: ModelInfo, text: str) -> int:
