@@ -1,7 +1,8 @@
-"""Encoder-only models (BERT, RoBERTa / XLM-R, MPNet, ModernBERT, NomicBERT; encoder_config.py): a flat
-batch of whole sequences in, each token's final hidden state out, then pooled (`embed`) or
-through the architecture's classification head (`classify`). No KV cache: every token of a
-sequence sees every token of it and none of another's (ops.encoder_attention).
+"""Encoder-only models (BERT, RoBERTa / XLM-R, MPNet, ModernBERT, NomicBERT;
+encoder_config.py): a flat batch of whole sequences in, each token's final hidden state out,
+then pooled (`embed`) or through the architecture's classification head (`classify`). No KV
+cache: every token of a sequence sees every token of it and none of another's
+(ops.encoder_attention).
 
 Linears are kernels.linear.Linear and norms, GELUs and attention go through the backend's
 `ops`, so Backend.prepare lays the weights out for the native tiers (BF16 tiles, oneDNN

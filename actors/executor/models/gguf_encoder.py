@@ -72,8 +72,8 @@ def read_gguf_state(path: str, header, cfg: EncoderConfig,
 
 def load_gguf_encoder(path: str, dtype: torch.dtype, ops=None,
                       architecture: str | None = None) -> EncoderModel:
-    """The EncoderModel of a "bert" or "nomic-bert" GGUF file, on the CPU (Backend.load moves and lays it
-    out, as for a safetensors encoder)."""
+    """The EncoderModel of a "bert" or "nomic-bert" GGUF file, on the CPU (Backend.load moves
+    and lays it out, as for a safetensors encoder)."""
     from pagewire.gguf_header import read_gguf_header
 
     from ..loader import no_init, one_thread    # (it imports encoder_weights, which imports us)
