@@ -26,7 +26,9 @@ def phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def _pooling_type(path: str) -> int | None:
+def st_pooling_type(path: str) -> int | None:
+    """gguf.PoolingType's value of sentence-transformers' pooling module at path (None:
+    no module), as the converter's _try_set_pooling_type reads it."""
     modules = os.path.join(path, "modules.json")
     if not os.path.isfile(modules):
         return None
@@ -89,7 +91,7 @@ def write_bert_gguf(path: str, out: str, qtype: str = "F16") -> str:
     writer.add_causal_attention(False)
     if arch == gguf.MODEL_ARCH.NOMIC_BERT:
         writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    pooling = _pooling_type(path)
+    pooling = st_pooling_type(path)
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType(pooling))
     writer.add_token_type_count(cfg.get("type_vocab_size", 1))

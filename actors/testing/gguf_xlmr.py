@@ -1,9 +1,11 @@
-"""A tiny XLM-RoBERTa cross-encoder (a bge-reranker of the TINY shape) with a Unigram
-tokenizer, and its GGUF as llama.cpp's convert_hf_to_gguf.py (XLMRobertaModel: arch "bert")
-writes it (tests): the vocabulary as tokenizer.ggml.model "t5" with its scores and
-normalization charsmap (the tokenizer.json path of _xlmroberta_set_vocab), the position
-table cut to start at pad_token_id + 1, "roberta." dropped from the names, the head as cls
-and cls.output; no pooling type (llama.cpp's server is told `--pooling rank`)."""
+"""A tiny XLM-RoBERTa cross-encoder (a bge-reranker of the TINY shape) or embedding model (a
+BGE-M3's: CLS pooled) with a Unigram tokenizer, and its GGUF as llama.cpp's
+convert_hf_to_gguf.py (XLMRobertaModel: arch "bert") writes it (tests): the vocabulary as
+tokenizer.ggml.model "t5" with its scores and normalization charsmap (the tokenizer.json path
+of _xlmroberta_set_vocab), the position table cut to start at pad_token_id + 1, "roberta."
+dropped from the names, a head as cls and cls.output; the pooling type from
+sentence-transformers' module, none for a reranker (llama.cpp's server is told `--pooling
+rank`)."""
 from __future__ import annotations
 
 import base64
@@ -35,11 +37,16 @@ def _pieces(size: int) -> list[tuple[str, float]]:
         [(f"\u2581extra{i}", -20.0) for i in range(size - 5 - len(pieces))] + [("<mask>", 0.0)]
 
 
-def make_reranker(path: str) -> str:
-    """A random one-label XLMRobertaForSequenceClassification with its tokenizer at path."""
+def make_reranker(path: str, architecture: str = "XLMRobertaForSequenceClassification") -> str:
+    """A random one-label XLMRobertaForSequenceClassification (or an XLMRobertaModel with
+    sentence-transformers' CLS pooling) with its tokenizer at path."""
     from transformers import XLMRobertaTokenizer
-    make_tiny_encoder(path, "XLMRobertaForSequenceClassification", num_labels=1,
+
+    from .tiny_sentence import write_sentence_modules
+    make_tiny_encoder(path, architecture, num_labels=1,
                       pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+    if not architecture.endswith("ForSequenceClassification"):
+        write_sentence_modules(path, "cls")
     XLMRobertaTokenizer(vocab=_pieces(TINY["vocab_size"]),
                         _spm_precompiled_charsmap=EMPTY_CHARSMAP).save_pretrained(path)
     return path
@@ -74,6 +81,8 @@ def write_reranker_gguf(path: str, out: str) -> str:
     """The reranker at `path` as the converter writes it with --outtype f32; returns out."""
     import gguf
     from safetensors.numpy import load_file
+
+    from .gguf_bert import st_pooling_type
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     offset = cfg["pad_token_id"] + 1
@@ -85,11 +94,13 @@ def write_reranker_gguf(path: str, out: str) -> str:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_layer_norm_eps(cfg["layer_norm_eps"])
     writer.add_causal_attention(False)
+    if (pooling := st_pooling_type(path)) is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling))
     _add_vocab(writer, path, cfg.get("type_vocab_size", 1))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, cfg["num_hidden_layers"])
     for name, a in load_file(os.path.join(path, "model.safetensors")).items():
         name = name.removeprefix("roberta.")
-        if name.endswith("position_ids"):
+        if name.endswith("position_ids") or name.startswith("pooler."):   # as the converter
             continue
         if name == "embeddings.position_embeddings.weight":
             a = a[offset:]
