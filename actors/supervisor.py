@@ -9,8 +9,11 @@ of $WATCHDOG_USEC) only while all of them are fresh and no step has stalled: a h
 stops the pings and systemd restarts the service.
 
 When an actor dies:
-- a tokenizer or the detokenizer is restarted; the gateway fails requests in flight cleanly
-  (their state may have been in the dead actor) and keeps serving;
+- a tokenizer or the detokenizer is restarted and no request is lost: the gateway hears
+  "lost" (EngineEvent) and resends what a dead tokenizer held to a live one (requests keep
+  arriving and are served meanwhile); a new detokenizer asks the scheduler for the state of
+  every request (DetokResync: its start and all its tokens) and rebuilds their text, of
+  which the gateway forwards only what its clients have not had; "back" once it serves;
 - the gateway is restarted; the scheduler aborts every request (their clients are gone);
 - the scheduler or an executor: the gateway fails every request in flight and answers 503
   while the core (executors, scheduler, detokenizer) restarts, then serves again.
@@ -263,10 +266,11 @@ class Supervisor:
             self.scheduler_channel.send(AbortAll(f"{name} died"))
             self._respawn(name)
         else:
-            # First fail what was in flight (its state may have died there); requests sent
-            # from now on queue at the socket and reach the new actor.
-            self.gateway_channel.send(EngineEvent("restarted", f"{name} died"))
+            # A stateless actor: nothing fails. The gateway resends what a tokenizer held and
+            # routes around it; a new detokenizer is rebuilt from the scheduler's record.
+            self.gateway_channel.send(EngineEvent("lost", f"{name} died", name))
             self._respawn(name)
+            self.gateway_channel.send(EngineEvent("back", f"{name} restarted", name))
 
     def _last_words(self, name: str, wait: float) -> str | None:
         """What `name` said (Fatal) before it died, handling what else is in the inbox. An
