@@ -208,8 +208,13 @@ class Detokenizer:
             self.early.setdefault(delta.seq_id, []).append(delta)
 
 
-def run(env) -> None:
-    detok = Detokenizer(load_backend_tokenizer(env.config.model.model_info))
+def prepare(config) -> Detokenizer:
+    """The slow part of a start, which a warm spare does ahead (process.py)."""
+    return Detokenizer(load_backend_tokenizer(config.model.model_info))
+
+
+def run(env, prepared: Detokenizer | None = None) -> None:
+    detok = prepared if prepared is not None else prepare(env.config)
     inbox = env.pull("detokenizer", DetokenizerInbox)
     pushes = {name: env.push(name) for name in ("gateway", "scheduler")}
     pushes["scheduler"].send(DetokenizerStarted(os.getpid()))   # answered with a DetokResync

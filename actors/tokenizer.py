@@ -323,9 +323,14 @@ class RequestTokenizer:
                                f"({len(ids)} in the prompt, {max_tokens} for the completion).")
 
 
-def run(env) -> None:
-    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model.model_info),
-                                 background=True)
+def prepare(config: EngineConfig) -> RequestTokenizer:
+    """The slow part of a start (transformers, the model's tokenizer), which a warm spare
+    does ahead (process.py)."""
+    return RequestTokenizer(config, load_tokenizer(config.model.model_info), background=True)
+
+
+def run(env, prepared: RequestTokenizer | None = None) -> None:
+    tokenizer = prepared if prepared is not None else prepare(env.config)
     inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
     pushes = {name: env.push(name) for name in ("scheduler", "detokenizer", "gateway")}
     env.ready()

@@ -36,7 +36,7 @@ FLAT_FIELDS = (
 ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes",
                "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
                "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency",
-               "mmproj", "runner", "convert", "pooler_config")
+               "mmproj", "runner", "convert", "pooler_config", "warm_spares")
 
 
 def _resolved(**options) -> EngineConfig:
