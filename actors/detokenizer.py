@@ -160,7 +160,7 @@ class Detokenizer:
             self.ended.pop(sid, None)
             self.live[sid] = IncrementalText(self.backend, starts[sid.req])
             t, a = self.on_deltas(TokenDeltas([TokenDelta(sid, out.token_ids, out.finish_reason,
-                                                          out.error)]))
+                                                          out.error, pooled=out.pooled)]))
             for delta in t:
                 delta.from_start = True
             texts += [d for d in t if d.text or d.finish_reason]

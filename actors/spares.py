@@ -5,9 +5,9 @@ spare has done both (process.py: `python -m pagewire.process ROLE CONFIG spare`)
 its stdin. The supervisor's restart of a dead tokenizer or detokenizer takes the spare in its
 place, writing it the index it serves as, so the actor binds its inbox and says Ready within a
 fraction of its cold start; a fresh spare for the next death starts once the supervisor is
-back to watching (refill), off the restart's critical path. A spare that exits before its
+back to watching (refill), off the restart's critical path. A spare that fails before its
 promotion is not restarted for that role again (its prepare failed, and a cold start will
-say why).
+say why); one killed by a signal is.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ class WarmSpares:
         for role in self.roles:
             spare = self.spares.get(role)
             if spare is not None and spare.poll() is not None:
-                log.warning("the spare %s exited with code %d; no more spares for it",
-                            role, spare.returncode)
-                self.failed.add(role)
                 del self.spares[role]
+                if spare.returncode > 0:      # its prepare failed (killed by a signal: again)
+                    log.warning("the spare %s exited with code %d; no more spares for it",
+                                role, spare.returncode)
+                    self.failed.add(role)
             if role not in self.spares and role not in self.failed:
                 self.spares[role] = subprocess.Popen(self.command(role), stdin=subprocess.PIPE)
 

@@ -64,11 +64,13 @@ class TokenDeltas(msgspec.Struct, tag=True, gc=False):
 
 
 class OutputTokens(msgspec.Struct, array_like=True, gc=False):
-    """One output sequence as the scheduler sent it so far: every token, and how it ended."""
+    """One output sequence as the scheduler sent it so far: every token, and how it ended
+    (a pooling request's vector with it)."""
     seq_id: SeqId
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    pooled: bytes | None = None
 
 
 class DetokResync(msgspec.Struct, tag=True, gc=False):

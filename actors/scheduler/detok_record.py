@@ -40,11 +40,12 @@ class RequestRecord:
         self.start = start
         self.tokens: dict[SeqId, array] = {o: array("i") for o in
                                            output_ids(start.req_id, start.num_outputs)}
-        self.finals: dict[SeqId, tuple[str, str | None]] = {}   # output -> (reason, error)
+        # output -> (reason, error, pooled vector)
+        self.finals: dict[SeqId, tuple[str, str | None, bytes | None]] = {}
         self.ended_at: float | None = None
 
     def outputs(self) -> list[OutputTokens]:
-        return [OutputTokens(o, list(t), *self.finals.get(o, (None, None)))
+        return [OutputTokens(o, list(t), *self.finals.get(o, (None, None, None)))
                 for o, t in self.tokens.items()]
 
 
@@ -80,7 +81,7 @@ class DetokRecord:
                 continue
             tokens.extend(d.token_ids)
             if d.finish_reason:
-                record.finals[d.seq_id] = (d.finish_reason, d.error)
+                record.finals[d.seq_id] = (d.finish_reason, d.error, d.pooled)
                 if len(record.finals) == len(record.tokens):
                     record.ended_at = self.clock()
                     self.ended[d.seq_id.req] = record.ended_at
