@@ -15,7 +15,6 @@ resent by the gateway) is dropped.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import msgspec
@@ -217,7 +216,7 @@ def run(env, prepared: Detokenizer | None = None) -> None:
     detok = prepared if prepared is not None else prepare(env.config)
     inbox = env.pull("detokenizer", DetokenizerInbox)
     pushes = {name: env.push(name) for name in ("gateway", "scheduler")}
-    pushes["scheduler"].send(DetokenizerStarted(os.getpid()))   # answered with a DetokResync
+    pushes["scheduler"].send(DetokenizerStarted())   # answered with a DetokResync
     env.ready()
     for msg in env.messages(inbox):
         for channel, out in detok.handle(msg):

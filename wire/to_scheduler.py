@@ -127,7 +127,6 @@ class DetokenizerStarted(msgspec.Struct, tag=True):
     """From a detokenizer once it listens (at start and after a restart): the scheduler answers
     with a DetokResync (to_detokenizer.py), the state of every request it holds or ended
     lately, so nothing a dead detokenizer held is lost."""
-    pid: int
 
 
 SchedulerInbox = (NewRequest | PromptPiece | Abort | StepResult | AbortAll | KvLeaseEnded

@@ -87,7 +87,7 @@ def _run(tokenizer, ids, kill_at=None, lost=2):
                 continue
             queued.append(TokenDeltas(deltas))             # waits for the new one
             detok = Detokenizer(tokenizer)
-            for msg in queued + [m for _, m in sched.core.handle(DetokenizerStarted(1))]:
+            for msg in queued + [m for _, m in sched.core.handle(DetokenizerStarted())]:
                 for abort in gateway.take(detok.handle(msg)):
                     sched.send(abort)
         else:
@@ -120,7 +120,7 @@ def test_a_resent_new_request_is_ignored_while_held_and_once_ended(tokenizer):
     assert deltas == [TokenDelta(SeqId("a"), [8])]
     sched.send(Abort([SeqId("a")]))
     assert sched.send(req) == [] and not sched.has_work()  # ended lately: not run again
-    (resync,) = [m for _, m in sched.core.handle(DetokenizerStarted(1))]
+    (resync,) = [m for _, m in sched.core.handle(DetokenizerStarted())]
     assert isinstance(resync, DetokResync)
     assert resync.starts == [detok_start("a", req.prompt_token_ids, req.sampling)]
     assert [(o.seq_id, o.token_ids, o.finish_reason) for o in resync.outputs] == [
