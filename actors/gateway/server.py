@@ -89,8 +89,7 @@ class Gateway:
         self.error_shapes: list[tuple[str, object]] = []
         self.media = MediaFetcher(config.server)
         self.loras = LoraRoutes(self)
-        self.stream_input = StreamInputRoutes(self, PushChannel(
-            ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
+        self.stream_input = StreamInputRoutes(self, self.tokenizers)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
@@ -164,12 +163,10 @@ class Gateway:
     def on_engine_event(self, event: EngineEvent) -> None:
         """The supervisor restarts part of the engine. The core ("down"): every request in
         flight fails with a 503 (its state is gone), and new ones until "up". A tokenizer
-        ("lost"): what it held is resent (tokenizer_pool.py); the sessions of streamed prompts,
-        whose pieces went to tokenizer 0, fail with it. A detokenizer: nothing (the scheduler
-        rebuilds the new one)."""
+        ("lost"): what it held is resent (tokenizer_pool.py), but a streamed prompt fails. A
+        detokenizer: nothing (the scheduler rebuilds the new one)."""
         log.warning("engine %s: %s", event.status, event.reason)
-        if self.tokenizers.on_event(event, self.routes.__contains__) == 0:
-            self.fail(list(self.stream_input.sessions.values()), event.reason)
+        self.fail(self.tokenizers.on_event(event, self.routes.__contains__), event.reason)
         if event.status == "up":
             self.engine_down, self.heard_from_engine = None, time.monotonic()
         elif event.status == "down":

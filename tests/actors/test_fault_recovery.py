@@ -20,7 +20,8 @@ from pagewire.wire.sampling_params import SamplingParams
 from pagewire.wire.to_detokenizer import DetokResync, TokenDelta, TokenDeltas, detok_start
 from pagewire.wire.to_gateway import EngineEvent, TextDeltas
 from pagewire.wire.to_scheduler import Abort, DetokenizerStarted, NewRequest
-from pagewire.wire.to_tokenizer import TokenizeOnly, TokenizerInbox, TokenizeRequest
+from pagewire.wire.to_tokenizer import (TokenizeOnly, TokenizePiece, TokenizerInbox,
+                                        TokenizeRequest)
 from tests.actors.sched_helpers import make_scheduler, step
 
 TEXT = "Héllo wörld 日本語 🙂 then STOP and more 𝔘𝔫𝔦 never sent"
@@ -189,7 +190,7 @@ def test_a_dead_tokenizers_unanswered_requests_are_resent_to_a_live_one(pool):
     assert [_received(i, 3) for i in inboxes] == [["r0", "r2", "r4"], ["r1", "r3", "r5"]]
     pool.answered("r0")                                      # answered: not resent
     waiting = {"r0", "r1", "r2", "r3", "r5"}                 # r4's client went away
-    assert pool.on_event(EngineEvent("lost", "died", "tokenizer 0"), waiting.__contains__) == 0
+    assert pool.on_event(EngineEvent("lost", "died", "tokenizer 0"), waiting.__contains__) == []
     assert _received(inboxes[1], 1) == ["r2"]
     pool.send(TokenizeOnly(req_id="r6", prompt="x"))         # while 0 restarts: to 1 only
     pool.send(TokenizeOnly(req_id="r7", prompt="x"))
@@ -201,6 +202,21 @@ def test_a_dead_tokenizers_unanswered_requests_are_resent_to_a_live_one(pool):
     assert set(pool.held) == {"r1", "r2", "r3", "r5", "r6", "r7", "r8", "r9"}
     pool.forget_gone(waiting.__contains__)
     assert set(pool.held) == {"r1", "r2", "r3", "r5"}
+
+
+def test_a_streamed_prompt_on_a_dead_tokenizer_fails_and_is_not_resent(pool):
+    pool, inboxes = pool
+    stream = TokenizeRequest(req_id="s", arrival_time=0.0, sampling=SamplingParams(),
+                             prompt="first", prompt_open=True)
+    pool.send(TokenizeOnly(req_id="r0", prompt="x"))              # to tokenizer 0
+    pool.send(TokenizeOnly(req_id="r1", prompt="x"))              # to tokenizer 1
+    pool.send_pinned(stream)
+    pool.send_pinned(TokenizePiece(req_id="s", reply_id="s:piece", prompt=" more"))
+    assert _received(inboxes[0], 3) == ["r0", "s", "s"] and _received(inboxes[1], 1) == ["r1"]
+    lost = EngineEvent("lost", "died", "tokenizer 0")
+    assert pool.on_event(lost, {"r0", "r1", "s"}.__contains__) == ["s"]
+    assert _received(inboxes[1], 1) == ["r0"] and _received(inboxes[0], 0) == []
+    assert set(pool.held) == {"r0", "r1"} and not pool.pinned
 
 
 def test_the_detokenizers_tokenizer_without_transformers_is_transformers_one(tokenizer):
