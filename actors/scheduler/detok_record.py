@@ -53,6 +53,7 @@ class DetokRecord:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.requests: dict[str, RequestRecord] = {}      # by request id, live or ended lately
+        self.open: dict[SeqId, array] = {}     # outputs not ended: their records' token arrays
         self.ended: OrderedDict[str, float] = OrderedDict()   # request id -> when, oldest first
 
     def opened(self, msg: NewRequest) -> bool:
@@ -62,7 +63,8 @@ class DetokRecord:
             return False
         start = detok_start(msg.req_id, msg.prompt_token_ids, msg.sampling,
                             pooled=msg.pooling is not None)
-        self.requests[msg.req_id] = RequestRecord(start)
+        record = self.requests[msg.req_id] = RequestRecord(start)
+        self.open.update(record.tokens)
         return True
 
     def grew(self, msg: PromptPiece) -> None:
@@ -73,18 +75,23 @@ class DetokRecord:
                 record.start, num_prompt_tokens=record.start.num_prompt_tokens + len(msg.token_ids))
 
     def sent(self, deltas: list[TokenDelta]) -> None:
-        """Deltas on their way to the detokenizer: their tokens and finals, recorded."""
+        """Deltas on their way to the detokenizer: their tokens and finals, recorded (of an
+        output unknown or over already: ignored)."""
+        open_outputs = self.open
         for d in deltas:
-            record = self.requests.get(d.seq_id.req)
-            tokens = record.tokens.get(d.seq_id) if record is not None else None
-            if tokens is None or d.seq_id in record.finals:   # unknown, or over already
-                continue
-            tokens.extend(d.token_ids)
-            if d.finish_reason:
-                record.finals[d.seq_id] = (d.finish_reason, d.error, d.pooled)
-                if len(record.finals) == len(record.tokens):
-                    record.ended_at = self.clock()
-                    self.ended[d.seq_id.req] = record.ended_at
+            tokens = open_outputs.get(d.seq_id)
+            if tokens is not None:
+                tokens.extend(d.token_ids)
+                if d.finish_reason:
+                    self._ended(d)
+
+    def _ended(self, d: TokenDelta) -> None:
+        del self.open[d.seq_id]
+        record = self.requests[d.seq_id.req]
+        record.finals[d.seq_id] = (d.finish_reason, d.error, d.pooled)
+        if len(record.finals) == len(record.tokens):
+            record.ended_at = self.clock()
+            self.ended[d.seq_id.req] = record.ended_at
 
     def resync(self) -> DetokResync:
         """Every request held or ended lately, for a (re)started detokenizer."""
@@ -96,4 +103,4 @@ class DetokRecord:
         horizon = self.clock() - RETAIN_ENDED_S
         while self.ended and next(iter(self.ended.values())) < horizon:
             req_id, _ = self.ended.popitem(last=False)
-            del self.requests[req_id]
+            del self.requests[req_id]      # (its outputs all ended: none is open)
