@@ -122,7 +122,7 @@ class Detokenizer:
         self.live: dict[SeqId, IncrementalText] = {}
         self.early: dict[SeqId, list[TokenDelta]] = {}
         self.stopped: set[SeqId] = set()
-        self.ended: OrderedDict[SeqId, None] = OrderedDict()   # aborted while not live
+        self.ended: OrderedDict[SeqId, None] = OrderedDict()   # over, or aborted unseen
 
     def handle(self, msg: DetokStart | PromptGrew | TokenDeltas | DetokResync) -> Sends:
         """The detokenizer core: text deltas for the gateway, and an Abort for the scheduler
