@@ -30,8 +30,24 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    flags = {k: v for k, v in vars(args).items() if k in options.BY_FIELD}
-    return settings.build(flags, config_file=getattr(args, "config_file", None))
+    return settings.build(_flags(args), config_file=_config_file(args))
+
+
+def _flags(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k in options.BY_FIELD}
+
+
+def _config_file(args: argparse.Namespace) -> str | None:
+    return getattr(args, "config_file", None)
+
+
+def _serves_several(args: argparse.Namespace) -> bool:
+    """A models file or directory is named (by a flag, the environment or the config file)."""
+    try:
+        values = settings.given(_flags(args), config_file=_config_file(args))
+    except (ValueError, OSError):
+        return False                # the single-model path reports it
+    return bool(values.get("models_file") or values.get("models_dir"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         setup_logging("bench")
         return bench_cli.run(args)
+    if _serves_several(args):                   # a models file or directory: the front
+        setup_logging("front")
+        from .front.app import run_front
+        return run_front(settings.given(_flags(args), config_file=_config_file(args)))
     setup_logging("supervisor")
     log = logging.getLogger("supervisor")
     try:

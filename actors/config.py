@@ -16,10 +16,10 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
                               MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                               SECTIONS, SWAP, TOP_LEVEL, WHOLE_SECTIONS, CacheConfig,
-                              DeviceConfig, KVTransferConfig, LoraConfig, ModelConfig,
+                              DeviceConfig, FleetConfig, KVTransferConfig, LoraConfig, ModelConfig,
                               ObservabilityConfig, ParallelConfig, SchedulerConfig,
                               ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
-                              check_kv_transfer, group_by_section)
+                              check_kv_transfer, check_sleep_mode, group_by_section)
 from .model_info import ModelInfo, check_architecture_options, resolve_model, with_pooler
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     server: ServerConfig | None = msgspec.field(default_factory=ServerConfig)
     observability: ObservabilityConfig | None = msgspec.field(default_factory=ObservabilityConfig)
     lora: LoraConfig | None = msgspec.field(default_factory=LoraConfig)
+    fleet: FleetConfig | None = msgspec.field(default_factory=FleetConfig)
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
     kv_transfer_config: KVTransferConfig | None = None    # disaggregated prefill/decode
     # What every actor's process reads as it starts (process.py):
@@ -108,6 +109,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self._check_parallel()
         self._check_chat()
         check_kv_compress(self, info)
+        check_sleep_mode(self, info)
         lora_files.check_options(self, info)
         check_architecture_options(info, {"--enable-lora": self.lora.enable_lora,
                              "--tensor-parallel-size > 1": self.parallel.tensor_parallel_size > 1,

@@ -50,6 +50,7 @@ class ModelConfig(_Section):
     runner: str = "auto"                     # RUNNERS: generate, or pool (pooler_info.py)
     convert: str = "auto"                    # CONVERTS: a causal LM's pooled output
     pooler_config: dict | None = None        # pooler overrides (pooler_info._OVERRIDES)
+    enable_sleep_mode: bool = False          # POST /sleep, /wake_up, /update_weights
     model_info: ModelInfo | None = None      # filled in by resolve()
     draft_model_info: ModelInfo | None = None    # speculative method draft_model's (resolve())
 
@@ -139,6 +140,18 @@ class ServerConfig(_Section):
     batch_concurrency: int = 16              # a /v1/batches job's requests in flight
     responses_store_entries: int = 1000      # /v1/responses kept (per server, every key's)...
     responses_store_bytes: int = 64 * 2**20  # ...and their bound in bytes: LRU out past either
+
+
+class FleetConfig(_Section):
+    """Several models behind one server (actors/front/): read by the front alone, never sent
+    to an actor. Either models_file or models_dir turns it on."""
+    models_file: str | None = None           # TOML/YAML/JSON: served name -> path and options
+    models_dir: str | None = None            # every GGUF file / model directory in it
+    model_idle_timeout: float = 0.0          # seconds unused before a model unloads; 0: never
+    models_memory_budget: int | None = None  # bytes the loaded models may hold (LRU out past it)
+    max_loaded_models: int = 0               # models loaded at once (LRU out past it); 0: any
+    model_load_timeout: float = 300.0        # seconds a request waits for its model to load
+    model_queue_size: int = 64               # requests one loading model may hold waiting
 
 
 class ObservabilityConfig(_Section):
@@ -239,7 +252,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "parallel": ParallelConfig, "device": DeviceConfig, "server": ServerConfig,
-            "observability": ObservabilityConfig, "lora": LoraConfig}
+            "observability": ObservabilityConfig, "lora": LoraConfig, "fleet": FleetConfig}
 WHOLE_SECTIONS = {"speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
 # EngineConfig's fields besides the sections: the options that are whole sections, and what
 # every actor's process reads as it starts (process.py).
@@ -328,3 +341,20 @@ def check_kv_compress(config, info) -> None:
     for what, given in unbuilt.items():
         if given:
             raise ValueError(f"--kv-compress-rate with {what} is not supported")
+
+
+def check_sleep_mode(config, info: ModelInfo) -> None:
+    """--enable-sleep-mode with what it cannot serve (EngineConfig.resolve): what keeps KV
+    blocks beyond the pool's life (a disk tier, leases to decode engines) or holds state
+    the pool's rebuild would lose (KV-Compress's head rows), and encoder-only pooling
+    models (no KV pool, their own runner)."""
+    if not config.model.enable_sleep_mode:
+        return
+    given = {"--kv-offload-dir": config.cache.kv_offload_dir is not None,
+             "--kv-transfer-config": config.kv_transfer_config is not None,
+             "--kv-compress-rate": config.cache.kv_compress_rate is not None,
+             "an encoder-only (pooling) model": info.pooler is not None
+             and info.pooler.encoder_only}
+    for what, on in given.items():
+        if on:
+            raise ValueError(f"--enable-sleep-mode with {what} is not supported")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pagewire.wire.channels import Sends
+from pagewire.wire.engine_control import ControlDone
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.pooling import PoolingInput, from_bytes
@@ -36,6 +37,7 @@ from .detokenizer import Detokenizer
 from .executor.pooling_runner import runner_for
 from .hf_tokenizer import load_tokenizer
 from .llm_pooling import PoolingCalls, PoolingOutput, PoolingRequestOutput
+from .llm_sleep import SleepCalls
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
 from .scheduler.engine import InProcessExecutor, StepEngine
@@ -73,7 +75,7 @@ class RequestOutput:
     pooled: np.ndarray | None = None      # a pooling request's output (float32; encode())
 
 
-class LLM(PoolingCalls):
+class LLM(PoolingCalls, SleepCalls):
     """An engine in this process. Keyword options are EngineConfig's (dtype, max_model_len,
     max_num_seqs, block_size, kv_cache_memory, ...).
 
@@ -109,6 +111,7 @@ class LLM(PoolingCalls):
         self._finished: list[RequestOutput] = []
         self._loras: dict[tuple[str, int, str], LoraRef] = {}
         self._streamed: dict[str, RequestOutput] = {}   # finished while streaming inputs
+        self._controls: dict[str, ControlDone | None] = {}   # sleep mode's, until answered
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -348,7 +351,10 @@ class LLM(PoolingCalls):
         for j, out_id in enumerate(output_ids(new.req_id, sampling.num_outputs)):
             self._outputs[out_id] = (out, out.outputs[j])
 
-    def _on_gateway(self, msg: TextDeltas | RequestFailed) -> None:
+    def _on_gateway(self, msg: TextDeltas | RequestFailed | ControlDone) -> None:
+        if isinstance(msg, ControlDone):
+            self._controls[msg.req_id] = msg
+            return
         if isinstance(msg, RequestFailed):
             self._failed[msg.req_id] = msg
             return

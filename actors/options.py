@@ -105,6 +105,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("quantization", "`int8` or `int4`: a float checkpoint's linears rounded as "
                "they load to the quantized kernels' blocks (Q8_0; Q4_1 with a Q8_0 LM head); "
                "see \"Quantize at load\"", "none", choices=QUANTIZATIONS),
+        Option("enable_sleep_mode", "serve `POST /sleep`, `/wake_up`, `/update_weights` and "
+               "`GET /is_sleeping`: free the KV pool and park or drop the weights between "
+               "uses, load new weights without a restart (see docs/sleep-mode.md)",
+               decides_outputs=False),
     ),
     "cache": (
         Option("block_size", "tokens per KV block"),
@@ -303,6 +307,25 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(tenants never share blocks)", **_RUN),
         Option("metrics_require_api_key", "put `GET /metrics` behind the API key check too (open "
                "by default)", **_RUN),
+    ),
+    "fleet": (
+        Option("models_file", "serve several models: a TOML, YAML or JSON file naming each "
+               "(served name, path, `pinned`, `idle_timeout`, `memory`, any option of this "
+               "table); each is loaded on its first request (see docs/models-fleet.md)", "none",
+               **_RUN),
+        Option("models_dir", "serve every GGUF file and model directory in DIR, each under its "
+               "file or folder name, loaded on its first request", "none", **_RUN),
+        Option("model_idle_timeout", "seconds a model may go unused before it is unloaded "
+               "(pinned models stay); 0: never", **_RUN),
+        Option("models_memory_budget", "memory the loaded models may hold together (`24GiB`); "
+               "loading past it unloads the least recently used idle model first", "none",
+               parse=parse_bytes, **_RUN),
+        Option("max_loaded_models", "models loaded at once (least recently used idle model "
+               "out first); 0: no bound", **_RUN),
+        Option("model_load_timeout", "seconds a request waits for its model to load before a "
+               "503", **_RUN),
+        Option("model_queue_size", "requests that may wait for one loading model; past it "
+               "a 503", **_RUN),
     ),
     "observability": (
         Option("trace_dir", "record every actor's messages in DIR (see \"Debugging with traces\")",

@@ -35,6 +35,12 @@ def env_api_keys(environ: Mapping[str, str]) -> list[str]:
 def build(flags: dict, environ: Mapping[str, str] | None = None,
           config_file: str | None = None) -> EngineConfig:
     """The EngineConfig from every source (unresolved). Raises ValueError on a bad value."""
+    return convert(given(flags, environ, config_file))
+
+
+def given(flags: dict, environ: Mapping[str, str] | None = None,
+          config_file: str | None = None) -> dict:
+    """The option values every source gives, by precedence, before defaults."""
     environ = os.environ if environ is None else environ
     file_values = from_file(config_file) if config_file else {}
     values = {**file_values, **values_from_env(environ), **flags}
@@ -43,7 +49,7 @@ def build(flags: dict, environ: Mapping[str, str] | None = None,
     values["api_keys"] = list(dict.fromkeys(
         list(file_values.get("api_keys", [])) + env_api_keys(environ)
         + list(flags.get("api_keys", []))))
-    return convert(values)
+    return values
 
 
 def effective(config: EngineConfig) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .engine_control import SleepEngine, UpdateWeights, WakeEngine
 from .ids import SeqId
 from .kv_transfer import KvLease, KvSource
 from .lora import LoraRef
@@ -80,7 +81,8 @@ class StepPlan(msgspec.Struct, tag=True, gc=False):
     pulls: list[KvLoad] = []        # blocks to pull from prefill engines, with the tier's
 
 
-ExecutorInbox = StepPlan
+# Sleep mode's controls (engine_control.py) come in the place of a plan, in plan order.
+ExecutorInbox = StepPlan | SleepEngine | WakeEngine | UpdateWeights
 
 
 # -- between tensor-parallel ranks -------------------------------------------------------------
@@ -112,4 +114,5 @@ class RankPing(msgspec.Struct, tag=True):
 
 
 RankZeroInbox = AttachHello | RankPing
-RankInbox = StepPlan | AttachWelcome | AttachRefused | RankPing
+RankInbox = (StepPlan | SleepEngine | WakeEngine | UpdateWeights | AttachWelcome | AttachRefused
+             | RankPing)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .engine_control import ControlDone
 from .ids import SeqId
 
 
@@ -105,4 +106,5 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
     kv_offload_blocks: int = 0               # blocks it holds now
 
 
-GatewayInbox = TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply | EngineEvent
+GatewayInbox = (TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply
+                | EngineEvent | ControlDone)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from .engine_control import ControlDone, SleepEngine, UpdateWeights, WakeEngine
 from .ids import SeqId
 from .kv_transfer import KvLeaseEnded, KvPulled, KvTransfer
 from .lora import LoraRef
@@ -130,4 +131,5 @@ class DetokenizerStarted(msgspec.Struct, tag=True):
 
 
 SchedulerInbox = (NewRequest | PromptPiece | Abort | StepResult | AbortAll | KvLeaseEnded
-                  | KvPulled | DetokenizerStarted)
+                  | KvPulled | SleepEngine | WakeEngine | UpdateWeights | ControlDone
+                  | DetokenizerStarted)

@@ -17,6 +17,7 @@ import zmq
 import pagewire
 from pagewire.kernels.ops import resolve_device
 from pagewire.wire.channels import PushChannel
+from pagewire.wire.engine_control import ControlDone
 from pagewire.wire.to_executor import AttachHello, AttachWelcome, ExecutorInbox
 from pagewire.wire.to_scheduler import StepResult
 
@@ -77,7 +78,11 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
             continue
         if ranks is not None:
             ranks.send_plan(plan)
-            results.send(run_collective_step(runner, plan))
+            result = run_collective_step(runner, plan)
+            if isinstance(result, ControlDone) and result.status >= 500:
+                # a load failed part way, here and perhaps not on the other ranks
+                raise RankFailure(f"sleep-mode control failed on rank 0: {result.error}")
+            results.send(result)
             ranks.step_done()
             continue
         try:

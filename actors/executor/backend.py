@@ -53,7 +53,6 @@ class Backend:
         self.ops = select_ops(device, kernels)
         self.capabilities = self.ops.capabilities
         self.name = self.ops.backend
-        self._arenas: list = []     # huge-page mappings under prepared models' tiles
 
     def describe(self, config) -> str:
         """The log line's details: the dtype and, where stored blocks are multiplied, how."""
@@ -97,7 +96,10 @@ class Backend:
         pack_linears(model, upcast=not caps.bf16_dot)
         if config.model.model_info.format == "hf":
             _own_memory(model)
-        huge_pages.back_model(model, self._arenas)
+        # The huge-page mappings under the tiles live as long as the model (sleep mode and
+        # weight updates drop models: their mappings go with them).
+        model.page_arenas = []
+        huge_pages.back_model(model, model.page_arenas)
         for block in model.modules():     # where the tiles now lie (after back_model's moves)
             if isinstance(block, SparseMoE):
                 block.native_spec = moe.native_spec(block, caps.block_kinds)

@@ -30,6 +30,7 @@ from pagewire.wire.kv_transfer import (KvBlocks, KvLease, KvLeaseEnded, KvPull, 
                                        KvPullerInbox, KvRelease, KvServerInbox)
 from pagewire.wire.to_executor import KvLoad
 
+from .. import kv_tier_files
 from .kv_blocks import BlockBytes
 
 log = logging.getLogger(__name__)
@@ -171,3 +172,20 @@ class KvPuller:
         for block, payload in zip(load.block_ids[:count], payloads):
             self.blocks.write(block, bytearray(payload))
         return count
+
+
+def transfer_ends(config, caches: list[torch.Tensor], rank: int,
+                  notify) -> tuple[KvServer | None, KvPuller | None]:
+    """The ends of disaggregated prefill/decode this engine's role asks for, over the device
+    caches `caches` of tensor-parallel rank `rank`; notify(msg) tells the scheduler."""
+    transfer = config.kv_transfer_config
+    if transfer is None:
+        return None, None
+    blocks = BlockBytes(caches)
+    layout = kv_tier_files.layout_key(config, rank)
+    ctx, keys = zmq.Context.instance(), config.parallel.curve_keys
+    server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
+                      transfer.lease_seconds, notify, keys) if transfer.produces else None
+    puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, notify, keys) \
+        if transfer.consumes else None
+    return server, puller

@@ -24,9 +24,11 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from pagewire.wire.channels import encode, make_decoder
+from pagewire.wire.engine_control import EngineControl, SleepEngine, UpdateWeights, WakeEngine
 from pagewire.wire.to_executor import (AttachHello, AttachRefused, AttachWelcome, RankInbox,
                                        RankPing, RankZeroInbox, StepPlan)
 
+CONTROLS = (SleepEngine, WakeEngine, UpdateWeights)   # forwarded like plans, in their order
 log = logging.getLogger(__name__)
 
 PING_INTERVAL = 1.0
@@ -114,7 +116,7 @@ class RankServer:
             if on_wait is not None:
                 on_wait()
 
-    def send_plan(self, plan: StepPlan) -> None:
+    def send_plan(self, plan: StepPlan | EngineControl) -> None:
         frame = encode(plan)
         for identity in self.peers.values():
             self.sock.send_multipart([identity, frame])
@@ -222,8 +224,8 @@ class RankClient:
         raise AttachFailed(f"no answer from {self.address} within {timeout:.0f} s (is the "
                            "engine listening there, with the same keys?)")
 
-    def recv(self, timeout_ms: int) -> StepPlan | None:
-        """The next plan, or None after timeout_ms; pings rank 0 meanwhile. RankFailure when
+    def recv(self, timeout_ms: int) -> StepPlan | EngineControl | None:
+        """The next plan (or sleep-mode control, in plan order), or None after timeout_ms; pings rank 0 meanwhile. RankFailure when
         rank 0 has been silent for PEER_TIMEOUT."""
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
@@ -237,7 +239,7 @@ class RankClient:
             if self.sock.poll(max(0, int(wait * 1000))):
                 msg = self.decoder.decode(self.sock.recv())
                 self.heard = time.monotonic()
-                if isinstance(msg, StepPlan):
+                if isinstance(msg, (StepPlan, *CONTROLS)):
                     return msg
             elif time.monotonic() >= deadline:
                 return None

@@ -12,13 +12,13 @@ import dataclasses
 import logging
 import numpy as np
 import torch
-import zmq
 
 from pagewire.kernels import kv_quant
 from pagewire.kernels.attention import AttentionBatch, PrefillSpan
 from pagewire.kernels.context_parallel import local_batch
 from pagewire.kernels.ops import resolve_device
 from pagewire.pooler_info import CLASSIFY
+from pagewire.wire.engine_control import ControlDone, EngineControl
 from pagewire.wire.ids import SeqId
 from pagewire.wire.pooling import PooledResult, to_bytes
 from pagewire.wire.sampling_params import LogprobsChunk
@@ -38,7 +38,7 @@ from .head_blocks import Compressor
 from .image_rows import ImageRows, image_key_ends
 from .kv_blocks import BlockBytes, allocate_kv_cache
 from .disk_tier import DiskTier
-from .kv_transfer import KvPuller, KvServer
+from .kv_transfer import transfer_ends
 from .linear_blocks import holdings
 from .loader import TORCH_DTYPES
 from .lora import Adapters, LoraBatch
@@ -48,6 +48,7 @@ from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState, SeqTable
+from .sleep_mode import SleepState, run_control
 from .draft_proposers import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,31 @@ class ModelRunner:
         # Context parallelism: this rank holds block_size / size tokens of each block.
         dcp = config.parallel.decode_context_parallel_size
         self.cp = context_groups(self.tp, dcp) if dcp > 1 else None
-        self.model = self.backend.load(config.model.model_info, config, self.tp, self.cp)
+        self.model_info = config.model.model_info    # the weights' (a weight update's)
+        self.load_weights(self.model_info)
+        # One block past the scheduler's pool: the scratch block padded decode rows write to.
+        self.scratch_block = config.cache.num_kv_blocks
+        self.eos_ids = list(config.model.model_info.eos_token_ids)
+        # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
+        self.matchers = Matchers(config.model.model_info, config.model.model_info.vocab_size,
+                                 self.eos_ids) if self.tp.rank == 0 else None
+        spec = config.speculative_config
+        self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
+        self.build_kv()
+        self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
+                             self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
+        self.kv_server, self.kv_puller = transfer_ends(config, self.all_caches[0], self.tp.rank,
+                                                       notify)
+        self.sleep = SleepState()          # sleep mode (sleep_mode.py)
+        huge_pages.release_freed_memory()
+
+    def load_weights(self, info) -> None:
+        """The model at `info`, and what is built over its layers: LoRA slots, image rows,
+        KV-Compress's scorer. The current model (if any) is replaced only once the new one
+        has loaded. (At start, and again for sleep mode's level 2 and weight updates.)"""
+        config = self.config
+        model = self.backend.load(info, config, self.tp, self.cp)
+        self.model, self.model_info = model, info
         log.info("%s", self.backend.describe(config))
         log.info("%s", holdings(self.model))
         if self.model.cfg.num_experts:
@@ -80,31 +105,35 @@ class ModelRunner:
         self.adapters = Adapters(self.model, config.model.model_info, config.lora.max_lora_rank,
                                  config.lora.max_cpu_loras or config.lora.max_loras) \
             if config.lora.enable_lora else None
-        # One block past the scheduler's pool: the scratch block padded decode rows write to.
-        self.scratch_block = config.cache.num_kv_blocks
         # a vision model's image rows and its encoder cache (image_rows.py)
         self.images = ImageRows(self.model) if hasattr(self.model, "encode_images") else None
         # image tokens that see their whole image in prefill (Gemma 3): key ends per query
         self.whole_images = getattr(self.model, "bidirectional_images", False)
         self.compressor = Compressor.of(config, self.model) \
             if config.cache.kv_compress_rate is not None else None
+
+    def drop_weights(self) -> None:
+        """Sleep mode level 2: let the model and what is built over it go (the KV pool is
+        dropped first)."""
+        self.model = self.adapters = self.images = self.compressor = None
+
+    def build_kv(self) -> None:
+        """The KV pool over the current model and what reads it: a drafting model and its
+        caches, the decode graphs. (At start, and on waking from sleep mode.)"""
         self.kv_caches, self.host_caches = self._caches(self.model)
-        self.eos_ids = list(config.model.model_info.eos_token_ids)
-        # Rank 0's tokens are every rank's (execute()), so only rank 0 matches grammars.
-        self.matchers = Matchers(config.model.model_info, config.model.model_info.vocab_size,
-                                 self.eos_ids) if self.tp.rank == 0 else None
-        spec = config.speculative_config
-        self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
-        self.drafter = self._drafter(spec)
+        self.drafter = self._drafter(self.config.speculative_config)
         # What swaps and copy-on-write move: every layer's cache, a draft model's too.
         draft_device, draft_host = self.drafter.own_caches() if self.drafter else ([], [])
         self.all_caches = (self.kv_caches + draft_device, self.host_caches + draft_host)
-        self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
-                             self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
-        self.kv_server, self.kv_puller = self._transfer(notify)
         self.graphs = self.decode_graphs(capture=True) if self.backend.captures_graphs(
-            config, self.tp.size, self.compressor is not None, self.model) else None
+            self.config, self.tp.size, self.compressor is not None, self.model) else None
         huge_pages.release_freed_memory()
+
+    def drop_kv(self) -> None:
+        """Sleep mode: let the KV pool and everything built over it go."""
+        self.model.use_fused_decode(None)
+        self.kv_caches, self.host_caches, self.all_caches = [], [], ([], [])
+        self.drafter = self.graphs = None
 
     def _caches(self, model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A model's K/V caches on the device (the pool and the scratch block) and on the host
@@ -127,20 +156,6 @@ class ModelRunner:
                                  *layout) if config.cache.num_host_blocks else []
         return on_device, host
 
-    def _transfer(self, notify) -> tuple[KvServer | None, KvPuller | None]:
-        """The ends of disaggregated prefill/decode this engine's role asks for."""
-        transfer = self.config.kv_transfer_config
-        if transfer is None:
-            return None, None
-        blocks = BlockBytes(self.all_caches[0])
-        layout = kv_tier_files.layout_key(self.config, self.tp.rank)
-        ctx, keys = zmq.Context.instance(), self.config.parallel.curve_keys
-        server = KvServer(ctx, f"tcp://{transfer.kv_ip}:{transfer.kv_port}", blocks, layout,
-                          transfer.lease_seconds, notify, keys) if transfer.produces else None
-        puller = KvPuller(ctx, blocks, layout, transfer.pull_timeout, notify, keys) \
-            if transfer.consumes else None
-        return server, puller
-
     def _drafter(self, spec) -> InStepDraft | None:
         """Methods self and draft_model draft with a model during the verifying step."""
         if spec is None or spec.method not in ("self", "draft_model"):
@@ -162,7 +177,10 @@ class ModelRunner:
                                           self.scratch_block, capture, self.adapters is not None)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan | EngineControl) -> StepResult | ControlDone:
+        """One step; or a sleep-mode control, which comes in a plan's place (sleep_mode.py)."""
+        if not isinstance(plan, StepPlan):
+            return run_control(self, plan)
         order = self.table.apply(plan)
         loaded = self._move_blocks(plan)
         self._copy_blocks(plan)

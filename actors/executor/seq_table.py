@@ -75,6 +75,12 @@ class SeqTable:
         self.seqs: dict[SeqId, SeqState] = {}
         self.failed: set[SeqId] = set()      # sequences of a failed step, until a plan drops them
 
+    def forget_all(self) -> None:
+        """Sleep mode: the scheduler holds no sequence (it ended or drained them), so none
+        of their state is needed again; the plans that would have dropped them never come."""
+        self.seqs.clear()
+        self.failed.clear()
+
     def apply(self, plan: StepPlan) -> list[tuple[SeqId, SeqState]]:
         """Drop, add and extend as the plan says; return the sequences it runs, decodes first."""
         for sid in plan.finished + plan.preempted:

@@ -44,6 +44,7 @@ from .anthropic_api import AnthropicRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
+from .sleep_routes import PATHS as SLEEP_PATHS, SleepRoutes
 from .ollama_routes import OllamaRoutes
 from .pooling_routes import PoolingRoutes
 from .stream_input import StreamInputRoutes
@@ -58,7 +59,7 @@ _json = msgspec.json.Encoder()
 # What the API keys guard (/api/: Ollama's routes, ollama_routes.py; the pooling routes
 # outside /v1/, pooling_routes.py); /metrics optionally.
 KEYED_PATHS = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/admin/", "/pooling",
-               "/score", "/rerank", "/classify")
+               "/score", "/rerank", "/classify", *SLEEP_PATHS)
 
 
 class Gateway:
@@ -89,6 +90,7 @@ class Gateway:
         self.error_shapes: list[tuple[str, object]] = []
         self.media = MediaFetcher(config.server)
         self.loras = LoraRoutes(self)
+        self.sleep = SleepRoutes(self)
         self.stream_input = StreamInputRoutes(self, self.tokenizers)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
@@ -98,7 +100,7 @@ class Gateway:
             *TokenizeRoutes(self).routes(), *self.loras.routes(),
             *ResponsesRoutes(self).routes(), *AnthropicRoutes(self).routes(),
             *OllamaRoutes(self).routes(), *BatchRoutes(self).routes(),
-            *self.stream_input.routes(), *PoolingRoutes(self).routes()])
+            *self.stream_input.routes(), *PoolingRoutes(self).routes(), *self.sleep.routes()])
         self.app.router.add_get("/metrics", self.metrics.handler)
 
     async def pump(self) -> None:
@@ -161,21 +163,21 @@ class Gateway:
         return web.json_response({"status": status}, status=200 if status == "ok" else 503)
 
     def on_engine_event(self, event: EngineEvent) -> None:
-        """The supervisor restarts part of the engine. The core ("down"): every request in
-        flight fails with a 503 (its state is gone), and new ones until "up". A tokenizer
-        ("lost"): what it held is resent (tokenizer_pool.py), but a streamed prompt fails. A
-        detokenizer: nothing (the scheduler rebuilds the new one)."""
+        """The supervisor restarts part of the engine. The core ("down"): requests in flight
+        fail with a 503, and new ones until "up". A tokenizer ("lost"): what it held is resent
+        (tokenizer_pool.py). A detokenizer: nothing (the scheduler rebuilds the new one)."""
         log.warning("engine %s: %s", event.status, event.reason)
         self.fail(self.tokenizers.on_event(event, self.routes.__contains__), event.reason)
         if event.status == "up":
             self.engine_down, self.heard_from_engine = None, time.monotonic()
+            self.sleep.engine_restarted()
         elif event.status == "down":
             self.engine_down = event.reason
             self.fail(list(self.routes), event.reason)
 
     def fail(self, route_ids: list, reason: str) -> None:
         failure = f"the engine restarted ({reason}); retry the request"
-        for rid in [r for r in route_ids if r in self.routes]:
+        for rid in (r for r in route_ids if r in self.routes):
             self.routes[rid].put_nowait(RequestFailed(req_id=rid, status=503, message=failure,
                                                       error_type="ServiceUnavailableError"))
 
@@ -297,14 +299,16 @@ class Gateway:
         tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]
         return f"{tenant}:{body.cache_salt or ''}"
 
-    def check_model(self, model: str | None) -> LoraRef | None:
+    def check_model(self, model: str | None, needs_weights: bool = True) -> LoraRef | None:
         """The adapter `model` names (None: the base model); 404 for an unknown model, 503
-        while the engine cannot take requests."""
+        while the engine cannot take requests (or, `needs_weights`, while it sleeps)."""
         lora = self.loras.lookup(model)
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         if self.engine_down:
             raise ApiError(503, f"the engine is restarting ({self.engine_down})")
+        if needs_weights:
+            self.sleep.check_awake()
         return lora
 
     def check_generates(self) -> None:

@@ -59,7 +59,7 @@ class TokenizeRoutes:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), TokenizeBody)
-        self.gateway.check_model(body.model)
+        self.gateway.check_model(body.model, needs_weights=False)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         messages = chat_messages(body) if body.messages is not None else None
@@ -74,7 +74,7 @@ class TokenizeRoutes:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), DetokenizeBody)
-        self.gateway.check_model(body.model)
+        self.gateway.check_model(body.model, needs_weights=False)
         reply = await self.ask(DetokenizeOnly(f"detok-{uuid.uuid4().hex}", body.tokens))
         return web.json_response({"prompt": reply.text})
 

@@ -191,8 +191,9 @@ class SchedulerLoop:
         core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
         self.inbox = env.pull("scheduler", SchedulerInbox)
         self.engine = StepEngine(core, SocketExecutor([env.push("executor-0")]))
-        self.pushes = {"detokenizer": env.push("detokenizer")}
-        self.stats = StatsReporter(self.engine.scheduler, env.push("gateway").send)
+        gateway = env.push("gateway")
+        self.pushes = {"detokenizer": env.push("detokenizer"), "gateway": gateway}
+        self.stats = StatsReporter(self.engine.scheduler, gateway.send)
 
     def run(self) -> None:
         wait: float | None = 0.0       # tick() at once: heartbeats and reports start now
@@ -209,7 +210,7 @@ class SchedulerLoop:
                     self.pushes[channel].send(out)
                 msg = self.inbox.recv(0)
             plan = self.engine.plan()           # sent to the executors
-            if plan is not None:
+            if isinstance(plan, StepPlan):      # (not a sleep-mode control)
                 self.stats.on_plan(plan)
             busy = self.engine.busy()
             wait = self.stats.tick(busy)

@@ -48,6 +48,13 @@ class BlockTables:
         return cls(device, host, config.model.model_info.sliding_window, cache.kv_cache_dtype,
                    tier)
 
+    def reset_prefix_cache(self) -> None:
+        """Sleep mode: every block free and nothing cached, on the device and in the host
+        tier (no live sequence holds any: the scheduler checks)."""
+        for pool in (self.device, self.host):
+            if pool is not None:
+                pool.reset_prefix_cache()
+
     def take_copies(self) -> tuple[list, list, list]:
         out = (self.copies, self.swaps_out, self.swaps_in)
         self.copies, self.swaps_out, self.swaps_in = [], [], []

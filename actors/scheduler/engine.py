@@ -18,6 +18,9 @@ Three drivers move messages to and from it and read nothing else: the scheduler 
 in-process executor) and the offline LLM (llm.py: in-process queues, the executor on a worker
 thread when pipelining).
 
+Sleep mode's controls (core.py control_due) enter the ledger like plans: sent in the place of
+the next plan once nothing is in flight, answered by a ControlDone in the result's place.
+
 Executor handles: `send(plan)` returns a ticket kept in the ledger; `collect(ticket)` waits for
 that plan's StepResult. Over sockets results come back as inbox messages instead, so collect is
 never called. This module imports neither torch nor the executor (the scheduler process starts
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from pagewire.wire.channels import Sends
+from pagewire.wire.engine_control import ControlDone, EngineControl
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import StepResult
 
@@ -92,8 +96,8 @@ class InProcessExecutor:
 
 @dataclass
 class InFlight:
-    """One entry of the ledger: a plan sent, not yet answered."""
-    plan: StepPlan
+    """One entry of the ledger: a plan (or sleep-mode control) sent, not yet answered."""
+    plan: StepPlan | EngineControl
     rows: StepRows           # the scheduler's: what it scheduled in the plan
     ticket: Any              # the executor handle's
 
@@ -132,7 +136,7 @@ class StepEngine:
         return len(self.ledger) < self.depth and not self.stalled and self.core.has_work()
 
     def busy(self) -> bool:
-        return bool(self.ledger) or self.core.has_work()
+        return bool(self.ledger) or self.core.busy()
 
     def waiting_for_arrivals(self) -> bool:
         """Nothing can run until a prefill engine's blocks arrive (or fail to): only a KvPulled
@@ -141,9 +145,13 @@ class StepEngine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def plan(self) -> StepPlan | None:
+    def plan(self) -> StepPlan | EngineControl | None:
         """Plan the next step and send it to the executor; None when nothing can run now or
-        enough plans are in flight."""
+        enough plans are in flight. A sleep-mode control due now goes instead."""
+        control = self.core.control_due(len(self.ledger))
+        if control is not None:
+            self.ledger.append(InFlight(control, [], self.executor.send(control)))
+            return control
         if not self.can_plan():
             return None
         planned = self.core.plan(len(self.ledger))
@@ -164,9 +172,14 @@ class StepEngine:
     def handle(self, msg) -> Sends:
         """msg: one of SchedulerInbox's types (wire/to_scheduler.py)."""
         self.stalled = False
+        if isinstance(msg, ControlDone):
+            if not self.ledger or getattr(self.ledger[0].plan, "req_id", None) != msg.req_id:
+                raise RuntimeError(f"control answer {msg.req_id} with no such control in flight")
+            self.ledger.popleft()
+            return self.core.control_done(msg)
         if not isinstance(msg, StepResult):
             return self.core.handle(msg)
-        expected = self.ledger[0].plan.step_id if self.ledger else None
+        expected = getattr(self.ledger[0].plan, "step_id", None) if self.ledger else None
         if msg.step_id != expected:
             raise RuntimeError(f"result for step {msg.step_id}, expected {expected}")
         entry = self.ledger.popleft()

@@ -123,5 +123,15 @@ class BlockManager:
         self.refcount[block] -= 1
         return fresh
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached content (sleep mode: the pool's bytes are gone, or were computed
+        by other weights). Only with every block free: a held block's content is a live
+        sequence's."""
+        if len(self.free_queue) != self.num_blocks:
+            raise RuntimeError(f"{self.num_blocks - len(self.free_queue)} blocks still held")
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / self.num_blocks

@@ -36,7 +36,9 @@ FLAT_FIELDS = (
 ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_store_bytes",
                "limit_mm_per_prompt", "allowed_local_media_path", "allowed_media_domains",
                "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency",
-               "mmproj", "runner", "convert", "pooler_config", "warm_spares")
+               "mmproj", "runner", "convert", "pooler_config", "models_file", "models_dir",
+               "model_idle_timeout", "models_memory_budget", "max_loaded_models",
+               "model_load_timeout", "model_queue_size", "enable_sleep_mode", "warm_spares")
 
 
 def _resolved(**options) -> EngineConfig:
@@ -66,7 +68,7 @@ def _encodable(value):
 
 
 def test_every_option_has_one_section_and_the_flat_names_are_kept():
-    assert len(EngineConfig.__struct_fields__) == 12 and len(FLAT_FIELDS) == 72
+    assert len(EngineConfig.__struct_fields__) == 13 and len(FLAT_FIELDS) == 72
     assert set(FLAT_FIELDS) | set(ADDED_SINCE) | {"config_digest"} == set(FIELD_SECTION)
     owned = [f for c in SECTIONS.values() for f in c.__struct_fields__]
     assert len(owned) == len(set(owned))                        # no field in two sections
