@@ -22,7 +22,7 @@ ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaM
                          "RobertaForSequenceClassification", "XLMRobertaModel",
                          "XLMRobertaForSequenceClassification", "MPNetModel",
                          "MPNetForSequenceClassification", "ModernBertModel",
-                         "ModernBertForSequenceClassification")
+                         "ModernBertForSequenceClassification", "NomicBertModel")
 # Text and image towers embedding into one space (executor/models/clip.py): pooling only, no
 # KV cache, as the encoders.
 CLIP_ARCHITECTURES = ("CLIPModel",)
@@ -54,4 +54,5 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "olmoe": "OlmoeForCausalLM", "gptneox": "GPTNeoXForCausalLM",
                       "gpt2": "GPT2LMHeadModel", "phi2": "PhiForCausalLM",
                       "starcoder2": "Starcoder2ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                      "bert": "BertModel"}     # embedding models (gguf_bert.py)
+                      # embedding models (gguf_bert.py)
+                      "bert": "BertModel", "nomic-bert": "NomicBertModel"}

@@ -5,6 +5,7 @@ attaching an executor, making keys.
     pagewire replay DIR --actor NAME [--set OPTION=VALUE ...]
     pagewire executor --attach tcp://HOST:PORT --rank R [MODEL] [--curve-keys DIR] ...
     pagewire keys DIR
+    pagewire router --replicas URL ... [--policy kv-aware|round-robin] [--kv-events EP ...]
     pagewire router --prefill URL ... --decode URL ...   (see router.py)
 """
 from __future__ import annotations

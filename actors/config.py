@@ -16,10 +16,11 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
                               MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                               SECTIONS, SWAP, TOP_LEVEL, WHOLE_SECTIONS, CacheConfig,
-                              DeviceConfig, FleetConfig, KVTransferConfig, LoraConfig, ModelConfig,
-                              ObservabilityConfig, ParallelConfig, SchedulerConfig,
-                              ServerConfig, SpeculativeConfig, check_choice, check_kv_compress,
-                              check_kv_transfer, check_sleep_mode, group_by_section)
+                              DeviceConfig, FleetConfig, KVEventsConfig, KVTransferConfig,
+                              LoraConfig, ModelConfig, ObservabilityConfig, ParallelConfig,
+                              SchedulerConfig, ServerConfig, SpeculativeConfig, check_choice,
+                              check_kv_compress, check_kv_events, check_kv_transfer,
+                              check_sleep_mode, group_by_section)
 from .model_info import ModelInfo, check_architecture_options, resolve_model, with_pooler
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     fleet: FleetConfig | None = msgspec.field(default_factory=FleetConfig)
     speculative_config: SpeculativeConfig | None = None   # speculative decoding; None: off
     kv_transfer_config: KVTransferConfig | None = None    # disaggregated prefill/decode
+    kv_events_config: KVEventsConfig | None = None        # prefix-cache events; None: off
     # What every actor's process reads as it starts (process.py):
     actor_nice: int = 10                     # niceness of every actor but the executors
     run_dir: str | None = None               # where the ipc sockets live; set by the supervisor
@@ -106,6 +108,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len, kv_memory)
         tier_blocks = self._check_tier(per_block)
         check_kv_transfer(self, info)
+        check_kv_events(self)
         self._check_parallel()
         self._check_chat()
         check_kv_compress(self, info)

@@ -26,6 +26,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")   # gateway/chat_o
 SPECULATIVE_METHODS = ("ngram", "suffix", "self", "draft_model")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+KV_EVENT_PUBLISHERS = ("zmq", "null")
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
@@ -250,10 +251,33 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         return float(self.kv_connector_extra_config.get("pull_timeout", 10.0))
 
 
+class KVEventsConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """--kv-events-config, as vLLM spells it (JSON): the scheduler publishes its prefix cache's
+    BlockStored / BlockRemoved / AllBlocksCleared events (wire/kv_events.py, docs/kv-events.md)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None           # "zmq", or "null" (none); None: zmq when enabled
+    endpoint: str = "tcp://*:5557"         # PUB: bound if it has * or :: or is ipc://, else
+    replay_endpoint: str | None = None     # connected; ROUTER answering replays (bound)
+    buffer_steps: int = 10_000             # batches (steps) kept for replays
+    hwm: int = 100_000                     # PUB high-water mark: messages queued per subscriber
+    max_queue_size: int = 100_000          # vLLM's; pagewire hands batches over a pipe (unused)
+    topic: str = ""
+
+    def check(self) -> None:
+        check_choice("publisher", self.publisher or "zmq", KV_EVENT_PUBLISHERS)
+        if self.buffer_steps < 1 or self.hwm < 0:
+            raise ValueError("kv-events-config: buffer_steps must be at least 1, hwm at least 0")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "parallel": ParallelConfig, "device": DeviceConfig, "server": ServerConfig,
             "observability": ObservabilityConfig, "lora": LoraConfig, "fleet": FleetConfig}
-WHOLE_SECTIONS = {"speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig}
+WHOLE_SECTIONS = {"speculative_config": SpeculativeConfig, "kv_transfer_config": KVTransferConfig,
+                  "kv_events_config": KVEventsConfig}
 # EngineConfig's fields besides the sections: the options that are whole sections, and what
 # every actor's process reads as it starts (process.py).
 TOP_LEVEL = (*WHOLE_SECTIONS, "actor_nice", "run_dir")
@@ -268,7 +292,7 @@ _EXECUTOR = ("model", "cache", "scheduler", "parallel", "device", "observability
              "speculative_config", "kv_transfer_config")
 ACTOR_SECTIONS = {
     "executor": _EXECUTOR,
-    "scheduler": _EXECUTOR,
+    "scheduler": (*_EXECUTOR, "kv_events_config"),
     "tokenizer": ("model", "cache", "server", "observability"),
     "detokenizer": ("model", "observability"),
     "gateway": ("model", "cache", "scheduler", "device", "server", "observability", "lora",
@@ -312,6 +336,17 @@ def check_kv_transfer(config, info) -> None:
                          "it needs prefix caching")
     if config.parallel.tensor_parallel_size != 1:
         raise ValueError("--kv-transfer-config with tensor parallelism is not built yet")
+
+
+def check_kv_events(config) -> None:
+    """--kv-events-config: the events name prefix-cache blocks, so they need prefix caching."""
+    events = config.kv_events_config
+    if events is None:
+        return
+    events.check()
+    if events.publishes and not config.cache.enable_prefix_caching:
+        raise ValueError("--kv-events-config publishes the prefix cache's blocks: it needs "
+                         "prefix caching")
 
 
 def check_kv_compress(config, info) -> None:

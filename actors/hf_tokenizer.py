@@ -97,15 +97,18 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
     from transformers import AutoTokenizer
 
     from .gguf_header import read_gguf_header
+    from .gguf_unigram import is_unigram, save_unigram
     from .gguf_wordpiece import is_wordpiece, save_wordpiece
 
     tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
     try:
         meta = read_gguf_header(path).metadata
-        if is_wordpiece(meta):          # BERT's WordPiece: transformers converts BPE, SPM only
-            save_wordpiece(meta, tmp)
-            os.rename(tmp, target)
-            return
+        # BERT's WordPiece and XLM-R's Unigram: transformers converts BPE and SPM-BPE only
+        for matches, save in ((is_wordpiece, save_wordpiece), (is_unigram, save_unigram)):
+            if matches(meta):
+                save(meta, tmp)
+                os.rename(tmp, target)
+                return
         try:
             tok = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                 gguf_file=os.path.basename(path))

@@ -22,6 +22,7 @@ import torch
 from pagewire.wire.channels import Sends
 from pagewire.wire.engine_control import ControlDone
 from pagewire.wire.ids import SeqId, output_ids
+from pagewire.wire.kv_event_publisher import publisher_for
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.pooling import PoolingInput, from_bytes
 from pagewire.wire.sampling_params import SamplingParams, best_of
@@ -99,6 +100,7 @@ class LLM(PoolingCalls, SleepCalls):
                                      thread_init=lambda: torch.set_num_threads(threads))
         self.engine = StepEngine(core, executor)
         self.scheduler = self.engine.scheduler
+        self._kv_events = publisher_for(self.config.kv_events_config)   # as the actor does
         self.detokenizer = Detokenizer(self.tokenizer)
         self.cores = {"tokenizer": RequestTokenizer(self.config, self.tokenizer),
                       "scheduler": self.engine, "detokenizer": self.detokenizer}
@@ -319,8 +321,13 @@ class LLM(PoolingCalls, SleepCalls):
             self._deliver([("scheduler", self._notices.get())])
 
     def _apply_oldest_step(self) -> None:
-        """Wait for the oldest plan's result and hand it to the scheduler's engine."""
+        """Wait for the oldest plan's result and hand it to the scheduler's engine (and the
+        step's KV events to their subscribers)."""
         self._deliver([("scheduler", self.engine.next_result())])
+        if self._kv_events is not None:
+            batch = self.engine.core.take_kv_events()
+            if batch is not None:
+                self._kv_events.publish(batch)
 
     def _deliver(self, sends: Sends) -> None:
         """Move messages between the cores, in order, as the actors' sockets would, until

@@ -102,30 +102,21 @@ def with_pooler(info: ModelInfo, runner: str = "auto", convert: str = "auto",
     """The model's info with its pooler under --runner, --convert and --pooler-config
     (pooler_info.resolve_pooler; None: it generates)."""
     cfg = {"hidden_size": info.hidden_size}
+    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
+        from .gguf_bert import pooler_inputs
+        cfg, overrides = pooler_inputs(read_gguf_header(info.path), info.path, overrides)
     if info.format == "hf":
         with open(os.path.join(info.path, "config.json")) as f:
             full = json.load(f)
         cfg = hf_text_config(full)
         if info.architecture in CLIP_ARCHITECTURES:      # its embeddings are projected
             cfg["hidden_size"] = full.get("projection_dim", 512)
-    if info.format == "gguf" and info.architecture in ENCODER_ARCHITECTURES:
-        overrides = _gguf_pooling(info, overrides)
     pooler = resolve_pooler(info.path if info.format == "hf" else "", cfg, info.architecture,
                             info.architecture in ENCODER_ARCHITECTURES + CLIP_ARCHITECTURES,
                             runner, convert, overrides, lambda text: _one_token(info, text))
     if pooler is not None and info.mmproj:
         raise ValueError("a vision model (--mmproj) cannot run as a pooling model yet")
     return msgspec.structs.replace(info, pooler=pooler)
-
-
-def _gguf_pooling(info: ModelInfo, overrides: dict | None) -> dict:
-    """--pooler-config with a GGUF encoder's bert.pooling_type as its default pooling type
-    (the file keeps no sentence-transformers modules; normalised, as without them)."""
-    overrides = dict(overrides or {})
-    if "pooling_type" not in overrides:
-        from .gguf_bert import pooling_type
-        overrides["pooling_type"] = pooling_type(read_gguf_header(info.path).metadata, info.path)
-    return overrides
 
 
 def _one_token(info: ModelInfo, text: str) -> int:
@@ -184,7 +175,8 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermedia
 
 def hf_text_config(cfg: dict) -> dict:
     """The text model's config (a multimodal config's text_config) under the usual keys:
-    GPT-2's n_embd, n_layer, ... renamed, its MLP width 4 x hidden where n_inner is null;
+    GPT-2's n_embd, n_layer, ... renamed (nomic-ai's NomicBERT config has them too), its MLP
+    width 4 x hidden where n_inner is null;
     Gemma 3's defaults where its text_config leaves them out."""
     text = dict(cfg.get("text_config", cfg))
     if text.get("model_type") == "gemma3_text":
@@ -192,6 +184,10 @@ def hf_text_config(cfg: dict) -> dict:
     if "n_embd" in text:                  # GPT-2's own keys are the ones its model reads
         text.update((ours, text.get(theirs)) for theirs, ours in _GPT2_KEYS.items())
         text["intermediate_size"] = text["intermediate_size"] or 4 * text["hidden_size"]
+    if text.get("model_type") == "nomic_bert" and "max_trained_positions" in text:
+        # nomic-ai's config: v1 / v1.5 trained for 2048 of their 8192 positions (llama.cpp's
+        # converter writes 2048 too)
+        text["max_position_embeddings"] = text["max_trained_positions"]
     return text
 
 
@@ -253,6 +249,9 @@ def _gguf_info(path: str) -> ModelInfo:
     if missing:
         raise ValueError(f"{path}: GGUF metadata is missing {', '.join(missing)}")
     architecture = gguf_architecture(meta)
+    if architecture_pools(arch):               # BERT's classifier where it has a head
+        from .gguf_bert import hf_architecture
+        architecture = hf_architecture(meta, header.tensors, path)
     check_architecture(architecture, path)
     check_tensors(path, header)
     heads = meta[f"{arch}.attention.head_count"]

@@ -132,6 +132,10 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "engine, `\"kv_consumer\"` on a decode engine; `kv_load_failure_policy` "
                "`recompute` or `fail` (see \"Disaggregated prefill and decode\")", "off",
                parse=parse_json_object, decides_outputs=False),
+        Option("kv_events_config", "publish the prefix cache's block events as vLLM does, as "
+               "JSON: `{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+               "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}` (see "
+               "docs/kv-events.md)", "off", parse=parse_json_object, decides_outputs=False),
         Option("kv_offload_dir", "a disk KV tier in DIR: every computed block is stored there, "
                "a prefix missing from the pool is loaded from it, and it outlives restarts "
                "(see \"KV tier on disk\")", "off", decides_outputs=False),

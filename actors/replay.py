@@ -40,7 +40,7 @@ class SchedulerReplay(Replay):
         # finds nothing and is computed, as the recording's may not have been).
         scratch = tempfile.mkdtemp(prefix="pagewire-replay-kv-") if config.cache.kv_offload_dir \
             else None
-        core = SchedulerCore(config)
+        core = SchedulerCore(config.with_sections(kv_events_config=None))   # publishes nothing
         self.runner = ModelRunner(config.replace(kv_offload_dir=scratch, kv_transfer_config=None))
         # Each plan runs when its result is asked for: plans run in order, and a plan that
         # diverges from the recording is reported before it runs.

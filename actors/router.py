@@ -1,6 +1,12 @@
-"""`pagewire router`: an OpenAI endpoint in front of pagewire engines.
+"""`pagewire router`: an OpenAI endpoint in front of pagewire engines, in one of two modes.
 
+    pagewire router --replicas http://10.0.0.5:8000 http://10.0.0.6:8000 --policy kv-aware \
+        [--kv-events tcp://10.0.0.5:5557 tcp://10.0.0.6:5557] [--kv-events-replay ...]
     pagewire router --prefill http://10.0.0.5:8100 --decode http://10.0.0.6:8200 [--port 8000]
+
+Replicas of one model (router_replicas.py): each request placed on one replica, by the
+prefix its replica has cached (kv-aware, from the replicas' KV events) or in turn
+(round-robin); docs/router.md.
 
 Disaggregated prefill and decode, vLLM's proxy flow (wire/kv_transfer.py): each completion or
 chat request goes first to a prefill engine (round robin) with max_tokens 1, not streamed,
@@ -13,6 +19,7 @@ cannot be reached (nothing sent yet) passes the request to the next. /v1/models 
 are the first decode engine's; /health is 200 when every engine answers its own. aiohttp
 only, no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,17 +30,36 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from .router_http import ROUTES, down_engines, error, json_body, passed_headers, relay
+from .router_replicas import POLICIES, Placement, ReplicaRouter
+
 log = logging.getLogger("router")
-ROUTES = ("/v1/completions", "/v1/chat/completions")
-_PASSED = ("Authorization", "X-Request-Id")     # request headers the engines see too
 
 
 def add_command(sub) -> None:
-    p = sub.add_parser("router", help="an OpenAI endpoint in front of prefill and decode "
+    p = sub.add_parser("router", help="an OpenAI endpoint in front of engine replicas "
+                                      "(kv-aware or round-robin) or of prefill and decode "
                                       "engines (disaggregated prefill/decode)")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+    p.add_argument("--replicas", nargs="+", metavar="URL", help="replicas of one model")
+    p.add_argument("--policy", choices=POLICIES, default="kv-aware",
+                   help="how --replicas are chosen (default kv-aware)")
+    p.add_argument("--kv-events", nargs="+", default=[], metavar="ENDPOINT",
+                   help="each replica's KV event endpoint (its --kv-events-config endpoint), "
+                        "in --replicas order")
+    p.add_argument("--kv-events-replay", nargs="+", default=[], metavar="ENDPOINT",
+                   help="each replica's replay endpoint, in --replicas order")
+    p.add_argument("--kv-events-topic", default="", help="the replicas' topic")
+    p.add_argument("--min-match-blocks", type=int, default=1,
+                   help="cached blocks a replica needs to be chosen for them")
+    p.add_argument("--balance-abs-threshold", type=int, default=4,
+                   help="requests in flight the best replica may have over the least loaded")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="... and times as many (beyond both: the least loaded is chosen)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="the replicas' block size until their events say it")
+    p.add_argument("--prefill", nargs="+", metavar="URL",
                    help="prefill engines (started with kv_role kv_producer)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+    p.add_argument("--decode", nargs="+", metavar="URL",
                    help="decode engines (kv_role kv_consumer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -62,13 +88,10 @@ class Router:
         await self.session.close()
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except ValueError:
-            return _error(400, "the body is not JSON")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        headers = _passed_headers(request)
+        body = await json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        headers = passed_headers(request)
         prefilled = await self._prefill(request.path, body, headers)
         if isinstance(prefilled, web.Response):
             return prefilled
@@ -77,10 +100,10 @@ class Router:
         for _ in range(len(self.decode)):     # one not reached: the request has not started
             url = f"{next(self.next_decode)}{request.path}"
             try:
-                return await self._relay(request, url, body, headers)
+                return await relay(self.session, request, url, body, headers)
             except aiohttp.ClientConnectorError as e:
                 log.warning("decode engine %s unreachable (%s); trying the next", url, e)
-        return _error(502, "no decode engine could be reached")
+        return error(502, "no decode engine could be reached")
 
     async def _prefill(self, path: str, body: dict, headers: dict) -> dict | web.Response | None:
         """The prefill engine's transfer parameters; its error answer; or None if it cannot
@@ -104,56 +127,49 @@ class Router:
                         url, e)
             return None
 
-    async def _relay(self, request: web.Request, url: str, body: dict | None,
-                     headers: dict, method: str = "POST") -> web.StreamResponse:
-        """The engine's answer as it comes (an event stream stays one). Raises
-        ClientConnectorError when the engine cannot be reached (nothing was sent)."""
-        try:
-            async with self.session.request(method, url, json=body, headers=headers) as r:
-                response = web.StreamResponse(status=r.status, headers={
-                    "Content-Type": r.headers.get("Content-Type", "application/json")})
-                await response.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except aiohttp.ClientConnectorError:
-            raise
-        except aiohttp.ClientError as e:
-            return _error(502, f"engine {url} failed: {e}")
-
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         try:
-            return await self._relay(request, f"{self.decode[0]}{request.path}", None,
-                                     _passed_headers(request), method="GET")
+            return await relay(self.session, request, f"{self.decode[0]}{request.path}", None,
+                               passed_headers(request), method="GET")
         except aiohttp.ClientConnectorError as e:
-            return _error(502, f"decode engine unreachable: {e}")
+            return error(502, f"decode engine unreachable: {e}")
 
     async def health(self, request: web.Request) -> web.Response:
-        down = []
-        for url in self.prefill + self.decode:
-            try:
-                async with self.session.get(f"{url}/health") as r:
-                    if r.status != 200:
-                        down.append(url)
-            except aiohttp.ClientError:
-                down.append(url)
+        down = await down_engines(self.session, self.prefill + self.decode)
         return web.json_response({"down": down}, status=503 if down else 200)
 
 
-def _passed_headers(request: web.Request) -> dict:
-    return {h: request.headers[h] for h in _PASSED if h in request.headers}
+def _strip(urls: list[str] | None) -> list[str]:
+    return [u.rstrip("/") for u in urls or []]
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "BadRequestError"
-                                        if status == 400 else "BadGatewayError",
-                                        "param": None, "code": status}}, status=status)
+def make_app(args: argparse.Namespace) -> web.Application:
+    """The router's application for the parsed flags; ValueError if they do not fit."""
+    if args.replicas:
+        if args.prefill or args.decode:
+            raise ValueError("give --replicas, or --prefill and --decode, not both")
+        for flag, given in (("--kv-events", args.kv_events),
+                            ("--kv-events-replay", args.kv_events_replay)):
+            if given and len(given) != len(args.replicas):
+                raise ValueError(f"{flag} takes one endpoint per replica "
+                                 f"({len(args.replicas)}), got {len(given)}")
+        placement = Placement(args.policy, args.min_match_blocks, args.balance_abs_threshold,
+                              args.balance_rel_threshold)
+        return ReplicaRouter(_strip(args.replicas), placement, args.kv_events,
+                             args.kv_events_replay, args.kv_events_topic,
+                             block_size=args.block_size).app()
+    if not (args.prefill and args.decode):
+        raise ValueError("give --replicas, or both --prefill and --decode")
+    return Router(_strip(args.prefill), _strip(args.decode)).app()
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s router %(levelname)s %(message)s")
-    strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
-    web.run_app(Router(*strip).app(), host=getattr(args, "host", "127.0.0.1"),
+    try:
+        app = make_app(args)
+    except ValueError as e:
+        print(f"pagewire router: {e}")
+        return 2
+    web.run_app(app, host=getattr(args, "host", "127.0.0.1"),
                 port=getattr(args, "port", 8000), print=None)
     return 0

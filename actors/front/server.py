@@ -21,13 +21,12 @@ import time
 import aiohttp
 from aiohttp import web
 
+from ..router_http import end_to_end, relay
 from .fleet import Fleet, FleetError
 from .front_metrics import front_metrics, labelled
 from .model_engine import ModelEngine
 
 MAX_BODY_BYTES = 64 * 2**20
-_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
-                  "accept-encoding", "date", "server"})
 
 
 class Front:
@@ -92,17 +91,9 @@ class Front:
 
     async def _forward(self, request: web.Request, engine: ModelEngine,
                        body: bytes) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         try:
-            async with self.session.request(request.method, engine.url + request.path_qs,
-                                            data=body or None, headers=headers) as r:
-                response = web.StreamResponse(status=r.status, headers={
-                    k: v for k, v in r.headers.items() if k.lower() not in _HOP})
-                await response.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
+            return await relay(self.session, request, engine.url + request.path_qs, body,
+                               end_to_end(request.headers), method=request.method)
         except aiohttp.ClientConnectorError:
             return error(request.path, 503, f"model {engine.name!r}'s engine cannot be "
                          "reached (it is restarting); retry the request")

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from pagewire.wire.kv_event_publisher import publisher_for
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_gateway import SchedulerStats
 from pagewire.wire.to_scheduler import AbortAll, SchedulerInbox, StepResult
@@ -189,6 +190,8 @@ class SchedulerLoop:
     def __init__(self, env):
         self.env = env
         core = SchedulerCore(env.config, tier_present=kv_tier_files.present(env.config))
+        self.core = core
+        self.kv_events = publisher_for(env.config.kv_events_config)
         self.inbox = env.pull("scheduler", SchedulerInbox)
         self.engine = StepEngine(core, SocketExecutor([env.push("executor-0")]))
         gateway = env.push("gateway")
@@ -212,6 +215,10 @@ class SchedulerLoop:
             plan = self.engine.plan()           # sent to the executors
             if isinstance(plan, StepPlan):      # (not a sleep-mode control)
                 self.stats.on_plan(plan)
+            if self.kv_events is not None:      # one batch a round: a step's events
+                batch = self.core.take_kv_events()
+                if batch is not None:
+                    self.kv_events.publish(batch)
             busy = self.engine.busy()
             wait = self.stats.tick(busy)
             self.env.heartbeat(self.stats.step_running_for())

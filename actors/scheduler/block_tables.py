@@ -175,11 +175,29 @@ class BlockTables:
         if not self.device.enable_caching or full <= seq.num_committed:
             return
         self.update_hashes(seq)
+        events = self.device.events
+        stored = []              # the blocks that became findable (for the KV events)
         for i in range(seq.num_committed, full):
-            self.device.commit(seq.block_ids[i], seq.block_hashes[i])
+            if self.device.commit(seq.block_ids[i], seq.block_hashes[i]) and events is not None:
+                stored.append(i)
             if self.tier is not None:
                 self.tier.store(seq.block_ids[i], seq.block_hashes[i])
         seq.num_committed = full
+        if stored:
+            self._report_stored(seq, stored)
+
+    def _report_stored(self, seq: Sequence, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive block indexes in `stored`."""
+        hashes, size = seq.block_hashes, self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1]
+                self.device.events.stored(hashes[first:last + 1],
+                                          hashes[first - 1] if first else None,
+                                          seq.token_ids[first * size:(last + 1) * size],
+                                          seq.request.lora)
+                start = k
 
     def share(self, child: Sequence) -> None:
         """child, forked from a request, holds a reference to each block of its table."""

@@ -16,6 +16,7 @@ from pagewire.wire.channels import Sends
 from pagewire.wire.engine_control import (ControlDone, EngineControl, SleepEngine,
                                           UpdateWeights, WakeEngine)
 from pagewire.wire.ids import output_ids
+from pagewire.wire.kv_events import KVEventBatch
 from pagewire.wire.kv_transfer import KvLeaseEnded, KvPulled
 from pagewire.wire.to_detokenizer import TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import StepPlan
@@ -25,6 +26,7 @@ from pagewire.wire.to_scheduler import (Abort, AbortAll, DetokenizerStarted, New
 from ..config import EngineConfig
 from .detok_record import DetokRecord
 from .engine_pause import EnginePause
+from .kv_event_log import KvEventLog
 from .scheduler import Scheduler, StepRows
 
 
@@ -34,6 +36,9 @@ class SchedulerCore:
         self.sched = Scheduler(config, tier_present)
         self.pause = EnginePause(self.sched)
         self.detok_record = DetokRecord()
+        events = config.kv_events_config
+        if events is not None and events.publishes:      # the device pool reports to it
+            self.sched.kv.events = KvEventLog(config.cache.block_size)
         self.handlers = {NewRequest: self._add, PromptPiece: self._extend,
                          Abort: lambda m: self.sched.abort(m.seq_ids),
                          AbortAll: lambda m: self.sched.abort_all(),
@@ -86,6 +91,11 @@ class SchedulerCore:
     def control_done(self, msg: ControlDone) -> Sends:
         """The executors' answer to the control sent: to the gateway."""
         return [("gateway", self.pause.done(msg))]
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The prefix cache's events since the last call (--kv-events-config), or None."""
+        events = self.sched.kv.events
+        return events.take() if events is not None else None
 
     def apply(self, plan: StepPlan, rows: StepRows, result: StepResult) -> Sends:
         """The executor's result for `plan` (the oldest in flight)."""

@@ -47,6 +47,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        self.events = None         # a KvEventLog when KV events are published (kv_event_log.py)
 
     @property
     def num_free(self) -> int:
@@ -67,6 +68,8 @@ class BlockManager:
             block, _ = self.free_queue.popitem(last=False)
             if self.hash_of[block] is not None:
                 del self.cached[self.hash_of[block]]
+                if self.events is not None:
+                    self.events.removed(self.hash_of[block])
                 self.hash_of[block] = None
             self.refcount[block] = 1
             ids.append(block)
@@ -106,12 +109,15 @@ class BlockManager:
         """How many of these blocks are free (acquiring them uses up free capacity)."""
         return sum(1 for b in ids if self.refcount[b] == 0)
 
-    def commit(self, block: int, content: bytes) -> None:
+    def commit(self, block: int, content: bytes) -> bool:
         """Record that held `block` is full with `content`. If another block already caches
-        that content, this one stays unhashed (it is freed like any other)."""
+        that content, this one stays unhashed (it is freed like any other). True when the
+        content became findable."""
         if self.enable_caching and content not in self.cached and self.hash_of[block] is None:
             self.cached[content] = block
             self.hash_of[block] = content
+            return True
+        return False
 
     def copy_on_write(self, block: int) -> int | None:
         """Before writing into a held `block`: if others share it, give the writer a fresh
@@ -132,6 +138,8 @@ class BlockManager:
         self.cached.clear()
         self.hash_of = [None] * self.num_blocks
         self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        if self.events is not None:          # subscribers forget this pool's blocks too
+            self.events.cleared()
 
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / self.num_blocks

@@ -1,8 +1,10 @@
-"""Write a Hugging Face BERT directory (tiny_sentence.make_sentence_model) as a GGUF file the
-way llama.cpp's convert_hf_to_gguf.py (BertModel) does (tests, bench): gguf-py's own tensor
-names, its SpecialVocab for the special token ids, the phantom-space vocabulary, the pooling
-type from sentence-transformers' pooling module; 1-D tensors, norms, positions and token
-types float32, the other 2-D weights in `qtype`."""
+"""Write a Hugging Face BERT or NomicBERT directory (tiny_sentence.make_sentence_model) as a
+GGUF file the way llama.cpp's convert_hf_to_gguf.py (BertModel, NomicBertModel) does (tests,
+bench): gguf-py's own tensor names for the architecture ("bert", "nomic-bert": transformers
+saves a NomicBertModel under nomic-ai's names, the converter's input), its SpecialVocab for
+the special token ids, the phantom-space vocabulary, the pooling type from
+sentence-transformers' pooling module, nomic-bert's rope base; 1-D tensors, norms, positions
+and token types float32, the other 2-D weights in `qtype`."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,8 @@ import numpy as np
 _POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2,
             "pooling_mode_lasttoken": 3}             # gguf.PoolingType's values
 _FLOAT32 = ("position_embd.weight", "token_types.weight")
+# config.json's architecture -> gguf-py's MODEL_ARCH member
+_ARCHS = {"BertModel": "BERT", "NomicBertModel": "NOMIC_BERT"}
 
 
 def phantom(token: str) -> str:
@@ -22,7 +26,9 @@ def phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def _pooling_type(path: str) -> int | None:
+def st_pooling_type(path: str) -> int | None:
+    """gguf.PoolingType's value of sentence-transformers' pooling module at path (None:
+    no module), as the converter's _try_set_pooling_type reads it."""
     modules = os.path.join(path, "modules.json")
     if not os.path.isfile(modules):
         return None
@@ -50,33 +56,32 @@ def _add_vocab(writer, path: str) -> None:
     gguf.SpecialVocab(path, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
-def _tensors(path: str) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under gguf-py's BERT names, float32; the pooler and heads
-    left out, as the converter leaves them."""
+def _tensors(path: str, arch, layers: int) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under gguf-py's names for `arch` (a gguf.MODEL_ARCH),
+    float32; the pooler and heads left out, as the converter leaves them."""
     import gguf
     from safetensors.numpy import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        layers = json.load(f)["num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, layers)
+    names = gguf.get_tensor_name_map(arch, layers)
     out = {}
     for name, a in load_file(os.path.join(path, "model.safetensors")).items():
         name = name.removeprefix("bert.")
         if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, f"gguf-py has no BERT name for {name}"
+        assert gguf_name is not None, f"gguf-py has no {arch.name} name for {name}"
         out[gguf_name] = a.astype(np.float32)
     return out
 
 
 def write_bert_gguf(path: str, out: str, qtype: str = "F16") -> str:
-    """The BERT directory at `path` as llama.cpp's converter writes it with --outtype
-    `qtype` (F32, F16, BF16 or Q8_0); returns `out`."""
+    """The BERT or NomicBERT directory at `path` as llama.cpp's converter writes it with
+    --outtype `qtype` (F32, F16, BF16 or Q8_0); returns `out`."""
     import gguf
     from gguf.quants import quantize
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    writer = gguf.GGUFWriter(out, "bert")
+    arch = gguf.MODEL_ARCH[_ARCHS[cfg["architectures"][0]]]
+    writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -84,13 +89,15 @@ def write_bert_gguf(path: str, out: str, qtype: str = "F16") -> str:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_layer_norm_eps(cfg["layer_norm_eps"])
     writer.add_causal_attention(False)
-    pooling = _pooling_type(path)
+    if arch == gguf.MODEL_ARCH.NOMIC_BERT:
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    pooling = st_pooling_type(path)
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType(pooling))
     writer.add_token_type_count(cfg.get("type_vocab_size", 1))
     _add_vocab(writer, path)
     kind = gguf.GGMLQuantizationType[qtype]
-    for name, a in _tensors(path).items():
+    for name, a in _tensors(path, arch, cfg["num_hidden_layers"]).items():
         if a.ndim == 1 or name.endswith("_norm.weight") or name in _FLOAT32 or qtype == "F32":
             writer.add_tensor(name, a)
         elif qtype == "F16":

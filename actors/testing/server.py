@@ -112,14 +112,16 @@ class Server:
 
 
 class Router:
-    """`pagewire router` in front of a prefill engine and decode engines (their URLs)."""
+    """`pagewire router` in front of a prefill engine and decode engines (their URLs), or,
+    with `args`, the router those flags ask for (`--replicas ...`)."""
 
-    def __init__(self, prefill: str, *decode: str, healthy_enough: bool = False):
+    def __init__(self, prefill: str = "", *decode: str, healthy_enough: bool = False,
+                 args: list[str] | None = None):
         """healthy_enough: wait only for the router to answer (an engine may be down)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "router",
-                                      "--prefill", prefill, "--decode", *decode,
+        flags = args if args is not None else ["--prefill", prefill, "--decode", *decode]
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagewire.cli", "router", *flags,
                                       "--port", str(self.port)])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -38,7 +38,8 @@ ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_s
                "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency",
                "mmproj", "runner", "convert", "pooler_config", "models_file", "models_dir",
                "model_idle_timeout", "models_memory_budget", "max_loaded_models",
-               "model_load_timeout", "model_queue_size", "enable_sleep_mode", "warm_spares")
+               "model_load_timeout", "model_queue_size", "enable_sleep_mode", "kv_events_config",
+               "warm_spares")
 
 
 def _resolved(**options) -> EngineConfig:
@@ -68,7 +69,7 @@ def _encodable(value):
 
 
 def test_every_option_has_one_section_and_the_flat_names_are_kept():
-    assert len(EngineConfig.__struct_fields__) == 13 and len(FLAT_FIELDS) == 72
+    assert len(EngineConfig.__struct_fields__) == 14 and len(FLAT_FIELDS) == 72
     assert set(FLAT_FIELDS) | set(ADDED_SINCE) | {"config_digest"} == set(FIELD_SECTION)
     owned = [f for c in SECTIONS.values() for f in c.__struct_fields__]
     assert len(owned) == len(set(owned))                        # no field in two sections
@@ -130,9 +131,9 @@ def test_each_actor_holds_only_its_sections():
     full = _resolved(api_keys=["k"], speculative_config={"method": "ngram"})
     for role, held in ACTOR_SECTIONS.items():
         mine = EngineConfig.from_json(full.for_actor(role).to_json())
-        present = {s for s in (*SECTIONS, "speculative_config", "kv_transfer_config")
-                   if getattr(mine, s) is not None}
-        assert present == set(held) - {"kv_transfer_config"}, role     # None: off
+        present = {s for s in (*SECTIONS, "speculative_config", "kv_transfer_config",
+                               "kv_events_config") if getattr(mine, s) is not None}
+        assert present == set(held) - {"kv_transfer_config", "kv_events_config"}, role  # off
         assert mine.model == full.model and mine.run_dir == full.run_dir
         assert mine.observability.config_digest == full.digest()    # the engine's, not its
     detok = full.for_actor("detokenizer")
@@ -193,7 +194,8 @@ def test_no_actor_reads_a_section_it_is_not_sent(role):
     actor holds (ACTOR_SECTIONS); the modules that hold every section are left out."""
     import importlib.util
     import re
-    whole = ("model", "observability", "speculative_config", "kv_transfer_config")
+    whole = ("model", "observability", "speculative_config", "kv_transfer_config",
+             "kv_events_config")
     read = re.compile(r"(?:\bconfig|\bcfg)\.(" + "|".join((*SECTIONS, *whole)) + r")\b")
     # These hold every section; lora_files reads the lora section in check_options, which
     # only resolve() calls.

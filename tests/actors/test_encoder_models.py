@@ -32,12 +32,12 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 def _inputs(architecture: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Token ids (a padding id inside the first sequence: RoBERTa's positions skip it) and
-    token types (BERT's second sequence a pair: its last 9 tokens type 1)."""
+    token types (BERT's and NomicBERT's second sequence a pair: its last 9 tokens type 1)."""
     g = torch.Generator().manual_seed(7)
     ids = [torch.randint(3, TINY["vocab_size"], (n,), generator=g) for n in LENS]
     ids[0][2] = 1
     types = [torch.zeros(n, dtype=torch.int64) for n in LENS]
-    if architecture.startswith("Bert"):
+    if architecture.startswith(("Bert", "NomicBert")):
         types[1][8:] = 1
     return ids, types
 

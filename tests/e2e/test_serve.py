@@ -3,6 +3,7 @@ client: chat and completions, streaming and not, concurrent requests, bad input,
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import tempfile
 
@@ -17,8 +18,17 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB"]) as srv:
+def kv_events_dir():
+    with tempfile.TemporaryDirectory(dir="/tmp") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def server(kv_events_dir):
+    events = {"enable_kv_cache_events": True, "topic": "kv",
+              "endpoint": f"ipc://{kv_events_dir}/kv", "replay_endpoint": f"ipc://{kv_events_dir}/r"}
+    with running_server(["--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+                         "--kv-events-config", json.dumps(events)]) as srv:
         yield srv
 
 
@@ -260,3 +270,45 @@ def test_streamed_prompt_errors(server):
     code, reply, _ = server.request("POST", "/v1/completions", {
         "model": MODEL, "prompt": "hi", "stream_input": True, "request_id": "s", "n": 2})
     assert code == 400 and "n = 1" in reply["error"]["message"]
+
+
+def test_the_scheduler_publishes_the_blocks_a_prompt_stored(server, kv_events_dir):
+    """--kv-events-config: a replay from 0 (vLLM's replay protocol, its event schema as
+    tests/actors/test_kv_events.py writes it) holds, from the first batch's AllBlocksCleared
+    on, the BlockStored events of a token-id prompt's full blocks: pagewire's hash chain."""
+    import zmq
+
+    from pagewire.scheduler.kv_manager import block_hashes
+    from tests.actors.test_kv_events import DECODER, AllBlocksCleared, BlockStored, apply, ext
+    prompt = list(range(1000, 1100))                    # 6 full blocks of 16
+    server.request("POST", "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                               "max_tokens": 1})
+    want = [ext(h) for h in block_hashes(prompt, 16, "kv=auto\x00", [])]
+    ctx = zmq.Context()
+    replay = ctx.socket(zmq.DEALER)
+    replay.connect(f"ipc://{kv_events_dir}/r")
+    try:
+        for _ in range(50):                  # the last step's batch may still be on its way
+            replay.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches = []
+            while True:
+                assert replay.poll(10_000)
+                _, seq, payload = replay.recv_multipart()
+                if payload == b"":
+                    break
+                batches.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+            held: set[int] = set()
+            for _, batch in batches:
+                apply(held, batch)
+            if held >= set(want):
+                break
+        assert [s for s, _ in batches] == list(range(len(batches)))
+        assert isinstance(batches[0][1].events[0], AllBlocksCleared)
+        mine = [e for _, b in batches for e in b.events
+                if isinstance(e, BlockStored) and set(e.block_hashes) & set(want)]
+        assert [h for e in mine for h in e.block_hashes] == want
+        assert [t for e in mine for t in e.token_ids] == prompt[:96]
+        assert mine[0].parent_block_hash is None and mine[0].medium == "GPU"
+    finally:
+        replay.close(0)
+        ctx.term()

@@ -178,7 +178,12 @@ def test_bfloat16_ranks_answer_as_one_rank():
     before #43): with every step on the blocks, the cooking answer parts at its 14th token
     with one rank's top two 0.25 apart, which #43's note leaves open (the ranks' partials are
     float32 there too). The last four questions (the cooking one among them) keep the suite's
-    time."""
+    time. Where the CPU multiplies bfloat16 only by emulation (no avx512_bf16), bfloat16 is
+    not what a user serves (auto picks float32) and the check guards large errors only: it is
+    skipped there for the suite's time."""
+    from pagewire.kernels import tiers
+    if "avx512_bf16" not in tiers.runnable():
+        pytest.skip("bfloat16 is emulated on this CPU (no avx512_bf16)")
     from tests.actors.test_default_model import QUESTIONS
     QUESTIONS = QUESTIONS[4:]      # noqa: N806
     args = ["--dtype", "bfloat16", "--max-model-len", "512", "--kv-cache-memory", "64MiB",

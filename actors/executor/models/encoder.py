@@ -1,7 +1,8 @@
-"""Encoder-only models (BERT, RoBERTa / XLM-R, MPNet, ModernBERT; encoder_config.py): a flat
-batch of whole sequences in, each token's final hidden state out, then pooled (`embed`) or
-through the architecture's classification head (`classify`). No KV cache: every token of a
-sequence sees every token of it and none of another's (ops.encoder_attention).
+"""Encoder-only models (BERT, RoBERTa / XLM-R, MPNet, ModernBERT, NomicBERT;
+encoder_config.py): a flat batch of whole sequences in, each token's final hidden state out,
+then pooled (`embed`) or through the architecture's classification head (`classify`). No KV
+cache: every token of a sequence sees every token of it and none of another's
+(ops.encoder_attention).
 
 Linears are kernels.linear.Linear and norms, GELUs and attention go through the backend's
 `ops`, so Backend.prepare lays the weights out for the native tiers (BF16 tiles, oneDNN
@@ -48,9 +49,10 @@ def activation(name: str, x: torch.Tensor, ops) -> torch.Tensor:
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention and MLP. Post-norm (BERT, RoBERTa, MPNet: LN(x + sublayer(x))) or
-    pre-norm (ModernBERT: x + sublayer(LN(x)), no norm before layer 0's attention, a GeGLU
-    MLP, rope, every local layer a window)."""
+    """Self-attention and MLP. Post-norm (BERT, RoBERTa, MPNet, NomicBERT: LN(x +
+    sublayer(x))) or pre-norm (ModernBERT: x + sublayer(LN(x)), no norm before layer 0's
+    attention, every local layer a window). ModernBERT and NomicBERT rotate q and k and gate
+    their MLP (GeGLU: act(input) * gate; SwiGLU: silu(gate) * up, its rows gate first)."""
 
     def __init__(self, cfg: EncoderConfig, index: int):
         super().__init__()
@@ -60,7 +62,7 @@ class EncoderLayer(nn.Module):
         self.out = Linear(d, d, bias=cfg.attention_bias)
         self.attn_norm = None if self.pre_norm and index == 0 else \
             LayerNorm(d, cfg.layer_norm_eps)
-        self.up = Linear(d, 2 * inner if self.pre_norm else inner, bias=cfg.mlp_bias)
+        self.up = Linear(d, 2 * inner if cfg.rotary else inner, bias=cfg.mlp_bias)
         self.down = Linear(inner, d, bias=cfg.mlp_bias)
         self.mlp_norm = LayerNorm(d, cfg.layer_norm_eps)
         self.local = self.pre_norm and not cfg.global_layers[index]
@@ -81,17 +83,20 @@ class EncoderLayer(nn.Module):
 
     def mlp(self, ops, h: torch.Tensor) -> torch.Tensor:
         up = ops.linear(self.up, h)
-        if self.pre_norm:                                     # GeGLU: act(input) * gate
+        if self.cfg.hidden_act == "silu":                     # SwiGLU: silu(gate) * up
+            up = ops.silu_and_mul(up)
+        elif self.cfg.rotary:                                 # GeGLU: act(input) * gate
             x, gate = up.chunk(2, dim=-1)
             up = activation(self.cfg.hidden_act, x, ops) * gate
         else:
             up = activation(self.cfg.hidden_act, up, ops)
         return ops.linear(self.down, up)
 
-    def post_norm_forward(self, ops, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+    def post_norm_forward(self, ops, x: torch.Tensor, batch: EncoderBatch,
+                          rope: torch.Tensor | None) -> torch.Tensor:
         """x: the last layer's output (the embeddings' for layer 0) -> this layer's. The
         fused add+norm sums into x's storage (the native one in place): x is not read after."""
-        h, _ = self.attn_norm.forward(ops, self.attention(ops, x, batch, None), x)
+        h, _ = self.attn_norm.forward(ops, self.attention(ops, x, batch, rope), x)
         out, _ = self.mlp_norm.forward(ops, self.mlp(ops, h), h)
         return out
 
@@ -117,8 +122,7 @@ class EncoderModel(nn.Module):
         self.ops = ops if ops is not None else TorchOps()
         self.tp = TensorParallel()           # one rank (read_encoder refuses more)
         self.words = nn.Embedding(cfg.vocab_size, d)
-        self.positions = None if cfg.family == "modernbert" else \
-            nn.Embedding(cfg.max_position_embeddings, d)
+        self.positions = None if cfg.rotary else nn.Embedding(cfg.max_position_embeddings, d)
         self.token_types = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.embed_norm = LayerNorm(d, cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.num_layers))
@@ -142,12 +146,13 @@ class EncoderModel(nn.Module):
         return self.words.weight.dtype
 
     def reset_buffers(self) -> None:
-        """ModernBERT's (cos | sin) tables, one a rope base, float32 on the CPU (Module.to
-        moves them)."""
+        """The (cos | sin) tables, one a rope base (ModernBERT's two, NomicBERT's one), float32
+        on the CPU (Module.to moves them)."""
         cfg = self.cfg
-        if cfg.family == "modernbert":
+        if cfg.rotary:
             self.global_rope = rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings,
                                             cfg.global_rope_theta)
+        if cfg.family == "modernbert":
             self.local_rope = rope_cos_sin(cfg.head_dim, cfg.max_position_embeddings,
                                            cfg.local_rope_theta)
 
@@ -161,7 +166,7 @@ class EncoderModel(nn.Module):
         ops = self.ops
         if self.final_norm is None:
             for layer in self.layers:
-                x = layer.post_norm_forward(ops, x, batch)
+                x = layer.post_norm_forward(ops, x, batch, self.global_rope)
             return x
         residual = None
         for layer in self.layers:
@@ -186,8 +191,8 @@ class EncoderModel(nn.Module):
         x = self.words(input_ids)
         if self.token_types is not None:
             # RoBERTa's and XLM-R's tokenizers give no token types (a pair's second text is
-            # type 0 too): only BERT reads them
-            use = token_types is not None and self.cfg.family == "bert"
+            # type 0 too): only BERT and NomicBERT (a BERT tokenizer) read them
+            use = token_types is not None and self.cfg.family in ("bert", "nomic")
             x = x + self.token_types(token_types if use else torch.zeros_like(input_ids))
         if self.positions is not None:
             x = x + self.positions(self._positions(input_ids, batch))

@@ -1,5 +1,5 @@
 """The options of the encoder-only models (model_info.ENCODER_ARCHITECTURES), read from a
-Hugging Face config.json. Four families share one encoder (encoder.py):
+Hugging Face config.json. Five families share one encoder (encoder.py):
 
     bert        learned absolute positions 0..n-1, token types, post-norm layers
     roberta     RoBERTa and XLM-R: as BERT, positions counted from pad_token_id + 1
@@ -9,12 +9,17 @@ Hugging Face config.json. Four families share one encoder (encoder.py):
                 global_attn_every_n_layers-th layer global, the others a symmetric window of
                 local_attention / 2 each way; pre-norm, GeGLU, LayerNorms without bias by
                 default, a final norm
+    nomic       nomic-embed-text (NomicBertModel): as BERT (post-norm, token types) but rope
+                on every layer (one base, rotate-half pairs) in place of learned positions,
+                a SwiGLU MLP (silu(gate) * up), no Linear biases
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAMILIES = ("bert", "roberta", "mpnet", "modernbert")
+FAMILIES = ("bert", "roberta", "mpnet", "modernbert", "nomic")
+# the families whose attention rotates q and k (no learned positions) and whose MLP is gated
+ROTARY_FAMILIES = ("modernbert", "nomic")
 # transformers' ACT2FN names the encoder computes -> ops.gelu's form ("none": exact erf GELU)
 GELU_FORMS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
               "gelu_fast": "tanh"}
@@ -24,7 +29,8 @@ MPNET_PADDING_IDX = 1
 
 
 def family_of(architecture: str) -> str:
-    for prefix, family in (("ModernBert", "modernbert"), ("XLMRoberta", "roberta"),
+    for prefix, family in (("ModernBert", "modernbert"), ("NomicBert", "nomic"),
+                           ("XLMRoberta", "roberta"),
                            ("Roberta", "roberta"), ("MPNet", "mpnet"), ("Bert", "bert")):
         if architecture.startswith(prefix):
             return family
@@ -50,7 +56,7 @@ class EncoderConfig:
     classifier: bool = False          # a *ForSequenceClassification model
     num_labels: int = 2
     relative_buckets: int = 0         # mpnet: relative_attention_num_buckets
-    # modernbert
+    # modernbert (global_rope_theta and global_layers, all True, nomic's too)
     global_layers: tuple[bool, ...] = ()   # per layer: global attention (else local)
     local_window: int = 0             # a local layer's query sees keys within this distance
     global_rope_theta: float = 160000.0
@@ -65,6 +71,11 @@ class EncoderConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def rotary(self) -> bool:
+        """q and k rotated, no learned positions; a gated MLP (ROTARY_FAMILIES)."""
+        return self.family in ROTARY_FAMILIES
 
     @classmethod
     def from_hf(cls, cfg: dict, architecture: str | None = None) -> "EncoderConfig":
@@ -83,6 +94,8 @@ class EncoderConfig:
             raise ValueError(f"{architecture}: hidden_size is not a multiple of the heads")
         if family == "modernbert":
             return cls(**common, **_modernbert(cfg))
+        if family == "nomic":
+            return cls(**common, **_nomic(cfg))
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{architecture}: position_embedding_type "
                              f"{cfg['position_embedding_type']!r} is not supported")
@@ -109,6 +122,37 @@ def _check_activation(architecture: str, act: str) -> None:
     if act not in GELU_FORMS and act != "relu":
         raise ValueError(f"{architecture}: activation {act!r} is not supported "
                          f"({', '.join([*GELU_FORMS, 'relu'])})")
+
+
+# nomic-ai's own config.json (remote code; GPT-2's n_embd, ... renamed by
+# model_info.hf_text_config): the values the block here computes, as llama.cpp's converter
+# asserts them (another is refused by name)
+_NOMIC_FIXED = {"activation_function": "swiglu", "prenorm": False, "causal": False,
+                "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+                "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+                "rotary_emb_scale_base": None}
+
+
+def _nomic(cfg: dict) -> dict:
+    """NomicBertModel's options: transformers' NomicBertConfig keys (rope_parameters; its
+    default base 1000, nomic-embed-text-v1.5's) or nomic-ai's (rotary_emb_base, ...)."""
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"NomicBertModel: rope scaling {rope['rope_type']!r} is not supported")
+    heads = cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
+        raise ValueError("NomicBertModel: head_dim other than hidden_size / heads is not "
+                         "supported")
+    act = cfg.get("hidden_act", "silu")
+    odd = [f"{k}={cfg[k]!r}" for k, v in _NOMIC_FIXED.items() if k in cfg and cfg[k] != v]
+    if act != "silu" or odd:
+        raise ValueError(f"NomicBertModel: {', '.join(odd) or f'activation {act!r}'} is not "
+                         "supported (nomic-embed-text v1 / v1.5's SwiGLU post-norm block is)")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 1000.0)))
+    return dict(type_vocab_size=cfg.get("type_vocab_size", 2),
+                layer_norm_eps=cfg.get("layer_norm_eps", 1e-12), hidden_act=act,
+                global_layers=(True,) * cfg["num_hidden_layers"],
+                global_rope_theta=float(theta), attention_bias=False, mlp_bias=False)
 
 
 def _modernbert(cfg: dict) -> dict:

@@ -2,7 +2,9 @@
 loader that reads one.
 
 A *ForSequenceClassification checkpoint prefixes the encoder's names with its base model's
-("bert.", "roberta.", "mpnet.", "model."); a base model's have none. Old BERT checkpoints
+("bert.", "roberta.", "mpnet.", "model."); a base model's have none. NomicBERT's are
+nomic-ai's own (emb_ln, encoder.layers.N.attn.Wqkv, mlp.fc11 the up rows, mlp.fc12 the
+gate's), as transformers saves them too. Old BERT checkpoints
 name LayerNorm parameters gamma and beta. Tensors no model reads (a base model's pooler, a
 masked-LM head) are left out."""
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from .encoder import EncoderModel
 from .encoder_config import EncoderConfig
 
-_PREFIXES = ("bert.", "roberta.", "mpnet.", "model.")
+_PREFIXES = ("bert.", "roberta.", "mpnet.", "model.", "nomic_bert.")
 
 # ours -> theirs, after the prefix, per family: embeddings and the model's own tensors
 _EMBEDDINGS = {
@@ -28,6 +30,8 @@ _EMBEDDINGS = {
               "relative_bias": "encoder.relative_attention_bias"},
     "modernbert": {"words": "embeddings.tok_embeddings", "embed_norm": "embeddings.norm",
                    "final_norm": "final_norm"},
+    "nomic": {"words": "embeddings.word_embeddings",
+              "token_types": "embeddings.token_type_embeddings", "embed_norm": "emb_ln"},
 }
 _EMBEDDINGS["roberta"] = _EMBEDDINGS["bert"]
 # a layer's: ours -> theirs (a tuple: concatenated by rows), under each family's layer prefix
@@ -43,6 +47,9 @@ _LAYERS = {
     "modernbert": ("layers.{}.", {
         "qkv": "attn.Wqkv", "out": "attn.Wo", "attn_norm": "attn_norm", "up": "mlp.Wi",
         "down": "mlp.Wo", "mlp_norm": "mlp_norm"}),
+    "nomic": ("encoder.layers.{}.", {
+        "qkv": "attn.Wqkv", "out": "attn.out_proj", "attn_norm": "norm1",
+        "up": ("mlp.fc12", "mlp.fc11"), "down": "mlp.fc2", "mlp_norm": "norm2"}),
 }
 _LAYERS["roberta"] = _LAYERS["bert"]
 # the classification head's (no base-model prefix on theirs but BERT's pooler)
@@ -130,9 +137,11 @@ def load_encoder(path: str, dtype: torch.dtype, ops=None, device=None,
     with the backend's `ops` (None: torch's), on `device` (None: the CPU), as `architecture`
     (None: config.json's). The caller lays the weights out for its kernels
     (Backend.prepare); the weights as read serve the torch ops."""
+    from pagewire.model_info import hf_text_config
+
     from ..loader import no_init, one_thread, read_safetensors    # (it imports this module)
     with open(os.path.join(path, "config.json")) as f:
-        cfg = EncoderConfig.from_hf(json.load(f), architecture)
+        cfg = EncoderConfig.from_hf(hf_text_config(json.load(f)), architecture)
     with one_thread():
         with no_init():                   # every tensor comes from the file: no init
             model = EncoderModel(cfg, ops)
