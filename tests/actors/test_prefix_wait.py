@@ -130,3 +130,23 @@ def test_greedy_outputs_equal_transformers_with_and_without(tiny_llama):
         theirs, logits = oracle.greedy(prompt, 6)
         assert_greedy_equal(ours, theirs, logits, f"prompt ending {prompt[-3:]}")
     assert hits[True] == 3 * 40 > hits[False]      # 5 blocks of 8, three times
+
+
+def test_a_computer_making_no_progress_releases_the_held_request():
+    """Results for the computing sequence stop coming (plans made straight on the core, never
+    answered): after STALL_PASSES passes without progress the held request goes ahead."""
+    from pagewire.scheduler.prefix_wait import STALL_PASSES
+    core = make_scheduler(num_blocks=16, block_size=4).core.sched
+    core.add(shared("a", [1, 2], max_tokens=100))
+    core.add(shared("b", [3, 4]))
+    passes = 0
+    while True:
+        passes += 1
+        planned = core.schedule(steps_in_flight=1)
+        new_ids = [s.seq_id.req for s in planned[0].new] if planned else []
+        if "b" in new_ids:
+            break
+        assert passes <= STALL_PASSES + 1, "b held past the bound"
+    assert passes == STALL_PASSES + 2
+    b = core.seqs[planned[0].new[-1].seq_id]
+    assert (b.num_computed, b.num_scheduled) == (0, 14)
