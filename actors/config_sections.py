@@ -88,6 +88,9 @@ class SchedulerConfig(_Section):
     max_num_queued_tokens: int | None = None # prompt tokens waiting, beyond: refused
     encoder_budget: int | None = None        # image rows encoded in one step; None: the
                                              # token budget (scheduler/encoder_budget.py)
+    prefix_wait: bool = True                 # a waiting request whose next blocks a running
+                                             # one is computing waits for them
+                                             # (scheduler/prefix_wait.py)
 
 
 class DeviceConfig(_Section):

@@ -169,6 +169,11 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                flags=("--async-scheduling", "--no-async-scheduling")),
         Option("scheduling_policy", "`fcfs` or `priority` (request field `priority`, lower first; "
                "preempts lower-priority work when blocks run short)", choices=SCHEDULING_POLICIES),
+        Option("prefix_wait", "a waiting request whose next prompt blocks a running request is "
+               "computing now (a shared prefix) waits for them, then maps them as a prefix hit, "
+               "instead of computing them again (see \"Prefix wait\" in docs/kv-cache.md); "
+               "`--no-prefix-wait`: "
+               "each computes its own copy", flags=("--prefix-wait", "--no-prefix-wait")),
         Option("max_num_queued_reqs", "beyond this many waiting requests, new ones get 503 at once",
                "unlimited"),
         Option("max_num_queued_tokens", "beyond this many waiting prompt tokens, new requests get "

@@ -10,8 +10,10 @@ by decodes and prefill chunks (no separate phases): running sequences first, in 
 arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
 in the pool, then in the disk tier or, for a decode after a remote prefill, its prefill
 engine's lease (those blocks are filled by the next step while the request waits, LOADING,
-with its whole table allocated; block_tables.py). A request prefilled for a remote decode
-leaves its full blocks under a lease when it ends, until the KV server says it ended.
+with its whole table allocated; block_tables.py). One whose next blocks a running sequence
+is computing waits for them, skipped in the queue (prefix_wait.py). A request prefilled for a
+remote decode leaves its full blocks under a lease when it ends, until the KV server says it
+ended.
 When blocks run out, the last running sequence in that order is preempted: swapped to the host
 tier when the policy allows and it fits, else recomputed (freed, requeued, prefilled again,
 cheaply when its blocks are still cached). update() applies a StepResult: appends sampled
@@ -50,6 +52,7 @@ from .block_tables import BlockTables
 from .encoder_budget import EncoderBudget
 from .head_tables import CompressedTables
 from .live_requests import LiveRequests
+from .prefix_wait import PrefixWait
 from .prompt_stream import extend_prompt
 from .request import Sequence, Status
 from .speculation import DraftPolicy
@@ -75,6 +78,8 @@ class Scheduler:
         self.requests, self.seqs, self.groups = self.live.requests, self.live.seqs, self.live.groups
         self.waiting, self.running = self.live.waiting, self.live.running
         self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
+        # waiting for blocks a running sequence is computing (prefix_wait.py)
+        self.prefix_wait = PrefixWait(self.tables, config.scheduler.prefix_wait)
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[SeqId] = []
@@ -149,6 +154,8 @@ class Scheduler:
         scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
             scheduled += self._admit_waiting(budget)
+            if not scheduled and not steps_in_flight and self.prefix_wait.release_all():
+                scheduled += self._admit_waiting(budget)
             if not scheduled and not steps_in_flight and self._release_waiting_blocks():
                 scheduled += self._admit_waiting(budget)
         tier = self.tables.tier.take_work() if self.tables.tier is not None else None
@@ -195,8 +202,10 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> list[Sequence]:
         """Waiting sequences that start (or resume) in this step, in admission order. One whose
         adapter would make the running sequences' adapters more than max_loras waits, and
-        those behind it go ahead."""
+        those behind it go ahead, and so do they behind one waiting for blocks a running
+        sequence is computing (prefix_wait.py)."""
         admitted, i = [], 0
+        self.prefix_wait.begin(self.running)
         loras = {r.request.lora.id for r in self.running if r.request.lora is not None}
         while i < len(self.waiting) and budget > 0 and \
                 len(self.running) < self.config.scheduler.max_num_seqs:
@@ -209,6 +218,9 @@ class Scheduler:
                 if not self.tables.swap_in(seq):
                     break
                 seq.status = Status.WAITING    # blocks back on the device; first in line
+            if self.prefix_wait.holds_back(seq):
+                i += 1
+                continue
             fresh = not seq.block_ids
             if fresh and self.tables.map_cached_prefix(seq):   # it waits for its blocks
                 self.waiting.pop(i)
@@ -232,6 +244,7 @@ class Scheduler:
                     self._forget_blocks(seq)
                 break
             self.waiting.pop(i)
+            self.prefix_wait.admitted(seq)
             if lora is not None:
                 loras.add(lora)
             seq.status, seq.num_scheduled = Status.RUNNING, n
@@ -295,6 +308,7 @@ class Scheduler:
         if seq.status is Status.LOADING:
             self.arrivals.abandon(seq)
         self.live.dequeue(seq)
+        self.prefix_wait.forget(seq)
         if lease:
             self.tables.lease(seq)
         self.tables.release(seq)

@@ -39,7 +39,7 @@ ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_s
                "mmproj", "runner", "convert", "pooler_config", "models_file", "models_dir",
                "model_idle_timeout", "models_memory_budget", "max_loaded_models",
                "model_load_timeout", "model_queue_size", "enable_sleep_mode", "kv_events_config",
-               "warm_spares")
+               "warm_spares", "prefix_wait")
 
 
 def _resolved(**options) -> EngineConfig:
