@@ -125,6 +125,7 @@ class ServerConfig(_Section):
     drain_timeout: float = 30.0              # seconds SIGTERM waits for in-flight requests
     restart_budget: int = 5                  # actor restarts allowed within restart_window...
     restart_window: float = 300.0            # ...seconds; beyond, the server exits 1
+    warm_spares: bool = False                # a loaded spare tokenizer and detokenizer process
     api_keys: list[str] = []                 # bearer keys guarding /v1/*; empty: open
     cache_salt_per_api_key: bool = False     # each API key's requests get their own KV salt
     metrics_require_api_key: bool = False    # GET /metrics behind the API key check too

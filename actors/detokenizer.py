@@ -5,6 +5,13 @@ until the character completes (tokenizers' DecodeStream). When stop strings are 
 len(longest stop) - 1 characters are held back until they can no longer start a match; on a match
 the text is cut there, the request finishes with "stop", and the scheduler is told to abort it so
 its blocks are freed.
+
+A restart loses nothing: the new detokenizer says DetokenizerStarted, and the scheduler answers
+with a DetokResync, every request it holds or ended lately with all the tokens it sent
+(scheduler/detok_record.py). Each output's text is rebuilt from its first token and sent whole
+(from_start): the gateway drops the part it already has. Starts and deltas that the resync
+covers are superseded, and a DetokStart of a request live or over already (a tokenizer's,
+resent by the gateway) is dropped.
 """
 from __future__ import annotations
 
@@ -16,12 +23,12 @@ from tokenizers.decoders import DecodeStream
 from pagewire.wire.channels import Sends
 from pagewire.wire.ids import SeqId, output_ids
 from pagewire.wire.sampling_params import LogprobsChunk
-from pagewire.wire.to_detokenizer import (DetokenizerInbox, DetokStart, PromptGrew, TokenDelta,
-                                          TokenDeltas)
+from pagewire.wire.to_detokenizer import (DetokenizerInbox, DetokResync, DetokStart, PromptGrew,
+                                          TokenDelta, TokenDeltas)
 from pagewire.wire.to_gateway import TextDelta, TextDeltas, TokenLogprob
-from pagewire.wire.to_scheduler import Abort
+from pagewire.wire.to_scheduler import Abort, DetokenizerStarted
 
-from .hf_tokenizer import load_tokenizer
+from .hf_tokenizer import load_backend_tokenizer
 
 
 _REMEMBER_ENDED = 10_000
@@ -104,37 +111,65 @@ class Detokenizer:
     Deltas that arrive before their DetokStart (the two travel on different sockets) wait in
     `early` until it comes. A request finished here by a stop string stays in `stopped` until
     the scheduler confirms the abort with a final "abort" delta (it answers every Abort so),
-    and deltas it sent meanwhile are dropped. An "abort" for a request not live is remembered
-    in `ended` (bounded), so a DetokStart that it overtook is dropped when it arrives.
+    and deltas it sent meanwhile are dropped. An output that finished, or got an "abort" while
+    not live, is remembered in `ended` (bounded), so a DetokStart that its abort overtook, or
+    a duplicate one, is dropped when it arrives.
     """
 
     def __init__(self, tokenizer):
-        self.backend = tokenizer.backend_tokenizer
+        """tokenizer: a transformers tokenizer, or its `tokenizers.Tokenizer` alone."""
+        self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.live: dict[SeqId, IncrementalText] = {}
         self.early: dict[SeqId, list[TokenDelta]] = {}
         self.stopped: set[SeqId] = set()
-        self.ended: OrderedDict[SeqId, None] = OrderedDict()   # aborted while not live
+        self.ended: OrderedDict[SeqId, None] = OrderedDict()   # over, or aborted unseen
 
-    def handle(self, msg: DetokStart | PromptGrew | TokenDeltas) -> Sends:
+    def handle(self, msg: DetokStart | PromptGrew | TokenDeltas | DetokResync) -> Sends:
         """The detokenizer core: text deltas for the gateway, and an Abort for the scheduler
         when stop strings finished requests."""
         if isinstance(msg, PromptGrew):
             self.prompt_grew(msg)
             return []
-        texts, aborts = (self.start if isinstance(msg, DetokStart) else self.on_deltas)(msg)
+        step = self.start if isinstance(msg, DetokStart) else \
+            self.resync if isinstance(msg, DetokResync) else self.on_deltas
+        texts, aborts = step(msg)
         sends: Sends = [("gateway", TextDeltas(texts))] if texts else []
         return sends + ([("scheduler", Abort(aborts))] if aborts else [])
 
     def start(self, msg: DetokStart) -> tuple[list[TextDelta], list[SeqId]]:
         texts, aborts = [], []
         for out_id in output_ids(msg.req_id, msg.num_outputs):
-            if self.ended.pop(out_id, False) is None:   # its abort overtook it: over already
+            if out_id in self.live or out_id in self.ended:   # over already, or a duplicate
                 continue
             self.live[out_id] = IncrementalText(self.backend, msg)
             t, a = self.on_deltas(TokenDeltas(self.early.pop(out_id, [])))
             texts += t
             aborts += a
         return texts, aborts
+
+    def resync(self, msg: DetokResync) -> tuple[list[TextDelta], list[SeqId]]:
+        """Rebuild every output the scheduler holds or ended lately from all its tokens; each
+        sends its whole text so far (from_start), or nothing while it has none."""
+        starts = {s.req_id: s for s in msg.starts}
+        texts, aborts = [], []
+        for out in msg.outputs:
+            sid = out.seq_id
+            self.early.pop(sid, None)
+            self.stopped.discard(sid)
+            self.ended.pop(sid, None)
+            self.live[sid] = IncrementalText(self.backend, starts[sid.req])
+            t, a = self.on_deltas(TokenDeltas([TokenDelta(sid, out.token_ids, out.finish_reason,
+                                                          out.error, pooled=out.pooled)]))
+            for delta in t:
+                delta.from_start = True
+            texts += [d for d in t if d.text or d.finish_reason]
+            aborts += a
+        return texts, aborts
+
+    def _remember_ended(self, sid: SeqId) -> None:
+        self.ended[sid] = None
+        if len(self.ended) > _REMEMBER_ENDED:
+            self.ended.popitem(last=False)
 
     def prompt_grew(self, msg: PromptGrew) -> None:
         """A streamed prompt (one output) grew: its usage counts the new tokens."""
@@ -156,6 +191,7 @@ class Detokenizer:
             out.append(text_delta)
             if text_delta.finish_reason:
                 del self.live[delta.seq_id]
+                self._remember_ended(delta.seq_id)
             if stopped and not delta.finish_reason:
                 self.stopped.add(delta.seq_id)
                 aborts.append(delta.seq_id)
@@ -164,19 +200,23 @@ class Detokenizer:
     def _orphan(self, delta: TokenDelta) -> None:
         """A delta for a request that is not live: stopped here, not started yet, or over."""
         if delta.finish_reason == "abort":
-            self.ended[delta.seq_id] = None
-            if len(self.ended) > _REMEMBER_ENDED:
-                self.ended.popitem(last=False)
+            self._remember_ended(delta.seq_id)
             self.stopped.discard(delta.seq_id)
             self.early.pop(delta.seq_id, None)
         elif delta.seq_id not in self.stopped:
             self.early.setdefault(delta.seq_id, []).append(delta)
 
 
-def run(env) -> None:
-    detok = Detokenizer(load_tokenizer(env.config.model.model_info))
+def prepare(config) -> Detokenizer:
+    """The slow part of a start, which a warm spare does ahead (process.py)."""
+    return Detokenizer(load_backend_tokenizer(config.model.model_info))
+
+
+def run(env, prepared: Detokenizer | None = None) -> None:
+    detok = prepared if prepared is not None else prepare(env.config)
     inbox = env.pull("detokenizer", DetokenizerInbox)
     pushes = {name: env.push(name) for name in ("gateway", "scheduler")}
+    pushes["scheduler"].send(DetokenizerStarted())   # answered with a DetokResync
     env.ready()
     for msg in env.messages(inbox):
         for channel, out in detok.handle(msg):

@@ -18,8 +18,26 @@ def cache_dir(*parts: str) -> str:
 
 
 def load_tokenizer(info: ModelInfo):
+    return _from_directory(tokenizer_directory(info))
+
+
+def load_backend_tokenizer(info: ModelInfo):
+    """The model's `tokenizers.Tokenizer` alone (what the detokenizer decodes with). Where
+    transformers would load it unchanged (its generic class, no tokens added beside
+    tokenizer.json) it is read without importing transformers, which is most of a
+    detokenizer's start: a restarted one serves again sooner."""
+    path = tokenizer_directory(info)
+    if _is_generic(path) and not _added_beside(path):
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return _from_directory(path).backend_tokenizer
+
+
+def tokenizer_directory(info: ModelInfo) -> str:
+    """Where the model's tokenizer files are: its directory, or a GGUF file's tokenizer as
+    transformers converted it (once, cached)."""
     if info.format == "hf":
-        return _from_directory(info.path)
+        return info.path
     # with a mmproj file, the digest is the pair's; the tokenizer is the text file's alone
     key = file_digest(info.path) if info.mmproj else info.digest
     target = os.path.join(cache_dir("tokenizers"), key)
@@ -29,25 +47,47 @@ def load_tokenizer(info: ModelInfo):
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.isdir(target):
                 _convert_gguf_tokenizer(info.path, target)
-    return _from_directory(target)
+    return target
 
 
 def _from_directory(path: str):
     """A tokenizer saved as tokenizer.json with transformers' generic class is loaded by that
     class directly: AutoTokenizer would resolve the model config first, importing torch
     (~1.4 s of every tokenizer and detokenizer start, on cores the executor is loading on)."""
-    import json
-
-    config_path = os.path.join(path, "tokenizer_config.json")
-    generic = False
-    if os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        with open(config_path) as f:
-            generic = json.load(f).get("tokenizer_class") in _GENERIC_CLASSES
-    if generic:
+    if _is_generic(path):
         from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+def _tokenizer_config(path: str) -> dict | None:
+    import json
+
+    config_path = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(config_path) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return None
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def _is_generic(path: str) -> bool:
+    config = _tokenizer_config(path)
+    return config is not None and config.get("tokenizer_class") in _GENERIC_CLASSES
+
+
+def _added_beside(path: str) -> bool:
+    """Tokens that tokenizer_config.json or added_tokens.json add to tokenizer.json's."""
+    import json
+
+    with open(os.path.join(path, "tokenizer.json")) as f:
+        known = {t["content"] for t in json.load(f).get("added_tokens", [])}
+    extra = {t["content"] for t in (_tokenizer_config(path) or {})
+             .get("added_tokens_decoder", {}).values()}
+    if os.path.isfile(os.path.join(path, "added_tokens.json")):
+        with open(os.path.join(path, "added_tokens.json")) as f:
+            extra |= set(json.load(f))
+    return not extra <= known
 
 
 _GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

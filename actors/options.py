@@ -243,6 +243,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
         Option("restart_budget", "actor restarts allowed within `--restart-window` before the "
                "server exits 1", **_RUN),
         Option("restart_window", "seconds over which `--restart-budget` counts", **_RUN),
+        Option("warm_spares", "keep a loaded spare tokenizer and detokenizer process: a dead "
+               "one's restart promotes it (back within a second, not a cold start)", **_RUN),
         Option("actor_nice", "niceness of every actor but the executors (they keep the cores)",
                **_RUN),
     ),

@@ -1,11 +1,16 @@
 """What every actor process does at start, whatever its role.
 
-    python -m pagewire.process ROLE CONFIG_JSON_PATH [INDEX]
+    python -m pagewire.process ROLE CONFIG_JSON_PATH [INDEX | spare]
 
 The supervisor starts each actor so: no fork of a process holding threads or sockets, no
 pickled arguments. The actor names itself ("pagewire: executor 0"), dies with its parent,
 leaves SIGINT to the supervisor (a terminal's Ctrl-C reaches the whole group), builds its
 sockets, and reports Ready, or Fatal with the reason, to the supervisor's inbox.
+
+A warm spare (INDEX "spare", --warm-spares: spares.py) does the slow part ahead: it imports
+its role's module and runs its prepare(config) (a tokenizer loads transformers and the
+model's tokenizer), then waits for the supervisor to write the index it replaces on its
+stdin, and only then starts as that actor: run(env, prepared). End of input: it exits.
 """
 from __future__ import annotations
 
@@ -127,17 +132,27 @@ def setup_logging(name: str) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
 
 
+def _read_config(path: str) -> EngineConfig:
+    with open(path, "rb") as f:
+        return EngineConfig.from_json(f.read())
+
+
+def _wait_as_spare(role: str, config: EngineConfig):
+    """A warm spare: prepare ahead, then wait for the index to serve as. Returns (index,
+    what prepare made); exits at the end of input (the supervisor let it go)."""
+    import setproctitle
+    setproctitle.setproctitle(f"pagewire: spare {role}")
+    prepared = importlib.import_module(ROLES[role]).prepare(config)
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)
+    return int(line), prepared
+
+
 def main(argv: list[str]) -> None:
     role, config_path = argv[0], argv[1]
-    index = int(argv[2]) if len(argv) > 2 else 0
-    with open(config_path, "rb") as f:
-        config = EngineConfig.from_json(f.read())
-    ctx = zmq.Context()
-    env = ActorEnv(role, index, config, ctx,
-                   PushChannel(ctx, ipc_address(config.run_dir, "supervisor")))
-    env.tracer = open_tracer(config, env.name)
-    import setproctitle
-    setproctitle.setproctitle(f"pagewire: {env.name}")
+    spare = len(argv) > 2 and argv[2] == "spare"
+    config = _read_config(config_path)
     die_with_parent()
     # Stopping is the supervisor's call: SIGINT (a terminal's Ctrl-C reaches the group) and
     # SIGTERM (systemd's KillMode=control-group signals every process) are left to it, so the
@@ -145,11 +160,22 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
-    setup_logging(env.name)
     if role != "executor" and config.actor_nice:
         os.nice(config.actor_nice)
+    prepared, index = None, int(argv[2]) if len(argv) > 2 and not spare else 0
+    if spare:
+        index, prepared = _wait_as_spare(role, config)
+        config = _read_config(config_path)      # as the supervisor wrote it last
+    ctx = zmq.Context()
+    env = ActorEnv(role, index, config, ctx,
+                   PushChannel(ctx, ipc_address(config.run_dir, "supervisor")))
+    env.tracer = open_tracer(config, env.name)
+    import setproctitle
+    setproctitle.setproctitle(f"pagewire: {env.name}")
+    setup_logging(env.name)
     try:
-        importlib.import_module(ROLES[role]).run(env)
+        module = importlib.import_module(ROLES[role])
+        module.run(env, prepared) if spare else module.run(env)
     except SystemExit:
         if env.tracer is not None:
             env.tracer.close()

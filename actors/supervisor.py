@@ -10,13 +10,17 @@ of $WATCHDOG_USEC) only while all of them are fresh and no step has stalled: a h
 stops the pings and systemd restarts the service.
 
 When an actor dies:
-- a tokenizer or the detokenizer is restarted; the gateway fails requests in flight cleanly
-  (their state may have been in the dead actor) and keeps serving;
+- a tokenizer or the detokenizer is restarted and no request is lost: the gateway hears
+  "lost" (EngineEvent) and resends what a dead tokenizer held to a live one (requests keep
+  arriving and are served meanwhile); a new detokenizer asks the scheduler for the state of
+  every request (DetokResync: its start and all its tokens) and rebuilds their text, of
+  which the gateway forwards only what its clients have not had; "back" once it serves;
 - the gateway is restarted; the scheduler aborts every request (their clients are gone);
 - the scheduler or an executor: the gateway fails every request in flight and answers 503
   while the core (executors, scheduler, detokenizer) restarts, then serves again.
-More than `restart_budget` restarts within `restart_window` seconds: everything stops and the
-supervisor exits 1, for systemd's Restart=on-failure to take over.
+With --warm-spares such a restart promotes a loaded spare process (spares.py) instead of
+starting one cold. More than `restart_budget` restarts within `restart_window` seconds:
+everything stops and the supervisor exits 1, for systemd's Restart=on-failure to take over.
 
 On SIGINT/SIGTERM: STOPPING=1, the gateway drains (in-flight requests finish, new ones get
 503), then the other actors stop; the run directory with its sockets is removed.
@@ -44,6 +48,7 @@ from .config import ACTOR_SECTIONS, EngineConfig
 from .config_sections import EXTERNAL
 from .process import FATAL_EXIT_CODE, HEARTBEAT_TIMEOUT, STOP_SIGNAL
 from .sd_notify import notify, watchdog_period
+from .spares import WarmSpares
 
 log = logging.getLogger("supervisor")
 START_TIMEOUT = 300.0
@@ -89,6 +94,8 @@ class Supervisor:
         # Recovering: a failure is one more restart, charged to the budget. The watchdog is
         # pinged from the first READY=1 on.
         self.state = "starting"
+        self.spares = WarmSpares(lambda role: self._command(role, "spare")) \
+            if config.server.warm_spares else None
 
     def run(self) -> int:
         """Serve until a signal, or until actors die past the restart budget. Returns the
@@ -148,10 +155,13 @@ class Supervisor:
             with open(fd, "wb") as f:
                 f.write(self.config.for_actor(role).to_json())
 
+    def _command(self, role: str, index: str) -> list[str]:
+        return [sys.executable, "-m", "pagewire.process", role, self._config_path(role), index]
+
     def _spawn(self, role: str, index: int) -> None:
         name = actor_name(role, index)
-        self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "pagewire.process", role, self._config_path(role), str(index)])
+        spare = self.spares.take(role, index) if self.spares and self.state != "starting" else None
+        self.children[name] = spare or subprocess.Popen(self._command(role, str(index)))
         self.ready.discard(name)
         self.last_beat[name] = time.monotonic()
 
@@ -227,6 +237,8 @@ class Supervisor:
             dead = next(((n, p) for n, p in self.children.items() if p.poll() is not None), None)
             if dead is not None:       # one at a time: a recovery replaces other children too
                 self.recover(dead[0], dead[1].returncode)
+            elif self.spares:
+                self.spares.refill()
             self._ping_watchdog()
 
     def _ping_watchdog(self) -> None:
@@ -280,10 +292,11 @@ class Supervisor:
             self.scheduler_channel.send(AbortAll(f"{name} died"))
             self._respawn(name)
         else:
-            # First fail what was in flight (its state may have died there); requests sent
-            # from now on queue at the socket and reach the new actor.
-            self.gateway_channel.send(EngineEvent("restarted", f"{name} died"))
+            # A stateless actor: nothing fails. The gateway resends what a tokenizer held and
+            # routes around it; a new detokenizer is rebuilt from the scheduler's record.
+            self.gateway_channel.send(EngineEvent("lost", f"{name} died", name))
             self._respawn(name)
+            self.gateway_channel.send(EngineEvent("back", f"{name} restarted", name))
 
     def _last_words(self, name: str, wait: float) -> str | None:
         """What `name` said (Fatal) before it died, handling what else is in the inbox. An
@@ -322,7 +335,8 @@ class Supervisor:
         if gateway is not None:
             notify("STATUS=draining")
             _terminate([gateway], self.config.server.drain_timeout + STOP_TIMEOUT)
-        _terminate(list(self.children.values()), STOP_TIMEOUT)
+        spares = self.spares.stop() if self.spares else []
+        _terminate(list(self.children.values()) + spares, STOP_TIMEOUT)
         self.children.clear()
         for channel in (self.inbox, getattr(self, "gateway_channel", None),
                         getattr(self, "scheduler_channel", None)):

@@ -16,7 +16,7 @@ from pagewire.wire.channels import Sends
 from pagewire.wire.pooling import PoolingSeq
 from pagewire.wire.sampling_params import InvalidParam, SamplingParams
 from pagewire.wire.structured import InvalidConstraint
-from pagewire.wire.to_detokenizer import DetokStart, PromptGrew
+from pagewire.wire.to_detokenizer import DetokStart, PromptGrew, detok_start
 from pagewire.wire.to_gateway import DetokenizeReply, RequestFailed, TokenizeReply
 from pagewire.wire.to_scheduler import NewRequest, PromptPiece
 from pagewire.wire.to_tokenizer import (DetokenizeOnly, TokenizeOnly, TokenizePiece,
@@ -29,7 +29,6 @@ from .hf_tokenizer import load_tokenizer
 from .pooling_prompts import encode_pooled
 from .image_inputs import ImagePreparer
 
-PROMPT_TAIL = 6   # prompt tokens that prime the incremental detokenizer
 _NO_SAMPLING = SamplingParams()
 
 
@@ -124,12 +123,7 @@ class RequestTokenizer:
         if req.echo:
             echo = self.tokenizer.decode(ids, skip_special_tokens=False) \
                 if req.prompt is None or s.truncate_prompt_tokens else req.prompt
-        start = DetokStart(req_id=req.req_id, prompt_tail=ids[-PROMPT_TAIL:],
-                           num_prompt_tokens=len(ids), stop=s.stop,
-                           include_stop_str_in_output=s.include_stop_str_in_output,
-                           skip_special_tokens=s.skip_special_tokens, min_tokens=s.min_tokens,
-                           num_outputs=s.num_outputs, echo_prompt=echo,
-                           first_prompt_token=ids[0] if s.prompt_logprobs is not None else None)
+        start = detok_start(req.req_id, ids, s, echo_prompt=echo)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=s,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority, lora=req.lora,
@@ -151,7 +145,7 @@ class RequestTokenizer:
         else:
             ids, pooling = encode_pooled(self.tokenizer, req, self.max_model_len,
                                          self.vocab_size)
-        start = DetokStart(req_id=req.req_id, prompt_tail=[], num_prompt_tokens=len(ids))
+        start = detok_start(req.req_id, ids, req.sampling, pooled=True)
         return start, NewRequest(req_id=req.req_id, prompt_token_ids=ids, sampling=req.sampling,
                                  arrival_time=req.arrival_time, cache_salt=req.cache_salt,
                                  priority=req.priority, lora=req.lora, pooling=pooling,
@@ -329,9 +323,14 @@ class RequestTokenizer:
                                f"({len(ids)} in the prompt, {max_tokens} for the completion).")
 
 
-def run(env) -> None:
-    tokenizer = RequestTokenizer(env.config, load_tokenizer(env.config.model.model_info),
-                                 background=True)
+def prepare(config: EngineConfig) -> RequestTokenizer:
+    """The slow part of a start (transformers, the model's tokenizer), which a warm spare
+    does ahead (process.py)."""
+    return RequestTokenizer(config, load_tokenizer(config.model.model_info), background=True)
+
+
+def run(env, prepared: RequestTokenizer | None = None) -> None:
+    tokenizer = prepared if prepared is not None else prepare(env.config)
     inbox = env.pull(f"tokenizer-{env.index}", TokenizerInbox)
     pushes = {name: env.push(name) for name in ("scheduler", "detokenizer", "gateway")}
     env.ready()

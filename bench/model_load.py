@@ -82,6 +82,8 @@ def run_server(command: list[str], runs: int, name: str, env: dict | None = None
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_up(url, proc)
+        ids = [m["id"] for m in call(url + "/models")["data"]]
+        name = next((i for i in ids if name in i), name)    # each server's own naming
         return first_requests(url, name, runs)
     finally:
         proc.terminate()

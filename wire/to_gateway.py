@@ -29,6 +29,8 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: list[TokenLogprob] | None = None   # once, before any output
     echo_prompt: str | None = None                      # once, before any output
     pooled: bytes | None = None         # a pooling request's output, float32 (pooling.py)
+    from_start: bool = False            # text is the output's whole text so far, rebuilt after
+                                        # a detokenizer restart: what was received is dropped
 
 
 class TextDeltas(msgspec.Struct, tag=True, gc=False):
@@ -48,11 +50,13 @@ class DetokenizeReply(msgspec.Struct, tag=True):
 
 class EngineEvent(msgspec.Struct, tag=True):
     """From the supervisor. "down": the scheduler or an executor died and is being restarted:
-    fail every request in flight, refuse new ones (503) until "up". "restarted": a stateless
-    actor (tokenizer, detokenizer) was restarted: requests in flight may have lost state there,
-    fail them cleanly; new ones are served."""
-    status: str          # "down" | "up" | "restarted"
+    fail every request in flight, refuse new ones (503) until "up". "lost": the stateless actor
+    `actor` ("tokenizer 1", "detokenizer") died and is being restarted: a tokenizer's unanswered
+    requests are resent (gateway/tokenizer_pool.py), a detokenizer's outputs are rebuilt from
+    the scheduler's record (DetokResync); "back": it is serving again."""
+    status: str          # "down" | "up" | "lost" | "back"
     reason: str
+    actor: str = ""
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -1,5 +1,5 @@
 """Messages the scheduler receives: requests from tokenizers, aborts from the gateway and the
-detokenizer, step results from executor rank 0."""
+detokenizer, step results from executor rank 0, a (re)started detokenizer's hello."""
 from __future__ import annotations
 
 import msgspec
@@ -124,5 +124,12 @@ class AbortAll(msgspec.Struct, tag=True):
     reason: str
 
 
+class DetokenizerStarted(msgspec.Struct, tag=True):
+    """From a detokenizer once it listens (at start and after a restart): the scheduler answers
+    with a DetokResync (to_detokenizer.py), the state of every request it holds or ended
+    lately, so nothing a dead detokenizer held is lost."""
+
+
 SchedulerInbox = (NewRequest | PromptPiece | Abort | StepResult | AbortAll | KvLeaseEnded
-                  | KvPulled | SleepEngine | WakeEngine | UpdateWeights | ControlDone)
+                  | KvPulled | SleepEngine | WakeEngine | UpdateWeights | ControlDone
+                  | DetokenizerStarted)

@@ -19,7 +19,7 @@ from aiohttp import web
 from pagewire.wire.channels import make_run_dir
 
 from ..options import convert
-from ..sd_notify import notify
+from ..sd_notify import notify, watchdog_period
 from .fleet import Fleet
 from .models_file import read_models_file, scan_models_dir
 from .server import Front
@@ -51,6 +51,15 @@ def run_front(values: dict) -> int:
         shutil.rmtree(config_dir, ignore_errors=True)
 
 
+async def _watchdog() -> None:
+    """systemd's watchdog (WatchdogSec=): pinged while the front's loop runs. A hung engine
+    is the front's to restart (fleet.restart_hung), not systemd's: the other models serve on."""
+    period = watchdog_period()
+    while period:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(period)
+
+
 def _serve(config, entries, values: dict, config_dir: str) -> int:
     server = config.server
     fleet = Fleet(entries, config.fleet, values, config_dir, server.drain_timeout)
@@ -68,17 +77,18 @@ def _serve(config, entries, values: dict, config_dir: str) -> int:
             await front.close()
             raise web.GracefulExit() from None
         _app["housekeeping"] = asyncio.create_task(fleet.housekeeping())
+        _app["watchdog"] = asyncio.create_task(_watchdog())
         log.info("serving %d models on http://%s:%d: %s", len(fleet.engines), server.host,
                  server.port, ", ".join(fleet.engines))
         notify(f"READY=1\nSTATUS=serving {len(fleet.engines)} models")
 
     async def stopping(_app) -> None:
         notify("STOPPING=1")
-        task = _app.get("housekeeping")
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (_app.get("housekeeping"), _app.get("watchdog")):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await fleet.stop()
         await front.close()
 

@@ -22,6 +22,7 @@ from .models_file import ModelEntry, scan_models_dir
 
 log = logging.getLogger("front")
 HOUSEKEEPING_PERIOD = 0.5
+HEALTH_PERIOD = 5.0       # seconds between the loaded engines' /health checks
 LOAD_LIMIT = 330.0        # seconds a load may take (the engine's own start limit, and some)
 
 
@@ -176,6 +177,8 @@ class Fleet:
                                for e in self.engines.values() if e.proc is not None))
 
     async def housekeeping(self) -> None:
+        """Twice a second: engines that exited, idle models; every HEALTH_PERIOD, hung ones."""
+        next_health = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEPING_PERIOD)
             now = time.monotonic()
@@ -189,3 +192,16 @@ class Fleet:
                     else self.fleet.model_idle_timeout
                 if idle and self._idle(engine) and now - engine.last_used > idle:
                     asyncio.create_task(self.unload(engine, f"idle for {idle:g}s", if_idle=True))
+            if now >= next_health:
+                next_health = now + HEALTH_PERIOD
+                await self.restart_hung()
+
+    async def restart_hung(self) -> None:
+        """An engine whose gateway says a step has stalled (a hung executor) is unloaded, not
+        the whole server: alone, systemd's watchdog would restart the service; here the other
+        models serve on, and its next request loads it again."""
+        for engine in [e for e in self.engines.values() if e.state == "loaded"]:
+            why = await engine.hung()
+            if why:
+                log.error("%s: %s; unloading it", engine.name, why)
+                asyncio.create_task(self.unload(engine, f"unloaded: {why}"))

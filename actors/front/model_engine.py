@@ -117,6 +117,18 @@ class ModelEngine:
                     pass
                 await asyncio.sleep(READY_POLL)
 
+    async def hung(self) -> str | None:
+        """Why the engine counts as hung (its gateway's /health says a step stalled or the
+        engine stopped answering), or None. A core that restarts is not hung: it is busy."""
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+                async with s.get(f"{self.url}/health") as r:
+                    status = (await r.json()).get("status", "") if r.status != 200 else "ok"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None                      # its exit, if it died, is seen on its own
+        return status if status.startswith(("engine step stalled", "engine not responding")) \
+            else None
+
     async def _pass_log(self, stream: asyncio.StreamReader) -> None:
         """The engine's log lines go on to the front's stderr (the journal) as they come; the
         last ERROR line is kept, to say why a load failed."""

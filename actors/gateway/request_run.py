@@ -20,7 +20,9 @@ class RequestRun:
     output_ids("<id>-i", num_outputs); sequence j of prompt i is choice i*n + j. Iterating
     yields (choice index, TextDelta) until every sequence has finished, removing finished ids
     from `open_ids` (what is left is aborted when the handler ends). A failed sequence raises
-    ApiError.
+    ApiError. A delta rebuilt after a detokenizer restart carries its output's whole text
+    (from_start): the part already received (`received`, characters) is cut off, so the
+    client never gets text twice.
     """
 
     def __init__(self, prompts: list[TokenizeRequest]):
@@ -37,6 +39,8 @@ class RequestRun:
         self.choices: dict[tuple[int, int], Choice] = {slot: Choice() for slot in self.slot.values()}
         self.prompt_tokens: dict[int, int] = {}
         self.output_tokens: dict[tuple[int, int], int] = {}
+        self.received: dict[SeqId, int] = {}       # characters of text each output sent
+        self.done: set[tuple[int, int]] = set()     # slots finished (a rebuilt copy is dropped)
 
     def route_ids(self) -> list[str | SeqId]:
         return self.prompt_ids + list(self.slot)
@@ -67,11 +71,15 @@ class RequestRun:
         delta = self.buffer.pop(0) if self.buffer else await self.queue.get()
         if isinstance(delta, RequestFailed):       # the engine failed this request
             raise ApiError(delta.status, delta.message, delta.param, delta.error_type)
-        if delta.seq_id not in self.slot:
+        if delta.seq_id not in self.slot or self.slot[delta.seq_id] in self.done:
+            return await self.__anext__()
+        delta = self.fresh(delta)
+        if delta is None:
             return await self.__anext__()
         i, j = slot = self.slot[delta.seq_id]
         if delta.finish_reason:
             self.open_ids.discard(delta.seq_id)
+            self.done.add(slot)
         if delta.finish_reason in ("error", "rejected"):
             raise ApiError(500 if delta.finish_reason == "error" else 503,
                            delta.error or "generation failed")
@@ -79,6 +87,16 @@ class RequestRun:
         self.output_tokens[slot] = delta.num_output_tokens
         self.choices[slot].add(delta)
         return i * self.n + j, delta
+
+    def fresh(self, delta: TextDelta) -> TextDelta | None:
+        """The delta's text not received before (None: nothing new)."""
+        had = self.received.get(delta.seq_id, 0)
+        if delta.from_start:
+            delta.text, delta.from_start = delta.text[had:], False
+            if not delta.text and not delta.finish_reason:
+                return None
+        self.received[delta.seq_id] = had + len(delta.text)
+        return delta
 
     def best_choices(self) -> dict[int, Choice]:
         """Choices by index: per prompt, the n sequences with the highest cumulative logprob

@@ -49,6 +49,7 @@ from .ollama_routes import OllamaRoutes
 from .pooling_routes import PoolingRoutes
 from .stream_input import StreamInputRoutes
 from .tokenize_routes import TokenizeRoutes
+from .tokenizer_pool import TokenizerPool
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 2**20
@@ -70,9 +71,7 @@ class Gateway:
         ctx, actx = zmq.Context(), zmq.asyncio.Context()
         self.inbox = AsyncPullChannel(actx, address("gateway"), GatewayInbox, tracer=tracer,
                                       name="gateway")
-        self.tokenizers = PushChannel(ctx, [address(f"tokenizer-{i}")
-                                            for i in range(config.server.num_tokenizers)],
-                                      tracer=tracer, name="tokenizer")
+        self.tokenizers = TokenizerPool(ctx, address, config.server.num_tokenizers, tracer)
         self.scheduler = PushChannel(ctx, address("scheduler"), tracer=tracer, name="scheduler")
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
         self.in_flight = 0
@@ -94,8 +93,7 @@ class Gateway:
         self.media = MediaFetcher(config.server)
         self.loras = LoraRoutes(self)
         self.sleep = SleepRoutes(self)
-        self.stream_input = StreamInputRoutes(self, PushChannel(
-            ctx, address("tokenizer-0"), tracer=tracer, name="tokenizer"))
+        self.stream_input = StreamInputRoutes(self, self.tokenizers)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.errors])
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
@@ -120,10 +118,12 @@ class Gateway:
             if isinstance(msg, SchedulerStats):
                 self.metrics.on_scheduler_stats(msg)
                 self.heard_from_engine, self.step_running_for = time.monotonic(), msg.step_running_for
+                self.tokenizers.forget_gone(self.routes.__contains__)
                 continue
             items = msg.deltas if isinstance(msg, TextDeltas) else [msg]
             for item in items:
                 key = item.seq_id if isinstance(item, TextDelta) else item.req_id
+                self.tokenizers.answered(item.seq_id.req if isinstance(item, TextDelta) else key)
                 queue = self.routes.get(key)
                 if queue is not None:
                     queue.put_nowait(item)
@@ -175,19 +175,23 @@ class Gateway:
             self.engine_ready.set()
 
     def on_engine_event(self, event: EngineEvent) -> None:
-        """The supervisor restarted part of the engine: every request in flight fails with a
-        503 (its state is gone); while the core is down new requests get 503 too."""
+        """The supervisor restarts part of the engine. The core ("down"): requests in flight
+        fail with a 503, and new ones until "up". A tokenizer ("lost"): what it held is resent
+        (tokenizer_pool.py). A detokenizer: nothing (the scheduler rebuilds the new one)."""
         log.warning("engine %s: %s", event.status, event.reason)
+        self.fail(self.tokenizers.on_event(event, self.routes.__contains__), event.reason)
         if event.status == "up":
             self.engine_down, self.heard_from_engine = None, time.monotonic()
             self.sleep.engine_restarted()
-            return
-        if event.status == "down":
+        elif event.status == "down":
             self.engine_down = event.reason
-        failure = f"the engine restarted ({event.reason}); retry the request"
-        for rid, queue in list(self.routes.items()):
-            queue.put_nowait(RequestFailed(req_id=rid, status=503, message=failure,
-                                           error_type="ServiceUnavailableError"))
+            self.fail(list(self.routes), event.reason)
+
+    def fail(self, route_ids: list, reason: str) -> None:
+        failure = f"the engine restarted ({reason}); retry the request"
+        for rid in (r for r in route_ids if r in self.routes):
+            self.routes[rid].put_nowait(RequestFailed(req_id=rid, status=503, message=failure,
+                                                      error_type="ServiceUnavailableError"))
 
     def engine_status(self) -> str:
         """ok, draining, or why the engine cannot serve: the scheduler's heartbeat stopped, or

@@ -11,15 +11,15 @@ The first call opens the session under the client's `request_id` and holds its r
 as it arrives. Pieces are text (encoded on its own, without special tokens) or token ids.
 Closing the first call's connection aborts the session and frees its blocks.
 
-A session's messages all go to tokenizer 0 over one socket, so the scheduler sees the
-request before its pieces and the pieces in order.
+A session's messages all go to tokenizer 0 over one socket (tokenizer_pool.py send_pinned),
+so the scheduler sees the request before its pieces and the pieces in order. The gateway keeps
+no pieces: a session whose tokenizer dies before its first answer fails (503).
 """
 from __future__ import annotations
 
 import msgspec
 from aiohttp import web
 
-from pagewire.wire.channels import PushChannel
 from pagewire.wire.to_tokenizer import TokenizePiece, TokenizeRequest
 
 from .protocol import ApiError, decode_body
@@ -31,8 +31,9 @@ class PieceBody(msgspec.Struct, kw_only=True):
 
 
 class StreamInputRoutes:
-    def __init__(self, gateway, channel: PushChannel):
-        self.gateway, self.channel = gateway, channel
+    def __init__(self, gateway, tokenizers):
+        """tokenizers: the gateway's TokenizerPool."""
+        self.gateway, self.tokenizers = gateway, tokenizers
         self.sessions: dict[str, str] = {}      # client request_id -> the engine's request id
         self.vocab_size = gateway.config.model.model_info.vocab_size
 
@@ -54,7 +55,7 @@ class StreamInputRoutes:
         """The session's first request (its id already assigned) goes out, its prompt open."""
         sub.prompt_open = True
         self.sessions[session] = sub.req_id
-        self.channel.send(sub)
+        self.tokenizers.send_pinned(sub)
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
@@ -74,7 +75,8 @@ class StreamInputRoutes:
                            "prompt")
         if body.last:
             self.close(session)         # no piece after the last
-        self.channel.send(TokenizePiece(req_id=req_id, reply_id=f"{req_id}:piece", prompt=text,
-                                        prompt_token_ids=ids, last=body.last))
+        self.tokenizers.send_pinned(TokenizePiece(req_id=req_id, reply_id=f"{req_id}:piece",
+                                                  prompt=text, prompt_token_ids=ids,
+                                                  last=body.last))
         return web.json_response({"request_id": session, "object": "prompt.piece",
                                   "last": body.last})

@@ -38,7 +38,8 @@ ADDED_SINCE = ("enable_expert_parallel", "responses_store_entries", "responses_s
                "encoder_budget", "files_dir", "files_max_bytes", "batch_concurrency",
                "mmproj", "runner", "convert", "pooler_config", "models_file", "models_dir",
                "model_idle_timeout", "models_memory_budget", "max_loaded_models",
-               "model_load_timeout", "model_queue_size", "enable_sleep_mode", "kv_events_config")
+               "model_load_timeout", "model_queue_size", "enable_sleep_mode", "kv_events_config",
+               "warm_spares")
 
 
 def _resolved(**options) -> EngineConfig:

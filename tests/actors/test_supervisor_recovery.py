@@ -72,7 +72,9 @@ def test_a_restart_that_fails_before_ready_is_restarted_within_the_budget(superv
     sup.recover("tokenizer 0", -9)
     assert sup.state == "serving" and len(sup.restarts) == 2
     assert sup.ready >= set(ACTORS) and sup.children["tokenizer 0"].pid == 106   # 105 failed
-    assert sup.gateway_channel == [EngineEvent("restarted", "tokenizer 0 died")] * 2
+    lost = EngineEvent("lost", "tokenizer 0 died", "tokenizer 0")
+    assert sup.gateway_channel == [lost, lost,
+                                   EngineEvent("back", "tokenizer 0 restarted", "tokenizer 0")]
 
 
 def test_a_core_actor_dying_during_a_tokenizer_restart_restarts_the_core(supervisor):
@@ -87,7 +89,7 @@ def test_a_core_actor_dying_during_a_tokenizer_restart_restarts_the_core(supervi
     sup.recover("tokenizer 0", -9)
     assert sup.state == "serving" and len(sup.restarts) == 2
     assert sup.children["scheduler"] is not old_scheduler
-    assert [e.status for e in sup.gateway_channel] == ["restarted", "down", "up"]
+    assert [e.status for e in sup.gateway_channel] == ["lost", "down", "up"]
 
 
 def test_past_the_budget_a_failing_restart_stops_the_server(supervisor):

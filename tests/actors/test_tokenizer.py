@@ -6,9 +6,9 @@ import jinja2
 import pytest
 
 from pagewire.config import EngineConfig
-from pagewire.tokenizer import PROMPT_TAIL, RequestTokenizer
+from pagewire.tokenizer import RequestTokenizer
 from pagewire.wire import SamplingParams
-from pagewire.wire.to_detokenizer import DetokStart
+from pagewire.wire.to_detokenizer import PROMPT_TAIL, DetokStart
 from pagewire.wire.to_gateway import RequestFailed
 from pagewire.wire.to_scheduler import NewRequest
 from pagewire.wire.to_tokenizer import ChatMessage, TokenizeRequest

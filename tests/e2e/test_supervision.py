@@ -83,8 +83,8 @@ def server():
         yield srv
 
 
-@pytest.mark.parametrize("victim", ["tokenizer 0", "detokenizer", "scheduler", "executor 0",
-                                    "gateway"])
+# A tokenizer's or the detokenizer's death fails nothing: tests/e2e/test_faults.py.
+@pytest.mark.parametrize("victim", ["scheduler", "executor 0", "gateway"])
 def test_killed_actor_is_restarted_and_requests_end_cleanly(server, victim):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     before = actors(server)

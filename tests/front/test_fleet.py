@@ -19,6 +19,7 @@ class FakeEngine(ModelEngine):
     events: list = []
     failing: set = set()
     raising: set = set()
+    stalled: dict = {}
     gate: asyncio.Event | None = None
 
     async def load(self, front_values, config_dir, timeout):
@@ -35,6 +36,9 @@ class FakeEngine(ModelEngine):
         FakeEngine.events.append(("load", self.name))
         self.set_state("loaded")
 
+    async def hung(self):
+        return FakeEngine.stalled.get(self.name)
+
     async def unload(self, drain_timeout, reason):
         FakeEngine.events.append(("unload", self.name))
         self.set_state("unloaded", reason)
@@ -42,7 +46,7 @@ class FakeEngine(ModelEngine):
 
 def _fleet(**options) -> Fleet:
     FakeEngine.events, FakeEngine.failing, FakeEngine.gate = [], set(), None
-    FakeEngine.raising = set()
+    FakeEngine.raising, FakeEngine.stalled = set(), {}
     entries = [ModelEntry("a", "/m/a", pinned=True, memory=GIB)] + \
         [ModelEntry(n, f"/m/{n}", memory=GIB) for n in "bcd"]
     return Fleet(entries, FleetConfig(**options), {}, "/nonexistent", 1.0,
@@ -158,3 +162,17 @@ def test_an_idle_model_unloads_and_a_pinned_one_stays():
     fleet = asyncio.run(main())
     assert fleet.engines["a"].state == "loaded"
     assert (fleet.engines["b"].state, fleet.engines["b"].reason) == ("unloaded", "idle for 0.1s")
+
+
+def test_a_hung_engine_is_unloaded_and_the_others_serve_on():
+    async def main():
+        fleet = _fleet()
+        await fleet.start()
+        await _use(fleet, "b")
+        FakeEngine.stalled = {"b": "engine step stalled for 61s"}
+        await fleet.restart_hung()
+        await asyncio.sleep(0.01)
+        return fleet
+    fleet = asyncio.run(main())
+    assert (fleet.engines["a"].state, fleet.engines["b"].state) == ("loaded", "unloaded")
+    assert fleet.engines["b"].reason == "unloaded: engine step stalled for 61s"
