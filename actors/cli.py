@@ -74,9 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import bench_cli, cli_tools, run_batch
+    from . import bench_cli, cli_tools
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "run-batch":          # its own flags, then `serve`'s
+        from . import run_batch                  # imports aiohttp: not on `serve`'s start
         batch = argparse.ArgumentParser(prog="pagewire")
         run_batch.add_command(batch.add_subparsers(dest="command", required=True))
         args, serve_argv = batch.parse_known_args(argv)

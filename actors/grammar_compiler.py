@@ -19,7 +19,6 @@ import threading
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 
 from pagewire.wire.structured import InvalidConstraint, StructuredOutputsParams
 
@@ -34,6 +33,7 @@ def llg_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> llguidance.LLTokeni
     grammar accepts. Its bitmasks span the wider of the logits (a model may pad its
     vocabulary) and the tokenizer (a model may be narrower: tokens past the logits' width are
     cut off when the masks are applied)."""
+    import llguidance.hf    # imports transformers: the executor pays for it only when it must
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=max(vocab_size, len(hf_tokenizer)),
                                         eos_token=list(eos_ids))
 

@@ -1,8 +1,9 @@
 """The supervisor: starts every actor, watches them, restarts them, and stops them all.
 
-Start order follows the pipeline: the engine core (executors, scheduler, detokenizer) and the
-tokenizers start together and are awaited; the gateway starts last, so nothing listens for HTTP
-before the engine can serve. Then READY=1 goes to systemd (STATUS= lines while loading).
+Every actor starts at once: the engine core (executors, scheduler, detokenizer), the
+tokenizers and the gateway, which builds its routes meanwhile but opens its HTTP port only when
+told EngineReady, once every other actor has said Ready, so nothing listens for HTTP before the
+engine can serve. Then READY=1 goes to systemd (STATUS= lines while loading).
 
 While serving it reads every actor's heartbeat and pings systemd's watchdog (WATCHDOG=1 at half
 of $WATCHDOG_USEC) only while all of them are fresh and no step has stalled: a hung executor
@@ -38,7 +39,7 @@ import time
 import zmq
 
 from pagewire.wire.channels import PullChannel, PushChannel, ipc_address, make_run_dir
-from pagewire.wire.to_gateway import EngineEvent
+from pagewire.wire.to_gateway import EngineEvent, EngineReady
 from pagewire.wire.to_scheduler import AbortAll
 from pagewire.wire.to_supervisor import Fatal, Heartbeat, Ready, SupervisorInbox
 from pagewire.wire.trace import set_recording
@@ -54,6 +55,7 @@ START_TIMEOUT = 300.0
 STOP_TIMEOUT = 10.0
 STEP_STALLED_AFTER = 60.0       # a step running this long counts as a hung executor
 FATAL_WAIT = 2.0                # how long a dead actor's Fatal may still be in flight
+ENGINE_READY_EVERY = 1.0        # EngineReady again while the gateway has not said Ready
 CORE = ("executor", "scheduler", "detokenizer")
 
 
@@ -87,6 +89,7 @@ class Supervisor:
         self.inbox: PullChannel | None = None
         self.watchdog_period = watchdog_period()
         self.next_ping = 0.0
+        self.engine_ready_sent = (0, 0.0)          # (gateway pid, when) EngineReady went last
         # starting -> serving <-> recovering. Starting: any failure stops the server (exit 1).
         # Recovering: a failure is one more restart, charged to the budget. The watchdog is
         # pinged from the first READY=1 on.
@@ -130,12 +133,8 @@ class Supervisor:
             set_recording(self.config.observability.trace_dir, True)
         notify(f"STATUS=loading {self.config.model.served_model_name}")
         tokenizers = [("tokenizer", i) for i in range(self.config.server.num_tokenizers)]
-        for role, index in self._core() + tokenizers:
+        for role, index in self._core() + tokenizers + [("gateway", 0)]:
             self._spawn(role, index)
-        self._await_ready()
-        notify("STATUS=starting the gateway")
-        self._write_configs()                           # with the backend rank 0 reported
-        self._spawn("gateway", 0)
         self._await_ready()
 
     def _core(self) -> list[tuple[str, int]]:
@@ -181,6 +180,7 @@ class Supervisor:
                 raise ActorFailed(f"actors not ready after {START_TIMEOUT:.0f}s: "
                                   f"{sorted(set(self.children) - self.ready)}")
             self._handle(self.inbox.recv(200))
+            self._open_gateway()
             if self.state != "starting":     # a core restart reloads the model: stay alive
                 self._ping_watchdog()
             for name in [n for n in self.fatal if n in self.children and n not in self.ready]:
@@ -188,6 +188,23 @@ class Supervisor:
             for name, proc in self.children.items():
                 if proc.poll() is not None:
                     raise self._start_failure(name, f"exited with code {proc.returncode}")
+
+    def _open_gateway(self) -> None:
+        """A gateway not yet Ready opens its HTTP port on EngineReady: send it once every other
+        actor is Ready (and again each ENGINE_READY_EVERY, in case a frame sent while it was
+        starting was lost)."""
+        gateway = self.children.get("gateway")
+        if gateway is None or "gateway" in self.ready or \
+                any(n not in self.ready for n in self.children if n != "gateway"):
+            return
+        pid, sent = self.engine_ready_sent
+        if pid == gateway.pid and time.monotonic() - sent < ENGINE_READY_EVERY:
+            return
+        if pid != gateway.pid:
+            notify("STATUS=starting the gateway")
+            self._write_configs()                       # with the backend rank 0 reported
+        self.gateway_channel.send(EngineReady(self.config.device.backend))
+        self.engine_ready_sent = (gateway.pid, time.monotonic())
 
     def _start_failure(self, name: str, why: str) -> Exception:
         if self.state == "recovering":

@@ -59,6 +59,13 @@ class EngineEvent(msgspec.Struct, tag=True):
     actor: str = ""
 
 
+class EngineReady(msgspec.Struct, tag=True):
+    """From the supervisor, once every other actor has said Ready: the gateway, started beside
+    them, opens its HTTP port only now (nothing serves HTTP before the engine can). Sent again
+    until the gateway says Ready; receiving it twice changes nothing."""
+    backend: str         # the executors' kernel backend, as executor 0 reported it
+
+
 class RequestFailed(msgspec.Struct, tag=True, kw_only=True):
     """A request refused before it reached the scheduler (bad prompt, too long, ...)."""
     req_id: str
@@ -107,4 +114,4 @@ class SchedulerStats(msgspec.Struct, tag=True, kw_only=True):
 
 
 GatewayInbox = (TextDeltas | RequestFailed | SchedulerStats | TokenizeReply | DetokenizeReply
-                | EngineEvent | ControlDone)
+                | EngineEvent | EngineReady | ControlDone)

@@ -14,6 +14,7 @@ import ctypes
 import logging
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -67,6 +68,10 @@ def _tiled(model: torch.nn.Module) -> list:
     return list(seen.values())
 
 
+# id(mapping) -> the [start, end) addresses of each live mapping _arena made (on_huge_pages)
+_LIVE: dict[int, tuple[int, int]] = {}
+
+
 def _arena(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     """An anonymous mapping of at least nbytes from a 2 MiB boundary, advised huge, and a
     uint8 tensor over that aligned part (the mapping must outlive it)."""
@@ -75,7 +80,31 @@ def _arena(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
+    _LIVE[id(mapping)] = (whole.data_ptr(), whole.data_ptr() + len(mapping))
+    weakref.finalize(mapping, _LIVE.pop, id(mapping), None)
     return mapping, whole[skip:skip + nbytes]
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """t lies in a live mapping of this module's (place, move, zeros)."""
+    address = t.data_ptr()
+    return any(start <= address < end for start, end in _LIVE.values())
+
+
+def place(sizes: list[int]) -> list[torch.Tensor] | None:
+    """Unwritten uint8 tensors of these byte sizes in one mapping on huge pages, each from a
+    cache line, for a reader to fill: the tile cache is read so (tile_cache.load), the tiles
+    written once where they stay, rather than read into ordinary pages and copied (move).
+    None when turned off or smaller than a huge page. The tensors keep the mapping alive."""
+    aligned = [_aligned(n) for n in sizes]
+    if not _enabled() or sum(aligned) < HUGE_PAGE:
+        return None
+    _, arena = _arena(sum(aligned))
+    out, offset = [], 0
+    for nbytes, size in zip(sizes, aligned):
+        out.append(arena[offset:offset + nbytes])
+        offset += size
+    return out
 
 
 def move(tensors: list[torch.Tensor]) -> mmap.mmap | None:
@@ -123,12 +152,14 @@ def back_model(model: torch.nn.Module, keep: list) -> int:
     weights = _tiled(model)
     # once each: a joined weight (fused q|k|v) shares its parts' segment tensors
     tiles = list({id(s.tiles): s.tiles for w in weights for s in w.segments}.values())
-    mapping = move(tiles)
-    if mapping is None:
+    placed = [t for t in tiles if on_huge_pages(t)]      # read there from the tile cache
+    mapping = move([t for t in tiles if not on_huge_pages(t)])
+    if mapping is not None:
+        for w in weights:
+            w.refresh_table()
+        keep.append(mapping)
+    elif not placed:
         return 0
-    for w in weights:
-        w.refresh_table()
-    keep.append(mapping)
-    nbytes = sum(t.nbytes for t in tiles)
+    nbytes = sum(t.nbytes for t in (tiles if mapping is not None else placed))
     log.info("weights: %d MiB of tiles on 2 MiB pages", nbytes >> 20)
     return nbytes

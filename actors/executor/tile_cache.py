@@ -17,7 +17,7 @@ import torch
 
 from pagewire.kernels import quant
 
-from . import weight_cache
+from . import huge_pages, weight_cache
 
 _DTYPE = torch.uint8           # weight_cache's file names carry a dtype: the tiles' own
 
@@ -30,7 +30,8 @@ def kind(lib, roundings: dict[int, str], tp) -> str:
 
 def load(digest: str, cache_kind: str, lib) -> dict[str, quant.QuantWeight] | None:
     """{Linear name: its QuantWeight over the tiles read}, or None without a cache file."""
-    found = weight_cache.load_with_metadata(digest, _DTYPE, cache_kind)
+    # read straight onto huge pages (where back_model would move them): written once
+    found = weight_cache.load_with_metadata(digest, _DTYPE, cache_kind, huge_pages.place)
     if found is None:
         return None
     tensors, metadata = {name: _unviewed(t) for name, t in found[0].items()}, found[1]

@@ -73,16 +73,18 @@ def load(digest: str, dtype: torch.dtype, kind: str = "gguf") -> dict[str, torch
     return None if found is None else found[0]
 
 
-def load_with_metadata(digest: str, dtype: torch.dtype, kind: str = "gguf"
+def load_with_metadata(digest: str, dtype: torch.dtype, kind: str = "gguf", place=None
                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
-    """load()'s tensors and the metadata store() wrote beside them."""
+    """load()'s tensors and the metadata store() wrote beside them; `place(sizes)`, when
+    given, says where they are read: uint8 tensors of those byte sizes, or None (memory of
+    their own)."""
     if not _enabled():
         return None
     path = cache_path(digest, dtype, kind)
     if not os.path.isfile(path):
         return None
     try:
-        found = _read(path)
+        found = _read(path, place)
         os.utime(path)                     # recently used: pruned last
         return found
     except (OSError, ValueError, KeyError) as e:   # damaged: convert again, rewrite it
@@ -95,7 +97,7 @@ _DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch
            "F32": torch.float32}
 
 
-def _read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _read(path: str, place=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors and metadata, read into memory of this process rather
     than mapped: a mapping's pages count in the resident set beside the copies the loader
     makes of them (huge_pages.move), so a mapped 6 GB file held an 8B model's warm start at
@@ -105,9 +107,12 @@ def _read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         header = json.loads(f.read(size))
         metadata = header.pop("__metadata__", None) or {}
         tensors, base = {}, 8 + size
-        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        sizes = [entry["data_offsets"][1] - entry["data_offsets"][0] for _, entry in entries]
+        places = place(sizes) if place is not None else None
+        for i, (name, entry) in enumerate(entries):
             begin, end = entry["data_offsets"]
-            out = torch.empty(end - begin, dtype=torch.uint8)
+            out = places[i] if places else torch.empty(end - begin, dtype=torch.uint8)
             f.seek(base + begin)
             if f.readinto(memoryview(out.numpy())) != end - begin:
                 raise ValueError(f"{name}: the file ends early")

@@ -1,5 +1,7 @@
-"""The gateway actor: aiohttp on uvloop. Ready once listening; SIGTERM or the supervisor's
-stop signal drains (in-flight requests finish, new ones get 503), then exits."""
+"""The gateway actor: aiohttp on uvloop. It starts beside the engine's actors and builds its
+routes meanwhile, but opens its HTTP port only on the supervisor's EngineReady (nothing serves
+HTTP before the engine can); Ready once listening. SIGTERM or the supervisor's stop signal
+drains (in-flight requests finish, new ones get 503), then exits."""
 from __future__ import annotations
 
 import asyncio
@@ -17,17 +19,27 @@ async def _serve(env) -> None:
     pump = asyncio.get_running_loop().create_task(gateway.pump())
     runner = web.AppRunner(gateway.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, env.config.server.host, env.config.server.port).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, STOP_SIGNAL):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    env.ready()
     beat = asyncio.get_running_loop().create_task(_heartbeats(env))
-    await stop.wait()
+    if await _first(gateway.engine_ready, stop) is gateway.engine_ready:
+        await web.TCPSite(runner, env.config.server.host, env.config.server.port).start()
+        env.ready()
+        await stop.wait()
     beat.cancel()
     await gateway.drain(env.config.server.drain_timeout)
     await runner.cleanup()
     pump.cancel()
+
+
+async def _first(*events: asyncio.Event) -> asyncio.Event:
+    """Wait until one of the events is set; returns it."""
+    waits = {asyncio.ensure_future(e.wait()): e for e in events}
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return waits[next(iter(done))]
 
 
 async def _heartbeats(env) -> None:

@@ -24,7 +24,7 @@ from pagewire.wire.channels import AsyncPullChannel, PushChannel
 from pagewire.wire.kv_transfer import KvTransfer
 from pagewire.wire.lora import LoraRef
 from pagewire.wire.sampling_params import InvalidParam
-from pagewire.wire.to_gateway import (EngineEvent, GatewayInbox, RequestFailed, SchedulerStats,
+from pagewire.wire.to_gateway import (EngineEvent, EngineReady, GatewayInbox, RequestFailed, SchedulerStats,
                                       TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
@@ -76,15 +76,17 @@ class Gateway:
         self.routes: dict[str, asyncio.Queue] = {}     # sub-request id -> its request's queue
         self.in_flight = 0
         self.draining = False
-        self.heard_from_engine = time.monotonic()   # it was ready when the gateway started
+        self.heard_from_engine = time.monotonic()   # and again at EngineReady
         self.engine_down: str | None = None         # why the engine core is restarting
+        self.engine_ready = asyncio.Event()         # the supervisor's EngineReady came
         self.step_running_for = 0.0
         spec = config.speculative_config
         self.metrics = GatewayMetrics(self.model_name, config.model.max_model_len,
                                       config.scheduler.max_num_batched_tokens,
                                       spec.num_speculative_tokens if spec else 1,
                                       config.lora.max_loras if config.lora.enable_lora else None)
-        self.metrics.set_backend(config.device.backend or "unknown", config.model.dtype)
+        if config.device.backend:       # else it comes with EngineReady
+            self.metrics.set_backend(config.device.backend, config.model.dtype)
         self.metrics.set_cache_config(config)
         # (path prefix, shaper): an API's errors in its own shape (doors.py Door.error_body)
         self.error_shapes: list[tuple[str, object]] = []
@@ -109,6 +111,9 @@ class Gateway:
             msg = await self.inbox.recv()
             if isinstance(msg, EngineEvent):
                 self.on_engine_event(msg)
+                continue
+            if isinstance(msg, EngineReady):
+                self.on_engine_ready(msg)
                 continue
             if isinstance(msg, SchedulerStats):
                 self.metrics.on_scheduler_stats(msg)
@@ -161,6 +166,13 @@ class Gateway:
     async def health(self, request: web.Request) -> web.Response:
         status = self.engine_status()
         return web.json_response({"status": status}, status=200 if status == "ok" else 503)
+
+    def on_engine_ready(self, msg: EngineReady) -> None:
+        """Every other actor is Ready: the HTTP port may open (actor.py). Idempotent."""
+        if not self.engine_ready.is_set():
+            self.metrics.set_backend(msg.backend or "unknown", self.config.model.dtype)
+            self.heard_from_engine = time.monotonic()
+            self.engine_ready.set()
 
     def on_engine_event(self, event: EngineEvent) -> None:
         """The supervisor restarts part of the engine. The core ("down"): requests in flight

@@ -150,3 +150,28 @@ def test_the_kv_pool_takes_memory_as_it_fills(monkeypatch):
     grown = _resident(start, end)
     assert 32 << 20 <= grown <= 36 << 20, grown
     assert caches[1].sum() == 0 and caches[0][:, 1024:].sum() == 0
+
+
+def test_cached_tiles_are_read_onto_huge_pages_and_stay_there(monkeypatch, tmp_path,
+                                                              tiled_model):
+    """The tile cache is read straight into one huge-page mapping (huge_pages.place), so
+    back_model finds them there and moves nothing: same values, same products."""
+    from pagewire.executor import tile_cache
+    monkeypatch.setenv("PAGEWIRE_HUGE_PAGES", "1")
+    monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(tmp_path))
+    model, lib = tiled_model, native.load()
+    x = torch.randn(3, 512).bfloat16()
+    before = [quant.matmul(x, m.quantized) for m in model[:2]]
+    tile_cache.store("d1", "tiles-test", {"0": model[0].quantized, "1": model[1].quantized})
+    loaded = tile_cache.load("d1", "tiles-test", lib)
+    tiles = [loaded[n].segments[0].tiles for n in ("0", "1")]
+    assert all(huge_pages.on_huge_pages(t) for t in tiles)
+    assert tiles[0].data_ptr() % huge_pages.HUGE_PAGE == 0 and tiles[1].data_ptr() % 64 == 0
+    for m, name in zip(model[:2], ("0", "1")):
+        m.use_quantized(loaded[name], 64)
+    addresses, kept = [t.data_ptr() for t in tiles], []
+    assert huge_pages.back_model(model, kept) == sum(t.numel() for t in tiles)
+    assert kept == []
+    assert [m.quantized.segments[0].tiles.data_ptr() for m in model[:2]] == addresses
+    for m, out in zip(model[:2], before):
+        assert torch.equal(quant.matmul(x, m.quantized), out)

@@ -13,8 +13,8 @@ from pagewire.wire.channels import encode, make_decoder
 from pagewire.wire.ids import PROMPT, SeqId, beam
 from pagewire.wire.to_detokenizer import DetokenizerInbox, DetokStart, TokenDelta, TokenDeltas
 from pagewire.wire.to_executor import ExecutorInbox, NewSeq, RunSeq, StepPlan
-from pagewire.wire.to_gateway import (GatewayInbox, RequestFailed, SchedulerStats, TextDelta,
-                                      TextDeltas)
+from pagewire.wire.to_gateway import (EngineReady, GatewayInbox, RequestFailed, SchedulerStats,
+                                      TextDelta, TextDeltas)
 from pagewire.wire.to_scheduler import (Abort, NewRequest, SampledLogprobs, SchedulerInbox,
                                          StepResult)
 from pagewire.wire.to_supervisor import Fatal, Ready, SupervisorInbox
@@ -77,6 +77,7 @@ CASES = [
     (GatewayInbox, SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0,
                                   prompt_tokens=0, generation_tokens=0, preemptions=0,
                                   prefix_cache_queries=0, prefix_cache_hits=0)),
+    (GatewayInbox, EngineReady("cpu-avx2")),
     (SupervisorInbox, Ready("executor 0", 4242)),
     (SupervisorInbox, Fatal("scheduler", "Traceback ...")),
 ]
