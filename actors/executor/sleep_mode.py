@@ -163,7 +163,7 @@ def park(model: torch.nn.Module, pin: bool, every: bool = False) -> list:
     parked = []
     with torch.no_grad():
         for t in model_tensors(model):
-            if t.device.type == "cpu" and not every or t.numel() == 0:
+            if (t.is_cpu and not every) or t.numel() == 0:      # host memory already
                 continue
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             host.copy_(t)
