@@ -52,6 +52,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def actor_pids(server) -> dict[str, int]:
+    """A running server's live actors by name ("executor 0", "tokenizer 0", ...)."""
+    return {cmdline(pid).removeprefix("pagewire: "): pid
+            for pid in child_pids(server.proc.pid) if alive(pid)}
+
+
+def metric(server, name: str) -> float:
+    """The first sample of metric `name` on the server's /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 class Server:
     def __init__(self, args: list[str], run_parent: str, timeout: float = 180.0,
                  env: dict[str, str | None] | None = None):

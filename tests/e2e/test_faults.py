@@ -9,29 +9,15 @@ import json
 import os
 import signal
 import time
-import urllib.request
 
 import aiohttp
 import pytest
 
-from pagewire.testing.server import alive, child_pids, cmdline, running_server
+from pagewire.testing.server import actor_pids, metric, running_server
 from tests.helpers import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 CHATS, CONCURRENCY, MAX_TOKENS = 32, 8, 16
-
-
-def _actors(srv) -> dict[str, int]:
-    return {cmdline(pid).removeprefix("pagewire: "): pid for pid in child_pids(srv.proc.pid)
-            if alive(pid)}
-
-
-def _metric(srv, name: str) -> float:
-    with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +64,7 @@ async def _load(srv, concurrency: int, kills: list[tuple[int, str]] = ()) -> lis
         for after, victim in kills:
             while done[0] < after:
                 await asyncio.sleep(0.02)
-            pid = _actors(srv)[victim]
+            pid = actor_pids(srv)[victim]
             os.kill(pid, signal.SIGKILL)
             killed.append((victim, pid))
         return await asyncio.gather(*tasks), killed
@@ -92,12 +78,12 @@ def test_a_dead_tokenizer_and_detokenizer_lose_no_request_and_repeat_no_text(ser
                                        [(CHATS // 4, "tokenizer 0"), (CHATS // 2, "detokenizer")]))
     assert faulty == undisturbed                     # status, text and finish, chat by chat
     deadline = time.monotonic() + 30
-    while not (server.healthy() and all(_actors(server).get(v) not in (None, pid)
+    while not (server.healthy() and all(actor_pids(server).get(v) not in (None, pid)
                                         for v, pid in killed)):
         assert time.monotonic() < deadline, "the killed actors were not replaced"
         time.sleep(0.1)
-    while _metric(server, "vllm:num_requests_running") or \
-            _metric(server, "vllm:kv_cache_usage_perc"):
+    while metric(server, "vllm:num_requests_running") or \
+            metric(server, "vllm:kv_cache_usage_perc"):
         assert time.monotonic() < deadline, "requests or blocks left behind"
         time.sleep(0.1)
-    assert _metric(server, "vllm:num_requests_waiting") == 0
+    assert metric(server, "vllm:num_requests_waiting") == 0

@@ -13,7 +13,8 @@ import time
 import openai
 import pytest
 
-from pagewire.testing.server import alive, child_pids, cmdline, openai_client, running_server
+from pagewire.testing.server import (actor_pids, alive, child_pids, metric, openai_client,
+                                     running_server)
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -28,20 +29,6 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def actors(server) -> dict[str, int]:
-    return {cmdline(pid).removeprefix("pagewire: "): pid for pid in child_pids(server.proc.pid)
-            if alive(pid)}
-
-
-def metric(server, name: str) -> float:
-    import urllib.request
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 @pytest.mark.parametrize("form", ["path", "abstract"])
@@ -87,7 +74,7 @@ def server():
 @pytest.mark.parametrize("victim", ["scheduler", "executor 0", "gateway"])
 def test_killed_actor_is_restarted_and_requests_end_cleanly(server, victim):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-    before = actors(server)
+    before = actor_pids(server)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(ask, client, 200) for _ in range(4)]
         time.sleep(1.5)                                    # mid-load
@@ -103,7 +90,7 @@ def test_killed_actor_is_restarted_and_requests_end_cleanly(server, victim):
                 assert victim == "gateway"
                 outcomes.append("disconnected")
     assert len(outcomes) == 4
-    wait_for(lambda: victim in actors(server) and actors(server)[victim] != before[victim],
+    wait_for(lambda: victim in actor_pids(server) and actor_pids(server)[victim] != before[victim],
              what=f"{victim} restarted")
     wait_for(lambda: server.healthy(), what="healthy again")
     assert ask(client, 4).choices[0].finish_reason == "length"
@@ -113,7 +100,7 @@ def test_killed_actor_is_restarted_and_requests_end_cleanly(server, victim):
 
 def test_past_the_restart_budget_the_server_exits_1():
     with running_server(SMALL + ["--restart-budget", "0"]) as srv:
-        os.kill(actors(srv)["tokenizer 0"], signal.SIGKILL)
+        os.kill(actor_pids(srv)["tokenizer 0"], signal.SIGKILL)
         assert srv.proc.wait(60) == 1
         assert not [p for p in child_pids(srv.proc.pid) if alive(p)]
 
@@ -163,7 +150,7 @@ def test_a_hung_executor_stops_the_watchdog_pings():
                         pass
                 return count
             assert pings_within(3) >= 2
-            executor = actors(srv)["executor 0"]
+            executor = actor_pids(srv)["executor 0"]
             os.kill(executor, signal.SIGSTOP)           # hung: alive, but its loop is stuck
             try:
                 pings_within(5)                          # past the 3 s heartbeat timeout
