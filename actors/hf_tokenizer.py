@@ -1,8 +1,11 @@
 """Load the model's Hugging Face tokenizer. A GGUF file's tokenizer is converted once by
-transformers (seconds) and cached under the cache directory, keyed by the file's digest."""
+transformers (seconds) and cached under the cache directory, keyed by what the conversion reads
+(the file's tokenizer keys, architecture and name): the quantizations of one model share it."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
@@ -40,14 +43,47 @@ def tokenizer_directory(info: ModelInfo) -> str:
         return info.path
     # with a mmproj file, the digest is the pair's; the tokenizer is the text file's alone
     key = file_digest(info.path) if info.mmproj else info.digest
-    target = os.path.join(cache_dir("tokenizers"), key)
+    memo = os.path.join(cache_dir("tokenizers"), key)     # a link: the file's digest -> target
+    if os.path.isdir(memo):
+        return memo
+    target = os.path.join(cache_dir("tokenizers"), "t" + gguf_tokenizer_digest(info.path))
     if not os.path.isdir(target):
         # Several actors start at once; the lock makes one convert while the others wait.
         with open(target + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.isdir(target):
                 _convert_gguf_tokenizer(info.path, target)
-    return target
+    tmp = f"{memo}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(os.path.basename(target), tmp)
+    os.replace(tmp, memo)                                  # atomic, as the conversion's rename
+    return memo
+
+
+def gguf_tokenizer_digest(path: str) -> str:
+    """32 hex digits of everything a GGUF tokenizer's conversion reads: the tokenizer.* keys,
+    the architecture and name (transformers picks the tokenizer class from them) and the
+    converting transformers' version. Files of one model in several formats share it."""
+    from importlib.metadata import version
+
+    import numpy as np
+
+    from .gguf_header import read_gguf_header
+    meta = read_gguf_header(path).metadata
+    digest = hashlib.sha256(version("transformers").encode())
+    for key in sorted(k for k in meta if k.startswith("tokenizer.")
+                      or k in ("general.architecture", "general.name")):
+        value = meta[key]
+        if isinstance(value, np.ndarray):
+            part = value.dtype.str.encode() + value.tobytes()
+        elif isinstance(value, (list, tuple)):
+            part = "\0".join(map(str, value)).encode()
+        else:
+            part = f"{type(value).__name__}:{value}".encode()
+        digest.update(f"\0{key}\0{len(part)}\0".encode())
+        digest.update(part)
+    return digest.hexdigest()[:32]
 
 
 def _from_directory(path: str):

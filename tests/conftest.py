@@ -24,8 +24,14 @@ def tier(request) -> str:
     if request.param not in tiers.runnable():
         pytest.skip(f"needs the {request.param} tier: this CPU runs "
                     f"{', '.join(tiers.runnable()) or 'none'}")
-    _TIERS_TESTED.add(request.param)
+    # Recorded on the report, not here: under pytest-xdist the fixture runs in a worker and
+    # the summary below is written by the controller, which sees only reports.
+    request.node.user_properties.append(("tier", request.param))
     return request.param
+
+
+def pytest_runtest_logreport(report):
+    _TIERS_TESTED.update(value for name, value in report.user_properties if name == "tier")
 
 
 @pytest.fixture

@@ -150,9 +150,14 @@ def rank_blocks(path: str, quantization: str = "none", size: int = 2) -> list[di
 def use_private_cache(tmp_path, monkeypatch) -> None:
     """Point PAGEWIRE_CACHE_DIR at a fresh directory, so what a test's throwaway models leave
     (converted tokenizers and weights, rounded blocks) stays out of ~/.cache, but keep the
-    built kernels' directory: a fresh one would compile each tier's library again."""
+    built kernels' directory (a fresh one would compile each tier's library again) and share
+    the session's converted tokenizers: they are keyed by what the conversion reads, and the
+    tests' files mostly carry the default model's tokenizer (~5 s a conversion)."""
     from pagewire.kernels import native
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "kernels").symlink_to(native.kernel_cache_dir())
+    tokenizers = tmp_path.parent / "shared-tokenizers"     # the session's (worker's) base
+    tokenizers.mkdir(exist_ok=True)
+    (cache / "tokenizers").symlink_to(tokenizers)
     monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(cache))

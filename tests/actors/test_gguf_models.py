@@ -155,6 +155,30 @@ def test_tokenizer_and_chat_template_come_from_the_file(tiny_llama, tmp_path, sm
     assert tok.encode("Hello, world!") == reference.encode("Hello, world!")
 
 
+def test_a_tokenizer_is_converted_once_for_every_file_that_holds_it(tiny_llama, tmp_path,
+                                                                     tokenizer_meta, monkeypatch):
+    """Two formats of one model share one conversion (keyed by the file's tokenizer keys, not
+    its bytes); a file whose chat template differs is converted on its own."""
+    import uuid
+
+    from pagewire import hf_tokenizer
+    converted = []
+    convert = hf_tokenizer._convert_gguf_tokenizer
+    monkeypatch.setattr(hf_tokenizer, "_convert_gguf_tokenizer",
+                        lambda path, target: (converted.append(path), convert(path, target)))
+    template = "{{ messages[0]['content'] }} " + uuid.uuid4().hex    # never converted before
+    hf_dir = tiny_llama()
+    paths = [_gguf_from_hf_dir(hf_dir, str(tmp_path / f"{name}.gguf"),
+                               dict(tokenizer_meta, **{"tokenizer.chat_template": t}), qtype)
+             for name, qtype, t in (("a", "F32", template), ("b", "Q8_0", template),
+                                    ("c", "Q8_0", template + "!"))]
+    dirs = [os.path.realpath(hf_tokenizer.tokenizer_directory(resolve_model(p))) for p in paths]
+    assert dirs[0] == dirs[1] != dirs[2]
+    assert converted == [paths[0], paths[2]]
+    assert hf_tokenizer.tokenizer_directory(resolve_model(paths[1])) != dirs[1]   # its memo link
+    assert hf_tokenizer.load_tokenizer(resolve_model(paths[2])).chat_template == template + "!"
+
+
 def test_weight_cache_is_used_and_survives_damage(tiny_llama, tmp_path, tokenizer_meta):
     from pagewire.executor import weight_cache
     from pagewire.executor.loader import load_model
