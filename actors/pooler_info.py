@@ -1,8 +1,9 @@
 """What a pooling model's output is, read without torch: its task, how a sequence's hidden
 states pool to one vector, and what a request's options may do with it (ModelInfo.pooler;
 None for a model that generates). Resolved once, at start, from the model's config.json,
-sentence-transformers' files beside it (modules.json, the pooling module's config, a
-Normalize module) and the flags --runner, --convert and --pooler-config."""
+sentence-transformers' files beside it (modules.json, the pooling module's config, Dense
+projection modules' configs, a Normalize module) and the flags --runner, --convert and
+--pooler-config."""
 from __future__ import annotations
 
 import json
@@ -13,18 +14,33 @@ import msgspec
 POOLING_TASKS = EMBED, CLASSIFY = ("embed", "classify")
 POOLING_TYPES = CLS, MEAN, LAST = ("CLS", "MEAN", "LAST")
 ACTIVATIONS = SIGMOID, SOFTMAX, NO_ACTIVATION = ("sigmoid", "softmax", "none")
+# a Dense module's activation_function (a torch.nn module's class name) -> what applies it
+DENSE_ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh", "ReLU": "relu", "GELU": "gelu",
+                     "Sigmoid": "sigmoid"}
+
+
+class DenseModule(msgspec.Struct, kw_only=True, frozen=True):
+    """One sentence-transformers Dense module: activation(x @ weight.T + bias) over a pooled
+    vector, in_features -> out_features. Its weights stay in `folder` (under the model's
+    directory) until the process that pools reads them (executor/dense_projection.py)."""
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "tanh"                 # DENSE_ACTIVATIONS' values
 
 
 class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     """A pooling model's output. `task` embed: the pooled hidden state (`size` values, the
-    hidden size), normalised by default where `normalize` (sentence-transformers' Normalize
-    module, or the runner's default), truncatable to `matryoshka_dimensions` (None: any
-    `dimensions` request is refused); classify: a classifier's logits, one per label
-    (`labels`, id2label's order), through `activation` by default (sigmoid for one label,
-    softmax for several); a causal LM classifies with its LM head's rows of
-    `classifier_tokens` (--pooler-config classifier_from_token: a reranker read from a yes/no
-    token, Qwen3-Reranker's way: two tokens [false, true] give one score, true's logit minus
-    false's). `encoder_only`: attention is bidirectional, so there is no KV cache
+    hidden size, or the last `dense` module's out_features: sentence-transformers' Dense
+    projections, applied by the executor after pooling), normalised by default where `normalize`
+    (sentence-transformers' Normalize module, or the runner's default), truncatable to
+    `matryoshka_dimensions` (None: any `dimensions` request is refused); classify: a
+    classifier's logits, one per label (`labels`, id2label's order), through `activation` by
+    default (sigmoid for one label, softmax for several); a causal LM classifies with its LM
+    head's rows of `classifier_tokens` (--pooler-config classifier_from_token: a reranker read
+    from a yes/no token, Qwen3-Reranker's way: two tokens [false, true] give one score, true's
+    logit minus false's). `encoder_only`: attention is bidirectional, so there is no KV cache
     and a prompt runs whole in one step (executor/pooling_runner.py); else a causal model's
     prompt runs as a prefill that samples nothing (prefix cache and chunks as usual).
     `also_generates`: a causal LM under --runner generate with a --convert serves pooling and
@@ -40,6 +56,7 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     encoder_only: bool = False
     also_generates: bool = False
     classifier_tokens: list[int] = []
+    dense: list[DenseModule] = []            # applied in order after pooling, before normalising
 
 
 RUNNERS = AUTO, GENERATE, POOLING = ("auto", "generate", "pooling")
@@ -85,8 +102,9 @@ def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
 
 
 def _embedder(path: str, cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
-    """sentence-transformers' modules where present: the pooling module's mode, a Normalize
-    module; else CLS for an encoder, LAST for a causal LM, normalised (vLLM's defaults)."""
+    """sentence-transformers' modules where present: the pooling module's mode, Dense
+    projections, a Normalize module; else CLS for an encoder, LAST for a causal LM,
+    normalised (vLLM's defaults)."""
     modules = _sentence_modules(path)
     # CLIP's text tower reads its end-of-text token, the last
     first = CLS if encoder_only and "projection_dim" not in cfg else LAST
@@ -99,13 +117,15 @@ def _embedder(path: str, cfg: dict, encoder_only: bool, overrides: dict) -> Pool
         raise ValueError(f"a causal model pools its last token (pooling_type LAST); "
                          f"{pooling} is not supported yet")
     size = int(cfg.get("hidden_size", cfg.get("text_config", {}).get("hidden_size", 0)))
+    dense = _dense_modules(path, modules, size)
+    size = dense[-1].out_features if dense else size
     dims = cfg.get("matryoshka_dimensions")
     if dims is None and cfg.get("is_matryoshka"):
         dims = list(range(1, size + 1))
     return PoolerInfo(task=EMBED, pooling_type=pooling, size=size,
                       normalize=bool(overrides.get("normalize", normalize)),
                       matryoshka_dimensions=[int(d) for d in dims] if dims else None,
-                      encoder_only=encoder_only)
+                      encoder_only=encoder_only, dense=dense)
 
 
 def _classifier(cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
@@ -139,17 +159,49 @@ def _token_classifier(texts: list[str], token_id, also_generates: bool) -> Poole
 
 
 def _sentence_modules(path: str) -> dict[str, str]:
-    """modules.json's {folder: type} (sentence-transformers' pipeline), {} where absent. A
-    Dense projection is refused: its weights are not read yet."""
+    """modules.json's {folder: type} (sentence-transformers' pipeline, in its order), {}
+    where absent."""
     file = os.path.join(path, "modules.json")
     if not os.path.isfile(file):
         return {}
     with open(file) as f:
-        modules = {m.get("path", ""): m.get("type", "") for m in json.load(f)}
-    dense = [p for p, t in modules.items() if t.endswith("Dense")]
-    if dense:
-        raise ValueError(f"{file}: a Dense projection module ({dense[0]}) is not supported yet")
-    return modules
+        return {m.get("path", ""): m.get("type", "") for m in json.load(f)}
+
+
+def _dense_modules(path: str, modules: dict[str, str], width: int) -> list[DenseModule]:
+    """The Dense modules in modules.json's order, each reading the one before's output (the
+    first, the pooled hidden state of `width`); refused by file where this cannot apply them."""
+    dense, normalized = [], False
+    for folder, kind in modules.items():
+        normalized = normalized or kind.endswith("Normalize")
+        if not kind.endswith("Dense"):
+            continue
+        file = os.path.join(path, folder, "config.json")
+        if normalized:       # the engine's vector leaves it raw: normalising is the request's
+            raise ValueError(f"{os.path.join(path, 'modules.json')}: a Dense module ({folder}) "
+                             "after Normalize is not supported")
+        if not os.path.isfile(file):
+            raise ValueError(f"{file}: the Dense module's config is missing")
+        with open(file) as f:
+            st = json.load(f)
+        name = st.get("activation_function", "torch.nn.modules.activation.Tanh")
+        short = name.rsplit(".", 1)[-1] if str(name).startswith("torch.") else ""
+        if short not in DENSE_ACTIVATIONS:
+            raise ValueError(f"{file}: activation_function {name!r} is not supported (one of "
+                             f"torch.nn's {', '.join(DENSE_ACTIVATIONS)})")
+        reads = {st.get("module_input_name"), st.get("module_output_name")} - {None}
+        if st.get("use_residual") or reads - {"sentence_embedding"}:
+            raise ValueError(f"{file}: a Dense module with a residual or over other features "
+                             "than the sentence embedding is not supported")
+        module = DenseModule(folder=folder, in_features=int(st["in_features"]),
+                             out_features=int(st["out_features"]), bias=bool(st.get("bias", True)),
+                             activation=DENSE_ACTIVATIONS[short])
+        if module.in_features != width:
+            raise ValueError(f"{file}: in_features {module.in_features} but the vector "
+                             f"before it has {width} values")
+        dense.append(module)
+        width = module.out_features
+    return dense
 
 
 def _st_pooling_mode(path: str, modules: dict[str, str]) -> str | None:

@@ -19,6 +19,7 @@ from pagewire.wire.to_scheduler import StepResult
 from ..config import EngineConfig, default_threads
 from .image_rows import image_pixels
 from .backend import Backend
+from .dense_projection import dense_projection
 from .parallel import TensorParallel
 from .runner import ModelRunner
 
@@ -42,6 +43,8 @@ class PoolingRunner:
         self.backend = Backend(self.device, config.device.kernels)
         self.model = self.backend.load(config.model.model_info, config, self.tp)
         self.pooler = config.model.model_info.pooler
+        # sentence-transformers' Dense modules after pooling (none: the pooled vector as is)
+        self.dense = dense_projection(config.model.model_info.path, self.pooler, self.device)
         log.info("%s", self.backend.describe(config))
 
     def fail(self, plan: StepPlan) -> None:
@@ -59,7 +62,7 @@ class PoolingRunner:
             vectors.update(zip([new.seq_id for new in texts], self._texts(texts)))
         if images:
             pixels = torch.from_numpy(np.stack([image_pixels(new.images[0]) for new in images]))
-            out = self.model.embed_images(pixels.to(self.device))          # [N, P]
+            out = self._projected(self.model.embed_images(pixels.to(self.device)))  # [N, P]
             vectors.update(zip([new.seq_id for new in images], out.cpu().numpy()))
         return StepResult(plan.step_id, [], [], pooled=PooledResult(
             {sid: to_bytes(v) for sid, v in vectors.items()}))
@@ -69,10 +72,14 @@ class PoolingRunner:
         ids, types, lens = self._layout(seqs)
         hidden = self.model(ids, types, lens)                                # [T, H]
         if self.pooler.task == EMBED:
-            out = self.model.embed(hidden, lens, self.pooler.pooling_type)   # [B, H]
+            out = self._projected(self.model.embed(hidden, lens, self.pooler.pooling_type))
         else:
             out = self.model.classify(hidden, lens)                          # [B, labels]
         return out.float().cpu().numpy()
+
+    def _projected(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled embeddings [B, H] through the Dense modules, all rows in one matmul each."""
+        return pooled if self.dense is None else self.dense(pooled)
 
     def _layout(self, seqs: list[NewSeq]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The flat batch: token ids [T], token types [T] (1 from a pair's second text on:

@@ -33,6 +33,7 @@ from . import huge_pages
 from .backend import Backend
 from .cuda_graphs import DecodeGraphs
 from .decode_layout import decode_tables
+from .dense_projection import dense_projection
 from .grammar_matchers import Matchers
 from .head_blocks import Compressor
 from .image_rows import ImageRows, image_key_ends
@@ -97,6 +98,8 @@ class ModelRunner:
         config = self.config
         model = self.backend.load(info, config, self.tp, self.cp)
         self.model, self.model_info = model, info
+        # an embedding model's sentence-transformers Dense modules, read from its directory
+        self.dense = dense_projection(info.path, info.pooler, self.device)
         log.info("%s", self.backend.describe(config))
         log.info("%s", holdings(self.model))
         if self.model.cfg.num_experts:
@@ -224,15 +227,16 @@ class ModelRunner:
         return result
 
     def _pooled_output(self, states: torch.Tensor) -> torch.Tensor:
-        """Pooling rows' last-token states [R, H] -> their output, float32: the states (embed),
-        or the LM head's logits of the classifier tokens (two: the second's minus the
-        first's, one score: pooler_info.PoolerInfo.classifier_tokens)."""
+        """Pooling rows' last-token states [R, H] -> their output, float32: the states through
+        the model's Dense modules if any (embed), or the LM head's logits of the classifier
+        tokens (two: the second's minus the first's, one score:
+        pooler_info.PoolerInfo.classifier_tokens)."""
         pooler = self.config.model.model_info.pooler
         tokens = pooler.classifier_tokens
         if pooler.task == CLASSIFY and not tokens:     # a score head (DECODER_CLASSIFIERS)
             return self.model.compute_logits(states)
         if not tokens:
-            return states.float()
+            return states.float() if self.dense is None else self.dense(states)
         logits = self.model.compute_logits(states)[:, tokens]                # [R, K]
         return logits[:, 1:] - logits[:, :1] if len(tokens) == 2 else logits
 

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from pagewire.pooler_info import PoolerInfo, resolve_pooler
+from pagewire.pooler_info import DenseModule, PoolerInfo, resolve_pooler
 from pagewire.testing.tiny_sentence import write_sentence_modules
 
 BERT = {"hidden_size": 64, "num_labels": 2}
@@ -75,8 +76,49 @@ def test_what_cannot_be_served_is_refused_by_name(tmp_path, architecture, option
         resolve_pooler(str(tmp_path), BERT, architecture, architecture == "BertModel", **options)
 
 
-def test_a_dense_projection_module_is_refused(tmp_path):
-    _write(tmp_path, "modules.json", [{"path": "2_Dense",
+def _dense(path, specs: list[dict]) -> None:
+    """modules.json with a Dense module per config (then Normalize), configs as saved."""
+    folders = [f"{2 + i}_Dense" for i in range(len(specs))]
+    _write(path, "modules.json",
+           [{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+           + [{"path": f, "type": "sentence_transformers.models.Dense"} for f in folders]
+           + [{"path": "9_Normalize", "type": "sentence_transformers.models.Normalize"}])
+    _write(path, "1_Pooling/config.json", {"pooling_mode_cls_token": True})
+    for folder, spec in zip(folders, specs):
+        _write(path, f"{folder}/config.json", spec)
+
+
+def test_dense_modules_are_read_in_order_and_set_the_embedding_size(tmp_path):
+    _dense(tmp_path, [{"in_features": 64, "out_features": 32, "bias": False,
+                       "activation_function": "torch.nn.modules.linear.Identity"},
+                      {"in_features": 32, "out_features": 16}])      # Tanh: the default
+    pooler = resolve_pooler(str(tmp_path), {**BERT, "is_matryoshka": True}, "BertModel", True)
+    assert pooler.dense == [DenseModule(folder="2_Dense", in_features=64, out_features=32,
+                                        bias=False, activation="identity"),
+                            DenseModule(folder="3_Dense", in_features=32, out_features=16,
+                                        bias=True, activation="tanh")]
+    assert (pooler.size, pooler.normalize, pooler.matryoshka_dimensions[-1]) == (16, True, 16)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"activation_function": "torch.nn.modules.activation.Softplus"}, "Softplus' is not"),
+    ({"activation_function": "my_package.Swish"}, "Swish' is not"),
+    ({"in_features": 48}, "in_features 48 but the vector before it has 64"),
+    ({"use_residual": True}, "residual"),
+    ({"module_input_name": "token_embeddings"}, "residual or over other features"),
+])
+def test_a_dense_module_that_cannot_apply_is_refused_naming_its_file(tmp_path, spec, message):
+    _dense(tmp_path, [{"in_features": 64, "out_features": 8, **spec}])
+    config = str(tmp_path / "2_Dense" / "config.json")
+    with pytest.raises(ValueError, match=re.escape(config) + ".*" + message):
+        resolve_pooler(str(tmp_path), BERT, "BertModel", True)
+
+
+def test_a_dense_module_after_normalize_is_refused(tmp_path):
+    _write(tmp_path, "modules.json", [{"path": "1_Normalize",
+                                       "type": "sentence_transformers.models.Normalize"},
+                                      {"path": "2_Dense",
                                        "type": "sentence_transformers.models.Dense"}])
-    with pytest.raises(ValueError, match="Dense projection"):
+    with pytest.raises(ValueError, match="modules.json: a Dense module \\(2_Dense\\) after "
+                                         "Normalize"):
         resolve_pooler(str(tmp_path), BERT, "BertModel", True)

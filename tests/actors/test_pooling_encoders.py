@@ -1,5 +1,6 @@
 """Encoder-only pooling models through the engine (LLM.encode, PoolingRunner) against
-sentence-transformers on the same files: embeddings (its pooling module and Normalize), a
+sentence-transformers on the same files: embeddings (its pooling module, Dense projections
+and Normalize), a
 cross-encoder's scores on (query, document) pairs, on torch ops and every CPU tier."""
 from __future__ import annotations
 
@@ -44,6 +45,26 @@ def test_embeddings_match_sentence_transformers(tmp_path, kernels, architecture,
     assert (_cosines(got, want) > bound).all(), _cosines(got, want)
     assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
     assert not llm.config.cache.enable_prefix_caching
+
+
+@pytest.mark.parametrize("kernels", ["torch", "avx2"])
+def test_dense_modules_project_as_sentence_transformers_does(tmp_path, kernels):
+    """Two Dense modules after mean pooling (128 -> 96 Tanh, no bias, an older pickled
+    save; 96 -> 48 GELU), then Normalize: the embedding is the last one's 48 values."""
+    from sentence_transformers import SentenceTransformer
+    path = make_sentence_model(str(tmp_path), "BertModel", "mean",
+                               dense=((96, "Tanh", False), (48, "GELU")))
+    want = SentenceTransformer(path, device="cpu").encode(TEXTS)
+    llm = _engine(path, kernels, max_num_seqs=3)
+    pooler = llm.config.model.model_info.pooler
+    assert (pooler.size, [d.activation for d in pooler.dense]) == (48, ["tanh", "gelu"])
+    got = np.stack([o.outputs.data for o in llm.encode(TEXTS)])
+    embedded = np.stack([o.outputs.embedding for o in llm.embed(TEXTS)])
+    assert got.shape == embedded.shape == want.shape == (len(TEXTS), 48)
+    bound = 1 - 1e-6 if kernels == "torch" else 0.999
+    assert (_cosines(got, want) > bound).all(), _cosines(got, want)
+    assert (_cosines(embedded, want) > bound).all(), _cosines(embedded, want)
+    np.testing.assert_allclose(np.linalg.norm(embedded, axis=1), 1, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "avx512_bf16"])

@@ -85,3 +85,42 @@ def test_a_bert_cross_encoder_scores_and_classifies_as_transformers(tmp_path):
     llm = LLM(path, dtype="float32", kernels="torch", max_model_len=64)
     assert [o.outputs.score for o in llm.score(query, docs)] == pytest.approx(want, abs=1e-5)
     assert llm.classify("a cat")[0].outputs.probs == pytest.approx([alone], abs=1e-5)
+
+
+def test_a_causal_embedder_projects_its_last_token_through_its_dense_module(tiny_llama):
+    """ModelRunner's pooled rows: a Dense module (Tanh, saved by sentence-transformers) on the
+    last token's state, as the module's own weights give it, then normalised by LLM.embed."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from pagewire.testing.tiny_sentence import write_sentence_modules
+    path = tiny_llama(vocab_size=VOCAB)
+    with open(f"{path}/config.json") as f:
+        hidden = json.load(f)["hidden_size"]
+    prompts = [[5, 9, 200, 31], [40, 41, 42]]
+    raw = np.stack([o.outputs.data for o in LLM(path, convert="embed", **OPTIONS).encode(prompts)])
+    write_sentence_modules(path, "lasttoken", width=hidden, dense=((24, "Tanh"),))
+    llm = LLM(path, convert="embed", **OPTIONS)
+    assert llm.config.model.model_info.pooler.size == 24
+    weights = {k: v.numpy().astype(np.float64) for k, v in
+               load_file(f"{path}/2_Dense/model.safetensors").items()}
+    want = np.tanh(raw @ weights["linear.weight"].T + weights["linear.bias"])
+    got = [o.outputs.data for o in llm.encode(prompts)]
+    np.testing.assert_allclose(np.stack(got), want, rtol=1e-5, atol=1e-6)
+    for o, w in zip(llm.embed(prompts), want):
+        np.testing.assert_allclose(o.outputs.embedding, _unit(w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_dense_module_without_its_weights_is_refused_naming_its_folder(tiny_llama):
+    import json
+    import os
+
+    from pagewire.testing.tiny_sentence import write_sentence_modules
+    path = tiny_llama(vocab_size=VOCAB)
+    with open(f"{path}/config.json") as f:
+        hidden = json.load(f)["hidden_size"]
+    write_sentence_modules(path, "lasttoken", width=hidden, dense=((24, "Identity"),))
+    os.remove(f"{path}/2_Dense/model.safetensors")
+    with pytest.raises(ValueError, match="2_Dense: the Dense module's weights"):
+        LLM(path, convert="embed", **OPTIONS)
