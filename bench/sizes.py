@@ -13,7 +13,8 @@ offline (output tok/s). llama.cpp runs `llama-bench` on the GGUF files (-pg 128,
 256 tokens; -p 1024), vLLM its `bench latency|throughput` on the bf16 directory. Beside each
 figure its ceiling: a single stream's bytes a token (the weights pagewire reads) over the
 machine's read bandwidth, measured here; a batch's FLOPs over the bfloat16 GEMM peak oneDNN
-reaches here. One run of each, in turn: compare within a run.
+reaches here (float32 on an AVX2-only core, where neither engine has a bfloat16 GEMM). One
+run of each, in turn: compare within a run.
 """
 from __future__ import annotations
 
@@ -81,13 +82,24 @@ def read_bandwidth() -> float:
     return x.nbytes / best
 
 
+def gemm_dtype() -> torch.dtype:
+    """bfloat16 where oneDNN multiplies it natively (what `--dtype auto` picks there), else
+    float32: an AVX2-only core has no bfloat16 GEMM, and the engines run float32 on it."""
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def gemm_peak() -> float:
-    """FLOP/s of oneDNN's bfloat16 GEMM on a packed 4096 x 4096 weight at 512 tokens."""
-    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(4096, 4096).bfloat16(), 512)
-    x = torch.randn(512, 4096).bfloat16()
+    """FLOP/s of oneDNN's GEMM in gemm_dtype() on a packed 4096 x 4096 weight at 512 tokens."""
+    dtype = gemm_dtype()
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(4096, 4096).to(dtype), 512)
+    x = torch.randn(512, 4096).to(dtype)
     run = lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
     run()
     return 2 * 512 * 4096 * 4096 / min(_timed(run) for _ in range(5))
+
+
+GEMM = "bf16" if gemm_dtype() == torch.bfloat16 else "float32"
 
 
 def _timed(fn) -> float:
@@ -192,11 +204,12 @@ def _bandwidth(rate: float, size: int, flops: int, ceilings: dict) -> str:
 
 
 def _gemm(rate: float, size: int, flops: int, ceilings: dict) -> str:
-    return f"{rate * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak"
+    return f"{rate * flops / ceilings['gemm']:.0%} of the {GEMM} GEMM peak"
 
 
 def _gemm_both(rate: float, size: int, flops: int, ceilings: dict) -> str:
-    return f"{2 * rate * flops / ceilings['gemm']:.0%} of the bf16 GEMM peak, prompt tokens counted"
+    return (f"{2 * rate * flops / ceilings['gemm']:.0%} of the {GEMM} GEMM peak, prompt "
+            "tokens counted")
 
 
 def _workloads(path: str) -> dict:
@@ -234,7 +247,7 @@ def main() -> None:
     PAGEWIRE_ARGS.extend(a.pagewire_args.split())
     ceilings = {"bandwidth": read_bandwidth(), "gemm": gemm_peak()}
     print(f"CPU: {_cpu()}; read bandwidth {ceilings['bandwidth'] / 1e9:.1f} GB/s, "
-          f"bf16 GEMM peak {ceilings['gemm'] / 1e9:.0f} GFLOP/s", flush=True)
+          f"{GEMM} GEMM peak {ceilings['gemm'] / 1e9:.0f} GFLOP/s", flush=True)
     for fmt in a.formats.split(","):
         measure(a.shape, fmt, set(a.peers.split(",")), set(a.only.split(",")), ceilings,
                 a.activations.split(",") if a.activations else [None])
