@@ -136,22 +136,26 @@ class LLM(PoolingCalls, SleepCalls):
                           for p, sp, lr, kt in zip(prompts, params, loras, transfers)])
 
     def encode(self, prompts: Prompt | list[Prompt], pairs: str | list[str] | None = None,
-               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+               truncate_prompt_tokens: int | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """A pooling model's raw pooled output for every prompt (text or token ids), in
         prompt order: an embedding (not normalised) or a classifier's logits; `pairs`: a
-        cross-encoder's second texts, one per prompt. Raises ValueError for an input the
-        model refuses (too long without truncation, empty)."""
+        cross-encoder's second texts, one per prompt. `pooling_task` (vLLM's): None or the
+        model's own task; token_embed: every prompt token's final hidden state, [tokens, H],
+        normalised as the model's pooler says. Raises ValueError for an input the model
+        refuses (too long without truncation, empty) or a task it cannot do."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        per_token = self._per_token(pooling_task)
         pairs = _per_prompt(pairs, len(prompts), "pairs")
         outs = self._run([self.add_request(p, SamplingParams(max_tokens=1), pooling=PoolingInput(
-            pair, truncate_prompt_tokens)) for p, pair in zip(prompts, pairs)])
+            pair, truncate_prompt_tokens, per_token)) for p, pair in zip(prompts, pairs)])
         for out in outs:
             if out.pooled is None:
                 raise ValueError(f"request {out.request_id} ended without a pooled output: "
                                  f"{out.outputs[0].finish_reason}")
-        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(o.pooled))
-                for o in outs]
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids,
+                                     self._pooling_output(o, per_token)) for o in outs]
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .pooler_info import CLASSIFY, EMBED, PoolerInfo
-from .pooling_outputs import check_dimensions, check_task, cosine, cross_score, embedding, \
-    probabilities
+from .pooling_outputs import check_dimensions, check_pooling_task, check_task, cosine, \
+    cross_score, embedding, probabilities, token_embeddings
 
 
 @dataclass
 class PoolingOutput:
-    data: np.ndarray                      # the model's pooled output, float32
+    data: np.ndarray            # the model's pooled output, float32 ([tokens, H]: token_embed)
 
 
 @dataclass
@@ -86,6 +86,22 @@ class PoolingCalls:
 
     def _pooler(self, task: str | None, what: str) -> PoolerInfo:
         return check_task(self.config.model.model_info.pooler, task, what)
+
+    def _per_token(self, pooling_task: str | None) -> bool:
+        """Whether LLM.encode's `pooling_task` is token_embed (a task the model cannot do:
+        ValueError)."""
+        if pooling_task is None:
+            return False
+        return check_pooling_task(self._pooler(None, "LLM.encode"), pooling_task, "LLM.encode")
+
+    def _pooling_output(self, out, per_token: bool) -> PoolingOutput:
+        """One finished request's output as encode() returns it: the raw pooled vector, or
+        (token_embed) its prompt tokens' rows [tokens, H], normalised as the pooler says."""
+        if not per_token:
+            return PoolingOutput(out.pooled)
+        pooler = self.config.model.model_info.pooler
+        return PoolingOutput(token_embeddings(pooler, out.pooled.reshape(
+            len(out.prompt_token_ids), -1)))
 
     def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:

@@ -14,6 +14,24 @@ from pagewire.wire.sampling_params import InvalidParam
 from .pooler_info import CLASSIFY, EMBED, NO_ACTIVATION, SIGMOID, SOFTMAX, PoolerInfo
 
 ENCODING_FORMATS = ("float", "base64")
+# vLLM's per-token tasks: token_embed (every prompt token's final hidden state) is served for an
+# embedding model; token_classify needs a *ForTokenClassification model, which pagewire does
+# not load.
+TOKEN_EMBED, TOKEN_CLASSIFY = "token_embed", "token_classify"
+
+
+def check_pooling_task(pooler: PoolerInfo, task: str | None, what: str) -> bool:
+    """Whether a request asking for vLLM's pooling `task` (None: the model's own, embed or
+    classify) pools every prompt token (token_embed); a task the model cannot do is refused,
+    naming the ones it can."""
+    if task is None or task == pooler.task:
+        return False
+    if task == TOKEN_EMBED and pooler.task == EMBED:
+        return True
+    served = [pooler.task] + ([TOKEN_EMBED] if pooler.task == EMBED else [])
+    why = " (pagewire loads no *ForTokenClassification model)" if task == TOKEN_CLASSIFY else ""
+    raise InvalidParam("task", f"{what}: task {task!r} is not supported by this model{why}; "
+                       f"it serves {', '.join(served)}")
 
 
 def check_dimensions(pooler: PoolerInfo, dimensions: int | None) -> None:
@@ -46,6 +64,19 @@ def embedding(pooler: PoolerInfo, raw: np.ndarray, dimensions: int | None = None
         norm = float(np.linalg.norm(vector.astype(np.float64)))
         vector = vector / max(norm, 1e-12)         # a zero vector stays zero
     return vector.astype(np.float32)
+
+
+def token_embeddings(pooler: PoolerInfo, rows: np.ndarray, dimensions: int | None = None,
+                     normalize: bool | None = None) -> np.ndarray:
+    """A token_embed output [tokens, H] as asked: each row cut to `dimensions`, then
+    L2-normalised where `normalize` (None: the model's default), as embedding() does one."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if dimensions is not None:
+        rows = rows[:, :dimensions]
+    if pooler.normalize if normalize is None else normalize:
+        norms = np.linalg.norm(rows.astype(np.float64), axis=1, keepdims=True)
+        rows = rows / np.maximum(norms, 1e-12)
+    return rows.astype(np.float32)
 
 
 def activate(logits: np.ndarray, activation: str) -> np.ndarray:

@@ -33,7 +33,7 @@ def encode_pooled(tokenizer, req: TokenizeRequest, max_model_len: int,
         raise InvalidParam("input", f"This model's maximum context length is {max_model_len} "
                            f"tokens. However, the input has {len(ids)} tokens; pass "
                            "truncate_prompt_tokens to truncate it.")
-    return ids, PoolingSeq(pair_start=pair_start)
+    return ids, PoolingSeq(pair_start=pair_start, per_token=pooling.per_token)
 
 
 def _encode(tokenizer, req: TokenizeRequest, keep: int | None) -> tuple[list[int], int]:

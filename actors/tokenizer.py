@@ -140,6 +140,9 @@ class RequestTokenizer:
             if not hasattr(self.images, "pooled") or req.prompt or req.prompt_token_ids:
                 raise InvalidParam("input", "this model embeds no images" if not hasattr(
                     self.images, "pooled") else "an image is embedded alone, without text")
+            if req.pooling.per_token:
+                raise InvalidParam("task", "token_embed reads a text's tokens; an image is "
+                                   "embedded whole (task embed)")
             ids, images = self.images.pooled(req.images)
             pooling = PoolingSeq()
         else:

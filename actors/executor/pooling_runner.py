@@ -1,7 +1,8 @@
 """PoolingRunner: an encoder-only model's executor (BERT, RoBERTa, MPNet, ModernBERT and their
 classifiers: models/encoder.py). No KV cache and no sequence table: attention is bidirectional,
 so the configuration (config.encoder_only_options) has the scheduler send every prompt whole in
-one step, never chunked, never cached; each plan's new sequences run, pool, and are forgotten.
+one step, never chunked, never cached; each plan's new sequences run, pool (or, per-token
+requests, return every token's final hidden state), and are forgotten.
 `runner_for` picks this or ModelRunner for a configuration."""
 from __future__ import annotations
 
@@ -67,15 +68,22 @@ class PoolingRunner:
         return StepResult(plan.step_id, [], [], pooled=PooledResult(
             {sid: to_bytes(v) for sid, v in vectors.items()}))
 
-    def _texts(self, seqs: list[NewSeq]):
-        """Whole prompts -> their pooled outputs [B, H] (embeddings) or [B, labels]."""
+    def _texts(self, seqs: list[NewSeq]) -> list[np.ndarray]:
+        """Whole prompts -> each one's pooled output: an embedding [H] or a classifier's
+        logits [labels]; a per-token request's (vLLM's token_embed) every token's final
+        hidden state [n, H]."""
         ids, types, lens = self._layout(seqs)
         hidden = self.model(ids, types, lens)                                # [T, H]
         if self.pooler.task == EMBED:
             out = self._projected(self.model.embed(hidden, lens, self.pooler.pooling_type))
         else:
             out = self.model.classify(hidden, lens)                          # [B, labels]
-        return out.float().cpu().numpy()
+        vectors = list(out.float().cpu().numpy())
+        starts = np.cumsum([0, *lens])
+        for i, new in enumerate(seqs):
+            if new.pooling.per_token:
+                vectors[i] = hidden[starts[i]:starts[i + 1]].float().cpu().numpy()
+        return vectors
 
     def _projected(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled embeddings [B, H] through the Dense modules, all rows in one matmul each."""

@@ -20,7 +20,6 @@ from pagewire.kernels.ops import resolve_device
 from pagewire.pooler_info import CLASSIFY
 from pagewire.wire.engine_control import ControlDone, EngineControl
 from pagewire.wire.ids import SeqId
-from pagewire.wire.pooling import PooledResult, to_bytes
 from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogprobsResult,
@@ -50,6 +49,7 @@ from .prompt_logprobs import prompt_logprobs, spans_of
 from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState, SeqTable
 from .sleep_mode import SleepState, run_control
+from .token_rows import pooled_result
 from .draft_proposers import InStepDraft, Proposer, accepted
 
 log = logging.getLogger(__name__)
@@ -208,9 +208,8 @@ class ModelRunner:
         if spans:
             result.prompt_logprobs = PromptLogprobsResult(prompt_logprobs(self.model, hidden,
                                                                           spans))
-        if pooled:                      # a causal model's last token (pooler_info.LAST)
-            vectors = self._pooled_output(hidden[[row for _, row in pooled]]).cpu().numpy()
-            result.pooled = PooledResult({sid: to_bytes(v) for (sid, _), v in zip(pooled, vectors)})
+        if pooled:      # a causal model's last token (pooler_info.LAST), or every token's
+            result.pooled = pooled_result(hidden, pooled, self._pooled_output)
         produced = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
@@ -387,8 +386,8 @@ class ModelRunner:
                 ends = image_key_ends(seq.images, start, n) if self.whole_images else None
                 prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb]),
                                             ends))
-            if seq.samples and seq.pooling is not None:     # read, not sampled
-                pooled.append((rid, row + n - 1))
+            if seq.pooling is not None:     # read, not sampled (token_rows.py)
+                pooled.append((rid, seq, row, n))
             elif seq.samples:             # the last position; every drafted one too
                 sample_rows.extend(range(row + n - 1 - len(seq.verifying), row + n))
                 sample_seqs.append((rid, seq))

@@ -46,6 +46,7 @@ class SeqState:
     heads: object | None = None     # KV-Compress: its head rows (executor/head_blocks.py)
     images: list = field(default_factory=list)    # its prompt's (wire/multimodal.py ImageInput)
     pooling: PoolingSeq | None = None   # pooled, never sampled, once computed (wire/pooling.py)
+    token_rows: object | None = None    # per-token pooling: its rows so far (token_rows.py)
 
     @property
     def num_output_tokens(self) -> int:

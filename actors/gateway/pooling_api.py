@@ -16,6 +16,10 @@ from .protocol import ApiError, ChatMessageBody
 # numbers in one body. OpenAI caps /v1/embeddings at 2048 inputs; vLLM caps nothing. A batch
 # of more is split by the client (docs/pooling.md).
 MAX_POOLING_INPUTS = 2048
+# token_embed answers every token's hidden state: an input may be max_model_len x hidden floats.
+# A request may ask for at most this many bytes of float32 rows at its inputs' longest (one
+# input is always allowed), so one body cannot make the gateway hold and encode gigabytes.
+MAX_TOKEN_ROWS_BYTES = 1 << 30
 
 Input = str | list[str | int | list[int]]
 
@@ -33,7 +37,9 @@ class EmbeddingBody(_PoolingCommon, kw_only=True):
     """/v1/embeddings and /pooling. `normalize` (older vLLM) or `use_activation` (newer)
     override the model's normalisation; None keeps it. `input`, or vLLM's chat embeddings:
     `messages`, one input (rendered by the model's chat template, or its texts joined; an
-    image part alone: CLIP's image embedding)."""
+    image part alone: CLIP's image embedding). `task` (/pooling only, vLLM's): None or the
+    model's own task (one vector an input), or token_embed (every token's hidden state)."""
+    task: str | None = None
     input: Input | None = None
     messages: list[ChatMessageBody] | None = None
     encoding_format: str = "float"
@@ -99,6 +105,16 @@ def check_inputs(count: int, name: str) -> None:
     if count > MAX_POOLING_INPUTS:
         raise ApiError(400, f"{name} may hold at most {MAX_POOLING_INPUTS} entries, got "
                        f"{count}; split it over several requests", name)
+
+
+def check_token_inputs(count: int, max_len: int, width: int) -> None:
+    """A token_embed request's inputs fit MAX_TOKEN_ROWS_BYTES at their longest."""
+    per_input = max_len * width * 4
+    most = max(1, MAX_TOKEN_ROWS_BYTES // per_input)
+    if count > most:
+        raise ApiError(400, f"task token_embed answers up to {max_len} x {width} floats an "
+                       f"input: at most {most} inputs a request, got {count}; split them over "
+                       "several requests", "input")
 
 
 def score_texts(text_1: str | list[str], text_2: str | list[str],

@@ -22,12 +22,12 @@ from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..pooler_info import CLASSIFY, EMBED, PoolerInfo
-from ..pooling_outputs import (check_dimensions, check_task, cosine, cross_score, embedding,
-                               encoded, probabilities)
+from ..pooling_outputs import (check_dimensions, check_pooling_task, check_task, cosine,
+                               cross_score, embedding, encoded, probabilities, token_embeddings)
 from .ollama_embed import OllamaEmbedRoutes
-from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, classify_data,
-                          embedding_data, json_answer, listed, pooling_inputs, rerank_answer,
-                          rerank_texts, score_data, score_texts)
+from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody,
+                          check_token_inputs, classify_data, embedding_data, json_answer, listed,
+                          pooling_inputs, rerank_answer, rerank_texts, score_data, score_texts)
 from .protocol import ApiError, chat_images, chat_messages, decode_body
 
 # A pooled prompt samples nothing; the engine still takes a SamplingParams (wire contract).
@@ -39,6 +39,7 @@ class Pooled:
     """The engine's answers to one HTTP request's inputs, in input order."""
     vectors: list[np.ndarray]
     prompt_tokens: int
+    counts: list[int]                    # each input's prompt tokens
 
 
 class PoolingRoutes:
@@ -70,14 +71,20 @@ class PoolingRoutes:
         body = decode_body(await request.read(), EmbeddingBody)
         path = "/v1/embeddings" if kind == "embedding" else "/pooling"
         pooler = self.pooler(body, EMBED if kind == "embedding" else None, path)
+        per_token = kind == "pooling" and check_pooling_task(pooler, body.task, path)
         if body.dimensions is not None or kind == "embedding":
             check_dimensions(pooler, body.dimensions)
         encoded([], body.encoding_format)                  # a bad format: 400 before running
         prompts = await self.chat_input(body) if body.messages is not None \
             else pooling_inputs(body.input)
+        if per_token:
+            check_token_inputs(len(prompts), self.gw.config.model.max_model_len, pooler.size)
         short = "embd" if kind == "embedding" else "pool"           # vLLM's id prefixes
-        out = await self.run(request, body, short, prompts)
-        vectors = [_shaped(pooler, body, kind, v) for v in out.vectors]
+        out = await self.run(request, body, short, prompts, per_token=per_token)
+        vectors = [token_embeddings(pooler, v.reshape(n, -1), body.dimensions,
+                                    body.wants_normalized())
+                   for v, n in zip(out.vectors, out.counts)] if per_token else \
+            [_shaped(pooler, body, kind, v) for v in out.vectors]
         data = embedding_data([encoded(v, body.encoding_format) for v in vectors], kind)
         return json_answer(listed(self.answer_id(short), self.model_name(body),
                                         data, out.prompt_tokens))
@@ -138,9 +145,10 @@ class PoolingRoutes:
         return body.model or self.gw.model_name
 
     async def run(self, request: web.Request, body, kind: str, prompts: list[dict],
-                  pairs: list[str] | None = None) -> Pooled:
+                  pairs: list[str] | None = None, per_token: bool = False) -> Pooled:
         """Pool every prompt (with its pair, for a cross-encoder) as one engine request each;
-        the raw vectors in prompt order, or the first refusal or failure as an ApiError."""
+        the raw vectors in prompt order (`per_token`: each prompt's every token's rows, flat),
+        or the first refusal or failure as an ApiError."""
         gw, rid = self.gw, f"{kind}-{uuid.uuid4().hex}"
         lora = gw.check_model(body.model)
         salt = gw.salt(request, body)
@@ -150,7 +158,8 @@ class PoolingRoutes:
                                 messages=p.get("messages"), images=p.get("images", []),
                                 add_generation_prompt=False, cache_salt=salt,
                                 priority=body.priority, lora=lora, pooling=PoolingInput(
-                                    pairs[i] if pairs else None, body.truncate_prompt_tokens))
+                                    pairs[i] if pairs else None, body.truncate_prompt_tokens,
+                                    per_token))
                 for i, p in enumerate(prompts)]
         seqs = {SeqId(s.req_id, 0): i for i, s in enumerate(subs)}
         queue: asyncio.Queue = asyncio.Queue()
@@ -188,7 +197,7 @@ async def _gather(queue: asyncio.Queue, seqs: dict[SeqId, int], open_ids: set) -
     """Each input's final delta (its pooled vector) until all have come; removes finished
     ids from `open_ids` (what is left there is aborted by the caller)."""
     vectors: list[np.ndarray | None] = [None] * len(seqs)
-    tokens = 0
+    counts = [0] * len(seqs)
     while open_ids:
         msg = await queue.get()
         if isinstance(msg, RequestFailed):      # refused by a tokenizer, or the engine restarted
@@ -202,5 +211,5 @@ async def _gather(queue: asyncio.Queue, seqs: dict[SeqId, int], open_ids: set) -
         if msg.finish_reason != "stop" or msg.pooled is None:
             raise ApiError(500, msg.error or f"pooling failed ({msg.finish_reason})")
         vectors[seqs[msg.seq_id]] = from_bytes(msg.pooled)
-        tokens += msg.num_prompt_tokens
-    return Pooled(vectors, tokens)
+        counts[seqs[msg.seq_id]] = msg.num_prompt_tokens
+    return Pooled(vectors, sum(counts), counts)

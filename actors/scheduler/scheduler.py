@@ -287,6 +287,11 @@ class Scheduler:
         self.running.remove(seq)
         self._drop_from_executor(seq, preempted=True)
         mode = self.config.cache.preemption_mode
+        # a per-token pooled prompt's rows computed so far are the executor's, and it forgets
+        # them with the sequence: it recomputes (wire/pooling.py PoolingSeq)
+        pooling = seq.request.pooling
+        if pooling is not None and pooling.per_token:
+            mode = RECOMPUTE
         if mode != RECOMPUTE and self.tables.swap_out(seq):
             seq.status = Status.SWAPPED
         else:

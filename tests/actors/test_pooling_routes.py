@@ -55,6 +55,8 @@ class FakeTokenizers:
 
     @staticmethod
     def vector(req) -> list[float]:
+        if req.pooling.per_token:          # token_embed: two tokens, the text's vector twice
+            return VECTORS.get(req.prompt, [0.0, 1.0, 0.0]) * 2
         if req.pooling.pair is not None:
             return [float(len(req.prompt) - len(req.pooling.pair))]
         if req.prompt_token_ids is not None:
@@ -262,3 +264,45 @@ def test_ollamas_embed_routes():
                                                   "dimensions": 1}, 400)
         assert "dimensions=1 is not one of" in error["error"]
     serve(EMBED, check)
+
+
+def test_pooling_token_embed_answers_every_tokens_rows_and_refuses_other_tasks(monkeypatch):
+    from pagewire.gateway import pooling_api
+    # 64 tokens x 3 floats x 4 bytes an input at most: room for two inputs, not three
+    monkeypatch.setattr(pooling_api, "MAX_TOKEN_ROWS_BYTES", 2 * 64 * 3 * 4)
+
+    async def check(client, gateway):
+        rows = await post(client, "/pooling", {"input": ["a", "c"], "task": "token_embed"})
+        assert gateway.tokenizers.sent[-1].pooling.per_token
+        assert [d["object"] for d in rows["data"]] == ["pooling", "pooling"]
+        assert rows["data"][0]["data"] == [pytest.approx([0.6, 0.8, 0.0])] * 2   # normalised
+        assert rows["data"][1]["data"] == [pytest.approx([3 / 13, 4 / 13, 12 / 13])] * 2
+        assert rows["usage"]["prompt_tokens"] == 4
+        raw = await post(client, "/pooling", {"input": "c", "task": "token_embed",
+                                              "normalize": False, "encoding_format": "base64"})
+        data = np.frombuffer(base64.b64decode(raw["data"][0]["data"]), "<f4")
+        assert data.reshape(2, 3).tolist() == [[3.0, 4.0, 12.0]] * 2
+        one = await post(client, "/pooling", {"input": "c", "task": "embed"})
+        assert one["data"][0]["data"] == [3.0, 4.0, 12.0]
+        assert not gateway.tokenizers.sent[-1].pooling.per_token
+        sent = len(gateway.tokenizers.sent)
+        for task in ("token_classify", "classify", "reward"):
+            error = (await post(client, "/pooling", {"input": "a", "task": task}, 400))["error"]
+            assert f"task {task!r} is not supported by this model" in error["message"]
+            assert "it serves embed, token_embed" in error["message"]
+            assert (error["param"], error["type"]) == ("task", "BadRequestError")
+        error = (await post(client, "/pooling", {"input": ["a", "b", "c"],
+                                                 "task": "token_embed"}, 400))["error"]
+        assert "task token_embed answers up to 64 x 3 floats an input: at most 2 inputs a " \
+            "request, got 3" in error["message"] and error["param"] == "input"
+        assert len(gateway.tokenizers.sent) == sent             # refused before anything ran
+    serve(EMBED, check)
+
+
+def test_a_classifier_refuses_token_embed():
+    async def check(client, gateway):
+        error = (await post(client, "/pooling", {"input": "a", "task": "token_embed"},
+                            400))["error"]
+        assert "task 'token_embed' is not supported" in error["message"]
+        assert "it serves classify" in error["message"] and gateway.tokenizers.sent == []
+    serve(SENTIMENT, check)

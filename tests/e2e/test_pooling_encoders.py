@@ -53,6 +53,14 @@ def test_bert_embeddings_equal_transformers_mean(bert_dirs):
             [float(unit[0] @ u) for u in unit[1:5]], abs=1e-5)
         status, body, _ = srv.request("POST", "/v1/completions", {"prompt": "a"})
         assert status == 400 and "--runner pooling" in body["error"]["message"]
+        status, body, _ = srv.request("POST", "/pooling", {"input": [QUERY, ""],
+                                                           "task": "token_embed"})
+        assert status == 200, body
+        for served, text in zip(body["data"], [QUERY, ""]):     # every token's state, unit
+            with torch.no_grad():
+                rows = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+            rows = (rows / rows.norm(dim=1, keepdim=True)).numpy()
+            np.testing.assert_allclose(served["data"], rows, atol=1e-5)
 
 
 def test_bert_cross_encoder_reranks_as_transformers(bert_dirs):
