@@ -66,3 +66,17 @@ def test_an_image_is_embedded_alone(clip):
         llm.encode([{"prompt": "the cat", "multi_modal_data": {"image": _png(0)}}])
     with pytest.raises(ValueError, match="one image"):
         llm.encode([{"prompt": "", "multi_modal_data": {"image": [_png(0), _png(1)]}}])
+
+
+def test_token_embed_reads_the_text_towers_states_and_refuses_an_image(clip):
+    from transformers import CLIPModel
+    llm = LLM(clip[0], kernels="torch", dtype="float32")
+    with pytest.raises(ValueError, match="an image is embedded whole"):
+        llm.encode([{"prompt": "", "multi_modal_data": {"image": _png(0)}}],
+                   pooling_task="token_embed")
+    out = llm.encode(TEXTS[:1], pooling_task="token_embed")[0]
+    with torch.no_grad():     # the text tower's states after its final norm, unprojected
+        rows = CLIPModel.from_pretrained(clip[0]).eval().text_model(
+            input_ids=torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+    want = (rows / rows.norm(dim=1, keepdim=True)).numpy()
+    np.testing.assert_allclose(out.outputs.data, want, atol=1e-5)

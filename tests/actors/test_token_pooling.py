@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagewire.llm import LLM
+from pagewire.wire.pooling import PoolingInput
 from pagewire.wire.sampling_params import SamplingParams
 from pagewire.testing.tiny_sentence import make_sentence_model
 
@@ -65,6 +66,18 @@ def test_a_causal_lm_gathers_every_chunks_rows_and_skips_the_prefix_cache(tiny_l
     assert llm.scheduler.tables.prefix_hits == hits              # every position computed
     for out, rows in zip(outs, want):
         _check_rows(out.outputs.data, rows)
+    # one batch: a last-token embedding beside a per-token one (each its own output)
+    one = llm.add_request({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=1),
+                          pooling=PoolingInput())
+    every = llm.add_request({"prompt_token_ids": prompts[1]}, SamplingParams(max_tokens=1),
+                            pooling=PoolingInput(per_token=True))
+    done = {}
+    while llm.has_unfinished():
+        done.update({o.request_id: o.pooled for o in llm.step()})
+    np.testing.assert_allclose(done[one], want[1][-1] * np.linalg.norm(done[one]), atol=1e-5)
+    assert done[every].shape == (want[1].size,)                   # the raw rows, flat
+    np.testing.assert_allclose(_unit_rows(done[every].reshape(want[1].shape)), want[1],
+                               atol=1e-5)
     kv = llm.scheduler.kv
     assert kv.num_free == kv.num_blocks and llm.scheduler.num_generation_tokens == 0
 
