@@ -71,7 +71,7 @@ class PoolingRunner:
     def _texts(self, seqs: list[NewSeq]) -> list[np.ndarray]:
         """Whole prompts -> each one's pooled output: an embedding [H] or a classifier's
         logits [labels]; a per-token request's (vLLM's token_embed) every token's final
-        hidden state [n, H]."""
+        hidden state [n, H] (through the Dense modules, if any: [n, their out_features])."""
         ids, types, lens = self._layout(seqs)
         hidden = self.model(ids, types, lens)                                # [T, H]
         if self.pooler.task == EMBED:
@@ -82,7 +82,8 @@ class PoolingRunner:
         starts = np.cumsum([0, *lens])
         for i, new in enumerate(seqs):
             if new.pooling.per_token:
-                vectors[i] = hidden[starts[i]:starts[i + 1]].float().cpu().numpy()
+                rows = self._projected(hidden[starts[i]:starts[i + 1]])     # vLLM's way
+                vectors[i] = rows.float().cpu().numpy()
         return vectors
 
     def _projected(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,10 @@ def keep_rows(seq, rows: np.ndarray, start: int) -> None:
 
 def pooled_result(hidden: torch.Tensor, pooled: list, pool_last) -> PooledResult | None:
     """The step's pooled outputs. `pooled`: (seq id, SeqState, first row, rows) of every
-    pooling sequence this step ran; `pool_last(states [R, H])` -> the pooled outputs of the
-    sequences read at their last token. A per-token sequence keeps its rows each step and is
-    sent whole once its last token ran; a last-token one is sent from its last step only."""
+    pooling sequence this step ran; `pool_last(states [R, H])` -> those states' outputs
+    (an embedding model's: each row through its Dense modules, if any, as vLLM's token_embed
+    projects every token). A per-token sequence keeps its rows each step and is sent whole
+    once its last token ran; a last-token one is sent from its last step only."""
     vectors: dict[SeqId, bytes] = {}
     last = [(sid, row + n - 1) for sid, seq, row, n in pooled
             if seq.samples and not per_token(seq)]
@@ -43,7 +44,8 @@ def pooled_result(hidden: torch.Tensor, pooled: list, pool_last) -> PooledResult
         vectors.update({sid: to_bytes(v) for (sid, _), v in zip(last, out)})
     for sid, seq, row, n in pooled:
         if per_token(seq):
-            keep_rows(seq, hidden[row:row + n].float().cpu().numpy(), seq.num_computed)
+            keep_rows(seq, pool_last(hidden[row:row + n]).float().cpu().numpy(),
+                      seq.num_computed)
             if seq.samples:
                 vectors[sid] = seq.token_rows.tobytes()
     return PooledResult(vectors) if vectors else None

@@ -53,6 +53,23 @@ def test_a_bert_returns_every_tokens_hidden_state(tmp_path):
     assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
 
 
+def test_dense_modules_project_every_token_as_vllm_does(tmp_path):
+    """sentence-transformers' Dense modules (128 -> 48 Tanh) applied to each token's state,
+    then Normalize, as vLLM's token_embed head does (sentence-transformers' own
+    token_embeddings stop before them)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+    path = make_sentence_model(str(tmp_path), "BertModel", "mean", dense=((48, "Tanh"),))
+    dense = SentenceTransformer(path, device="cpu")[2]
+    llm = LLM(path, dtype="float32", kernels="torch")
+    out = llm.encode(TEXTS[:1], pooling_task="token_embed")[0]
+    with torch.no_grad():
+        states = AutoModel.from_pretrained(path, dtype=torch.float32).eval()(
+            torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+        rows = dense.activation_function(dense.linear(states)).numpy()
+    _check_rows(out.outputs.data, _unit_rows(rows))
+
+
 def test_a_causal_lm_gathers_every_chunks_rows_and_skips_the_prefix_cache(tiny_llama):
     path = tiny_llama()
     prompts = [list(range(3, 100)), [5, 9, 200, 31, 7], list(range(40, 90))]
