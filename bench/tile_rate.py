@@ -2,7 +2,7 @@
 decode step's inner loop, GB/s of tiles and G weights a second.
 
     python bench/tile_rate.py [--types Q4_K,Q6_K,Q8_0,Q4_0] [--threads 2] [--classic]
-                              [--rounding exact|int8] [--tier avx2]
+                              [--rounding exact|int16|int8] [--tier avx2]
 
 A down projection's shape (14336 x 4096, an 8B model's), random blocks, bfloat16 activations,
 exact products; four copies of the weight (beyond the L3 cache) multiplied in turn, best of
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--classic", action="store_true")
-    p.add_argument("--rounding", default="exact", choices=("exact", "int8"))
+    p.add_argument("--rounding", default="exact", choices=("exact", "int16", "int8"))
     p.add_argument("--tier", default=None, help="a native tier (default: the CPU's best)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
