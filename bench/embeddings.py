@@ -13,7 +13,8 @@ queries/s.
 Engines: `st` is sentence-transformers in this process (`SentenceTransformer.encode` /
 `CrossEncoder.predict` in batches of `--batch`, torch threads = the machine's cores) in
 bfloat16, the checkpoint's dtype and what it loads by default; `pagewire` is `pagewire serve
-DIR --runner pooling` ($PAGEWIRE_SERVE_ARGS added) and `vllm` is `vllm serve DIR --runner
+DIR --runner pooling --dtype auto` (bfloat16 where the CPU multiplies it, float32 on an AVX2-only
+core; $PAGEWIRE_SERVE_ARGS added) and `vllm` is `vllm serve DIR --runner
 pooling` (../shared/peers/vllm-cpu.sh; $VLLM_DTYPE, else bfloat16 where the CPU has
 AVX512-BF16; $VLLM_SERVE_ARGS added), each sent POST /v1/embeddings of `--batch` inputs (or
 POST /rerank, one query a request) with `--concurrency` requests in flight. A `-fp32` suffix
@@ -192,7 +193,7 @@ def server_command(engine: str, path: str, port: int, dtype: str | None) -> list
     if engine == "pagewire":
         exe = os.path.join(os.path.dirname(sys.executable), "pagewire")
         return [exe if os.path.exists(exe) else "pagewire", "serve", path, "--runner", "pooling",
-                "--dtype", dtype or "bfloat16", *common,
+                "--dtype", dtype or "auto", *common,
                 *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
     return ["bash", PEER, "exec", "vllm", "serve", path, "--runner", "pooling",
             "--dtype", dtype or os.environ.get("VLLM_DTYPE", peer_dtype()), *common,
