@@ -3,6 +3,7 @@
 bookkeeping (executor/seq_table.py) with chosen tokens in place of a model."""
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 from pagewire.config import EngineConfig
@@ -156,3 +157,18 @@ def assert_pool_whole(sched: Driven) -> None:
     assert all(kv.hash_of[b] == h for h, b in kv.cached.items())
     host = sched.tables.host
     assert host is None or (host.num_free == host.num_blocks and not any(host.refcount))
+
+
+@contextlib.contextmanager
+def schedulers(finish):
+    """Yields make(**kw) -> make_scheduler(**kw); on exit each scheduler made is ended by
+    `finish(sched)` (abort everything, or run its work out) and its pool checked whole."""
+    made = []
+
+    def make(**kw):
+        made.append(make_scheduler(**kw))
+        return made[-1]
+    yield make
+    for sched in made:
+        finish(sched)
+        assert_pool_whole(sched)

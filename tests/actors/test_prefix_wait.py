@@ -8,7 +8,7 @@ import pytest
 
 from pagewire import LLM, SamplingParams
 from pagewire.wire.to_scheduler import NewRequest
-from tests.actors.sched_helpers import assert_pool_whole, make_scheduler, new, step
+from tests.actors.sched_helpers import make_scheduler, new, schedulers, step
 from tests.helpers import HFOracle, assert_greedy_equal
 
 SHARED = list(range(100, 112))          # 3 blocks of 4 tokens
@@ -21,18 +21,15 @@ def shared(rid: str, tail: list[int], **sampling) -> NewRequest:
                       sampling=new("x", 1, **sampling).sampling, arrival_time=0.0)
 
 
+def _run_out(sched) -> None:
+    while sched.has_work():
+        step(sched)
+
+
 @pytest.fixture
 def sched_factory():
-    made = []
-
-    def make(**kw):
-        made.append(make_scheduler(**kw))
-        return made[-1]
-    yield make
-    for sched in made:
-        while sched.has_work():
-            step(sched)
-        assert_pool_whole(sched)
+    with schedulers(_run_out) as make:
+        yield make
 
 
 def test_second_request_waits_and_maps_the_first_ones_prefix(sched_factory):

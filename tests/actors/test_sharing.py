@@ -5,23 +5,19 @@ from __future__ import annotations
 import pytest
 
 from pagewire.wire.to_scheduler import NewRequest, SampledLogprobs, StepResult
-from tests.actors.sched_helpers import (assert_pool_whole, ids, make_scheduler, names, new,
-                                        sid, step)
+from tests.actors.sched_helpers import ids, names, new, schedulers, sid, step
+
+
+def _abort_all(sched) -> None:
+    for rid in list(sched.seqs) + list(sched.groups):
+        sched.abort([rid])
+    sched.schedule()   # drop the executor state list
 
 
 @pytest.fixture
 def sched_factory():
-    made = []
-
-    def make(**kw):
-        made.append(make_scheduler(**kw))
-        return made[-1]
-    yield make
-    for sched in made:
-        for rid in list(sched.seqs) + list(sched.groups):
-            sched.abort([rid])
-        sched.schedule()   # drop the executor state list
-        assert_pool_whole(sched)
+    with schedulers(_abort_all) as make:
+        yield make
 
 
 def run_to_end(sched, **kw):
