@@ -88,10 +88,8 @@ class BlockTables:
         block holding the last token is never mapped. Undo with release() if the request
         cannot be admitted after all. True when blocks after those were found in the disk
         tier: fresh blocks are allocated for them and a load planned; seq waits for it."""
-        pooling = seq.request.pooling
-        if seq.sampling.prompt_logprobs is not None or (pooling is not None and
-                                                         pooling.per_token):
-            return False  # every prompt position must be computed: its logprobs, its rows
+        if seq.computes_every_position:
+            return False
         self.update_hashes(seq)
         limit = (seq.target_len - 1) // self.block_size
         hits = self.device.lookup(seq.block_hashes[:limit])

@@ -19,8 +19,8 @@ cached). A computer that makes no progress (num_computed unchanged) for STALL_PA
 admission passes releases the request for good (while it waits), and a pass that would plan
 nothing with no plan in flight releases every hold (release_all). Exempt, never held: a
 sequence holding blocks (swapped out), a streaming prompt (it is still growing) or one whose
-prefix is pulled from a prefill engine (KV transfer), prompt logprobs (every position is
-computed); a streaming computer holds nobody (it may wait for input indefinitely).
+prefix is pulled from a prefill engine (KV transfer), one that computes every position
+(prompt logprobs, per-token pooling); a streaming computer holds nobody (it may wait for input indefinitely).
 
 State: one Hold per waiting sequence held (or released for good), by sequence id, dropped
 when the sequence is admitted or ends (forget).
@@ -104,7 +104,7 @@ class PrefixWait:
     def _eligible(seq: Sequence) -> bool:
         req = seq.request
         return (not seq.block_ids and seq.status is Status.WAITING and req.transfer is None
-                and req.stream is None and seq.sampling.prompt_logprobs is None)
+                and req.stream is None and not seq.computes_every_position)
 
     def _computer_of_next_block(self, seq: Sequence) -> Sequence | None:
         """The running sequence computing seq's first uncached full block (one seq would map,

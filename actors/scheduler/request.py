@@ -188,6 +188,14 @@ class Sequence:
         return len(self.token_ids) - self.request.num_prompt_tokens
 
     @property
+    def computes_every_position(self) -> bool:
+        """Whether every prompt position must be computed here, none mapped from the prefix
+        cache: its prompt logprobs, or a per-token pooled output (wire/pooling.py)."""
+        pooling = self.request.pooling
+        return self.sampling.prompt_logprobs is not None or (pooling is not None and
+                                                             pooling.per_token)
+
+    @property
     def num_draft_slots(self) -> int:
         """Of the positions the plan in flight runs, how many verify drafts."""
         return 0 if self.spec is None else self.spec.num_slots

@@ -46,6 +46,18 @@ def test_second_request_waits_and_maps_the_first_ones_prefix(sched_factory):
     assert (sched.tables.prefix_hits, sched.prefix_wait.num_held) == (12, 1)
 
 
+def test_a_request_computing_every_position_is_never_held(sched_factory):
+    """Prompt logprobs map no prefix (Sequence.computes_every_position, as per-token pooling):
+    waiting would only delay it."""
+    sched = sched_factory(num_blocks=16, block_size=4)
+    sched.add(shared("a", [1, 2]))
+    sched.add(shared("b", [3, 4], prompt_logprobs=1))
+    plan, _ = step(sched)
+    assert [(s.num_scheduled, s.block_ids) for s in plan.new] == [
+        (14, [0, 1, 2, 3]), (14, [4, 5, 6, 7])]
+    assert sched.prefix_wait.num_held == 0
+
+
 def test_off_each_computes_its_own_copy(sched_factory):
     sched = sched_factory(num_blocks=16, block_size=4, prefix_wait=False)
     sched.add(shared("a", [1, 2]))
