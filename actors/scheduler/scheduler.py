@@ -7,18 +7,13 @@ the index of live ones with a new request's admission (live_requests.py).
 
 Each step, schedule() picks which tokens of which sequences run under one token budget shared
 by decodes and prefill chunks (no separate phases): running sequences first, in (priority,
-arrival) order, then waiting ones. A waiting prompt first maps whatever prefix of it is cached:
-in the pool, then in the disk tier or, for a decode after a remote prefill, its prefill
-engine's lease (those blocks are filled by the next step while the request waits, LOADING,
-with its whole table allocated; block_tables.py). One whose next blocks a running sequence
-is computing waits for them, skipped in the queue (prefix_wait.py). A request prefilled for a
-remote decode leaves its full blocks under a lease when it ends, until the KV server says it
-ended.
-When blocks run out, the last running sequence in that order is preempted: swapped to the host
-tier when the policy allows and it fits, else recomputed (freed, requeued, prefilled again,
-cheaply when its blocks are still cached). update() applies a StepResult: appends sampled
-tokens, forks prompts into their n sequences, advances beams, finishes sequences (EOS, stop
-ids, max_tokens, context full) and frees their blocks.
+arrival) order, then waiting ones, admitted by the admission policy (admission.py: cached
+prefixes, prefix wait, adapters, priority). A request prefilled for a remote decode leaves its
+full blocks under a lease when it ends, until the KV server says it ended.
+When blocks run out, the last running sequence in that order is preempted: its blocks swapped
+to the host tier or freed for a recompute (admission.py give_way). update() applies a
+StepResult: appends sampled tokens, forks prompts into their n sequences, advances beams,
+finishes sequences (EOS, stop ids, max_tokens, context full) and frees their blocks.
 
 Metrics are plain counters here (no clocks, no I/O; the actor times and reports them):
 num_prompt_tokens (a prompt's length, counted once when its prefill first completes, cached
@@ -45,7 +40,7 @@ from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import EncoderResult, NewRequest, PromptPiece, StepResult
 
 from ..config import EngineConfig
-from ..config_sections import PRIORITY, RECOMPUTE
+from .admission import AdmissionPolicy
 from .arrivals import Arrivals
 from .beam import BeamGroup
 from .block_tables import BlockTables
@@ -72,7 +67,6 @@ class Scheduler:
         self.eos_ids = frozenset(config.model.model_info.eos_token_ids)
         # image tokens that attend their whole image: a chunk never splits one
         self.whole_images = config.model.model_info.architecture in WHOLE_IMAGE_ARCHITECTURES
-        self.by_priority = config.scheduler.scheduling_policy == PRIORITY
         self.live = LiveRequests()               # live_requests.py; its tables by name here
         # (the same objects, only ever changed in place)
         self.requests, self.seqs, self.groups = self.live.requests, self.live.seqs, self.live.groups
@@ -80,6 +74,8 @@ class Scheduler:
         self.arrivals = Arrivals(self.tables)   # waiting for blocks (tier, prefill engine)
         # waiting for blocks a running sequence is computing (prefix_wait.py)
         self.prefix_wait = PrefixWait(self.tables, config.scheduler.prefix_wait)
+        self.admission = AdmissionPolicy(config, self.live, self.tables, self.arrivals,
+                                         self.prefix_wait)
         # Sequences whose executor state the next plan drops: ended ones (plan.finished) and
         # preempted ones (plan.preempted).
         self.to_drop: list[SeqId] = []
@@ -109,7 +105,7 @@ class Scheduler:
 
     def add(self, msg: NewRequest) -> list[TokenDelta]:
         """Queue a request. Returns final deltas at once if it can never run or is refused."""
-        seq, refused = self.live.open(msg, self.config, self.by_priority)
+        seq, refused = self.live.open(msg, self.config, self.admission.by_priority)
         if seq is None:
             return refused
         if seq.fork_leader and seq.num_pending == 0:   # a one-token prompt: fork right away
@@ -150,14 +146,16 @@ class Scheduler:
         self.encoder_rows = EncoderBudget(self.config.scheduler.encoder_budget or budget,
                                           self.whole_images)
         self.first_scheduled = []
-        self._make_room_for_priority()
+        while (victim := self.admission.priority_victim()) is not None:
+            self._preempt(victim)
         scheduled, budget, preempted = self._schedule_running(budget)
         if not preempted:   # blocks ran short for running work: admit nothing new this step
-            scheduled += self._admit_waiting(budget)
+            step = (budget, self.encoder_rows, self.first_scheduled)
+            scheduled += self.admission.admit(*step)
             if not scheduled and not steps_in_flight and self.prefix_wait.release_all():
-                scheduled += self._admit_waiting(budget)
-            if not scheduled and not steps_in_flight and self._release_waiting_blocks():
-                scheduled += self._admit_waiting(budget)
+                scheduled += self.admission.admit(*step)
+            if not scheduled and not steps_in_flight and self.admission.release_waiting_blocks():
+                scheduled += self.admission.admit(*step)
         tier = self.tables.tier.take_work() if self.tables.tier is not None else None
         pulls, leases = self.tables.take_pulls(), self.tables.take_leases()
         self.arrivals.planned(pulls)
@@ -199,104 +197,10 @@ class Scheduler:
                 preempted = True
         return scheduled, budget, preempted
 
-    def _admit_waiting(self, budget: int) -> list[Sequence]:
-        """Waiting sequences that start (or resume) in this step, in admission order. One whose
-        adapter would make the running sequences' adapters more than max_loras waits, and
-        those behind it go ahead, and so do they behind one waiting for blocks a running
-        sequence is computing (prefix_wait.py)."""
-        admitted, i = [], 0
-        self.prefix_wait.begin(self.running)
-        loras = {r.request.lora.id for r in self.running if r.request.lora is not None}
-        while i < len(self.waiting) and budget > 0 and \
-                len(self.running) < self.config.scheduler.max_num_seqs:
-            seq = self.waiting[i]
-            lora = seq.request.lora.id if seq.request.lora is not None else None
-            if lora is not None and lora not in loras and len(loras) >= self.config.lora.max_loras:
-                i += 1
-                continue
-            if seq.status is Status.SWAPPED:
-                if not self.tables.swap_in(seq):
-                    break
-                seq.status = Status.WAITING    # blocks back on the device; first in line
-            if self.prefix_wait.holds_back(seq):
-                i += 1
-                continue
-            fresh = not seq.block_ids
-            if fresh and self.tables.map_cached_prefix(seq):   # it waits for its blocks
-                self.waiting.pop(i)
-                self.arrivals.wait(seq)
-                continue
-            transfer = seq.request.transfer
-            if fresh and transfer is not None and transfer.remote_prefill:
-                self._forget_blocks(seq)      # no room yet to pull its prefill engine's blocks
-                break
-            n = seq.num_pending
-            if n == 0 and seq.request.prompt_open:     # all it has is its held-back last token
-                if fresh:
-                    self._forget_blocks(seq)
-                i += 1
-                continue
-            if n > budget and not self.config.scheduler.enable_chunked_prefill:
-                n = 0
-            n = self.encoder_rows.cut(seq, min(n, budget))
-            if n == 0 or not self.tables.grow(seq, n):
-                if fresh:                      # give back the cached prefix it mapped
-                    self._forget_blocks(seq)
-                break
-            self.waiting.pop(i)
-            self.prefix_wait.admitted(seq)
-            if lora is not None:
-                loras.add(lora)
-            seq.status, seq.num_scheduled = Status.RUNNING, n
-            if not seq.request.scheduled_before:
-                seq.request.scheduled_before = True
-                self.first_scheduled.append(seq.request.arrival_time)
-            self.live.enqueue(seq)
-            admitted.append(seq)
-            budget -= n
-        return admitted
-
-    def _release_waiting_blocks(self) -> bool:
-        """Nothing runs or will (no plan in flight either: the caller checks): if waiting
-        sequences hold device blocks (loaded from the disk tier, swapped in) that the first in
-        line needs, they give them back (and recompute from the prefix cache) rather than wait
-        on each other forever."""
-        if self.running or self.arrivals.loading:
-            return False
-        holders = [r for r in self.waiting if r.block_ids and r.status is Status.WAITING]
-        for seq in holders:
-            self._forget_blocks(seq)
-        return bool(holders)
-
-    def _make_room_for_priority(self) -> None:
-        """Under the priority policy, preempt running sequences of lower priority than the
-        first waiting one while that one lacks the blocks for its next chunk."""
-        if not self.by_priority:
-            return
-        while self.waiting and self.running and \
-                self.running[-1].request.priority > self.waiting[0].request.priority:
-            head = self.waiting[0]
-            chunk = min(head.num_pending, self.config.scheduler.max_num_batched_tokens)
-            need = self.kv.blocks_needed(chunk + head.num_computed, len(head.block_ids))
-            if need + len(head.host_block_ids) <= self.kv.num_free \
-                    and len(self.running) < self.config.scheduler.max_num_seqs:
-                break
-            self._preempt(self.running[-1])
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._drop_from_executor(seq, preempted=True)
-        mode = self.config.cache.preemption_mode
-        # a per-token pooled prompt's rows computed so far are the executor's, and it forgets
-        # them with the sequence: it recomputes (wire/pooling.py PoolingSeq)
-        pooling = seq.request.pooling
-        if pooling is not None and pooling.per_token:
-            mode = RECOMPUTE
-        if mode != RECOMPUTE and self.tables.swap_out(seq):
-            seq.status = Status.SWAPPED
-        else:
-            self._forget_blocks(seq)
-            seq.status = Status.WAITING
+        seq.status = self.admission.give_way(seq)
         self.live.enqueue(seq)
         self.num_preemptions += 1
 
@@ -392,12 +296,6 @@ class Scheduler:
     def _back_in_line(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.live.enqueue(seq)
-
-    def _forget_blocks(self, seq: Sequence) -> None:
-        """Give back seq's device blocks: it computes from its first token again (cheaply,
-        where its blocks stay in the prefix cache)."""
-        self.tables.release(seq)
-        seq.num_computed = 0
 
     def _count_prompt(self, seq: Sequence) -> None:
         seq.request.prompt_counted = True    # the request's: one count per prompt
