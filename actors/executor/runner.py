@@ -20,10 +20,9 @@ from pagewire.kernels.ops import resolve_device
 from pagewire.pooler_info import CLASSIFY
 from pagewire.wire.engine_control import ControlDone, EngineControl
 from pagewire.wire.ids import SeqId
-from pagewire.wire.sampling_params import LogprobsChunk
 from pagewire.wire.to_executor import StepPlan
 from pagewire.wire.to_scheduler import (CompressResult, DraftsResult, PromptLogprobsResult,
-                                         SampledLogprobs, StepResult, TierResult)
+                                         StepResult, TierResult)
 
 from .. import kv_tier_files
 from ..config import EngineConfig, default_threads
@@ -46,11 +45,11 @@ from .mrope import rope_positions
 from .models.moe import describe_experts
 from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
-from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState, SeqTable
 from .sleep_mode import SleepState, run_control
+from .step_sampler import StepSampler
 from .token_rows import pooled_result
-from .draft_proposers import InStepDraft, Proposer, accepted
+from .draft_proposers import InStepDraft, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,7 @@ class ModelRunner:
                                  self.eos_ids) if self.tp.rank == 0 else None
         spec = config.speculative_config
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
+        self.sampler = StepSampler(self.backend, self.tp, self.matchers, self.eos_ids)
         self.build_kv()
         self.tier = DiskTier(kv_tier_files.tier_directory(config, self.tp.rank),
                              self.all_caches[0], self.tp) if config.cache.kv_offload_dir else None
@@ -193,7 +193,7 @@ class ModelRunner:
         if to_draft:              # methods self, draft_model: a model drafts now
             self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows, pooled = self._layout(order)
-        masks = self._grammar_masks(sample_seqs)              # filled while the model runs
+        masks = self.sampler.grammar_masks(sample_seqs)      # filled while the model runs
         lora = self._lora_batch(rows, len(input_ids))
         images = self.images.step(rows, self.device) if self.images is not None else None
         hidden = self._forward(input_ids, positions, batch, lora, images)      # [T, H]
@@ -213,7 +213,7 @@ class ModelRunner:
         produced = []
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
-            produced = self._sample(logits, sample_seqs, masks, result)
+            produced = self.sampler.sample(logits, sample_seqs, masks, result)
         if self.compressor is not None:       # before finish_step counts the step computed
             head_lens = self.compressor.compress(order, batch.heads, self.kv_caches[0])
             result.compress = CompressResult(head_lens) if head_lens else None
@@ -259,57 +259,6 @@ class ModelRunner:
         return {sid: len(seq.drafts) or k for sid, seq in sample_seqs
                 if not seq.stopped and seq.sampling.can_speculate
                 and (seq.drafts or seq.sampling.structured_outputs is None)}
-
-    def _sample(self, logits: torch.Tensor, sample_seqs: list[tuple[SeqId, SeqState]], masks,
-                result: StepResult) -> list[list[int]]:
-        """Sample every row (a speculative sequence has one per position: its last token's
-        and each draft's), fill the result's tokens and logprobs; returns each sequence's
-        tokens: one, or the drafts verified and the first token that differed."""
-        batch = self._sampling_batch(sample_seqs, masks)
-        wanted = LogprobRequest.of(batch.params)
-        logprobs = wanted.log_softmax(logits)              # before sampling edits the logits
-        # Every rank samples (they keep the tokens for the next step); rank 0's choice is
-        # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
-        spans, r = [], 0
-        for _, seq in sample_seqs:               # model drafts of random requests
-            if seq.draft_probs:
-                spans.append(DraftedSpan(r, list(seq.verifying), torch.stack(seq.draft_probs)))
-            r += 1 + len(seq.verifying)
-        tokens = self.tp.broadcast(self.backend.sample(logits, batch, spans))
-        flat, first, produced, extra, r = tokens.tolist(), [], [], {}, 0
-        for sid, seq in sample_seqs:
-            k = len(seq.verifying)
-            first.append(r)
-            out = flat[r:r + accepted(seq.verifying, flat[r:r + k]) + 1]
-            produced.append(out)
-            if len(out) > 1:
-                extra[sid] = out[1:]
-            r += k + 1
-        result.token_ids = [out[0] for out in produced]
-        chunks = {}
-        if logprobs is not None:      # row r + i holds the logprobs of a sequence's i-th token
-            lps, ids, tops = wanted.gather(logprobs, tokens)
-            result.logprobs = SampledLogprobs([lps[r] for r in first], [ids[r] for r in first],
-                                              [tops[r] for r in first])
-            chunks = {sid: LogprobsChunk(out[1:], lps[r + 1:r + len(out)],
-                                         ids[r + 1:r + len(out)], tops[r + 1:r + len(out)])
-                      for (sid, _), r, out in zip(sample_seqs, first, produced) if len(out) > 1}
-        if extra:                     # num_drafts joins in execute()
-            result.drafts = DraftsResult(extra, chunks, {})
-        return produced
-
-    def _grammar_masks(self, sample_seqs: list[tuple[SeqId, SeqState]]):
-        """(rows of the constrained sequences, a future of their bitmasks), or None."""
-        rows, matchers, r = [], [], 0          # a drafting sequence has several rows
-        for _, seq in sample_seqs:
-            if seq.matcher is not None:
-                at = self.matchers.at_positions(seq.matcher, seq.verifying)
-                rows.extend(range(r, r + len(at)))
-                matchers.extend(at)
-            r += 1 + len(seq.verifying)
-        if not rows:
-            return None
-        return rows, self.matchers.fill_async(matchers)
 
     def _lora_batch(self, rows: list[tuple[SeqId, SeqState, int]],
                     num_rows: int) -> LoraBatch | None:
@@ -400,23 +349,3 @@ class ModelRunner:
             batch.heads = self.compressor.layout(order)
         return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
                 sample_rows, sample_seqs, rows, pooled)
-
-    def _sampling_batch(self, sample_seqs: list[tuple[SeqId, SeqState]],
-                        masks=None) -> SamplingBatch:
-        params, index, banned = [], [], []
-        for _, seq in sample_seqs:
-            s = seq.sampling
-            for n_out in range(seq.num_output_tokens, seq.num_output_tokens + 1 +
-                               len(seq.verifying)):    # one row per position (drafts)
-                params.append(s)
-                index.append(n_out)
-                banned.append((([] if s.ignore_eos else self.eos_ids) + s.stop_token_ids)
-                              if n_out < s.min_tokens else [])
-        histories = None             # a draft's row sees the drafts before it as history
-        if any(p.has_logits_processors for p in params):
-            histories = [(seq.token_ids + seq.verifying[:i], seq.num_prompt_tokens)
-                         for _, seq in sample_seqs for i in range(1 + len(seq.verifying))]
-        batch = SamplingBatch(params, index, banned, histories)
-        if masks is not None:
-            batch.grammar_rows, batch.grammar_masks = masks[0], masks[1].result()
-        return batch
