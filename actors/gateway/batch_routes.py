@@ -71,7 +71,7 @@ class BatchRoutes:
 
     def owner(self, request: web.Request) -> str | None:
         """The caller's API key as an owner tag (a digest: no key is written to disk)."""
-        key = self.gw.api_key(request)
+        key = self.gw.keys.check(request)
         return hashlib.sha256(b"pagewire-owner\0" + key.encode()).hexdigest()[:32] \
             if key else None
 
@@ -136,7 +136,7 @@ class BatchRoutes:
                     errors="replace")))
         except BatchFileError as e:
             raise ApiError(400, f"input file: {e}", "input_file_id") from None
-        job = BatchJob(owner, body, self.gw.api_key(request))
+        job = BatchJob(owner, body, self.gw.keys.check(request))
         job.obj["request_counts"]["total"] = len(requests)
         self.jobs[job.obj["id"]] = job
         job.task = asyncio.create_task(self._run(job, requests))

@@ -151,7 +151,7 @@ class PoolingRoutes:
         or the first refusal or failure as an ApiError."""
         gw, rid = self.gw, f"{kind}-{uuid.uuid4().hex}"
         lora = gw.check_model(body.model)
-        salt = gw.salt(request, body)
+        salt = gw.keys.salt(request, body)
         subs = [TokenizeRequest(req_id=f"{rid}-{i}", arrival_time=time.time(),
                                 sampling=POOL_SAMPLING, prompt=p.get("prompt"),
                                 prompt_token_ids=p.get("prompt_token_ids"),

@@ -209,7 +209,7 @@ class ResponsesRoutes:
                 web.post("/v1/responses/{id}/cancel", self.cancel)]
 
     def tenant(self, request: web.Request) -> str | None:
-        return self.gw.api_key(request)
+        return self.gw.keys.check(request)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ResponsesBody)

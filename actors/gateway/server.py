@@ -9,8 +9,6 @@ aborted at the scheduler, so no request outlives its client.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 import uuid
@@ -31,6 +29,7 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..disagg import answer_params, request_transfer
 from . import harmony
+from .api_keys import ApiKeys
 from .metrics import GatewayMetrics
 from .media import MediaFetcher
 from .protocol import (ApiError, ChatBody, CompletionBody, chat_images, chat_logprobs,
@@ -44,7 +43,7 @@ from .anthropic_api import AnthropicRoutes
 from .responses import Formatter
 from .tools import plan_tools
 from .lora_routes import LoraRoutes
-from .sleep_routes import PATHS as SLEEP_PATHS, SleepRoutes
+from .sleep_routes import SleepRoutes
 from .ollama_routes import OllamaRoutes
 from .pooling_routes import PoolingRoutes
 from .stream_input import StreamInputRoutes
@@ -56,10 +55,6 @@ MAX_BODY_BYTES = 32 * 2**20
 ENGINE_SILENT_AFTER = 10.0    # seconds without a scheduler heartbeat: the engine is down
 STEP_STALLED_AFTER = 60.0     # seconds one step may run before the engine counts as hung
 _json = msgspec.json.Encoder()
-# What the API keys guard (/api/: Ollama's routes, ollama_routes.py; the pooling routes
-# outside /v1/, pooling_routes.py); /metrics optionally.
-KEYED_PATHS = ("/v1/", "/v2/", "/api/", "/tokenize", "/detokenize", "/admin/", "/pooling",
-               "/score", "/rerank", "/classify", *SLEEP_PATHS)
 
 
 class Gateway:
@@ -91,6 +86,7 @@ class Gateway:
         # (path prefix, shaper): an API's errors in its own shape (doors.py Door.error_body)
         self.error_shapes: list[tuple[str, object]] = []
         self.media = MediaFetcher(config.server)
+        self.keys = ApiKeys(config.server)          # API keys and tenants' salts (api_keys.py)
         self.loras = LoraRoutes(self)
         self.sleep = SleepRoutes(self)
         self.stream_input = StreamInputRoutes(self, self.tokenizers)
@@ -133,9 +129,8 @@ class Gateway:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith(KEYED_PATHS) or (
-                    request.path == "/metrics" and self.config.server.metrics_require_api_key):
-                self.api_key(request)
+            if self.keys.guards(request.path):
+                self.keys.check(request)
             response = await handler(request)
         except ApiError as e:
             response = self.error_response(request, e)
@@ -235,7 +230,7 @@ class Gateway:
         transfer = self.kv_transfer(body, sampling, len(prompts))
         subs = [TokenizeRequest(req_id="", arrival_time=time.time(), sampling=sampling,
                                 prompt=p.get("prompt"), prompt_token_ids=p.get("prompt_token_ids"),
-                                cache_salt=self.salt(request, body), priority=body.priority,
+                                cache_salt=self.keys.salt(request, body), priority=body.priority,
                                 echo=body.echo, lora=lora, kv_transfer=transfer)
                 for p in prompts]
         fmt = Formatter(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()),
@@ -265,7 +260,7 @@ class Gateway:
                               messages=messages, images=images, tools=tools.template_tools,
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message,
-                              cache_salt=self.salt(request, body), priority=body.priority,
+                              cache_salt=self.keys.salt(request, body), priority=body.priority,
                               chat_template_kwargs=template_kwargs(body), lora=lora,
                               kv_transfer=self.kv_transfer(body, sampling, 1))
         fmt = Formatter(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
@@ -284,32 +279,6 @@ class Gateway:
         if transfer is not None and transfer.remote_decode and num_prompts > 1:
             raise ApiError(400, "do_remote_decode: one prompt a request", "kv_transfer_params")
         return transfer
-
-    def api_key(self, request: web.Request) -> str | None:
-        """The request's bearer key, checked against every configured key in constant time.
-        Raises 401 when keys are configured and none matches."""
-        if not self.config.server.api_keys:
-            return None
-        header = request.headers.get("Authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else \
-            request.headers.get("x-api-key", "").strip()      # Anthropic's clients send this
-        matched = None
-        for key in self.config.server.api_keys:     # no early exit: timing does not tell which key
-            if hmac.compare_digest(given.encode(), key.encode()):
-                matched = key
-        if matched is None:
-            raise ApiError(401, "invalid or missing API key", error_type="AuthenticationError")
-        return matched
-
-    def salt(self, request: web.Request, body) -> str | None:
-        """The request's cache salt. With cache_salt_per_api_key, each API key gets its own
-        salt (derived from the key, never the key itself) so tenants never share KV blocks,
-        whatever salt a client sends."""
-        key = self.api_key(request) if self.config.server.cache_salt_per_api_key else None
-        if key is None:
-            return body.cache_salt
-        tenant = hashlib.sha256(b"pagewire-tenant\0" + key.encode()).hexdigest()[:32]
-        return f"{tenant}:{body.cache_salt or ''}"
 
     def check_model(self, model: str | None, needs_weights: bool = True) -> LoraRef | None:
         """The adapter `model` names (None: the base model); 404 for an unknown model, 503

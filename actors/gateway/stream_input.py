@@ -61,7 +61,7 @@ class StreamInputRoutes:
         self.sessions.pop(session, None)
 
     async def piece(self, request: web.Request) -> web.Response:
-        self.gateway.api_key(request)
+        self.gateway.keys.check(request)
         session = request.match_info["request_id"]
         req_id = self.sessions.get(session)
         if req_id is None:
