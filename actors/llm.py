@@ -9,7 +9,6 @@ step is planned (and the last one's tokens detokenized) while a step runs, as in
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import queue
 import time
@@ -29,7 +28,7 @@ from pagewire.wire.sampling_params import SamplingParams, best_of
 from pagewire.wire.to_detokenizer import TokenDeltas
 from pagewire.wire.to_gateway import RequestFailed, TextDeltas
 from pagewire.wire.to_scheduler import Abort, NewRequest
-from pagewire.wire.to_tokenizer import ChatMessage, TokenizePiece, TokenizeRequest
+from pagewire.wire.to_tokenizer import TokenizePiece, TokenizeRequest
 
 from . import kv_tier_files
 from .config import EngineConfig
@@ -38,20 +37,13 @@ from .detokenizer import Detokenizer
 from .executor.pooling_runner import runner_for
 from .hf_tokenizer import load_tokenizer
 from .llm_pooling import PoolingCalls, PoolingOutput, PoolingRequestOutput
+from .llm_prompts import Prompt, listed, per_prompt, piece_prompt, set_prompt
+from .llm_prompts import StreamingInput  # noqa: F401  (pagewire.StreamingInput comes from here)
 from .llm_sleep import SleepCalls
 from .lora_files import LoRARequest, adapter_digest, read_adapter
 from .scheduler.core import SchedulerCore
 from .scheduler.engine import InProcessExecutor, StepEngine
 from .tokenizer import RequestTokenizer
-
-Prompt = str | list[int] | dict
-
-
-@dataclass
-class StreamingInput:
-    """One piece of a streamed prompt (LLM.generate_streaming): text (encoded on its own,
-    without special tokens) or token ids."""
-    prompt: str | list[int]
 
 
 @dataclass
@@ -127,11 +119,10 @@ class LLM(PoolingCalls, SleepCalls):
         takes them); `lora_request`: the
         adapter of every prompt, or one per prompt (None: the base model);
         `kv_transfer_params`: disaggregated prefill/decode, as the HTTP field."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts), "sampling params", SamplingParams())
-        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
-        transfers = _per_prompt(kv_transfer_params, len(prompts), "kv_transfer_params")
+        prompts = listed(prompts)
+        params = per_prompt(sampling_params, len(prompts), "sampling params", SamplingParams())
+        loras = per_prompt(lora_request, len(prompts), "LoRA requests")
+        transfers = per_prompt(kv_transfer_params, len(prompts), "kv_transfer_params")
         return self._run([self.add_request(p, sp, lora_request=lr, kv_transfer_params=kt)
                           for p, sp, lr, kt in zip(prompts, params, loras, transfers)])
 
@@ -144,10 +135,9 @@ class LLM(PoolingCalls, SleepCalls):
         model's own task; token_embed: every prompt token's final hidden state, [tokens, H],
         normalised as the model's pooler says. Raises ValueError for an input the model
         refuses (too long without truncation, empty) or a task it cannot do."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = listed(prompts)
         per_token = self._per_token(pooling_task)
-        pairs = _per_prompt(pairs, len(prompts), "pairs")
+        pairs = per_prompt(pairs, len(prompts), "pairs")
         outs = self._run([self.add_request(p, SamplingParams(max_tokens=1), pooling=PoolingInput(
             pair, truncate_prompt_tokens, per_token)) for p, pair in zip(prompts, pairs)])
         for out in outs:
@@ -166,9 +156,9 @@ class LLM(PoolingCalls, SleepCalls):
         sees `tools`, OpenAI tool objects, when given)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        params = _per_prompt(sampling_params, len(conversations), "sampling params",
+        params = per_prompt(sampling_params, len(conversations), "sampling params",
                              SamplingParams())
-        loras = _per_prompt(lora_request, len(conversations), "LoRA requests")
+        loras = per_prompt(lora_request, len(conversations), "LoRA requests")
         return self._run([self.add_request(None, sp, messages=conv, tools=tools,
                                            lora_request=lr)
                           for conv, sp, lr in zip(conversations, params, loras)])
@@ -188,15 +178,7 @@ class LLM(PoolingCalls, SleepCalls):
                               kv_transfer=request_transfer(self.config, kv_transfer_params,
                                                            sampling), prompt_open=prompt_open,
                               pooling=pooling)
-        if isinstance(prompt, dict):        # {"prompt" | "prompt_token_ids", "multi_modal_data"}
-            req.images = image_files(prompt.get("multi_modal_data"))
-            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
-        if messages is not None:
-            req.messages = [ChatMessage(**m) for m in messages]
-        elif isinstance(prompt, str):
-            req.prompt = prompt
-        else:
-            req.prompt_token_ids = list(prompt)
+        set_prompt(req, prompt, messages)
         self._prompts[req_id] = req.prompt
         self._deliver([("tokenizer", req)])
         self._prompts.pop(req_id, None)
@@ -208,7 +190,7 @@ class LLM(PoolingCalls, SleepCalls):
                          last: bool = False) -> None:
         """More of a request added with prompt_open=True; `last` closes its prompt and it
         starts generating. Raises ValueError for a piece that cannot be encoded."""
-        prompt = piece.prompt if isinstance(piece, StreamingInput) else piece
+        prompt = piece_prompt(piece)
         text = prompt if isinstance(prompt, str) else None
         ids = None if text is not None else list(prompt or [])
         reply = f"{req_id}:piece"
@@ -226,7 +208,7 @@ class LLM(PoolingCalls, SleepCalls):
         prompts run alongside (each call steps the shared engine)."""
         it = aiter(pieces)
         first = await anext(it)
-        first = first.prompt if isinstance(first, StreamingInput) else first
+        first = piece_prompt(first)
         req_id = self.add_request(first, sampling_params, lora_request=lora_request,
                                   prompt_open=True)
         pending = asyncio.ensure_future(anext(it))
@@ -412,30 +394,3 @@ class LLM(PoolingCalls, SleepCalls):
             self.step()                                    # serve, blocks to store
         return [done[r] for r in req_ids]
 
-
-def _per_prompt(value, n: int, what: str, default=None) -> list:
-    """One value for each of n prompts: a list as given (of length n), else value (or the
-    default) for every prompt."""
-    values = value if isinstance(value, list) else [value or default] * n
-    if len(values) != n:
-        raise ValueError(f"{n} prompts but {len(values)} {what}")
-    return values
-
-
-def image_files(data: dict | None) -> list[bytes]:
-    """multi_modal_data's images as files: PIL images saved as PNG, bytes as given."""
-    if not data:
-        return []
-    unknown = set(data) - {"image"}
-    if unknown:
-        raise ValueError(f"multi_modal_data: only images are taken, not {sorted(unknown)}")
-    images = data["image"] if isinstance(data["image"], list) else [data["image"]]
-    out = []
-    for image in images:
-        if isinstance(image, (bytes, bytearray)):
-            out.append(bytes(image))
-        else:                                   # a PIL image
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            out.append(buffer.getvalue())
-    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .llm_prompts import listed
 from .pooler_info import CLASSIFY, EMBED, PoolerInfo
 from .pooling_outputs import check_dimensions, check_pooling_task, check_task, cosine, \
     cross_score, embedding, probabilities, token_embeddings
@@ -72,13 +73,6 @@ class ClassificationRequestOutput:
     finished: bool = True
 
 
-def _listed(prompts) -> list:
-    """One prompt (text, token ids, or a dict) as a list of one; a list of prompts as is."""
-    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
-
-
 class PoolingCalls:
     """LLM's pooling calls. Each raises ValueError where the server answers 400: a model
     that generates, the other task's model, a dimensions the model was not trained for, an
@@ -109,7 +103,7 @@ class PoolingCalls:
         as the model says unless `normalize` is given."""
         pooler = self._pooler(EMBED, "LLM.embed")
         check_dimensions(pooler, dimensions)
-        outs = self.encode(_listed(prompts), truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(listed(prompts), truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(
             embedding(pooler, o.outputs.data, dimensions, normalize).tolist())) for o in outs]
 
@@ -118,7 +112,7 @@ class PoolingCalls:
         """Each prompt's class probabilities (the model's activation unless use_activation
         is False: its logits)."""
         pooler = self._pooler(CLASSIFY, "LLM.classify")
-        outs = self.encode(_listed(prompts), truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(listed(prompts), truncate_prompt_tokens=truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(
             probabilities(pooler, o.outputs.data, use_activation).tolist())) for o in outs]
 
