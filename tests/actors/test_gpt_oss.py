@@ -206,7 +206,7 @@ def test_the_released_config_reads():
     alternating from sliding, 32 experts top 4, yarn x32 from 4096, so 131072 positions
     tabled and served, not 131072 x 32."""
     from pagewire.executor.models.model_config import LlamaConfig
-    from pagewire.model_info import hf_context_length, hf_rope_scaling
+    from pagewire.rope_scaling import hf_context_length, hf_rope_scaling
     hf = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64,
           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
           "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,

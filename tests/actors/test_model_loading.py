@@ -12,8 +12,9 @@ from pagewire import cli
 from pagewire.executor.loader import load_model, read_safetensors
 from pagewire.executor.models import MODELS
 from pagewire.kernels.rotary import ROPE_TYPES as KERNEL_ROPE_TYPES
-from pagewire.model_info import (DECODER_CLASSIFIERS, ROPE_TYPES, SUPPORTED_ARCHITECTURES, default_model_path,
+from pagewire.model_info import (DECODER_CLASSIFIERS, SUPPORTED_ARCHITECTURES, default_model_path,
                                  resolve_model)
+from pagewire.rope_scaling import ROPE_TYPES
 
 
 def _reshard(path: str, dtype: torch.dtype = torch.float32, shards: int = 3) -> dict:

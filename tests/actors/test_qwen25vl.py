@@ -174,7 +174,7 @@ def test_a_flat_released_config_reads_as_the_nested_one():
     """The released checkpoints' config.json: the text model's keys at the top level, rope
     as rope_scaling of type "mrope" beside rope_theta (Qwen2.5-VL-3B-Instruct's shape)."""
     from pagewire.executor.models.vision_language import VisionLanguageConfig
-    from pagewire.model_info import hf_rope_scaling
+    from pagewire.rope_scaling import hf_rope_scaling
     cfg = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "hidden_size": 2048,
            "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
            "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6,

@@ -151,7 +151,8 @@ class LlamaConfig:
     def from_gguf(cls, meta: dict[str, Any], has_output: bool) -> "LlamaConfig":
         """llama.cpp's metadata in Hugging Face's terms, then from_hf (the tensors come under
         Hugging Face names too, see gguf_weights.py)."""
-        from pagewire.model_info import gguf_architecture, gguf_rope_scaling
+        from pagewire.model_info import gguf_architecture
+        from pagewire.rope_scaling import gguf_rope_scaling
         arch = meta["general.architecture"]
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
