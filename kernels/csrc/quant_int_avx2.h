@@ -81,6 +81,7 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+      prefetch_ahead<Tile>(group, b);
       __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
       for (int m = 0; m < M; ++m)
         for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
@@ -138,6 +139,7 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
       for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+        prefetch_ahead<Tile>(group, b);
         add_minimums<Tile>(acc, tile, h, sums, nb, b);    // sums of the unrounded x
         for (int s = 0; s < Tile::kSplits; ++s) {
           __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
@@ -186,6 +188,7 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+      prefetch_ahead<Tile>(group, b);
       for (int half = 0; half < 2; ++half)     // sums of the unrounded x
         add_minimums<Tile>(acc[half], tile, half, sums, nb, b);
       for (int s = 0; s < Tile::kSplits; ++s) {
