@@ -88,6 +88,7 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = Tile::at(tiles, b);
+    prefetch_ahead<Tile>(tiles, b);
     __m256 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) {
@@ -136,6 +137,7 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = Tile::at(tiles, b);
+    prefetch_ahead<Tile>(tiles, b);
     __m256 first[M], second[M];
     for (int m = 0; m < M; ++m) first[m] = second[m] = _mm256_setzero_ps();
     for (int i = 0; i < 16; ++i) {

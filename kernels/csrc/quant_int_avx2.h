@@ -81,6 +81,7 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+      prefetch_ahead<Tile>(group, b);
       __m256i lo[M][P], hi[M][P];     // int16 sums of columns < 16 and >= 16, a lane per row
       for (int m = 0; m < M; ++m)
         for (int p = 0; p < P; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_si256();
@@ -127,46 +128,62 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
 template <int M, typename Tile, typename Out>
 void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
                    const uint8_t* packed, int64_t g0, int64_t g1) {
+  // Both 8-row halves at once where the sums fit the registers (one or two tokens: one pass
+  // over the tiles), else one half after the other.
+  constexpr int kHalves = M <= 2 ? 2 : 1;
   constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int64_t g = g0; g < g1; ++g)
-    for (int h = 0; h < 2; ++h) {     // the group's 8-row halves, one after the other
+    for (int h0 = 0; h0 < 2; h0 += kHalves) {
       const uint8_t* group = packed + g * nb * Tile::kBytes;
-      __m256 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+      __m256 acc[kHalves][M];
+      for (int i = 0; i < kHalves; ++i)
+        for (int m = 0; m < M; ++m) acc[i][m] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = Tile::at(group, b);
-        add_minimums<Tile>(acc, tile, h, sums, nb, b);    // sums of the unrounded x
+        const uint8_t* tile = Tile::at(group, b);
+        prefetch_ahead<Tile>(group, b);
+        for (int i = 0; i < kHalves; ++i)
+          add_minimums<Tile>(acc[i], tile, h0 + i, sums, nb, b);    // sums of the unrounded x
         for (int s = 0; s < Tile::kSplits; ++s) {
-          __m256i sum[M][2];          // [token][rows 0-3, rows 4-7]
-          for (int m = 0; m < M; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+          __m256i sum[M][kHalves][2];     // [token][half][rows 0-3, rows 4-7]
+          for (int m = 0; m < M; ++m)
+            for (int i = 0; i < kHalves; ++i) sum[m][i][0] = sum[m][i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
           for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
-            const uint8_t* w = tile + 64 * j + 32 * h;
-            const __m256i w0 = _mm256_cvtepi8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-            const __m256i w1 = _mm256_cvtepi8_epi16(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+            __m256i xq[M];
             for (int m = 0; m < M; ++m) {
               int64_t quad;
               std::memcpy(&quad, a.value.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
-              const __m256i xq = _mm256_set1_epi64x(quad);
-              sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xq));
-              sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xq));
+              xq[m] = _mm256_set1_epi64x(quad);
+            }
+            for (int i = 0; i < kHalves; ++i) {
+              const uint8_t* w = tile + 64 * j + 32 * (h0 + i);
+              const __m256i w0 = _mm256_cvtepi8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+              const __m256i w1 = _mm256_cvtepi8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+              for (int m = 0; m < M; ++m) {
+                sum[m][i][0] = _mm256_add_epi32(sum[m][i][0], _mm256_madd_epi16(w0, xq[m]));
+                sum[m][i][1] = _mm256_add_epi32(sum[m][i][1], _mm256_madd_epi16(w1, xq[m]));
+              }
             }
           }
-          const __m256 d = Tile::scales8(tile, b, s, h);
-          for (int m = 0; m < M; ++m) {
-            const __m256i rows = _mm256_permutevar8x32_epi32(
-                _mm256_hadd_epi32(sum[m][0], sum[m][1]), row_order);
-            const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d, acc[m]);
+          for (int i = 0; i < kHalves; ++i) {
+            const __m256 d = Tile::scales8(tile, b, s, h0 + i);
+            for (int m = 0; m < M; ++m) {
+              const __m256i rows = _mm256_permutevar8x32_epi32(
+                  _mm256_hadd_epi32(sum[m][i][0], sum[m][i][1]), row_order);
+              const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+              acc[i][m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(rows), dx), d,
+                                          acc[i][m]);
+            }
           }
         }
       }
-      for (int m = 0; m < M; ++m) store8(out + m * os + g * kRows + 8 * h, acc[m]);
+      for (int i = 0; i < kHalves; ++i)
+        for (int m = 0; m < M; ++m) store8(out + m * os + g * kRows + 8 * (h0 + i), acc[i][m]);
     }
 }
 
@@ -186,6 +203,7 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+      prefetch_ahead<Tile>(group, b);
       for (int half = 0; half < 2; ++half)     // sums of the unrounded x
         add_minimums<Tile>(acc[half], tile, half, sums, nb, b);
       for (int s = 0; s < Tile::kSplits; ++s) {
