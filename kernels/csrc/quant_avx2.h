@@ -50,6 +50,21 @@ struct Activations {
   }
 };
 
+// Prefetches the lines kAheadBytes on from block b in a group's stream of tiles (past the
+// group's end, the next group's, which a thread's share of the groups takes next). A
+// superblock tile's scales lie up to 4 KB past its first quants, often in a page the hardware
+// prefetcher has not entered yet (it stops at page ends): on Zen 3 a superblock's first scale
+// load waited on DRAM, and the AVX2 one-token kernels call this once a block (bench/NOTES.md,
+// "Real shapes on an AVX2-only core"). The AVX-512 kernels have none: on Zen 4 it measured
+// slower there. A hint only: no result depends on it.
+constexpr int64_t kAheadBytes = 6144;
+
+template <typename Tile>
+inline void prefetch_ahead(const uint8_t* group, int64_t b) {
+  const uint8_t* p = group + b * Tile::kBytes + kAheadBytes;
+  for (int64_t i = 0; i < Tile::kBytes; i += 64) __builtin_prefetch(p + i, 0, 0);
+}
+
 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
 inline void store8(bf16* out, __m256 v) {
   alignas(32) float f[8];

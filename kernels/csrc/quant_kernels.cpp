@@ -37,7 +37,6 @@ namespace {
 using pw::bf16;
 using pw::from_float;
 using pw::to_float;
-using pw::prefetch_ahead;
 constexpr int64_t kRows = 16;     // output rows per group (one zmm of float32 lanes)
 constexpr int kMaxBatch = 8;
 
@@ -80,7 +79,6 @@ inline void walk_groups(Out* out, int64_t out_stride, const float* sums, const u
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
-      prefetch_ahead<Tile>(group, b);
       __m512 first[M], second[M];
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       chains(tile, b, first, second);

@@ -123,7 +123,6 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
-      prefetch_ahead<Tile>(group, b);
       const int8_t* x[M];
       __m512 dx[M];
       for (int m = 0; m < M; ++m) {

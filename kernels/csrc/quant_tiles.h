@@ -140,20 +140,6 @@ using Q6_KSuper = SuperTile<512, 2, false, kSigned6>;      // Q6_K, Q3_K
 using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
 using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
 
-// Prefetches the lines kAheadBytes on from block b in a group's stream of tiles (past the
-// group's end, the next group's, which a thread's share of the groups takes next). A
-// superblock tile's scales lie up to 4 KB past its first quants, often in a page the hardware
-// prefetcher has not entered yet (it stops at page ends), so without this a superblock's first
-// scale load waited on DRAM: one token's kernels call it once a block (bench/NOTES.md,
-// "Prefetching the tiles"). A hint only: no result depends on it.
-constexpr int64_t kAheadBytes = 6144;
-
-template <typename Tile>
-inline void prefetch_ahead(const uint8_t* group, int64_t b) {
-  const uint8_t* p = group + b * Tile::kBytes + kAheadBytes;
-  for (int64_t i = 0; i < Tile::kBytes; i += 64) __builtin_prefetch(p + i, 0, 0);
-}
-
 // e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
 // ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved
 // into float32's and rebiased (120 = 127 - 7), a subnormal's mantissa times 2^-9; both exact.
