@@ -158,7 +158,7 @@ def test_shapes_that_cannot_be_packed(native_lib):
 
 
 @pytest.mark.parametrize("qtype", ALL)
-@pytest.mark.parametrize("tokens", [1, 3, 8, 13, 101])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 101])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rounding, top", [("int8", 127), ("int16", 127 * 128)])
 def test_integer_activation_products_are_within_their_rounding(native_lib, qtype, tokens, dtype,
@@ -166,7 +166,8 @@ def test_integer_activation_products_are_within_their_rounding(native_lib, qtype
     """Activations rounded per 32-column block to int8 (scale max|x| / 127) or int16 (max|x| /
     16256) move each by at most max|x_block| / (2 top): the output stays within sum over
     blocks of that times sum|w| (plus the output's own rounding), and the weights are the
-    file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass; from
+    file's exact values. Token counts cross each kernel's batch of 2 or 4 tokens a pass (the Q8
+    tiles' int16 kernel sums both halves in one pass for 1 and 2 tokens, a half a pass for 3); from
     12, int16 steps take the GEMM (csrc/quant_gemm_avx2.h): 13 is four of its 3-token
     kernels and one of 1, 101 a chunk of 96 tokens, then 3 + 2."""
     _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, cols_of(qtype, 96))
