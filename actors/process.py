@@ -15,6 +15,7 @@ stdin, and only then starts as that actor: run(env, prepared). End of input: it 
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -89,6 +90,9 @@ class ActorEnv:
                 yield msg
 
     def ready(self, backend: str = "") -> None:
+        # What the actor loaded lives as long as it does: frozen, the cyclic collector stops
+        # rescanning it (an executor's decode loop spent ~1.6 % of its samples there).
+        gc.freeze()
         self.supervisor.send(Ready(self.name, os.getpid(), backend))
 
     def heartbeat(self, step_running_for: float = 0.0) -> None:
