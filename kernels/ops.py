@@ -180,8 +180,9 @@ class CpuOps(TorchOps):
             block_kinds=frozenset(quant.KINDS) if blocks else frozenset(),
             # csrc/quant_gemm_avx2.h: the avx2 tier's int16 GEMM; wider tiers' oneDNN wins
             int16_large_steps=blocks and lib.tier == "avx2",
-            # csrc/quant_gemm_vnni.h: vpdpbusd, on every avx512_bf16 CPU (it has VNNI)
-            int8_large_steps=blocks and lib.tier == "avx512_bf16")
+            # csrc/quant_gemm_vnni.h: vpdpbusd, on every avx512_bf16 CPU (it has VNNI);
+            # csrc/quant_gemm_int8_avx2.h: vpmaddubsw on avx2 (avx512's is unmeasured)
+            int8_large_steps=blocks and lib.tier in ("avx2", "avx512_bf16"))
 
     def add_rms_norm(self, x, residual, weight, eps):
         return self.lib.add_rms_norm(x, residual, weight, eps)

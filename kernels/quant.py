@@ -144,9 +144,11 @@ def blocks_serve_large_steps(weight: QuantWeight, lib: native.Library,
     multiply-adds) at least INT16_GEMM_MIN_RATIO times as fast as float32 FMAs (8). Not on
     avx512, whose oneDNN FMAs are 512 bits wide (Intel's two 512-bit units), nor where
     oneDNN's bfloat16 GEMM runs (avx512_bf16). And int8 activations (every segment) where
-    the backend has the VNNI GEMM (`int8_gemm`: its capabilities' int8_large_steps, the
-    avx512_bf16 tier's): vpdpbusd's 64 multiply-adds an instruction run 1.25-1.6x oneDNN's
-    bfloat16 GEMM (bench/NOTES.md "int8 GEMM on AVX512-VNNI")."""
+    the backend has an int8 GEMM (`int8_gemm`: its capabilities' int8_large_steps): on
+    avx512_bf16 vpdpbusd's 64 multiply-adds an instruction run 1.25-1.6x oneDNN's bfloat16
+    GEMM (bench/NOTES.md "int8 GEMM on AVX512-VNNI"); on avx2 vpmaddubsw's 32 (four times an
+    FMA's) 1.2-2x oneDNN's float32 one (csrc/quant_gemm_int8_avx2.h; bench/NOTES.md "int8
+    GEMM on AVX2")."""
     offsets = {s.kind - _tile_type(s.kind) for s in weight.segments}
     if int8_gemm and offsets <= {_KIND_OFFSET["int8"], _KIND_OFFSET["int8-large"]}:
         return True

@@ -96,6 +96,28 @@ struct RoundedRows {
   }
 };
 
+// The rounded values (RoundedRows: `value`, each block's `scale` = the last plane's unit,
+// `sum`) split into P int8 planes.
+template <int P>
+struct IntActivations : RoundedRows {
+  std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
+
+  const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
+
+  // groups: the column groups of a block a tile's minimums need sums of (Tile::kSumGroups).
+  template <typename In>
+  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
+      : RoundedRows(x, x_stride, T_, K_, groups, P == 1 ? 127.f : kInt16Top), q(T_ * P * K_) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t r = value[t * K + k];
+        const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
+        q[(t * P) * K + k] = static_cast<int8_t>(hi);
+        if (P == 2) q[(t * P + 1) * K + k] = static_cast<int8_t>(r - 128 * hi);
+      }
+  }
+};
+
 // One 16-row group's tiles as int16 pairs: [nb][2 halves][16 steps][8 rows x 2] and each
 // block's scale arrays as float32 [nb][arrays][16].
 template <typename Tile>

@@ -24,31 +24,10 @@
 #include "bf16.h"
 #include "quant_avx2.h"     // store8, add_minimums, kRows, kMaxBatch
 #include "quant_tiles.h"
-#include "quant_gemm_avx2.h"   // int16 activations from kGemmFrom tokens
+#include "quant_gemm_avx2.h"   // int16 activations from kGemmFrom tokens; IntActivations
+#include "quant_gemm_int8_avx2.h"   // int8 activations from kInt8GemmFrom tokens
 
 namespace pw::avx2 {
-
-// The rounded values (RoundedRows: `value`, each block's `scale` = the last plane's unit,
-// `sum`) split into P int8 planes.
-template <int P>
-struct IntActivations : RoundedRows {
-  std::vector<int8_t> q;           // [T][P][K], plane 0 the most significant
-
-  const int8_t* plane(int64_t t, int p) const { return q.data() + (t * P + p) * K; }
-
-  // groups: the column groups of a block a tile's minimums need sums of (Tile::kSumGroups).
-  template <typename In>
-  IntActivations(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups)
-      : RoundedRows(x, x_stride, T_, K_, groups, P == 1 ? 127.f : kInt16Top), q(T_ * P * K_) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t r = value[t * K + k];
-        const int32_t hi = P == 1 ? r : (r + 64) >> 7;    // floor((r + 64) / 128)
-        q[(t * P) * K + k] = static_cast<int8_t>(hi);
-        if (P == 2) q[(t * P + 1) * K + k] = static_cast<int8_t>(r - 128 * hi);
-      }
-  }
-};
 
 inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lane
   int16_t v;
@@ -263,6 +242,9 @@ void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
     if (tokens >= kGemmFrom)
       return matmul_int16_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   const IntActivations<P> a(x, x_stride, tokens, K, Tile::kSumGroups);
+  if constexpr (P == 1)
+    if (tokens >= kInt8GemmFrom)
+      return matmul_int8_gemm<Tile>(out, out_stride, a, packed, N);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
     const int64_t m = std::min<int64_t>(kBatch, tokens - t);

@@ -20,7 +20,8 @@ def test_each_tier_states_what_its_kernels_do(native_lib):
         host_memory=True, native_weights=True, fused_decode=True,
         bf16_dot=native_lib.tier == "avx512_bf16", block_kinds=frozenset(quant.KINDS),
         int16_large_steps=native_lib.tier == "avx2",
-        int8_large_steps=native_lib.tier == "avx512_bf16", graphs=False, lora_in_graphs=False)
+        int8_large_steps=native_lib.tier in ("avx2", "avx512_bf16"), graphs=False,
+        lora_in_graphs=False)
 
 
 def test_the_torch_reference_lays_nothing_out_and_graphs_only_on_a_gpu():

@@ -1,6 +1,7 @@
 """Quantized matmuls with int8 activations (--quantized-activations int8, int8-prefill): the
 small steps' kernels (csrc/quant_int_avx2.h; vpdpbusd's on avx512_bf16, quant_step_vnni.h),
-the VNNI GEMM from 8 tokens (quant_gemm_vnni.h), and which steps each serves."""
+the GEMMs from 8 tokens (quant_gemm_vnni.h on avx512_bf16, quant_gemm_int8_avx2.h below it),
+and which steps each serves."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,15 +14,15 @@ from tests.kernels.test_quant import ALL, TYPES, _check_within_rounding, blocks_
 
 
 @pytest.mark.parametrize("rounding", ["exact", "int16", "int8", "int8-large"])
-def test_int8_blocks_serve_large_steps_on_the_vnni_tier(native_lib, rounding):
-    """int8 (and int8-large) blocks take the VNNI GEMM for large steps on avx512_bf16
-    (whatever the int16 rate), other roundings there a dense copy; a weight of int8 and exact
-    segments too."""
+def test_int8_blocks_serve_large_steps_where_an_int8_gemm_runs(native_lib, rounding):
+    """int8 (and int8-large) blocks take the int8 GEMM for large steps on avx512_bf16 (VNNI)
+    and avx2 (whatever the int16 rate), other roundings there a dense copy (or avx2's int16
+    GEMM: not asked here); a weight of int8 and exact segments too."""
     rng = np.random.default_rng(0)
     raw, _ = blocks_of(rng.standard_normal((48, 64)) * 0.1, "Q4_1")
     weight = quant.pack(TYPES["Q4_1"], raw, 64, native_lib, rounding)
     int8_gemm = CpuOps(native_lib).capabilities.int8_large_steps
-    assert int8_gemm == (native_lib.tier == "avx512_bf16")
+    assert int8_gemm == (native_lib.tier in ("avx2", "avx512_bf16"))
     assert quant.blocks_serve_large_steps(weight, native_lib, False, int8_gemm) == \
         (int8_gemm and rounding.startswith("int8"))
     mixed = quant.QuantWeight.joined(
@@ -33,15 +34,15 @@ def test_int8_blocks_serve_large_steps_on_the_vnni_tier(native_lib, rounding):
 @pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtype):
-    """From 8 tokens the avx512_bf16 tier multiplies int8 activations with vpdpbusd
-    (csrc/quant_gemm_vnni.h; other tiers keep the small kernels): the same integer sums and
-    the same float steps in the same order, so its outputs equal, bit for bit, those of the
-    small kernels (quant_int_avx2.h), which serve calls of up to 7 tokens (here 4 at a time),
-    and stay within the rounding of the torch reference. Q4_0 (minimums -8 d) folds its
-    minimum into the scale's FMA: equal to float32 rounding (a few units of 2^-24 of the
-    sum of |x w|), bfloat16 outputs then to one unit of their last place. 17, 100 and 257
-    tokens end in sets of 1 and 4 tokens after the GEMM's 8-token calls, 257 past its
-    128-token chunk."""
+    """From 8 tokens int8 activations take a GEMM (vpdpbusd on avx512_bf16,
+    csrc/quant_gemm_vnni.h; vpmaddubsw below it, quant_gemm_int8_avx2.h): the same integer
+    sums and the same float steps in the same order, so its outputs equal, bit for bit, those
+    of the small kernels (quant_int_avx2.h), which serve calls of up to 7 tokens (here 4 at a
+    time), and stay within the rounding of the torch reference. On VNNI Q4_0 (minimums -8 d)
+    folds its minimum into the scale's FMA: equal to float32 rounding (a few units of 2^-24
+    of the sum of |x w|), bfloat16 outputs then to one unit of their last place. 17, 100 and
+    257 tokens end in short sets after the GEMMs' calls of 8 (VNNI) or 2 (AVX2) tokens, 257
+    past their 128-token chunk."""
     _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols_of(qtype, 320))
 
 

@@ -1,0 +1,211 @@
+// Large steps (prefill chunks, big decode batches) of the quantized matmuls with int8
+// activations on the tiers without VNNI (avx2, avx512): a GEMM on the tiles as stored, in
+// place of quant_int_avx2.h's small kernels, whose every pass of 4 tokens reads all the tiles
+// again. The arithmetic is theirs: the same rounded activations (IntActivations<1>), the same
+// exact int32 block sums and the same float steps in the same order, so the outputs equal
+// theirs bit for bit (tests/kernels/test_quant_int8.py).
+//
+// vpmaddubsw multiplies a register of UNSIGNED bytes (the weights) by one of SIGNED bytes (a
+// token's four adjacent int8 activations, a broadcast 32-bit word) and adds adjacent pairs
+// into int16 lanes: 32 multiply-adds an instruction, twice vpmaddwd's 16 and four times an
+// 8-lane FMA's. Q4 tiles' nibbles (0..15) are unsigned already, and a lane's pair sums stay
+// within int16 over a whole block's 8 steps (8 * 2 * 15 * 127 = 30480), so a block costs 8
+// vpmaddubsw and 8 vpaddw a register, then one vpmaddwd by ones to int32 rows. Q8 tiles'
+// codes are signed: |w| times x with w's sign (vpsignb), each step's pairs widened by
+// vpmaddwd at once (2 * 128 * 127 fits int16, two steps would not).
+//
+// Registers hold 8 rows x 4 columns (a row's four bytes a 32-bit lane); a 16-row group is two.
+#pragma once
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_avx2.h"       // store8, kRows
+#include "quant_gemm_avx2.h"  // IntActivations
+#include "quant_tiles.h"
+
+namespace pw::avx2 {
+
+// From this many tokens of a step the GEMM beats the small int8 kernels (bench/int8_gemm.py).
+constexpr int64_t kInt8GemmFrom = 8;
+constexpr int kInt8GemmTokens = 2;   // tokens a call keeps in registers (3: their sums spilled)
+// Tokens a panel serves before the next group's: their int8 rows (<= 192 KB, at most 128
+// tokens) stay in L2 beside the panel while every group of a thread's share reads them.
+inline int64_t int8_gemm_chunk(int64_t K) {
+  return std::clamp<int64_t>(196608 / K, 8, 128) / kInt8GemmTokens * kInt8GemmTokens;
+}
+
+// One 16-row group's operands: Q4 tiles' nibbles as [nb][8 steps][2 halves] registers of 8
+// rows x columns 4s .. 4s + 3 (0..15 each); Q8 tiles are read in place (their bytes are
+// already in that order). Each block's scale arrays as float32 [nb][arrays][16] (a
+// superblock tile's computed once a fill, not once a token).
+template <typename Tile>
+struct Int8Panel {
+  std::vector<__m256i> q;
+  std::vector<float> scales;
+  explicit Int8Panel(int64_t nb) : q(Tile::kQ4 ? nb * 16 : 0), scales(nb * Tile::kArrays * 16) {}
+
+  void fill(const uint8_t* group, int64_t nb) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = Tile::at(group, b);
+      prefetch_ahead<Tile>(group, b);
+      if constexpr (Tile::kQ4) nibbles(tile, q.data() + b * 16);
+      for (int a = 0; a < Tile::kArrays; ++a)
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16 + 8 * h,
+                           Tile::scales8(tile, b, a, h));
+    }
+  }
+
+  // Byte [j][l][p] of a Q4 tile (32 j + 2 l + p) holds row l's column 2j + p (low nibble) and
+  // 2j + 16 + p (high): steps j = 2i and 2i + 1 interleaved by 16-bit words give a row's
+  // columns 4i .. 4i + 3 (low nibbles: step i) and 16 + 4i .. (high: step 4 + i).
+  static void nibbles(const uint8_t* tile, __m256i* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i)
+      for (int h = 0; h < 2; ++h) {
+        auto rows = [&](int j) {   // rows 8h .. 8h + 7 of step j: 16 bytes
+          return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 32 * j + 16 * h));
+        };
+        const __m128i a = rows(2 * i), c = rows(2 * i + 1);
+        const __m256i v = _mm256_set_m128i(_mm_unpackhi_epi16(a, c), _mm_unpacklo_epi16(a, c));
+        out[2 * i + h] = _mm256_and_si256(v, low);
+        out[2 * (4 + i) + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+  }
+};
+
+inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Q4 tiles: out rows t .. t + M - 1, the group's 16 columns. Per block and half the small
+// kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x).
+template <int M, typename Tile, typename Out>
+void int8_gemm_q4(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
+                  const Int8Panel<Tile>& p) {
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][M];
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* w = p.q.data() + b * 16;
+    __m256i sum[2][M];               // int16 pair sums, [rows 0-7, 8-15][token]
+    for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+    // Two steps an iteration: GCC unrolling all 8 reassociates the sums into a tree of
+    // products and spills them (as quant_gemm_avx2.h's).
+#pragma GCC unroll 2
+    for (int s = 0; s < 8; ++s) {
+      const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = quad_of(a.plane(t + m, 0) + b * 32 + 4 * s);
+        sum[0][m] = _mm256_add_epi16(sum[0][m], _mm256_maddubs_epi16(w0, x));
+        sum[1][m] = _mm256_add_epi16(sum[1][m], _mm256_maddubs_epi16(w1, x));
+      }
+    }
+    const float* sc = p.scales.data() + b * Tile::kArrays * 16;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(sc + 8 * h);
+      for (int m = 0; m < M; ++m) {
+        const __m256 qx = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[h][m], ones));
+        const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+        acc[h][m] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[h][m]);
+        if constexpr (Tile::kMin) {
+          const __m256 mn = _mm256_loadu_ps(sc + Tile::minimum(0) * 16 + 8 * h);
+          acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]), acc[h][m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) store8(out + (t + m) * os + 8 * h, acc[h][m]);
+}
+
+// Q8 tiles (read in place: byte [j][l][c] of 64 j + 4 l + c is row l's column 4j + c): the
+// small kernels' order, each split's minimums first, then its sums.
+template <int M, typename Tile, typename Out>
+void int8_gemm_q8(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
+                  const uint8_t* group, const Int8Panel<Tile>& p) {
+  constexpr int kSteps = 8 / Tile::kSplits;
+  const int64_t nb = a.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][M];
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = Tile::at(group, b);
+    const float* sc = p.scales.data() + b * Tile::kArrays * 16;
+    if constexpr (Tile::kMin)
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < Tile::kSplits; ++s) {
+          const __m256 mn = _mm256_loadu_ps(sc + Tile::minimum(s) * 16 + 8 * h);
+          for (int m = 0; m < M; ++m) {
+            const float xs = a.sum[((t + m) * nb + b) * Tile::kSplits + s];
+            acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs), acc[h][m]);
+          }
+        }
+    for (int s = 0; s < Tile::kSplits; ++s) {
+      __m256i sum[2][M];
+      for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
+          const __m256i w_abs = _mm256_abs_epi8(w);
+          for (int m = 0; m < M; ++m) {
+            const __m256i x = _mm256_sign_epi8(quad_of(a.plane(t + m, 0) + b * 32 + 4 * j), w);
+            sum[h][m] = _mm256_add_epi32(sum[h][m],
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+          }
+        }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_loadu_ps(sc + s * 16 + 8 * h);
+        for (int m = 0; m < M; ++m) {
+          const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
+          acc[h][m] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum[h][m]), dx), d,
+                                      acc[h][m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) store8(out + (t + m) * os + 8 * h, acc[h][m]);
+}
+
+template <int M, typename Tile, typename Out>
+inline void int8_gemm_call(Out* o, int64_t os, const IntActivations<1>& a, int64_t t,
+                           const uint8_t* group, const Int8Panel<Tile>& p) {
+  if constexpr (Tile::kQ4) int8_gemm_q4<M, Tile>(o, os, a, t, p);
+  else int8_gemm_q8<M, Tile>(o, os, a, t, group, p);
+}
+
+// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (`a`), for T >= kInt8GemmFrom:
+// one parallel region, each thread's groups chunk of tokens by chunk.
+template <typename Tile, typename T>
+void matmul_int8_gemm(T* out, int64_t out_stride, const IntActivations<1>& a,
+                      const uint8_t* packed, int64_t N) {
+  const int64_t nb = a.K / 32, tokens = a.T, chunk = int8_gemm_chunk(a.K);
+  at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+    Int8Panel<Tile> panel(nb);
+    for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+      const int64_t t1 = std::min(tokens, t0 + chunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t* group = packed + g * nb * Tile::kBytes;
+        panel.fill(group, nb);
+        T* o = out + g * kRows;
+        int64_t t = t0;
+        for (; t + kInt8GemmTokens <= t1; t += kInt8GemmTokens)
+          int8_gemm_call<kInt8GemmTokens, Tile>(o, out_stride, a, t, group, panel);
+        if (t1 - t == 2) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel);
+        if (t1 - t == 1) int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel);
+      }
+    }
+  });
+}
+
+}  // namespace pw::avx2
