@@ -38,8 +38,8 @@ _HEADERS = [os.path.join(os.path.dirname(__file__), "csrc", name)
             for name in ("pagewire_api.h", "bf16.h", "attention_tiles.h", "quant_tiles.h",
                          "quant_avx512.h", "quant_avx2.h", "quant_decode_bf16.h", "lora.h",
                          "float_vec.h", "quant_int_avx2.h", "quant_gemm_avx2.h",
-                         "quant_gemm_int8_avx2.h", "quant_gemm_vnni.h", "quant_step_vnni.h", "kv_quant.h", "paged_decode.h",
-                         "paged_decode_avx2.h", "decode_tiles.h",
+                         "quant_gemm_int8_avx2.h", "quant_gemm_vnni.h", "quant_step_vnni.h",
+                         "kv_quant.h", "paged_decode.h", "paged_decode_avx2.h", "decode_tiles.h",
                          "decode_tiles_bf16.h", "decode_tiles_int8.h", "decode_tiles_fp8.h")]
 _FLAGS = ["-O3", "-mtune=native", "-ffast-math", "-std=c++17", "-fPIC", "-fopenmp",
           "-Wno-unused-parameter"]                        # compiling each source
