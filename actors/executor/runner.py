@@ -35,7 +35,7 @@ from .dense_projection import dense_projection
 from .grammar_matchers import Matchers
 from .head_blocks import Compressor
 from .image_rows import ImageRows, image_key_ends
-from .kv_blocks import BlockBytes, allocate_kv_cache
+from .kv_blocks import allocate_kv_cache
 from .disk_tier import DiskTier
 from .kv_transfer import transfer_ends
 from .linear_blocks import holdings

@@ -103,7 +103,7 @@ void q4_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = Tile::at(tiles, b);
-    prefetch_ahead<Tile>(tiles, b);
+    if (half % 2 == 0) prefetch_ahead<Tile>(tiles, b);   // the odd half reads the same tiles
     __m256 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) {
@@ -152,7 +152,7 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = Tile::at(tiles, b);
-    prefetch_ahead<Tile>(tiles, b);
+    if (half % 2 == 0) prefetch_ahead<Tile>(tiles, b);   // the odd half reads the same tiles
     __m256 first[M], second[M];
     for (int m = 0; m < M; ++m) first[m] = second[m] = _mm256_setzero_ps();
     for (int i = 0; i < 16; ++i) {

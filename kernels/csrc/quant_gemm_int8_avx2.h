@@ -33,27 +33,57 @@ namespace pw::avx2 {
 // From this many tokens of a step the GEMM beats the small int8 kernels (bench/int8_gemm.py).
 constexpr int64_t kInt8GemmFrom = 8;
 constexpr int kInt8GemmTokens = 2;   // tokens a call keeps in registers (3: their sums spilled)
+static_assert(kInt8GemmTokens == 2, "matmul_int8_gemm calls 2 tokens, then 1");
 // Tokens a panel serves before the next group's: their int8 rows (<= 192 KB, at most 128
 // tokens) stay in L2 beside the panel while every group of a thread's share reads them.
 inline int64_t int8_gemm_chunk(int64_t K) {
   return std::clamp<int64_t>(196608 / K, 8, 128) / kInt8GemmTokens * kInt8GemmTokens;
 }
 
-// One 16-row group's operands: Q4 tiles' nibbles as [nb][8 steps][2 halves] registers of 8
-// rows x columns 4s .. 4s + 3 (0..15 each); Q8 tiles are read in place (their bytes are
-// already in that order). Each block's scale arrays as float32 [nb][arrays][16] (a
-// superblock tile's computed once a fill, not once a token).
+// Q8 tiles of six-bit codes (Q6_K, Q3_K: -32..31, stored + 32 in the panel; Q5_K, Q2_K:
+// 0..63) are unsigned bytes below 64, so two steps' pair sums stay within int16
+// (2 * 2 * 63 * 127 = 32004) and need no vpsignb; other Q8 tiles' codes take any int8.
+template <typename Tile>
+constexpr bool kSixBit = !Tile::kQ4 && Tile::kCodes != kAnyInt8;
+
+// x rounded to int8 (IntActivations<1>) and, for a panel whose codes are stored + 32
+// (kSigned6), each split's -32 * sum(q) over its columns, [T][nb][splits]: where the split's
+// int32 chains start, so that they sum (w + 32) q - 32 q = w q.
+struct Int8GemmRows : IntActivations<1> {
+  int splits;
+  std::vector<int32_t> start;
+
+  template <typename In>
+  Int8GemmRows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups, int splits_)
+      : IntActivations<1>(x, x_stride, T_, K_, groups), splits(splits_),
+        start(T_ * nb * splits_) {
+    const int width = splits ? 32 / splits : 0;
+    for (int64_t i = 0; i < T * nb * splits; ++i) {   // i: (token, block, split)
+      const int8_t* v = q.data() + i / splits * 32 + i % splits * width;
+      int32_t total = 0;
+      for (int k = 0; k < width; ++k) total += v[k];
+      start[i] = -32 * total;
+    }
+  }
+};
+
+// One 16-row group's operands: Q4 tiles' nibbles and six-bit codes as [nb][8 steps][2 halves]
+// registers of 8 rows x columns 4s .. 4s + 3 (a row's four bytes a 32-bit lane); other Q8
+// tiles are read in place (their bytes are already in that order). Each block's scale arrays
+// as float32 [nb][arrays][16] (a superblock tile's computed once a fill, not once a token).
 template <typename Tile>
 struct Int8Panel {
+  static constexpr bool kQuants = Tile::kQ4 || kSixBit<Tile>;
   std::vector<__m256i> q;
   std::vector<float> scales;
-  explicit Int8Panel(int64_t nb) : q(Tile::kQ4 ? nb * 16 : 0), scales(nb * Tile::kArrays * 16) {}
+  explicit Int8Panel(int64_t nb) : q(kQuants ? nb * 16 : 0), scales(nb * Tile::kArrays * 16) {}
 
   void fill(const uint8_t* group, int64_t nb) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
       prefetch_ahead<Tile>(group, b);
       if constexpr (Tile::kQ4) nibbles(tile, q.data() + b * 16);
+      if constexpr (kSixBit<Tile>) six_bits(tile, q.data() + b * 16);
       for (int a = 0; a < Tile::kArrays; ++a)
         for (int h = 0; h < 2; ++h)
           _mm256_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16 + 8 * h,
@@ -77,6 +107,14 @@ struct Int8Panel {
         out[2 * (4 + i) + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
   }
+
+  // A Q8 tile's step j, rows 8h .. 8h + 7, is its 32 bytes at 64 j + 32 h; signed codes + 32.
+  static void six_bits(const uint8_t* tile, __m256i* out) {
+    const __m256i offset = _mm256_set1_epi8(Tile::kCodes == kSigned6 ? 32 : 0);
+    for (int i = 0; i < 16; ++i)
+      out[i] = _mm256_add_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * i)), offset);
+  }
 };
 
 inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
@@ -85,10 +123,11 @@ inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
   return _mm256_set1_epi32(v);
 }
 
-// Q4 tiles: out rows t .. t + M - 1, the group's 16 columns. Per block and half the small
-// kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x).
+// Q4 tiles: out rows t .. t + M - 1 (`out` at row t), the group's 16 columns. Per block and
+// half the small kernels' float steps: acc += (sum * scale(x)) * d,
+// then m * sum(x).
 template <int M, typename Tile, typename Out>
-void int8_gemm_q4(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
+void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
                   const Int8Panel<Tile>& p) {
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -124,21 +163,67 @@ void int8_gemm_q4(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) store8(out + (t + m) * os + 8 * h, acc[h][m]);
+    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, acc[h][m]);
 }
 
-// Q8 tiles (read in place: byte [j][l][c] of 64 j + 4 l + c is row l's column 4j + c): the
-// small kernels' order, each split's minimums first, then its sums.
-template <int M, typename Tile, typename Out>
-void int8_gemm_q8(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
-                  const uint8_t* group, const Int8Panel<Tile>& p) {
+// Split s of block b's int32 sums [half][token] from a Q8 tile of any int8 codes, read in place
+// (byte [j][l][c] of 64 j + 4 l + c is row l's column 4j + c): |w| times x with w's sign.
+template <int M, typename Tile>
+inline void signed_sums(__m256i (&sum)[2][M], const Int8GemmRows& a, int64_t t,
+                        const uint8_t* tile, int64_t b, int s) {
   constexpr int kSteps = 8 / Tile::kSplits;
-  const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
+      const __m256i w_abs = _mm256_abs_epi8(w);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = _mm256_sign_epi8(quad_of(a.plane(t + m, 0) + b * 32 + 4 * j), w);
+        sum[h][m] = _mm256_add_epi32(sum[h][m],
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+      }
+    }
+}
+
+// The same from a panel of six-bit codes: two steps' pair sums in int16, then int32; chains
+// start at -32 sum(q) where the panel holds codes + 32.
+template <int M, typename Tile>
+inline void six_bit_sums(__m256i (&sum)[2][M], const Int8GemmRows& a, int64_t t,
+                         const Int8Panel<Tile>& p, int64_t b, int s) {
+  constexpr int kSteps = 8 / Tile::kSplits;
+  static_assert(kSteps % 2 == 0, "steps in pairs");
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nb = a.nb;
+  for (int m = 0; m < M; ++m)
+    sum[0][m] = sum[1][m] = Tile::kCodes == kSigned6
+        ? _mm256_set1_epi32(a.start[((t + m) * nb + b) * Tile::kSplits + s])
+        : _mm256_setzero_si256();
+  const __m256i* w = p.q.data() + b * 16;
+#pragma GCC unroll 1
+  for (int j = s * kSteps; j < (s + 1) * kSteps; j += 2)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w0 = _mm256_load_si256(w + 2 * j + h);
+      const __m256i w1 = _mm256_load_si256(w + 2 * j + 2 + h);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.plane(t + m, 0) + b * 32 + 4 * j;
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, quad_of(x)),
+                                               _mm256_maddubs_epi16(w1, quad_of(x + 4)));
+        sum[h][m] = _mm256_add_epi32(sum[h][m], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+}
+
+// Q8 tiles: the small kernels' order, each split's minimums first, then its sums.
+template <int M, typename Tile, typename Out>
+void int8_gemm_q8(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
+                  const uint8_t* group, const Int8Panel<Tile>& p) {
+  const int64_t nb = a.K / 32;
   __m256 acc[2][M];
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = Tile::at(group, b);
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
     if constexpr (Tile::kMin)
       for (int h = 0; h < 2; ++h)
@@ -151,18 +236,8 @@ void int8_gemm_q8(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
         }
     for (int s = 0; s < Tile::kSplits; ++s) {
       __m256i sum[2][M];
-      for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-      for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
-        for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
-          const __m256i w_abs = _mm256_abs_epi8(w);
-          for (int m = 0; m < M; ++m) {
-            const __m256i x = _mm256_sign_epi8(quad_of(a.plane(t + m, 0) + b * 32 + 4 * j), w);
-            sum[h][m] = _mm256_add_epi32(sum[h][m],
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
-          }
-        }
+      if constexpr (kSixBit<Tile>) six_bit_sums<M, Tile>(sum, a, t, p, b, s);
+      else signed_sums<M, Tile>(sum, a, t, Tile::at(group, b), b, s);
       for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_loadu_ps(sc + s * 16 + 8 * h);
         for (int m = 0; m < M; ++m) {
@@ -174,22 +249,24 @@ void int8_gemm_q8(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) store8(out + (t + m) * os + 8 * h, acc[h][m]);
+    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, acc[h][m]);
 }
 
 template <int M, typename Tile, typename Out>
-inline void int8_gemm_call(Out* o, int64_t os, const IntActivations<1>& a, int64_t t,
+inline void int8_gemm_call(Out* o, int64_t os, const Int8GemmRows& a, int64_t t,
                            const uint8_t* group, const Int8Panel<Tile>& p) {
-  if constexpr (Tile::kQ4) int8_gemm_q4<M, Tile>(o, os, a, t, p);
-  else int8_gemm_q8<M, Tile>(o, os, a, t, group, p);
+  if constexpr (Tile::kQ4) int8_gemm_q4<M, Tile>(o + t * os, os, a, t, p);
+  else int8_gemm_q8<M, Tile>(o + t * os, os, a, t, group, p);
 }
 
-// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (`a`), for T >= kInt8GemmFrom:
+// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block, for T >= kInt8GemmFrom:
 // one parallel region, each thread's groups chunk of tokens by chunk.
 template <typename Tile, typename T>
-void matmul_int8_gemm(T* out, int64_t out_stride, const IntActivations<1>& a,
-                      const uint8_t* packed, int64_t N) {
-  const int64_t nb = a.K / 32, tokens = a.T, chunk = int8_gemm_chunk(a.K);
+void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
+                      const uint8_t* packed, int64_t N, int64_t K) {
+  const Int8GemmRows a(x, x_stride, tokens, K, Tile::kSumGroups,
+                       Tile::kCodes == kSigned6 && kSixBit<Tile> ? Tile::kSplits : 0);
+  const int64_t nb = K / 32, chunk = int8_gemm_chunk(K);
   at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
     Int8Panel<Tile> panel(nb);
     for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
@@ -198,11 +275,9 @@ void matmul_int8_gemm(T* out, int64_t out_stride, const IntActivations<1>& a,
         const uint8_t* group = packed + g * nb * Tile::kBytes;
         panel.fill(group, nb);
         T* o = out + g * kRows;
-        int64_t t = t0;
-        for (; t + kInt8GemmTokens <= t1; t += kInt8GemmTokens)
-          int8_gemm_call<kInt8GemmTokens, Tile>(o, out_stride, a, t, group, panel);
-        if (t1 - t == 2) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel);
-        if (t1 - t == 1) int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel);
+        for (int64_t t = t0; t < t1; t += kInt8GemmTokens)
+          if (t + 1 < t1) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel);
+          else int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel);
       }
     }
   });

@@ -241,10 +241,10 @@ void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
   if constexpr (P == 2)
     if (tokens >= kGemmFrom)
       return matmul_int16_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
-  const IntActivations<P> a(x, x_stride, tokens, K, Tile::kSumGroups);
   if constexpr (P == 1)
     if (tokens >= kInt8GemmFrom)
-      return matmul_int8_gemm<Tile>(out, out_stride, a, packed, N);
+      return matmul_int8_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
+  const IntActivations<P> a(x, x_stride, tokens, K, Tile::kSumGroups);
   for (int64_t t = 0; t < tokens; t += kBatch) {
     T* o = out + t * out_stride;
     const int64_t m = std::min<int64_t>(kBatch, tokens - t);
