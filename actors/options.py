@@ -213,7 +213,7 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "(on `avx512_bf16` VNNI integer products at every step: a single stream of an 8B "
                "Q4_K_M 1.3x llama.cpp's, 16 served streams 1.8-2x); `int8-prefill`: int8 for "
                "Q4_0/Q4_1/Q4_K weights only in steps of 8+ tokens (prefill chunks, big "
-               "batches: VNNI's integer GEMM on `avx512_bf16`, ~1.8x the exact kernels), exact "
+               "batches: an integer GEMM, VNNI's on `avx512_bf16`, ~1.8x the exact kernels), exact "
                "below; `auto`: `int16` on tiers without a bfloat16 dot "
                "product (`avx2`, `avx512`), `exact` on `avx512_bf16` (int8 rounding "
                "garbles the default model's answers, as it does in llama.cpp: see \"Kernels and "
