@@ -19,7 +19,8 @@ pooling` (../shared/peers/vllm-cpu.sh; $VLLM_DTYPE, else bfloat16 where the CPU 
 AVX512-BF16; $VLLM_SERVE_ARGS added), each sent POST /v1/embeddings of `--batch` inputs (or
 POST /rerank, one query a request) with `--concurrency` requests in flight. A `-fp32` suffix
 (`st-fp32`, `vllm-fp32`, `pagewire-fp32`) computes in float32: on a CPU without AMX, PyTorch's
-float32 GEMMs may beat its bfloat16 path, so compare against the faster. vLLM implements
+float32 GEMMs may beat its bfloat16 path, so compare against the faster. On a CPU without a
+bfloat16 GEMM (AVX2-only) the default engines leave out `st`, whose bfloat16 is emulated. vLLM implements
 no MPNetModel: it serves the same shape as a BertModel (BERT-base: the same linears, so the
 same FLOPs); `--pagewire-arch BertModel` runs pagewire on that directory too. Rerank is a
 one-label BertForSequenceClassification for all three.
@@ -222,6 +223,9 @@ def run_engine(name: str, workload: str, items: list, a) -> float:
     path = model_dir(architecture(engine, workload, a))
     print(f"{name}: {len(items)} items on {path}", flush=True)
     if engine == "st":
+        if not fp32 and GEMM != "bf16":
+            print(f"{name}: this CPU has no bfloat16 GEMM; torch emulates it (far slower than "
+                  "st-fp32)", flush=True)
         return (st_embed if workload == "embed" else st_rerank)(
             path, items, a, "float32" if fp32 else "bfloat16")
     port, log = free_port(), f"embeddings-{name}.log"
@@ -267,10 +271,16 @@ def report(a, rates: dict[str, float], ceiling: dict[str, float], unit: str) -> 
             print(f"pagewire / fastest {peer}: {ours / best:.2f}x (the issue asks {target}x)")
 
 
+def default_engines() -> str:
+    """Every engine, but sentence-transformers in bfloat16 on a core without a bfloat16 GEMM
+    (AVX2-only): torch emulates it there, hours for what float32 does in a minute."""
+    return "pagewire,st,st-fp32,vllm" if GEMM == "bf16" else "pagewire,st-fp32,vllm"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=("embed", "rerank"), default="embed")
-    p.add_argument("--engines", default="pagewire,st,st-fp32,vllm")
+    p.add_argument("--engines", default=default_engines())
     p.add_argument("--sentences", type=int, default=10000)
     p.add_argument("--queries", type=int, default=10)
     p.add_argument("--candidates", type=int, default=100)
