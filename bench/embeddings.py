@@ -19,15 +19,19 @@ pooling` (../shared/peers/vllm-cpu.sh; $VLLM_DTYPE, else bfloat16 where the CPU 
 AVX512-BF16; $VLLM_SERVE_ARGS added), each sent POST /v1/embeddings of `--batch` inputs (or
 POST /rerank, one query a request) with `--concurrency` requests in flight. A `-fp32` suffix
 (`st-fp32`, `vllm-fp32`, `pagewire-fp32`) computes in float32: on a CPU without AMX, PyTorch's
-float32 GEMMs may beat its bfloat16 path, so compare against the faster. vLLM implements
+float32 GEMMs may beat its bfloat16 path, so compare against the faster. On a CPU without a
+bfloat16 GEMM (AVX2-only) the default engines leave out `st`, whose bfloat16 is emulated. vLLM implements
 no MPNetModel: it serves the same shape as a BertModel (BERT-base: the same linears, so the
 same FLOPs); `--pagewire-arch BertModel` runs pagewire on that directory too. Rerank is a
 one-label BertForSequenceClassification for all three.
 
-The ceiling row is the machine's GEMM peak (a torch matmul of 2048x2048 in bfloat16 and
-float32, best of 10 before and after the engines, torch threads = cores) over the set's FLOPs
-(2 x linear parameters x tokens + 4 x layers x tokens^2 x hidden for attention scores and
-values). Each server's output goes to embeddings-ENGINE.log in the working directory.
+The ceiling row is the set's FLOPs (2 x linear parameters x tokens + 4 x layers x tokens^2 x
+hidden for attention scores and values) over the machine's GEMM peak in the dtype `--dtype auto`
+picks (bench/sizes.py's gemm_peak: oneDNN on a packed weight, bfloat16 where the CPU multiplies
+it, float32 on an AVX2-only core, whose bfloat16 matmuls are emulated at about 1 GFLOP/s),
+the better of a measurement before and one after the engines. Each server's output goes to
+embeddings-ENGINE.log in the working directory. Progress (each phase as it starts, a served
+engine's share done every tenth of its requests) goes to stdout as it happens.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import urllib.request
 
 from compare import PEER, peer_dtype
 from serving import free_port, launch, stop
+from sizes import GEMM, gemm_peak
 
 from pagewire.testing.encoder_shapes import SHAPES, write_encoder
 
@@ -106,21 +111,6 @@ def encoder_flops(tokens: int, shape: dict) -> float:
     return 2.0 * linear_params * tokens + 4.0 * layers * tokens * tokens * h
 
 
-def gemm_peak(dtype: str, n: int = 2048, reps: int = 10) -> float:
-    """FLOP/s of the best of `reps` n x n x n torch matmuls in `dtype`."""
-    import torch
-    torch.set_num_threads(os.cpu_count())
-    a = torch.randn(n, n).to(getattr(torch, dtype))
-    b = torch.randn(n, n).to(getattr(torch, dtype))
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n ** 3 / best
-
-
 # --- the engines ------------------------------------------------------------------------------
 
 def st_embed(path: str, sentences: list[str], a, dtype: str) -> float:
@@ -182,9 +172,13 @@ def served(port: int, workload: str, items: list, a) -> float:
         jobs = [(rerank_one, port, q, docs) for q, docs in items]
     jobs[0][0](*jobs[0][1:])
     t = time.perf_counter()
+    tenth = max(1, len(jobs) // 10)
     with concurrent.futures.ThreadPoolExecutor(a.concurrency) as pool:
-        for f in [pool.submit(fn, *args) for fn, *args in jobs]:
+        for done, f in enumerate([pool.submit(fn, *args) for fn, *args in jobs], 1):
             f.result()
+            if done % tenth == 0:
+                print(f"  {done}/{len(jobs)} requests in {time.perf_counter() - t:.1f} s",
+                      flush=True)
     return time.perf_counter() - t
 
 
@@ -227,7 +221,11 @@ def run_engine(name: str, workload: str, items: list, a) -> float:
     takes for `items`."""
     engine, fp32 = name.removesuffix("-fp32"), name.endswith("-fp32")
     path = model_dir(architecture(engine, workload, a))
+    print(f"{name}: {len(items)} items on {path}", flush=True)
     if engine == "st":
+        if not fp32 and GEMM != "bf16":
+            print(f"{name}: this CPU has no bfloat16 GEMM; torch emulates it (far slower than "
+                  "st-fp32)", flush=True)
         return (st_embed if workload == "embed" else st_rerank)(
             path, items, a, "float32" if fp32 else "bfloat16")
     port, log = free_port(), f"embeddings-{name}.log"
@@ -247,16 +245,13 @@ def run_engine(name: str, workload: str, items: list, a) -> float:
 
 
 def ceilings(count: int, lens: list[list[int]], before: dict | None = None) -> dict[str, float]:
-    """The set's FLOPs and the items/s (`count` items) if every FLOP ran at the measured
-    bfloat16 / float32 GEMM peak (the higher of this and `before`'s measurement: another
+    """The set's FLOPs and the items/s (`count` items) if every FLOP ran at the measured GEMM
+    peak in the engines' dtype (the higher of this and `before`'s measurement: another
     process's load only lowers it)."""
     flops = sum(encoder_flops(n, SHAPES["mpnet-base"]) for req in lens for n in req)
-    out = {"flops": flops}
-    for dtype in ("bfloat16", "float32"):
-        peak = max(gemm_peak(dtype), 1e9 * (before or {}).get(f"peak {dtype} GFLOP/s", 0))
-        out[f"peak {dtype} GFLOP/s"] = peak / 1e9
-        out[f"ceiling {dtype}"] = count * peak / flops
-    return out
+    peak = max(gemm_peak(), 1e9 * (before or {}).get("peak GFLOP/s", 0))
+    return {"flops": flops, "gemm dtype": GEMM, "peak GFLOP/s": peak / 1e9,
+            "ceiling": count * peak / flops}
 
 
 def report(a, rates: dict[str, float], ceiling: dict[str, float], unit: str) -> None:
@@ -267,9 +262,8 @@ def report(a, rates: dict[str, float], ceiling: dict[str, float], unit: str) -> 
     for engine, rate in rates.items():
         ratio = f"{ours / rate:.2f}x" if ours else "-"
         print(f"{engine:24} {rate:12.2f} {ratio:>14}")
-    for dtype in ("bfloat16", "float32"):
-        print(f"{'ceiling ' + dtype + ' GEMM':24} {ceiling['ceiling ' + dtype]:12.2f}"
-              f"   (matmul peak {ceiling['peak ' + dtype + ' GFLOP/s']:.0f} GFLOP/s)")
+    print(f"{'ceiling ' + GEMM + ' GEMM':24} {ceiling['ceiling']:12.2f}"
+          f"   (GEMM peak {ceiling['peak GFLOP/s']:.0f} GFLOP/s)")
     # The issue's targets: >= 3x sentence-transformers and >= 2x vLLM, each at its faster dtype.
     for peer, target in (("st", 3), ("vllm", 2)):
         best = max((r for e, r in rates.items() if e.removesuffix("-fp32") == peer), default=None)
@@ -277,10 +271,16 @@ def report(a, rates: dict[str, float], ceiling: dict[str, float], unit: str) -> 
             print(f"pagewire / fastest {peer}: {ours / best:.2f}x (the issue asks {target}x)")
 
 
+def default_engines() -> str:
+    """Every engine, but sentence-transformers in bfloat16 on a core without a bfloat16 GEMM
+    (AVX2-only): torch emulates it there, hours for what float32 does in a minute."""
+    return "pagewire,st,st-fp32,vllm" if GEMM == "bf16" else "pagewire,st-fp32,vllm"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=("embed", "rerank"), default="embed")
-    p.add_argument("--engines", default="pagewire,st,st-fp32,vllm")
+    p.add_argument("--engines", default=default_engines())
     p.add_argument("--sentences", type=int, default=10000)
     p.add_argument("--queries", type=int, default=10)
     p.add_argument("--candidates", type=int, default=100)
@@ -295,7 +295,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir("BertModel"))
     items, lens = workload_items(tokenizer, a)
     unit = "sentences/s" if a.workload == "embed" else "queries/s"
+    print(f"measuring the {GEMM} GEMM peak", flush=True)
     ceiling = ceilings(len(items), lens)        # measured before and after the engines
+    print(f"GEMM peak {ceiling['peak GFLOP/s']:.0f} GFLOP/s", flush=True)
     rates = {}
     for engine in a.engines.split(","):
         seconds = run_engine(engine, a.workload, items, a)

@@ -15,11 +15,12 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     and only its own keys (no cache, no causal mask). q, k, v: [T, H, D] (T = sum(seq_lens),
     heads contiguous) -> [T, H, D]. `bias`: added scores [H, L, L] (L >= the longest
     sequence; a sequence of n reads its [:, :n, :n]: MPNet's relative position bias), on
-    torch (explicit scores), never with a window. `window`: a query at i sees only keys j with |i - j| <= window (ModernBERT's
-    local layers). On the native prefill kernel where it serves (`lib`, as full_attention):
-    one chunk a sequence, its keys as cache blocks of 16 (padded), every query's key end its
-    sequence's end (or i + window + 1), the kernel's window counting back window + 1 keys;
-    else SDPA, sequences of one length stacked into one call."""
+    torch (explicit scores, sequences of one length stacked), never with a window. `window`: a
+    query at i sees only keys j with |i - j| <= window (ModernBERT's local layers). On the
+    native prefill kernel where it serves (`lib`, as full_attention): one chunk a sequence, its
+    keys as cache blocks of 16 (padded), every query's key end its sequence's end (or i +
+    window + 1), the kernel's window counting back window + 1 keys; else SDPA, sequences of
+    one length stacked into one call."""
     _, h, d = q.shape
     if bias is not None:
         if window is not None:
@@ -51,18 +52,25 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
 
 
 def _with_bias(q, k, v, seq_lens: list[int], scale: float, bias: torch.Tensor) -> torch.Tensor:
-    """encoder_attention with added scores, spelled out a sequence at a time: float32 scores
-    and softmax, probabilities in q's dtype for the product with V. SDPA with the bias as a
-    float mask took twice as long on the CPU (MPNet-base's shape, 16 sequences of 8-128
-    tokens, one thread: 16 ms a layer against 8). Memory: one [H, n, n] float32 score
-    matrix at a time (MPNet's n is at most 512)."""
+    """encoder_attention with added scores, spelled out with sequences of one length stacked
+    into one product (as the SDPA path): float32 scores and softmax, probabilities in q's
+    dtype for the product with V. SDPA with the bias as a float mask took twice as long on the
+    CPU. Memory: one [S, H, n, n] float32 score tensor a length (MPNet's n is at most 512)."""
     out = torch.empty_like(q)
+    by_len: dict[int, list[int]] = {}
     start = 0
     for n in seq_lens:
-        qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        scores = torch.matmul(qs, ks.transpose(1, 2)).float() * scale + bias[:, :n, :n].float()
-        out[start:start + n] = torch.matmul(scores.softmax(-1).to(q.dtype), vs).transpose(0, 1)
+        if n:
+            by_len.setdefault(n, []).append(start)
         start += n
+    for n, firsts in by_len.items():
+        def stack(x):                                            # -> [S, H, n, D]
+            return torch.stack([x[s:s + n] for s in firsts]).transpose(1, 2)
+        qs, ks, vs = stack(q), stack(k), stack(v)
+        scores = torch.matmul(qs, ks.transpose(-1, -2)).float() * scale + bias[:, :n, :n].float()
+        o = torch.matmul(scores.softmax(-1).to(q.dtype), vs).transpose(1, 2)   # [S, n, H, D]
+        for i, s in enumerate(firsts):
+            out[s:s + n] = o[i]
     return out
 
 

@@ -116,3 +116,11 @@ def test_sentence_transformers_loads_them(tiny_dirs):
     scores = st.CrossEncoder(tiny_dirs["BertForSequenceClassification"], device="cpu").predict(
         [("q", "a b"), ("q", "c")])
     assert scores.shape == (2,) and all(0 < s < 1 for s in scores)
+
+
+def test_default_engines_leave_out_emulated_bfloat16(bench):
+    """Where the CPU has no bfloat16 GEMM (the ceiling is float32's), sentence-transformers
+    runs in float32 only by default: its emulated bfloat16 would take hours."""
+    engines = bench.default_engines().split(",")
+    assert "st-fp32" in engines and "pagewire" in engines
+    assert ("st" in engines) == (bench.GEMM == "bf16")

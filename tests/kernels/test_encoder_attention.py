@@ -74,6 +74,15 @@ def test_a_bias_is_added_to_each_sequences_scores(ops):
     assert float((out - _reference(q, k, v, LENS, 0.25)).abs().max()) > 1e-2
 
 
+def test_a_bias_with_sequences_of_one_length_stacked(ops):
+    """Sequences of one length share one product: each still reads only its own keys."""
+    lens = [17, 5, 17, 1, 5, 17]
+    q, k, v = _qkv(torch.float32, head_dim=16, lens=lens)
+    bias = torch.randn(4, 20, 20, generator=torch.Generator().manual_seed(2))
+    out = ops.encoder_attention(q, k, v, lens, 0.25, bias=bias)
+    assert float((out - _reference(q, k, v, lens, 0.25, bias)).abs().max()) < 1e-5
+
+
 def test_the_native_kernel_serves_bfloat16_where_it_can(native_lib):
     """Where prefill_attention serves (AVX512-BF16), encoder_attention runs it: the same rows
     as the SDPA path within bfloat16's rounding, padding of 33 keys to 48 never read."""
