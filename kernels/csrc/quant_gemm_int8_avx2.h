@@ -30,8 +30,6 @@
 
 namespace pw::avx2 {
 
-// From this many tokens of a step the GEMM beats the small int8 kernels (bench/int8_gemm.py).
-constexpr int64_t kInt8GemmFrom = 8;
 constexpr int kInt8GemmTokens = 2;   // tokens a call keeps in registers (3: their sums spilled)
 static_assert(kInt8GemmTokens == 2, "matmul_int8_gemm calls 2 tokens, then 1");
 // Tokens a panel serves before the next group's: their int8 rows (<= 192 KB, at most 128
@@ -45,6 +43,12 @@ inline int64_t int8_gemm_chunk(int64_t K) {
 // (2 * 2 * 63 * 127 = 32004) and need no vpsignb; other Q8 tiles' codes take any int8.
 template <typename Tile>
 constexpr bool kSixBit = !Tile::kQ4 && Tile::kCodes != kAnyInt8;
+
+// From this many tokens of a step the GEMM beats the small int8 kernels (bench/int8_gemm.py):
+// 8 for Q4 tiles and six-bit codes; any-int8 codes, whose vpsignb the small kernels pay too,
+// gain only from ~32 (Zen 3: 0.9x at 8 tokens, 1.0x at 16, 1.1-1.2x at 128).
+template <typename Tile>
+constexpr int64_t kInt8GemmFrom = Tile::kQ4 || kSixBit<Tile> ? 8 : 32;
 
 // x rounded to int8 (IntActivations<1>) and, for a panel whose codes are stored + 32
 // (kSigned6), each split's -32 * sum(q) over its columns, [T][nb][splits]: where the split's
@@ -259,7 +263,7 @@ inline void int8_gemm_call(Out* o, int64_t os, const Int8GemmRows& a, int64_t t,
   else int8_gemm_q8<M, Tile>(o + t * os, os, a, t, group, p);
 }
 
-// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block, for T >= kInt8GemmFrom:
+// out [T, N] = x [T, K] @ W^T with x rounded to int8 per block, for T >= kInt8GemmFrom<Tile>:
 // one parallel region, each thread's groups chunk of tokens by chunk.
 template <typename Tile, typename T>
 void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,

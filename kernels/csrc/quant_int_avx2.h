@@ -242,7 +242,7 @@ void matmul_int(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
     if (tokens >= kGemmFrom)
       return matmul_int16_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   if constexpr (P == 1)
-    if (tokens >= kInt8GemmFrom)
+    if (tokens >= kInt8GemmFrom<Tile>)
       return matmul_int8_gemm<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   const IntActivations<P> a(x, x_stride, tokens, K, Tile::kSumGroups);
   for (int64_t t = 0; t < tokens; t += kBatch) {
