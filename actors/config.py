@@ -11,7 +11,7 @@ import msgspec
 
 from pagewire.kernels import tiers
 
-from . import lora_files, memory_budget
+from . import lora_files
 from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES, DEVICES, DTYPES,
                               EXECUTORS, EXTERNAL, FIELD_SECTION, KV_CACHE_DTYPES, LOCAL,
                               MAX_BATCH, PREEMPTION_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
@@ -21,13 +21,11 @@ from .config_sections import (ACTIVATIONS, ACTOR_SECTIONS, BLOCK_SIZES, CHOICES,
                               SchedulerConfig, ServerConfig, SpeculativeConfig, check_choice,
                               check_kv_compress, check_kv_events, check_kv_transfer,
                               check_sleep_mode, group_by_section)
+from .kv_sizing import KVPoolPlan
 from .model_info import ModelInfo, check_architecture_options, resolve_model, with_pooler
 
 log = logging.getLogger(__name__)
 
-# --kv-cache-memory auto on a CUDA device: the pool the CPU default was before `auto`
-# (the device's free memory is not measured before its executors start).
-AUTO_DEVICE_KV_MEMORY = 2 * 2**30
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -104,9 +102,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"max_model_len must be positive, got {max_len}")
         self._check_choices(info, max_len)
         draft = self._check_speculation(info, max_len)
-        max_len, kv_memory = self._kv_memory(info, draft, dtype, max_len)
-        per_block, num_blocks, host_blocks = self._kv_pool(info, draft, dtype, max_len, kv_memory)
-        tier_blocks = self._check_tier(per_block)
+        pool = KVPoolPlan(self, info, draft, dtype)
+        max_len, kv_memory = pool.memory(max_len, self._on_cuda())
+        per_block, num_blocks, host_blocks = pool.blocks(max_len, kv_memory)
+        tier_blocks = pool.tier_blocks(per_block)
         check_kv_transfer(self, info)
         check_kv_events(self)
         self._check_parallel()
@@ -153,48 +152,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least "
                              f"max_model_len ({max_len})")
 
-    def _kv_bytes_per_token(self, info: ModelInfo, draft: ModelInfo | None, dtype: str) -> int:
-        """A draft model's K/V sits beside the target's in every block (the same block ids)."""
-        return sum(m.kv_bytes_per_token(_DTYPE_BYTES[dtype], self.cache.kv_cache_dtype != "auto")
-                   for m in (info, draft) if m is not None)
-
-    def _kv_memory(self, info: ModelInfo, draft: ModelInfo | None, dtype: str,
-                   max_len: int) -> tuple[int, int]:
-        """(max_model_len, bytes of the KV pool): --kv-cache-memory, or its `auto` plan
-        (memory_budget.kv_auto, logged) where neither it nor --num-kv-blocks is given. On
-        CUDA `auto` is AUTO_DEVICE_KV_MEMORY: the device's memory is not the host's."""
-        memory = self.cache.kv_cache_memory
-        if memory is not None or self.cache.num_kv_blocks is not None:
-            return max_len, memory or 0
-        if self._on_cuda():
-            return max_len, AUTO_DEVICE_KV_MEMORY
-        plan = memory_budget.kv_auto(
-            info, self._kv_bytes_per_token(info, draft, dtype), max_len,
-            self.model.max_model_len is not None, self.scheduler.max_num_seqs,
-            self.device.quantized_matmul_tokens)
-        log.info("KV cache auto: %.2f GiB (%s)", plan.bytes / 2**30, plan.reason)
-        bs = self.cache.block_size       # a lowered context fills whole blocks of the pool
-        return (max_len if plan.max_len == max_len else plan.max_len // bs * bs), plan.bytes
-
-    def _kv_pool(self, info: ModelInfo, draft: ModelInfo | None, dtype: str,
-                 max_len: int, kv_memory: int) -> tuple[int, int, int]:
-        """(bytes of a block, device blocks, host swap blocks). Under context parallelism a
-        block's tokens are spread over its ranks."""
-        per_block = self.cache.block_size * self._kv_bytes_per_token(info, draft, dtype) \
-            // self._check_context_parallel(info)
-        num_blocks = self.cache.num_kv_blocks
-        if num_blocks is None:
-            num_blocks = kv_memory // per_block
-        if num_blocks * self.cache.block_size < max_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks of {self.cache.block_size} tokens) cannot "
-                f"hold one sequence of max_model_len={max_len}; raise --kv-cache-memory or lower "
-                f"--max-model-len")
-        host_blocks = self.cache.swap_space // per_block
-        if self.cache.preemption_mode == SWAP and host_blocks == 0:
-            raise ValueError("preemption_mode swap needs --swap-space")
-        return per_block, num_blocks, host_blocks
-
     def _speculation(self) -> SpeculativeConfig | None:
         """--speculative-config with its batch limit decided for the executors' device."""
         spec = self.speculative_config
@@ -224,42 +181,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"the draft model's context ({draft.max_model_len} tokens) is "
                              f"shorter than max_model_len={max_len}")
         return draft
-
-    def _check_tier(self, per_block: int) -> int:
-        """Blocks the disk tier may hold (0: no tier)."""
-        if self.cache.kv_offload_dir is None:
-            return 0
-        if not self.cache.enable_prefix_caching:
-            raise ValueError("--kv-offload-dir keeps prefix-cache blocks: it needs prefix caching")
-        blocks = self.cache.kv_offload_size // per_block
-        if blocks < 1:
-            raise ValueError(f"--kv-offload-size {self.cache.kv_offload_size} bytes holds no block "
-                             f"({per_block} bytes each)")
-        return blocks
-
-    def _check_context_parallel(self, info: ModelInfo) -> int:
-        """The context-parallel size, checked: ranks that would each hold a KV head's tokens
-        (tensor parallelism with fewer KV heads than ranks) split them instead."""
-        size = self.parallel.decode_context_parallel_size
-        if size == 1:
-            return 1
-        replicas = self.parallel.tensor_parallel_size // info.num_kv_heads
-        if size < 1 or replicas < 2 or replicas % size:
-            raise ValueError(f"--decode-context-parallel-size {size} needs tensor parallelism "
-                             f"with each KV head on a multiple of {size} ranks (this model has "
-                             f"{info.num_kv_heads} KV heads, "
-                             f"-tp {self.parallel.tensor_parallel_size})")
-        if self.cache.block_size % size:
-            raise ValueError(f"--block-size {self.cache.block_size} must be a multiple of "
-                             f"--decode-context-parallel-size {size}")
-        unbuilt = {"a sliding-window model": info.sliding_window is not None or
-                   info.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-                   "--speculative-config": self.speculative_config is not None,
-                   "--kv-offload-dir": self.cache.kv_offload_dir is not None}
-        for what, given in unbuilt.items():
-            if given:
-                raise ValueError(f"--decode-context-parallel-size with {what} is not built yet")
-        return size
 
     def _check_chat(self) -> None:
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
@@ -404,9 +325,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 _ABSENT = object()
 assert set(EngineConfig.__struct_fields__) == {*SECTIONS, *TOP_LEVEL}
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 def _resolve_activations(activations: str, dtype: str, tier: str | None) -> str:
     """auto: the tier's default (kernels/tiers.py default_activations). int8 (Q4 weights) and

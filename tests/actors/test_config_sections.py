@@ -197,11 +197,11 @@ def test_no_actor_reads_a_section_it_is_not_sent(role):
     whole = ("model", "observability", "speculative_config", "kv_transfer_config",
              "kv_events_config")
     read = re.compile(r"(?:\bconfig|\bcfg)\.(" + "|".join((*SECTIONS, *whole)) + r")\b")
-    # These hold every section; lora_files reads the lora section in check_options, which
-    # only resolve() calls.
+    # These hold every section; lora_files (check_options) and kv_sizing read sections only
+    # as resolve() calls them.
     everything = {"pagewire.config", "pagewire.config_sections", "pagewire.options",
                   "pagewire.settings", "pagewire.llm", "pagewire.replay", "pagewire.supervisor",
-                  "pagewire.lora_files"}
+                  "pagewire.lora_files", "pagewire.kv_sizing"}
     modules = _modules_of(role) - everything
     assert any(m.endswith(".process") for m in modules) and len(modules) > 3
     reads = {(m, s) for m in modules
