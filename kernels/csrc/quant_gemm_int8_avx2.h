@@ -10,9 +10,10 @@
 // into int16 lanes: 32 multiply-adds an instruction, twice vpmaddwd's 16 and four times an
 // 8-lane FMA's. Q4 tiles' nibbles (0..15) are unsigned already, and a lane's pair sums stay
 // within int16 over a whole block's 8 steps (8 * 2 * 15 * 127 = 30480), so a block costs 8
-// vpmaddubsw and 8 vpaddw a register, then one vpmaddwd by ones to int32 rows. Q8 tiles'
-// codes are signed: |w| times x with w's sign (vpsignb), each step's pairs widened by
-// vpmaddwd at once (2 * 128 * 127 fits int16, two steps would not).
+// vpmaddubsw and 8 vpaddw a register, then one vpmaddwd by ones to int32 rows. Q8 tiles of
+// six-bit codes are unsigned bytes below 64 in the panel (kSixBit) and sum two steps in
+// int16; those of any int8 code take |w| times x with w's sign (vpsignb), each step's pairs
+// widened by vpmaddwd at once (2 * 128 * 127 fits int16, two steps would not).
 //
 // Registers hold 8 rows x 4 columns (a row's four bytes a 32-bit lane); a 16-row group is two.
 #pragma once
