@@ -104,13 +104,42 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
 // vpmaddwd multiplies them by the token's four activations (a broadcast 64-bit word):
 // 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a row's two lanes
 // at a split's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
+// Split s of block b's int32 sums for kHalves halves from h0 (a row's two lanes, [token][half]
+// [rows 0-3, rows 4-7]): the tile's codes widened to int16, times the token's four
+// activations broadcast as one 64-bit word.
+template <int M, int kHalves, typename Tile>
+inline void i16_split_sums(__m256i (&sum)[M][kHalves][2], const IntActivations<2>& a, int64_t t,
+                           const uint8_t* tile, int64_t b, int s, int h0) {
+  constexpr int kSteps = 8 / Tile::kSplits;
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < kHalves; ++i) sum[m][i][0] = sum[m][i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
+    __m256i xq[M];
+    for (int m = 0; m < M; ++m) {
+      int64_t quad;
+      std::memcpy(&quad, a.value.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
+      xq[m] = _mm256_set1_epi64x(quad);
+    }
+    for (int i = 0; i < kHalves; ++i) {
+      const uint8_t* w = tile + 64 * j + 32 * (h0 + i);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+      const __m256i w1 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      for (int m = 0; m < M; ++m) {
+        sum[m][i][0] = _mm256_add_epi32(sum[m][i][0], _mm256_madd_epi16(w0, xq[m]));
+        sum[m][i][1] = _mm256_add_epi32(sum[m][i][1], _mm256_madd_epi16(w1, xq[m]));
+      }
+    }
+  }
+}
+
 template <int M, typename Tile, typename Out>
 void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
                    const uint8_t* packed, int64_t g0, int64_t g1) {
   // Both 8-row halves at once where the sums fit the registers (one or two tokens: one pass
   // over the tiles), else one half after the other.
   constexpr int kHalves = M <= 2 ? 2 : 1;
-  constexpr int kSteps = 8 / Tile::kSplits;
   const int64_t nb = a.K / 32;
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
@@ -126,29 +155,8 @@ void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
         for (int i = 0; i < kHalves; ++i)
           add_minimums<Tile>(acc[i], tile, h0 + i, sums, nb, b);    // sums of the unrounded x
         for (int s = 0; s < Tile::kSplits; ++s) {
-          __m256i sum[M][kHalves][2];     // [token][half][rows 0-3, rows 4-7]
-          for (int m = 0; m < M; ++m)
-            for (int i = 0; i < kHalves; ++i) sum[m][i][0] = sum[m][i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
-            __m256i xq[M];
-            for (int m = 0; m < M; ++m) {
-              int64_t quad;
-              std::memcpy(&quad, a.value.data() + (t + m) * a.K + b * 32 + 4 * j, 8);
-              xq[m] = _mm256_set1_epi64x(quad);
-            }
-            for (int i = 0; i < kHalves; ++i) {
-              const uint8_t* w = tile + 64 * j + 32 * (h0 + i);
-              const __m256i w0 = _mm256_cvtepi8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-              const __m256i w1 = _mm256_cvtepi8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
-              for (int m = 0; m < M; ++m) {
-                sum[m][i][0] = _mm256_add_epi32(sum[m][i][0], _mm256_madd_epi16(w0, xq[m]));
-                sum[m][i][1] = _mm256_add_epi32(sum[m][i][1], _mm256_madd_epi16(w1, xq[m]));
-              }
-            }
-          }
+          __m256i sum[M][kHalves][2];
+          i16_split_sums<M, kHalves, Tile>(sum, a, t, tile, b, s, h0);
           for (int i = 0; i < kHalves; ++i) {
             const __m256 d = Tile::scales8(tile, b, s, h0 + i);
             for (int m = 0; m < M; ++m) {
