@@ -129,8 +129,7 @@ inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
 }
 
 // Q4 tiles: out rows t .. t + M - 1 (`out` at row t), the group's 16 columns. Per block and
-// half the small kernels' float steps: acc += (sum * scale(x)) * d,
-// then m * sum(x).
+// half the small kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x).
 template <int M, typename Tile, typename Out>
 void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
                   const Int8Panel<Tile>& p) {
