@@ -51,12 +51,12 @@ def paths(ggml_type: int, raw: torch.Tensor, n: int, k: int, lib, dtype) -> dict
         "int8 small": lambda x: [quant.matmul(x[i:i + 4], packed["int8"])
                                  for i in range(0, len(x), 4)],
         "exact": lambda x: quant.matmul(x, packed["exact"]),
-        "int16 GEMM": lambda x: quant.matmul(x, packed["int16"]),
+        "int16": lambda x: quant.matmul(x, packed["int16"]),
         "oneDNN": (lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
         if onednn is not None else (lambda x: torch.nn.functional.linear(x, dense)),
     }
     if lib.tier != "avx2":
-        del calls["int16 GEMM"]       # the avx2 tier's only (csrc/quant_gemm_avx2.h)
+        del calls["int16"]     # the avx2 tier's GEMM from 12 tokens (csrc/quant_gemm_avx2.h)
     return calls
 
 

@@ -133,6 +133,7 @@ inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
 template <int M, typename Tile, typename Out>
 void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
                   const Int8Panel<Tile>& p) {
+  static_assert(Tile::kSplits == 1, "a Q4 block has one scale (and minimum) a row");
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][M];

@@ -104,7 +104,8 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
 // vpmaddwd multiplies them by the token's four activations (a broadcast 64-bit word):
 // 2 * 128 * 16256 a lane, 32 columns' sums well within int32. vphaddd joins a row's two lanes
 // at a split's end; its order (rows 0 1 4 5 | 2 3 6 7) is undone by row_order.
-// Split s of block b's int32 sums for kHalves halves from h0 (a row's two lanes, [token][half]
+//
+// i16_split_sums: split s of block b's int32 sums for kHalves halves from h0 (a row's two lanes, [token][half]
 // [rows 0-3, rows 4-7]): the tile's codes widened to int16, times the token's four
 // activations broadcast as one 64-bit word.
 template <int M, int kHalves, typename Tile>
@@ -134,6 +135,7 @@ inline void i16_split_sums(__m256i (&sum)[M][kHalves][2], const IntActivations<2
   }
 }
 
+// q8_i16_groups: the kernel, a row's float32 lane at each split's end.
 template <int M, typename Tile, typename Out>
 void q8_i16_groups(Out* out, int64_t os, const IntActivations<2>& a, int64_t t,
                    const uint8_t* packed, int64_t g0, int64_t g1) {
