@@ -15,6 +15,8 @@ import math
 import os
 from typing import NamedTuple
 
+from pagewire.kernels import tiers
+
 log = logging.getLogger(__name__)
 
 GiB = 2**30
@@ -29,8 +31,9 @@ KV_SHARE = 0.5
 # types are not read (a Hugging Face checkpoint's; a GGUF file's come from TILE_BYTES).
 TILE_OVERHEAD = 1.35
 # An MXFP4 checkpoint's (gpt-oss: nearly all its bytes are MXFP4 experts): 17 bytes a 32
-# weights held as Q8_0's 34 (TILE_BYTES).
+# weights held as Q8_0's 34 (TILE_BYTES), or as level tiles' 18 (LEVEL_TILE_BYTES).
 TILE_OVERHEAD_BY_PACKING = {"mxfp4": 2.0}
+LEVEL_TILE_OVERHEAD_BY_PACKING = {"mxfp4": 18 / 17}
 # Bytes of tiles a row's 32 weights of each GGML type become (kernels/quant.py; the K-quants
 # and IQ4_XS as superblock tiles, csrc/quant_tiles.h): Q4_0 as Q4_1 (20 against the file's
 # 18), Q5_0, IQ4_NL and MXFP4 as Q8_0 (MXFP4 with exponents beyond fp16's range as Q6_K, 40),
@@ -39,6 +42,9 @@ TILE_OVERHEAD_BY_PACKING = {"mxfp4": 2.0}
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
               13: 34.5, 14: 34.25, 23: 34.25, 39: 34}
 FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
+# IQ4_NL and MXFP4 where the tier keeps them as level tiles (kernels/tiers.py LEVEL_TILES):
+# 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a weight.
+LEVEL_TILE_BYTES = {20: 18, 39: 18}
 # Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
 # them with torch; one rank)
 BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14, 39}
@@ -99,8 +105,21 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
     dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
         else 0
     held = _gguf_held(info.path) if info.format == "gguf" else None
-    overhead = TILE_OVERHEAD_BY_PACKING.get(info.stored_quantization, TILE_OVERHEAD)
+    by_packing = LEVEL_TILE_OVERHEAD_BY_PACKING if _level_tiles() else TILE_OVERHEAD_BY_PACKING
+    overhead = by_packing.get(info.stored_quantization, TILE_OVERHEAD)
     return (held if held is not None else int(size * overhead)) + dense
+
+
+def _level_tiles() -> bool:
+    """Whether the executor's tier (the best this CPU runs: --kernels auto's) keeps IQ4_NL
+    and MXFP4 as level tiles."""
+    return tiers.best() in tiers.LEVEL_TILES
+
+
+def tile_bytes(level_tiles: bool) -> dict[int, float]:
+    """Bytes of tiles a row's 32 weights of each GGML type become (TILE_BYTES), with
+    LEVEL_TILE_BYTES where the tier has level tiles."""
+    return {**TILE_BYTES, **LEVEL_TILE_BYTES} if level_tiles else TILE_BYTES
 
 
 def _gguf_held(path: str) -> int | None:
@@ -113,14 +132,14 @@ def _gguf_held(path: str) -> int | None:
         tensors = read_gguf_header(path).tensors.values()
     except (OSError, ValueError):
         return None
-    held = 0
+    held, sizes = 0, tile_bytes(_level_tiles())
     for t in tensors:
         count, embedding = math.prod(t.shape), "token_embd" in t.name
         if embedding and t.ggml_type in BLOCK_EMBEDDINGS:
             _, block, size = GGML_TYPES[t.ggml_type]
             held += count // block * size
-        elif len(t.shape) in (2, 3) and t.ggml_type in TILE_BYTES and not embedding:
-            held += count // 32 * TILE_BYTES[t.ggml_type]
+        elif len(t.shape) in (2, 3) and t.ggml_type in sizes and not embedding:
+            held += count // 32 * sizes[t.ggml_type]
         else:
             held += count * FLOAT_BYTES
     return int(held)

@@ -109,6 +109,13 @@ def mxfp4_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mxfp4_scale(blocks[..., 0:1]), levels[_nibbles(blocks[..., 1:]).long()]
 
 
+def _fp16_exponents(blocks: torch.Tensor) -> bool:
+    """Whether every MXFP4 block's [..., 17] exponent is in MXFP4_FP16_EXPONENTS."""
+    exponents = blocks[..., 0]
+    return bool(((exponents >= MXFP4_FP16_EXPONENTS.start)
+                 & (exponents < MXFP4_FP16_EXPONENTS.stop)).all())
+
+
 def mxfp4_as_tile_blocks(raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     """MXFP4 blocks [rows, nb * 17] as blocks of a tile type holding the same values, their
     doubled e2m1 levels as int8 codes: Q8_0 [rows, nb * 34] (fp16 d = 2^(e - 128)) where
@@ -117,12 +124,21 @@ def mxfp4_as_tile_blocks(raw: torch.Tensor) -> tuple[int, torch.Tensor]:
     halves the float32 scale, exact for every e)."""
     blocks = raw.reshape(raw.shape[0], -1, 17)
     scale, levels = mxfp4_parts(blocks)
-    exponents = blocks[..., 0]
-    fp16 = bool(((exponents >= MXFP4_FP16_EXPONENTS.start)
-                 & (exponents < MXFP4_FP16_EXPONENTS.stop)).all())
+    fp16 = _fp16_exponents(blocks)
     head = scale.half().view(torch.uint8) if fp16 else scale.repeat(1, 1, 2).view(torch.uint8)
     out = torch.cat([head, levels.view(torch.uint8)], dim=2).reshape(raw.shape[0], -1)
     return (Q8_0 if fp16 else Q6_K), out
+
+
+def mxfp4_as_level_blocks(raw: torch.Tensor) -> torch.Tensor | None:
+    """MXFP4 blocks [rows, nb * 17] as level tiles' blocks [rows, nb * 18] (IQ4_NL's form:
+    fp16 d = 2^(e - 128), then the file's 16 bytes of nibbles, which index MXFP4_LEVELS), or
+    None where an exponent lies outside MXFP4_FP16_EXPONENTS."""
+    blocks = raw.reshape(raw.shape[0], -1, 17)
+    if not _fp16_exponents(blocks):
+        return None
+    head = mxfp4_scale(blocks[..., 0:1]).half().view(torch.uint8)
+    return torch.cat([head, blocks[..., 1:]], dim=2).reshape(raw.shape[0], -1)
 
 
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

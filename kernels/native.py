@@ -142,6 +142,12 @@ class Library:
     def __repr__(self) -> str:
         return f"native.Library({self.tier})"
 
+    @functools.cache
+    def quant_kind(self, kind: int) -> bool:
+        """Whether this build multiplies weights packed as `kind` (csrc/quant_kernels.cpp:
+        the level tiles are the avx2 and avx512 tiers' only)."""
+        return bool(self.cdll.pw_quant_kind(kind))
+
     @functools.cached_property
     def int16_mac_ratio(self) -> float:
         """Multiply-adds a second of 256-bit int16 products (vpmaddwd + vpaddd) over float32

@@ -177,7 +177,8 @@ class CpuOps(TorchOps):
         blocks = quant.available(lib)
         self.capabilities = Capabilities(
             native_weights=True, bf16_dot=lib.bf16_dot, fused_decode=True,
-            block_kinds=frozenset(quant.KINDS) if blocks else frozenset(),
+            block_kinds=frozenset(k for k in quant.KINDS if lib.quant_kind(k)) if blocks
+            else frozenset(),
             # csrc/quant_gemm_avx2.h: the avx2 tier's int16 GEMM; wider tiers' oneDNN wins
             int16_large_steps=blocks and lib.tier == "avx2",
             # csrc/quant_gemm_vnni.h: vpdpbusd, on every avx512_bf16 CPU (it has VNNI);

@@ -23,7 +23,7 @@ import torch
 from . import native, native_api
 from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K,
                           Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS,
-                          super_as_classic, super_parts)
+                          mxfp4_as_level_blocks, super_as_classic, super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
 # declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
@@ -39,8 +39,15 @@ _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18, MX
 # a tile type's scale arrays before its quants in a block (count, bytes each: fp16 or
 # float32), and the types whose quants are nibbles (Q4 tiles)
 _SCALES = {Q4_1: (2, 2), Q8_0: (1, 2), Q4_K: (2, 4), Q5_K: (2, 4), Q6_K: (2, 4), Q2_K: (4, 4),
-           FP8: (1, 4)}
+           FP8: (1, 4), IQ4_NL: (1, 2), MXFP4: (1, 2)}
 _NIBBLES = (Q4_1, Q4_K, Q4_KS)
+# Level tiles (csrc/quant_tiles.h Levels): blocks of an fp16 d and 16 bytes of nibbles that
+# index a codebook, kept as the file stores them where the library multiplies them
+# (native.Library.quant_kind), else their values as Q8_0 tiles (AS_TILE_BLOCKS). MXFP4's
+# exponent byte becomes the fp16 d (gguf_blocks.mxfp4_as_level_blocks).
+_LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
+# The order of a level tile's rows in a step packed for integer activations (quant_tiles.h).
+_LEVEL_ROWS = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
@@ -175,8 +182,9 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
          rounding: str = "exact") -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
-    multiplies with `lib`'s kernels. Q4_0, Q5_0, Q5_1 and IQ4_NL blocks become a tile type's
-    first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
+    multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
+    them (_LEVELS); those and Q4_0, Q5_0 and Q5_1 blocks otherwise become a tile type's first
+    (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
     the classic tiles of the same values where a superblock was cut (a rank's share of its
     columns). rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column
     block and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
@@ -188,7 +196,10 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         raise ValueError(f"rounding must be one of {ROUNDINGS} (FP8: exact), got {rounding!r}")
     if rounding == "int8-large" and ggml_type not in (Q4_0, *_NIBBLES):
         raise ValueError(f"int8-large takes Q4 tiles (Q4_0, Q4_1, Q4_K), not type {ggml_type}")
-    if ggml_type in AS_TILE_BLOCKS:
+    levels = _level_blocks(ggml_type, raw, lib, rounding)
+    if levels is not None:
+        raw = levels
+    elif ggml_type in AS_TILE_BLOCKS:
         ggml_type, raw = AS_TILE_BLOCKS[ggml_type](raw)
     parts = super_parts(ggml_type, raw) if ggml_type in _SUPER else None
     if parts is not None and not _whole_superblocks(parts[0], cols):
@@ -197,7 +208,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
         tiles = _super_tiles(ggml_type, parts, cols, rounding)
     else:
         arrays, width = _SCALES[ggml_type]
-        blocks = raw.reshape(rows // _ROWS, _ROWS, cols // 32, _BLOCK_BYTES[ggml_type])
+        blocks = raw.reshape(rows // _ROWS, _ROWS, cols // 32, -1)
         scales = blocks[..., :arrays * width]                   # [G, 16 rows, nb, arrays * w]
         scales = scales.reshape(*scales.shape[:3], arrays, width).permute(0, 2, 3, 1, 4)
         tiles = torch.cat([_quant_bytes(ggml_type, blocks[..., arrays * width:], rounding),
@@ -205,13 +216,35 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     return QuantWeight([Segment(ggml_type + _KIND_OFFSET[rounding], tiles, rows)], cols, lib)
 
 
+def _level_blocks(ggml_type: int, raw: torch.Tensor, lib: native.Library,
+                  rounding: str) -> torch.Tensor | None:
+    """A level type's blocks as its level tiles take them, where `lib` multiplies them;
+    else None."""
+    if ggml_type not in _LEVELS or not lib.quant_kind(ggml_type + _KIND_OFFSET[rounding]):
+        return None
+    return _LEVELS[ggml_type](raw)
+
+
+def _level_steps(quants: torch.Tensor) -> torch.Tensor:
+    """Level blocks' nibbles [G, nb, 16 rows, 16 bytes] (the file's: byte i holds columns i
+    and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in _LEVEL_ROWS' order,
+    2]: byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high)."""
+    index = torch.cat([quants & 0x0F, quants >> 4], dim=-1)          # [G, nb, 16, 32 columns]
+    quads = index.reshape(*index.shape[:3], 8, 4)
+    pairs = quads[..., :2] | (quads[..., 2:] << 4)                   # [G, nb, 16, 8, 2]
+    return pairs.transpose(2, 3)[:, :, :, _LEVEL_ROWS]
+
+
 def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.Tensor:
     """Blocks' quants uint8 [G, 16 rows, nb, bytes] as their tiles hold them, [G, nb, 16 *
     bytes]: nibbles [8 steps][16 rows][2]; Q8 bytes [32 columns][16 rows], or for integer
-    activations [8 steps][16 rows][4 adjacent columns]."""
+    activations [8 steps][16 rows][4 adjacent columns]; level tiles' nibbles [16 columns][16
+    rows] (exact), or _level_steps'."""
     groups, nb = quants.shape[0], quants.shape[2]
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
-    if ggml_type in _NIBBLES:
+    if ggml_type in _LEVELS:
+        qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
+    elif ggml_type in _NIBBLES:
         qs = quants.reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)       # [G,nb,8,16,2]
     elif rounding != "exact":
         qs = quants.reshape(groups, nb, _ROWS, 8, 4).transpose(2, 3)       # [G,nb,8,16,4]

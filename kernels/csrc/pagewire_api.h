@@ -101,6 +101,8 @@ enum PwTile : int64_t {
   PW_TILE_Q4_1 = 3,
   PW_TILE_Q8_0 = 8,
   PW_TILE_Q2_K = 10,
+  PW_TILE_IQ4_NL = 20,    // level tiles (quant_tiles.h Levels): nibbles indexing a codebook
+  PW_TILE_MXFP4 = 39,
   PW_TILE_Q4_K = 12,
   PW_TILE_Q5_K = 13,
   PW_TILE_Q6_K = 14,
@@ -301,6 +303,8 @@ PW_API(void, pw_quant_matmul_bf16, (int64_t kind, pw_bf16* out, int64_t out_stri
                                     const uint8_t* packed, int64_t N, int64_t K))
 // Whether this build has the quantized matmuls (every tier from AVX2 up).
 PW_API(int64_t, pw_quant_matmuls, ())
+// Whether it multiplies weights packed as `kind` (1) or not (0).
+PW_API(int64_t, pw_quant_kind, (int64_t kind))
 
 // --- moe.cpp
 // out [tokens, H] = the mixture-of-experts block `spec` (PwMoe) of x [tokens, H], both

@@ -139,13 +139,26 @@ inline __m256 q8_lanes(const uint8_t* rows) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
+// 8 rows of a level tile's columns k (w0) and k + 16 (w1): their byte [k][l] (`rows` at
+// row 8 half), each nibble's level as float32 lanes.
+template <typename Tile>
+inline void level_lanes(const uint8_t* rows, __m256& w0, __m256& w1) {
+  const __m128i table = _mm256_castsi256_si128(level_table<Tile::kLevels>());
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(table, _mm_and_si128(v, low))));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low))));
+}
+
 // Q8 tiles (Q8_0, Q6_K, Q5_K, Q2_K, FP8): byte [k][l] of a tile is column k of row l. Two chains a
 // token: even and odd columns under one scale (Q8_0, Q5_K), or columns < 16 and >= 16 under
-// their own (Q6_K, Q2_K); plus each group's m * sum(x) (Q5_K, Q2_K).
+// their own (Q6_K, Q2_K; a level tile's, under one); plus each group's m * sum(x) (Q5_K,
+// Q2_K).
 template <int M, typename Tile, typename Out>
 void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint8_t* packed,
              int64_t K, int64_t half) {
-  constexpr bool kSplit = Tile::kSplits == 2;
+  constexpr bool kSplit = Tile::kSplits == 2, kByHalves = kSplit || Tile::kLevels;
   const int64_t nb = K / 32;
   const uint8_t* tiles = packed + (half / 2) * nb * Tile::kBytes;
   __m256 acc[M];
@@ -156,9 +169,15 @@ void q8_half(Out* out, int64_t os, const float* x, const float* sums, const uint
     __m256 first[M], second[M];
     for (int m = 0; m < M; ++m) first[m] = second[m] = _mm256_setzero_ps();
     for (int i = 0; i < 16; ++i) {
-      const int k0 = kSplit ? i : 2 * i, k1 = k0 + (kSplit ? 16 : 1);
+      const int k0 = kByHalves ? i : 2 * i, k1 = k0 + (kByHalves ? 16 : 1);
       const uint8_t* rows = tile + 8 * (half % 2);
-      const __m256 w0 = q8_lanes<Tile>(rows + 16 * k0), w1 = q8_lanes<Tile>(rows + 16 * k1);
+      __m256 w0, w1;
+      if constexpr (Tile::kLevels != kNoLevels) {
+        level_lanes<Tile>(rows + 16 * i, w0, w1);
+      } else {
+        w0 = q8_lanes<Tile>(rows + 16 * k0);
+        w1 = q8_lanes<Tile>(rows + 16 * k1);
+      }
       for (int m = 0; m < M; ++m) {
         const float* xb = x + m * K + b * 32;
         first[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xb + k0), first[m]);

@@ -159,8 +159,7 @@ struct Panel {
     const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int j = 0; j < 8; ++j) {
-      const __m256i v =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
+      const __m256i v = int_codes<Tile>(tile, j, h);   // a level tile's looked up
       // [rows 0-3 c01 | rows 0-3 c23 | rows 4-7 c01 | rows 4-7 c23] -> c01 rows 0-7 | c23
       const __m256i pairs = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);
       _mm256_storeu_si256(out + 2 * j, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(pairs)));

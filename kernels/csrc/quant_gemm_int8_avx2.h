@@ -72,13 +72,13 @@ struct Int8GemmRows : IntActivations<1> {
   }
 };
 
-// One 16-row group's operands: Q4 tiles' nibbles and six-bit codes as [nb][8 steps][2 halves]
-// registers of 8 rows x columns 4s .. 4s + 3 (a row's four bytes a 32-bit lane); other Q8
-// tiles are read in place (their bytes are already in that order). Each block's scale arrays
+// One 16-row group's operands: Q4 tiles' nibbles, six-bit codes and level tiles' levels as
+// [nb][8 steps][2 halves] registers of 8 rows x columns 4s .. 4s + 3 (a row's four bytes a
+// 32-bit lane); other Q8 tiles are read in place (their bytes are already in that order). Each block's scale arrays
 // as float32 [nb][arrays][16] (a superblock tile's computed once a fill, not once a token).
 template <typename Tile>
 struct Int8Panel {
-  static constexpr bool kQuants = Tile::kQ4 || kSixBit<Tile>;
+  static constexpr bool kQuants = Tile::kQ4 || kSixBit<Tile> || Tile::kLevels != kNoLevels;
   std::vector<__m256i> q;
   std::vector<float> scales;
   explicit Int8Panel(int64_t nb) : q(kQuants ? nb * 16 : 0), scales(nb * Tile::kArrays * 16) {}
@@ -89,6 +89,8 @@ struct Int8Panel {
       prefetch_ahead<Tile>(group, b);
       if constexpr (Tile::kQ4) nibbles(tile, q.data() + b * 16);
       if constexpr (kSixBit<Tile>) six_bits(tile, q.data() + b * 16);
+      if constexpr (Tile::kLevels != kNoLevels)   // looked up once a chunk, as a Q8 tile
+        for (int i = 0; i < 16; ++i) q[b * 16 + i] = level_codes<Tile>(tile, i / 2, i % 2);
       for (int a = 0; a < Tile::kArrays; ++a)
         for (int h = 0; h < 2; ++h)
           _mm256_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16 + 8 * h,
@@ -242,6 +244,9 @@ void int8_gemm_q8(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
     for (int s = 0; s < Tile::kSplits; ++s) {
       __m256i sum[2][M];
       if constexpr (kSixBit<Tile>) six_bit_sums<M, Tile>(sum, a, t, p, b, s);
+      else if constexpr (Tile::kLevels != kNoLevels)
+        signed_sums<M, Tile>(sum, a, t, reinterpret_cast<const uint8_t*>(p.q.data() + b * 16),
+                             b, s);
       else signed_sums<M, Tile>(sum, a, t, Tile::at(group, b), b, s);
       for (int h = 0; h < 2; ++h) {
         const __m256 d = _mm256_loadu_ps(sc + s * 16 + 8 * h);

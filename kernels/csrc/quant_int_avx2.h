@@ -123,10 +123,16 @@ inline void i16_split_sums(__m256i (&sum)[M][kHalves][2], const IntActivations<2
       xq[m] = _mm256_set1_epi64x(quad);
     }
     for (int i = 0; i < kHalves; ++i) {
-      const uint8_t* w = tile + 64 * j + 32 * (h0 + i);
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-      const __m256i w1 =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      __m256i w0, w1;
+      if constexpr (Tile::kLevels != kNoLevels) {
+        const __m256i w = level_codes<Tile>(tile, j, h0 + i);
+        w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+        w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+      } else {
+        const uint8_t* w = tile + 64 * j + 32 * (h0 + i);
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+      }
       for (int m = 0; m < M; ++m) {
         sum[m][i][0] = _mm256_add_epi32(sum[m][i][0], _mm256_madd_epi16(w0, xq[m]));
         sum[m][i][1] = _mm256_add_epi32(sum[m][i][1], _mm256_madd_epi16(w1, xq[m]));
@@ -201,8 +207,7 @@ void q8_i8_groups(Out* out, int64_t os, const IntActivations<1>& a, int64_t t,
 #pragma GCC unroll 8
         for (int j = s * kSteps; j < (s + 1) * kSteps; ++j)
           for (int half = 0; half < 2; ++half) {
-            const __m256i w = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * half));
+            const __m256i w = int_codes<Tile>(tile, j, half);
             const __m256i w_abs = _mm256_abs_epi8(w);
             for (int m = 0; m < M; ++m) {
               int32_t quad;

@@ -233,7 +233,11 @@ namespace pw {
 #define PW_INT_TILES(X) X(Q4_1, Q4_1Tile) X(Q8_0, Q8_0Tile) X(Q4_K, Q4_KTile)         \
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
   X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper)
-#define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile)
+#define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile) PW_LEVEL_TILES(X)
+// Level tiles (quant_tiles.h Levels): the AVX2 kernels' (avx2 and avx512 tiers) only; the
+// avx512_bf16 tier, whose exact and int8 kernels are its own, lacks them (kernels/quant.py
+// packs IQ4_NL and MXFP4 as Q8_0 tiles there: pw_quant_kind).
+#define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
 // PW_ROUNDING_INT8_LARGE: a step of kLargeFrom tokens or more (a prefill chunk, a big batch)
@@ -279,10 +283,15 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #define PW_INT8_LARGE(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT8_LARGE: return large_int8<Tile, T>;
   switch (kind) {
-    PW_TILES(PW_EXACT)
+    PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile)
     PW_INT_TILES(PW_INT8)
     PW_INT_TILES(PW_INT16)
     PW_Q4_TILES(PW_INT8_LARGE)
+#if !defined(__AVX512BF16__)
+    PW_LEVEL_TILES(PW_EXACT)
+    PW_LEVEL_TILES(PW_INT8)
+    PW_LEVEL_TILES(PW_INT16)
+#endif
   }
 #undef PW_EXACT
 #undef PW_INT8
@@ -322,6 +331,8 @@ extern "C" {   // the entry points' contracts: pagewire_api.h
   }
 PW_QUANT_MATMUL(float, f32)
 PW_QUANT_MATMUL(bf16, bf16)
+
+int64_t pw_quant_kind(int64_t kind) { return pw::quant_matmul<float>(kind) != nullptr; }
 
 int64_t pw_quant_matmuls() {
 #if defined(__AVX512BF16__) || defined(__AVX2__)

@@ -12,6 +12,9 @@
 //   Q2_K  512 bytes of int8,    d, d (columns 0-15, 16-31), m, m: f32 (d q + m)
 //   FP8   512 bytes of e4m3,    d[16] f32                          (d q; an FP8 checkpoint's
 //         codes, q decoded exactly to float32: kernels/quant.py FP8)
+//   IQ4_NL, MXFP4  256 bytes of nibbles, d[16] fp16  (d level[q]: a 16-entry int8 codebook,
+//         IQ4_NL's levels or MXFP4's doubled e2m1 ones; level tiles, the file's 4.5 bits a
+//         weight where Q8_0's tiles of the same values took 8.5; the avx2 and avx512 tiers)
 // The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
 // sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
 //
@@ -32,16 +35,27 @@ namespace pw {
 // turn into bfloat16 with one 64-entry table lookup (quant_kernels.cpp SixBitCodes).
 enum Codes { kAnyInt8, kSigned6, kUnsigned6 };
 
+// A level tile's codebook: its nibbles index 16 int8 levels (a weight is d * level), which
+// make it a Q8_0 tile of kAnyInt8 codes once looked up (vpshufb, 32 a instruction).
+// Its nibbles: for exact activations byte [k][l] holds row l's column k (low nibble) and
+// k + 16 (high), as the file's bytes do; for integer ones byte [j][w][p] holds, of the row
+// word w stands for (rows 0-3, 8-11, 4-7, 12-15), columns 4j + p (low) and 4j + 2 + p
+// (high), so that a step's 32 bytes looked up are a Q8 tile's integer layout (level_codes).
+enum Levels { kNoLevels, kIQ4NLLevels, kMXFP4Levels };
+
 // S: a scale's storage (uint16_t: fp16; float); kSplits: the column groups of a block with
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
 // kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
 // What the kernels read of every layout (Tile, SuperTile).
-template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_>
+template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_,
+          Levels kLevels_ = kNoLevels>
 struct TileShape {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
-  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256, kFp8 = kFp8_;
+  static constexpr Levels kLevels = kLevels_;
+  // kQ4: Q4_1's nibbles (codes 0..15); a level tile's nibbles are codebook indices
+  static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256 && !kLevels_, kFp8 = kFp8_;
   static constexpr Codes kCodes = kCodes_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   // The column groups of a block whose activation sums the minimums meet (0: none needed).
@@ -50,8 +64,8 @@ struct TileShape {
 };
 
 template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false,
-          Codes kCodes_ = kAnyInt8>
-struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_> {
+          Codes kCodes_ = kAnyInt8, Levels kLevels_ = kNoLevels>
+struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_, kLevels_> {
   static constexpr int64_t kBytes = kQuantBytes_ + kSplits_ * (kMin_ ? 2 : 1) * 16 * sizeof(S);
 
   static const S* scales(const uint8_t* tile, int array) {
@@ -139,6 +153,47 @@ using Q5_KSuper = SuperTile<512, 1, true, kUnsigned6>;     // Q5_K
 using Q6_KSuper = SuperTile<512, 2, false, kSigned6>;      // Q6_K, Q3_K
 using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
 using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
+using IQ4_NLTile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kIQ4NLLevels>;
+using MXFP4Tile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kMXFP4Levels>;
+
+#if defined(__AVX2__)
+// A level tile's codebook in both 128-bit lanes (vpshufb's table): kernels/gguf_blocks.py's
+// IQ4_NL_LEVELS and MXFP4_LEVELS.
+template <Levels L>
+inline __m256i level_table() {
+  static_assert(L != kNoLevels, "a level tile's");
+  if constexpr (L == kIQ4NLLevels)
+    return _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                            89, 113, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                            53, 69, 89, 113);
+  else
+    return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3,
+                            4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+// Step j of a level tile packed for integer activations, rows 8h .. 8h + 7: the 32 int8
+// codes a Q8 tile holds at 64 j + 32 h (row l's columns 4j .. 4j + 3 in its 32-bit lane).
+// The step's words are rows 0-3, 8-11, 4-7, 12-15, so that interleaving the low nibbles'
+// levels (columns 4j, 4j + 1) with the high ones' (4j + 2, 4j + 3) by 16-bit words, lane by
+// lane, gives rows 0-7 (unpacklo) and 8-15 (unpackhi).
+template <typename Tile>
+inline __m256i level_codes(const uint8_t* tile, int j, int h) {
+  const __m256i table = level_table<Tile::kLevels>(), low = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+  const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+  const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+  return h ? _mm256_unpackhi_epi16(lo, hi) : _mm256_unpacklo_epi16(lo, hi);
+}
+
+// A tile's step j, rows 8h .. 8h + 7, as a Q8 tile packed for integer activations holds it.
+template <typename Tile>
+inline __m256i int_codes(const uint8_t* tile, int j, int h) {
+  if constexpr (Tile::kLevels != kNoLevels)
+    return level_codes<Tile>(tile, j, h);
+  else
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * j + 32 * h));
+}
+#endif
 
 // e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
 // ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved

@@ -8,7 +8,7 @@ import torch
 
 from pagewire import memory_budget
 from pagewire.executor.linear_blocks import AUTO_MATMUL_TOKENS, DenseRoom
-from pagewire.kernels import native, quant
+from pagewire.kernels import native, quant, tiers
 from pagewire.model_info import ModelInfo
 
 GiB = 2**30
@@ -110,7 +110,8 @@ def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
     if kind in gguf_blocks.SUPERBLOCKS:
         kind, raw = gguf_blocks.k_quant_super_blocks(kind, raw)
     weight = quant.pack(kind, raw, 512, native_lib)
-    assert weight.nbytes / (16 * 512 / 32) == memory_budget.TILE_BYTES[
+    level_tiles = native_lib.tier in tiers.LEVEL_TILES
+    assert weight.nbytes / (16 * 512 / 32) == memory_budget.tile_bytes(level_tiles)[
         int(gguf.GGMLQuantizationType[qtype])]
 
 
@@ -140,11 +141,15 @@ def test_block_embedding_types_are_those_torch_dequantizes():
     assert memory_budget.BLOCK_EMBEDDINGS == set(DEQUANTIZED)
 
 
-def test_an_mxfp4_checkpoint_counts_its_blocks_as_q8_0_tiles(tmp_path, info):
-    """gpt-oss's MXFP4 experts: 17 bytes a 32 weights on disk, 34 as the tiles hold them."""
+@pytest.mark.parametrize("level_tiles", [True, False])
+def test_an_mxfp4_checkpoint_counts_its_blocks_as_its_tiles(tmp_path, info, monkeypatch,
+                                                            level_tiles):
+    """gpt-oss's MXFP4 experts: 17 bytes a 32 weights on disk; 18 as level tiles hold them
+    (avx2, avx512), 34 as Q8_0 tiles (avx512_bf16)."""
+    monkeypatch.setattr(memory_budget, "_level_tiles", lambda: level_tiles)
     with open(tmp_path / "model.safetensors", "wb") as f:
-        f.truncate(GiB)
+        f.truncate(17 * GiB // 16)
     mxfp4 = msgspec.structs.replace(info, path=str(tmp_path), format="hf",
                                     stored_quantization="mxfp4")
-    assert memory_budget.weights_estimate(mxfp4, -1) == 2 * GiB
-    assert memory_budget.TILE_BYTES[39] == 2 * 17
+    assert memory_budget.weights_estimate(mxfp4, -1) == (18 if level_tiles else 34) * GiB // 16
+    assert memory_budget.tile_bytes(level_tiles)[39] == (18 if level_tiles else 2 * 17)

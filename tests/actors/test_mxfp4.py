@@ -1,7 +1,7 @@
 """MXFP4 weights (gpt-oss's experts' format) in a whole model: a tiny Llama whose linears a
 GGUF file stores as MXFP4 (gguf-py quantizes them) runs on every native CPU tier from the
-file's blocks (as Q8_0 blocks of the same values) and on the torch reference (dequantized),
-greedy-equal to transformers on the same file (its own dequantization of it)."""
+file's blocks (as level tiles; on avx512_bf16 Q8_0 tiles of the same values) and on the
+torch reference (dequantized), greedy-equal to transformers on the same file (its own dequantization of it)."""
 from __future__ import annotations
 
 import json
@@ -43,8 +43,10 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
               quantized_matmul_tokens=-1)
     kinds = {s.kind % 100 for m in llm.runner.model.modules() if isinstance(m, Linear)
              and m.quantized is not None for s in m.quantized.segments}
-    # every linear's blocks as Q8_0 tiles (however the tier's default rounds activations)
-    assert kinds == (set() if kernels == "torch" else {quant.Q8_0})
+    # every linear's blocks as level tiles (avx2, avx512) or Q8_0 tiles (avx512_bf16),
+    # however the tier's default rounds activations
+    level = quant.MXFP4 if kernels in tiers.LEVEL_TILES else quant.Q8_0
+    assert kinds == (set() if kernels == "torch" else {level})
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mx.gguf",
                                                            dtype=torch.float32))
     rng = random.Random(3)
@@ -59,8 +61,8 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
 def test_mxfp4_experts_multiply_as_stored_and_match_transformers(tmp_path, smol_tokenizer_dir,
                                                                  gguf_tokenizer_meta):
     """An OLMoE GGUF whose experts (stacked [E, rows, cols]) are MXFP4, as gpt-oss's: every
-    expert's Linear holds its slice's blocks only (as Q8_0 tiles, no float copy), and greedy
-    tokens equal transformers' on the values the file holds (our dequantization of it)."""
+    expert's Linear holds its slice's blocks only (as level or Q8_0 tiles, no float copy), and
+    greedy tokens equal transformers' on the values the file holds (our dequantization of it)."""
     from safetensors.torch import save_file
     from pagewire.executor.gguf_weights import read_gguf_weights
     from pagewire.executor.loader import read_safetensors
@@ -81,7 +83,8 @@ def test_mxfp4_experts_multiply_as_stored_and_match_transformers(tmp_path, smol_
                for e in m.experts.values()]
     assert len(experts) == cfg["num_hidden_layers"] * cfg["num_experts"]
     for linear in (lin for e in experts for lin in (e.gate_up, e.down)):
-        assert linear.weight is None and linear.quantized.kind % 100 == quant.Q8_0
+        assert linear.weight is None and linear.quantized.kind % 100 == (
+            quant.MXFP4 if tiers.best() in tiers.LEVEL_TILES else quant.Q8_0)
     oracle = HFOracle.from_dir(hf_dir)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 40)]
@@ -122,7 +125,7 @@ def test_hf_mxfp4_pairs_dequantize_as_transformers_does(dtype):
 def test_an_mxfp4_checkpoint_reads_as_its_values_or_its_blocks(native_lib):
     """The scheme is read; float_weights gives `<name>` as transformers dequantizes it (the
     pair gone, the other tensors cast); blocks_by_name the GGML MXFP4 blocks of a stack of
-    experts, which each multiply (as Q8_0 tiles) within float32 rounding of x @ W[e]."""
+    experts, which each multiply (as level or Q8_0 tiles) within float32 rounding of x @ W[e]."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     from pagewire.executor import checkpoint_formats as cf
     from pagewire.quant_config import read_scheme

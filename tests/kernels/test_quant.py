@@ -19,6 +19,9 @@ TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quan
         "IQ4_NL": quant.Q8_0, "Q5_1": quant.Q5_K, "Q2_K": quant.Q2_KS, "Q3_K": quant.Q6_KS,
         "Q4_K": quant.Q4_KS, "Q5_K": quant.Q5_KS, "Q6_K": quant.Q6_KS, "IQ4_XS": quant.IQ4_XSS,
         "MXFP4": quant.Q8_0}
+# the types kept as level tiles (nibbles indexing a codebook) where the library has them
+# (native.Library.quant_kind: the avx2 and avx512 tiers), else TILE's Q8_0 tiles
+LEVEL = {"IQ4_NL": quant.IQ4_NL, "MXFP4": quant.MXFP4}
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
 # them, as the loader does)
@@ -216,7 +219,8 @@ def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, col
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
     weight = quant.pack(TYPES[qtype], raw, cols, native_lib, rounding)
     offset = {"int8": 100, "int16": 200}[rounding]
-    assert weight.kind == TILE[qtype] + offset
+    level = qtype in LEVEL and native_lib.quant_kind(LEVEL[qtype] + offset)
+    assert weight.kind == (LEVEL[qtype] if level else TILE[qtype]) + offset
     x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
     _check_within_rounding(quant.matmul(x, weight), x, w, top, dtype)
 
