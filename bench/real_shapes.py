@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     formats = list(FORMATS) if args.format == "all" else [args.format]
     for shape in shapes:
         for fmt in formats:
+            gpt_oss = SHAPES[shape]["architecture"] == "GptOssForCausalLM"
+            if len(shapes) * len(formats) > 1 and gpt_oss != (fmt == "MXFP4"):
+                continue           # "all": gpt-oss as MXFP4 only, MXFP4 for gpt-oss only
             print(model_path(shape, fmt, args.out, args.force), flush=True)
     return 0
 

@@ -45,7 +45,8 @@ VOCAB = 49152                   # the default tokenizer's (real_shapes writes it
 def weight_count(shape: str) -> int:
     """The Linears' weights a token multiplies (the LM head included, the embedding not; of a
     mixture of experts' stacks, the share of experts a token takes): 2 FLOPs each."""
-    plan = tensor_plan(SHAPES[shape], "Q4_0", VOCAB)
+    gpt_oss = SHAPES[shape]["architecture"] == "GptOssForCausalLM"   # written MXFP4 only
+    plan = tensor_plan(SHAPES[shape], "MXFP4" if gpt_oss else "Q4_0", VOCAB)
     tied = SHAPES[shape]["tie_word_embeddings"]
     return int(sum(d[0] * d[1] if len(d) == 2 else d[0] * d[1] * d[2] * _taken(shape)
                    for name, _, d, _ in plan if len(d) > 1
@@ -55,7 +56,8 @@ def weight_count(shape: str) -> int:
 def _taken(shape: str) -> float:
     """The share of a mixture's experts a token takes (1: a dense model)."""
     s = SHAPES[shape]
-    return s["num_experts_per_tok"] / s["num_experts"] if s.get("num_experts") else 1.0
+    experts = s.get("num_experts") or s.get("num_local_experts")   # gpt-oss's name
+    return s["num_experts_per_tok"] / experts if experts else 1.0
 
 
 def token_bytes(path: str, shape: str) -> int:

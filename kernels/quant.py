@@ -46,8 +46,6 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 # (native.Library.quant_kind), else their values as Q8_0 tiles (AS_TILE_BLOCKS). MXFP4's
 # exponent byte becomes the fp16 d (gguf_blocks.mxfp4_as_level_blocks).
 _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
-# The order of a level tile's rows in a step packed for integer activations (quant_tiles.h).
-_LEVEL_ROWS = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
@@ -228,11 +226,20 @@ def _level_blocks(ggml_type: int, raw: torch.Tensor, lib: native.Library,
 def _level_steps(quants: torch.Tensor) -> torch.Tensor:
     """Level blocks' nibbles [G, nb, 16 rows, 16 bytes] (the file's: byte i holds columns i
     and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in _LEVEL_ROWS' order,
-    2]: byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high)."""
-    index = torch.cat([quants & 0x0F, quants >> 4], dim=-1)          # [G, nb, 16, 32 columns]
-    quads = index.reshape(*index.shape[:3], 8, 4)
-    pairs = quads[..., :2] | (quads[..., 2:] << 4)                   # [G, nb, 16, 8, 2]
-    return pairs.transpose(2, 3)[:, :, :, _LEVEL_ROWS]
+    2]: byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high). Columns
+    4j .. 4j + 3 lie in bytes 4j' .. 4j' + 3 (j' = j mod 4), low nibbles for j < 4, high for
+    j >= 4; row 8a + 4b + c goes to word 8b + 4a + c (a, b the row's two upper bits swapped)."""
+    g, nb = quants.shape[:2]
+    # a quad's two byte pairs as int16 words (bytes 4j', 4j' + 1 | 4j' + 2, 4j' + 3), each
+    # mask keeping a nibble of both bytes
+    words = quants.contiguous().view(torch.int16).reshape(g, nb, 16, 4, 2)
+    first, second = words[..., 0], words[..., 1]
+    high = -0x0F10                                           # 0xF0F0 as an int16
+    steps = torch.cat([(first & 0x0F0F) | ((second << 4) & high),        # j < 4: low
+                       ((first >> 4) & 0x0F0F) | (second & high)], dim=3)   # j >= 4: high
+    rows = steps.reshape(g, nb, 2, 2, 4, 8)                  # [G, nb, a, b, c, step]
+    return rows.permute(0, 1, 5, 3, 2, 4).contiguous().view(torch.uint8).reshape(
+        g, nb, 8, 16, 2)
 
 
 def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.Tensor:

@@ -45,16 +45,27 @@ SHAPES = {
                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
                         intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
                         tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5),
+    # gpt-oss-20b's (GGUF only): 32 experts of 2880 rows, 4 a token, MXFP4 as ggml-org's
+    # file stores them; attention sinks, biases, every other layer a 128-token window.
+    "gpt-oss-20b": dict(architecture="GptOssForCausalLM", hidden_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128, tie_word_embeddings=False,
+                        rope_theta=150000.0, rms_norm_eps=1e-5, rope_parameters=dict(
+                            rope_type="yarn", factor=32.0, rope_theta=150000.0,
+                            original_max_position_embeddings=4096)),
     # The GPT family: Pythia-1.4B's (GGUF only, as the mixture).
     "gpt-neox-1.4b": dict(architecture="GPTNeoXForCausalLM", hidden_size=2048,
                           num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
                           intermediate_size=8192, rotary_pct=0.25, use_parallel_residual=True,
                           layer_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0),
 }
-FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16")
+# MXFP4: gpt-oss's experts MXFP4, its other linears and embedding Q8_0 (gpt-oss only).
+FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16", "MXFP4")
 MAX_POSITION = 32768          # a 32k context is servable
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "OlmoeForCausalLM": "olmoe", "GPTNeoXForCausalLM": "gptneox"}
+             "OlmoeForCausalLM": "olmoe", "GPTNeoXForCausalLM": "gptneox",
+             "GptOssForCausalLM": "gpt-oss"}
 
 # GGML type -> (bytes per block, weights per block, (byte offset of an fp16 scale, low,
 # high) for each scale field). Every other byte may be anything: all bit patterns are valid
@@ -66,6 +77,7 @@ BLOCKS = {
     "Q8_0": (34, 32, ((0, 1.5e-4, 4e-4),)),
     "Q4_K": (144, 256, ((0, 6.5e-5, 1.1e-4), (2, 5e-4, 8e-4))),
     "Q6_K": (210, 256, ((208, 8e-5, 1.6e-4),)),
+    "MXFP4": (17, 32, ()),     # E8M0 exponents 119-121 (below): 2^-9..2^-7 x levels to 12
 }
 
 
@@ -106,7 +118,7 @@ def hf_config(shape: dict, vocab_size: int, bos: int, eos: int) -> dict:
     """config.json of a shape (also what the GGUF metadata is written from)."""
     cfg = {k: v for k, v in shape.items() if k != "architecture"}
     cfg.setdefault("max_position_embeddings", MAX_POSITION)
-    cfg["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    cfg.setdefault("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     return {"architectures": [shape["architecture"]],
             "model_type": GGUF_ARCH[shape["architecture"]], **cfg, "vocab_size": vocab_size,
             "bos_token_id": bos, "eos_token_id": eos, "hidden_act": "silu",
@@ -118,6 +130,10 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
     (Q4_0, Q4_K_M, Q8_0: the embedding stored like the linears, Q4_K_M's from its Q4_K;
     bf16: all "BF16")."""
     hidden = shape["hidden_size"]
+    if shape["architecture"] == "GptOssForCausalLM":
+        if fmt != "MXFP4":
+            raise ValueError(f"a gpt-oss shape is written as MXFP4, not {fmt}")
+        return _gpt_oss_plan(shape, vocab_size)
     head_dim = hidden // shape["num_attention_heads"]
     q_rows, kv_rows = shape["num_attention_heads"] * head_dim, \
         shape["num_key_value_heads"] * head_dim
@@ -154,6 +170,36 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
     if not shape["tie_word_embeddings"]:
         rows.append(("lm_head.weight", "output.weight", (vocab_size, hidden)))
     return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in rows]
+
+
+def _gpt_oss_plan(shape: dict, vocab_size: int) -> list[Planned]:
+    """gpt-oss's tensors as llama.cpp's converter names them: every linear biased, the
+    experts' gate and up stacked apart, a sink a head; experts MXFP4, the rest Q8_0."""
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], \
+        shape["num_key_value_heads"]
+    q_rows, kv_rows, experts, inter = heads * shape["head_dim"], kv * shape["head_dim"], \
+        shape["num_local_experts"], shape["intermediate_size"]
+    plan = [Planned("model.embed_tokens.weight", "token_embd.weight", (vocab_size, h), "Q8_0")]
+    for i in range(shape["num_hidden_layers"]):
+        hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        plan.append(Planned(hf + "input_layernorm.weight", gg + "attn_norm.weight", (h,), "F32"))
+        for proj, rows, cols in (("q", q_rows, h), ("k", kv_rows, h), ("v", kv_rows, h),
+                                 ("output", h, q_rows)):
+            name = f"{hf}self_attn.{'o' if proj == 'output' else proj}_proj."
+            plan += [Planned(name + "weight", f"{gg}attn_{proj}.weight", (rows, cols), "Q8_0"),
+                     Planned(name + "bias", f"{gg}attn_{proj}.bias", (rows,), "F32")]
+        plan += [Planned(hf + "self_attn.sinks", gg + "attn_sinks.weight", (heads,), "F32"),
+                 Planned(hf + "post_attention_layernorm.weight", gg + "post_attention_norm.weight",
+                         (h,), "F32"),
+                 Planned(hf + "mlp.router.weight", gg + "ffn_gate_inp.weight", (experts, h), "F32"),
+                 Planned(hf + "mlp.router.bias", gg + "ffn_gate_inp.bias", (experts,), "F32")]
+        for proj, dims in (("gate", (experts, inter, h)), ("up", (experts, inter, h)),
+                           ("down", (experts, h, inter))):
+            name = f"{hf}mlp.experts.{proj}_proj."
+            plan += [Planned(name + "weight", f"{gg}ffn_{proj}_exps.weight", dims, "MXFP4"),
+                     Planned(name + "bias", f"{gg}ffn_{proj}_exps.bias", dims[:2], "F32")]
+    return plan + [Planned("model.norm.weight", "output_norm.weight", (h,), "F32"),
+                   Planned("lm_head.weight", "output.weight", (vocab_size, h), "Q8_0")]
 
 
 def _neox_rows(shape: dict, vocab_size: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -203,6 +249,8 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng) -> np.ndarray:
         blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(n, 2)
     if ggml_type == "Q6_K":       # int8 sub-block scales in -16..15
         blocks[:, 192:208] = ((blocks[:, 192:208] & 0x1F).view(np.int8) - 16).view(np.uint8)
+    if ggml_type == "MXFP4":      # the levels' rms ~5.9: weights of ~0.02
+        blocks[:, 0] = rng.integers(119, 122, n, dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 

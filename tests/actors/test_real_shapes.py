@@ -26,6 +26,13 @@ TINY_OLMOE = {**TINY, "architecture": "OlmoeForCausalLM", "num_key_value_heads":
               "num_experts": 4, "num_experts_per_tok": 2}
 TINY_NEOX = {**TINY, "architecture": "GPTNeoXForCausalLM", "num_key_value_heads": 4,
              "rotary_pct": 0.25, "use_parallel_residual": True, "layer_norm_eps": 1e-5}
+TINY_GPT_OSS = dict(architecture="GptOssForCausalLM", hidden_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=16, tie_word_embeddings=False, rope_theta=150000.0,
+                    rms_norm_eps=1e-5, rope_parameters=dict(
+                        rope_type="yarn", factor=32.0, rope_theta=150000.0,
+                        original_max_position_embeddings=4096))
 VOCAB = 512
 
 
@@ -75,6 +82,32 @@ def test_weights_are_small_and_norms_ones(tmp_path, tokenizer_meta):
                 assert 0.005 < rms < 0.06, (fmt, name, rms)
 
 
+def test_gpt_oss_is_written_as_ggml_orgs_mxfp4_file(tmp_path, tokenizer_meta):
+    """Experts MXFP4, the other linears and the embedding Q8_0, biases, sinks and routers
+    float32; weights small (E8M0 exponents 119-121); MXFP4 only."""
+    path = write_gguf_model(str(tmp_path / "m.gguf"), TINY_GPT_OSS, "MXFP4", tokenizer_meta)
+    types = _types(path)
+    assert len(types) == 3 + 2 * 19
+    for i in range(2):
+        for proj in ("gate", "up", "down"):
+            assert types[f"blk.{i}.ffn_{proj}_exps.weight"] == "MXFP4"
+            assert types[f"blk.{i}.ffn_{proj}_exps.bias"] == "F32"
+        for proj in ("q", "k", "v", "output"):
+            assert types[f"blk.{i}.attn_{proj}.weight"] == "Q8_0"
+        assert types[f"blk.{i}.attn_sinks.weight"] == types[f"blk.{i}.ffn_gate_inp.weight"] \
+            == "F32"
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0"
+    header = read_gguf_header(path)
+    assert header.tensors["blk.0.ffn_down_exps.weight"].shape == (4, 256, 256)
+    assert header.tensors["blk.0.attn_q.weight"].shape == (4 * 64, 256)
+    assert header.metadata["gpt-oss.attention.sliding_window"] == 16
+    weights = read_gguf_weights(path, header, 4, 2)
+    experts = [w for n, w in weights.items() if "experts" in n and n.endswith("weight")]
+    assert experts and all(0.005 < float(w.pow(2).mean().sqrt()) < 0.06 for w in experts)
+    with pytest.raises(ValueError, match="MXFP4"):
+        tensor_plan(TINY_GPT_OSS, "Q4_0", VOCAB)
+
+
 def test_whole_files_are_found_and_cut_ones_are_not(tmp_path, tokenizer_meta):
     path = write_gguf_model(str(tmp_path / "m.gguf"), TINY, "Q4_0", tokenizer_meta)
     assert gguf_is_whole(path, TINY, "Q4_0")
@@ -108,8 +141,9 @@ def _generate(path: str) -> None:
 
 @pytest.mark.parametrize("fmt,shape", [("Q4_0", TINY), ("Q4_K_M", TINY_QWEN),
                                        ("Q8_0", TINY), ("Q4_K_M", TINY_OLMOE),
-                                       ("Q4_K_M", TINY_NEOX)],
-                         ids=["llama-Q4_0", "qwen-Q4_K_M", "llama-Q8_0", "olmoe", "gpt-neox"])
+                                       ("Q4_K_M", TINY_NEOX), ("MXFP4", TINY_GPT_OSS)],
+                         ids=["llama-Q4_0", "qwen-Q4_K_M", "llama-Q8_0", "olmoe", "gpt-neox",
+                              "gpt-oss"])
 def test_engine_generates_from_gguf(tmp_path, monkeypatch, tokenizer_meta, fmt, shape):
     use_private_cache(tmp_path, monkeypatch)
     _generate(write_gguf_model(str(tmp_path / "m.gguf"), shape, fmt, tokenizer_meta))
