@@ -238,11 +238,27 @@ def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # + 50; Q3_K's values take Q6_K's form) and its classic tile type (float32 scales a block).
 # (IQ4_XS's: its int8 levels, which take Q6_K's form but not its six-bit range)
 Q2_KS, Q4_KS, Q5_KS, Q6_KS, IQ4_XSS = 60, 62, 63, 64, 73
+# IQ4_XS's superblocks as level tiles (its nibbles as stored, one scale a block): what
+# kernels/quant.py packs IQ4_XSS blocks as where the library has them (iq4_xs_level_parts)
+IQ4_XSL = 74
 SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: IQ4_XSS}
 CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K, IQ4_XSS: Q6_K}
 # a superblock tile type's (fp16 heads, int8 scale arrays, quant bytes) a 32-weight block
 SUPER_PARTS = {Q2_KS: (2, 4, 32), Q4_KS: (2, 2, 16), Q5_KS: (2, 2, 32), Q6_KS: (1, 2, 32),
-               IQ4_XSS: (1, 2, 32)}
+               IQ4_XSS: (1, 2, 32), IQ4_XSL: (1, 1, 16)}
+# IQ4_NL's levels' indices: byte (level & 0xFF) -> its nibble (iq4_xs_level_parts)
+_IQ4_NL_INDEX = torch.zeros(256, dtype=torch.uint8)
+_IQ4_NL_INDEX[torch.tensor(IQ4_NL_LEVELS, dtype=torch.int8).view(torch.uint8).long()] = \
+    torch.arange(16, dtype=torch.uint8)
+
+
+def iq4_xs_level_parts(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """IQ4_XSS blocks' parts (super_parts: heads, two equal scale bytes, 32 int8 levels) as
+    IQ4_XSL's: the same heads, one scale byte, the levels' nibbles as the file stores them
+    (byte i: weights i and i + 16)."""
+    heads, scales, levels = parts
+    index = _IQ4_NL_INDEX[levels.long()]                                    # [rows, nb, 32]
+    return heads, scales[..., :1], index[..., :16] | (index[..., 16:] << 4)
 
 
 def _scale_bytes(ggml_type: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,10 @@ from typing import NamedTuple
 import torch
 
 from . import native, native_api
-from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0, Q4_1, Q4_K,
-                          Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0, SUPER_PARTS,
-                          mxfp4_as_level_blocks, super_as_classic, super_parts)
+from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0,
+                          Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0,
+                          SUPER_PARTS, iq4_xs_level_parts, mxfp4_as_level_blocks,
+                          super_as_classic, super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
 # declares them (PwTile: GGML's type ids, which gguf_blocks.py names too; PwRounding).
@@ -46,11 +47,13 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 # (native.Library.quant_kind), else their values as Q8_0 tiles (AS_TILE_BLOCKS). MXFP4's
 # exponent byte becomes the fp16 d (gguf_blocks.mxfp4_as_level_blocks).
 _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
+# IQ4_XS's superblocks likewise (IQ4_XSS blocks' whole superblocks become IQ4_XSL's tiles).
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
 assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
-                                      ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS)))
+                                      ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS),
+                                      ("IQ4_XSL", IQ4_XSL)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic); or
 # "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the GEMM
@@ -202,6 +205,9 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     parts = super_parts(ggml_type, raw) if ggml_type in _SUPER else None
     if parts is not None and not _whole_superblocks(parts[0], cols):
         ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
+    if ggml_type == IQ4_XSS and parts is not None and \
+            lib.quant_kind(IQ4_XSL + _KIND_OFFSET[rounding]):
+        ggml_type, parts = IQ4_XSL, iq4_xs_level_parts(parts)
     if parts is not None:
         tiles = _super_tiles(ggml_type, parts, cols, rounding)
     else:
@@ -249,7 +255,7 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     rows] (exact), or _level_steps'."""
     groups, nb = quants.shape[0], quants.shape[2]
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
-    if ggml_type in _LEVELS:
+    if ggml_type in (*_LEVELS, IQ4_XSL):
         qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
     elif ggml_type in _NIBBLES:
         qs = quants.reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)       # [G,nb,8,16,2]

@@ -112,6 +112,7 @@ enum PwTile : int64_t {
   PW_TILE_Q5_KS = 63,
   PW_TILE_Q6_KS = 64,
   PW_TILE_IQ4_XSS = 73,
+  PW_TILE_IQ4_XSL = 74,   // IQ4_XS's superblocks as level tiles (nibbles: 4.31 bits a weight)
   PW_TILE_FP8 = 90,       // an FP8 checkpoint's e4m3 codes
 };
 

@@ -237,7 +237,7 @@ namespace pw {
 // Level tiles (quant_tiles.h Levels): the AVX2 kernels' (avx2 and avx512 tiers) only; the
 // avx512_bf16 tier, whose exact and int8 kernels are its own, lacks them (kernels/quant.py
 // packs IQ4_NL and MXFP4 as Q8_0 tiles there: pw_quant_kind).
-#define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile)
+#define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
 // PW_ROUNDING_INT8_LARGE: a step of kLargeFrom tokens or more (a prefill chunk, a big batch)

@@ -14,7 +14,8 @@
 //         codes, q decoded exactly to float32: kernels/quant.py FP8)
 //   IQ4_NL, MXFP4  256 bytes of nibbles, d[16] fp16  (d level[q]: a 16-entry int8 codebook,
 //         IQ4_NL's levels or MXFP4's doubled e2m1 ones; level tiles, the file's 4.5 bits a
-//         weight where Q8_0's tiles of the same values took 8.5; the avx2 and avx512 tiers)
+//         weight where Q8_0's tiles of the same values took 8.5; the avx2 and avx512 tiers;
+//         IQ4_XS's as superblock level tiles, below)
 // The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
 // sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
 //
@@ -100,9 +101,10 @@ struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_, kLevels_>
 // which a minimum array's do. Block b's effective scale is head * byte: an fp16 times an
 // integer of at most 7 bits, exact in float32, the very float32 the classic tile holds, so
 // both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
-template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8>
-struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_> {
-  using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_>;
+template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8,
+          Levels kLevels_ = kNoLevels>
+struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_> {
+  using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_>;
   using Shape::kArrays, Shape::kQuantBytes, Shape::kSplits;
   static constexpr int kHeads = kMin_ ? 2 : 1;
   static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
@@ -153,6 +155,8 @@ using Q5_KSuper = SuperTile<512, 1, true, kUnsigned6>;     // Q5_K
 using Q6_KSuper = SuperTile<512, 2, false, kSigned6>;      // Q6_K, Q3_K
 using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
 using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
+// IQ4_XS as level superblocks: the file's nibbles and sub-block scales, 4.31 bits a weight
+using IQ4_XSLSuper = SuperTile<256, 1, false, kAnyInt8, kIQ4NLLevels>;
 using IQ4_NLTile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kIQ4NLLevels>;
 using MXFP4Tile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kMXFP4Levels>;
 

@@ -21,7 +21,7 @@ TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quan
         "MXFP4": quant.Q8_0}
 # the types kept as level tiles (nibbles indexing a codebook) where the library has them
 # (native.Library.quant_kind: the avx2 and avx512 tiers), else TILE's Q8_0 tiles
-LEVEL = {"IQ4_NL": quant.IQ4_NL, "MXFP4": quant.MXFP4}
+LEVEL = {"IQ4_NL": quant.IQ4_NL, "MXFP4": quant.MXFP4, "IQ4_XS": quant.IQ4_XSL}
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
 # them, as the loader does)
@@ -299,18 +299,24 @@ def test_superblock_tiles_multiply_as_the_classic_tiles(native_lib, qtype, round
     1 and 5 tokens the small ones, 20 the GEMMs; in fewer bytes (Q4_K: 37 a 64 weights, the
     file's 36, against 48). Except Q6_K's and Q3_K's exact products on avx512_bf16, whose
     superblock tiles take six-bit codes' bfloat16 pairs (SixBitCodes) where the classic ones
-    (also IQ4_XS's, of any int8) widen to float32: equal to float32 rounding there."""
+    (also IQ4_XS's, of any int8) widen to float32: equal to float32 rounding there; and
+    IQ4_XS's level tiles (avx2, avx512), whose one scale a block meets all 32 columns' sum
+    where the classic tiles' two meet 16 each."""
     rng = np.random.default_rng(2)
     kind = int(gguf.GGMLQuantizationType[qtype])
     raw = random_blocks(qtype, 32, 512, rng)
     w = torch.from_numpy(dequantized(raw, qtype)).double()
     sup = quant.pack(*gguf_blocks.k_quant_super_blocks(kind, raw), 512, native_lib, rounding)
     classic = quant.pack(*gguf_blocks.k_quant_blocks(kind, raw), 512, native_lib, rounding)
-    assert sup.kind == TILE[qtype] + classic.kind - classic.kind % 100
+    offset = classic.kind - classic.kind % 100
+    level = qtype in LEVEL and native_lib.quant_kind(LEVEL[qtype] + offset)
+    assert sup.kind == (LEVEL[qtype] if level else TILE[qtype]) + offset
     assert sup.nbytes < classic.nbytes
     if qtype == "Q4_K":
         assert (sup.nbytes, classic.nbytes) == (32 * 512 * 37 // 64, 32 * 512 * 48 // 64)
-    reordered = native_lib.tier == "avx512_bf16" and rounding == "exact" and \
+    if level:          # 2208 bytes a 16 x 256 superblock: 4.31 bits a weight
+        assert sup.nbytes == 32 * 512 // 256 * 2208 // 16
+    reordered = level or native_lib.tier == "avx512_bf16" and rounding == "exact" and \
         qtype in ("Q3_K", "Q6_K")
     for tokens in (1, 5, 20):
         for dtype in (torch.float32, torch.bfloat16):

@@ -1,6 +1,7 @@
-"""Level tiles (csrc/quant_tiles.h Levels): IQ4_NL's and MXFP4's nibbles kept as the file
-stores them, indexing their codebooks in the kernels, where the library has them (the avx2
-and avx512 tiers); Q8_0 tiles of the same values elsewhere (avx512_bf16)."""
+"""Level tiles (csrc/quant_tiles.h Levels): IQ4_NL's, MXFP4's and IQ4_XS's nibbles kept as
+the file stores them, indexing their codebooks in the kernels, where the library has them
+(the avx2 and avx512 tiers); Q8_0 tiles of the same values (IQ4_XS: int8 superblock tiles)
+elsewhere (avx512_bf16)."""
 from __future__ import annotations
 
 import numpy as np
@@ -106,3 +107,26 @@ def test_level_tiles_exact_products_equal_the_dequantized_weights(native_lib, qt
     out = quant.matmul(x, quant.pack(LEVEL[qtype], raw, 256, native_lib))
     bound = (x.double().abs() @ w.abs().T) * 256 * 2.0 ** -24
     assert ((out.double() - x.double() @ w.T).abs() <= bound).all()
+
+
+def test_iq4_xs_whole_superblocks_take_level_tiles_and_a_cut_share_classic_ones(native_lib):
+    """IQ4_XS's superblocks (the loader's IQ4_XSS blocks) pack as IQ4_XSL level tiles where
+    the library has them, 2208 bytes a 16 x 256; a rank's share starting inside a superblock
+    as the classic tiles (Q6_K's float32 scales) of the same values."""
+    raw = random_blocks("IQ4_XS", 16, 512, np.random.default_rng(6))
+    values = torch.from_numpy(dequantized(raw, "IQ4_XS")).double()
+    _, blocks = gguf_blocks.k_quant_super_blocks(gguf_blocks.IQ4_XS, raw)
+    whole = quant.pack(quant.IQ4_XSS, blocks, 512, native_lib)
+    has = native_lib.quant_kind(quant.IQ4_XSL)
+    assert whole.kind == (quant.IQ4_XSL if has else quant.IQ4_XSS)
+    if has:
+        assert whole.nbytes == 2 * 2208
+    per_block = blocks.shape[1] // 16
+    cut = quant.pack(quant.IQ4_XSS, blocks[:, 4 * per_block:12 * per_block], 256, native_lib)
+    assert cut.kind == quant.Q6_K
+    x = torch.randn(3, 512)
+    for weight, cols in ((whole, slice(0, 512)), (cut, slice(128, 384))):
+        xs = x[:, cols].contiguous()
+        w = values[:, cols]
+        bound = (xs.double().abs() @ w.abs().T) * 512 * 2.0 ** -24
+        assert ((quant.matmul(xs, weight).double() - xs.double() @ w.T).abs() <= bound).all()
