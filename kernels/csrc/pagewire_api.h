@@ -101,11 +101,11 @@ enum PwTile : int64_t {
   PW_TILE_Q4_1 = 3,
   PW_TILE_Q8_0 = 8,
   PW_TILE_Q2_K = 10,
-  PW_TILE_IQ4_NL = 20,    // level tiles (quant_tiles.h Levels): nibbles indexing a codebook
-  PW_TILE_MXFP4 = 39,
   PW_TILE_Q4_K = 12,
   PW_TILE_Q5_K = 13,
   PW_TILE_Q6_K = 14,
+  PW_TILE_IQ4_NL = 20,    // level tiles (quant_tiles.h Levels): nibbles indexing a codebook
+  PW_TILE_MXFP4 = 39,
   PW_TILE_BF16 = 30,      // plain bfloat16 tiles (bf16_matmul.cpp)
   PW_TILE_Q2_KS = 60,     // superblock tiles (quant_tiles.h SuperTile): the K-quant's id + 50
   PW_TILE_Q4_KS = 62,

@@ -74,8 +74,9 @@ struct Int8GemmRows : IntActivations<1> {
 
 // One 16-row group's operands: Q4 tiles' nibbles, six-bit codes and level tiles' levels as
 // [nb][8 steps][2 halves] registers of 8 rows x columns 4s .. 4s + 3 (a row's four bytes a
-// 32-bit lane); other Q8 tiles are read in place (their bytes are already in that order). Each block's scale arrays
-// as float32 [nb][arrays][16] (a superblock tile's computed once a fill, not once a token).
+// 32-bit lane); other Q8 tiles are read in place (their bytes are already in that order).
+// Each block's scale arrays as float32 [nb][arrays][16] (a superblock tile's computed once a
+// fill, not once a token).
 template <typename Tile>
 struct Int8Panel {
   static constexpr bool kQuants = Tile::kQ4 || kSixBit<Tile> || Tile::kLevels != kNoLevels;

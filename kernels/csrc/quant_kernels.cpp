@@ -236,7 +236,7 @@ namespace pw {
 #define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile) PW_LEVEL_TILES(X)
 // Level tiles (quant_tiles.h Levels): the AVX2 kernels' (avx2 and avx512 tiers) only; the
 // avx512_bf16 tier, whose exact and int8 kernels are its own, lacks them (kernels/quant.py
-// packs IQ4_NL and MXFP4 as Q8_0 tiles there: pw_quant_kind).
+// packs IQ4_NL and MXFP4 as Q8_0 tiles there, IQ4_XS as IQ4_XSS: pw_quant_kind).
 #define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
