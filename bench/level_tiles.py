@@ -12,13 +12,17 @@ The int8 tiles are what the avx512_bf16 tier packs (Q8_0; IQ4_XS's int8 superblo
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import torch
 
 from pagewire.kernels import gguf_blocks, native, quant
 from pagewire.testing.gguf_writer import random_blocks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tile_rate import best_pass  # noqa: E402
 
 ROWS, COLS, COUNT = 2048, 4096, 24
 
@@ -49,18 +53,6 @@ def blocks(qtype: str, rng) -> tuple[int, torch.Tensor]:
     return quant.IQ4_NL, raw
 
 
-def best_seconds(weights: list, x: torch.Tensor) -> float:
-    for w in weights:
-        quant.matmul(x, w)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for w in weights:
-            quant.matmul(x, w)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default="IQ4_NL,MXFP4,IQ4_XS")
@@ -82,7 +74,7 @@ def main() -> None:
                 line = f"{qtype} {rounding:5s} {tokens:2d} tokens:"
                 rates = []
                 for name, ws in (("level", level), ("int8 tiles", int8)):
-                    seconds = best_seconds(ws, x)
+                    seconds = best_pass(ws, x, 3)
                     rates.append(ROWS * COLS * COUNT / seconds / 1e9)
                     line += (f" {name} {rates[-1]:5.1f} Gw/s "
                              f"({sum(w.nbytes for w in ws) / seconds / 1e9:4.1f} GB/s)")
