@@ -30,10 +30,9 @@ KV_SHARE = 0.5
 # Bytes the executor holds per byte of a quantized checkpoint's blocks where its tensors'
 # types are not read (a Hugging Face checkpoint's; a GGUF file's come from TILE_BYTES).
 TILE_OVERHEAD = 1.35
-# An MXFP4 checkpoint's (gpt-oss: nearly all its bytes are MXFP4 experts): 17 bytes a 32
-# weights held as Q8_0's 34 (TILE_BYTES), or as level tiles' 18 (LEVEL_TILE_BYTES).
-TILE_OVERHEAD_BY_PACKING = {"mxfp4": 2.0}
-LEVEL_TILE_OVERHEAD_BY_PACKING = {"mxfp4": 18 / 17}
+# An MXFP4 checkpoint's (gpt-oss: nearly all its bytes are MXFP4 experts) is its file's 17
+# bytes a 32 weights held as its tiles' (tile_bytes: Q8_0's 34, or level tiles' 18).
+MXFP4, MXFP4_BLOCK_BYTES = 39, 17
 # Bytes of tiles a row's 32 weights of each GGML type become (kernels/quant.py; the K-quants
 # and IQ4_XS as superblock tiles, csrc/quant_tiles.h): Q4_0 as Q4_1 (20 against the file's
 # 18), Q5_0, IQ4_NL and MXFP4 as Q8_0 (MXFP4 with exponents beyond fp16's range as Q6_K, 40),
@@ -106,8 +105,8 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
     dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
         else 0
     held = _gguf_held(info.path) if info.format == "gguf" else None
-    by_packing = LEVEL_TILE_OVERHEAD_BY_PACKING if _level_tiles() else TILE_OVERHEAD_BY_PACKING
-    overhead = by_packing.get(info.stored_quantization, TILE_OVERHEAD)
+    overhead = tile_bytes(_level_tiles())[MXFP4] / MXFP4_BLOCK_BYTES \
+        if info.stored_quantization == "mxfp4" else TILE_OVERHEAD
     return (held if held is not None else int(size * overhead)) + dense
 
 

@@ -29,10 +29,8 @@ def level_raw(qtype: str, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def as_q8_0(qtype: str, raw: torch.Tensor) -> torch.Tensor:
-    """The same values as Q8_0 blocks (what the avx512_bf16 tier packs)."""
-    if qtype == "IQ4_NL":
-        return gguf_blocks.iq4_nl_as_q8_0(raw)
-    kind, blocks = gguf_blocks.mxfp4_as_tile_blocks(raw)
+    """The same values as Q8_0 blocks (what the avx512_bf16 tier packs: AS_TILE_BLOCKS)."""
+    kind, blocks = gguf_blocks.AS_TILE_BLOCKS[LEVEL[qtype]](raw)
     assert kind == quant.Q8_0
     return blocks
 
