@@ -12,8 +12,12 @@ import numpy as np
 from pagewire.wire.sampling_params import InvalidParam
 
 from .pooler_info import CLASSIFY, EMBED, NO_ACTIVATION, SIGMOID, SOFTMAX, PoolerInfo
+from .vector_encoding import check_embed_dtype, vector_bytes
 
-ENCODING_FORMATS = ("float", "base64")
+# vLLM's: a JSON answer (floats, or base64 of each vector's bytes) or a binary one (every
+# vector's bytes back to back; "bytes" says where each lies in a `metadata` header)
+BYTES_FORMATS = ("bytes", "bytes_only")
+ENCODING_FORMATS = ("float", "base64") + BYTES_FORMATS
 # vLLM's per-token tasks: token_embed (every prompt token's final hidden state) is served for an
 # embedding model; token_classify needs a *ForTokenClassification model, which pagewire does
 # not load.
@@ -115,15 +119,32 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / norms) if norms > 0 else 0.0
 
 
-def encoded(vector: np.ndarray, encoding_format: str = "float") -> list[float] | str:
-    """A vector as the response carries it: a list of floats, or base64 of its float32
-    little-endian bytes (OpenAI's base64: the openai client decodes it with numpy)."""
+def check_encoding(encoding_format: str, embed_dtype: str = "float32",
+                   endianness: str = "native") -> None:
+    """A request's encoding options, refused before anything runs where one is not known."""
+    if encoding_format not in ENCODING_FORMATS:
+        raise InvalidParam("encoding_format", f"encoding_format must be one of "
+                           f"{', '.join(ENCODING_FORMATS)}, got {encoding_format!r}")
+    try:
+        check_embed_dtype(embed_dtype, endianness)
+    except ValueError as e:
+        raise InvalidParam("endianness" if str(e).startswith("endianness") else "embed_dtype",
+                           str(e)) from None
+
+
+def encoded(vector: np.ndarray, encoding_format: str = "float", embed_dtype: str = "float32",
+            endianness: str = "native") -> list[float] | str:
+    """A vector (or a token_embed's rows) as a JSON answer carries it: floats (whatever
+    embed_dtype says, as vLLM), or base64 of its bytes in `embed_dtype` and `endianness`
+    (the defaults, float32 in this x86 machine's order, are OpenAI's base64: the openai
+    client decodes it with numpy)."""
+    check_encoding(encoding_format, embed_dtype, endianness)
     if encoding_format == "float":
         return np.asarray(vector, dtype=np.float32).tolist()
     if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    raise InvalidParam("encoding_format", f"encoding_format must be one of "
-                       f"{', '.join(ENCODING_FORMATS)}, got {encoding_format!r}")
+        return base64.b64encode(vector_bytes(vector, embed_dtype, endianness)).decode()
+    raise InvalidParam("encoding_format", f"encoding_format {encoding_format!r} answers "
+                       "binary, not JSON")
 
 
 def check_task(pooler: PoolerInfo | None, task: str | None, what: str) -> PoolerInfo:

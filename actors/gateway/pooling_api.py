@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
+from ..vector_encoding import vector_bytes
 from .protocol import ApiError, ChatMessageBody
 
 # One request's inputs (texts, token-id lists, score pairs, rerank documents): each is an
@@ -43,6 +45,8 @@ class EmbeddingBody(_PoolingCommon, kw_only=True):
     input: Input | None = None
     messages: list[ChatMessageBody] | None = None
     encoding_format: str = "float"
+    embed_dtype: str = "float32"             # base64 and bytes: vector_encoding.EMBED_DTYPES
+    endianness: str = "native"
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
@@ -199,6 +203,26 @@ def rerank_answer(req_id: str, model: str, body: RerankBody, scores: list[float]
         answer["meta"] = {"api_version": {"version": "2"},
                           "billed_units": {"search_units": 1}}
     return answer
+
+
+def binary_answer(req_id: str, model: str, vectors: list, prompt_tokens: int,
+                  body: EmbeddingBody) -> web.Response:
+    """vLLM's binary answer (encoding_format bytes or bytes_only): every input's values in
+    embed_dtype and endianness, back to back in input order; with "bytes", a `metadata`
+    header (JSON) gives each one's index, byte range [start, end) and shape, and the usage."""
+    chunks, items, offset = [], [], 0
+    for i, v in enumerate(vectors):
+        chunks.append(vector_bytes(v, body.embed_dtype, body.endianness))
+        items.append({"index": i, "embed_dtype": body.embed_dtype, "endianness": body.endianness,
+                      "start": offset, "end": offset + len(chunks[-1]),
+                      "shape": list(np.shape(v))})
+        offset += len(chunks[-1])
+    headers = {} if body.encoding_format == "bytes_only" else {
+        "metadata": msgspec.json.encode({"id": req_id, "created": int(time.time()),
+                                         "model": model, "data": items,
+                                         "usage": usage(prompt_tokens)}).decode()}
+    return web.Response(body=b"".join(chunks), headers=headers,
+                        content_type="application/octet-stream")
 
 
 def json_answer(obj: dict) -> web.Response:

@@ -22,10 +22,11 @@ from pagewire.wire.to_scheduler import Abort
 from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..pooler_info import CLASSIFY, EMBED, PoolerInfo
-from ..pooling_outputs import (check_dimensions, check_pooling_task, check_task, cosine,
-                               cross_score, embedding, encoded, probabilities, token_embeddings)
+from ..pooling_outputs import (BYTES_FORMATS, check_dimensions, check_encoding,
+                               check_pooling_task, check_task, cosine, cross_score, embedding,
+                               encoded, probabilities, token_embeddings)
 from .ollama_embed import OllamaEmbedRoutes
-from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody,
+from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, binary_answer,
                           check_token_inputs, classify_data, embedding_data, json_answer, listed,
                           pooling_inputs, rerank_answer, rerank_texts, score_data, score_texts)
 from .protocol import ApiError, chat_images, chat_messages, decode_body
@@ -74,7 +75,7 @@ class PoolingRoutes:
         per_token = kind == "pooling" and check_pooling_task(pooler, body.task, path)
         if body.dimensions is not None or kind == "embedding":
             check_dimensions(pooler, body.dimensions)
-        encoded([], body.encoding_format)                  # a bad format: 400 before running
+        check_encoding(body.encoding_format, body.embed_dtype, body.endianness)  # 400 first
         prompts = await self.chat_input(body) if body.messages is not None \
             else pooling_inputs(body.input)
         if per_token:
@@ -85,7 +86,11 @@ class PoolingRoutes:
                                     body.wants_normalized())
                    for v, n in zip(out.vectors, out.counts)] if per_token else \
             [_shaped(pooler, body, kind, v) for v in out.vectors]
-        data = embedding_data([encoded(v, body.encoding_format) for v in vectors], kind)
+        if body.encoding_format in BYTES_FORMATS:
+            return binary_answer(self.answer_id(short), self.model_name(body), vectors,
+                                 out.prompt_tokens, body)
+        data = embedding_data([encoded(v, body.encoding_format, body.embed_dtype,
+                                       body.endianness) for v in vectors], kind)
         return json_answer(listed(self.answer_id(short), self.model_name(body),
                                         data, out.prompt_tokens))
 

@@ -73,7 +73,8 @@ def test_base64_is_float32_little_endian_as_openai_decodes_it():
     text = encoded(np.array([1.0, -2.5], np.float32), "base64")
     assert np.frombuffer(base64.b64decode(text), dtype="<f4").tolist() == [1.0, -2.5]
     assert encoded(np.array([0.5], np.float32)) == [0.5]
-    with pytest.raises(InvalidParam, match="encoding_format must be one of float, base64"):
+    with pytest.raises(InvalidParam, match="encoding_format must be one of float, base64, "
+                                           "bytes, bytes_only"):
         encoded(np.zeros(1), "binary")
 
 

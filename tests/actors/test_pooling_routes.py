@@ -123,6 +123,48 @@ def test_embeddings_normalised_cut_and_base64():
     serve(EMBED, check)
 
 
+def test_embeddings_as_bytes_with_metadata_in_any_dtype_and_order():
+    async def check(client, gateway):
+        r = await client.post("/v1/embeddings", json={
+            "input": ["a", "c"], "normalize": False, "encoding_format": "bytes",
+            "embed_dtype": "float16", "endianness": "big"})
+        assert r.status == 200 and r.content_type == "application/octet-stream"
+        meta = msgspec.json.decode(r.headers["metadata"])
+        assert meta["model"] == "tiny" and meta["id"].startswith("embd-")
+        assert meta["usage"] == {"prompt_tokens": 4, "total_tokens": 4, "completion_tokens": 0}
+        assert meta["data"] == [
+            {"index": 0, "embed_dtype": "float16", "endianness": "big", "start": 0, "end": 6,
+             "shape": [3]},
+            {"index": 1, "embed_dtype": "float16", "endianness": "big", "start": 6, "end": 12,
+             "shape": [3]}]
+        body = await r.read()
+        assert np.frombuffer(body, ">f2").tolist() == [3.0, 4.0, 0.0, 3.0, 4.0, 12.0]
+        only = await client.post("/v1/embeddings", json={
+            "input": "c", "normalize": False, "encoding_format": "bytes_only",
+            "embed_dtype": "bfloat16"})
+        assert "metadata" not in only.headers
+        bits = np.frombuffer(await only.read(), "<u2").astype(np.uint32) << 16
+        assert bits.view(np.float32).tolist() == [3.0, 4.0, 12.0]
+        raw = await post(client, "/pooling", {"input": "c", "task": "token_embed",
+                                              "normalize": False, "encoding_format": "base64",
+                                              "embed_dtype": "float16"})
+        data = np.frombuffer(base64.b64decode(raw["data"][0]["data"]), "<f2")
+        assert data.reshape(2, 3).tolist() == [[3.0, 4.0, 12.0]] * 2
+        rows = await client.post("/pooling", json={"input": "c", "task": "token_embed",
+                                                   "encoding_format": "bytes",
+                                                   "normalize": False})
+        assert msgspec.json.decode(rows.headers["metadata"])["data"][0]["shape"] == [2, 3]
+        assert len(await rows.read()) == 2 * 3 * 4
+        sent = len(gateway.tokenizers.sent)
+        for body, param, message in (
+                ({"embed_dtype": "int8"}, "embed_dtype", "embed_dtype must be one of float32,"),
+                ({"endianness": "middle"}, "endianness", "endianness must be one of native,")):
+            error = (await post(client, "/v1/embeddings", {"input": "a", **body}, 400))["error"]
+            assert message in error["message"] and error["param"] == param
+        assert len(gateway.tokenizers.sent) == sent             # refused before anything ran
+    serve(EMBED, check)
+
+
 def test_embedding_refusals_are_openai_errors():
     async def check(client, gateway):
         for body, message in (
