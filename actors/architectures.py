@@ -17,12 +17,17 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Idefics3ForConditionalGeneration",
                            "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 # Encoder-only models (bidirectional attention, no KV cache): pooling only
-# (executor/models/encoder.py), their classifiers (cross-encoders, rerankers) too.
+# (executor/models/encoder.py), their classifiers (cross-encoders, rerankers) and token
+# classifiers too.
 ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
                          "RobertaForSequenceClassification", "XLMRobertaModel",
                          "XLMRobertaForSequenceClassification", "MPNetModel",
                          "MPNetForSequenceClassification", "ModernBertModel",
-                         "ModernBertForSequenceClassification", "NomicBertModel")
+                         "ModernBertForSequenceClassification", "NomicBertModel",
+                         # taggers: every token's labels (task token_classify)
+                         "BertForTokenClassification", "RobertaForTokenClassification",
+                         "XLMRobertaForTokenClassification", "MPNetForTokenClassification",
+                         "ModernBertForTokenClassification")
 # Text and image towers embedding into one space (executor/models/clip.py): pooling only, no
 # KV cache, as the encoders.
 CLIP_ARCHITECTURES = ("CLIPModel",)

@@ -10,13 +10,14 @@ import numpy as np
 
 from .llm_prompts import listed
 from .pooler_info import CLASSIFY, EMBED, PoolerInfo
-from .pooling_outputs import check_dimensions, check_pooling_task, check_task, cosine, \
-    cross_score, embedding, probabilities, token_embeddings
+from .pooling_outputs import check_dimensions, check_pooling_task, check_scores, check_task, \
+    cosine, cross_score, embedding, per_token_rows, probabilities
 
 
 @dataclass
 class PoolingOutput:
-    data: np.ndarray            # the model's pooled output, float32 ([tokens, H]: token_embed)
+    data: np.ndarray            # the model's pooled output, float32 ([tokens, H]: token_embed;
+                                # [tokens, labels]: token_classify's logits)
 
 
 @dataclass
@@ -82,20 +83,21 @@ class PoolingCalls:
         return check_task(self.config.model.model_info.pooler, task, what)
 
     def _per_token(self, pooling_task: str | None) -> bool:
-        """Whether LLM.encode's `pooling_task` is token_embed (a task the model cannot do:
-        ValueError)."""
-        if pooling_task is None:
+        """Whether LLM.encode's `pooling_task` (None: the model's own) answers every prompt
+        token (token_embed, token_classify; a task the model cannot do: ValueError)."""
+        if pooling_task is None and self.config.model.model_info.pooler is None:
             return False
         return check_pooling_task(self._pooler(None, "LLM.encode"), pooling_task, "LLM.encode")
 
     def _pooling_output(self, out, per_token: bool) -> PoolingOutput:
         """One finished request's output as encode() returns it: the raw pooled vector, or
-        (token_embed) its prompt tokens' rows [tokens, H], normalised as the pooler says."""
+        its prompt tokens' rows: token_embed's [tokens, H], normalised as the pooler says, or
+        a token classifier's logits [tokens, labels]."""
         if not per_token:
             return PoolingOutput(out.pooled)
         pooler = self.config.model.model_info.pooler
-        return PoolingOutput(token_embeddings(pooler, out.pooled.reshape(
-            len(out.prompt_token_ids), -1)))
+        return PoolingOutput(per_token_rows(pooler, out.pooled.reshape(
+            len(out.prompt_token_ids), -1), use_activation=False))
 
     def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
@@ -129,6 +131,7 @@ class PoolingCalls:
             raise ValueError(f"text_1 and text_2 must be 1:1, 1:N or N:N (and not empty); got "
                              f"{len(first)}:{len(second)}")
         queries = first * len(second) if len(first) == 1 else first
+        check_scores(pooler)
         if pooler.task == CLASSIFY:
             outs = self.encode(queries, pairs=second,
                                truncate_prompt_tokens=truncate_prompt_tokens)

@@ -11,8 +11,9 @@ import os
 
 import msgspec
 
-POOLING_TASKS = EMBED, CLASSIFY = ("embed", "classify")
+POOLING_TASKS = EMBED, CLASSIFY, TOKEN_CLASSIFY = ("embed", "classify", "token_classify")
 POOLING_TYPES = CLS, MEAN, LAST = ("CLS", "MEAN", "LAST")
+ALL = "ALL"                  # token_classify's: every token is an output (vLLM's name)
 ACTIVATIONS = SIGMOID, SOFTMAX, NO_ACTIVATION = ("sigmoid", "softmax", "none")
 # a Dense module's activation_function (a torch.nn module's class name) -> what applies it
 DENSE_ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh", "ReLU": "relu", "GELU": "gelu",
@@ -37,7 +38,10 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     (sentence-transformers' Normalize module, or the runner's default), truncatable to
     `matryoshka_dimensions` (None: any `dimensions` request is refused); classify: a
     classifier's logits, one per label (`labels`, id2label's order), through `activation` by
-    default (sigmoid for one label, softmax for several); a causal LM classifies with its LM
+    default (sigmoid for one label, softmax for several); token_classify (a
+    *ForTokenClassification encoder: named entities, part-of-speech tags): every token's
+    classifier logits, [tokens, labels], each row through `activation`, pooling type ALL; a
+    causal LM classifies with its LM
     head's rows of `classifier_tokens` (--pooler-config classifier_from_token: a reranker read
     from a yes/no token, Qwen3-Reranker's way: two tokens [false, true] give one score, true's
     logit minus false's). `encoder_only`: attention is bidirectional, so there is no KV cache
@@ -47,7 +51,7 @@ class PoolerInfo(msgspec.Struct, kw_only=True, frozen=True):
     generation requests both (one engine, one batch); else a pooling model answers pooling
     requests only."""
     task: str                                # POOLING_TASKS
-    pooling_type: str                        # POOLING_TYPES
+    pooling_type: str                        # POOLING_TYPES, or ALL (token_classify)
     size: int
     normalize: bool = False
     matryoshka_dimensions: list[int] | None = None
@@ -84,6 +88,8 @@ def resolve_pooler(path: str, cfg: dict, architecture: str, encoder_only: bool,
                          "classifier (serve it with --runner pooling)")
     if not pools:
         return None
+    if architecture.endswith("ForTokenClassification"):
+        return _token_tagger(cfg, architecture, convert, overrides or {})
     task = convert if convert in (EMBED, CLASSIFY) else (CLASSIFY if classifies else EMBED)
     overrides = dict(overrides or {})
     from_tokens = overrides.pop("classifier_from_token", None)
@@ -144,6 +150,20 @@ def _classifier(cfg: dict, encoder_only: bool, overrides: dict) -> PoolerInfo:
         activation = NO_ACTIVATION
     return PoolerInfo(task=CLASSIFY, pooling_type=CLS if encoder_only else LAST, size=count,
                       labels=labels, activation=activation, encoder_only=encoder_only)
+
+
+def _token_tagger(cfg: dict, architecture: str, convert: str, overrides: dict) -> PoolerInfo:
+    """A *ForTokenClassification encoder's pooler: every token's logits (token_classify),
+    through softmax (sigmoid for one label) unless --pooler-config use_activation is false."""
+    if convert not in ("auto", "none"):
+        raise ValueError(f"{architecture} classifies every token (task token_classify); "
+                         f"--convert {convert} does not apply to it")
+    unknown = sorted(set(overrides) - {"use_activation"})
+    if unknown:
+        raise ValueError(f"--pooler-config: {unknown} do not apply to {architecture} (it "
+                         "takes use_activation)")
+    classifier = _classifier(cfg, True, overrides)
+    return msgspec.structs.replace(classifier, task=TOKEN_CLASSIFY, pooling_type=ALL)
 
 
 def _token_classifier(texts: list[str], token_id, also_generates: bool) -> PoolerInfo:

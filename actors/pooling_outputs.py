@@ -11,7 +11,8 @@ import numpy as np
 
 from pagewire.wire.sampling_params import InvalidParam
 
-from .pooler_info import CLASSIFY, EMBED, NO_ACTIVATION, SIGMOID, SOFTMAX, PoolerInfo
+from .pooler_info import (CLASSIFY, EMBED, NO_ACTIVATION, SIGMOID, SOFTMAX, TOKEN_CLASSIFY,
+                          PoolerInfo)
 from .vector_encoding import check_embed_dtype, vector_bytes
 
 # vLLM's: a JSON answer (floats, or base64 of each vector's bytes) or a binary one (every
@@ -19,23 +20,35 @@ from .vector_encoding import check_embed_dtype, vector_bytes
 BYTES_FORMATS = ("bytes", "bytes_only")
 ENCODING_FORMATS = ("float", "base64") + BYTES_FORMATS
 # vLLM's per-token tasks: token_embed (every prompt token's final hidden state) is served for an
-# embedding model; token_classify needs a *ForTokenClassification model, which pagewire does
-# not load.
-TOKEN_EMBED, TOKEN_CLASSIFY = "token_embed", "token_classify"
+# embedding model; token_classify (every token's classifier logits) by a
+# *ForTokenClassification model, whose own task it is.
+TOKEN_EMBED = "token_embed"
 
 
 def check_pooling_task(pooler: PoolerInfo, task: str | None, what: str) -> bool:
-    """Whether a request asking for vLLM's pooling `task` (None: the model's own, embed or
-    classify) pools every prompt token (token_embed); a task the model cannot do is refused,
-    naming the ones it can."""
+    """Whether a request asking for vLLM's pooling `task` (None: the model's own) pools every
+    prompt token (token_embed; token_classify, a token classifier's own); a task the model
+    cannot do is refused, naming the ones it can."""
     if task is None or task == pooler.task:
-        return False
+        return pooler.task == TOKEN_CLASSIFY
     if task == TOKEN_EMBED and pooler.task == EMBED:
         return True
     served = [pooler.task] + ([TOKEN_EMBED] if pooler.task == EMBED else [])
-    why = " (pagewire loads no *ForTokenClassification model)" if task == TOKEN_CLASSIFY else ""
+    why = " (a *ForTokenClassification model serves it)" if task == TOKEN_CLASSIFY else ""
     raise InvalidParam("task", f"{what}: task {task!r} is not supported by this model{why}; "
                        f"it serves {', '.join(served)}")
+
+
+def per_token_rows(pooler: PoolerInfo, rows: np.ndarray, dimensions: int | None = None,
+                   normalize: bool | None = None,
+                   use_activation: bool | None = None) -> np.ndarray:
+    """A per-token output [tokens, width] as asked: a token classifier's rows of logits
+    through its activation (raw where use_activation is False), else token_embeddings."""
+    if pooler.task == TOKEN_CLASSIFY:
+        logits = np.asarray(rows, dtype=np.float32)
+        return np.stack([probabilities(pooler, r, use_activation) for r in logits]) \
+            if len(logits) else logits
+    return token_embeddings(pooler, rows, dimensions, normalize)
 
 
 def check_dimensions(pooler: PoolerInfo, dimensions: int | None) -> None:
@@ -110,6 +123,14 @@ def cross_score(pooler: PoolerInfo, logits: np.ndarray,
     logit (sigmoid for a reranker); with several labels, the last label's probability (a
     [not relevant, relevant] classifier's "relevant")."""
     return float(probabilities(pooler, logits, use_activation)[-1])
+
+
+def check_scores(pooler: PoolerInfo) -> None:
+    """Scores come from a cross-encoder (classify) or an embedding model (cosine); a token
+    classifier has neither."""
+    if pooler.task not in (EMBED, CLASSIFY):
+        raise InvalidParam("model", f"scores need an embedding model or a cross-encoder; this "
+                           f"model's task is {pooler.task} (ask /pooling)")
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

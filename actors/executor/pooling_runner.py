@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pagewire.kernels.ops import resolve_device
-from pagewire.pooler_info import EMBED
+from pagewire.pooler_info import EMBED, TOKEN_CLASSIFY
 from pagewire.wire.pooling import PooledResult, to_bytes
 from pagewire.wire.to_executor import NewSeq, StepPlan
 from pagewire.wire.to_scheduler import StepResult
@@ -71,15 +71,19 @@ class PoolingRunner:
     def _texts(self, seqs: list[NewSeq]) -> list[np.ndarray]:
         """Whole prompts -> each one's pooled output: an embedding [H] or a classifier's
         logits [labels]; a per-token request's (vLLM's token_embed) every token's final
-        hidden state [n, H] (through the Dense modules, if any: [n, their out_features])."""
+        hidden state [n, H] (through the Dense modules, if any: [n, their out_features]); a
+        token classifier's every token's logits [n, labels]."""
         ids, types, lens = self._layout(seqs)
         hidden = self.model(ids, types, lens)                                # [T, H]
+        starts = np.cumsum([0, *lens])
+        if self.pooler.task == TOKEN_CLASSIFY:                 # every request per token
+            logits = self.model.classify_tokens(hidden).cpu().numpy()     # [T, labels]
+            return [logits[starts[i]:starts[i + 1]] for i in range(len(seqs))]
         if self.pooler.task == EMBED:
             out = self._projected(self.model.embed(hidden, lens, self.pooler.pooling_type))
         else:
             out = self.model.classify(hidden, lens)                          # [B, labels]
         vectors = list(out.float().cpu().numpy())
-        starts = np.cumsum([0, *lens])
         for i, new in enumerate(seqs):
             if new.pooling.per_token:
                 rows = self._projected(hidden[starts[i]:starts[i + 1]])     # vLLM's way

@@ -23,8 +23,8 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..pooler_info import CLASSIFY, EMBED, PoolerInfo
 from ..pooling_outputs import (BYTES_FORMATS, check_dimensions, check_encoding,
-                               check_pooling_task, check_task, cosine, cross_score, embedding,
-                               encoded, probabilities, token_embeddings)
+                               check_pooling_task, check_scores, check_task, cosine, cross_score, embedding,
+                               encoded, per_token_rows, probabilities)
 from .ollama_embed import OllamaEmbedRoutes
 from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, binary_answer,
                           check_token_inputs, classify_data, embedding_data, json_answer, listed,
@@ -82,8 +82,8 @@ class PoolingRoutes:
             check_token_inputs(len(prompts), self.gw.config.model.max_model_len, pooler.size)
         short = "embd" if kind == "embedding" else "pool"           # vLLM's id prefixes
         out = await self.run(request, body, short, prompts, per_token=per_token)
-        vectors = [token_embeddings(pooler, v.reshape(n, -1), body.dimensions,
-                                    body.wants_normalized())
+        vectors = [per_token_rows(pooler, v.reshape(n, -1), body.dimensions,
+                                  body.wants_normalized(), bool(body.use_activation))
                    for v, n in zip(out.vectors, out.counts)] if per_token else \
             [_shaped(pooler, body, kind, v) for v in out.vectors]
         if body.encoding_format in BYTES_FORMATS:
@@ -126,6 +126,7 @@ class PoolingRoutes:
         cross-encoder (classify) reads each pair as one input; an embedding model embeds every
         text once and scores by cosine similarity."""
         queries = first * len(second) if len(first) == 1 else first
+        check_scores(pooler)
         if pooler.task == CLASSIFY:
             out = await self.run(request, body, "score", [{"prompt": q} for q in queries],
                                  pairs=second)

@@ -23,7 +23,8 @@ def tiny_encoder_config(architecture: str, **overrides):
         options = {"local_attention": 8, "global_attn_every_n_layers": 2, "pad_token_id": 0,
                    "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2,
                    **options}
-    family = architecture.removesuffix("ForSequenceClassification").removesuffix("Model")
+    family = architecture.removesuffix("ForSequenceClassification").removesuffix(
+        "ForTokenClassification").removesuffix("Model")
     return getattr(transformers, f"{family}Config")(**options)
 
 

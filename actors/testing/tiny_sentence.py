@@ -34,10 +34,10 @@ def make_sentence_model(path: str, architecture: str = "BertModel", pooling: str
                         normalize: bool = True, dense: tuple = (), **overrides) -> str:
     """A tiny encoder with a tokenizer and sentence-transformers' modules (`pooling`: "mean",
     "cls" or "lasttoken"; `dense`: write_sentence_modules'); a *ForSequenceClassification one
-    is a CrossEncoder (no modules)."""
+    is a CrossEncoder, a *ForTokenClassification one a tagger (no modules)."""
     make_tiny_encoder(path, architecture, **overrides)
     write_wordpiece(path)
-    if not architecture.endswith("ForSequenceClassification"):
+    if not architecture.endswith(("ForSequenceClassification", "ForTokenClassification")):
         write_sentence_modules(path, pooling, normalize, dense=dense)
     return path
 

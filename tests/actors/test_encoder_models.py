@@ -62,8 +62,8 @@ def _reference(path: str, key_name: str, dtype: torch.dtype):
             for i, t in zip(ids, types):
                 kw = {"token_type_ids": t[None]} if typed else {}
                 hidden.append(base(input_ids=i[None], **kw).last_hidden_state[0])
-                if model is not base:
-                    logits.append(model(input_ids=i[None], **kw).logits)
+                if model is not base:       # [1, labels], or a token classifier's [1, n, labels]
+                    logits.append(model(input_ids=i[None], **kw).logits.flatten(0, -2))
         _REFERENCE[key] = (torch.cat(hidden), torch.cat(logits) if logits else None)
     return _REFERENCE[key]
 
@@ -110,8 +110,10 @@ def _check(path: str, architecture: str, kernels: str, dtype: torch.dtype) -> No
     assert worst < hidden_bound
     if their_logits is None:
         return
-    logits = model.classify(ours, LENS)
-    assert logits.shape == (len(LENS), NUM_LABELS) and logits.dtype == torch.float32
+    tokens = architecture.endswith("ForTokenClassification")
+    logits = model.classify_tokens(ours) if tokens else model.classify(ours, LENS)
+    assert logits.shape == (sum(LENS) if tokens else len(LENS), NUM_LABELS)
+    assert logits.dtype == torch.float32
     worst = float((logits - their_logits).abs().max())
     print(architecture, kernels, dtype, "max |logit difference|:", worst)
     assert worst < logit_bound

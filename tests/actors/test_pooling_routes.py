@@ -28,6 +28,8 @@ RERANKER = PoolerInfo(task="classify", pooling_type="CLS", size=1, labels=["LABE
                       activation="sigmoid")
 SENTIMENT = PoolerInfo(task="classify", pooling_type="CLS", size=2, labels=["neg", "pos"],
                        activation="softmax")
+TAGGER = PoolerInfo(task="token_classify", pooling_type="ALL", size=3, labels=["O", "B", "I"],
+                    activation="softmax", encoder_only=True)
 VECTORS = {"a": [3.0, 4.0, 0.0], "b": [0.0, 0.0, 2.0], "c": [3.0, 4.0, 12.0], "": [1.0, 0.0, 0.0]}
 
 
@@ -163,6 +165,34 @@ def test_embeddings_as_bytes_with_metadata_in_any_dtype_and_order():
             assert message in error["message"] and error["param"] == param
         assert len(gateway.tokenizers.sent) == sent             # refused before anything ran
     serve(EMBED, check)
+
+
+def test_a_token_classifier_answers_every_tokens_logits_on_pooling_only():
+    async def check(client, gateway):
+        raw = await post(client, "/pooling", {"input": ["c", "b"]})
+        assert gateway.tokenizers.sent[-1].pooling.per_token       # its own task: per token
+        assert raw["data"][0]["data"] == [[3.0, 4.0, 12.0]] * 2       # two tokens' logits
+        assert raw["data"][1]["data"] == [[0.0, 0.0, 2.0]] * 2
+        probs = await post(client, "/pooling", {"input": "a", "task": "token_classify",
+                                                "use_activation": True})
+        softmax = np.exp([3.0, 4.0, 0.0]) / np.exp([3.0, 4.0, 0.0]).sum()
+        assert probs["data"][0]["data"] == [pytest.approx(softmax.tolist())] * 2
+        r = await client.post("/pooling", json={"input": "a", "encoding_format": "bytes"})
+        assert msgspec.json.decode(r.headers["metadata"])["data"][0]["shape"] == [2, 3]
+        assert np.frombuffer(await r.read(), "<f4").tolist() == [3.0, 4.0, 0.0] * 2
+        sent = len(gateway.tokenizers.sent)
+        error = (await post(client, "/pooling", {"input": "a", "task": "token_embed"},
+                            400))["error"]
+        assert "it serves token_classify" in error["message"] and error["param"] == "task"
+        for path, body, message in (
+                ("/v1/embeddings", {"input": "a"}, "this model's is token_classify"),
+                ("/classify", {"input": "a"}, "this model's is token_classify"),
+                ("/score", {"text_1": "a", "text_2": "b"}, "scores need an embedding model"),
+                ("/rerank", {"query": "a", "documents": ["b"]}, "scores need an embedding")):
+            error = (await post(client, path, body, 400))["error"]
+            assert message in error["message"], (path, error)
+        assert len(gateway.tokenizers.sent) == sent             # refused before anything ran
+    serve(TAGGER, check)
 
 
 def test_embedding_refusals_are_openai_errors():

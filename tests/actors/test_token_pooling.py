@@ -46,7 +46,7 @@ def test_a_bert_returns_every_tokens_hidden_state(tmp_path):
     for out, rows in zip(outs, want):
         _check_rows(out.outputs.data, rows)
     assert llm.encode(TEXTS[:1], pooling_task="embed")[0].outputs.data.shape == (128,)
-    for task, what in (("token_classify", "no \\*ForTokenClassification"),
+    for task, what in (("token_classify", "a \\*ForTokenClassification model serves it"),
                        ("classify", "it serves embed, token_embed")):
         with pytest.raises(ValueError, match=what):
             llm.encode(TEXTS[:1], pooling_task=task)

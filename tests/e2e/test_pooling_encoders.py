@@ -1,8 +1,9 @@
 """Encoder models behind the pooling endpoints of a running `pagewire serve`: a tiny random
 BertModel with sentence-transformers' files (mean pooling, Normalize) through the openai
-client, and a tiny BertForSequenceClassification cross-encoder over plain HTTP (/rerank in
-Jina's and Cohere's shapes, /score, /classify); every value against transformers on the same
-tokenizer (pairs with their token types)."""
+client, a tiny BertForSequenceClassification cross-encoder over plain HTTP (/rerank in
+Jina's and Cohere's shapes, /score, /classify) and a BertForTokenClassification tagger
+(/pooling's token_classify); every value against transformers on the same tokenizer (pairs
+with their token types)."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,6 +91,26 @@ def test_bert_cross_encoder_reranks_as_transformers(bert_dirs):
         assert classified["data"][0]["label"] == "LABEL_0"
         status, body, _ = srv.request("POST", "/v1/embeddings", {"input": "a"})
         assert status == 400 and "this model's is classify" in body["error"]["message"]
+
+
+def test_a_token_classifier_tags_every_token_as_transformers(tmp_path):
+    """vLLM's token_classify on /pooling: every token's logits (probabilities with
+    use_activation), as transformers' BertForTokenClassification gives them."""
+    path = make_sentence_model(str(tmp_path / "ner"), "BertForTokenClassification", "mean")
+    model, tokenizer = _hf(path, "BertForTokenClassification")
+    with torch.no_grad():
+        want = [model(**tokenizer(t, return_tensors="pt")).logits[0] for t in DOCS[:2]]
+    with running_server([path, *ARGS]) as srv:
+        status, body, _ = srv.request("POST", "/pooling", {"input": DOCS[:2]})
+        assert status == 200, body
+        for served, w in zip(body["data"], want):
+            np.testing.assert_allclose(served["data"], w.numpy(), atol=1e-5)
+        status, body, _ = srv.request("POST", "/pooling", {
+            "input": DOCS[0], "task": "token_classify", "use_activation": True})
+        np.testing.assert_allclose(body["data"][0]["data"], want[0].softmax(-1).numpy(),
+                                   atol=1e-6)
+        status, body, _ = srv.request("POST", "/classify", {"input": "a"})
+        assert status == 400 and "this model's is token_classify" in body["error"]["message"]
 
 
 def test_clip_embeds_texts_and_images_through_chat_style_messages(tmp_path):

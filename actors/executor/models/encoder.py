@@ -131,10 +131,13 @@ class EncoderModel(nn.Module):
         self.final_norm = LayerNorm(d, cfg.layer_norm_eps) if cfg.family == "modernbert" \
             else None
         self.head_dense = self.head_norm = self.classifier = None
-        if cfg.classifier:
-            self.head_dense = Linear(d, d, bias=cfg.classifier_bias)
-            self.head_norm = LayerNorm(d, cfg.layer_norm_eps) if cfg.family == "modernbert" \
-                else None
+        modern = cfg.family == "modernbert"
+        if cfg.classifier or cfg.token_classifier:
+            # a token classifier's head is its classifier alone, but ModernBERT's (dense,
+            # activation, norm first, as for its sequences)
+            if cfg.classifier or modern:
+                self.head_dense = Linear(d, d, bias=cfg.classifier_bias)
+            self.head_norm = LayerNorm(d, cfg.layer_norm_eps) if modern else None
             self.classifier = Linear(d, cfg.num_labels)
         self.register_buffer("global_rope", None, persistent=False)
         self.register_buffer("local_rope", None, persistent=False)
@@ -231,6 +234,18 @@ class EncoderModel(nn.Module):
         x = pool(hidden, seq_lens, kind).to(hidden.dtype)
         x = activation(cfg.classifier_activation, ops.linear(self.head_dense, x), ops)
         if self.head_norm is not None:
+            x = self.head_norm.forward(ops, x.contiguous())[0]
+        return ops.linear(self.classifier, x).float()
+
+
+    def classify_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A token classifier's logits for every token [T, num_labels] float32: its
+        classifier on each final state (ModernBERT's: dense, activation, norm first)."""
+        if not self.cfg.token_classifier:
+            raise ValueError(f"{self.cfg.architecture} does not classify tokens")
+        ops, x = self.ops, hidden
+        if self.head_dense is not None:
+            x = activation(self.cfg.classifier_activation, ops.linear(self.head_dense, x), ops)
             x = self.head_norm.forward(ops, x.contiguous())[0]
         return ops.linear(self.classifier, x).float()
 

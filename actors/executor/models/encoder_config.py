@@ -54,6 +54,7 @@ class EncoderConfig:
     # create_position_ids_from_input_ids); None: 0..n-1 (bert), or rope (modernbert)
     padding_idx: int | None = None
     classifier: bool = False          # a *ForSequenceClassification model
+    token_classifier: bool = False    # a *ForTokenClassification model (labels every token)
     num_labels: int = 2
     relative_buckets: int = 0         # mpnet: relative_attention_num_buckets
     # modernbert (global_rope_theta and global_layers, all True, nomic's too)
@@ -89,6 +90,7 @@ class EncoderConfig:
                       intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
                       max_position_embeddings=cfg["max_position_embeddings"],
                       classifier=architecture.endswith("ForSequenceClassification"),
+                      token_classifier=architecture.endswith("ForTokenClassification"),
                       num_labels=_num_labels(cfg))
         if cfg["hidden_size"] % cfg["num_attention_heads"]:
             raise ValueError(f"{architecture}: hidden_size is not a multiple of the heads")

@@ -62,6 +62,13 @@ _HEADS = {
 }
 
 
+# a token classifier's: a Linear on every token's state (ModernBERT's head first, as for
+# its sequences)
+_TOKEN_HEADS = {family: {"classifier": "classifier"} for family in ("bert", "roberta", "mpnet")}
+_TOKEN_HEADS["modernbert"] = {"head_dense": "head.dense", "head_norm": "head.norm",
+                              "classifier": "classifier"}
+
+
 def _unprefixed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in weights.items():
@@ -90,6 +97,8 @@ def _modules(cfg: EncoderConfig) -> dict[str, str | tuple[str, ...]]:
                 if isinstance(src, tuple) else theirs + src
     if cfg.classifier:
         names.update(_HEADS[cfg.family])
+    elif cfg.token_classifier:
+        names.update(_TOKEN_HEADS[cfg.family])
     return names
 
 
