@@ -4,7 +4,9 @@ refuse a bad adapter before any request runs with it; the executor loads only wh
 An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensors holding
 `base_model.model.model.layers.N.{self_attn,mlp}.P.lora_{A,B}.weight` for projections P among
 q/k/v/o and gate/up/down: A [r, in], B [out, r]. Its delta to P's output is
-scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
+scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Which projections an
+architecture's adapters may hold is `adaptable()`'s: a mixture of experts', Phi-2's and
+Starcoder2's their attention's only (PEFT's default targets for them: q_proj, v_proj).
 """
 from __future__ import annotations
 
@@ -16,12 +18,24 @@ import re
 import struct
 from dataclasses import dataclass
 
+from .architectures import LORA_ATTENTION_ONLY, MOE_ARCHITECTURES
 from .model_info import ModelInfo
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-                    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+TENSOR = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+))"
                     r"\.lora_([AB])\.weight")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+# the file's name of a projection where it is not ours (Phi-2 names its attention's output
+# `dense`)
+_THEIR_NAMES = {"PhiForCausalLM": {"dense": "o_proj"}}
+
+
+def adaptable(architecture: str) -> tuple[str, ...]:
+    """The projections an adapter of `architecture` may hold: the attention's only where the
+    MLP is a mixture of experts (experts take no adapters yet) or the GPT family's plain
+    MLP (no slot for it yet); else every one."""
+    return ATTENTION if architecture in LORA_ATTENTION_ONLY else ATTENTION + MLP
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,8 @@ class AdapterFile:
     scale: float
     # (layer, projection) -> (A's shape, B's shape), every pair complete
     shapes: dict[tuple[int, str], tuple[tuple[int, int], tuple[int, int]]]
+    # (layer, projection) -> the file's module name (its tensors: NAME.lora_A.weight, ...)
+    modules: dict[tuple[int, str], str]
 
 
 def projection_shapes(info: ModelInfo) -> dict[str, tuple[int, int]]:
@@ -66,8 +82,8 @@ def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
     if rank > max_rank:
         raise InvalidAdapter(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    shapes = _tensor_shapes(path, info, rank)
-    return AdapterFile(path, rank, float(scale), shapes)
+    shapes, modules = _tensor_shapes(path, info, rank)
+    return AdapterFile(path, rank, float(scale), shapes, modules)
 
 
 def adapter_digest(path: str) -> str:
@@ -104,18 +120,16 @@ def _config(path: str) -> dict:
     return config
 
 
-def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> dict:
+def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> tuple[dict, dict]:
+    """Each adapted (layer, projection)'s (A, B) shapes, checked, and its module's name."""
     header = _safetensors_header(path)
     expected = projection_shapes(info)
     found: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
+    modules: dict[tuple[int, str], str] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        match = TENSOR.fullmatch(name)
-        if match is None:
-            raise InvalidAdapter(f"{path}: tensor {name} is not a LoRA A or B of q/k/v/o or "
-                                 "gate/up/down (embeddings, LM head, biases: not supported)")
-        layer, proj, which = int(match.group(1)), match.group(2), match.group(3)
+        module, layer, proj, which = _parse(path, name, info.architecture)
         if layer >= info.num_layers:
             raise InvalidAdapter(f"{path}: {name}: the base model has {info.num_layers} layers")
         out, inp = expected[proj]
@@ -124,12 +138,35 @@ def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> dict:
             raise InvalidAdapter(f"{path}: {name} has shape {meta['shape']}, the base model "
                                  f"needs {list(want)}")
         found.setdefault((layer, proj), {})[which] = want
+        modules[(layer, proj)] = module
     if not found:
         raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
     half = [f"layer {k[0]} {k[1]}" for k, v in found.items() if len(v) != 2]
     if half:
         raise InvalidAdapter(f"{path}: only one of lora_A / lora_B for {', '.join(half)}")
-    return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}
+    return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}, modules
+
+
+def _parse(path: str, name: str, architecture: str) -> tuple[str, int, str, str]:
+    """A tensor's (module, layer, our projection, "A" or "B"), or InvalidAdapter naming what
+    this architecture's adapters may hold."""
+    match = TENSOR.fullmatch(name)
+    allowed = adaptable(architecture)
+    proj = None
+    if match is not None:
+        theirs = match.group(4)
+        proj = _THEIR_NAMES.get(architecture, {}).get(theirs, theirs)
+        kind = "self_attn" if proj in ATTENTION else "mlp"
+        proj = proj if proj in allowed and kind == match.group(3) else None
+    if proj is None:
+        what, why = "q/k/v/o or gate/up/down", ""
+        if allowed == ATTENTION:
+            what = "q/k/v/o"
+            why = "; a mixture of experts' experts and router take none yet" \
+                if architecture in MOE_ARCHITECTURES else "; its MLP takes none yet"
+        raise InvalidAdapter(f"{path}: tensor {name} is not a LoRA A or B of {what} "
+                             f"(embeddings, LM head, biases: not supported{why})")
+    return match.group(1), int(match.group(2)), proj, match.group(5)
 
 
 def _safetensors_header(path: str) -> dict:

@@ -16,8 +16,8 @@ import msgspec
 
 from .architectures import (  # noqa: F401 (re-exported: importers read them here)
     CLIP_ARCHITECTURES, DECODER_CLASSIFIERS, ENCODER_ARCHITECTURES, GGUF_ARCHITECTURES,
-    GPT_ARCHITECTURES, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
-    VISION_ARCHITECTURES, WHOLE_IMAGE_ARCHITECTURES)
+    GPT_ARCHITECTURES, LORA_ATTENTION_ONLY, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES, WHOLE_IMAGE_ARCHITECTURES)
 from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
 from .pooler_info import PoolerInfo, resolve_pooler
@@ -141,14 +141,15 @@ def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
     return msgspec.structs.replace(info, architecture=architecture, mmproj=path, digest=digest)
 
 
-# What an architecture cannot do yet, by option (README's table): LoRA adapters of experts
-# or of GPT-family blocks; gpt-oss's sinks would count once a rank in context parallelism's merged softmax,
-# and its sliding layers are not KV-Compress's.
-_UNBUILT = {**{arch: ("--enable-lora",) for arch in (*MOE_ARCHITECTURES, *GPT_ARCHITECTURES)},
+# What an architecture cannot do yet, by option (README's table): LoRA adapters of the GPT
+# family's blocks but Phi-2's and Starcoder2's (their attention's); gpt-oss's sinks would count
+# once a rank in context parallelism's merged softmax, and its sliding layers are not
+# KV-Compress's.
+_UNBUILT = {**{arch: ("--enable-lora",) for arch in GPT_ARCHITECTURES
+               if arch not in LORA_ATTENTION_ONLY},
             **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
                       "--decode-context-parallel-size > 1") for arch in DECODER_CLASSIFIERS},
-            "GptOssForCausalLM": ("--enable-lora", "--decode-context-parallel-size > 1",
-                                  "--kv-compress-rate"),
+            "GptOssForCausalLM": ("--decode-context-parallel-size > 1", "--kv-compress-rate"),
             **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
                       "--decode-context-parallel-size > 1", "--kv-compress-rate")
                for arch in VISION_ARCHITECTURES}}

@@ -22,7 +22,7 @@ import torch
 from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights, stacked_dense
 from pagewire.wire.lora import LoraRef
 
-from ..lora_files import WEIGHTS, read_adapter
+from ..lora_files import WEIGHTS, AdapterFile, read_adapter
 from . import huge_pages
 from .models.llama import LORA_LINEARS
 from .parallel import split_range
@@ -67,35 +67,35 @@ def num_slots(model) -> int:
     return len(model.layers) * len(PARTS)
 
 
-def load_weights(path: str, shapes: dict, scale: float, model) -> Weights:
+def load_weights(file: AdapterFile, model) -> Weights:
     """An adapter's checked tensors (lora_files.read_adapter) in the fused layout, in the
     file's dtype where every tensor of a linear shares one the kernels read, else float32;
     float32 ones in the model's dtype where that is narrower (vLLM's lora_dtype auto)."""
     from safetensors.torch import load_file
-    tensors = load_file(os.path.join(path, WEIGHTS))
+    tensors = load_file(os.path.join(file.path, WEIGHTS))
     out: Weights = {}
     for i, layer in enumerate(model.layers):
         for name, parts in PARTS.items():
-            present = [(j, p) for j, p in enumerate(parts) if (i, p) in shapes]
+            present = [(j, p, file.modules[(i, p)]) for j, p in enumerate(parts)
+                       if (i, p) in file.shapes]
             if present:
                 linear = layer.get_submodule(name)
-                out[linear.lora_slot] = _fused(layer, model.cfg, name, i, present, tensors,
-                                               scale, model.embed.weight.device,
+                out[linear.lora_slot] = _fused(layer, model.cfg, name, present, tensors,
+                                               file.scale, model.embed.weight.device,
                                                model.embed.weight.dtype)
     return out
 
 
-def _fused(layer, cfg, name: str, i: int, present, tensors, scale: float,
+def _fused(layer, cfg, name: str, present, tensors, scale: float,
            dev: torch.device, model_dtype: torch.dtype) -> LoraWeights:
     """The LoraWeights of one fused linear: each present projection's A rows (this rank's
-    share) and its B^T block at the projection's output columns."""
+    share) and its B^T block at the projection's output columns. `present`: (index in the
+    linear, projection, the file's module name) of each projection the adapter holds."""
     sizes = _part_sizes(layer, name)
-    kind = "self_attn" if name.startswith("attn") else "mlp"
-    key = f"base_model.model.model.layers.{i}.{kind}.{{}}.lora_{{}}.weight"
     a_parts, blocks = [], []
-    for j, p in present:
+    for j, p, module in present:
         side, sl = _rank_share(layer, cfg, p)
-        a, b = tensors[key.format(p, "A")], tensors[key.format(p, "B")]
+        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
         a_parts.append(a[:, sl] if side == "in" else a)
         blocks.append((sum(sizes[:j]), (b[sl] if side == "out" else b).T))
     dtypes = {t.dtype for t in a_parts} | {b.dtype for _, b in blocks}
@@ -165,7 +165,7 @@ class Adapters:
         adapter = self.loaded.pop(ref.id, None)
         if adapter is None:
             file = read_adapter(ref.path, self.info, self.max_rank)
-            adapter = Loaded(load_weights(ref.path, file.shapes, file.scale, self.model),
+            adapter = Loaded(load_weights(file, self.model),
                              self.num_slots, next(self.generations),
                              self.model.ops.capabilities.host_memory)
             while len(self.loaded) >= self.capacity:

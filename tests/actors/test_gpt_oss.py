@@ -165,7 +165,6 @@ def test_config_reads_gpt_oss_options(tmp_path, smol_tokenizer_dir):
 
 
 @pytest.mark.parametrize("options, what", [
-    (dict(enable_lora=True), "--enable-lora"),
     (dict(tensor_parallel_size=4, decode_context_parallel_size=2, device="cpu"),  # any host
      "--decode-context-parallel-size > 1"),
     (dict(kv_compress_rate=0.5, enable_prefix_caching=False), "--kv-compress-rate")])

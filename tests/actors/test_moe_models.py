@@ -152,12 +152,6 @@ def test_moe_linears_are_counted_per_expert(tmp_path, smol_tokenizer_dir, gguf_t
     assert said.endswith("3 blocks native")
 
 
-def test_what_moe_models_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir):
-    path = make_model(str(tmp_path / "hf"), smol_tokenizer_dir, "olmoe")
-    with pytest.raises(ValueError, match="OlmoeForCausalLM with --enable-lora"):
-        LLM(path, dtype="float32", num_kv_blocks=64, enable_lora=True)
-
-
 def test_speculation_and_kv_compress_keep_the_tokens(tmp_path, smol_tokenizer_dir):
     """n-gram drafts verified through the experts (several tokens a sequence in one step) and
     KV-Compress (attention only) leave greedy answers as they were (KV-Compress at rate 1:
