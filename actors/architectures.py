@@ -50,10 +50,10 @@ MULTI_HEAD_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCau
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM", "GptOssForCausalLM")
-# Those whose LoRA adapters may adapt their attention only (lora_files.adaptable): experts and
-# the GPT family's plain MLPs take none yet. The other GPT-family blocks take no adapters
-# (GPT-NeoX's and GPT-J's q/k/v rows are reordered at load, GPT-2's are Conv1D).
-LORA_ATTENTION_ONLY = MOE_ARCHITECTURES + ("PhiForCausalLM", "Starcoder2ForCausalLM")
+# Those whose LoRA adapters may adapt their attention only (lora_names.py): the GPT family's
+# plain MLPs and gpt-oss's fused experts take none yet. The other GPT-family blocks take no
+# adapters (GPT-NeoX's and GPT-J's q/k/v rows are reordered at load, GPT-2's are Conv1D).
+LORA_ATTENTION_ONLY = ("PhiForCausalLM", "Starcoder2ForCausalLM", "GptOssForCausalLM")
 # GGUF general.architecture -> the Hugging Face architecture of the same model.
 # (llama.cpp keeps Mixtral as "llama" with experts: gguf_architecture tells them apart.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

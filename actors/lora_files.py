@@ -5,8 +5,8 @@ An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensor
 `base_model.model.model.layers.N.{self_attn,mlp}.P.lora_{A,B}.weight` for projections P among
 q/k/v/o and gate/up/down: A [r, in], B [out, r]. Its delta to P's output is
 scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Which projections an
-architecture's adapters may hold is `adaptable()`'s: a mixture of experts', Phi-2's and
-Starcoder2's their attention's only (PEFT's default targets for them: q_proj, v_proj).
+architecture's adapters may hold, and under which names, is lora_names.py's: a mixture's
+experts too, Phi-2's, Starcoder2's and gpt-oss's attention only.
 """
 from __future__ import annotations
 
@@ -18,24 +18,10 @@ import re
 import struct
 from dataclasses import dataclass
 
-from .architectures import LORA_ATTENTION_ONLY, MOE_ARCHITECTURES
+from . import lora_names
 from .model_info import ModelInfo
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-TENSOR = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+))"
-                    r"\.lora_([AB])\.weight")
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-# the file's name of a projection where it is not ours (Phi-2 names its attention's output
-# `dense`)
-_THEIR_NAMES = {"PhiForCausalLM": {"dense": "o_proj"}}
-
-
-def adaptable(architecture: str) -> tuple[str, ...]:
-    """The projections an adapter of `architecture` may hold: the attention's only where the
-    MLP is a mixture of experts (experts take no adapters yet) or the GPT family's plain
-    MLP (no slot for it yet); else every one."""
-    return ATTENTION if architecture in LORA_ATTENTION_ONLY else ATTENTION + MLP
 
 
 @dataclass(frozen=True)
@@ -63,11 +49,8 @@ class AdapterFile:
 
 
 def projection_shapes(info: ModelInfo) -> dict[str, tuple[int, int]]:
-    """Each projection's weight shape (out, in) in the base model."""
-    h, q, kv, i = info.hidden_size, info.num_heads * info.head_dim, \
-        info.num_kv_heads * info.head_dim, info.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    """Each attention and dense-MLP projection's weight shape (out, in) in the base model."""
+    return {p: lora_names.shape(info, p) for p in lora_names.ATTENTION + lora_names.MLP}
 
 
 def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
@@ -123,50 +106,29 @@ def _config(path: str) -> dict:
 def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> tuple[dict, dict]:
     """Each adapted (layer, projection)'s (A, B) shapes, checked, and its module's name."""
     header = _safetensors_header(path)
-    expected = projection_shapes(info)
     found: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
     modules: dict[tuple[int, str], str] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        module, layer, proj, which = _parse(path, name, info.architecture)
-        if layer >= info.num_layers:
+        tensor = lora_names.parse(name, info)
+        if isinstance(tensor, str):
+            raise InvalidAdapter(f"{path}: tensor {name}: {tensor}")
+        if tensor.layer >= info.num_layers:
             raise InvalidAdapter(f"{path}: {name}: the base model has {info.num_layers} layers")
-        out, inp = expected[proj]
-        want = (rank, inp) if which == "A" else (out, rank)
+        out, inp = lora_names.shape(info, tensor.proj)
+        want = (rank, inp) if tensor.which == "A" else (out, rank)
         if tuple(meta["shape"]) != want:
             raise InvalidAdapter(f"{path}: {name} has shape {meta['shape']}, the base model "
                                  f"needs {list(want)}")
-        found.setdefault((layer, proj), {})[which] = want
-        modules[(layer, proj)] = module
+        found.setdefault((tensor.layer, tensor.proj), {})[tensor.which] = want
+        modules[(tensor.layer, tensor.proj)] = tensor.module
     if not found:
         raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
     half = [f"layer {k[0]} {k[1]}" for k, v in found.items() if len(v) != 2]
     if half:
         raise InvalidAdapter(f"{path}: only one of lora_A / lora_B for {', '.join(half)}")
     return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}, modules
-
-
-def _parse(path: str, name: str, architecture: str) -> tuple[str, int, str, str]:
-    """A tensor's (module, layer, our projection, "A" or "B"), or InvalidAdapter naming what
-    this architecture's adapters may hold."""
-    match = TENSOR.fullmatch(name)
-    allowed = adaptable(architecture)
-    proj = None
-    if match is not None:
-        theirs = match.group(4)
-        proj = _THEIR_NAMES.get(architecture, {}).get(theirs, theirs)
-        kind = "self_attn" if proj in ATTENTION else "mlp"
-        proj = proj if proj in allowed and kind == match.group(3) else None
-    if proj is None:
-        what, why = "q/k/v/o or gate/up/down", ""
-        if allowed == ATTENTION:
-            what = "q/k/v/o"
-            why = "; a mixture of experts' experts and router take none yet" \
-                if architecture in MOE_ARCHITECTURES else "; its MLP takes none yet"
-        raise InvalidAdapter(f"{path}: tensor {name} is not a LoRA A or B of {what} "
-                             f"(embeddings, LM head, biases: not supported{why})")
-    return match.group(1), int(match.group(2)), proj, match.group(5)
 
 
 def _safetensors_header(path: str) -> dict:

@@ -52,6 +52,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     hidden_size: int = 0               # the linears' shapes (LoRA adapters are checked
     num_heads: int = 0                 # against them)
     intermediate_size: int = 0
+    num_experts: int = 0               # a mixture of experts' (LoRA adapters of experts are
+    expert_intermediate_size: int = 0  # checked against these too)
+    shared_expert_size: int = 0        # Qwen2-MoE's gated shared expert's rows
     stored_quantization: str = ""      # a quantized checkpoint's packing (quant_config.py)
     mmproj: str = ""                   # a GGUF model's vision tower file (mmproj.py)
     pooler: PoolerInfo | None = None   # a pooling model's output (pooler_info.py); None:
@@ -266,7 +269,29 @@ def _gguf_info(path: str) -> ModelInfo:
         if "tokenizer.ggml.eos_token_id" in meta else [],
         digest=file_digest(path), rope_scaling=gguf_rope_scaling(meta, arch),
         hidden_size=int(hidden), num_heads=int(heads),
-        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)))
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0)),
+        **_gguf_experts(meta, arch, architecture))
+
+
+def _gguf_experts(meta: dict, arch: str, architecture: str) -> dict:
+    """ModelInfo's expert sizes from a GGUF's metadata ({} for a dense model)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    return dict(num_experts=int(meta.get(f"{arch}.expert_count", 0)),
+                expert_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                             or meta.get(f"{arch}.feed_forward_length", 0)),
+                shared_expert_size=int(meta.get(
+                    f"{arch}.expert_shared_feed_forward_length", 0)))
+
+
+def _hf_experts(cfg: dict, architecture: str) -> dict:
+    """ModelInfo's expert sizes from a config.json ({} for a dense model)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    return dict(num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+                expert_intermediate_size=int(cfg.get("moe_intermediate_size")
+                                             or cfg.get("intermediate_size") or 0),
+                shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0))
 
 
 def architecture_pools(gguf_arch: str) -> bool:
@@ -317,7 +342,7 @@ def _hf_info(path: str) -> ModelInfo:
         else None,
         hidden_size=int(text_cfg["hidden_size"]), num_heads=int(heads),
         intermediate_size=int(text_cfg.get("intermediate_size") or 0),
-        stored_quantization=scheme.packing if scheme else "")
+        stored_quantization=scheme.packing if scheme else "", **_hf_experts(text_cfg, causal))
 
 
 def _position_offset(architecture: str, cfg: dict) -> int:

@@ -70,6 +70,16 @@ class LoraWeights:
         return self.a.float(), bt
 
 
+def adapted_linear(ops, linear, x: torch.Tensor, lora) -> torch.Tensor:
+    """ops.linear(linear, x), plus the LoRA delta of each row's adapter where it adapts the
+    linear (`lora`: executor/lora.py LoraBatch of x's rows, or None). A row-parallel linear's
+    float32 partial takes its rank's partial delta."""
+    y = ops.linear(linear, x)
+    if lora is not None and linear.lora_slot >= 0:
+        ops.lora_delta(y, x.to(y.dtype), lora, linear.lora_slot)
+    return y
+
+
 def lora_delta(y: torch.Tensor, x: torch.Tensor, adapters, slot: int) -> None:
     for weights, rows in adapters:
         lw = weights.get(slot)

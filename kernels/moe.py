@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .activation import swiglu_oai
+from .lora import adapted_linear
 from .native_api import API
 
 # The words of a block's description for csrc/moe.cpp (pagewire_api.h PwMoe).
@@ -59,11 +60,13 @@ def by_expert(experts: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tens
     return groups
 
 
-def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
+def sparse_mlp(ops, moe, x: torch.Tensor, lora=None) -> torch.Tensor:
     """x [T, H] -> [T, H]: the routed experts' weighted sum (plus the gated shared expert),
     through `ops` (the backend's linear and activation). `moe`: models/moe.py SparseMoE.
     float32 where moe.float_partial (a rank's partial sum), else x's dtype. The router's and
-    the shared gate's products are float32 (the weights and x widened, summed unrounded)."""
+    the shared gate's products are float32 (the weights and x widened, summed unrounded).
+    `lora`: the rows' LoRA adapters (executor/lora.py LoraBatch), whose deltas each expert's
+    products add for its tokens, or None."""
     weights, experts = block_route(moe, x)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     groups = by_expert(experts)
@@ -72,9 +75,10 @@ def sparse_mlp(ops, moe, x: torch.Tensor) -> torch.Tensor:
     for e, tokens, slots in groups:
         if str(e) not in moe.experts:                   # another rank's (expert parallel)
             continue
-        y = _expert(ops, moe.experts[str(e)], x[tokens], moe.activation)
+        y = _expert(ops, moe.experts[str(e)], x[tokens], moe.activation,
+                    None if lora is None else lora.subset(tokens))
         out.index_add_(0, tokens, y.float() * weights[tokens, slots, None])
-    add_shared(ops, moe, x, out)
+    add_shared(ops, moe, x, out, lora)
     return out if moe.float_partial else out.to(x.dtype)
 
 
@@ -84,11 +88,11 @@ def block_route(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return route(_float_product(x, moe.router), moe.top_k, moe.normalize, moe.topk_then_softmax)
 
 
-def add_shared(ops, moe, x: torch.Tensor, out: torch.Tensor) -> None:
+def add_shared(ops, moe, x: torch.Tensor, out: torch.Tensor, lora=None) -> None:
     """out [T, H] float32 += the gated shared expert's output (Qwen2-MoE), where it has one."""
     if moe.shared is not None:
         gate = torch.sigmoid(_float_product(x, moe.shared_gate))         # [T, 1]
-        out += gate * _expert(ops, moe.shared, x).float()
+        out += gate * _expert(ops, moe.shared, x, lora=lora).float()
 
 
 def _float_product(x: torch.Tensor, linear) -> torch.Tensor:
@@ -96,15 +100,15 @@ def _float_product(x: torch.Tensor, linear) -> torch.Tensor:
     return torch.nn.functional.linear(x.float(), linear.weight.float(), bias)
 
 
-def _expert(ops, expert, x: torch.Tensor, activation=("silu",)) -> torch.Tensor:
+def _expert(ops, expert, x: torch.Tensor, activation=("silu",), lora=None) -> torch.Tensor:
     """One expert's gated MLP over its tokens x [n, H]: SiLU, or gpt-oss's clamped SwiGLU
-    (activation ("swiglu_oai", alpha, limit))."""
-    gate_up = ops.linear(expert.gate_up, x)
+    (activation ("swiglu_oai", alpha, limit)); `lora`: those tokens' adapters, or None."""
+    gate_up = adapted_linear(ops, expert.gate_up, x, lora)
     if activation[0] == "swiglu_oai":
         act = swiglu_oai(gate_up, *activation[1:])
     else:
         act = ops.silu_and_mul(gate_up)
-    return ops.linear(expert.down, act)
+    return adapted_linear(ops, expert.down, act, lora)
 
 
 class NativeMoe(NamedTuple):

@@ -24,13 +24,15 @@ from pagewire.wire.lora import LoraRef
 
 from ..lora_files import WEIGHTS, AdapterFile, read_adapter
 from . import huge_pages
-from .models.llama import LORA_LINEARS
+from .models import lora_slots
 from .parallel import split_range
 
 # Each fused Linear of a layer -> the projections it holds, in its output order; the linears
-# in the model's slot order (models/llama.py LORA_LINEARS).
-PARTS = dict(zip(LORA_LINEARS, (("q_proj", "k_proj", "v_proj"), ("o_proj",),
-                                ("gate_proj", "up_proj"), ("down_proj",))))
+# in the model's slot order (models/lora_slots.py LORA_LINEARS).
+PARTS = dict(zip(lora_slots.LORA_LINEARS, (("q_proj", "k_proj", "v_proj"), ("o_proj",),
+                                           ("gate_proj", "up_proj"), ("down_proj",))))
+# each projection -> (the Linear holding it, its index among the Linear's parts)
+_LINEAR_OF = {p: (name, j) for name, parts in PARTS.items() for j, p in enumerate(parts)}
 
 Weights = dict[int, LoraWeights]           # linear slot -> its weights (kernels/lora.py)
 Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a step's adapters
@@ -39,19 +41,38 @@ Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a s
 KEPT_STACKS = 2
 
 
+def _linear_of(proj: str) -> tuple[str, int]:
+    """A projection (lora_names.py's name) -> (the layer's Linear holding it, its index among
+    that Linear's parts): an expert's gate and up share its gate_up, as the base weights."""
+    owner, _, base = proj.rpartition(".")
+    if not owner:
+        return _LINEAR_OF[proj]
+    linear = "mlp.shared" if owner == "shared_expert" else f"mlp.{owner}"
+    return (f"{linear}.down", 0) if base == "down_proj" else \
+        (f"{linear}.gate_up", int(base == "up_proj"))
+
+
 def _part_sizes(layer, name: str) -> list[int]:
     if name == "attn.qkv":
         return [layer.attn.q_size, layer.attn.kv_size, layer.attn.kv_size]
     out = layer.get_submodule(name).out_features
-    return [out // 2] * 2 if name == "mlp.gate_up" else [out]
+    return [out // 2] * 2 if name.endswith("gate_up") else [out]
 
 
 def _rank_share(layer, cfg, proj: str) -> tuple[str, slice]:
     """The slice of a projection's LoRA this rank holds, as it holds the base weight's: B's
     rows ("out") of a column-parallel projection (its heads, its intermediate rows), A's
     columns ("in") of a row-parallel one (its partial delta joins the all-reduce that sums the
-    base outputs). All of it without tensor parallelism."""
+    base outputs). All of it without tensor parallelism; an expert's whole rows where its rank
+    holds whole experts (expert parallelism)."""
     tp, d = layer.attn.tp, cfg.head_dim
+    owner, _, base = proj.rpartition(".")
+    if owner:
+        shared = owner == "shared_expert"
+        rows = cfg.shared_expert_size if shared else cfg.expert_intermediate_size
+        sl = slice(None) if tp.expert_parallel and not shared else \
+            slice(*split_range(rows, tp.size, tp.rank))
+        return ("in", sl) if base == "down_proj" else ("out", sl)
     share = tp.heads(cfg.num_heads, cfg.num_kv_heads)
     q = slice(share.q_start * d, (share.q_start + share.num_q) * d)
     kv = slice(share.kv_start * d, (share.kv_start + share.num_kv) * d)
@@ -61,28 +82,27 @@ def _rank_share(layer, cfg, proj: str) -> tuple[str, slice]:
             "down_proj": ("in", mlp)}[proj]
 
 
-def num_slots(model) -> int:
-    """Rows of an adapter's table: one per adaptable linear, each numbered by the model
-    (Linear.lora_slot)."""
-    return len(model.layers) * len(PARTS)
-
-
 def load_weights(file: AdapterFile, model) -> Weights:
     """An adapter's checked tensors (lora_files.read_adapter) in the fused layout, in the
     file's dtype where every tensor of a linear shares one the kernels read, else float32;
-    float32 ones in the model's dtype where that is narrower (vLLM's lora_dtype auto)."""
+    float32 ones in the model's dtype where that is narrower (vLLM's lora_dtype auto). An
+    expert another rank holds (expert parallelism) is left out."""
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(file.path, WEIGHTS))
+    linears: dict[tuple[int, str], list] = {}
+    for (i, proj), module in file.modules.items():
+        name, j = _linear_of(proj)
+        linears.setdefault((i, name), []).append((j, proj, module))
     out: Weights = {}
-    for i, layer in enumerate(model.layers):
-        for name, parts in PARTS.items():
-            present = [(j, p, file.modules[(i, p)]) for j, p in enumerate(parts)
-                       if (i, p) in file.shapes]
-            if present:
-                linear = layer.get_submodule(name)
-                out[linear.lora_slot] = _fused(layer, model.cfg, name, present, tensors,
-                                               file.scale, model.embed.weight.device,
-                                               model.embed.weight.dtype)
+    for (i, name), present in sorted(linears.items()):
+        layer = model.layers[i]
+        try:
+            linear = layer.get_submodule(name)
+        except AttributeError:                       # another rank's expert
+            continue
+        out[linear.lora_slot] = _fused(layer, model.cfg, name, sorted(present), tensors,
+                                       file.scale, model.embed.weight.device,
+                                       model.embed.weight.dtype)
     return out
 
 
@@ -111,9 +131,12 @@ class Loaded:
     `generation` is this load's alone (a reload of the same adapter gets a new one)."""
 
     def __init__(self, weights: Weights, num_slots: int, generation: int,
-                 host_memory: bool = True):
-        """host_memory: the weights are host memory (the backend's capabilities say so)."""
+                 host_memory: bool = True, first_expert_slot: int | None = None):
+        """host_memory: the weights are host memory (the backend's capabilities say so);
+        `adapts_experts`: it holds weights of a slot from first_expert_slot on."""
         self.weights, self.generation = weights, generation
+        self.adapts_experts = first_expert_slot is not None and \
+            any(slot >= first_expert_slot for slot in weights)
         # One mapping on huge pages for the adapter's A and B^T: a decode step reads them
         # all, in short runs between the base linears' products (huge_pages.py).
         self.arena = huge_pages.move([t for lw in weights.values() for t in (lw.a, lw.bt)]) \
@@ -130,7 +153,7 @@ class Adapters:
 
     def __init__(self, model, info, max_rank: int, capacity: int):
         self.model, self.info, self.max_rank, self.capacity = model, info, max_rank, capacity
-        self.num_slots = num_slots(model)
+        self.num_slots = lora_slots.num_slots(model.cfg)
         self.loaded: OrderedDict[int, Loaded] = OrderedDict()
         self.stacks: OrderedDict[tuple[int, ...], Stacks] = OrderedDict()
         self.generations = itertools.count()
@@ -167,7 +190,8 @@ class Adapters:
             file = read_adapter(ref.path, self.info, self.max_rank)
             adapter = Loaded(load_weights(file, self.model),
                              self.num_slots, next(self.generations),
-                             self.model.ops.capabilities.host_memory)
+                             self.model.ops.capabilities.host_memory,
+                             lora_slots.num_dense_slots(len(self.model.layers)))
             while len(self.loaded) >= self.capacity:
                 gone = self.loaded.popitem(last=False)[1].generation
                 self.last = None             # the last batch may hold it: let it go too
@@ -203,6 +227,18 @@ class LoraBatch:
         self.table = torch.stack([a.table for a in adapters])
         self.weights = [a.weights for a in adapters]
         self._dense = {} if stacks is None else stacks
+        # a mixture's experts are adapted: its blocks take torch's grouping (kernels/moe.py),
+        # whose per-expert products add each row's delta; not the native block nor the fused
+        # decode stack nor a CUDA graph, which know no adapter of an expert
+        self.adapts_experts = any(a.adapts_experts for a in adapters)
+
+    def subset(self, rows: torch.Tensor) -> "LoraBatch":
+        """This batch for some of its rows (an expert's tokens, in `rows`' order): the same
+        adapters, tables and stacked weights."""
+        sub = object.__new__(LoraBatch)
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k != "rows"})
+        sub.adapter_of_row = self.adapter_of_row[rows]
+        return sub
 
     def dense(self, slot: int):
         """Linear `slot`'s weights of the step's adapters stacked for one launch

@@ -276,7 +276,7 @@ class ModelRunner:
         decode_only = not batch.prefills
         graphs = self.graphs
         if decode_only and graphs is not None and batch.cascade is None and images is None \
-                and (lora is None or graphs.lora is not None) \
+                and (lora is None or graphs.lora is not None and not lora.adapts_experts) \
                 and graphs.fits(len(input_ids), batch.decode_block_tables.shape[1]):
             return graphs.run(input_ids, positions, batch.slot_mapping,
                               batch.decode_block_tables, batch.decode_context_lens, lora)

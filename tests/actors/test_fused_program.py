@@ -115,9 +115,10 @@ def test_programs_it_cannot_run_are_refused(tier, native_lib, extra, overrides):
 def random_adapters(model, ranks: tuple[int, ...], g, dtype):
     """A LoraBatch's adapters on every fused linear of every layer: random A and B^T blocks
     per projection (kernels/lora.py LoraWeights), the table the native kernels read."""
-    from pagewire.executor.lora import PARTS, Loaded, _part_sizes, num_slots
+    from pagewire.executor.lora import PARTS, Loaded, _part_sizes
+    from pagewire.executor.models.lora_slots import num_slots
     from pagewire.kernels.lora import LoraWeights
-    slots, out = num_slots(model), []
+    slots, out = num_slots(model.cfg), []
     for i, rank in enumerate(ranks):
         weights = {}
         for layer in model.layers:

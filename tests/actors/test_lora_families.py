@@ -1,8 +1,10 @@
-"""LoRA adapters of the attention on the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, gpt-oss) and on Phi-2 and Starcoder2: a batch mixing the base model and an adapter gives
-each request transformers' greedy tokens on its merged weights, through the native MoE blocks
-and the fused decode stack; an adapter of their experts, router or plain MLP is refused by
-name, and the GPT-family blocks that take none refuse --enable-lora."""
+"""LoRA adapters beyond the Llama family: the attention of the mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), Phi-2 and Starcoder2, and the experts (Mixtral's w1/w3/w2,
+Qwen2-MoE's experts and shared expert): a batch mixing the base model and an adapter gives each
+request transformers' greedy tokens on its merged weights, through the native MoE blocks and the
+fused decode stack (attention adapters) or torch's grouping (expert adapters); a tensor an
+architecture does not adapt is refused by name, and the GPT-family blocks that take none refuse
+--enable-lora."""
 from __future__ import annotations
 
 import os
@@ -15,9 +17,10 @@ from pagewire.lora_files import InvalidAdapter, projection_shapes, read_adapter
 from pagewire.model_info import resolve_model
 from tests.actors.test_architectures import make_model
 from tests.actors.test_lora import merged_oracle
-from tests.helpers import assert_greedy_equal
+from tests.helpers import HFOracle, assert_greedy_equal
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 45)), [100, 101, 100, 101, 7]]
 # test_architectures' configs; Phi-2 names its attention's output `dense`
 FAMILIES = {"mixtral-moe": ATTN, "qwen2-moe-shared": ATTN, "qwen3-moe": ATTN, "olmoe": ATTN,
@@ -28,27 +31,105 @@ FAMILIES = {"mixtral-moe": ATTN, "qwen2-moe-shared": ATTN, "qwen3-moe": ATTN, "o
 def attention_adapter(path: str, base: str, names, rank: int = 4, seed: int = 0,
                       extra: dict | None = None) -> str:
     """A PEFT adapter of every layer's attention projections `names` (the file's names),
-    random A and B; `extra`: more tensors, {name: shape}."""
+    random A and B; `extra`: more tensors, {module name: (out, in)} (random too)."""
+    info = resolve_model(base)
+    shapes = projection_shapes(info)
+    modules = {f"base_model.model.model.layers.{layer}.self_attn.{name}":
+               shapes["o_proj" if name == "dense" else name]
+               for layer in range(info.num_layers) for name in names}
+    return write_adapter(path, {**modules, **(extra or {})}, rank, seed)
+
+
+def write_adapter(path: str, modules: dict, rank: int = 4, seed: int = 0) -> str:
+    """A PEFT adapter of these modules ({name: (out, in)}), A and B random (PEFT starts B at
+    zero: these make every delta matter)."""
     import json
 
     from safetensors.torch import save_file
-    info = resolve_model(base)
-    shapes = projection_shapes(info)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-                   "target_modules": list(names)}, f)
+                   "target_modules": sorted({m.rsplit(".", 1)[1] for m in modules})}, f)
     g = torch.Generator().manual_seed(seed)
     weights = {}
-    for layer in range(info.num_layers):
-        for name in names:
-            out, inp = shapes["o_proj" if name == "dense" else name]
-            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            weights[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.3
-            weights[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
-    weights.update({k: torch.zeros(shape) for k, shape in (extra or {}).items()})
+    for module, (out, inp) in modules.items():
+        weights[f"{module}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.3
+        weights[f"{module}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
     save_file(weights, os.path.join(path, "adapter_model.safetensors"))
     return path
+
+
+def expert_oracle(base: str, adapter: str) -> HFOracle:
+    """transformers on the base weights plus scale * B @ A for every adapted projection, the
+    per-expert ones merged into transformers 5's stacked experts (gate_up_proj [E, 2I, H],
+    gate's rows first; down_proj [E, H, I])."""
+    import json
+    import re
+
+    from safetensors.torch import load_file
+    oracle = merged_oracle(base, None)
+    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    scale = cfg["lora_alpha"] / cfg["r"]
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    params = dict(oracle.model.named_parameters())
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if ".lora_A." not in name:
+                continue
+            delta = scale * (tensors[name.replace("lora_A", "lora_B")] @ a)
+            expert = re.search(r"layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.lora_A", name)
+            if expert is None:
+                target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
+                                                                         ".weight")
+                params[target] += delta
+                continue
+            layer, e, proj = int(expert.group(1)), int(expert.group(2)), expert.group(3)
+            stack = f"model.layers.{layer}.mlp.experts."
+            if proj in ("w2", "down_proj"):
+                params[stack + "down_proj"][e] += delta
+            else:
+                rows = delta.shape[0]
+                up = int(proj in ("w3", "up_proj"))
+                params[stack + "gate_up_proj"][e, up * rows:(up + 1) * rows] += delta
+    return oracle
+
+
+def expert_modules(base: str, mixtral: bool, layers, shared: bool = False) -> dict:
+    """{module: (out, in)} of every expert's gate, up and down in `layers` (Mixtral's w1, w3,
+    w2 under block_sparse_moe, else gate/up/down_proj under mlp), and the shared expert's."""
+    info = resolve_model(base)
+    h, i, s = info.hidden_size, info.expert_intermediate_size, info.shared_expert_size
+    names = (("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
+    owner = "block_sparse_moe" if mixtral else "mlp"
+    out = {}
+    for layer in layers:
+        prefix = f"base_model.model.model.layers.{layer}.{owner}."
+        for e in range(info.num_experts):
+            for name, shape in zip(names, ((i, h), (i, h), (h, i))):
+                out[f"{prefix}experts.{e}.{name}"] = shape
+        if shared:
+            for name, shape in zip(MLP, ((s, h), (s, h), (h, s))):
+                out[f"{prefix}shared_expert.{name}"] = shape
+    return out
+
+
+def _check_mixed_batch(llm, base: str, adapter: str, oracle, label: str) -> None:
+    """Base and adapter requests in every step: each gets its own model's greedy tokens, and
+    the adapter changes some."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    request = LoRARequest("a", 1, adapter)
+    cases = [(p, lora) for p in PROMPTS for lora in (None, request)]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in cases], params,
+                        lora_request=[lora for _, lora in cases])
+    oracles = {None: merged_oracle(base, None), request: oracle}
+    differs = 0
+    for (prompt, lora), out in zip(cases, outs):
+        theirs, logits = oracles[lora].greedy(prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits,
+                            f"{label}, adapter {lora is not None}, prompt {len(prompt)}")
+        differs += lora is not None and theirs != oracles[None].greedy(prompt, 8)[0]
+    assert differs                                                      # the adapter matters
+    assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -57,34 +138,41 @@ def test_attention_adapters_give_the_merged_models_tokens(tmp_path, smol_tokeniz
     adapter = attention_adapter(str(tmp_path / "adapter"), base, FAMILIES[family])
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
               enable_lora=True, max_loras=1)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    request = LoRARequest("attn", 1, adapter)
-    cases = [(p, lora) for p in PROMPTS for lora in (None, request)]    # both in every step
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in cases], params,
-                        lora_request=[lora for _, lora in cases])
-    oracles = {None: merged_oracle(base, None), request: merged_oracle(base, adapter)}
-    differs = 0
-    for (prompt, lora), out in zip(cases, outs):
-        theirs, logits = oracles[lora].greedy(prompt, 8)
-        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits,
-                            f"{family}, adapter {lora is not None}, prompt {len(prompt)}")
-        differs += lora is not None and theirs != oracles[None].greedy(prompt, 8)[0]
-    assert differs                                                      # the adapter matters
-    assert llm.scheduler.kv.num_free == llm.scheduler.kv.num_blocks
+    _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), family)
+
+
+@pytest.mark.parametrize("family", ["mixtral-moe", "qwen2-moe-shared"])
+def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir, family):
+    """Mixtral's per-expert w1/w3/w2 with its q/v; Qwen2-MoE's experts and shared expert on
+    its sparse layers (layer 1 is dense: mlp_only_layers)."""
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)
+    mixtral = family == "mixtral-moe"
+    experts = expert_modules(base, mixtral, (0, 1, 2) if mixtral else (0, 2),
+                             shared=not mixtral)
+    adapter = attention_adapter(str(tmp_path / "adapter"), base, ("q_proj", "v_proj"),
+                                extra=experts)
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
+              enable_lora=True, max_loras=1)
+    _check_mixed_batch(llm, base, adapter, expert_oracle(base, adapter), family)
 
 
 @pytest.mark.parametrize("family, tensor, why", [
-    ("mixtral-moe", "block_sparse_moe.experts.0.w1", "experts and router take none yet"),
-    ("qwen2-moe-shared", "mlp.gate_proj", "experts and router take none yet"),
-    ("starcoder2", "mlp.c_fc", "its MLP takes none yet")])
-def test_adapters_of_experts_or_plain_mlps_are_refused_by_name(tmp_path, smol_tokenizer_dir,
-                                                               family, tensor, why):
+    ("mixtral-moe", "block_sparse_moe.gate", "not a LoRA A or B of q/k/v/o or an expert's "
+                                             "gate/up/down \\(w1/w3/w2\\); a router takes none"),
+    ("mixtral-moe", "block_sparse_moe.experts.6.w1", "the base model has 6 experts"),
+    ("mixtral-moe", "block_sparse_moe.shared_expert.gate_proj", "the base model has no shared "
+                                                                "expert"),
+    ("qwen2-moe-shared", "mlp.gate_proj", "not a LoRA A or B of q/k/v/o or an expert's"),
+    ("gpt-oss", "mlp.experts.0.gate_proj", "not a LoRA A or B of q/k/v/o; gpt-oss's fused "
+                                           "experts and its router take none"),
+    ("starcoder2", "mlp.c_fc", "not a LoRA A or B of q/k/v/o; its MLP takes none yet")])
+def test_tensors_an_architecture_does_not_adapt_are_refused_by_name(
+        tmp_path, smol_tokenizer_dir, family, tensor, why):
     base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)
-    name = f"base_model.model.model.layers.0.{tensor}.lora_A.weight"
+    name = f"base_model.model.model.layers.0.{tensor}"
     adapter = attention_adapter(str(tmp_path / "adapter"), base, ("q_proj",),
-                                extra={name: (4, 64)})
-    with pytest.raises(InvalidAdapter, match=f"tensor {name} is not a LoRA A or B of q/k/v/o "
-                                             f"\\(embeddings, LM head, biases: not supported; .*{why}"):
+                                extra={name: (16, 16)})
+    with pytest.raises(InvalidAdapter, match=f"tensor {name}.lora_[AB].weight: {why}"):
         read_adapter(adapter, resolve_model(base), 16)
 
 
@@ -106,14 +194,4 @@ def test_an_attention_adapter_on_gguf_experts_through_the_fused_decode(
     llm = LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
               enable_lora=True, max_loras=1)
     assert llm.runner.model.fused_decode is not None
-    request = LoRARequest("attn", 1, adapter)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
-                        lora_request=[request] * len(PROMPTS))
-    oracle, base = merged_oracle(ref, adapter), merged_oracle(ref, None)
-    differs = 0
-    for prompt, out in zip(PROMPTS, outs):
-        theirs, logits = oracle.greedy(prompt, 8)
-        assert_greedy_equal(out.outputs[0].token_ids, theirs, logits, f"prompt {len(prompt)}")
-        differs += theirs != base.greedy(prompt, 8)[0]
-    assert differs
+    _check_mixed_batch(llm, ref, adapter, merged_oracle(ref, adapter), "olmoe GGUF")

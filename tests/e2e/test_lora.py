@@ -104,3 +104,22 @@ def test_adapters_split_over_tensor_parallel_ranks(tmp_path, smol_tokenizer_dir)
             outs = list(pool.map(lambda m: greedy(srv, m), names))
     for name, tokens in zip(names, outs):
         assert_merged(tokens, base, {"a": a, "b": b}.get(name))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_expert_adapters_split_over_ranks(tmp_path, smol_tokenizer_dir, expert_parallel):
+    """Qwen2-MoE with an adapter of its attention, experts and shared expert over two ranks:
+    each rank its slice of every expert's rows (plain), or its whole experts (expert
+    parallel; the shared expert split as in plain), as of the base weights."""
+    from tests.actors.test_architectures import make_model
+    from tests.actors.test_lora_families import attention_adapter, expert_modules, expert_oracle
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "qwen2-moe-shared")
+    adapter = attention_adapter(str(tmp_path / "a"), base, ("q_proj", "o_proj"),
+                                extra=expert_modules(base, False, (0, 2), shared=True))
+    args = [base, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+            "--served-model-name", "tiny", *TWO_RANKS, "--enable-lora", "--lora-modules",
+            f"a={adapter}"] + (["--enable-expert-parallel"] if expert_parallel else [])
+    with running_server(args) as srv:
+        tokens = greedy(srv, "a")
+    theirs, logits = expert_oracle(base, adapter).greedy(PROMPT, len(tokens))
+    assert_greedy_equal(tokens, theirs, logits, "experts over two ranks")

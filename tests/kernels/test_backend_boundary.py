@@ -83,7 +83,7 @@ def test_every_listed_exception_still_branches():
 # What the runner used to set on a model from outside; the model now takes its kernels and
 # context-parallel group at construction and its fused program from the backend's
 # prepare_caches (use_fused_decode), and load returns the rounded blocks beside the model.
-# Its linears' LoRA slots it numbers itself (models/llama.py LORA_LINEARS).
+# Its linears' LoRA slots it numbers itself (models/lora_slots.py).
 MODEL_STATE = {"ops", "fused_decode", "cp", "rounded_blocks", "huge_page_arena", "lora_slot"}
 
 

@@ -354,7 +354,8 @@ def test_lora_delta(tokens, n, k):
 
     from pagewire.executor.lora import LoraBatch
     batch = LoraBatch(of_row, [SimpleNamespace(table=torch.zeros(1, 6, dtype=torch.int64),
-                                               weights=w) for w in weights])
+                                               weights=w, adapts_experts=False)
+                               for w in weights])
     ours, ref = base.clone(), base.clone()
     select_ops(torch.device("cpu"), "triton").lora_delta(ours, x, batch, 0)
     lora_delta(ref, x, adapters, 0)

@@ -19,6 +19,7 @@ from pagewire.kernels.rotary import rope_cos_sin, rope_inv_freq
 
 from ..parallel import TensorParallel, split_range
 from . import program
+from .lora_slots import lora_slot
 from .model_config import LlamaConfig
 from .moe import SparseMoE
 from .weights import expert_blocks, fuse_weights, linear_row_orders, linear_sources
@@ -52,14 +53,6 @@ class LayerNorm(nn.Module):
 def norm_class(cfg: LlamaConfig) -> type[nn.Module]:
     return LayerNorm if cfg.layer_norm else RMSNorm
 
-
-# The linears a LoRA adapter may adapt, in their order within a layer: linear `name` of layer
-# i is row i * len(LORA_LINEARS) + its index of an adapter's table (executor/lora.py).
-LORA_LINEARS = ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
-
-
-def lora_slot(layer: int, name: str) -> int:
-    return layer * len(LORA_LINEARS) + LORA_LINEARS.index(name)
 
 
 class Attention(nn.Module):
@@ -135,7 +128,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, tp, layer, cp)
         self.post_norm = norm(cfg.hidden_size, cfg.rms_norm_eps)           # before the MLP
-        self.mlp = SparseMoE(cfg, tp) if cfg.sparse_layers[layer] \
+        self.mlp = SparseMoE(cfg, tp, layer) if cfg.sparse_layers[layer] \
             else MLP(cfg, tp, layer)
         self.post_attn_norm = self.post_mlp_norm = None
         if cfg.sandwich_norms:
@@ -252,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused
         ropes = self.rope_inputs(positions, images)
         if fused is not None and ropes[0][1] is positions \
-                and fused.serves(x.shape[0], batch, kv_caches):
+                and fused.serves(x.shape[0], batch, kv_caches) \
+                and (lora is None or not lora.adapts_experts):     # its MOE op knows none
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call
         else:
             residual = None

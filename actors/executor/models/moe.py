@@ -16,16 +16,19 @@ from torch import nn
 from pagewire.kernels.linear import Linear
 
 from ..parallel import TensorParallel, local_experts, split_range
+from .lora_slots import expert_lora_slots
 
 
 class Expert(nn.Module):
     """One gated MLP: gate/up column-parallel, down row-parallel over `inter` rows; with
     biases (gpt-oss) on both."""
 
-    def __init__(self, hidden: int, inter: int, float_partial: bool, bias: bool = False):
+    def __init__(self, hidden: int, inter: int, float_partial: bool, bias: bool = False,
+                 lora_slots: tuple[int, int] = (-1, -1)):
         super().__init__()
-        self.gate_up = Linear(hidden, 2 * inter, bias=bias)
-        self.down = Linear(inter, hidden, bias=bias, float_partial=float_partial)
+        self.gate_up = Linear(hidden, 2 * inter, bias=bias, lora_slot=lora_slots[0])
+        self.down = Linear(inter, hidden, bias=bias, float_partial=float_partial,
+                           lora_slot=lora_slots[1])
 
 
 class SparseMoE(nn.Module):
@@ -43,7 +46,7 @@ class SparseMoE(nn.Module):
     native_spec = None
     reads = None
 
-    def __init__(self, cfg, tp: TensorParallel):
+    def __init__(self, cfg, tp: TensorParallel, layer: int = 0):
         super().__init__()
         partial = tp.size > 1
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
@@ -54,11 +57,12 @@ class SparseMoE(nn.Module):
         inter = cfg.expert_intermediate_size if tp.expert_parallel else \
             _share(cfg.expert_intermediate_size, tp)
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, inter, partial,
-                                                     cfg.moe_bias)
+                                                     cfg.moe_bias, expert_lora_slots(cfg, layer, e))
                                       for e in local_experts(cfg.num_experts, tp)})
         self.shared = self.shared_gate = None
         if cfg.shared_expert_size:
-            self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial)
+            self.shared = Expert(cfg.hidden_size, _share(cfg.shared_expert_size, tp), partial,
+                                 lora_slots=expert_lora_slots(cfg, layer, cfg.num_experts))
             self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
 

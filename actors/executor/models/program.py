@@ -17,6 +17,8 @@ import torch
 
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
+from pagewire.kernels.lora import adapted_linear
+from pagewire.kernels.moe import sparse_mlp
 from pagewire.kernels.native_api import API
 from pagewire.kernels.norm import rms_norm_split
 
@@ -109,10 +111,7 @@ def _norm(ops, norm, s: State) -> None:
 
 
 def _linear(ops, linear, s: State) -> None:
-    y = ops.linear(linear, s.x)            # float32 from a row-parallel linear (ALL_REDUCE)
-    if s.lora is not None and linear.lora_slot >= 0:
-        ops.lora_delta(y, s.x.to(y.dtype), s.lora, linear.lora_slot)
-    s.x = y
+    s.x = adapted_linear(ops, linear, s.x, s.lora)   # float32 from a row-parallel linear
 
 
 def _qk_norm(ops, attn, s: State) -> None:
@@ -131,7 +130,10 @@ def _qk_norm_flat(ops, attn, s: State) -> None:
 
 
 def _moe(ops, sparse, s: State) -> None:
-    s.x = ops.moe(sparse, s.x)
+    if s.lora is not None and s.lora.adapts_experts:     # the grouping adds experts' deltas
+        s.x = sparse_mlp(ops, sparse, s.x, s.lora)
+    else:
+        s.x = ops.moe(sparse, s.x)
 
 
 def _rope(ops, attn, s: State) -> None:
