@@ -88,7 +88,8 @@ GROUPS: dict[str, tuple[Option, ...]] = {
                "encoder-only model (BERT, RoBERTa, ...), else generate", choices=RUNNERS),
         Option("convert", "what a pooling runner makes of the model: `embed` (a causal LM's "
                "last token's hidden state; an encoder's pooled one), `classify` (a "
-               "*ForSequenceClassification head's logits); `auto`: the architecture's own",
+               "*ForSequenceClassification head's logits); `auto`: the architecture's own "
+               "(a *ForTokenClassification model's is token_classify, and takes no other)",
                choices=CONVERTS),
         Option("pooler_config", "pooler overrides, as JSON: `{\"pooling_type\": \"MEAN\", "
                "\"normalize\": false, \"use_activation\": false}`", "model's",

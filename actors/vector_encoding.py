@@ -12,6 +12,7 @@ import numpy as np
 
 EMBED_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "big", "little")
+_FOREIGN = "big" if sys.byteorder == "little" else "little"     # the order that swaps bytes
 _WIDTH = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -46,7 +47,7 @@ def vector_bytes(values: np.ndarray, embed_dtype: str = "float32",
         return _fp8_codes(x, *_FP8[embed_dtype]).tobytes()      # one byte: no order
     else:
         check_embed_dtype(embed_dtype, endianness)
-    if endianness not in ("native", sys.byteorder):
+    if endianness == _FOREIGN:
         out = out.byteswap()
     return out.tobytes()
 
