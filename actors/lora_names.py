@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from .architectures import LORA_ATTENTION_ONLY, MOE_ARCHITECTURES
+from .architectures import LORA_ATTENTION_ONLY, MOE_ARCHITECTURES, PLAIN_MLP_LORA
 from .model_info import ModelInfo
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -22,8 +22,10 @@ _DECODER = re.compile(rf"({_LAYER}(self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
 _EXPERT = re.compile(rf"({_LAYER}(?:block_sparse_moe|mlp)\.(experts\.\d+|shared_expert)\.(\w+))"
                      r"\.lora_([AB])\.weight")
 # the file's name of a projection where it is not ours (Phi-2 names its attention's output
-# `dense`; Mixtral its experts' gate, up and down w1, w3, w2)
-_THEIR_NAMES = {"PhiForCausalLM": {"dense": "o_proj"}}
+# `dense`, its plain MLP's fc1 and fc2; Starcoder2 its c_fc and c_proj; Mixtral its experts'
+# gate, up and down w1, w3, w2). A plain MLP's up projection is our up_proj, alone.
+_THEIR_NAMES = {"PhiForCausalLM": {"dense": "o_proj", "fc1": "up_proj", "fc2": "down_proj"},
+                "Starcoder2ForCausalLM": {"c_fc": "up_proj", "c_proj": "down_proj"}}
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", **{p: p for p in MLP}}
 
 
@@ -45,10 +47,10 @@ def parse(name: str, info: ModelInfo) -> Tensor | str:
     arch = info.architecture
     match = _DECODER.fullmatch(name)
     if match is not None:
-        theirs = _THEIR_NAMES.get(arch, {}).get(match.group(4), match.group(4))
-        dense_mlp = arch not in LORA_ATTENTION_ONLY and arch not in MOE_ARCHITECTURES
+        renamed, raw = _THEIR_NAMES.get(arch, {}), match.group(4)
+        theirs = renamed.get(raw, None if raw in renamed.values() else raw)   # theirs only
         if match.group(3) == "self_attn" and theirs in ATTENTION or \
-                match.group(3) == "mlp" and theirs in MLP and dense_mlp:
+                match.group(3) == "mlp" and theirs in _mlp(arch):
             return Tensor(match.group(1), int(match.group(2)), theirs, match.group(5))
     match = _EXPERT.fullmatch(name)
     if match is not None and takes_experts(arch) and match.group(4) in _EXPERT_NAMES:
@@ -62,14 +64,23 @@ def parse(name: str, info: ModelInfo) -> Tensor | str:
     return f"not a LoRA A or B of {_what(arch)} (embeddings, LM head, biases: not supported)"
 
 
+def _mlp(arch: str) -> tuple[str, ...]:
+    """The dense MLP projections an adapter of `arch` may hold: a gated MLP's three, a plain
+    one's up and down (Phi-2, Starcoder2), none where the MLP is a mixture or takes none."""
+    if arch in PLAIN_MLP_LORA:
+        return ("up_proj", "down_proj")
+    return () if arch in MOE_ARCHITECTURES else MLP
+
+
 def _what(arch: str) -> str:
     """What an adapter of `arch` may adapt, said in a refusal."""
     if takes_experts(arch):
         return "q/k/v/o or an expert's gate/up/down (w1/w3/w2); a router takes none"
     if arch in MOE_ARCHITECTURES:
         return "q/k/v/o; gpt-oss's fused experts and its router take none"
-    if arch in LORA_ATTENTION_ONLY:
-        return "q/k/v/o; its MLP takes none yet"
+    if arch in PLAIN_MLP_LORA:
+        return "q/k/v/o or the MLP's two (" + \
+            " and ".join(k for k in _THEIR_NAMES[arch] if k != "dense") + ")"
     return "q/k/v/o or gate/up/down"
 
 

@@ -92,6 +92,8 @@ def load_weights(file: AdapterFile, model) -> Weights:
     linears: dict[tuple[int, str], list] = {}
     for (i, proj), module in file.modules.items():
         name, j = _linear_of(proj)
+        if name == "mlp.gate_up" and not hasattr(model.layers[i].mlp, "gate_up"):
+            name, j = "mlp.up", 0                    # a plain MLP's up (Phi-2, Starcoder2)
         linears.setdefault((i, name), []).append((j, proj, module))
     out: Weights = {}
     for (i, name), present in sorted(linears.items()):

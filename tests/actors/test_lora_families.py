@@ -4,7 +4,7 @@ Qwen2-MoE's experts and shared expert): a batch mixing the base model and an ada
 request transformers' greedy tokens on its merged weights, through the native MoE blocks and the
 fused decode stack (attention adapters) or torch's grouping (expert adapters); a tensor an
 architecture does not adapt is refused by name, and the GPT-family blocks that take none refuse
---enable-lora."""
+--enable-lora. Phi-2's and Starcoder2's plain MLPs take adapters too."""
 from __future__ import annotations
 
 import os
@@ -26,6 +26,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 45)), [100, 101, 100, 101, 7]]
 FAMILIES = {"mixtral-moe": ATTN, "qwen2-moe-shared": ATTN, "qwen3-moe": ATTN, "olmoe": ATTN,
             "gpt-oss": ATTN, "phi-2": ("q_proj", "k_proj", "v_proj", "dense"),
             "starcoder2": ATTN}
+# the plain MLPs' (up, down), as each file names them
+PLAIN_MLPS = {"phi-2": ("fc1", "fc2"), "starcoder2": ("c_fc", "c_proj")}
 
 
 def attention_adapter(path: str, base: str, names, rank: int = 4, seed: int = 0,
@@ -141,6 +143,23 @@ def test_attention_adapters_give_the_merged_models_tokens(tmp_path, smol_tokeniz
     _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), family)
 
 
+@pytest.mark.parametrize("family", sorted(PLAIN_MLPS))
+def test_plain_mlp_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir, family):
+    """Phi-2's fc1/fc2 and Starcoder2's c_fc/c_proj (with q and v): the up projection takes
+    the slot a gated MLP's gate_up has."""
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)
+    info = resolve_model(base)
+    h, i = info.hidden_size, info.intermediate_size
+    up, down = PLAIN_MLPS[family]
+    mlp = {f"base_model.model.model.layers.{layer}.mlp.{name}": shape
+           for layer in range(info.num_layers)
+           for name, shape in ((up, (i, h)), (down, (h, i)))}
+    adapter = attention_adapter(str(tmp_path / "adapter"), base, ("q_proj", "v_proj"), extra=mlp)
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
+              enable_lora=True, max_loras=1)
+    _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), family)
+
+
 @pytest.mark.parametrize("family", ["mixtral-moe", "qwen2-moe-shared"])
 def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir, family):
     """Mixtral's per-expert w1/w3/w2 with its q/v; Qwen2-MoE's experts and shared expert on
@@ -165,7 +184,10 @@ def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_
     ("qwen2-moe-shared", "mlp.gate_proj", "not a LoRA A or B of q/k/v/o or an expert's"),
     ("gpt-oss", "mlp.experts.0.gate_proj", "not a LoRA A or B of q/k/v/o; gpt-oss's fused "
                                            "experts and its router take none"),
-    ("starcoder2", "mlp.c_fc", "not a LoRA A or B of q/k/v/o; its MLP takes none yet")])
+    ("starcoder2", "mlp.up_proj", "not a LoRA A or B of q/k/v/o or the MLP's two \\(c_fc and "
+                                  "c_proj\\)"),
+    ("phi-2", "self_attn.o_proj", "not a LoRA A or B of q/k/v/o or the MLP's two \\(fc1 and "
+                                  "fc2\\)")])
 def test_tensors_an_architecture_does_not_adapt_are_refused_by_name(
         tmp_path, smol_tokenizer_dir, family, tensor, why):
     base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)

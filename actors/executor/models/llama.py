@@ -110,12 +110,12 @@ class MLP(nn.Module):
         if cfg.gated_mlp:
             self.gate_up = Linear(cfg.hidden_size, 2 * (end - start), bias=False,
                                   lora_slot=lora_slot(layer, "mlp.gate_up"))
-        else:                                   # the GPT family's: act(up x + b)
-            self.up = Linear(cfg.hidden_size, end - start, bias=cfg.mlp_bias)
+        else:           # the GPT family's: act(up x + b); up takes gate_up's LoRA slot
+            self.up = Linear(cfg.hidden_size, end - start, bias=cfg.mlp_bias,
+                             lora_slot=lora_slot(layer, "mlp.gate_up"))
         self.down = Linear(end - start, cfg.hidden_size,
                            bias=not cfg.gated_mlp and cfg.mlp_bias,
-                           float_partial=tp.size > 1,
-                           lora_slot=lora_slot(layer, "mlp.down") if cfg.gated_mlp else -1)
+                           float_partial=tp.size > 1, lora_slot=lora_slot(layer, "mlp.down"))
 
 
 class DecoderLayer(nn.Module):
