@@ -50,12 +50,6 @@ MULTI_HEAD_ARCHITECTURES = ("GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTJForCau
 # Those whose MLPs are mixtures of experts (executor/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM", "GptOssForCausalLM")
-# LoRA adapters beyond the Llama family's projections (lora_names.py): gpt-oss's adapt its
-# attention only (its fused experts have no per-expert names); Phi-2's and Starcoder2's their
-# attention and plain MLP (up and down). The other GPT-family blocks take no adapters
-# (GPT-NeoX's and GPT-J's q/k/v rows are reordered at load, GPT-2's are Conv1D).
-LORA_ATTENTION_ONLY = ("GptOssForCausalLM",)
-PLAIN_MLP_LORA = ("PhiForCausalLM", "Starcoder2ForCausalLM")
 # GGUF general.architecture -> the Hugging Face architecture of the same model.
 # (llama.cpp keeps Mixtral as "llama" with experts: gguf_architecture tells them apart.)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

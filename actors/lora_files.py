@@ -57,7 +57,7 @@ def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
     """The adapter at `path`, checked against the base model; InvalidAdapter says why not."""
     if not os.path.isdir(path):
         raise InvalidAdapter(f"{path}: no such adapter directory")
-    config = _config(path)
+    config = _config(path, info.architecture)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
         raise InvalidAdapter(f"{path}: adapter_config.json needs a positive integer r and "
@@ -81,7 +81,7 @@ def adapter_digest(path: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def _config(path: str) -> dict:
+def _config(path: str, architecture: str) -> dict:
     try:
         with open(os.path.join(path, CONFIG)) as f:
             config = json.load(f)
@@ -94,7 +94,9 @@ def _config(path: str) -> dict:
     unsupported = [(config.get("use_dora"), "DoRA"),
                    (config.get("modules_to_save"), "modules_to_save"),
                    (config.get("bias", "none") != "none", f"bias {config.get('bias')!r}"),
-                   (config.get("fan_in_fan_out"), "fan_in_fan_out"),
+                   # GPT-2's Conv1D: A and B keep nn.Linear's shapes all the same
+                   (config.get("fan_in_fan_out") and architecture != "GPT2LMHeadModel",
+                    "fan_in_fan_out"),
                    (config.get("rank_pattern") or config.get("alpha_pattern"),
                     "per-module ranks (rank_pattern / alpha_pattern)")]
     for present, what in unsupported:

@@ -2,30 +2,52 @@
 architecture, as the projections pagewire adapts, and each projection's shape in the base
 model. No torch.
 
-Our projection names: q_proj, k_proj, v_proj, o_proj (attention); gate_proj, up_proj,
-down_proj (a dense MLP); experts.E.gate_proj, experts.E.up_proj, experts.E.down_proj (expert
-E of a mixture: transformers 4's per-expert Linears, as PEFT names them: Mixtral's w1, w3, w2
-under block_sparse_moe, Qwen2/3-MoE's and OLMoE's gate/up/down_proj under mlp);
+Our projection names: q_proj, k_proj, v_proj, o_proj (attention); qkv_proj (a fused q/k/v
+projection's one adapter: GPT-NeoX's query_key_value, GPT-2's c_attn; the executor splits its
+B by rows as the base weight's); gate_proj, up_proj, down_proj (an MLP; a plain MLP has up and
+down only); experts.E.gate_proj, experts.E.up_proj, experts.E.down_proj (expert E of a
+mixture: transformers 4's per-expert Linears, as PEFT names them: Mixtral's w1, w3, w2 under
+block_sparse_moe, Qwen2/3-MoE's and OLMoE's gate/up/down_proj under mlp);
 shared_expert.gate_proj, ... (Qwen2-MoE's shared expert)."""
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
 
-from .architectures import LORA_ATTENTION_ONLY, MOE_ARCHITECTURES, PLAIN_MLP_LORA
+from .architectures import GPT_ARCHITECTURES, MOE_ARCHITECTURES
 from .model_info import ModelInfo
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-_LAYER = r"base_model\.model\.model\.layers\.(\d+)\."
-_DECODER = re.compile(rf"({_LAYER}(self_attn|mlp)\.(\w+))\.lora_([AB])\.weight")
-_EXPERT = re.compile(rf"({_LAYER}(?:block_sparse_moe|mlp)\.(experts\.\d+|shared_expert)\.(\w+))"
-                     r"\.lora_([AB])\.weight")
-# the file's name of a projection where it is not ours (Phi-2 names its attention's output
-# `dense`, its plain MLP's fc1 and fc2; Starcoder2 its c_fc and c_proj; Mixtral its experts'
-# gate, up and down w1, w3, w2). A plain MLP's up projection is our up_proj, alone.
-_THEIR_NAMES = {"PhiForCausalLM": {"dense": "o_proj", "fc1": "up_proj", "fc2": "down_proj"},
-                "Starcoder2ForCausalLM": {"c_fc": "up_proj", "c_proj": "down_proj"}}
+_DECODER = re.compile(r"(base_model\.model\.(?:model\.layers|gpt_neox\.layers|transformer\.h)"
+                      r"\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
+_EXPERT = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
+                     r"(experts\.\d+|shared_expert)\.(\w+))\.lora_([AB])\.weight")
+_LLAMA = {**{("self_attn", p): p for p in ATTENTION}, **{("mlp", p): p for p in MLP}}
+_ATTENTION = {("self_attn", p): p for p in ATTENTION}
+# Each architecture's (the layer's part, the file's module) -> ours, where not the Llama
+# family's; a name outside its table is refused (Phi-2's o_proj is `dense`, so `o_proj` is not
+# one of Phi-2's).
+_NAMES = {
+    **{arch: _ATTENTION for arch in MOE_ARCHITECTURES},     # experts: _EXPERT
+    "PhiForCausalLM": {**{("self_attn", p): p for p in ATTENTION[:3]},
+                       ("self_attn", "dense"): "o_proj", ("mlp", "fc1"): "up_proj",
+                       ("mlp", "fc2"): "down_proj"},
+    "Starcoder2ForCausalLM": {**_ATTENTION, ("mlp", "c_fc"): "up_proj",
+                              ("mlp", "c_proj"): "down_proj"},
+    "GPTNeoXForCausalLM": {("attention", "query_key_value"): "qkv_proj",
+                           ("attention", "dense"): "o_proj",
+                           ("mlp", "dense_h_to_4h"): "up_proj",
+                           ("mlp", "dense_4h_to_h"): "down_proj"},
+    "GPT2LMHeadModel": {("attn", "c_attn"): "qkv_proj", ("attn", "c_proj"): "o_proj",
+                        ("mlp", "c_fc"): "up_proj", ("mlp", "c_proj"): "down_proj"},
+    "GPTJForCausalLM": {**{("attn", p): p for p in ATTENTION[:3]},
+                        ("attn", "out_proj"): "o_proj", ("mlp", "fc_in"): "up_proj",
+                        ("mlp", "fc_out"): "down_proj"},
+}
+# the layers' prefix in the file (PEFT's base_model.model. + the model's own)
+_PREFIX = {"GPTNeoXForCausalLM": "gpt_neox.layers", "GPT2LMHeadModel": "transformer.h",
+           "GPTJForCausalLM": "transformer.h"}
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", **{p: p for p in MLP}}
 
 
@@ -39,19 +61,18 @@ class Tensor(NamedTuple):
 def takes_experts(architecture: str) -> bool:
     """A mixture whose experts take adapters (gpt-oss's are fused 3-D tensors PEFT does not
     name one by one)."""
-    return architecture in MOE_ARCHITECTURES and architecture not in LORA_ATTENTION_ONLY
+    return architecture in MOE_ARCHITECTURES and architecture != "GptOssForCausalLM"
 
 
 def parse(name: str, info: ModelInfo) -> Tensor | str:
     """A tensor's name read for `info`'s architecture, or why it is refused."""
     arch = info.architecture
     match = _DECODER.fullmatch(name)
-    if match is not None:
-        renamed, raw = _THEIR_NAMES.get(arch, {}), match.group(4)
-        theirs = renamed.get(raw, None if raw in renamed.values() else raw)   # theirs only
-        if match.group(3) == "self_attn" and theirs in ATTENTION or \
-                match.group(3) == "mlp" and theirs in _mlp(arch):
-            return Tensor(match.group(1), int(match.group(2)), theirs, match.group(5))
+    if match is not None and match.group(1).startswith(
+            f"base_model.model.{_PREFIX.get(arch, 'model.layers')}."):
+        ours = _NAMES.get(arch, _LLAMA).get((match.group(3), match.group(4)))
+        if ours is not None:
+            return Tensor(match.group(1), int(match.group(2)), ours, match.group(5))
     match = _EXPERT.fullmatch(name)
     if match is not None and takes_experts(arch) and match.group(4) in _EXPERT_NAMES:
         owner = match.group(3)
@@ -64,23 +85,14 @@ def parse(name: str, info: ModelInfo) -> Tensor | str:
     return f"not a LoRA A or B of {_what(arch)} (embeddings, LM head, biases: not supported)"
 
 
-def _mlp(arch: str) -> tuple[str, ...]:
-    """The dense MLP projections an adapter of `arch` may hold: a gated MLP's three, a plain
-    one's up and down (Phi-2, Starcoder2), none where the MLP is a mixture or takes none."""
-    if arch in PLAIN_MLP_LORA:
-        return ("up_proj", "down_proj")
-    return () if arch in MOE_ARCHITECTURES else MLP
-
-
 def _what(arch: str) -> str:
     """What an adapter of `arch` may adapt, said in a refusal."""
     if takes_experts(arch):
         return "q/k/v/o or an expert's gate/up/down (w1/w3/w2); a router takes none"
     if arch in MOE_ARCHITECTURES:
         return "q/k/v/o; gpt-oss's fused experts and its router take none"
-    if arch in PLAIN_MLP_LORA:
-        return "q/k/v/o or the MLP's two (" + \
-            " and ".join(k for k in _THEIR_NAMES[arch] if k != "dense") + ")"
+    if arch in GPT_ARCHITECTURES:
+        return ", ".join(".".join(k) for k in _NAMES[arch])
     return "q/k/v/o or gate/up/down"
 
 
@@ -95,4 +107,5 @@ def shape(info: ModelInfo, proj: str) -> tuple[int, int]:
     q, kv, i = info.num_heads * info.head_dim, info.num_kv_heads * info.head_dim, \
         info.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[proj]
+            "qkv_proj": (q + 2 * kv, h), "gate_proj": (i, h), "up_proj": (i, h),
+            "down_proj": (h, i)}[proj]

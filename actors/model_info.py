@@ -16,7 +16,7 @@ import msgspec
 
 from .architectures import (  # noqa: F401 (re-exported: importers read them here)
     CLIP_ARCHITECTURES, DECODER_CLASSIFIERS, ENCODER_ARCHITECTURES, GGUF_ARCHITECTURES,
-    GPT_ARCHITECTURES, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES, PLAIN_MLP_LORA,
+    GPT_ARCHITECTURES, MOE_ARCHITECTURES, MULTI_HEAD_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES, VISION_ARCHITECTURES, WHOLE_IMAGE_ARCHITECTURES)
 from .gguf_header import check_tensors, read_gguf_header
 from .model_files import safetensors_files, safetensors_header
@@ -144,13 +144,10 @@ def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
     return msgspec.structs.replace(info, architecture=architecture, mmproj=path, digest=digest)
 
 
-# What an architecture cannot do yet, by option (README's table): LoRA adapters of the GPT
-# family's blocks but Phi-2's and Starcoder2's (their attention's); gpt-oss's sinks would count
+# What an architecture cannot do yet, by option (README's table): gpt-oss's sinks would count
 # once a rank in context parallelism's merged softmax, and its sliding layers are not
 # KV-Compress's.
-_UNBUILT = {**{arch: ("--enable-lora",) for arch in GPT_ARCHITECTURES
-               if arch not in PLAIN_MLP_LORA},
-            **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
+_UNBUILT = {**{arch: ("--enable-lora", "--tensor-parallel-size > 1",
                       "--decode-context-parallel-size > 1") for arch in DECODER_CLASSIFIERS},
             "GptOssForCausalLM": ("--decode-context-parallel-size > 1", "--kv-compress-rate"),
             **{arch: ("--enable-lora", "--tensor-parallel-size > 1",

@@ -25,14 +25,17 @@ from pagewire.wire.lora import LoraRef
 from ..lora_files import WEIGHTS, AdapterFile, read_adapter
 from . import huge_pages
 from .models import lora_slots
+from .models.gpt_weights import gpt_row_orders
 from .parallel import split_range
 
 # Each fused Linear of a layer -> the projections it holds, in its output order; the linears
 # in the model's slot order (models/lora_slots.py LORA_LINEARS).
 PARTS = dict(zip(lora_slots.LORA_LINEARS, (("q_proj", "k_proj", "v_proj"), ("o_proj",),
                                            ("gate_proj", "up_proj"), ("down_proj",))))
-# each projection -> (the Linear holding it, its index among the Linear's parts)
+# each projection -> (the Linear holding it, its index among the Linear's parts); a fused
+# q/k/v adapter (qkv_proj) is split into q, k and v parts as it loads (_projections)
 _LINEAR_OF = {p: (name, j) for name, parts in PARTS.items() for j, p in enumerate(parts)}
+_LINEAR_OF["qkv_proj"] = ("attn.qkv", 0)
 
 Weights = dict[int, LoraWeights]           # linear slot -> its weights (kernels/lora.py)
 Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a step's adapters
@@ -102,22 +105,42 @@ def load_weights(file: AdapterFile, model) -> Weights:
             linear = layer.get_submodule(name)
         except AttributeError:                       # another rank's expert
             continue
-        out[linear.lora_slot] = _fused(layer, model.cfg, name, sorted(present), tensors,
-                                       file.scale, model.embed.weight.device,
-                                       model.embed.weight.dtype)
+        parts = _projections(sorted(present), tensors, model.cfg, i)
+        out[linear.lora_slot] = _fused(layer, model.cfg, name, parts, file.scale,
+                                       model.embed.weight.device, model.embed.weight.dtype)
     return out
 
 
-def _fused(layer, cfg, name: str, present, tensors, scale: float,
+def _projections(present, tensors, cfg, i: int) -> list[tuple]:
+    """(index in the linear, projection, A, B) of each projection an adapter holds in one
+    Linear of layer i, B's rows in the order the base weight's take at load (GPT-NeoX's head by
+    head fused rows, GPT-J's rotate-half q and k: models/gpt_weights.py), a fused q/k/v
+    adapter's split into its q, k and v parts (each with the one A)."""
+    rows = gpt_row_orders(cfg).get(f"layers.{i}.attn.qkv")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bounds = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    out = []
+    for j, p, module in present:
+        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
+        if p == "qkv_proj":
+            b = b if rows is None else b[rows]
+            out += [(k, part, a, b[lo:hi]) for k, (part, (lo, hi)) in enumerate(bounds.items())]
+            continue
+        if rows is not None and p in bounds:            # the rows stay within their part
+            lo, hi = bounds[p]
+            b = b[rows[lo:hi] - lo]
+        out.append((j, p, a, b))
+    return out
+
+
+def _fused(layer, cfg, name: str, parts, scale: float,
            dev: torch.device, model_dtype: torch.dtype) -> LoraWeights:
     """The LoraWeights of one fused linear: each present projection's A rows (this rank's
-    share) and its B^T block at the projection's output columns. `present`: (index in the
-    linear, projection, the file's module name) of each projection the adapter holds."""
+    share) and its B^T block at the projection's output columns. `parts`: _projections'."""
     sizes = _part_sizes(layer, name)
     a_parts, blocks = [], []
-    for j, p, module in present:
+    for j, p, a, b in parts:
         side, sl = _rank_share(layer, cfg, p)
-        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
         a_parts.append(a[:, sl] if side == "in" else a)
         blocks.append((sum(sizes[:j]), (b[sl] if side == "out" else b).T))
     dtypes = {t.dtype for t in a_parts} | {b.dtype for _, b in blocks}

@@ -3,8 +3,9 @@ Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), Phi-2 and Starcoder2, and the experts (Mi
 Qwen2-MoE's experts and shared expert): a batch mixing the base model and an adapter gives each
 request transformers' greedy tokens on its merged weights, through the native MoE blocks and the
 fused decode stack (attention adapters) or torch's grouping (expert adapters); a tensor an
-architecture does not adapt is refused by name, and the GPT-family blocks that take none refuse
---enable-lora. Phi-2's and Starcoder2's plain MLPs take adapters too."""
+architecture does not adapt is refused by name. The GPT family's blocks take adapters of their
+attention and plain MLP under their own names (GPT-NeoX's and GPT-2's fused q/k/v one
+adapter)."""
 from __future__ import annotations
 
 import os
@@ -184,10 +185,10 @@ def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_
     ("qwen2-moe-shared", "mlp.gate_proj", "not a LoRA A or B of q/k/v/o or an expert's"),
     ("gpt-oss", "mlp.experts.0.gate_proj", "not a LoRA A or B of q/k/v/o; gpt-oss's fused "
                                            "experts and its router take none"),
-    ("starcoder2", "mlp.up_proj", "not a LoRA A or B of q/k/v/o or the MLP's two \\(c_fc and "
-                                  "c_proj\\)"),
-    ("phi-2", "self_attn.o_proj", "not a LoRA A or B of q/k/v/o or the MLP's two \\(fc1 and "
-                                  "fc2\\)")])
+    ("starcoder2", "mlp.up_proj", "not a LoRA A or B of self_attn.q_proj, self_attn.k_proj, "
+                                  "self_attn.v_proj, self_attn.o_proj, mlp.c_fc, mlp.c_proj"),
+    ("phi-2", "self_attn.o_proj", "not a LoRA A or B of self_attn.q_proj, self_attn.k_proj, "
+                                  "self_attn.v_proj, self_attn.dense, mlp.fc1, mlp.fc2")])
 def test_tensors_an_architecture_does_not_adapt_are_refused_by_name(
         tmp_path, smol_tokenizer_dir, family, tensor, why):
     base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)
@@ -198,11 +199,61 @@ def test_tensors_an_architecture_does_not_adapt_are_refused_by_name(
         read_adapter(adapter, resolve_model(base), 16)
 
 
-def test_gpt_blocks_with_reordered_or_conv1d_projections_refuse_lora(tmp_path,
-                                                                     smol_tokenizer_dir):
-    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "gpt-neox-parallel")
-    with pytest.raises(ValueError, match="GPTNeoXForCausalLM with --enable-lora is not"):
-        LLM(base, dtype="float32", num_kv_blocks=64, enable_lora=True)
+# The GPT blocks' adapters under their own names: (attention modules, MLP modules), each
+# (module, our projection); GPT-NeoX's and GPT-2's fused q/k/v take one adapter
+GPT_MODULES = {
+    "gpt-neox-parallel": ("gpt_neox.layers.{}", [("attention.query_key_value", "qkv_proj"),
+                                                 ("attention.dense", "o_proj"),
+                                                 ("mlp.dense_h_to_4h", "up_proj"),
+                                                 ("mlp.dense_4h_to_h", "down_proj")]),
+    "gpt2": ("transformer.h.{}", [("attn.c_attn", "qkv_proj"), ("attn.c_proj", "o_proj"),
+                                  ("mlp.c_fc", "up_proj"), ("mlp.c_proj", "down_proj")]),
+    "gptj": ("transformer.h.{}", [("attn.q_proj", "q_proj"), ("attn.k_proj", "k_proj"),
+                                  ("attn.v_proj", "v_proj"), ("attn.out_proj", "o_proj"),
+                                  ("mlp.fc_in", "up_proj"), ("mlp.fc_out", "down_proj")]),
+}
+
+
+def gpt_oracle(base: str, adapter: str, conv1d: bool) -> HFOracle:
+    """merged_oracle; `conv1d`: the weights are GPT-2's Conv1D ([in, out]), taking the delta
+    transposed."""
+    from safetensors.torch import load_file
+    import json
+    oracle = merged_oracle(base, None)
+    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    params = dict(oracle.model.named_parameters())
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if ".lora_A." in name:
+                delta = cfg["lora_alpha"] / cfg["r"] * (
+                    tensors[name.replace("lora_A", "lora_B")] @ a)
+                target = params[name.removeprefix("base_model.model.").replace(
+                    ".lora_A.weight", ".weight")]
+                target += delta.T if conv1d else delta
+    return oracle
+
+
+@pytest.mark.parametrize("family", sorted(GPT_MODULES))
+def test_gpt_blocks_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir,
+                                                           family):
+    """GPT-NeoX's head-by-head fused q/k/v (B's rows reordered as the weight's), GPT-2's
+    Conv1D c_attn (fan_in_fan_out, as PEFT saves it), GPT-J's rotate-half q and k."""
+    from pagewire.lora_names import shape
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, family)
+    info = resolve_model(base)
+    prefix, modules = GPT_MODULES[family]
+    adapter = write_adapter(str(tmp_path / "adapter"), {
+        f"base_model.model.{prefix.format(layer)}.{module}": shape(info, proj)
+        for layer in range(info.num_layers) for module, proj in modules})
+    if family == "gpt2":
+        import json
+        config_file = os.path.join(adapter, "adapter_config.json")
+        config = {**json.load(open(config_file)), "fan_in_fan_out": True}
+        json.dump(config, open(config_file, "w"))
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
+              enable_lora=True, max_loras=1)
+    _check_mixed_batch(llm, base, adapter, gpt_oracle(base, adapter, family == "gpt2"), family)
 
 
 def test_an_attention_adapter_on_gguf_experts_through_the_fused_decode(

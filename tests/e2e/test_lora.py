@@ -123,3 +123,25 @@ def test_expert_adapters_split_over_ranks(tmp_path, smol_tokenizer_dir, expert_p
         tokens = greedy(srv, "a")
     theirs, logits = expert_oracle(base, adapter).greedy(PROMPT, len(tokens))
     assert_greedy_equal(tokens, theirs, logits, "experts over two ranks")
+
+
+def test_a_fused_qkv_adapter_split_over_ranks(tmp_path, smol_tokenizer_dir):
+    """GPT-NeoX's head-by-head query_key_value adapter, its B reordered and split into q, k
+    and v, each rank its heads' rows."""
+    from pagewire.lora_names import shape
+    from pagewire.model_info import resolve_model
+    from tests.actors.test_architectures import make_model
+    from tests.actors.test_lora_families import GPT_MODULES, gpt_oracle, write_adapter
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "gpt-neox-parallel")
+    info = resolve_model(base)
+    prefix, modules = GPT_MODULES["gpt-neox-parallel"]
+    adapter = write_adapter(str(tmp_path / "a"), {
+        f"base_model.model.{prefix.format(layer)}.{module}": shape(info, proj)
+        for layer in range(info.num_layers) for module, proj in modules})
+    args = [base, "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
+            "--served-model-name", "tiny", *TWO_RANKS, "--enable-lora", "--lora-modules",
+            f"a={adapter}"]
+    with running_server(args) as srv:
+        tokens = greedy(srv, "a")
+    theirs, logits = gpt_oracle(base, adapter, conv1d=False).greedy(PROMPT, len(tokens))
+    assert_greedy_equal(tokens, theirs, logits, "GPT-NeoX over two ranks")
