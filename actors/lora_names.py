@@ -14,13 +14,12 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from .architectures import GPT_ARCHITECTURES, MOE_ARCHITECTURES
+from .architectures import GPT_ARCHITECTURES, MOE_ARCHITECTURES, VISION_ARCHITECTURES
 from .model_info import ModelInfo
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-_DECODER = re.compile(r"(base_model\.model\.(?:model\.layers|gpt_neox\.layers|transformer\.h)"
-                      r"\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
+_DECODER = re.compile(r"(base_model\.model\.([\w.]+)\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
 _EXPERT = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
                      r"(experts\.\d+|shared_expert)\.(\w+))\.lora_([AB])\.weight")
 _LLAMA = {**{("self_attn", p): p for p in ATTENTION}, **{("mlp", p): p for p in MLP}}
@@ -45,9 +44,16 @@ _NAMES = {
                         ("attn", "out_proj"): "o_proj", ("mlp", "fc_in"): "up_proj",
                         ("mlp", "fc_out"): "down_proj"},
 }
-# the layers' prefix in the file (PEFT's base_model.model. + the model's own)
-_PREFIX = {"GPTNeoXForCausalLM": "gpt_neox.layers", "GPT2LMHeadModel": "transformer.h",
-           "GPTJForCausalLM": "transformer.h"}
+# the layers' prefixes in the file (after PEFT's base_model.model.): a model that takes images
+# names its language model's layers as its transformers version saved it (LLaVA, Gemma 3,
+# Qwen2.5-VL: model.language_model.layers, or language_model.model.layers before; SmolVLM:
+# model.text_model.layers; Qwen2.5-VL's older top-level model.layers); its vision tower
+# takes no adapter
+_PREFIXES = {"GPTNeoXForCausalLM": ("gpt_neox.layers",), "GPT2LMHeadModel": ("transformer.h",),
+             "GPTJForCausalLM": ("transformer.h",),
+             **{arch: ("model.language_model.layers", "language_model.model.layers",
+                       "model.text_model.layers", "model.layers")
+                for arch in VISION_ARCHITECTURES}}
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj", **{p: p for p in MLP}}
 
 
@@ -68,11 +74,10 @@ def parse(name: str, info: ModelInfo) -> Tensor | str:
     """A tensor's name read for `info`'s architecture, or why it is refused."""
     arch = info.architecture
     match = _DECODER.fullmatch(name)
-    if match is not None and match.group(1).startswith(
-            f"base_model.model.{_PREFIX.get(arch, 'model.layers')}."):
-        ours = _NAMES.get(arch, _LLAMA).get((match.group(3), match.group(4)))
+    if match is not None and match.group(2) in _PREFIXES.get(arch, ("model.layers",)):
+        ours = _NAMES.get(arch, _LLAMA).get((match.group(4), match.group(5)))
         if ours is not None:
-            return Tensor(match.group(1), int(match.group(2)), ours, match.group(5))
+            return Tensor(match.group(1), int(match.group(3)), ours, match.group(6))
     match = _EXPERT.fullmatch(name)
     if match is not None and takes_experts(arch) and match.group(4) in _EXPERT_NAMES:
         owner = match.group(3)

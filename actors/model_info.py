@@ -150,9 +150,8 @@ def with_mmproj(info: ModelInfo, mmproj: str) -> ModelInfo:
 _UNBUILT = {**{arch: ("--enable-lora", "--tensor-parallel-size > 1",
                       "--decode-context-parallel-size > 1") for arch in DECODER_CLASSIFIERS},
             "GptOssForCausalLM": ("--decode-context-parallel-size > 1", "--kv-compress-rate"),
-            **{arch: ("--enable-lora", "--tensor-parallel-size > 1",
-                      "--decode-context-parallel-size > 1", "--kv-compress-rate")
-               for arch in VISION_ARCHITECTURES}}
+            **{arch: ("--tensor-parallel-size > 1", "--decode-context-parallel-size > 1",
+                      "--kv-compress-rate") for arch in VISION_ARCHITECTURES}}
 
 
 # GPT-2's config.json names for the keys every other family's uses.

@@ -182,8 +182,49 @@ def test_ngram_speculation_keeps_the_tokens(tmp_path, smol_tokenizer_dir):
         plain.generate(prompt, params)[0].outputs[0].token_ids
 
 
+def test_an_adapter_of_the_language_model_matches_transformers_merged(tmp_path,
+                                                                     smol_tokenizer_dir):
+    """A LoRA adapter of the text layers (named as transformers 5 saves LLaVA's language
+    model), images in the prompt: transformers' tokens on the merged weights; a tensor of
+    the vision tower is refused by name."""
+    from transformers import CLIPImageProcessor
+
+    from pagewire import LoRARequest
+    from pagewire.lora_files import InvalidAdapter, read_adapter
+    from pagewire.lora_names import shape
+    from pagewire.model_info import resolve_model
+    from tests.actors.test_lora import merge
+    from tests.actors.test_lora_families import write_adapter
+    path = make_llava(str(tmp_path / "m"), smol_tokenizer_dir)
+    info = resolve_model(path)
+    adapter = write_adapter(str(tmp_path / "a"), {
+        f"base_model.model.model.language_model.layers.{i}.{part}.{proj}": shape(info, proj)
+        for i in range(info.num_layers)
+        for part, proj in (("self_attn", "q_proj"), ("self_attn", "v_proj"),
+                           ("mlp", "down_proj"))})
+    llm = LLM(path, dtype="float32", block_size=16, num_kv_blocks=64, enable_lora=True)
+    images = _images()
+    short = [1, 20, 30, IMAGE_TOKEN, 40, 50, IMAGE_TOKEN, 60, 70, 80]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": short, "multi_modal_data": {"image": images}},
+                       params, lora_request=LoRARequest("a", 1, adapter))[0]
+    pixels = torch.from_numpy(CLIPImageProcessor.from_pretrained(path)(
+        images=images, return_tensors="np")["pixel_values"])
+    hf = _hf(path)
+    base = hf.generate(input_ids=torch.tensor([PROMPT]), pixel_values=pixels,
+                       max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    merge(hf, adapter)
+    theirs = hf.generate(input_ids=torch.tensor([PROMPT]), pixel_values=pixels,
+                         max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    assert out.outputs[0].token_ids == theirs != base
+    tower = write_adapter(str(tmp_path / "t"), {
+        "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj":
+        (32, 32)})
+    with pytest.raises(InvalidAdapter, match="vision_tower.* not a LoRA A or B of q/k/v/o"):
+        read_adapter(tower, info, 16)
+
+
 @pytest.mark.parametrize("options, what", [
-    (dict(enable_lora=True), "--enable-lora"),
     (dict(tensor_parallel_size=2, device="cpu"), "--tensor-parallel-size > 1"),
     (dict(kv_compress_rate=0.5, enable_prefix_caching=False), "--kv-compress-rate")])
 def test_what_llava_cannot_do_yet_is_refused_by_name(tmp_path, smol_tokenizer_dir, options,
