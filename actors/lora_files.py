@@ -6,7 +6,8 @@ An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensor
 q/k/v/o and gate/up/down: A [r, in], B [out, r]. Its delta to P's output is
 scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Which projections an
 architecture's adapters may hold, and under which names, is lora_names.py's: a mixture's
-experts too, Phi-2's, Starcoder2's and gpt-oss's attention only.
+experts too (gpt-oss: its attention only), the GPT family's and the vision models' language
+model's under their own module names.
 """
 from __future__ import annotations
 
