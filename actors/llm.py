@@ -134,8 +134,8 @@ class LLM(PoolingCalls, SleepCalls):
         cross-encoder's second texts, one per prompt. `pooling_task` (vLLM's): None or the
         model's own task; token_embed: every prompt token's final hidden state, [tokens, H],
         normalised as the model's pooler says; token_classify (a *ForTokenClassification
-        model's own): every token's logits, [tokens, labels]. Raises ValueError for an input the model
-        refuses (too long without truncation, empty) or a task it cannot do."""
+        model's own): every token's logits, [tokens, labels]. Raises ValueError for an input
+        the model refuses (too long without truncation, empty) or a task it cannot do."""
         prompts = listed(prompts)
         per_token = self._per_token(pooling_task)
         pairs = per_prompt(pairs, len(prompts), "pairs")

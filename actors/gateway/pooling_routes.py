@@ -23,8 +23,8 @@ from pagewire.wire.to_tokenizer import TokenizeRequest
 
 from ..pooler_info import CLASSIFY, EMBED, PoolerInfo
 from ..pooling_outputs import (BYTES_FORMATS, check_dimensions, check_encoding,
-                               check_pooling_task, check_scores, check_task, cosine, cross_score, embedding,
-                               encoded, per_token_rows, probabilities)
+                               check_pooling_task, check_scores, check_task, cosine,
+                               cross_score, embedding, encoded, per_token_rows, probabilities)
 from .ollama_embed import OllamaEmbedRoutes
 from .pooling_api import (ClassifyBody, EmbeddingBody, RerankBody, ScoreBody, binary_answer,
                           check_token_inputs, classify_data, embedding_data, json_answer, listed,
