@@ -45,9 +45,7 @@ def per_token_rows(pooler: PoolerInfo, rows: np.ndarray, dimensions: int | None 
     """A per-token output [tokens, width] as asked: a token classifier's rows of logits
     through its activation (raw where use_activation is False), else token_embeddings."""
     if pooler.task == TOKEN_CLASSIFY:
-        logits = np.asarray(rows, dtype=np.float32)
-        return np.stack([probabilities(pooler, r, use_activation) for r in logits]) \
-            if len(logits) else logits
+        return probabilities(pooler, rows, use_activation)
     return token_embeddings(pooler, rows, dimensions, normalize)
 
 
@@ -97,13 +95,14 @@ def token_embeddings(pooler: PoolerInfo, rows: np.ndarray, dimensions: int | Non
 
 
 def activate(logits: np.ndarray, activation: str) -> np.ndarray:
-    """A classifier's logits through its activation (pooler_info.ACTIVATIONS)."""
+    """A classifier's logits [..., labels] through its activation (pooler_info.ACTIVATIONS),
+    a softmax over the last axis (each token's row, for a token classifier's)."""
     x = np.asarray(logits, dtype=np.float64)
     if activation == SIGMOID:
         return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
     if activation == SOFTMAX:
-        e = np.exp(x - x.max())
-        return (e / e.sum()).astype(np.float32)
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
     if activation == NO_ACTIVATION:
         return x.astype(np.float32)
     raise ValueError(f"unknown activation {activation!r}")

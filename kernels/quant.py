@@ -47,7 +47,11 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 # (native.Library.quant_kind), else their values as Q8_0 tiles (AS_TILE_BLOCKS). MXFP4's
 # exponent byte becomes the fp16 d (gguf_blocks.mxfp4_as_level_blocks).
 _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
-# IQ4_XS's superblocks likewise (IQ4_XSS blocks' whole superblocks become IQ4_XSL's tiles).
+# Superblock tile types kept as level superblock tiles where the library has them: (the level
+# type, its parts from the superblock's: gguf_blocks.super_parts'). IQ4_XSS's whole
+# superblocks become IQ4_XSL's.
+_LEVEL_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts)}
+_LEVEL_TYPES = (*_LEVELS, *(level for level, _ in _LEVEL_SUPERS.values()))
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
@@ -184,12 +188,13 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
-    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's); those and Q4_0, Q5_0 and Q5_1 blocks
-    otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks pack 8 a tile, or as
-    the classic tiles of the same values where a superblock was cut (a rank's share of its
-    columns). rounding (one of ROUNDINGS): int16 and int8 round the activations per 32-column
-    block and multiply in integers (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a
-    row's four adjacent columns together (Q2_K too)."""
+    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's: _LEVEL_SUPERS); those and Q4_0,
+    Q5_0 and Q5_1 blocks otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or
+    Q6_K's); superblock tile blocks pack 8 a tile, or as the classic tiles of the same values
+    where a superblock was cut (a rank's share of its columns). rounding (one of ROUNDINGS):
+    int16 and int8 round the activations per 32-column block and multiply in integers
+    (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a row's four adjacent columns
+    together (Q2_K too)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
@@ -205,9 +210,9 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     parts = super_parts(ggml_type, raw) if ggml_type in _SUPER else None
     if parts is not None and not _whole_superblocks(parts[0], cols):
         ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
-    if ggml_type == IQ4_XSS and parts is not None and \
-            lib.quant_kind(IQ4_XSL + _KIND_OFFSET[rounding]):
-        ggml_type, parts = IQ4_XSL, iq4_xs_level_parts(parts)
+    level, as_level = _LEVEL_SUPERS.get(ggml_type, (None, None))
+    if parts is not None and level is not None and lib.quant_kind(level + _KIND_OFFSET[rounding]):
+        ggml_type, parts = level, as_level(parts)
     if parts is not None:
         tiles = _super_tiles(ggml_type, parts, cols, rounding)
     else:
@@ -232,7 +237,8 @@ def _level_blocks(ggml_type: int, raw: torch.Tensor, lib: native.Library,
 def _level_steps(quants: torch.Tensor) -> torch.Tensor:
     """Level blocks' nibbles [G, nb, 16 rows, 16 bytes] (the file's: byte i holds columns i
     and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in the order 0-3, 8-11,
-    4-7, 12-15, 2] (csrc/quant_tiles.h level_codes): byte p of step j holds columns 4j + p (low nibble) and 4j + 2 + p (high). Columns
+    4-7, 12-15, 2] (csrc/quant_tiles.h level_codes): byte p of step j holds columns 4j + p
+    (low nibble) and 4j + 2 + p (high). Columns
     4j .. 4j + 3 lie in bytes 4j' .. 4j' + 3 (j' = j mod 4), low nibbles for j < 4, high for
     j >= 4; row 8a + 4b + c goes to word 8b + 4a + c (a, b the row's two upper bits swapped)."""
     g, nb = quants.shape[:2]
@@ -255,7 +261,7 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     rows] (exact), or _level_steps'."""
     groups, nb = quants.shape[0], quants.shape[2]
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
-    if ggml_type in (*_LEVELS, IQ4_XSL):
+    if ggml_type in _LEVEL_TYPES:
         qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
     elif ggml_type in _NIBBLES:
         qs = quants.reshape(groups, nb, _ROWS, 8, 2).transpose(2, 3)       # [G,nb,8,16,2]

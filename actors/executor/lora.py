@@ -44,10 +44,13 @@ Stacks = dict[int, tuple | None]           # linear slot -> stacked_dense of a s
 KEPT_STACKS = 2
 
 
-def _linear_of(proj: str) -> tuple[str, int]:
+def _linear_of(proj: str, layer) -> tuple[str, int]:
     """A projection (lora_names.py's name) -> (the layer's Linear holding it, its index among
-    that Linear's parts): an expert's gate and up share its gate_up, as the base weights."""
+    that Linear's parts): an expert's gate and up share its gate_up, as the base weights; a
+    plain MLP's up (the GPT family's) is its `up` alone."""
     owner, _, base = proj.rpartition(".")
+    if proj == "up_proj" and not hasattr(layer.mlp, "gate_up"):
+        return "mlp.up", 0
     if not owner:
         return _LINEAR_OF[proj]
     linear = "mlp.shared" if owner == "shared_expert" else f"mlp.{owner}"
@@ -94,10 +97,9 @@ def load_weights(file: AdapterFile, model) -> Weights:
     tensors = load_file(os.path.join(file.path, WEIGHTS))
     linears: dict[tuple[int, str], list] = {}
     for (i, proj), module in file.modules.items():
-        name, j = _linear_of(proj)
-        if name == "mlp.gate_up" and not hasattr(model.layers[i].mlp, "gate_up"):
-            name, j = "mlp.up", 0                    # a plain MLP's up (Phi-2, Starcoder2)
+        name, j = _linear_of(proj, model.layers[i])
         linears.setdefault((i, name), []).append((j, proj, module))
+    orders = gpt_row_orders(model.cfg)
     out: Weights = {}
     for (i, name), present in sorted(linears.items()):
         layer = model.layers[i]
@@ -105,18 +107,19 @@ def load_weights(file: AdapterFile, model) -> Weights:
             linear = layer.get_submodule(name)
         except AttributeError:                       # another rank's expert
             continue
-        parts = _projections(sorted(present), tensors, model.cfg, i)
+        parts = _projections(sorted(present), tensors, model.cfg,
+                             orders.get(f"layers.{i}.attn.qkv"))
         out[linear.lora_slot] = _fused(layer, model.cfg, name, parts, file.scale,
                                        model.embed.weight.device, model.embed.weight.dtype)
     return out
 
 
-def _projections(present, tensors, cfg, i: int) -> list[tuple]:
+def _projections(present, tensors, cfg, rows: torch.Tensor | None) -> list[tuple]:
     """(index in the linear, projection, A, B) of each projection an adapter holds in one
-    Linear of layer i, B's rows in the order the base weight's take at load (GPT-NeoX's head by
-    head fused rows, GPT-J's rotate-half q and k: models/gpt_weights.py), a fused q/k/v
-    adapter's split into its q, k and v parts (each with the one A)."""
-    rows = gpt_row_orders(cfg).get(f"layers.{i}.attn.qkv")
+    Linear, B's rows in the order the base weight's take at load (`rows`, the layer's q/k/v
+    order, models/gpt_weights.py: GPT-NeoX's head by head fused rows, GPT-J's rotate-half q
+    and k; None: as stored), a fused q/k/v adapter's split into its q, k and v parts (each
+    with the one A)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bounds = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     out = []

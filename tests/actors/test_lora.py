@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -55,15 +56,16 @@ def make_adapter(path: str, base: str, targets=ATTN + MLP, rank: int = 4, alpha:
     return path
 
 
-def merged_oracle(base: str, adapter: str | None) -> HFOracle:
-    """transformers on the base weights plus scale * B @ A for every adapted projection."""
+def merged_oracle(base: str, adapter: str | None, conv1d: bool = False) -> HFOracle:
+    """transformers on the base weights plus scale * B @ A for every adapted projection
+    (`conv1d`: GPT-2's weights, stored [in, out], take it transposed)."""
     oracle = HFOracle.from_dir(base)
     if adapter is not None:
-        merge(oracle.model, adapter)
+        merge(oracle.model, adapter, conv1d)
     return oracle
 
 
-def merge(model, adapter: str) -> None:
+def merge(model, adapter: str, conv1d: bool = False) -> None:
     from safetensors.torch import load_file
     cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
     rank = cfg["r"]
@@ -73,10 +75,28 @@ def merge(model, adapter: str) -> None:
     with torch.no_grad():
         for name, a in tensors.items():
             if ".lora_A." in name:
-                b = tensors[name.replace("lora_A", "lora_B")]
-                target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
-                                                                         ".weight")
-                params[target] += scale * (b.float() @ a.float())
+                delta = scale * (tensors[name.replace("lora_A", "lora_B")].float() @ a.float())
+                if not _merge_expert(params, name, delta):
+                    target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
+                                                                             ".weight")
+                    params[target] += delta.T if conv1d else delta
+
+
+def _merge_expert(params: dict, name: str, delta: torch.Tensor) -> bool:
+    """A per-expert adapter's delta (PEFT's transformers-4 names: experts.E.w1/w3/w2 or
+    gate/up/down_proj) merged into transformers 5's stacked experts (gate_up_proj [E, 2I, H],
+    gate's rows first; down_proj [E, H, I]); False for any other tensor."""
+    expert = re.search(r"layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.lora_A", name)
+    if expert is None:
+        return False
+    layer, e, proj = int(expert.group(1)), int(expert.group(2)), expert.group(3)
+    stack = f"model.layers.{layer}.mlp.experts."
+    if proj in ("w2", "down_proj"):
+        params[stack + "down_proj"][e] += delta
+    else:
+        rows, up = delta.shape[0], int(proj in ("w3", "up_proj"))
+        params[stack + "gate_up_proj"][e, up * rows:(up + 1) * rows] += delta
+    return True
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pagewire.lora_files import InvalidAdapter, projection_shapes, read_adapter
 from pagewire.model_info import resolve_model
 from tests.actors.test_architectures import make_model
 from tests.actors.test_lora import merged_oracle
-from tests.helpers import HFOracle, assert_greedy_equal
+from tests.helpers import assert_greedy_equal
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -60,41 +60,6 @@ def write_adapter(path: str, modules: dict, rank: int = 4, seed: int = 0) -> str
         weights[f"{module}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
     save_file(weights, os.path.join(path, "adapter_model.safetensors"))
     return path
-
-
-def expert_oracle(base: str, adapter: str) -> HFOracle:
-    """transformers on the base weights plus scale * B @ A for every adapted projection, the
-    per-expert ones merged into transformers 5's stacked experts (gate_up_proj [E, 2I, H],
-    gate's rows first; down_proj [E, H, I])."""
-    import json
-    import re
-
-    from safetensors.torch import load_file
-    oracle = merged_oracle(base, None)
-    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
-    scale = cfg["lora_alpha"] / cfg["r"]
-    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    params = dict(oracle.model.named_parameters())
-    with torch.no_grad():
-        for name, a in tensors.items():
-            if ".lora_A." not in name:
-                continue
-            delta = scale * (tensors[name.replace("lora_A", "lora_B")] @ a)
-            expert = re.search(r"layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.lora_A", name)
-            if expert is None:
-                target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
-                                                                         ".weight")
-                params[target] += delta
-                continue
-            layer, e, proj = int(expert.group(1)), int(expert.group(2)), expert.group(3)
-            stack = f"model.layers.{layer}.mlp.experts."
-            if proj in ("w2", "down_proj"):
-                params[stack + "down_proj"][e] += delta
-            else:
-                rows = delta.shape[0]
-                up = int(proj in ("w3", "up_proj"))
-                params[stack + "gate_up_proj"][e, up * rows:(up + 1) * rows] += delta
-    return oracle
 
 
 def expert_modules(base: str, mixtral: bool, layers, shared: bool = False) -> dict:
@@ -173,7 +138,7 @@ def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_
                                 extra=experts)
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
               enable_lora=True, max_loras=1)
-    _check_mixed_batch(llm, base, adapter, expert_oracle(base, adapter), family)
+    _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), family)
 
 
 @pytest.mark.parametrize("family, tensor, why", [
@@ -214,26 +179,6 @@ GPT_MODULES = {
 }
 
 
-def gpt_oracle(base: str, adapter: str, conv1d: bool) -> HFOracle:
-    """merged_oracle; `conv1d`: the weights are GPT-2's Conv1D ([in, out]), taking the delta
-    transposed."""
-    from safetensors.torch import load_file
-    import json
-    oracle = merged_oracle(base, None)
-    cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
-    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    params = dict(oracle.model.named_parameters())
-    with torch.no_grad():
-        for name, a in tensors.items():
-            if ".lora_A." in name:
-                delta = cfg["lora_alpha"] / cfg["r"] * (
-                    tensors[name.replace("lora_A", "lora_B")] @ a)
-                target = params[name.removeprefix("base_model.model.").replace(
-                    ".lora_A.weight", ".weight")]
-                target += delta.T if conv1d else delta
-    return oracle
-
-
 @pytest.mark.parametrize("family", sorted(GPT_MODULES))
 def test_gpt_blocks_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir,
                                                            family):
@@ -253,7 +198,7 @@ def test_gpt_blocks_adapters_give_the_merged_models_tokens(tmp_path, smol_tokeni
         json.dump(config, open(config_file, "w"))
     llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
               enable_lora=True, max_loras=1)
-    _check_mixed_batch(llm, base, adapter, gpt_oracle(base, adapter, family == "gpt2"), family)
+    _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter, family == "gpt2"), family)
 
 
 def test_an_attention_adapter_on_gguf_experts_through_the_fused_decode(

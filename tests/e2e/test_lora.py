@@ -112,7 +112,7 @@ def test_expert_adapters_split_over_ranks(tmp_path, smol_tokenizer_dir, expert_p
     each rank its slice of every expert's rows (plain), or its whole experts (expert
     parallel; the shared expert split as in plain), as of the base weights."""
     from tests.actors.test_architectures import make_model
-    from tests.actors.test_lora_families import attention_adapter, expert_modules, expert_oracle
+    from tests.actors.test_lora_families import attention_adapter, expert_modules
     base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "qwen2-moe-shared")
     adapter = attention_adapter(str(tmp_path / "a"), base, ("q_proj", "o_proj"),
                                 extra=expert_modules(base, False, (0, 2), shared=True))
@@ -121,7 +121,7 @@ def test_expert_adapters_split_over_ranks(tmp_path, smol_tokenizer_dir, expert_p
             f"a={adapter}"] + (["--enable-expert-parallel"] if expert_parallel else [])
     with running_server(args) as srv:
         tokens = greedy(srv, "a")
-    theirs, logits = expert_oracle(base, adapter).greedy(PROMPT, len(tokens))
+    theirs, logits = merged_oracle(base, adapter).greedy(PROMPT, len(tokens))
     assert_greedy_equal(tokens, theirs, logits, "experts over two ranks")
 
 
@@ -131,7 +131,7 @@ def test_a_fused_qkv_adapter_split_over_ranks(tmp_path, smol_tokenizer_dir):
     from pagewire.lora_names import shape
     from pagewire.model_info import resolve_model
     from tests.actors.test_architectures import make_model
-    from tests.actors.test_lora_families import GPT_MODULES, gpt_oracle, write_adapter
+    from tests.actors.test_lora_families import GPT_MODULES, write_adapter
     base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "gpt-neox-parallel")
     info = resolve_model(base)
     prefix, modules = GPT_MODULES["gpt-neox-parallel"]
@@ -143,5 +143,5 @@ def test_a_fused_qkv_adapter_split_over_ranks(tmp_path, smol_tokenizer_dir):
             f"a={adapter}"]
     with running_server(args) as srv:
         tokens = greedy(srv, "a")
-    theirs, logits = gpt_oracle(base, adapter, conv1d=False).greedy(PROMPT, len(tokens))
+    theirs, logits = merged_oracle(base, adapter).greedy(PROMPT, len(tokens))
     assert_greedy_equal(tokens, theirs, logits, "GPT-NeoX over two ranks")
