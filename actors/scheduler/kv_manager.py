@@ -7,7 +7,10 @@ freed, until allocate() evicts it (least recently freed first).
 Invariants, true between calls:
 - every block is either free (refcount 0, in free_queue) or held (refcount >= 1, not in it);
 - cached[h] == b exactly when hash_of[b] == h; a cached block may be free or held;
-- free_queue's order is eviction order: allocate() takes from its front, free() appends.
+- free_queue's order is eviction order: allocate() takes from its front; free() appends a
+  block that caches content and puts one that caches none at the front, so a freed block that
+  holds nothing findable is reused before a never-used one (its memory is already backed: a
+  first write into the pool's huge pages costs milliseconds a page) or a cached one.
 """
 from __future__ import annotations
 
@@ -86,13 +89,16 @@ class BlockManager:
     def free(self, ids: list[int]) -> None:
         """Drop one reference to each block. Blocks reaching zero join the end of the free
         queue, keeping their hash: reusable until evicted. Callers pass a table tail first, so
-        a sequence's last blocks (the least shared) are evicted before its prefix."""
+        a sequence's last blocks (the least shared) are evicted before its prefix. A block
+        caching nothing goes to the front instead (evicting it loses nothing)."""
         for block in ids:
             if self.refcount[block] <= 0:
                 raise ValueError(f"block {block} freed while not held")
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
                 self.free_queue[block] = None
+                if self.hash_of[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks caching the longest prefix of `hashes`. Takes no reference."""

@@ -111,8 +111,8 @@ def test_allocate_evicts_least_recently_freed_first():
     assert kv.lookup([h(1)]) == [1]
     assert list(kv.free_queue) == [1]
     check_invariants(kv)
-    kv.free([3, 2, 0])
-    assert list(kv.free_queue) == [1, 3, 2, 0]
+    kv.free([3, 2, 0])                               # caching nothing: reused first
+    assert list(kv.free_queue) == [0, 2, 3, 1]
     check_all_free(kv)
 
 
@@ -128,7 +128,7 @@ def test_evicted_block_is_reused_with_new_content():
     assert kv.cached == {h(5): 0}
     kv.free([0, 1])
     assert kv.lookup([h(0)]) == [] and kv.lookup([h(5)]) == [0]
-    assert list(kv.free_queue) == [0, 1]
+    assert list(kv.free_queue) == [1, 0]             # unhashed 1 first: evicting it loses nothing
     check_all_free(kv)
 
 
@@ -137,21 +137,21 @@ def test_a_held_block_is_never_evicted_even_when_the_pool_is_otherwise_full():
     assert kv.allocate(3) == [0, 1, 2]
     kv.commit(1, h(1))
     kv.free([0, 2])                                  # block 1 (cached) stays held
-    assert list(kv.free_queue) == [0, 2] and kv.refcount == [0, 1, 0]
+    assert list(kv.free_queue) == [2, 0] and kv.refcount == [0, 1, 0]
     with pytest.raises(OutOfBlocks):
         kv.allocate(3)
     # a refused allocate takes nothing
-    assert list(kv.free_queue) == [0, 2] and kv.refcount == [0, 1, 0]
+    assert list(kv.free_queue) == [2, 0] and kv.refcount == [0, 1, 0]
     assert kv.cached == {h(1): 1}
     check_invariants(kv)
-    assert kv.allocate(2) == [0, 2]
+    assert kv.allocate(2) == [2, 0]
     assert kv.num_free == 0
     with pytest.raises(OutOfBlocks):
         kv.allocate(1)
     assert kv.refcount == [1, 1, 1] and kv.cached == {h(1): 1} and kv.lookup([h(1)]) == [1]
     check_invariants(kv)
     kv.free([2, 1, 0])
-    assert list(kv.free_queue) == [2, 1, 0]
+    assert list(kv.free_queue) == [0, 2, 1]
     check_all_free(kv)
 
 
@@ -202,8 +202,8 @@ def test_commit_of_content_already_cached_elsewhere_leaves_the_block_unhashed():
     check_invariants(kv)
     kv.free([b])
     assert kv.lookup([h(7)]) == [a]
-    assert list(kv.free_queue) == [2, 1]
-    assert kv.allocate(2) == [2, 1]                  # evicting unhashed b touches no hash
+    assert list(kv.free_queue) == [1, 2]             # unhashed b first, before never-used 2
+    assert kv.allocate(2) == [1, 2]                  # evicting unhashed b touches no hash
     assert kv.cached == {h(7): a}
     check_invariants(kv)
     kv.free([2, 1, 0])
@@ -219,7 +219,7 @@ def test_without_caching_lookup_finds_nothing_and_commit_records_nothing():
     assert kv.lookup([h(0), h(1)]) == []
     kv.free(ids[::-1])
     assert kv.lookup([h(0)]) == []
-    assert list(kv.free_queue) == [2, 1, 0]
+    assert list(kv.free_queue) == [0, 1, 2]          # written before, so reused before 2
     check_all_free(kv)
 
 
@@ -257,8 +257,8 @@ def test_copy_on_write_for_a_shared_block_moves_a_reference_to_a_fresh_block():
     assert kv.refcount == [1, 1, 1, 0]
     assert kv.copy_on_write(b) is None               # now a sole holder
     assert kv.refcount == [1, 1, 1, 0]
-    kv.free([2, 1, 0])
-    assert list(kv.free_queue) == [3, 2, 1, 0]
+    kv.free([2, 1, 0])                               # the copies cache nothing: first
+    assert list(kv.free_queue) == [1, 2, 3, 0]
     check_all_free(kv)
 
 
@@ -416,5 +416,6 @@ def test_hashes_and_manager_together_share_a_prompt_prefix():
     check_invariants(kv)
     kv.free(t1[::-1])
     kv.free(t2[::-1])
-    assert list(kv.free_queue) == [5, 2, 1, 4, 3, 0]
+    # the unhashed tails (2, then 4 and 3) first, never-used 5, then the cached 1 and 0
+    assert list(kv.free_queue) == [3, 4, 2, 5, 1, 0]
     check_all_free(kv)

@@ -11,15 +11,15 @@ def assert_whole(kv: BlockManager) -> None:
     assert not any(kv.refcount)
 
 
-def test_allocate_takes_lowest_ids_and_free_returns_them_in_order():
+def test_allocate_takes_lowest_ids_and_reuses_freed_blocks_first():
     kv = BlockManager(num_blocks=6, block_size=16)
     assert kv.allocate(2) == [0, 1]
     assert kv.allocate(3) == [2, 3, 4]
     assert kv.refcount == [1, 1, 1, 1, 1, 0]
-    kv.free([3, 2])
-    assert list(kv.free_queue) == [5, 3, 2]
-    assert kv.allocate(2) == [5, 3]
-    kv.free([0, 1, 3, 4, 5])
+    kv.free([3, 2])                       # a table's tail first; they cache nothing
+    assert list(kv.free_queue) == [2, 3, 5]
+    assert kv.allocate(2) == [2, 3]       # written before: reused before never-used 5
+    kv.free([0, 1, 2, 3, 4])
     assert_whole(kv)
 
 

@@ -66,7 +66,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_from_the_tier_before_it_runs()
     s.update(plan, s.run())
     plan, deltas = step(s)
     (seq,) = plan.new
-    assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 1, [0, 1, 2])
+    assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 1, [0, 1, 7])
     assert deltas[0].finish_reason == "length"
     assert s.tables.tier.hits == 2 and s.tables.external_hits == 8
     assert s.tables.external_queries == 8 + 28 + 8                     # a, big, a2

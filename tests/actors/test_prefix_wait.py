@@ -106,7 +106,7 @@ def test_first_aborted_mid_prefill_the_second_computes_the_prefix(sched_factory)
     sched.update(plan, sched.run())         # a's result is dropped: nothing committed
     plan, _ = step(sched)
     (b,) = plan.new
-    assert (b.num_computed, b.num_scheduled, b.block_ids) == (0, 14, [4, 5, 6, 7])
+    assert (b.num_computed, b.num_scheduled, b.block_ids) == (0, 14, [0, 1, 2, 3])   # a's, reused
     assert sched.tables.prefix_hits == 0
 
 

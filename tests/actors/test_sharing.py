@@ -38,7 +38,7 @@ def test_shared_prefix_maps_cached_blocks(sched_factory):
                          arrival_time=0.0))
     plan, _ = step(sched)
     (seq,) = plan.new
-    assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 3, [0, 1, 3])
+    assert (seq.num_computed, seq.num_scheduled, seq.block_ids) == (8, 3, [0, 1, 2])  # a's unhashed 2 reused
     assert (sched.tables.prefix_queries, sched.tables.prefix_hits) == (10 + 11, 8)
     run_to_end(sched)
 
@@ -187,9 +187,9 @@ def test_swap_preemption_moves_blocks_to_the_host_tier(sched_factory):
     sched.update(plan, StepResult(plan.step_id, ids("a"), [5]))
     sched.abort(["a"])
     plan = sched.schedule()                    # b comes back with its computed tokens
-    assert plan.swap_in == [[0, 2], [1, 3]]
+    assert plan.swap_in == [[0, 3], [1, 2]]
     assert [(str(s.seq_id), s.num_computed, s.num_scheduled, s.block_ids) for s in plan.new] == \
-        [("b", 8, 1, [2, 3, 1])]
+        [("b", 8, 1, [3, 2, 1])]
     assert sched.tables.host.num_free == sched.tables.host.num_blocks
     sched.update(plan, StepResult(plan.step_id, ids("b"), [5]))
 
