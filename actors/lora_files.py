@@ -6,8 +6,8 @@ An adapter is a PEFT directory: adapter_config.json and adapter_model.safetensor
 q/k/v/o and gate/up/down: A [r, in], B [out, r]. Its delta to P's output is
 scale * x A^T B^T, scale = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). Which projections an
 architecture's adapters may hold, and under which names, is lora_names.py's: a mixture's
-experts too (gpt-oss: its attention only), the GPT family's and the vision models' language
-model's under their own module names.
+experts too (gpt-oss's stacks as PEFT's target_parameters adapts them), the GPT family's and
+the vision models' language model's under their own module names.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import struct
 from dataclasses import dataclass
 
@@ -66,7 +65,11 @@ def read_adapter(path: str, info: ModelInfo, max_rank: int) -> AdapterFile:
     if rank > max_rank:
         raise InvalidAdapter(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    shapes, modules = _tensor_shapes(path, info, rank)
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise InvalidAdapter(f"{path}: target_parameters must be a list of names")
+    shapes, modules = _tensor_shapes(path, info, rank,
+                                     lora_names.fused_experts(targets, info))
     return AdapterFile(path, rank, float(scale), shapes, modules)
 
 
@@ -106,21 +109,24 @@ def _config(path: str, architecture: str) -> dict:
     return config
 
 
-def _tensor_shapes(path: str, info: ModelInfo, rank: int) -> tuple[dict, dict]:
-    """Each adapted (layer, projection)'s (A, B) shapes, checked, and its module's name."""
+def _tensor_shapes(path: str, info: ModelInfo, rank: int,
+                   fused: dict[str, tuple[int, str]]) -> tuple[dict, dict]:
+    """Each adapted (layer, projection)'s (A, B) shapes, checked, and its module's name
+    (`fused`: gpt-oss's expert stacks, lora_names.fused_experts)."""
     header = _safetensors_header(path)
     found: dict[tuple[int, str], dict[str, tuple[int, int]]] = {}
     modules: dict[tuple[int, str], str] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        tensor = lora_names.parse(name, info)
+        tensor = lora_names.parse(name, info, fused)
         if isinstance(tensor, str):
             raise InvalidAdapter(f"{path}: tensor {name}: {tensor}")
         if tensor.layer >= info.num_layers:
             raise InvalidAdapter(f"{path}: {name}: the base model has {info.num_layers} layers")
         out, inp = lora_names.shape(info, tensor.proj)
-        want = (rank, inp) if tensor.which == "A" else (out, rank)
+        ranks = rank * lora_names.stacked(info, tensor.proj)
+        want = (ranks, inp) if tensor.which == "A" else (out, ranks)
         if tuple(meta["shape"]) != want:
             raise InvalidAdapter(f"{path}: {name} has shape {meta['shape']}, the base model "
                                  f"needs {list(want)}")

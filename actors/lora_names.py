@@ -8,7 +8,9 @@ B by rows as the base weight's); gate_proj, up_proj, down_proj (an MLP; a plain 
 down only); experts.E.gate_proj, experts.E.up_proj, experts.E.down_proj (expert E of a
 mixture: transformers 4's per-expert Linears, as PEFT names them: Mixtral's w1, w3, w2 under
 block_sparse_moe, Qwen2/3-MoE's and OLMoE's gate/up/down_proj under mlp);
-shared_expert.gate_proj, ... (Qwen2-MoE's shared expert)."""
+shared_expert.gate_proj, ... (Qwen2-MoE's shared expert); experts.gate_up, experts.down
+(gpt-oss: every expert's at once, as PEFT's target_parameters adapts its stacked 3-D
+parameters: A [r * E, in] expert by expert, B [out, r * E] rank by rank; see fused_experts)."""
 from __future__ import annotations
 
 import re
@@ -22,6 +24,10 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 _DECODER = re.compile(r"(base_model\.model\.([\w.]+)\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
 _EXPERT = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\."
                      r"(experts\.\d+|shared_expert)\.(\w+))\.lora_([AB])\.weight")
+_FUSED = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)?)"
+                    r"\.lora_([AB])\.weight")
+# gpt-oss's stacked expert parameters, in the order PEFT wraps them (their definition order)
+_FUSED_PARAMS = (("gate_up_proj", "experts.gate_up"), ("down_proj", "experts.down"))
 _LLAMA = {**{("self_attn", p): p for p in ATTENTION}, **{("mlp", p): p for p in MLP}}
 _ATTENTION = {("self_attn", p): p for p in ATTENTION}
 # Each architecture's (the layer's part, the file's module) -> ours, where not the Llama
@@ -65,14 +71,39 @@ class Tensor(NamedTuple):
 
 
 def takes_experts(architecture: str) -> bool:
-    """A mixture whose experts take adapters (gpt-oss's are fused 3-D tensors PEFT does not
-    name one by one)."""
+    """A mixture whose experts take adapters under per-expert names (gpt-oss's are fused 3-D
+    parameters: fused_experts)."""
     return architecture in MOE_ARCHITECTURES and architecture != "GptOssForCausalLM"
 
 
-def parse(name: str, info: ModelInfo) -> Tensor | str:
-    """A tensor's name read for `info`'s architecture, or why it is refused."""
+def fused_experts(target_parameters, info: ModelInfo) -> dict[str, tuple[int, str]]:
+    """gpt-oss's adapted expert stacks: {the file's module name: (layer, our projection)}.
+    PEFT wraps a module's targeted parameters one inside the next in their definition order
+    (gate_up_proj, then down_proj), so a layer's last targeted one is `...mlp.experts` and
+    the one before it `...mlp.experts.base_layer`. A target matches a parameter as PEFT's
+    does: the whole name, or a dot-separated tail of it ("7.mlp.experts.down_proj")."""
+    if info.architecture != "GptOssForCausalLM" or not target_parameters:
+        return {}
+    out = {}
+    for layer in range(info.num_layers):
+        module = f"base_model.model.model.layers.{layer}.mlp.experts"
+        names = [ours for param, ours in _FUSED_PARAMS
+                 if any(f"model.layers.{layer}.mlp.experts.{param}" == t
+                        or f"model.layers.{layer}.mlp.experts.{param}".endswith("." + t)
+                        for t in target_parameters)]
+        for depth, ours in enumerate(reversed(names)):
+            out[module + ".base_layer" * depth] = (layer, ours)
+    return out
+
+
+def parse(name: str, info: ModelInfo, fused: dict[str, tuple[int, str]] | None = None
+          ) -> Tensor | str:
+    """A tensor's name read for `info`'s architecture, or why it is refused; `fused`:
+    fused_experts' modules."""
     arch = info.architecture
+    match = _FUSED.fullmatch(name)
+    if match is not None and match.group(1) in (fused or {}):
+        return Tensor(match.group(1), *fused[match.group(1)], match.group(3))
     match = _DECODER.fullmatch(name)
     if match is not None and match.group(2) in _PREFIXES.get(arch, ("model.layers",)):
         ours = _NAMES.get(arch, _LLAMA).get((match.group(4), match.group(5)))
@@ -95,16 +126,27 @@ def _what(arch: str) -> str:
     if takes_experts(arch):
         return "q/k/v/o or an expert's gate/up/down (w1/w3/w2); a router takes none"
     if arch in MOE_ARCHITECTURES:
-        return "q/k/v/o; gpt-oss's fused experts and its router take none"
+        return ("q/k/v/o, or the experts' stacks named in adapter_config.json's "
+                "target_parameters (mlp.experts.gate_up_proj, down_proj); a router takes none")
     if arch in GPT_ARCHITECTURES:
         return ", ".join(".".join(k) for k in _NAMES[arch])
     return "q/k/v/o or gate/up/down"
 
 
+def stacked(info: ModelInfo, proj: str) -> int:
+    """How many experts' ranks an adapter of `proj` stacks (gpt-oss's fused stacks: all of
+    them), else 1."""
+    return info.num_experts if proj in ("experts.gate_up", "experts.down") else 1
+
+
 def shape(info: ModelInfo, proj: str) -> tuple[int, int]:
-    """Projection `proj`'s weight shape (out, in) in the base model."""
+    """Projection `proj`'s weight shape (out, in) in the base model (one expert's, for
+    gpt-oss's stacks: gate_up's rows the gate's and the up's)."""
     owner, _, base = proj.rpartition(".")
     h = info.hidden_size
+    if proj in ("experts.gate_up", "experts.down"):
+        i = info.expert_intermediate_size
+        return (2 * i, h) if base == "gate_up" else (h, i)
     if owner:                           # an expert's: its own rows, or the shared expert's
         rows = info.shared_expert_size if owner == "shared_expert" \
             else info.expert_intermediate_size

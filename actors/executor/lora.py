@@ -96,9 +96,9 @@ def load_weights(file: AdapterFile, model) -> Weights:
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(file.path, WEIGHTS))
     linears: dict[tuple[int, str], list] = {}
-    for (i, proj), module in file.modules.items():
+    for (i, proj), (a, b) in _pairs(file, tensors, model.cfg).items():
         name, j = _linear_of(proj, model.layers[i])
-        linears.setdefault((i, name), []).append((j, proj, module))
+        linears.setdefault((i, name), []).append((j, proj, a, b))
     orders = gpt_row_orders(model.cfg)
     out: Weights = {}
     for (i, name), present in sorted(linears.items()):
@@ -107,14 +107,36 @@ def load_weights(file: AdapterFile, model) -> Weights:
             linear = layer.get_submodule(name)
         except AttributeError:                       # another rank's expert
             continue
-        parts = _projections(sorted(present), tensors, model.cfg,
+        parts = _projections(sorted(present, key=lambda part: part[:2]), model.cfg,
                              orders.get(f"layers.{i}.attn.qkv"))
         out[linear.lora_slot] = _fused(layer, model.cfg, name, parts, file.scale,
                                        model.embed.weight.device, model.embed.weight.dtype)
     return out
 
 
-def _projections(present, tensors, cfg, rows: torch.Tensor | None) -> list[tuple]:
+def _pairs(file: AdapterFile, tensors: dict, cfg) -> dict[tuple[int, str], tuple]:
+    """(layer, projection) -> its (A, B); gpt-oss's expert stacks (lora_names.py's
+    experts.gate_up / experts.down) split into each expert's gate, up and down: expert e's A
+    is rows e r .. (e + 1) r of the stack's, its B columns e, e + E, ... (PEFT's layouts), and
+    gate_up's rows interleave gate (even) and up (odd) as the stacked weight's columns do."""
+    out = {}
+    for (i, proj), module in file.modules.items():
+        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
+        if proj not in ("experts.gate_up", "experts.down"):
+            out[(i, proj)] = (a, b)
+            continue
+        count = cfg.num_experts
+        for e in range(count):
+            a_e, b_e = a[e * file.rank:(e + 1) * file.rank], b[:, e::count].contiguous()
+            if proj == "experts.down":
+                out[(i, f"experts.{e}.down_proj")] = (a_e, b_e)
+            else:
+                out[(i, f"experts.{e}.gate_proj")] = (a_e, b_e[0::2])
+                out[(i, f"experts.{e}.up_proj")] = (a_e, b_e[1::2])
+    return out
+
+
+def _projections(present, cfg, rows: torch.Tensor | None) -> list[tuple]:
     """(index in the linear, projection, A, B) of each projection an adapter holds in one
     Linear, B's rows in the order the base weight's take at load (`rows`, the layer's q/k/v
     order, models/gpt_weights.py: GPT-NeoX's head by head fused rows, GPT-J's rotate-half q
@@ -123,8 +145,7 @@ def _projections(present, tensors, cfg, rows: torch.Tensor | None) -> list[tuple
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bounds = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     out = []
-    for j, p, module in present:
-        a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
+    for j, p, a, b in present:
         if p == "qkv_proj":
             b = b if rows is None else b[rows]
             out += [(k, part, a, b[lo:hi]) for k, (part, (lo, hi)) in enumerate(bounds.items())]

@@ -76,10 +76,31 @@ def merge(model, adapter: str, conv1d: bool = False) -> None:
         for name, a in tensors.items():
             if ".lora_A." in name:
                 delta = scale * (tensors[name.replace("lora_A", "lora_B")].float() @ a.float())
+                if _merge_fused(params, name, tensors, scale):
+                    continue
                 if not _merge_expert(params, name, delta):
                     target = name.removeprefix("base_model.model.").replace(".lora_A.weight",
                                                                              ".weight")
                     params[target] += delta.T if conv1d else delta
+
+
+def _merge_fused(params: dict, name: str, tensors: dict, scale: float) -> bool:
+    """gpt-oss's stacked experts adapted through PEFT's target_parameters (A [r E, in], B
+    [out, r E]) merged as PEFT's ParamWrapper computes the delta of a stack stored [E, in,
+    out]; the stack is the one whose out B's rows match (gate_up_proj's 2I, down_proj's H).
+    False for any other tensor."""
+    match = re.fullmatch(r"base_model\.model\.(model\.layers\.\d+\.mlp\.experts)"
+                         r"(\.base_layer)?\.lora_A\.weight", name)
+    if match is None:
+        return False
+    a, b = tensors[name].float(), tensors[name.replace("lora_A", "lora_B")].float()
+    stacks = [params[f"{match.group(1)}.{p}"] for p in ("gate_up_proj", "down_proj")]
+    (stack,) = [p for p in stacks if p.shape[2] == b.shape[0]]
+    experts = stack.shape[0]
+    delta = torch.einsum("ore,eri->eio", b.reshape(b.shape[0], -1, experts),
+                         a.reshape(experts, -1, a.shape[1])) * scale
+    stack += delta
+    return True
 
 
 def _merge_expert(params: dict, name: str, delta: torch.Tensor) -> bool:

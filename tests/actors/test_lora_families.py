@@ -1,6 +1,6 @@
 """LoRA adapters beyond the Llama family: the attention of the mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss), Phi-2 and Starcoder2, and the experts (Mixtral's w1/w3/w2,
-Qwen2-MoE's experts and shared expert): a batch mixing the base model and an adapter gives each
+Qwen2-MoE's experts and shared expert, gpt-oss's stacks through PEFT's target_parameters): a batch mixing the base model and an adapter gives each
 request transformers' greedy tokens on its merged weights, through the native MoE blocks and the
 fused decode stack (attention adapters) or torch's grouping (expert adapters); a tensor an
 architecture does not adapt is refused by name. The GPT family's blocks take adapters of their
@@ -141,6 +141,88 @@ def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_
     _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), family)
 
 
+# gpt-oss's expert stacks per layer as PEFT's target_parameters names them: both (gate_up
+# wrapped first, so under base_layer), down alone, gate_up alone
+GPT_OSS_TARGETS = ["0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                   "1.mlp.experts.down_proj", "2.mlp.experts.gate_up_proj"]
+
+
+def fused_expert_adapter(path: str, base: str, rank: int = 4) -> str:
+    """A PEFT adapter of gpt-oss's q/v and GPT_OSS_TARGETS' expert stacks, as PEFT's
+    ParamWrapper saves them: A [r E, in], B [out, r E] (out: gate_up's interleaved 2I rows,
+    or H)."""
+    import json
+    info = resolve_model(base)
+    h, i, count = info.hidden_size, info.expert_intermediate_size, info.num_experts
+    stacks = {}
+    for layer, names in ((0, ("gate_up", "down")), (1, ("down",)), (2, ("gate_up",))):
+        for depth, name in enumerate(reversed(names)):
+            module = f"base_model.model.model.layers.{layer}.mlp.experts" + ".base_layer" * depth
+            stacks[module] = (2 * i, h) if name == "gate_up" else (h, i)
+    adapter = attention_adapter(path, base, ("q_proj", "v_proj"), rank=rank)
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(adapter, "adapter_model.safetensors")
+    weights, g = load_file(file), torch.Generator().manual_seed(5)
+    for module, (out, inp) in stacks.items():
+        weights[f"{module}.lora_A.weight"] = torch.randn(rank * count, inp, generator=g) * 0.3
+        weights[f"{module}.lora_B.weight"] = torch.randn(out, rank * count, generator=g) * 0.3
+    save_file(weights, file)
+    config_file = os.path.join(adapter, "adapter_config.json")
+    config = {**json.load(open(config_file)), "target_parameters": GPT_OSS_TARGETS}
+    json.dump(config, open(config_file, "w"))
+    return adapter
+
+
+def test_gpt_oss_expert_stacks_give_the_merged_models_tokens(tmp_path, smol_tokenizer_dir):
+    """PEFT's target_parameters adapters of gpt-oss's stacked experts (the fine-tuning
+    recipe's), a layer's two stacks nested: each expert's slice of A and B, gate_up's
+    interleaved rows, merged by PEFT's own formula in the oracle."""
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "gpt-oss")
+    adapter = fused_expert_adapter(str(tmp_path / "adapter"), base)
+    file = read_adapter(adapter, resolve_model(base), 16)
+    assert sorted(k for k in file.shapes if k[1].startswith("experts")) == [
+        (0, "experts.down"), (0, "experts.gate_up"), (1, "experts.down"),
+        (2, "experts.gate_up")]
+    assert file.modules[(0, "experts.gate_up")].endswith("layers.0.mlp.experts.base_layer")
+    llm = LLM(base, dtype="float32", max_model_len=256, num_kv_blocks=128, block_size=16,
+              enable_lora=True, max_loras=1)
+    _check_mixed_batch(llm, base, adapter, merged_oracle(base, adapter), "gpt-oss")
+
+
+def test_gpt_oss_expert_stacks_of_the_wrong_shape_or_untargeted_are_refused(
+        tmp_path, smol_tokenizer_dir):
+    import json
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "gpt-oss")
+    info = resolve_model(base)
+    adapter = fused_expert_adapter(str(tmp_path / "adapter"), base)
+    config_file = os.path.join(adapter, "adapter_config.json")
+    config = json.load(open(config_file))
+    json.dump({**config, "target_parameters": GPT_OSS_TARGETS[1:]}, open(config_file, "w"))
+    # layer 0's down alone is targeted now: its gate_up (base_layer) names nothing
+    with pytest.raises(InvalidAdapter, match=r"layers\.0\.mlp\.experts\.base_layer\.lora_A"
+                                             r"\.weight: not a LoRA A or B of q/k/v/o, or the "
+                                             r"experts' stacks"):
+        read_adapter(adapter, info, 16)
+    json.dump({**config, "target_parameters": ["2.mlp.experts.down_proj"]},
+              open(config_file, "w"))
+    with pytest.raises(InvalidAdapter, match=r"layers\.0\.mlp\.experts\.base_layer"):
+        read_adapter(adapter, info, 16)
+    json.dump({**config, "target_parameters": "mlp.experts.down_proj"}, open(config_file, "w"))
+    with pytest.raises(InvalidAdapter, match="target_parameters must be a list"):
+        read_adapter(adapter, info, 16)
+    # a stack saved as one expert's (rank rows, not rank x experts)
+    json.dump(config, open(config_file, "w"))
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(adapter, "adapter_model.safetensors")
+    weights = load_file(file)
+    name = "base_model.model.model.layers.1.mlp.experts.lora_A.weight"
+    weights[name] = weights[name][:4]
+    save_file(weights, file)
+    with pytest.raises(InvalidAdapter, match=rf"{name} has shape \[4, {info.expert_intermediate_size}\]"
+                                             rf", the base model needs \[16, "):
+        read_adapter(adapter, info, 16)
+
+
 @pytest.mark.parametrize("family, tensor, why", [
     ("mixtral-moe", "block_sparse_moe.gate", "not a LoRA A or B of q/k/v/o or an expert's "
                                              "gate/up/down \\(w1/w3/w2\\); a router takes none"),
@@ -148,8 +230,9 @@ def test_expert_adapters_give_the_merged_models_tokens(tmp_path, smol_tokenizer_
     ("mixtral-moe", "block_sparse_moe.shared_expert.gate_proj", "the base model has no shared "
                                                                 "expert"),
     ("qwen2-moe-shared", "mlp.gate_proj", "not a LoRA A or B of q/k/v/o or an expert's"),
-    ("gpt-oss", "mlp.experts.0.gate_proj", "not a LoRA A or B of q/k/v/o; gpt-oss's fused "
-                                           "experts and its router take none"),
+    ("gpt-oss", "mlp.experts.0.gate_proj", "not a LoRA A or B of q/k/v/o, or the experts' "
+                                           "stacks named in adapter_config.json's "
+                                           "target_parameters"),
     ("starcoder2", "mlp.up_proj", "not a LoRA A or B of self_attn.q_proj, self_attn.k_proj, "
                                   "self_attn.v_proj, self_attn.o_proj, mlp.c_fc, mlp.c_proj"),
     ("phi-2", "self_attn.o_proj", "not a LoRA A or B of self_attn.q_proj, self_attn.k_proj, "
