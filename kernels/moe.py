@@ -148,13 +148,16 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
         at = MoeWord.EXPERT_TABLES + per * int(index)
         words[at:at + per] = expert.gate_up.quantized.table.data_ptr(), \
             expert.down.quantized.table.data_ptr(), _bias_address(expert.gate_up), \
-            _bias_address(expert.down)
+            _bias_address(expert.down), expert.gate_up.lora_slot, expert.down.lora_slot
+    words[MoeWord.SHARED_GATE_UP_SLOT] = words[MoeWord.SHARED_DOWN_SLOT] = -1
     words[MoeWord.INTER] = next(iter(moe.experts.values())).down.in_features
     if moe.shared is not None:
         words[MoeWord.SHARED_GATE_UP] = moe.shared.gate_up.quantized.table.data_ptr()
         words[MoeWord.SHARED_DOWN] = moe.shared.down.quantized.table.data_ptr()
         words[MoeWord.SHARED_GATE] = _address(moe.shared_gate.weight)
         words[MoeWord.SHARED_INTER] = moe.shared.down.in_features
+        words[MoeWord.SHARED_GATE_UP_SLOT] = moe.shared.gate_up.lora_slot
+        words[MoeWord.SHARED_DOWN_SLOT] = moe.shared.down.lora_slot
     return NativeMoe(torch.tensor(words, dtype=torch.int64), dtype)
 
 

@@ -110,9 +110,10 @@ class TorchOps:
         q.copy_(norm.rms_norm(q, q_weight, eps))
         k.copy_(norm.rms_norm(k, k_weight, eps))
 
-    def moe(self, sparse, x):
-        """kernels/moe.py sparse_mlp: x [T, H] through the experts its router picks."""
-        return moe.sparse_mlp(self, sparse, x)
+    def moe(self, sparse, x, lora=None):
+        """kernels/moe.py sparse_mlp: x [T, H] through the experts its router picks; `lora`:
+        the rows' adapters (executor/lora.py LoraBatch) where they adapt experts, else None."""
+        return moe.sparse_mlp(self, sparse, x, lora)
 
     def moe_in_graphs(self, sparse, dtype) -> bool:
         """Whether `moe` runs this block without reading its routing on the host, as a CUDA
@@ -229,13 +230,15 @@ class CpuOps(TorchOps):
             part = qkv[:, start:start + size]
             part.copy_(self.lib.add_rms_norm(part, None, weight, eps)[0])
 
-    def moe(self, sparse, x):
-        """csrc/moe.cpp where the block's layout is native (its native_spec), else torch's
-        grouping over this backend's linears."""
+    def moe(self, sparse, x, lora=None):
+        """csrc/moe.cpp where the block's layout is native (its native_spec), adapters of
+        its experts included, else torch's grouping over this backend's linears."""
         native = sparse.native_spec
         if native is None or x.dtype != native.dtype or not x.is_contiguous():
-            return super().moe(sparse, x)
-        return self.lib.moe(x, native.words)
+            return super().moe(sparse, x, lora)
+        if lora is None:
+            return self.lib.moe(x, native.words)
+        return self.lib.moe(x, native.words, lora.adapter_of_row, lora.table)
 
     def lora_delta(self, y, x, lora, slot):
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)

@@ -40,13 +40,14 @@ class TritonOps(TorchOps):
         q, k, v = heads.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         return q, k, v
 
-    def moe(self, sparse, x):
+    def moe(self, sparse, x, lora=None):
         """kernels/moe_triton.py's fused kernels on CUDA where the block's experts are dense
-        weights of x's dtype; else (quantized experts, CPU tensors) torch's grouping."""
+        weights of x's dtype; else (quantized experts, CPU tensors, adapters of the experts)
+        torch's grouping."""
         experts = stacked_experts(sparse) if x.is_cuda and sparse.activation[0] == "silu" \
-            else None                    # gpt-oss's clamped SwiGLU: torch's grouping
+            and lora is None else None   # gpt-oss's clamped SwiGLU: torch's grouping
         if experts is None or experts.w13.dtype != x.dtype:
-            return super().moe(sparse, x)
+            return super().moe(sparse, x, lora)
         return triton_moe_block(self, sparse, x, experts)
 
     def moe_in_graphs(self, sparse, dtype):

@@ -276,9 +276,9 @@ class LoraBatch:
         self.table = torch.stack([a.table for a in adapters])
         self.weights = [a.weights for a in adapters]
         self._dense = {} if stacks is None else stacks
-        # a mixture's experts are adapted: its blocks take torch's grouping (kernels/moe.py),
-        # whose per-expert products add each row's delta; not the native block nor the fused
-        # decode stack nor a CUDA graph, which know no adapter of an expert
+        # a mixture's experts are adapted: the backend's moe adds each row's delta to its
+        # experts' products (csrc/moe.cpp, in the per-op path and the fused decode stack
+        # alike; torch's grouping elsewhere); not in a CUDA graph, whose MoE knows none
         self.adapts_experts = any(a.adapts_experts for a in adapters)
 
     def subset(self, rows: torch.Tensor) -> "LoraBatch":

@@ -273,7 +273,7 @@ struct Machine {
   // cur: [tokens, hidden] -> the mixture-of-experts block's output (moe.cpp); o[0]: its spec
   void moe(const int64_t* o) {
     T* out = next();
-    Kernels<T>::moe(out, cur, tokens, ptr<int64_t>(o[0]));
+    Kernels<T>::moe(out, cur, tokens, ptr<int64_t>(o[0]), lora_rows, lora_table, lora_slots);
     cur = out;
   }
 

@@ -5,7 +5,8 @@
 // order, then the gated shared expert, rounded once. An expert no token chose is never read.
 // gpt-oss's block: a bias on the router's logits, the top k of them then their softmax,
 // biases on the experts' products (added in the activations' dtype, as the torch path's
-// Linear adds them) and its clamped SwiGLU.
+// Linear adds them) and its clamped SwiGLU. LoRA adapters of the experts: each token's
+// adapter's delta added to its experts' products (lora.cpp), as torch's grouping adds them.
 //
 // CpuOps.moe calls this for every step and the fused decode's MOE op (decode_stack.cpp) for
 // decode steps, so both paths give the same bits. The block is described by int64 words
@@ -130,14 +131,44 @@ template <typename T> void add_bias(T* rows, int64_t count, int64_t n, int64_t b
 }
 
 // One expert's share of a call: its `count` rows (tokens) from `first` in the gathered rows,
-// their output scales, its width, weights' tables and biases (0: none), and where its values
-// lie in scratch.
+// their output scales, its width, weights' tables, biases (0: none) and LoRA slots (-1:
+// none), and where its values lie in scratch.
 struct Work {
   int64_t first, count, inter;
   const int64_t *gate_up, *down;
   int64_t gate_up_bias, down_bias;
+  int64_t gate_up_slot, down_slot;
   int64_t gate_up_at, act_at;     // offsets into the gate/up and activation scratch
 };
+
+// The call's adapters (pw_lora_delta's table and slots) and each gathered row's adapter;
+// table null: none.
+struct Lora {
+  const int64_t* table;
+  int64_t slots;
+  std::vector<int64_t> of_row;
+};
+
+void lora_delta(float* y, int64_t ys, const float* x, int64_t xs, int64_t rows, int64_t n,
+                int64_t k, const int64_t* of_row, const int64_t* table, int64_t slot,
+                int64_t slots) {
+  pw_lora_delta_f32(y, ys, x, xs, rows, n, k, of_row, table, slot, slots);
+}
+void lora_delta(bf16* y, int64_t ys, const bf16* x, int64_t xs, int64_t rows, int64_t n,
+                int64_t k, const int64_t* of_row, const int64_t* table, int64_t slot,
+                int64_t slots) {
+  pw_lora_delta_bf16(y, ys, x, xs, rows, n, k, of_row, table, slot, slots);
+}
+
+// y [w.count, n] += the adapter deltas of x [w.count, k] (rows k apart) through `slot`, each
+// of the work item's rows with its token's adapter.
+template <typename T>
+void add_deltas(T* y, int64_t n, const T* x, int64_t k, const Work& w, int64_t slot,
+                const Lora& lora) {
+  if (lora.table == nullptr || slot < 0) return;
+  lora_delta(y, n, x, k, w.count, n, k, lora.of_row.data() + w.first, lora.table, slot,
+             lora.slots);
+}
 
 // Rows a task of a phase multiplies where the experts are too few to give every thread two
 // of them whole: small enough to share them out, large enough that a task's call (which
@@ -169,7 +200,7 @@ void each_task(const std::vector<Work>& work, Rows rows_of, Fn fn) {
 template <typename T>
 void run_experts(float* acc, const T* x, const std::vector<Work>& work,
                  const std::vector<int64_t>& rows, const std::vector<float>& scale,
-                 int64_t hidden, const Activation& activation) {
+                 int64_t hidden, const Activation& activation, const Lora& lora) {
   // the calling thread's scratch, named by reference: the lambdas below run on the pool's
   // threads, where a thread_local's name would mean their own (empty) copies
   thread_local std::vector<T> scratch[4];
@@ -186,8 +217,10 @@ void run_experts(float* acc, const T* x, const std::vector<Work>& work,
     table_rows<T>(&gate_up[w.gate_up_at], 2 * w.inter, &xs[w.first * hidden], hidden, w.count,
                   w.gate_up, r0, r1);
   });
-  for (const Work& w : work) {
+  for (const Work& w : work) {   // bias, then the delta: torch's grouping's order
     add_bias<T>(&gate_up[w.gate_up_at], w.count, 2 * w.inter, w.gate_up_bias);
+    add_deltas<T>(&gate_up[w.gate_up_at], 2 * w.inter, &xs[w.first * hidden], hidden, w,
+                  w.gate_up_slot, lora);
     activate<T>(&act[w.act_at], &gate_up[w.gate_up_at], w.count, w.inter, activation);
   }
   each_task(work, [&](const Work&) { return hidden; }, [&](const Work& w, int64_t r0,
@@ -195,7 +228,10 @@ void run_experts(float* acc, const T* x, const std::vector<Work>& work,
     table_rows<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w.count, w.down, r0,
                   r1);
   });
-  for (const Work& w : work) add_bias<T>(&y[w.first * hidden], w.count, hidden, w.down_bias);
+  for (const Work& w : work) {
+    add_bias<T>(&y[w.first * hidden], w.count, hidden, w.down_bias);
+    add_deltas<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w, w.down_slot, lora);
+  }
   for (int64_t i = 0; i < total; ++i) {
     float* a = acc + rows[i] * hidden;
     for (int64_t j = 0; j < hidden; ++j) a[j] += scale[i] * pw::to_float(y[i * hidden + j]);
@@ -203,13 +239,14 @@ void run_experts(float* acc, const T* x, const std::vector<Work>& work,
 }
 
 // Appends a work item of `n` rows (already in rows) with its tables and biases.
-void add_work(std::vector<Work>& work, int64_t n, int64_t inter, const int64_t* gate_up,
-              const int64_t* down, int64_t gate_up_bias = 0, int64_t down_bias = 0) {
+// words: gate/up's and down's tables, biases and LoRA slots (PW_MOE_EXPERT_WORDS's order).
+void add_work(std::vector<Work>& work, int64_t n, int64_t inter, const int64_t* words) {
   const Work* prev = work.empty() ? nullptr : &work.back();
   const int64_t first = prev ? prev->first + prev->count : 0;
   const int64_t gu = prev ? prev->gate_up_at + prev->count * 2 * prev->inter : 0;
   const int64_t act = prev ? prev->act_at + prev->count * prev->inter : 0;
-  work.push_back(Work{first, n, inter, gate_up, down, gate_up_bias, down_bias, gu, act});
+  work.push_back(Work{first, n, inter, ptr<int64_t>(words[0]), ptr<int64_t>(words[1]),
+                      words[2], words[3], words[4], words[5], gu, act});
 }
 
 double real(int64_t word) {      // a float operand: a double's bits
@@ -241,7 +278,8 @@ void route_tokens(const T* x, int64_t tokens, const int64_t* spec, int64_t* ids,
 }
 
 template <typename T>
-void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
+void moe(T* out, const T* x, int64_t tokens, const int64_t* spec, const int64_t* lora_rows,
+         const int64_t* lora_table, int64_t lora_slots) {
   const int64_t experts = spec[PW_MOE_EXPERTS], k = spec[PW_MOE_TOP_K];
   const int64_t hidden = spec[PW_MOE_HIDDEN], inter = spec[PW_MOE_INTER];
   const int64_t* tables = spec + PW_MOE_EXPERT_TABLES;   // [experts][PW_MOE_EXPERT_WORDS]
@@ -265,18 +303,22 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
     const size_t before = rows.size();
     for (int64_t i = 0; i < tokens * k; ++i)
       if (ids[i] == e) rows.push_back(i / k), scale.push_back(weights[i]);
-    add_work(work, rows.size() - before, inter, ptr<int64_t>(words[0]), ptr<int64_t>(words[1]),
-             words[2], words[3]);
+    add_work(work, rows.size() - before, inter, words);
   }
   if (spec[PW_MOE_SHARED_GATE_UP]) {          // Qwen2-MoE: sigmoid(x . g) * shared(x)
     std::vector<float> gate(tokens);
     float_product<T>(gate.data(), x, tokens, ptr<T>(spec[PW_MOE_SHARED_GATE]), 1, hidden);
     for (int64_t t = 0; t < tokens; ++t)
       rows.push_back(t), scale.push_back(1.f / (1.f + std::exp(-gate[t])));
-    add_work(work, tokens, spec[PW_MOE_SHARED_INTER],
-             ptr<int64_t>(spec[PW_MOE_SHARED_GATE_UP]), ptr<int64_t>(spec[PW_MOE_SHARED_DOWN]));
+    const int64_t words[] = {spec[PW_MOE_SHARED_GATE_UP], spec[PW_MOE_SHARED_DOWN], 0, 0,
+                             spec[PW_MOE_SHARED_GATE_UP_SLOT], spec[PW_MOE_SHARED_DOWN_SLOT]};
+    add_work(work, tokens, spec[PW_MOE_SHARED_INTER], words);
   }
-  if (!work.empty()) run_experts<T>(acc.data(), x, work, rows, scale, hidden, activation);
+  Lora lora{lora_rows ? lora_table : nullptr, lora_slots, {}};
+  if (lora.table)
+    for (int64_t row : rows) lora.of_row.push_back(lora_rows[row]);
+  if (!work.empty())
+    run_experts<T>(acc.data(), x, work, rows, scale, hidden, activation, lora);
   for (int64_t i = 0; i < tokens * hidden; ++i) pw::from_float(acc[i], &out[i]);
 }
 
@@ -284,11 +326,13 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec) {
 
 extern "C" {   // pagewire_api.h
 
-void pw_moe_f32(float* out, const float* x, int64_t tokens, const int64_t* spec) {
-  moe<float>(out, x, tokens, spec);
+void pw_moe_f32(float* out, const float* x, int64_t tokens, const int64_t* spec,
+                const int64_t* lora_rows, const int64_t* lora_table, int64_t lora_slots) {
+  moe<float>(out, x, tokens, spec, lora_rows, lora_table, lora_slots);
 }
-void pw_moe_bf16(bf16* out, const bf16* x, int64_t tokens, const int64_t* spec) {
-  moe<bf16>(out, x, tokens, spec);
+void pw_moe_bf16(bf16* out, const bf16* x, int64_t tokens, const int64_t* spec,
+                 const int64_t* lora_rows, const int64_t* lora_table, int64_t lora_slots) {
+  moe<bf16>(out, x, tokens, spec, lora_rows, lora_table, lora_slots);
 }
 
 }  // extern "C"

@@ -68,8 +68,8 @@ enum PwOp : int64_t {
 
 // A mixture-of-experts block as moe.cpp reads it: int64 words at these indices, then per
 // expert (PW_MOE_EXPERT_WORDS words) its gate/up and down weights' tables
-// (kernels/quant.py QuantWeight.table; 0 and 0: an expert another rank holds) and their
-// biases (0: none). The router's and the shared gate's weights, and every bias, are the
+// (kernels/quant.py QuantWeight.table; 0 and 0: an expert another rank holds), their
+// biases (0: none) and their LoRA slots (models/lora_slots.py; -1: never adapted). The router's and the shared gate's weights, and every bias, are the
 // activations' dtype, [experts, hidden] and [hidden]; no shared expert: its three words 0.
 // gpt-oss: the router's bias, top k then softmax, and its clamped SwiGLU (alpha and limit
 // as a double's bits).
@@ -91,8 +91,11 @@ enum PwMoe : int64_t {
   PW_MOE_SWIGLU_OAI = 13,       // 1: (up + 1) * g * sigmoid(alpha g), g and up clamped
   PW_MOE_SWIGLU_ALPHA = 14,
   PW_MOE_SWIGLU_LIMIT = 15,
-  PW_MOE_EXPERT_TABLES = 16,
-  PW_MOE_EXPERT_WORDS = 4,      // gate/up table, down table, gate/up bias, down bias
+  PW_MOE_SHARED_GATE_UP_SLOT = 16,   // the shared expert's LoRA slots (-1: none)
+  PW_MOE_SHARED_DOWN_SLOT = 17,
+  PW_MOE_EXPERT_TABLES = 18,
+  PW_MOE_EXPERT_WORDS = 6,      // gate/up table, down table, gate/up bias, down bias, and
+                                // gate/up's and down's LoRA slots
 };
 
 // A packed weight's tile type (quant_tiles.h; kernels/quant.py packs them): the GGML type id
@@ -309,10 +312,15 @@ PW_API(int64_t, pw_quant_kind, (int64_t kind))
 
 // --- moe.cpp
 // out [tokens, H] = the mixture-of-experts block `spec` (PwMoe) of x [tokens, H], both
-// contiguous, bfloat16 or float32 as the block's router weight is.
-PW_API(void, pw_moe_f32, (float* out, const float* x, int64_t tokens, const int64_t* spec))
+// contiguous, bfloat16 or float32 as the block's router weight is. lora_rows [tokens],
+// lora_table [adapters, lora_slots, PW_LORA_TABLE_ENTRY] (as pw_lora_delta's): each token's
+// adapter, whose deltas its experts' products add (after their biases); null: none.
+PW_API(void, pw_moe_f32, (float* out, const float* x, int64_t tokens, const int64_t* spec,
+                          const int64_t* lora_rows, const int64_t* lora_table,
+                          int64_t lora_slots))
 PW_API(void, pw_moe_bf16, (pw_bf16* out, const pw_bf16* x, int64_t tokens,
-                           const int64_t* spec))
+                           const int64_t* spec, const int64_t* lora_rows,
+                           const int64_t* lora_table, int64_t lora_slots))
 
 // --- decode_stack.cpp
 // x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the

@@ -296,3 +296,35 @@ def test_an_attention_adapter_on_gguf_experts_through_the_fused_decode(
               enable_lora=True, max_loras=1)
     assert llm.runner.model.fused_decode is not None
     _check_mixed_batch(llm, ref, adapter, merged_oracle(ref, adapter), "olmoe GGUF")
+
+
+def test_expert_adapters_run_in_the_native_block_and_the_fused_decode(tmp_path,
+                                                                       smol_tokenizer_dir):
+    """Experts as tiles (--quantization int8): a step whose adapters touch experts keeps
+    csrc/moe.cpp's block, in the per-op path and the fused decode stack (each row's deltas
+    added there), and gives the tokens torch's grouping gives on the same tiles."""
+    from pagewire.executor.models.moe import SparseMoE
+    base = make_model(str(tmp_path / "base"), smol_tokenizer_dir, "mixtral-moe")
+    adapter = attention_adapter(str(tmp_path / "adapter"), base, ("q_proj", "v_proj"),
+                                extra=expert_modules(base, True, (0, 1, 2)))
+    llm = LLM(base, dtype="float32", quantization="int8", max_model_len=256,
+              num_kv_blocks=128, block_size=16, enable_lora=True, max_loras=1)
+    model = llm.runner.model
+    blocks = [b for b in model.modules() if isinstance(b, SparseMoE)]
+    assert blocks and all(b.native_spec is not None for b in blocks) and model._fused
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    request = LoRARequest("a", 1, adapter)
+    cases = [(p, lora) for p in PROMPTS for lora in (None, request)]
+
+    def greedy():
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in cases], params,
+                            lora_request=[lora for _, lora in cases])
+        return [o.outputs[0].token_ids for o in outs]
+
+    native = greedy()
+    for block in blocks:                  # torch's grouping, per op, over the same tiles
+        block.native_spec = None
+    model._fused = None
+    grouped = greedy()
+    assert native == grouped
+    assert native[1::2] != native[0::2]                          # the adapter matters

@@ -222,3 +222,58 @@ def test_two_ranks_partial_sums_are_one_ranks_output(expert_parallel):
             assert out.dtype == torch.float32
             total += out
     assert torch.allclose(total, want.float(), atol=1e-5, rtol=1e-4)
+
+
+def _expert_adapters(block: SparseMoE, dtype: torch.dtype, tokens: int):
+    """A LoraBatch (executor/lora.py) of two random adapters over `tokens` rows (some rows
+    none): the first adapts every routed expert's gate/up and the odd ones' down, the second
+    the even experts' down and the shared expert's gate/up."""
+    from pagewire.executor.lora import LoraBatch, Loaded
+    from pagewire.executor.models.lora_slots import num_dense_slots, num_slots
+    from pagewire.kernels.lora import LoraWeights
+    g = torch.Generator().manual_seed(7)
+
+    def weights(linear, rank):
+        a = torch.randn(rank, linear.in_features, generator=g) * 0.3
+        bt = torch.randn(rank, linear.out_features, generator=g) * 0.3
+        return LoraWeights(a.to(dtype), [(0, bt.to(dtype))], 0.5, linear.out_features)
+
+    experts = [block.experts[str(e)] for e in range(block.num_experts)]
+    first = {e.gate_up.lora_slot: weights(e.gate_up, 4) for e in experts}
+    first.update({e.down.lora_slot: weights(e.down, 4) for e in experts[1::2]})
+    second = {e.down.lora_slot: weights(e.down, 2) for e in experts[0::2]}
+    if block.shared is not None:
+        second[block.shared.gate_up.lora_slot] = weights(block.shared.gate_up, 2)
+    loads = [Loaded(w, num_slots(block.cfg), i, host_memory=False,
+                    first_expert_slot=num_dense_slots(1)) for i, w in enumerate((first, second))]
+    rows = torch.randint(-1, 2, (tokens,), generator=g)
+    return LoraBatch(rows, loads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+def test_native_block_adds_expert_adapters_as_torch_grouping_does(native_lib, dtype, shared):
+    """csrc/moe.cpp with adapters of the experts (csrc/lora.cpp's deltas after each
+    product's bias) against kernels/moe.py's grouping with the same adapters."""
+    from pagewire.kernels.ops import CpuOps
+    block = _quantized_moe(native_lib, shared, dtype)
+    block.cfg = _moe(shared).cfg
+    ops = CpuOps(native_lib)
+    block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
+    torch.manual_seed(4)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.2, rtol=3e-2)
+    for tokens in (1, 5, 17):
+        x = torch.randn(tokens, 32).to(dtype)
+        lora = _expert_adapters(block, dtype, tokens)
+        assert lora.adapts_experts
+        with torch.no_grad():
+            got = ops.moe(block, x, lora)
+            want = moe.sparse_mlp(TorchOps(), block, x, lora)
+            base = ops.moe(block, x)
+            probs = torch.softmax(x.float() @ block.router.weight.float().T, -1)
+            top = probs.sort(-1, descending=True).values
+            clear = top[:, 1] - top[:, 2] > 1e-4
+        assert torch.allclose(got.float()[clear], want.float()[clear], **tol), tokens
+        adapted = lora.adapter_of_row >= 0
+        assert torch.equal(got[~adapted], base[~adapted])        # rows of no adapter: as is
+        assert (got[adapted] != base[adapted]).any(-1).all()     # each adapted row moved

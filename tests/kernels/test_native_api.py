@@ -46,8 +46,9 @@ def test_the_python_codes_are_the_headers():
         "EXPERTS": 0, "TOP_K": 1, "NORMALIZE": 2, "HIDDEN": 3, "INTER": 4, "ROUTER": 5,
         "SHARED_GATE_UP": 6, "SHARED_DOWN": 7, "SHARED_GATE": 8, "SHARED_INTER": 9,
         "READS": 10, "ROUTER_BIAS": 11, "TOPK_SOFTMAX": 12, "SWIGLU_OAI": 13,
-        "SWIGLU_ALPHA": 14, "SWIGLU_LIMIT": 15, "EXPERT_TABLES": 16}
-    assert moe.MoeWord.EXPERT_WORDS == 4          # a count (INTER's value: an alias)
+        "SWIGLU_ALPHA": 14, "SWIGLU_LIMIT": 15, "SHARED_GATE_UP_SLOT": 16,
+        "SHARED_DOWN_SLOT": 17, "EXPERT_TABLES": 18}
+    assert moe.MoeWord.EXPERT_WORDS == 6          # a count (SHARED_GATE_UP's value: an alias)
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 20, 39, 60, 62, 63, 64, 73, 74,
                            103, 108, 112, 113, 114, 110, 120, 139, 160, 162, 163, 164, 173, 174,
                            203, 208, 212, 213, 214, 210, 220, 239, 260, 262, 263, 264, 273, 274,
@@ -68,7 +69,7 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
     assert len(functions) == 39
-    assert functions["pw_moe_bf16"].signature == "vppip"
+    assert functions["pw_moe_bf16"].signature == "vppipppi"
     assert functions["pw_apply_sinks_f32"].signature == "vpppiii"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
     assert functions["pw_rope_partial_bf16"].signature == "vpippiiii"

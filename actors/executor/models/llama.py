@@ -245,8 +245,7 @@ class LlamaForCausalLM(nn.Module):
         fused = self._fused
         ropes = self.rope_inputs(positions, images)
         if fused is not None and ropes[0][1] is positions \
-                and fused.serves(x.shape[0], batch, kv_caches) \
-                and (lora is None or not lora.adapts_experts):     # its MOE op knows none
+                and fused.serves(x.shape[0], batch, kv_caches):
             x, residual = fused.run(x, positions, batch, lora)  # the same kernels, one call
         else:
             residual = None

@@ -18,7 +18,6 @@ import torch
 from pagewire.kernels.context_parallel import context_attention
 from pagewire.kernels.kv_compress import compressed_attention
 from pagewire.kernels.lora import adapted_linear
-from pagewire.kernels.moe import sparse_mlp
 from pagewire.kernels.native_api import API
 from pagewire.kernels.norm import rms_norm_split
 
@@ -130,10 +129,7 @@ def _qk_norm_flat(ops, attn, s: State) -> None:
 
 
 def _moe(ops, sparse, s: State) -> None:
-    if s.lora is not None and s.lora.adapts_experts:     # the grouping adds experts' deltas
-        s.x = sparse_mlp(ops, sparse, s.x, s.lora)
-    else:
-        s.x = ops.moe(sparse, s.x)
+    s.x = ops.moe(sparse, s.x, s.lora if s.lora is not None and s.lora.adapts_experts else None)
 
 
 def _rope(ops, attn, s: State) -> None:
