@@ -26,8 +26,10 @@ _EXPERT = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.(?:block_sparse
                      r"(experts\.\d+|shared_expert)\.(\w+))\.lora_([AB])\.weight")
 _FUSED = re.compile(r"(base_model\.model\.model\.layers\.(\d+)\.mlp\.experts(?:\.base_layer)?)"
                     r"\.lora_([AB])\.weight")
-# gpt-oss's stacked expert parameters, in the order PEFT wraps them (their definition order)
+# gpt-oss's stacked expert parameters, in the order PEFT wraps them (their definition order),
+# and our projections of them
 _FUSED_PARAMS = (("gate_up_proj", "experts.gate_up"), ("down_proj", "experts.down"))
+STACKS = tuple(ours for _, ours in _FUSED_PARAMS)
 _LLAMA = {**{("self_attn", p): p for p in ATTENTION}, **{("mlp", p): p for p in MLP}}
 _ATTENTION = {("self_attn", p): p for p in ATTENTION}
 # Each architecture's (the layer's part, the file's module) -> ours, where not the Llama
@@ -136,7 +138,7 @@ def _what(arch: str) -> str:
 def stacked(info: ModelInfo, proj: str) -> int:
     """How many experts' ranks an adapter of `proj` stacks (gpt-oss's fused stacks: all of
     them), else 1."""
-    return info.num_experts if proj in ("experts.gate_up", "experts.down") else 1
+    return info.num_experts if proj in STACKS else 1
 
 
 def shape(info: ModelInfo, proj: str) -> tuple[int, int]:
@@ -144,7 +146,7 @@ def shape(info: ModelInfo, proj: str) -> tuple[int, int]:
     gpt-oss's stacks: gate_up's rows the gate's and the up's)."""
     owner, _, base = proj.rpartition(".")
     h = info.hidden_size
-    if proj in ("experts.gate_up", "experts.down"):
+    if proj in STACKS:
         i = info.expert_intermediate_size
         return (2 * i, h) if base == "gate_up" else (h, i)
     if owner:                           # an expert's: its own rows, or the shared expert's

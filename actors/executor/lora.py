@@ -22,6 +22,7 @@ import torch
 from pagewire.kernels.lora import ENTRY, KINDS, LoraWeights, stacked_dense
 from pagewire.wire.lora import LoraRef
 
+from .. import lora_names
 from ..lora_files import WEIGHTS, AdapterFile, read_adapter
 from . import huge_pages
 from .models import lora_slots
@@ -122,7 +123,7 @@ def _pairs(file: AdapterFile, tensors: dict, cfg) -> dict[tuple[int, str], tuple
     out = {}
     for (i, proj), module in file.modules.items():
         a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
-        if proj not in ("experts.gate_up", "experts.down"):
+        if proj not in lora_names.STACKS:
             out[(i, proj)] = (a, b)
             continue
         count = cfg.num_experts
