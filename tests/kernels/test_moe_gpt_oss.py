@@ -93,11 +93,16 @@ def _tiled(lib, limit: float, dtype: torch.dtype) -> SparseMoE:
     return block
 
 
+@pytest.mark.parametrize("adapted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limit", [7.0, 0.5])
-def test_native_gpt_oss_block_equals_torch_grouping(native_lib, dtype, limit):
+def test_native_gpt_oss_block_equals_torch_grouping(native_lib, dtype, limit, adapted):
+    """`adapted`: with adapters of the experts (test_moe.py's), their deltas added after
+    the biases, before the clamped SwiGLU."""
     from pagewire.kernels.ops import CpuOps
+    from tests.kernels.test_moe import _expert_adapters
     block = _tiled(native_lib, limit, dtype)
+    block.cfg = _cfg(limit)
     ops = CpuOps(native_lib)
     block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
     assert block.native_spec is not None
@@ -105,15 +110,19 @@ def test_native_gpt_oss_block_equals_torch_grouping(native_lib, dtype, limit):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=2e-2)
     for tokens in (1, 3, 17):
         x = (torch.randn(tokens, HIDDEN) * 2).to(dtype)
+        lora = _expert_adapters(block, dtype, tokens) if adapted else None
         with torch.no_grad():
-            got = ops.moe(block, x)
-            want = moe.sparse_mlp(TorchOps(), block, x)
+            got = ops.moe(block, x, lora)
+            want = moe.sparse_mlp(TorchOps(), block, x, lora)
             logits = torch.nn.functional.linear(x.float(), block.router.weight.float(),
                                                 block.router.bias.float())
             top = logits.sort(-1, descending=True).values
             clear = top[:, 1] - top[:, 2] > 1e-3             # no near-tie for the k-th expert
         assert got.dtype == dtype and clear.any()
         torch.testing.assert_close(got.float()[clear], want.float()[clear], **tol)
+        if adapted:                                             # the deltas were added
+            rows = lora.adapter_of_row >= 0
+            assert (got[rows] != ops.moe(block, x)[rows]).any(-1).all()
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
