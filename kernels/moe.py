@@ -121,12 +121,14 @@ class NativeMoe(NamedTuple):
 def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     """`moe` (models/moe.py SparseMoE) for the native kernels, or None where they cannot run
     it: every expert's weights (the shared expert's too) tiles of `kinds` serving every step,
-    in column order, biases (the routed experts' only) of the activations' dtype; one rank's
-    whole output (not a float partial); SiLU or gpt-oss's clamped SwiGLU."""
+    in column order, biases (the routed experts' only) of the activations' dtype; a float
+    partial (a rank's share under -tp) only of float32 activations, whose products and sums
+    are float32 throughout; SiLU or gpt-oss's clamped SwiGLU."""
     dtype = moe.router.weight.dtype
     shared = [moe.shared] if moe.shared is not None else []
     routed = [linear for e in moe.experts.values() for linear in (e.gate_up, e.down)]
-    if moe.float_partial or dtype not in (torch.bfloat16, torch.float32) \
+    if moe.float_partial and dtype != torch.float32 \
+            or dtype not in (torch.bfloat16, torch.float32) \
             or moe.activation[0] not in ("silu", "swiglu_oai") \
             or not all(_tiled(linear, kinds, dtype) for linear in routed) \
             or not all(_tiled(linear, kinds, None)

@@ -190,10 +190,13 @@ def test_native_spec_refuses_what_the_kernels_cannot_run(native_lib):
     from pagewire.kernels.ops import CpuOps
     kinds = CpuOps(native_lib).capabilities.block_kinds
     assert moe.native_spec(_moe(False), kinds) is None        # float experts: torch's path
-    block = _quantized_moe(native_lib, False, torch.float32)
+    block = _quantized_moe(native_lib, False, torch.bfloat16)
     assert moe.native_spec(block, kinds) is not None
-    block.float_partial = True                                 # a rank's partial sum
+    block.float_partial = True                   # a rank's partial sum of bfloat16 products
     assert moe.native_spec(block, kinds) is None
+    block = _quantized_moe(native_lib, False, torch.float32)
+    block.float_partial = True                   # float32 throughout: the kernel's sums
+    assert moe.native_spec(block, kinds) is not None
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -277,3 +280,56 @@ def test_native_block_adds_expert_adapters_as_torch_grouping_does(native_lib, dt
         adapted = lora.adapter_of_row >= 0
         assert torch.equal(got[~adapted], base[~adapted])        # rows of no adapter: as is
         assert (got[adapted] != base[adapted]).any(-1).all()     # each adapted row moved
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_native_partials_sum_to_one_ranks_native_output(native_lib, expert_parallel):
+    """csrc/moe.cpp on each rank's share (float32: its partial is the kernel's float32 sum;
+    every expert's rows split, or whole experts a rank), the experts Q8_0 tiles: the ranks'
+    outputs sum to one rank's whole block, as the layer's all-reduce sums them."""
+    import sys
+
+    import gguf
+
+    from pagewire.executor.parallel import shard_state
+    from pagewire.kernels import quant
+    from pagewire.kernels.ops import CpuOps
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, num_experts=6,
+                      experts_per_token=2, expert_intermediate_size=64, normalize_top_k=True)
+    torch.manual_seed(6)
+    whole = SparseMoE(cfg, TensorParallel())
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.normal_(0, 0.2)
+    state = {f"layers.0.mlp.{k}": v for k, v in whole.state_dict().items()}
+    ops = CpuOps(native_lib)
+
+    def native(block):
+        """Its experts as Q8_0 tiles: each 32-column block of a row rounded alike whichever
+        rank holds it (a rank's share starts at a block's edge)."""
+        for e in block.experts.values():
+            for linear in (e.gate_up, e.down):
+                blocks = gguf.quants.quantize(linear.weight.detach().numpy(),
+                                              gguf.GGMLQuantizationType.Q8_0)
+                linear.use_quantized(quant.pack(quant.Q8_0, torch.from_numpy(blocks),
+                                                linear.in_features, native_lib), sys.maxsize)
+                linear.drop_float()
+        block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
+        assert block.native_spec is not None
+        return block
+
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        want = ops.moe(native(whole), x)
+        total = torch.zeros(9, 32)
+        for rank in range(2):
+            tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
+            block = SparseMoE(cfg, tp)
+            block.load_state_dict({k.removeprefix("layers.0.mlp."): v
+                                   for k, v in shard_state(state, cfg, tp).items()})
+            out = ops.moe(native(block), x)
+            assert out.dtype == torch.float32
+            total += out
+    assert torch.allclose(total, want, atol=1e-5, rtol=1e-4)
+
