@@ -112,23 +112,24 @@ def _expert(ops, expert, x: torch.Tensor, activation=("silu",), lora=None) -> to
 
 
 class NativeMoe(NamedTuple):
-    """A block as csrc/moe.cpp runs it: its PwMoe words (int64), for activations of `dtype`.
+    """A block as csrc/moe.cpp runs it: its PwMoe words (int64), for activations of `dtype`;
+    `partial`: a tensor-parallel rank's share, whose output is a float32 partial.
     Valid while the block's weights stay where they are (the backend lays it out last)."""
     words: torch.Tensor
     dtype: torch.dtype
+    partial: bool = False
 
 
 def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
     """`moe` (models/moe.py SparseMoE) for the native kernels, or None where they cannot run
     it: every expert's weights (the shared expert's too) tiles of `kinds` serving every step,
-    in column order, biases (the routed experts' only) of the activations' dtype; a float
-    partial (a rank's share under -tp) only of float32 activations, whose products and sums
-    are float32 throughout; SiLU or gpt-oss's clamped SwiGLU."""
+    in column order, biases (the routed experts' only) of the activations' dtype; SiLU or
+    gpt-oss's clamped SwiGLU. A rank's share under -tp (moe.float_partial) gives a float32
+    partial, its down products of float32 activations as a float partial Linear's."""
     dtype = moe.router.weight.dtype
     shared = [moe.shared] if moe.shared is not None else []
     routed = [linear for e in moe.experts.values() for linear in (e.gate_up, e.down)]
-    if moe.float_partial and dtype != torch.float32 \
-            or dtype not in (torch.bfloat16, torch.float32) \
+    if dtype not in (torch.bfloat16, torch.float32) \
             or moe.activation[0] not in ("silu", "swiglu_oai") \
             or not all(_tiled(linear, kinds, dtype) for linear in routed) \
             or not all(_tiled(linear, kinds, None)
@@ -160,7 +161,7 @@ def native_spec(moe, kinds: frozenset) -> NativeMoe | None:
         words[MoeWord.SHARED_INTER] = moe.shared.down.in_features
         words[MoeWord.SHARED_GATE_UP_SLOT] = moe.shared.gate_up.lora_slot
         words[MoeWord.SHARED_DOWN_SLOT] = moe.shared.down.lora_slot
-    return NativeMoe(torch.tensor(words, dtype=torch.int64), dtype)
+    return NativeMoe(torch.tensor(words, dtype=torch.int64), dtype, moe.float_partial)
 
 
 def _tiled(linear, kinds: frozenset, bias_dtype: torch.dtype | None) -> bool:

@@ -378,10 +378,11 @@ class Library:
 
     def moe(self, x: torch.Tensor, words: torch.Tensor,
             adapter_of_row: torch.Tensor | None = None,
-            table: torch.Tensor | None = None) -> torch.Tensor:
+            table: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
         """The mixture-of-experts block `words` describes (kernels/moe.py native_spec, for
-        x's dtype) of x [T, H] contiguous -> [T, H]; each row's adapter's deltas added to
-        its experts' products where `adapter_of_row` and `table` are given (as lora_delta's)."""
+        x's dtype) of x [T, H] contiguous -> [T, H] (`partial`: a rank's float32 partial);
+        each row's adapter's deltas added to its experts' products where `adapter_of_row`
+        and `table` are given (as lora_delta's)."""
         _check_cpu(x, words)
         if not x.is_contiguous() or x.dim() != 2 or words.dtype != torch.int64:
             raise ValueError("moe: x must be contiguous [T, H], words int64")
@@ -393,9 +394,10 @@ class Library:
                     or table.dim() != 3 or table.shape[2] != 6:
                 raise ValueError("moe: bad adapter rows or table")
             rows, slots = adapter_of_row.data_ptr(), table.shape[1]
-        out = torch.empty_like(x)
-        self.typed("pw_moe", x.dtype)(out.data_ptr(), x.data_ptr(), x.shape[0], words.data_ptr(),
-                                      rows, table.data_ptr() if rows else 0, slots)
+        out = torch.empty_like(x, dtype=torch.float32 if partial else x.dtype)
+        self.typed("pw_moe_partial" if partial else "pw_moe", x.dtype)(
+            out.data_ptr(), x.data_ptr(), x.shape[0], words.data_ptr(), rows,
+            table.data_ptr() if rows else 0, slots)
         return out
 
     def lora_delta(self, y: torch.Tensor, x: torch.Tensor, adapter_of_row: torch.Tensor,

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -121,10 +122,11 @@ void activate(T* out, const T* gate_up, int64_t rows, int64_t inter, const Activ
     }
 }
 
-// rows [rows, n] (row stride n) += bias [n], in T (0: no bias).
-template <typename T> void add_bias(T* rows, int64_t count, int64_t n, int64_t bias) {
+// rows [rows, n] (row stride n) += bias [n] of type B, in T (0: no bias).
+template <typename T, typename B = T>
+void add_bias(T* rows, int64_t count, int64_t n, int64_t bias) {
   if (bias == 0) return;
-  const T* b = ptr<T>(bias);
+  const B* b = ptr<B>(bias);
   for (int64_t r = 0; r < count; ++r)
     for (int64_t j = 0; j < n; ++j)
       pw::from_float(pw::to_float(rows[r * n + j]) + pw::to_float(b[j]), &rows[r * n + j]);
@@ -195,16 +197,36 @@ void each_task(const std::vector<Work>& work, Rows rows_of, Fn fn) {
   });
 }
 
+// y [rows, hidden] (D) = every work item's down product of act (its rows; D), plus its bias
+// (T, the activations') and its rows' adapter deltas.
+template <typename D, typename T>
+void down_products(std::vector<D>& y, const D* act, const std::vector<Work>& work,
+                   int64_t hidden, const Lora& lora) {
+  each_task(work, [&](const Work&) { return hidden; }, [&](const Work& w, int64_t r0,
+                                                          int64_t r1) {
+    table_rows<D>(&y[w.first * hidden], hidden, act + w.act_at, w.inter, w.count, w.down, r0,
+                  r1);
+  });
+  for (const Work& w : work) {
+    add_bias<D, T>(&y[w.first * hidden], w.count, hidden, w.down_bias);
+    add_deltas<D>(&y[w.first * hidden], hidden, act + w.act_at, w.inter, w, w.down_slot, lora);
+  }
+}
+
 // acc [token] += scale * expert(x [token]) for every work item, in order: gate/up of all of
-// them in one parallel region, SiLU, then down likewise, then the weighted sums.
-template <typename T>
+// them in one parallel region, SiLU, then down likewise, then the weighted sums. D: the down
+// products' type: float for a bfloat16 rank's float32 partial (its down row-parallel, as a
+// float partial Linear multiplies float32 activations), else T.
+template <typename T, typename D>
 void run_experts(float* acc, const T* x, const std::vector<Work>& work,
                  const std::vector<int64_t>& rows, const std::vector<float>& scale,
                  int64_t hidden, const Activation& activation, const Lora& lora) {
   // the calling thread's scratch, named by reference: the lambdas below run on the pool's
   // threads, where a thread_local's name would mean their own (empty) copies
-  thread_local std::vector<T> scratch[4];
-  auto &xs = scratch[0], &gate_up = scratch[1], &act = scratch[2], &y = scratch[3];
+  thread_local std::vector<T> scratch[3];
+  thread_local std::vector<D> down_scratch[2];
+  auto &xs = scratch[0], &gate_up = scratch[1], &act = scratch[2];
+  auto &act_d = down_scratch[0], &y = down_scratch[1];
   const int64_t total = rows.size();
   const Work& last = work.back();
   xs.resize(total * hidden), y.resize(total * hidden);
@@ -223,14 +245,12 @@ void run_experts(float* acc, const T* x, const std::vector<Work>& work,
                   w.gate_up_slot, lora);
     activate<T>(&act[w.act_at], &gate_up[w.gate_up_at], w.count, w.inter, activation);
   }
-  each_task(work, [&](const Work&) { return hidden; }, [&](const Work& w, int64_t r0,
-                                                          int64_t r1) {
-    table_rows<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w.count, w.down, r0,
-                  r1);
-  });
-  for (const Work& w : work) {
-    add_bias<T>(&y[w.first * hidden], w.count, hidden, w.down_bias);
-    add_deltas<T>(&y[w.first * hidden], hidden, &act[w.act_at], w.inter, w, w.down_slot, lora);
+  if constexpr (std::is_same_v<D, T>) {
+    down_products<D, T>(y, act.data(), work, hidden, lora);
+  } else {
+    act_d.resize(act.size());
+    for (size_t i = 0; i < act.size(); ++i) act_d[i] = pw::to_float(act[i]);
+    down_products<D, T>(y, act_d.data(), work, hidden, lora);
   }
   for (int64_t i = 0; i < total; ++i) {
     float* a = acc + rows[i] * hidden;
@@ -277,8 +297,9 @@ void route_tokens(const T* x, int64_t tokens, const int64_t* spec, int64_t* ids,
   }
 }
 
-template <typename T>
-void moe(T* out, const T* x, int64_t tokens, const int64_t* spec, const int64_t* lora_rows,
+// out: T, or float for a rank's float32 partial (O = float).
+template <typename T, typename O = T>
+void moe(O* out, const T* x, int64_t tokens, const int64_t* spec, const int64_t* lora_rows,
          const int64_t* lora_table, int64_t lora_slots) {
   const int64_t experts = spec[PW_MOE_EXPERTS], k = spec[PW_MOE_TOP_K];
   const int64_t hidden = spec[PW_MOE_HIDDEN], inter = spec[PW_MOE_INTER];
@@ -318,7 +339,7 @@ void moe(T* out, const T* x, int64_t tokens, const int64_t* spec, const int64_t*
   if (lora.table)
     for (int64_t row : rows) lora.of_row.push_back(lora_rows[row]);
   if (!work.empty())
-    run_experts<T>(acc.data(), x, work, rows, scale, hidden, activation, lora);
+    run_experts<T, O>(acc.data(), x, work, rows, scale, hidden, activation, lora);
   for (int64_t i = 0; i < tokens * hidden; ++i) pw::from_float(acc[i], &out[i]);
 }
 
@@ -333,6 +354,16 @@ void pw_moe_f32(float* out, const float* x, int64_t tokens, const int64_t* spec,
 void pw_moe_bf16(bf16* out, const bf16* x, int64_t tokens, const int64_t* spec,
                  const int64_t* lora_rows, const int64_t* lora_table, int64_t lora_slots) {
   moe<bf16>(out, x, tokens, spec, lora_rows, lora_table, lora_slots);
+}
+void pw_moe_partial_f32(float* out, const float* x, int64_t tokens, const int64_t* spec,
+                        const int64_t* lora_rows, const int64_t* lora_table,
+                        int64_t lora_slots) {
+  moe<float, float>(out, x, tokens, spec, lora_rows, lora_table, lora_slots);
+}
+void pw_moe_partial_bf16(float* out, const bf16* x, int64_t tokens, const int64_t* spec,
+                         const int64_t* lora_rows, const int64_t* lora_table,
+                         int64_t lora_slots) {
+  moe<bf16, float>(out, x, tokens, spec, lora_rows, lora_table, lora_slots);
 }
 
 }  // extern "C"

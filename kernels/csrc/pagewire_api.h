@@ -321,6 +321,15 @@ PW_API(void, pw_moe_f32, (float* out, const float* x, int64_t tokens, const int6
 PW_API(void, pw_moe_bf16, (pw_bf16* out, const pw_bf16* x, int64_t tokens,
                            const int64_t* spec, const int64_t* lora_rows,
                            const int64_t* lora_table, int64_t lora_slots))
+// The same block as a tensor-parallel rank's share (its experts' rows, or whole experts):
+// out float32 [tokens, H], the partial the layer's all-reduce sums (bfloat16 activations:
+// the down products of float32 activations, as a float partial Linear's).
+PW_API(void, pw_moe_partial_f32, (float* out, const float* x, int64_t tokens,
+                                  const int64_t* spec, const int64_t* lora_rows,
+                                  const int64_t* lora_table, int64_t lora_slots))
+PW_API(void, pw_moe_partial_bf16, (float* out, const pw_bf16* x, int64_t tokens,
+                                   const int64_t* spec, const int64_t* lora_rows,
+                                   const int64_t* lora_table, int64_t lora_slots))
 
 // --- decode_stack.cpp
 // x [T, H] (contiguous): the embeddings in, the last layer's output out; residual [T, H]: the

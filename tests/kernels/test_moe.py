@@ -191,12 +191,9 @@ def test_native_spec_refuses_what_the_kernels_cannot_run(native_lib):
     kinds = CpuOps(native_lib).capabilities.block_kinds
     assert moe.native_spec(_moe(False), kinds) is None        # float experts: torch's path
     block = _quantized_moe(native_lib, False, torch.bfloat16)
-    assert moe.native_spec(block, kinds) is not None
-    block.float_partial = True                   # a rank's partial sum of bfloat16 products
-    assert moe.native_spec(block, kinds) is None
-    block = _quantized_moe(native_lib, False, torch.float32)
-    block.float_partial = True                   # float32 throughout: the kernel's sums
-    assert moe.native_spec(block, kinds) is not None
+    assert not moe.native_spec(block, kinds).partial
+    block.float_partial = True                   # a rank's share: a float32 partial
+    assert moe.native_spec(block, kinds).partial
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -282,11 +279,14 @@ def test_native_block_adds_expert_adapters_as_torch_grouping_does(native_lib, dt
         assert (got[adapted] != base[adapted]).any(-1).all()     # each adapted row moved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_two_ranks_native_partials_sum_to_one_ranks_native_output(native_lib, expert_parallel):
-    """csrc/moe.cpp on each rank's share (float32: its partial is the kernel's float32 sum;
-    every expert's rows split, or whole experts a rank), the experts Q8_0 tiles: the ranks'
-    outputs sum to one rank's whole block, as the layer's all-reduce sums them."""
+def test_two_ranks_native_partials_sum_to_one_ranks_native_output(native_lib, expert_parallel,
+                                                                  dtype):
+    """csrc/moe.cpp on each rank's share (every expert's rows split, or whole experts a
+    rank), the experts Q8_0 tiles: each rank's float32 partial is the grouping's on that rank
+    (bfloat16: down products of float32 activations, as a float partial Linear's), and the
+    ranks' partials sum to one rank's whole block, as the layer's all-reduce sums them."""
     import sys
 
     import gguf
@@ -310,7 +310,7 @@ def test_two_ranks_native_partials_sum_to_one_ranks_native_output(native_lib, ex
         rank holds it (a rank's share starts at a block's edge)."""
         for e in block.experts.values():
             for linear in (e.gate_up, e.down):
-                blocks = gguf.quants.quantize(linear.weight.detach().numpy(),
+                blocks = gguf.quants.quantize(linear.weight.detach().float().numpy(),
                                               gguf.GGMLQuantizationType.Q8_0)
                 linear.use_quantized(quant.pack(quant.Q8_0, torch.from_numpy(blocks),
                                                 linear.in_features, native_lib), sys.maxsize)
@@ -319,17 +319,21 @@ def test_two_ranks_native_partials_sum_to_one_ranks_native_output(native_lib, ex
         assert block.native_spec is not None
         return block
 
-    x = torch.randn(9, 32)
+    x = torch.randn(9, 32).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=2e-2)
     with torch.no_grad():
-        want = ops.moe(native(whole), x)
+        want = ops.moe(native(whole.to(dtype)), x).float()
         total = torch.zeros(9, 32)
         for rank in range(2):
             tp = TensorParallel(rank, 2, expert_parallel=expert_parallel)
-            block = SparseMoE(cfg, tp)
-            block.load_state_dict({k.removeprefix("layers.0.mlp."): v
+            block = SparseMoE(cfg, tp).to(dtype)
+            block.load_state_dict({k.removeprefix("layers.0.mlp."): v.to(dtype)
                                    for k, v in shard_state(state, cfg, tp).items()})
             out = ops.moe(native(block), x)
             assert out.dtype == torch.float32
+            torch.testing.assert_close(out, moe.sparse_mlp(TorchOps(), block, x),
+                                       atol=1e-5 if dtype == torch.float32 else 1e-3,
+                                       rtol=1e-4 if dtype == torch.float32 else 1e-3)
             total += out
-    assert torch.allclose(total, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(total, want, **tol)
 

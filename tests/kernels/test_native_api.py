@@ -68,8 +68,9 @@ def test_tile_types_are_the_ggml_type_ids_gguf_blocks_reads():
 
 def test_each_entry_point_is_read_with_its_signature():
     functions = native_api.API.functions
-    assert len(functions) == 39
+    assert len(functions) == 41
     assert functions["pw_moe_bf16"].signature == "vppipppi"
+    assert functions["pw_moe_partial_bf16"].signature == "vppipppi"
     assert functions["pw_apply_sinks_f32"].signature == "vpppiii"
     assert functions["pw_rope_bf16"].signature == "vpippiii"
     assert functions["pw_rope_partial_bf16"].signature == "vpippiiii"

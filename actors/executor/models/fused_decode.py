@@ -178,8 +178,8 @@ class _Encoder:
 
     def moe(self, sparse) -> list[int] | None:
         native = sparse.native_spec              # kernels/moe.py NativeMoe, where it runs
-        return None if native is None or native.dtype != self.dtype else \
-            [native.words.data_ptr()]
+        return None if native is None or native.dtype != self.dtype or native.partial else \
+            [native.words.data_ptr()]            # (a rank's float partial: not a stack's op)
 
 
 def _no_operands(enc, _) -> list[int]:
