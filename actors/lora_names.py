@@ -88,11 +88,11 @@ def fused_experts(target_parameters, info: ModelInfo) -> dict[str, tuple[int, st
         return {}
     out = {}
     for layer in range(info.num_layers):
-        module = f"base_model.model.model.layers.{layer}.mlp.experts"
+        stack = f"model.layers.{layer}.mlp.experts"
         names = [ours for param, ours in _FUSED_PARAMS
-                 if any(f"model.layers.{layer}.mlp.experts.{param}" == t
-                        or f"model.layers.{layer}.mlp.experts.{param}".endswith("." + t)
+                 if any(f"{stack}.{param}" == t or f"{stack}.{param}".endswith("." + t)
                         for t in target_parameters)]
+        module = f"base_model.model.{stack}"
         for depth, ours in enumerate(reversed(names)):
             out[module + ".base_layer" * depth] = (layer, ours)
     return out

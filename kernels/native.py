@@ -388,11 +388,7 @@ class Library:
             raise ValueError("moe: x must be contiguous [T, H], words int64")
         rows = slots = 0
         if adapter_of_row is not None:
-            _check_cpu(adapter_of_row, table)
-            if adapter_of_row.dtype != torch.int64 or adapter_of_row.shape != (x.shape[0],) \
-                    or table.dtype != torch.int64 or not table.is_contiguous() \
-                    or table.dim() != 3 or table.shape[2] != 6:
-                raise ValueError("moe: bad adapter rows or table")
+            _check_adapters(adapter_of_row, table, x.shape[0], "moe")
             rows, slots = adapter_of_row.data_ptr(), table.shape[1]
         out = torch.empty_like(x, dtype=torch.float32 if partial else x.dtype)
         self.typed("pw_moe_partial" if partial else "pw_moe", x.dtype)(
@@ -405,16 +401,26 @@ class Library:
         """y [T, N] += each row's adapter delta of x [T, K] for linear `slot` (rows of
         adapter -1 untouched). table: [adapters, slots, 6] int64, LoraWeights.entry() of
         each (kernels/lora.py); A null where that adapter leaves the linear alone."""
-        _check_cpu(y, x, adapter_of_row, table)
+        _check_cpu(y, x)
         tokens, n = y.shape
+        _check_adapters(adapter_of_row, table, tokens, "lora_delta")
         if y.stride(1) != 1 or x.stride(1) != 1 or x.shape[0] != tokens or x.dtype != y.dtype \
-                or adapter_of_row.dtype != torch.int64 or adapter_of_row.shape != (tokens,) \
-                or table.dtype != torch.int64 or not table.is_contiguous() \
-                or table.dim() != 3 or table.shape[2] != 6 or not 0 <= slot < table.shape[1]:
+                or not 0 <= slot < table.shape[1]:
             raise ValueError("lora_delta: bad shapes, strides or dtypes")
         self.typed("pw_lora_delta", y.dtype)(
             y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), tokens, n, x.shape[1],
             adapter_of_row.data_ptr(), table.data_ptr(), slot, table.shape[1])
+
+
+def _check_adapters(adapter_of_row: torch.Tensor, table: torch.Tensor, tokens: int,
+                    name: str) -> None:
+    """A step's adapter rows [tokens] and table [adapters, slots, 6] (int64, kernels/lora.py
+    LoraWeights.entry() of each), as lora.cpp reads them."""
+    _check_cpu(adapter_of_row, table)
+    if adapter_of_row.dtype != torch.int64 or adapter_of_row.shape != (tokens,) \
+            or table.dtype != torch.int64 or not table.is_contiguous() \
+            or table.dim() != 3 or table.shape[2] != 6:
+        raise ValueError(f"{name}: bad adapter rows or table")
 
 
 def _check_key_ends(key_ends: torch.Tensor, chunks: torch.Tensor) -> None:

@@ -236,9 +236,8 @@ class CpuOps(TorchOps):
         native = sparse.native_spec
         if native is None or x.dtype != native.dtype or not x.is_contiguous():
             return super().moe(sparse, x, lora)
-        if lora is None:
-            return self.lib.moe(x, native.words, partial=native.partial)
-        return self.lib.moe(x, native.words, lora.adapter_of_row, lora.table, native.partial)
+        return self.lib.moe(x, native.words, None if lora is None else lora.adapter_of_row,
+                            None if lora is None else lora.table, native.partial)
 
     def lora_delta(self, y, x, lora, slot):
         self.lib.lora_delta(y, x, lora.adapter_of_row, lora.table, slot)

@@ -238,9 +238,9 @@ def _level_steps(quants: torch.Tensor) -> torch.Tensor:
     """Level blocks' nibbles [G, nb, 16 rows, 16 bytes] (the file's: byte i holds columns i
     and i + 16) as integer activations' steps [G, nb, 8 steps, 16 rows in the order 0-3, 8-11,
     4-7, 12-15, 2] (csrc/quant_tiles.h level_codes): byte p of step j holds columns 4j + p
-    (low nibble) and 4j + 2 + p (high). Columns
-    4j .. 4j + 3 lie in bytes 4j' .. 4j' + 3 (j' = j mod 4), low nibbles for j < 4, high for
-    j >= 4; row 8a + 4b + c goes to word 8b + 4a + c (a, b the row's two upper bits swapped)."""
+    (low nibble) and 4j + 2 + p (high). Columns 4j .. 4j + 3 lie in bytes 4j' .. 4j' + 3
+    (j' = j mod 4), low nibbles for j < 4, high for j >= 4; row 8a + 4b + c goes to word
+    8b + 4a + c (a, b the row's two upper bits swapped)."""
     g, nb = quants.shape[:2]
     # a quad's two byte pairs as int16 words (bytes 4j', 4j' + 1 | 4j' + 2, 4j' + 3), each
     # mask keeping a nibble of both bytes

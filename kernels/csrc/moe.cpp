@@ -151,16 +151,9 @@ struct Lora {
   std::vector<int64_t> of_row;
 };
 
-void lora_delta(float* y, int64_t ys, const float* x, int64_t xs, int64_t rows, int64_t n,
-                int64_t k, const int64_t* of_row, const int64_t* table, int64_t slot,
-                int64_t slots) {
-  pw_lora_delta_f32(y, ys, x, xs, rows, n, k, of_row, table, slot, slots);
-}
-void lora_delta(bf16* y, int64_t ys, const bf16* x, int64_t xs, int64_t rows, int64_t n,
-                int64_t k, const int64_t* of_row, const int64_t* table, int64_t slot,
-                int64_t slots) {
-  pw_lora_delta_bf16(y, ys, x, xs, rows, n, k, of_row, table, slot, slots);
-}
+template <typename T> struct Delta;      // lora.cpp's entry for T, as Silu's
+template <> struct Delta<float> { static constexpr auto fn = pw_lora_delta_f32; };
+template <> struct Delta<bf16> { static constexpr auto fn = pw_lora_delta_bf16; };
 
 // y [w.count, n] += the adapter deltas of x [w.count, k] (rows k apart) through `slot`, each
 // of the work item's rows with its token's adapter.
@@ -168,8 +161,8 @@ template <typename T>
 void add_deltas(T* y, int64_t n, const T* x, int64_t k, const Work& w, int64_t slot,
                 const Lora& lora) {
   if (lora.table == nullptr || slot < 0) return;
-  lora_delta(y, n, x, k, w.count, n, k, lora.of_row.data() + w.first, lora.table, slot,
-             lora.slots);
+  Delta<T>::fn(y, n, x, k, w.count, n, k, lora.of_row.data() + w.first, lora.table, slot,
+               lora.slots);
 }
 
 // Rows a task of a phase multiplies where the experts are too few to give every thread two
