@@ -60,9 +60,10 @@ assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_K
                                       ("IQ4_XSL", IQ4_XSL)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic); or
-# "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the GEMM
-# csrc/quant_gemm_vnni.h has on avx512_bf16), exact in smaller ones (Q4 tiles only, whose
-# layout is the same for both).
+# "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the int8
+# GEMMs, csrc/quant_gemm_vnni.h and quant_gemm_int8_avx2.h), the tier's default in smaller
+# ones: exact on avx512_bf16, int16 on avx2 and avx512 (Q4 tiles only, whose layout is the
+# same for all three).
 ROUNDINGS = ("exact", "int16", "int8", "int8-large")
 # A packed weight's kind: its tile type plus its rounding's PwRounding (the native entry point
 # and the fused decode stack dispatch on these: csrc/quant_kernels.cpp).

@@ -31,12 +31,13 @@
 
 namespace pw::avx2 {
 
-constexpr int kInt8GemmTokens = 2;   // tokens a call keeps in registers (3: their sums spilled)
-static_assert(kInt8GemmTokens == 2, "matmul_int8_gemm calls 2 tokens, then 1");
+// Tokens a call keeps in registers: Q4 tiles 4 (q4_block_sums, whose 8 int16 sums fill half
+// the registers), Q8 tiles 2 (the intrinsics below: 3 spilled their sums).
+constexpr int kQ4GemmTokens = 4, kInt8GemmTokens = 2;
 // Tokens a panel serves before the next group's: their int8 rows (<= 192 KB, at most 128
 // tokens) stay in L2 beside the panel while every group of a thread's share reads them.
 inline int64_t int8_gemm_chunk(int64_t K) {
-  return std::clamp<int64_t>(196608 / K, 8, 128) / kInt8GemmTokens * kInt8GemmTokens;
+  return std::clamp<int64_t>(196608 / K, 8, 128) / kQ4GemmTokens * kQ4GemmTokens;
 }
 
 // Q8 tiles of six-bit codes (Q6_K, Q3_K: -32..31, stored + 32 in the panel; Q5_K, Q2_K:
@@ -131,29 +132,83 @@ inline __m256i quad_of(const int8_t* q) {     // q[0..3] in every 32-bit lane
   return _mm256_set1_epi32(v);
 }
 
+// Q4 tiles, 4 tokens: block b's int16 pair sums [half][token] (rows 0-7, 8-15) from its
+// panel registers w (8 steps x 2 halves) and the tokens' int8 rows (token 0's block at x,
+// the next ones `stride` bytes apart). Written in assembly: GCC, given these as intrinsics,
+// folds each panel load into every product (8 loads a step for 2) and spills sums; here a
+// step is 2 panel loads, 4 broadcasts, 8 vpmaddubsw and 8 vpaddw (step 0's products are the
+// sums: no zeroing, no adds), the sums and temporaries the 12 registers named.
+#define PW_Q4_W(s) "vmovdqa " #s "*64(%[w]), %[w0]\n vmovdqa " #s "*64+32(%[w]), %[w1]\n"
+#define PW_Q4_TOKEN(s, X, A, B)                                                         \
+  "vpbroadcastd " #s "*4" X ", %[x]\n"                                                   \
+  "vpmaddubsw %[x], %[w0], %[p]\n vpaddw %[p], %[" #A "], %[" #A "]\n"                  \
+  "vpmaddubsw %[x], %[w1], %[p]\n vpaddw %[p], %[" #B "], %[" #B "]\n"
+#define PW_Q4_FIRST(X, A, B) \
+  "vpbroadcastd " X ", %[x]\n vpmaddubsw %[x], %[w0], %[" #A "]\n vpmaddubsw %[x], %[w1], %[" #B "]\n"
+#define PW_Q4_STEP(s) PW_Q4_W(s)                                                        \
+  PW_Q4_TOKEN(s, "(%[x0])", a0, b0) PW_Q4_TOKEN(s, "(%[x0],%[stride],1)", a1, b1)         \
+  PW_Q4_TOKEN(s, "(%[x0],%[stride],2)", a2, b2) PW_Q4_TOKEN(s, "(%[x3])", a3, b3)
+
+inline void q4_block_sums(__m256i (&sum)[2][4], const __m256i* w, const int8_t* x,
+                          int64_t stride) {
+  const int8_t* x3 = x + 3 * stride;
+  __m256i w0, w1, xv, p;
+  asm(PW_Q4_W(0) PW_Q4_FIRST("(%[x0])", a0, b0) PW_Q4_FIRST("(%[x0],%[stride],1)", a1, b1)
+      PW_Q4_FIRST("(%[x0],%[stride],2)", a2, b2) PW_Q4_FIRST("(%[x3])", a3, b3)
+      PW_Q4_STEP(1) PW_Q4_STEP(2) PW_Q4_STEP(3) PW_Q4_STEP(4) PW_Q4_STEP(5) PW_Q4_STEP(6)
+      PW_Q4_STEP(7)
+      : [a0] "=&x"(sum[0][0]), [a1] "=&x"(sum[0][1]), [a2] "=&x"(sum[0][2]),
+        [a3] "=&x"(sum[0][3]), [b0] "=&x"(sum[1][0]), [b1] "=&x"(sum[1][1]),
+        [b2] "=&x"(sum[1][2]), [b3] "=&x"(sum[1][3]), [w0] "=&x"(w0), [w1] "=&x"(w1),
+        [x] "=&x"(xv), [p] "=&x"(p)
+      : [w] "r"(w), [x0] "r"(x), [x3] "r"(x3), [stride] "r"(stride)
+      : "memory");
+}
+#undef PW_Q4_W
+#undef PW_Q4_TOKEN
+#undef PW_Q4_FIRST
+#undef PW_Q4_STEP
+
 // Q4 tiles: out rows t .. t + M - 1 (`out` at row t), the group's 16 columns. Per block and
-// half the small kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x).
+// half the small kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x). Four
+// tokens' accumulators live in memory (L1), touched once a block, so that the registers
+// hold the sums of q4_block_sums; fewer keep theirs in registers.
 template <int M, typename Tile, typename Out>
 void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
                   const Int8Panel<Tile>& p) {
   static_assert(Tile::kSplits == 1, "a Q4 block has one scale (and minimum) a row");
+  constexpr bool kInMemory = M == kQ4GemmTokens;
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2][M];
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  __m256 acc[2][kInMemory ? 1 : M];
+  alignas(32) float acc_mem[kInMemory ? M : 1][16];
+  auto load_acc = [&](int h, int m) {
+    if constexpr (kInMemory) return _mm256_load_ps(acc_mem[m] + 8 * h);
+    else return acc[h][m];
+  };
+  auto store_acc = [&](int h, int m, __m256 v) {
+    if constexpr (kInMemory) _mm256_store_ps(acc_mem[m] + 8 * h, v);
+    else acc[h][m] = v;
+  };
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) store_acc(h, m, _mm256_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i* w = p.q.data() + b * 16;
     __m256i sum[2][M];               // int16 pair sums, [rows 0-7, 8-15][token]
-    for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
-    // Two steps an iteration: GCC unrolling all 8 reassociates the sums into a tree of
-    // products and spills them (as quant_gemm_avx2.h's).
+    if constexpr (kInMemory) {
+      q4_block_sums(sum, w, a.plane(t, 0) + b * 32, a.plane(t + 1, 0) - a.plane(t, 0));
+    } else {
+      for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+      // Two steps an iteration: GCC unrolling all 8 reassociates the sums into a tree of
+      // products and spills them (as quant_gemm_avx2.h's).
 #pragma GCC unroll 2
-    for (int s = 0; s < 8; ++s) {
-      const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
-      for (int m = 0; m < M; ++m) {
-        const __m256i x = quad_of(a.plane(t + m, 0) + b * 32 + 4 * s);
-        sum[0][m] = _mm256_add_epi16(sum[0][m], _mm256_maddubs_epi16(w0, x));
-        sum[1][m] = _mm256_add_epi16(sum[1][m], _mm256_maddubs_epi16(w1, x));
+      for (int s = 0; s < 8; ++s) {
+        const __m256i w0 = _mm256_load_si256(w + 2 * s), w1 = _mm256_load_si256(w + 2 * s + 1);
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = quad_of(a.plane(t + m, 0) + b * 32 + 4 * s);
+          sum[0][m] = _mm256_add_epi16(sum[0][m], _mm256_maddubs_epi16(w0, x));
+          sum[1][m] = _mm256_add_epi16(sum[1][m], _mm256_maddubs_epi16(w1, x));
+        }
       }
     }
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
@@ -162,16 +217,17 @@ void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
       for (int m = 0; m < M; ++m) {
         const __m256 qx = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[h][m], ones));
         const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-        acc[h][m] = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, acc[h][m]);
+        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, load_acc(h, m));
         if constexpr (Tile::kMin) {
           const __m256 mn = _mm256_loadu_ps(sc + Tile::minimum(0) * 16 + 8 * h);
-          acc[h][m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]), acc[h][m]);
+          v = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]), v);
         }
+        store_acc(h, m, v);
       }
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, acc[h][m]);
+    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, load_acc(h, m));
 }
 
 // Split s of block b's int32 sums [half][token] from a Q8 tile of any int8 codes, read in place
@@ -286,7 +342,11 @@ void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
         const uint8_t* group = packed + g * nb * Tile::kBytes;
         panel.fill(group, nb);
         T* o = out + g * kRows;
-        for (int64_t t = t0; t < t1; t += kInt8GemmTokens)
+        int64_t t = t0;
+        if constexpr (Tile::kQ4)
+          for (; t + kQ4GemmTokens <= t1; t += kQ4GemmTokens)
+            int8_gemm_call<kQ4GemmTokens, Tile>(o, out_stride, a, t, group, panel);
+        for (; t < t1; t += kInt8GemmTokens)
           if (t + 1 < t1) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel);
           else int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel);
       }

@@ -241,8 +241,10 @@ namespace pw {
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
 // PW_ROUNDING_INT8_LARGE: a step of kLargeFrom tokens or more (a prefill chunk, a big batch)
-// takes the int8 kernels (vpdpbusd's GEMM where built), a smaller one the exact kernels. Q4
-// tiles only: their layout is the same for both.
+// takes the int8 kernels (vpdpbusd's GEMM where built), a smaller one the tier's default
+// rounding (kernels/tiers.py default_activations): exact where the CPU has a bfloat16 dot
+// product, int16 below it (avx2, avx512), whose exact kernels run ~1.6x slower. Q4 tiles
+// only: their layout is the same for all three.
 constexpr int64_t kLargeFrom = 8;
 
 template <typename Tile, typename T>
@@ -255,7 +257,7 @@ void large_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
 #elif defined(__AVX2__)
   if (tokens >= kLargeFrom)
     return avx2::matmul_int<1, Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
-  return avx2::matmul<Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
+  return avx2::matmul_int<2, Tile, T>(out, out_stride, x, x_stride, tokens, packed, N, K);
 #endif
 }
 

@@ -37,8 +37,9 @@ def runner(request):
     model = llm.runner.model
     offset = {"exact": 0, "int16": 200, "int8": 100, "int8-prefill": 300}[acts]
     assert model.layers[0].attn.qkv.quantized.kind == quant.Q4_1 + offset
-    assert model.lm_head.quantized.kind == \
-        quant.Q8_0 + (200 if acts == "int16" else 0)        # int8 rounds Q4 weights' only
+    # int8 and int8-prefill round Q4 weights' only, leaving Q8 ones at the tier's default
+    int16 = acts == "int16" or acts in ("int8", "int8-prefill") and not tiers.has_bf16_dot(tier)
+    assert model.lm_head.quantized.kind == quant.Q8_0 + (200 if int16 else 0)
     return llm.runner
 
 

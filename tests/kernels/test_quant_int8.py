@@ -73,14 +73,18 @@ def _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_for_large_steps_only(native_lib, qtype, dtype):
     """int8-large (--quantized-activations int8-prefill): a step of fewer than 8 tokens
-    multiplies as the exact tiles do, one of 8 or more as the int8 ones (the VNNI GEMM on
-    avx512_bf16), bit for bit, on the same tiles; Q8 tiles are refused."""
+    multiplies as the tier's default does (exact on avx512_bf16, int16 below it), one of 8 or
+    more as the int8 tiles (the int8 GEMMs), bit for bit, on the same tiles; Q8 tiles are
+    refused."""
     rng = np.random.default_rng(6)
     raw, _ = blocks_of(rng.standard_normal((32, 512)) * 0.1, qtype)
     packed = {r: quant.pack(TYPES[qtype], raw, 512, native_lib, r)
-              for r in ("exact", "int8", "int8-large")}
+              for r in ("exact", "int16", "int8", "int8-large")}
     assert torch.equal(packed["int8-large"].tiles, packed["exact"].tiles)
-    for tokens, same in ((1, "exact"), (7, "exact"), (8, "int8"), (40, "int8")):
+    assert torch.equal(packed["int8-large"].tiles, packed["int16"].tiles)
+    small = tiers.default_activations(native_lib.tier)
+    assert small == ("exact" if native_lib.tier == "avx512_bf16" else "int16")
+    for tokens, same in ((1, small), (7, small), (8, "int8"), (40, "int8")):
         x = torch.from_numpy(rng.standard_normal((tokens, 512)).astype(np.float32)).to(dtype)
         assert torch.equal(quant.matmul(x, packed["int8-large"]),
                            quant.matmul(x, packed[same])), tokens

@@ -109,3 +109,21 @@ def test_a_cpu_tier_runs_on_the_cpu_also_where_a_gpu_is():
     with pytest.raises(ValueError, match="--kernels avx2 runs on the CPU: it does not combine "
                                          "with --device cuda"):
         EngineConfig.from_options(kernels="avx2", device="cuda")._device()
+
+
+def test_int8_modes_leave_the_rest_at_the_tiers_default():
+    """int8 and int8-prefill round Q4 weights' activations to int8 (int8-prefill in large
+    steps only); every other weight keeps the tier's default: int16 without a bfloat16 dot
+    product, exact with one. exact and int8-all are what they say on every tier."""
+    from pagewire.executor.backend import roundings
+    from pagewire.kernels import quant
+    for bf16_dot in (False, True):
+        rest = None if bf16_dot else "int16"
+        table = roundings("int8", bf16_dot)
+        assert (table[quant.Q4_K], table.get(quant.Q6_K), table.get(quant.Q8_0)) == \
+            ("int8", rest, rest)
+        table = roundings("int8-prefill", bf16_dot)
+        assert (table[quant.Q4_0], table.get(quant.Q6_K), table.get(quant.MXFP4)) == \
+            ("int8-large", rest, rest)
+        assert roundings("exact", bf16_dot) == {}
+        assert set(roundings("int8-all", bf16_dot).values()) == {"int8"}
