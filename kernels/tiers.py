@@ -94,7 +94,12 @@ def default_activations(tier: str | None) -> str:
     there, the same answers), exact on those with one (their exact kernels are the fast
     ones). int8 and int8-all garble the default model's answers (bench/NOTES.md): they are
     taken only by name."""
-    return "exact" if has_bf16_dot(tier) else "int16"
+    return default_rounding(has_bf16_dot(tier))
+
+
+def default_rounding(bf16_dot: bool) -> str:
+    """default_activations of a tier with (`bf16_dot`) or without a bfloat16 dot product."""
+    return "exact" if bf16_dot else "int16"
 
 
 @functools.lru_cache(maxsize=1)

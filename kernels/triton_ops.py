@@ -44,8 +44,9 @@ class TritonOps(TorchOps):
         """kernels/moe_triton.py's fused kernels on CUDA where the block's experts are dense
         weights of x's dtype; else (quantized experts, CPU tensors, adapters of the experts)
         torch's grouping."""
-        experts = stacked_experts(sparse) if x.is_cuda and sparse.activation[0] == "silu" \
-            and lora is None else None   # gpt-oss's clamped SwiGLU: torch's grouping
+        # gpt-oss's clamped SwiGLU and adapters of the experts: torch's grouping
+        fused = x.is_cuda and sparse.activation[0] == "silu" and lora is None
+        experts = stacked_experts(sparse) if fused else None
         if experts is None or experts.w13.dtype != x.dtype:
             return super().moe(sparse, x, lora)
         return triton_moe_block(self, sparse, x, experts)

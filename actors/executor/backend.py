@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagewire import memory_budget
-from pagewire.kernels import moe, quant
+from pagewire.kernels import moe, quant, tiers
 from pagewire.kernels.attention import AttentionBatch
 from pagewire.kernels.linear import pack_linears
 from pagewire.kernels.ops import select_ops
@@ -46,12 +46,12 @@ ROUNDINGS = {"exact": {}, "int16": dict.fromkeys((*_Q4, *_Q8), "int16"),
 
 def roundings(activations: str, bf16_dot: bool) -> dict[int, str]:
     """ROUNDINGS[activations] on a tier with (`bf16_dot`) or without a bfloat16 dot product.
-    int8 and int8-prefill leave what they do not round to int8 at the tier's default
-    (tiers.default_activations): exact with the dot product, else int16, whose answers are
-    exact's and whose kernels run ~1.6x faster there (int8-large's small steps are int16
-    there too: csrc/quant_kernels.cpp large_int8)."""
-    if activations in ("int8", "int8-prefill") and not bf16_dot:
-        return {**ROUNDINGS["int16"], **ROUNDINGS[activations]}
+    int8 and int8-prefill round only Q4 weights' activations (int8-prefill in large steps):
+    every other weight keeps the tier's default (tiers.default_rounding: exact with the dot
+    product, else int16, whose answers are exact's and whose kernels run ~1.6x faster there;
+    int8-large's small steps take it natively: csrc/quant_kernels.cpp large_int8)."""
+    if activations in ("int8", "int8-prefill"):
+        return {**ROUNDINGS[tiers.default_rounding(bf16_dot)], **ROUNDINGS[activations]}
     return ROUNDINGS[activations]
 
 

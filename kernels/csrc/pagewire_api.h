@@ -69,8 +69,9 @@ enum PwOp : int64_t {
 // A mixture-of-experts block as moe.cpp reads it: int64 words at these indices, then per
 // expert (PW_MOE_EXPERT_WORDS words) its gate/up and down weights' tables
 // (kernels/quant.py QuantWeight.table; 0 and 0: an expert another rank holds), their
-// biases (0: none) and their LoRA slots (models/lora_slots.py; -1: never adapted). The router's and the shared gate's weights, and every bias, are the
-// activations' dtype, [experts, hidden] and [hidden]; no shared expert: its three words 0.
+// biases (0: none) and their LoRA slots (models/lora_slots.py; -1: never adapted). The
+// router's and the shared gate's weights, and every bias, are the activations' dtype,
+// [experts, hidden] and [hidden]; no shared expert: its three words 0.
 // gpt-oss: the router's bias, top k then softmax, and its clamped SwiGLU (alpha and limit
 // as a double's bits).
 enum PwMoe : int64_t {

@@ -170,33 +170,21 @@ inline void q4_block_sums(__m256i (&sum)[2][4], const __m256i* w, const int8_t* 
 #undef PW_Q4_STEP
 
 // Q4 tiles: out rows t .. t + M - 1 (`out` at row t), the group's 16 columns. Per block and
-// half the small kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x). Four
-// tokens' accumulators live in memory (L1), touched once a block, so that the registers
-// hold the sums of q4_block_sums; fewer keep theirs in registers.
+// half the small kernels' float steps: acc += (sum * scale(x)) * d, then m * sum(x). The
+// accumulators live in memory (L1), touched once a block, so that the registers hold the
+// sums (four tokens': q4_block_sums; fewer, the chunk's last, the intrinsics below).
 template <int M, typename Tile, typename Out>
 void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
                   const Int8Panel<Tile>& p) {
   static_assert(Tile::kSplits == 1, "a Q4 block has one scale (and minimum) a row");
-  constexpr bool kInMemory = M == kQ4GemmTokens;
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[2][kInMemory ? 1 : M];
-  alignas(32) float acc_mem[kInMemory ? M : 1][16];
-  auto load_acc = [&](int h, int m) {
-    if constexpr (kInMemory) return _mm256_load_ps(acc_mem[m] + 8 * h);
-    else return acc[h][m];
-  };
-  auto store_acc = [&](int h, int m, __m256 v) {
-    if constexpr (kInMemory) _mm256_store_ps(acc_mem[m] + 8 * h, v);
-    else acc[h][m] = v;
-  };
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) store_acc(h, m, _mm256_setzero_ps());
+  alignas(32) float acc[M][16] = {};     // [token][rows 0-15]
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i* w = p.q.data() + b * 16;
     __m256i sum[2][M];               // int16 pair sums, [rows 0-7, 8-15][token]
-    if constexpr (kInMemory) {
-      q4_block_sums(sum, w, a.plane(t, 0) + b * 32, a.plane(t + 1, 0) - a.plane(t, 0));
+    if constexpr (M == kQ4GemmTokens) {
+      q4_block_sums(sum, w, a.plane(t, 0) + b * 32, a.K);   // one plane: tokens K bytes apart
     } else {
       for (int m = 0; m < M; ++m) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
       // Two steps an iteration: GCC unrolling all 8 reassociates the sums into a tree of
@@ -217,17 +205,17 @@ void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
       for (int m = 0; m < M; ++m) {
         const __m256 qx = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[h][m], ones));
         const __m256 dx = _mm256_set1_ps(a.scale[(t + m) * nb + b]);
-        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, load_acc(h, m));
+        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(qx, dx), d, _mm256_load_ps(acc[m] + 8 * h));
         if constexpr (Tile::kMin) {
           const __m256 mn = _mm256_loadu_ps(sc + Tile::minimum(0) * 16 + 8 * h);
           v = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[(t + m) * nb + b]), v);
         }
-        store_acc(h, m, v);
+        _mm256_store_ps(acc[m] + 8 * h, v);
       }
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, load_acc(h, m));
+    for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, _mm256_load_ps(acc[m] + 8 * h));
 }
 
 // Split s of block b's int32 sums [half][token] from a Q8 tile of any int8 codes, read in place
