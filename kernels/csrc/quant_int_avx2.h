@@ -35,6 +35,11 @@ inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lan
   return _mm256_set1_epi16(v);
 }
 
+// v stays in a register, its sum so far: GCC otherwise reassociates an unrolled chain of
+// integer adds into a tree of the products, which outnumber the registers, and spills them
+// to the stack (a Q4 block at four tokens: 64 products stored and loaded again).
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // The P planes' int32 sums of one row lane, combined: plane 0 the most significant.
 template <int P>
 inline __m256i combine(const __m256i* planes) {
@@ -74,6 +79,7 @@ void q4_int_groups(Out* out, int64_t os, const IntActivations<P>& a, int64_t t,
             const int8_t* xq = a.plane(t + m, p) + b * 32 + 2 * j;
             lo[m][p] = _mm256_add_epi16(lo[m][p], _mm256_maddubs_epi16(w_lo, pair_of(xq)));
             hi[m][p] = _mm256_add_epi16(hi[m][p], _mm256_maddubs_epi16(w_hi, pair_of(xq + 16)));
+            in_register(lo[m][p]), in_register(hi[m][p]);
           }
       }
       for (int half = 0; half < 2; ++half) {
