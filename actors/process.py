@@ -14,6 +14,7 @@ stdin, and only then starts as that actor: run(env, prepared). End of input: it 
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import importlib
@@ -180,9 +181,8 @@ def main(argv: list[str]) -> None:
     try:
         module = importlib.import_module(ROLES[role])
         module.run(env, prepared) if spare else module.run(env)
-    except SystemExit:
-        if env.tracer is not None:
-            env.tracer.close()
+    except SystemExit:       # STOP_SIGNAL
+        pass
     except BaseException as e:
         if env.tracer is not None:
             env.tracer.close()
@@ -192,6 +192,20 @@ def main(argv: list[str]) -> None:
         # Not ctx.term(): it waits for every socket to close, and the failure may have left
         # some open (or a thread using them, like a CURVE authenticator).
         os._exit(FATAL_EXIT_CODE)
+    if env.tracer is not None:
+        env.tracer.close()
+    end_stopped()
+
+
+def end_stopped() -> None:
+    """Exit 0 once stopped: atexit's handlers run (the disk KV tier's flush), then the process
+    ends without the interpreter's teardown, where Triton's bindings (nanobind) print a page of
+    "leaked instance" warnings into the log on every stop."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def send_last_words(config: EngineConfig, fatal: Fatal) -> None:

@@ -333,6 +333,8 @@ class Supervisor:
         """Drain the gateway, then stop every actor; remove the run directory."""
         gateway = self.children.pop("gateway", None)
         if gateway is not None:
+            log.info("stopping: the gateway drains (in-flight requests finish, up to %.0f s), "
+                     "then the actors stop", self.config.server.drain_timeout)
             notify("STATUS=draining")
             _terminate([gateway], self.config.server.drain_timeout + STOP_TIMEOUT)
         spares = self.spares.stop() if self.spares else []
@@ -346,6 +348,7 @@ class Supervisor:
         self.ctx.term()
         if self.config.run_dir:
             shutil.rmtree(self.config.run_dir, ignore_errors=True)
+        log.info("stopped")
 
 
 def _terminate(procs: list[subprocess.Popen], timeout: float) -> None:
@@ -358,5 +361,6 @@ def _terminate(procs: list[subprocess.Popen], timeout: float) -> None:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("actor pid %d did not stop within %.0f s: killed", p.pid, timeout)
             p.kill()
             p.wait()

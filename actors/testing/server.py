@@ -69,15 +69,17 @@ def metric(server, name: str) -> float:
 
 class Server:
     def __init__(self, args: list[str], run_parent: str, timeout: float = 180.0,
-                 env: dict[str, str | None] | None = None):
-        """`env` is added to this process's environment for the server (None unsets)."""
+                 env: dict[str, str | None] | None = None, log: str | None = None):
+        """`env` is added to this process's environment for the server (None unsets); `log`:
+        a file the server's (every actor's) stderr goes to, rather than this process's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in {**os.environ, "RUNTIME_DIRECTORY": run_parent, **(env or {})}.items()
                if v is not None}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagewire.cli", "serve", "--port", str(self.port), *args],
-            env=env)
+        with open(log, "wb") if log else contextlib.nullcontext() as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pagewire.cli", "serve", "--port", str(self.port), *args],
+                env=env, stderr=stderr)
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.proc.poll() is not None:
@@ -158,11 +160,12 @@ class Router:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], env: dict[str, str | None] | None = None):
+def running_server(args: list[str], env: dict[str, str | None] | None = None,
+                   log: str | None = None):
     """A server with its run directory under /tmp (ipc socket paths are length-capped),
-    stopped by pid on exit."""
+    stopped by pid on exit; its stderr into the file `log` where given."""
     with tempfile.TemporaryDirectory(dir="/tmp") as run_parent:
-        srv = Server(args, run_parent, env=env)
+        srv = Server(args, run_parent, env=env, log=log)
         try:
             yield srv
         finally:

@@ -105,8 +105,9 @@ def test_past_the_restart_budget_the_server_exits_1():
         assert not [p for p in child_pids(srv.proc.pid) if alive(p)]
 
 
-def test_sigterm_lets_a_stream_finish_then_stops_everything():
-    with running_server(SMALL + ["--drain-timeout", "60"]) as srv:
+def test_sigterm_lets_a_stream_finish_then_stops_everything(tmp_path):
+    log = tmp_path / "server.log"
+    with running_server(SMALL + ["--drain-timeout", "60"], log=str(log)) as srv:
         children = child_pids(srv.proc.pid)
         client = openai_client(srv)
         stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=120,
@@ -121,6 +122,12 @@ def test_sigterm_lets_a_stream_finish_then_stops_everything():
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert srv.proc.wait(60) == 0
         assert not [p for p in children if alive(p)]
+    # the stop is logged, and no actor's interpreter teardown adds Triton's (nanobind's)
+    # "leaked instance" warnings to it (process.end_stopped)
+    text = log.read_text()
+    assert "supervisor INFO stopping: the gateway drains" in text
+    assert text.rstrip().endswith("supervisor INFO stopped"), text[-2000:]
+    assert "leaked" not in text
 
 
 def test_sigkill_of_the_supervisor_leaves_no_actor_running():
