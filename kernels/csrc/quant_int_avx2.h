@@ -38,7 +38,7 @@ inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lan
 // v stays in a register, its sum so far: GCC otherwise reassociates an unrolled chain of
 // integer adds into a tree of the products, which outnumber the registers, and spills them
 // to the stack (a Q4 block at four tokens: 64 products stored and loaded again).
-inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+inline void in_register(__m256i& v) { asm("" : "+v"(v)); }   // v: any of ymm0-31
 
 // The P planes' int32 sums of one row lane, combined: plane 0 the most significant.
 template <int P>
