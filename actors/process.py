@@ -155,6 +155,7 @@ def _wait_as_spare(role: str, config: EngineConfig):
 
 
 def main(argv: list[str]) -> None:
+    atexit.register(end_quietly)
     role, config_path = argv[0], argv[1]
     spare = len(argv) > 2 and argv[2] == "spare"
     config = _read_config(config_path)
@@ -194,14 +195,13 @@ def main(argv: list[str]) -> None:
         os._exit(FATAL_EXIT_CODE)
     if env.tracer is not None:
         env.tracer.close()
-    end_stopped()
 
 
-def end_stopped() -> None:
-    """Exit 0 once stopped: atexit's handlers run (the disk KV tier's flush), then the process
+def end_quietly() -> None:
+    """The last exit handler of a stopped actor (registered first, so the ones registered
+    after it, like the disk KV tier's flush, run before): logging flushed, then the process
     ends without the interpreter's teardown, where Triton's bindings (nanobind) print a page of
     "leaked instance" warnings into the log on every stop."""
-    atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

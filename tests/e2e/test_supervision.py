@@ -123,7 +123,7 @@ def test_sigterm_lets_a_stream_finish_then_stops_everything(tmp_path):
         assert srv.proc.wait(60) == 0
         assert not [p for p in children if alive(p)]
     # the stop is logged, and no actor's interpreter teardown adds Triton's (nanobind's)
-    # "leaked instance" warnings to it (process.end_stopped)
+    # "leaked instance" warnings to it (process.end_quietly)
     text = log.read_text()
     assert "supervisor INFO stopping: the gateway drains" in text
     assert text.rstrip().endswith("supervisor INFO stopped"), text[-2000:]
