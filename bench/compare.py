@@ -26,6 +26,9 @@ import statistics
 import subprocess
 import sys
 
+# The engine's CLI as this interpreter runs it: a virtual environment that is not activated
+# puts no `pagewire` on PATH (a bench then started whatever PATH held, or nothing).
+PAGEWIRE = [sys.executable, "-m", "pagewire.cli"]
 PEER = os.environ.get("PAGEWIRE_PEER_SCRIPT") or os.path.join(
     os.path.dirname(__file__), "..", "..", "shared", "peers", "vllm-cpu.sh")
 THROUGHPUT = re.compile(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
@@ -62,7 +65,7 @@ def commands(kind: str, args: list[str], engines: list[str],
     # vLLM gets VLLM_CPU_KVCACHE_SPACE=4 (GiB) from the peer script: the same KV budget here.
     common = ["--max-model-len", "2048"]
     os.environ.setdefault("VLLM_DTYPE", peer_dtype())
-    ours = ["pagewire", "bench", kind, *args, *common, "--dtype", "auto",
+    ours = [*PAGEWIRE, "bench", kind, *args, *common, "--dtype", "auto",
             "--kv-cache-memory", "4GiB", *own_args]
     cmds = {"pagewire": ours, "pagewire-sync": ours + ["--no-async-scheduling"],
             "vllm-cpu": ["bash", PEER, kind, *args]}

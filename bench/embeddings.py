@@ -44,7 +44,7 @@ import sys
 import time
 import urllib.request
 
-from compare import PEER, peer_dtype
+from compare import PAGEWIRE, PEER, peer_dtype
 from serving import free_port, launch, stop
 from sizes import GEMM, gemm_peak
 
@@ -185,8 +185,7 @@ def served(port: int, workload: str, items: list, a) -> float:
 def server_command(engine: str, path: str, port: int, dtype: str | None) -> list[str]:
     common = ["--port", str(port), "--served-model-name", MODEL, "--max-model-len", "512"]
     if engine == "pagewire":
-        exe = os.path.join(os.path.dirname(sys.executable), "pagewire")
-        return [exe if os.path.exists(exe) else "pagewire", "serve", path, "--runner", "pooling",
+        return [*PAGEWIRE, "serve", path, "--runner", "pooling",
                 "--dtype", dtype or "auto", *common,
                 *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
     return ["bash", PEER, "exec", "vllm", "serve", path, "--runner", "pooling",

@@ -23,6 +23,8 @@ import re
 import subprocess
 import sys
 
+from compare import PAGEWIRE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = os.path.join(HERE, "..", "..", "shared", "peers")
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -69,7 +71,7 @@ def tok_per_s(engine: str, path: str) -> float:
         out = subprocess.run([peer_python(), os.path.join(PEERS, "llamacpp_single.py"), path,
                               "3", "2"], capture_output=True, text=True, check=True).stdout
         return float(re.search(r"([\d.]+) output tok/s", out).group(1))
-    cmd = ["pagewire", "bench", "latency", path, "--input-len", "128", "--output-len", "128",
+    cmd = [*PAGEWIRE, "bench", "latency", path, "--input-len", "128", "--output-len", "128",
            "--batch-size", "1", "--num-iters", "3", "--max-model-len", "2048"]
     if engine == "floats":
         cmd += ["--quantized-matmul-tokens", "0"]

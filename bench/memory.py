@@ -19,6 +19,8 @@ import sys
 import time
 import urllib.request
 
+from compare import PAGEWIRE
+
 
 def tree_rss(pid: int) -> tuple[float, float]:
     """(GiB resident over the process and its descendants, GiB of the largest one), from
@@ -50,7 +52,7 @@ def main() -> None:
     p.add_argument("--port", default="8765")
     a = p.parse_args(own)
     start = time.monotonic()
-    proc = subprocess.Popen(["pagewire", "serve", a.model, "--port", a.port, *extra],
+    proc = subprocess.Popen([*PAGEWIRE, "serve", a.model, "--port", a.port, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url, peak = f"http://127.0.0.1:{a.port}", 0.0

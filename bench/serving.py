@@ -32,7 +32,7 @@ import tempfile
 import time
 import urllib.request
 
-from compare import PEER, peer_dtype, split_argv
+from compare import PAGEWIRE, PEER, peer_dtype, split_argv
 
 FIELDS = {"output tok/s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
           "median TTFT ms": r"Median TTFT \(ms\):\s+([\d.]+)",
@@ -54,7 +54,7 @@ LLAMACPP = os.path.join(os.path.dirname(PEER), "llamacpp.sh")
 
 def start(engine: str, port: int, trace_dir: str, model: str | None) -> subprocess.Popen:
     if engine.startswith("pagewire"):
-        cmd = ["pagewire", "serve", *([model] if model else []), "--port", str(port),
+        cmd = [*PAGEWIRE, "serve", *([model] if model else []), "--port", str(port),
                "--max-model-len", "2048", "--served-model-name", MODEL,
                "--dtype", "auto", *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
         if engine == "pagewire-trace":

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from compare import PEER          # noqa: E402
+from compare import PAGEWIRE, PEER   # noqa: E402
 from real_shapes import model_path  # noqa: E402
 
 from pagewire.testing.real_shapes import SHAPES, tensor_plan   # noqa: E402
@@ -125,7 +125,7 @@ PAGEWIRE_ARGS: list[str] = []
 
 def pagewire_latency(path: str, input_len: int, output_len: int) -> float:
     """Seconds for one request of input_len then output_len tokens."""
-    return _run(["pagewire", "bench", "latency", "--model", path, "--input-len", str(input_len),
+    return _run([*PAGEWIRE, "bench", "latency", "--model", path, "--input-len", str(input_len),
                  "--output-len", str(output_len), "--batch-size", "1", "--num-iters", "2",
                  "--num-iters-warmup", "1", "--max-model-len", "2048",
                  "--no-enable-prefix-caching",        # each iteration computes its prompt
@@ -133,7 +133,7 @@ def pagewire_latency(path: str, input_len: int, output_len: int) -> float:
 
 
 def pagewire_batch(path: str) -> float:
-    return _run(["pagewire", "bench", "throughput", "--model", path, "--dataset-name", "random",
+    return _run([*PAGEWIRE, "bench", "throughput", "--model", path, "--dataset-name", "random",
                  "--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "32",
                  "--max-model-len", "2048", *PAGEWIRE_ARGS], r"([\d.]+) output tokens/s")
 

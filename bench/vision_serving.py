@@ -29,7 +29,7 @@ import subprocess
 import sys
 import urllib.request
 
-from compare import PEER, peer_dtype, split_argv
+from compare import PAGEWIRE, PEER, peer_dtype, split_argv
 from serving import LLAMACPP, free_port, launch, run_load, stop
 from vision import write_model
 
@@ -73,7 +73,7 @@ def gguf_files(path: str) -> tuple[str, str]:
 
 def command(engine: str, path: str, port: int, concurrency: int) -> list[str]:
     if engine == "pagewire":
-        return ["pagewire", "serve", path, "--port", str(port), "--max-model-len", "4096",
+        return [*PAGEWIRE, "serve", path, "--port", str(port), "--max-model-len", "4096",
                 "--served-model-name", MODEL, "--dtype", "bfloat16",
                 *os.environ.get("PAGEWIRE_SERVE_ARGS", "").split()]
     if engine == "llamacpp":
