@@ -65,6 +65,13 @@ inline void prefetch_ahead(const uint8_t* group, int64_t b) {
   for (int64_t i = 0; i < Tile::kBytes; i += 64) __builtin_prefetch(p + i, 0, 0);
 }
 
+// v stays in a register, its sum so far: GCC otherwise reassociates an unrolled chain of
+// integer adds into a tree of the products, which outnumber the registers, and spills them
+// to the stack (quant_int_avx2.h's Q4 block at four tokens: 64 products stored and loaded
+// again). The GEMMs' loops answer the same by unrolling 2 steps, not 8 (quant_gemm_avx2.h,
+// quant_gemm_int8_avx2.h); their 4-token Q4 block is assembly.
+inline void in_register(__m256i& v) { asm("" : "+v"(v)); }   // v: any of ymm0-31
+
 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
 inline void store8(bf16* out, __m256 v) {
   alignas(32) float f[8];

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "bf16.h"
-#include "quant_avx2.h"     // store8, add_minimums, kRows, kMaxBatch
+#include "quant_avx2.h"     // store8, add_minimums, in_register, kRows, kMaxBatch
 #include "quant_tiles.h"
 #include "quant_gemm_avx2.h"   // int16 activations from kGemmFrom tokens; IntActivations
 #include "quant_gemm_int8_avx2.h"   // int8 activations from kInt8GemmFrom tokens
@@ -34,11 +34,6 @@ inline __m256i pair_of(const int8_t* q) {    // (q[0], q[1]) in every 16-bit lan
   std::memcpy(&v, q, 2);
   return _mm256_set1_epi16(v);
 }
-
-// v stays in a register, its sum so far: GCC otherwise reassociates an unrolled chain of
-// integer adds into a tree of the products, which outnumber the registers, and spills them
-// to the stack (a Q4 block at four tokens: 64 products stored and loaded again).
-inline void in_register(__m256i& v) { asm("" : "+v"(v)); }   // v: any of ymm0-31
 
 // The P planes' int32 sums of one row lane, combined: plane 0 the most significant.
 template <int P>
