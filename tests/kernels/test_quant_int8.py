@@ -100,12 +100,15 @@ def test_vnni_small_steps_equal_the_avx2_kernels(qtype, dtype):
     """Steps of 1-7 tokens (decode) with int8 activations take vpdpbusd on avx512_bf16
     (csrc/quant_step_vnni.h): the AVX2 kernels' integer sums and float steps in their order,
     so the outputs equal the avx2 library's bit for bit, on rows of 10 blocks (or 2
-    superblocks), tiles with and without minimums and with two scales a block."""
+    superblocks), tiles with and without minimums and with two scales a block. Both multiply
+    the tiles avx512_bf16 packs: avx2 keeps the level types (IQ4_NL, MXFP4, IQ4_XS) in level
+    tiles of its own, which avx512_bf16 lacks."""
     vnni, avx2 = native.load("avx512_bf16"), native.load("avx2")
     cols = cols_of(qtype, 320)
     rng = np.random.default_rng(len(qtype))
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
-    fast, reference = (quant.pack(TYPES[qtype], raw, cols, lib, "int8") for lib in (vnni, avx2))
+    fast = quant.pack(TYPES[qtype], raw, cols, vnni, "int8")
+    reference = quant.QuantWeight(fast.segments, cols, avx2)
     for tokens in range(1, 8):
         x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
         out = quant.matmul(x, fast)
