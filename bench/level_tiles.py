@@ -2,12 +2,13 @@
 IQ4_NL's, MXFP4's and IQ4_XS's nibbles kept as stored, looked up with vpshufb):
 
     python bench/level_tiles.py [--types IQ4_NL,MXFP4,IQ4_XS] [--roundings int16,int8,exact]
-                                [--tokens 1,2,4,8]
+                                [--tokens 1,2,4,8] [--dtype float32|bfloat16]
 
 Each type's random blocks of a 2048 x 4096 weight, packed 24 times each way (~200 MB of int8
-tiles: past any cache), multiplied in turn by float32 activations of `tokens` rows; the best
-of three passes. Figures: billions of weights a second (Gw/s) and the tiles' GB/s.
-The int8 tiles are what the avx512_bf16 tier packs (Q8_0; IQ4_XS's int8 superblocks).
+tiles: past any cache), multiplied in turn by activations of `tokens` rows (float32, or
+bfloat16: what `--dtype auto` serves on avx512_bf16, whose exact kernels take float32 x as
+three bfloat16 parts); the best of three passes. Figures: billions of weights a second (Gw/s) and the tiles' GB/s.
+The int8 tiles: Q8_0's, IQ4_XS's int8 superblocks (what a tier without level tiles packs).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main() -> None:
     p.add_argument("--types", default="IQ4_NL,MXFP4,IQ4_XS")
     p.add_argument("--roundings", default="int16,int8,exact")
     p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     lib = native.load()
     if lib is None or not lib.quant_kind(quant.MXFP4):
@@ -70,7 +72,7 @@ def main() -> None:
             int8 = [quant.pack(kind, raw.clone(), COLS, _WithoutLevels(lib), rounding)
                     for _ in range(COUNT)]
             for tokens in (int(t) for t in args.tokens.split(",")):
-                x = torch.randn(tokens, COLS)
+                x = torch.randn(tokens, COLS, dtype=getattr(torch, args.dtype))
                 line = f"{qtype} {rounding:5s} {tokens:2d} tokens:"
                 rates = []
                 for name, ws in (("level", level), ("int8 tiles", int8)):

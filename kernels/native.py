@@ -144,8 +144,7 @@ class Library:
 
     @functools.cache
     def quant_kind(self, kind: int) -> bool:
-        """Whether this build multiplies weights packed as `kind` (csrc/quant_kernels.cpp:
-        the level tiles are the avx2 and avx512 tiers' only)."""
+        """Whether this build multiplies weights packed as `kind` (csrc/quant_kernels.cpp)."""
         return bool(self.cdll.pw_quant_kind(kind))
 
     @functools.cached_property

@@ -1,6 +1,6 @@
 // How the AVX512-BF16 quantized matmuls (quant_kernels.cpp) turn a tile's codes into the
-// bfloat16 pairs vdpbf16ps multiplies, exactly: Q4 nibbles and six-bit Q8 codes through a
-// table (vpermw, vpermt2w), FP8 codes by moving their bits. Each decoder gives, for each of a
+// bfloat16 pairs vdpbf16ps multiplies, exactly: Q4 nibbles, level tiles' nibbles and six-bit
+// Q8 codes through a table (vpermw, vpermt2w), FP8 codes by moving their bits. Each decoder gives, for each of a
 // 32-column block's 8 steps s, two vectors of bfloat16 pairs (a row's pair a 32-bit lane): w0
 // for the x pair at x0(s) and w1 for the one at x1(s).
 #pragma once
@@ -116,6 +116,35 @@ struct SixBitCodes {
   void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
     w0 = pairs(tile + 32 * s);
     w1 = pairs(tile + 32 * (s + 8));
+  }
+};
+
+// A level tile's codebook (quant_tiles.h level_table) as bfloat16, indexed by a word's low 5
+// bits: entries i and i + 16 alike, so that a byte's low nibble needs no mask (exact: the
+// levels are integers of at most 8 bits).
+template <pw::Levels L>
+inline __m512i level_bf16_table() {
+  alignas(32) int8_t levels[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(levels), pw::level_table<L>());
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = to_bf16(static_cast<float>(levels[i & 15]));
+  return _mm512_load_si512(t);
+}
+
+// Level tiles for exact activations (byte [k][l]: row l's column k in its low nibble, k + 16
+// in its high one): step s's 32 bytes, columns 2s and 2s + 1, interleaved into a row's pairs
+// (pair_order); each nibble's level from the table gives columns (2s, 2s + 1), the high
+// nibbles' (2s + 16, 2s + 17): four vector ops a 64 weights.
+template <pw::Levels L>
+struct LevelCodes {
+  const __m512i table = level_bf16_table<L>(), order = pair_order();
+  static constexpr int x0(int s) { return 2 * s; }
+  static constexpr int x1(int s) { return 2 * s + 16; }
+  void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
+    const __m512i codes = _mm512_permutexvar_epi16(order, _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * s))));
+    w0 = (__m512bh)_mm512_permutexvar_epi16(codes, table);
+    w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
   }
 };
 

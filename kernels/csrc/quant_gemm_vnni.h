@@ -145,11 +145,15 @@ struct Panel {
   }
 
   // Q8 tiles packed for integer activations: byte [j][l][c] of 64 j + 4 l + c is row l's
-  // column 4j + c, already the operand's order; x ^ 0x80 is int8 x + 128 as a byte.
+  // column 4j + c, already the operand's order; x ^ 0x80 is int8 x + 128 as a byte. Level
+  // tiles: their levels + 128 in the same order (q8_operands).
   static void bytes(const uint8_t* tile, __m512i* out) {
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int j = 0; j < 8; ++j)
-      out[j] = _mm512_xor_si512(load_halves(tile + 64 * j), bias);   // split lines: see there
+    for (int j = 0; j < 8; j += 2) {
+      __m512i w[2];
+      q8_operands<Tile>(tile, j, w);
+      _mm512_storeu_si512(out + j, w[0]);
+      _mm512_storeu_si512(out + j + 1, w[1]);
+    }
   }
 };
 

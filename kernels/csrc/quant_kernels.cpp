@@ -165,14 +165,15 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
   });
 }
 
+// The tiles pair_groups multiplies through a decoder (Nibbles, Fp8Codes, SixBitCodes,
+// LevelCodes).
+template <typename Tile>
+constexpr bool kDecoded = Tile::kQ4 || Tile::kFp8 || Tile::kCodes != pw::kAnyInt8 ||
+                          Tile::kLevels != pw::kNoLevels;
 // Whether a Q8 tile format's steps of `tokens` bfloat16 tokens take q8_pair_groups: from 4
 // tokens its once-a-chunk decode costs less than the FMAs it saves.
 template <typename Tile, typename Out>
-constexpr bool kQ8Pairs = !Tile::kQ4 && !Tile::kFp8 && !Tile::kMin &&
-                          Tile::kCodes == pw::kAnyInt8 && std::is_same<Out, bf16>::value;
-// The tiles pair_groups multiplies through a decoder (Nibbles, Fp8Codes, SixBitCodes).
-template <typename Tile>
-constexpr bool kDecoded = Tile::kQ4 || Tile::kFp8 || Tile::kCodes != pw::kAnyInt8;
+constexpr bool kQ8Pairs = !kDecoded<Tile> && !Tile::kMin && std::is_same<Out, bf16>::value;
 constexpr int64_t kQ8PairTokens = 4;
 
 // One chunk of up to kMaxBatch tokens of one tile format: its weights are unpacked once for
@@ -184,7 +185,8 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if constexpr (kDecoded<Tile>) {
       using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, std::conditional_t<
-          Tile::kQ4, Nibbles, SixBitCodes<Tile::kCodes>>>;
+          Tile::kQ4, Nibbles, std::conditional_t<Tile::kLevels != pw::kNoLevels,
+          LevelCodes<Tile::kLevels>, SixBitCodes<Tile::kCodes>>>>;
       const bf16* x = a.parts.data() + t * a.K;
       const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       if (a.P == 1)
@@ -234,9 +236,8 @@ namespace pw {
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
   X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper)
 #define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile) PW_LEVEL_TILES(X)
-// Level tiles (quant_tiles.h Levels): the AVX2 kernels' (avx2 and avx512 tiers) only; the
-// avx512_bf16 tier, whose exact and int8 kernels are its own, lacks them (kernels/quant.py
-// packs IQ4_NL and MXFP4 as Q8_0 tiles there, IQ4_XS as IQ4_XSS: pw_quant_kind).
+// Level tiles (quant_tiles.h Levels): on every tier (avx512_bf16's exact kernels decode them
+// with LevelCodes, its VNNI ones look them up as Q8 codes: q8_operands).
 #define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
@@ -285,15 +286,10 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #define PW_INT8_LARGE(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT8_LARGE: return large_int8<Tile, T>;
   switch (kind) {
-    PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile)
-    PW_INT_TILES(PW_INT8)
-    PW_INT_TILES(PW_INT16)
+    PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile) PW_LEVEL_TILES(PW_EXACT)
+    PW_INT_TILES(PW_INT8) PW_LEVEL_TILES(PW_INT8)
+    PW_INT_TILES(PW_INT16) PW_LEVEL_TILES(PW_INT16)
     PW_Q4_TILES(PW_INT8_LARGE)
-#if !defined(__AVX512BF16__)
-    PW_LEVEL_TILES(PW_EXACT)
-    PW_LEVEL_TILES(PW_INT8)
-    PW_LEVEL_TILES(PW_INT16)
-#endif
   }
 #undef PW_EXACT
 #undef PW_INT8

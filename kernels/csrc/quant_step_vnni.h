@@ -16,6 +16,8 @@
 // block's end (exact: a multiple of 16), which saves a shift a step.
 // Q8 tiles (integer layout: byte [j][l][c] is row l's column 4j + c): code ^ 0x80 is the
 // code + 128 as vpdpbusd's unsigned operand; a split's chain starts at -128 sum(x) over it.
+// Level tiles (IQ4_NL, MXFP4, IQ4_XS) multiply as the Q8 tiles of their levels, looked up
+// (q8_operands): the same integer sums, so the same outputs bit for bit.
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -86,23 +88,55 @@ inline void q4_sums(__m512i (&sum)[M], const uint8_t* tile, const int8_t* const 
   for (int m = 0; m < M; ++m) sum[m] = _mm512_add_epi32(sum[m], _mm512_srai_epi32(hi[m], 4));
 }
 
-// Steps [j0, j1) of a Q8 tile (one split's) for M tokens, each chain starting at start[m]:
-// two chains a token (vpdpbusd's latency, not its throughput, would bound one).
-template <int M>
+// A level tile's codebook + 128 in every 128-bit lane (vpshufb's table): its levels as the
+// unsigned operand a Q8 tile's codes ^ 0x80 are.
+template <Levels L>
+inline __m512i biased_levels() {
+  const __m256i t = _mm256_xor_si256(level_table<L>(), _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1);
+}
+
+// Steps j and j + 1 of a Q8 tile (integer layout) or a level tile, as vpdpbusd's unsigned
+// operand (code + 128). A level tile's 64 bytes are the two steps' nibbles (quant_tiles.h
+// Levels: byte [j][w][p], rows 0-3, 8-11, 4-7, 12-15 a word each), looked up; interleaving
+// the low nibbles' levels (columns 4j + p) with the high ones' (4j + 2 + p) by 16-bit words
+// gives, 128-bit lane by lane, rows 0-3, 4-7 of each step (unpacklo) and 8-11, 12-15
+// (unpackhi), which two lane shuffles order: ten ops a 128 codes.
+template <typename Tile>
+inline void q8_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
+  if constexpr (Tile::kLevels != kNoLevels) {
+    const __m512i table = biased_levels<Tile::kLevels>(), low = _mm512_set1_epi8(0x0F);
+    const __m512i v = load_halves(tile + 32 * j);     // split lines: see there
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    const __m512i rows_lo = _mm512_unpacklo_epi16(lo, hi), rows_hi = _mm512_unpackhi_epi16(lo, hi);
+    w[0] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0x44);    // lanes 0, 1 of each: step j
+    w[1] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0xEE);    // lanes 2, 3: step j + 1
+  } else {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    w[0] = _mm512_xor_si512(load_halves(tile + 64 * j), bias);
+    w[1] = _mm512_xor_si512(load_halves(tile + 64 * (j + 1)), bias);
+  }
+}
+
+// Steps [j0, j1) of a Q8 or level tile (one split's; j1 - j0 even) for M tokens, each chain
+// starting at start[m]: two chains a token (vpdpbusd's latency, not its throughput, would
+// bound one).
+template <int M, typename Tile>
 inline void q8_sums(__m512i (&sum)[M], const uint8_t* tile, int j0, int j1,
                     const int8_t* const (&x)[M], const int32_t* start) {
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i odd[M];
   for (int m = 0; m < M; ++m) {
     sum[m] = _mm512_set1_epi32(start[m]);
     odd[m] = _mm512_setzero_si512();
   }
-#pragma GCC unroll 8
-  for (int j = j0; j < j1; ++j) {
-    const __m512i w = _mm512_xor_si512(load_halves(tile + 64 * j), bias);
+#pragma GCC unroll 4
+  for (int j = j0; j < j1; j += 2) {
+    __m512i w[2];
+    q8_operands<Tile>(tile, j, w);
     for (int m = 0; m < M; ++m) {
-      __m512i& chain = (j - j0) % 2 ? odd[m] : sum[m];
-      chain = _mm512_dpbusd_epi32(chain, w, x_quad(x[m] + 4 * j));
+      sum[m] = _mm512_dpbusd_epi32(sum[m], w[0], x_quad(x[m] + 4 * j));
+      odd[m] = _mm512_dpbusd_epi32(odd[m], w[1], x_quad(x[m] + 4 * j + 4));
     }
   }
   for (int m = 0; m < M; ++m) sum[m] = _mm512_add_epi32(sum[m], odd[m]);
@@ -138,7 +172,7 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
           int32_t start[M];
           for (int m = 0; m < M; ++m) start[m] = starts[((t + m) * nb + b) * Tile::kSplits + s];
           constexpr int kSteps = 8 / Tile::kSplits;
-          q8_sums<M>(sum, tile, s * kSteps, (s + 1) * kSteps, x, start);
+          q8_sums<M, Tile>(sum, tile, s * kSteps, (s + 1) * kSteps, x, start);
         }
         const __m512 d = Tile::scales16(tile, b, s);
         for (int m = 0; m < M; ++m)

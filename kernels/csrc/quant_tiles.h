@@ -14,8 +14,8 @@
 //         codes, q decoded exactly to float32: kernels/quant.py FP8)
 //   IQ4_NL, MXFP4  256 bytes of nibbles, d[16] fp16  (d level[q]: a 16-entry int8 codebook,
 //         IQ4_NL's levels or MXFP4's doubled e2m1 ones; level tiles, the file's 4.5 bits a
-//         weight where Q8_0's tiles of the same values took 8.5; the avx2 and avx512 tiers;
-//         IQ4_XS's as superblock level tiles, below)
+//         weight where Q8_0's tiles of the same values took 8.5; IQ4_XS's as superblock
+//         level tiles, below)
 // The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
 // sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
 //

@@ -9,22 +9,16 @@ import torch
 from pagewire.config import EngineConfig
 from pagewire.executor.backend import Backend
 from pagewire.kernels import quant, tiers
-from pagewire.kernels.gguf_blocks import IQ4_NL, IQ4_XSL, MXFP4
 from pagewire.kernels.ops import Capabilities, CpuOps, TorchOps, select_ops
 
 CUDA = torch.device("cuda", 0)      # only named: nothing here touches a GPU
 
 
-# The level tiles' kinds (csrc/quant_tiles.h Levels), every rounding's: the AVX2 kernels' only
-LEVEL_KINDS = frozenset(t + r for t in (IQ4_NL, MXFP4, IQ4_XSL) for r in (0, 100, 200))
-
-
 def test_each_tier_states_what_its_kernels_do(native_lib):
     caps = CpuOps(native_lib).capabilities
-    kinds = frozenset(quant.KINDS) - (LEVEL_KINDS if native_lib.tier == "avx512_bf16" else set())
     assert caps == Capabilities(
         host_memory=True, native_weights=True, fused_decode=True,
-        bf16_dot=native_lib.tier == "avx512_bf16", block_kinds=kinds,
+        bf16_dot=native_lib.tier == "avx512_bf16", block_kinds=frozenset(quant.KINDS),
         int16_large_steps=native_lib.tier == "avx2",
         int8_large_steps=native_lib.tier in ("avx2", "avx512_bf16"), graphs=False,
         lora_in_graphs=False)

@@ -65,8 +65,8 @@ def test_a_quantized_checkpoint_matches_transformers_on_its_float_values(tiny_ll
         kinds = {m.quantized.kind % 100 if m.quantized else None
                  for name, m in model.named_modules() if name.endswith(("qkv", "down"))}
         expected = BLOCKS.get(fmt)
-        if fmt == "mxfp4" and model.ops.lib.quant_kind(quant.MXFP4):   # avx2, avx512
-            expected = quant.MXFP4                                      # level tiles
+        if fmt == "mxfp4" and model.ops.lib.quant_kind(quant.MXFP4):   # level tiles
+            expected = quant.MXFP4
         assert kinds == {expected}, kinds
         ordered = {name for name, m in model.named_modules()
                    if getattr(m, "quantized", None) is not None and m.quantized.order is not None}

@@ -61,9 +61,8 @@ def test_tiny_llama_gguf_greedy_matches_transformers(tiny_llama, tmp_path, token
     dequantization and Q/K un-permutation). transformers takes head_dim as hidden / heads from
     a GGUF file, hence a shape where that holds. Q8_0 and Q4_1 decode steps multiply the
     file's blocks as stored (kernels/quant.py), Q4_0 as Q4_1 blocks, Q5_0 as Q8_0 blocks of
-    the same values, IQ4_NL, IQ4_XS and MXFP4 as level tiles (avx2, avx512; Q8_0 blocks of
-    the same values elsewhere), Q4_K_M's Q4_K and Q6_K as 32-weight blocks of the same
-    values; prefill their dequantized copies, but for Q4_K_M, run with
+    the same values, IQ4_NL, IQ4_XS and MXFP4 as level tiles, Q4_K_M's Q4_K and Q6_K as
+    32-weight blocks of the same values; prefill their dequantized copies, but for Q4_K_M, run with
     --quantized-matmul-tokens -1 (the default): every step on the blocks, no float copies
     kept (nor packed only to be dropped), none of its linears even dequantized as it loads
     (only the embedding and the norms are) and no dense copy cached on disk (its tiles

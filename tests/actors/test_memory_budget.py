@@ -145,7 +145,7 @@ def test_block_embedding_types_are_those_torch_dequantizes():
 def test_an_mxfp4_checkpoint_counts_its_blocks_as_its_tiles(tmp_path, info, monkeypatch,
                                                             level_tiles):
     """gpt-oss's MXFP4 experts: 17 bytes a 32 weights on disk; 18 as level tiles hold them
-    (avx2, avx512), 34 as Q8_0 tiles (avx512_bf16)."""
+    (every native tier), 34 as Q8_0 tiles (where a tier lacks them)."""
     monkeypatch.setattr(memory_budget, "_level_tiles", lambda: level_tiles)
     with open(tmp_path / "model.safetensors", "wb") as f:
         f.truncate(17 * GiB // 16)

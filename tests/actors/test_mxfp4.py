@@ -1,6 +1,6 @@
 """MXFP4 weights (gpt-oss's experts' format) in a whole model: a tiny Llama whose linears a
 GGUF file stores as MXFP4 (gguf-py quantizes them) runs on every native CPU tier from the
-file's blocks (as level tiles; on avx512_bf16 Q8_0 tiles of the same values) and on the
+file's blocks (as level tiles) and on the
 torch reference (dequantized), greedy-equal to transformers on the same file (its own dequantization of it)."""
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
               quantized_matmul_tokens=-1)
     kinds = {s.kind % 100 for m in llm.runner.model.modules() if isinstance(m, Linear)
              and m.quantized is not None for s in m.quantized.segments}
-    # every linear's blocks as level tiles (avx2, avx512) or Q8_0 tiles (avx512_bf16),
-    # however the tier's default rounds activations
+    # every linear's blocks as level tiles, however the tier's default rounds activations
     level = quant.MXFP4 if kernels in tiers.LEVEL_TILES else quant.Q8_0
     assert kinds == (set() if kernels == "torch" else {level})
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mx.gguf",

@@ -100,9 +100,8 @@ def test_vnni_small_steps_equal_the_avx2_kernels(qtype, dtype):
     """Steps of 1-7 tokens (decode) with int8 activations take vpdpbusd on avx512_bf16
     (csrc/quant_step_vnni.h): the AVX2 kernels' integer sums and float steps in their order,
     so the outputs equal the avx2 library's bit for bit, on rows of 10 blocks (or 2
-    superblocks), tiles with and without minimums and with two scales a block. Both multiply
-    the tiles avx512_bf16 packs: avx2 keeps the level types (IQ4_NL, MXFP4, IQ4_XS) in level
-    tiles of its own, which avx512_bf16 lacks."""
+    superblocks), tiles with and without minimums and with two scales a block, and level
+    tiles. Both multiply the tiles avx512_bf16 packs."""
     vnni, avx2 = native.load("avx512_bf16"), native.load("avx2")
     cols = cols_of(qtype, 320)
     rng = np.random.default_rng(len(qtype))
