@@ -1,8 +1,8 @@
 // How the AVX512-BF16 quantized matmuls (quant_kernels.cpp) turn a tile's codes into the
 // bfloat16 pairs vdpbf16ps multiplies, exactly: Q4 nibbles, level tiles' nibbles and six-bit
-// Q8 codes through a table (vpermw, vpermt2w), FP8 codes by moving their bits. Each decoder gives, for each of a
-// 32-column block's 8 steps s, two vectors of bfloat16 pairs (a row's pair a 32-bit lane): w0
-// for the x pair at x0(s) and w1 for the one at x1(s).
+// Q8 codes through a table (vpermw, vpermt2w), FP8 codes by moving their bits. Each decoder
+// gives, for each of a 32-column block's 8 steps s, two vectors of bfloat16 pairs (a row's
+// pair a 32-bit lane): w0 for the x pair at x0(s) and w1 for the one at x1(s).
 #pragma once
 #include <immintrin.h>
 

@@ -92,7 +92,8 @@ inline void q4_sums(__m512i (&sum)[M], const uint8_t* tile, const int8_t* const 
 // unsigned operand a Q8 tile's codes ^ 0x80 are.
 template <Levels L>
 inline __m512i biased_levels() {
-  const __m256i t = _mm256_xor_si256(level_table<L>(), _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i t =
+      _mm256_xor_si256(level_table<L>(), _mm256_set1_epi8(static_cast<char>(0x80)));
   return _mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1);
 }
 
@@ -108,8 +109,10 @@ inline void q8_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
     const __m512i table = biased_levels<Tile::kLevels>(), low = _mm512_set1_epi8(0x0F);
     const __m512i v = load_halves(tile + 32 * j);     // split lines: see there
     const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
-    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    const __m512i rows_lo = _mm512_unpacklo_epi16(lo, hi), rows_hi = _mm512_unpackhi_epi16(lo, hi);
+    const __m512i hi =
+        _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    const __m512i rows_lo = _mm512_unpacklo_epi16(lo, hi);   // rows 0-3, 4-7 of each step
+    const __m512i rows_hi = _mm512_unpackhi_epi16(lo, hi);   // rows 8-11, 12-15
     w[0] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0x44);    // lanes 0, 1 of each: step j
     w[1] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0xEE);    // lanes 2, 3: step j + 1
   } else {
