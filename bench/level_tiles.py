@@ -7,8 +7,9 @@ IQ4_NL's, MXFP4's and IQ4_XS's nibbles kept as stored, looked up with vpshufb):
 Each type's random blocks of a 2048 x 4096 weight, packed 24 times each way (~200 MB of int8
 tiles: past any cache), multiplied in turn by activations of `tokens` rows (float32, or
 bfloat16: what `--dtype auto` serves on avx512_bf16, whose exact kernels take float32 x as
-three bfloat16 parts); the best of three passes. Figures: billions of weights a second (Gw/s) and the tiles' GB/s.
-The int8 tiles: Q8_0's, IQ4_XS's int8 superblocks (what a tier without level tiles packs).
+three bfloat16 parts); the best of three passes. Figures: billions of weights a second
+(Gw/s) and the tiles' GB/s. The int8 tiles: Q8_0's, IQ4_XS's int8 superblocks (what a tier
+without level tiles packs).
 """
 from __future__ import annotations
 

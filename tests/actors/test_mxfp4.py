@@ -1,7 +1,7 @@
 """MXFP4 weights (gpt-oss's experts' format) in a whole model: a tiny Llama whose linears a
 GGUF file stores as MXFP4 (gguf-py quantizes them) runs on every native CPU tier from the
-file's blocks (as level tiles) and on the
-torch reference (dequantized), greedy-equal to transformers on the same file (its own dequantization of it)."""
+file's blocks (as level tiles) and on the torch reference (dequantized), greedy-equal to
+transformers on the same file (its own dequantization of it)."""
 from __future__ import annotations
 
 import json
