@@ -41,8 +41,8 @@ MXFP4, MXFP4_BLOCK_BYTES = 39, 17
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
               13: 34.5, 14: 34.25, 23: 34.25, 39: 34}
 FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bfloat16
-# IQ4_NL, MXFP4 and IQ4_XS where the tier keeps them as level tiles (kernels/tiers.py
-# LEVEL_TILES): 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a
+# IQ4_NL, MXFP4 and IQ4_XS where a native tier keeps them as level tiles (every one does,
+# csrc/quant_tiles.h Levels): 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a
 # weight; IQ4_XS's superblock tiles its 8 blocks' scale bytes beside one fp16 d.
 LEVEL_TILE_BYTES = {20: 18, 39: 18, 23: 17.25}
 # Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
@@ -111,9 +111,9 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
 
 
 def _level_tiles() -> bool:
-    """Whether the executor's tier (the best this CPU runs: --kernels auto's) keeps IQ4_NL,
-    MXFP4 and IQ4_XS as level tiles."""
-    return tiers.best() in tiers.LEVEL_TILES
+    """Whether the executor keeps IQ4_NL, MXFP4 and IQ4_XS as level tiles: where a native
+    tier runs (--kernels auto's), every one of which has them."""
+    return tiers.best() is not None
 
 
 def tile_bytes(level_tiles: bool) -> dict[int, float]:

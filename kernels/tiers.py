@@ -24,10 +24,6 @@ ALIASES = {"amx": "avx512_bf16"}
 # What --kernels takes (kernels/ops.py builds them): "cpu" is the best tier this CPU runs.
 BACKENDS = ("auto", "torch", "cpu", *TIERS, *ALIASES, "triton")
 
-# The tiers whose quantized matmuls take level tiles (IQ4_NL's, MXFP4's and IQ4_XS's nibbles
-# as stored, csrc/quant_kernels.cpp PW_LEVEL_TILES): every native one.
-LEVEL_TILES = TIERS
-
 # /proc/cpuinfo flags a tier needs, on top of the tier before it.
 _NEEDS = {
     "avx2": ("avx2", "fma", "f16c"),

@@ -231,14 +231,14 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
 
 namespace pw {
 
-// Each tile type's PwTile name and layout (quant_tiles.h); FP8 has no integer kernels.
+// Each tile type's PwTile name and layout (quant_tiles.h); FP8 has no integer kernels. The
+// level tiles (IQ4_NL, MXFP4, IQ4_XSL) multiply on every tier too: avx512_bf16's exact kernels
+// decode them with LevelCodes, its VNNI ones look them up as Q8 codes (q8_operands).
 #define PW_INT_TILES(X) X(Q4_1, Q4_1Tile) X(Q8_0, Q8_0Tile) X(Q4_K, Q4_KTile)         \
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
-  X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper)
-#define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile) PW_LEVEL_TILES(X)
-// Level tiles (quant_tiles.h Levels): on every tier (avx512_bf16's exact kernels decode them
-// with LevelCodes, its VNNI ones look them up as Q8 codes: q8_operands).
-#define PW_LEVEL_TILES(X) X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
+  X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper) \
+  X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
+#define PW_TILES(X) PW_INT_TILES(X) X(FP8, FP8Tile)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
 
 // PW_ROUNDING_INT8_LARGE: a step of kLargeFrom tokens or more (a prefill chunk, a big batch)
@@ -286,9 +286,9 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #define PW_INT8_LARGE(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT8_LARGE: return large_int8<Tile, T>;
   switch (kind) {
-    PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile) PW_LEVEL_TILES(PW_EXACT)
-    PW_INT_TILES(PW_INT8) PW_LEVEL_TILES(PW_INT8)
-    PW_INT_TILES(PW_INT16) PW_LEVEL_TILES(PW_INT16)
+    PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile)
+    PW_INT_TILES(PW_INT8)
+    PW_INT_TILES(PW_INT16)
     PW_Q4_TILES(PW_INT8_LARGE)
   }
 #undef PW_EXACT

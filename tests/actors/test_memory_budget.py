@@ -8,7 +8,7 @@ import torch
 
 from pagewire import memory_budget
 from pagewire.executor.linear_blocks import AUTO_MATMUL_TOKENS, DenseRoom
-from pagewire.kernels import native, quant, tiers
+from pagewire.kernels import native, quant
 from pagewire.model_info import ModelInfo
 
 GiB = 2**30
@@ -110,8 +110,7 @@ def test_tile_bytes_are_what_pack_makes(native_lib, qtype):
     if kind in gguf_blocks.SUPERBLOCKS:
         kind, raw = gguf_blocks.k_quant_super_blocks(kind, raw)
     weight = quant.pack(kind, raw, 512, native_lib)
-    level_tiles = native_lib.tier in tiers.LEVEL_TILES
-    assert weight.nbytes / (16 * 512 / 32) == memory_budget.tile_bytes(level_tiles)[
+    assert weight.nbytes / (16 * 512 / 32) == memory_budget.tile_bytes(level_tiles=True)[
         int(gguf.GGMLQuantizationType[qtype])]
 
 

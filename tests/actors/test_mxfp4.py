@@ -44,8 +44,7 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
     kinds = {s.kind % 100 for m in llm.runner.model.modules() if isinstance(m, Linear)
              and m.quantized is not None for s in m.quantized.segments}
     # every linear's blocks as level tiles, however the tier's default rounds activations
-    level = quant.MXFP4 if kernels in tiers.LEVEL_TILES else quant.Q8_0
-    assert kinds == (set() if kernels == "torch" else {level})
+    assert kinds == (set() if kernels == "torch" else {quant.MXFP4})
     oracle = HFOracle(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mx.gguf",
                                                            dtype=torch.float32))
     rng = random.Random(3)
@@ -60,7 +59,7 @@ def test_an_mxfp4_llama_gguf_matches_transformers_on_every_backend(
 def test_mxfp4_experts_multiply_as_stored_and_match_transformers(tmp_path, smol_tokenizer_dir,
                                                                  gguf_tokenizer_meta):
     """An OLMoE GGUF whose experts (stacked [E, rows, cols]) are MXFP4, as gpt-oss's: every
-    expert's Linear holds its slice's blocks only (as level or Q8_0 tiles, no float copy), and
+    expert's Linear holds its slice's blocks only (as level tiles, no float copy), and
     greedy tokens equal transformers' on the values the file holds (our dequantization of it)."""
     from safetensors.torch import save_file
     from pagewire.executor.gguf_weights import read_gguf_weights
@@ -82,8 +81,7 @@ def test_mxfp4_experts_multiply_as_stored_and_match_transformers(tmp_path, smol_
                for e in m.experts.values()]
     assert len(experts) == cfg["num_hidden_layers"] * cfg["num_experts"]
     for linear in (lin for e in experts for lin in (e.gate_up, e.down)):
-        assert linear.weight is None and linear.quantized.kind % 100 == (
-            quant.MXFP4 if tiers.best() in tiers.LEVEL_TILES else quant.Q8_0)
+        assert linear.weight is None and linear.quantized.kind % 100 == quant.MXFP4
     oracle = HFOracle.from_dir(hf_dir)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (6, 40)]

@@ -51,8 +51,6 @@ def test_level_tile_layout(native_lib):
     """Exact: byte [k][l] is the file's byte k of row l (columns k and k + 16); integer
     activations: byte [j][w][p] holds columns 4j + p (low) and 4j + 2 + p (high) of row
     (0-3, 8-11, 4-7, 12-15)[w]; then d [16] fp16."""
-    if not native_lib.quant_kind(quant.IQ4_NL):
-        pytest.skip(f"{native_lib.tier} packs IQ4_NL as Q8_0 tiles")
     raw = level_raw("IQ4_NL", 16, 32, 1)                           # [16 rows, 18 bytes]
     exact = quant.pack(quant.IQ4_NL, raw, 32, native_lib).tiles[0, 0]
     steps = quant.pack(quant.IQ4_NL, raw, 32, native_lib, "int8").tiles[0, 0]
@@ -78,8 +76,6 @@ def test_level_tiles_multiply_as_the_q8_0_tiles_of_their_values(native_lib, qtyp
                                                                 tokens):
     """Integer activations: bit for bit what the Q8_0 tiles of the same values give, in the
     small kernels and the GEMMs (the same integer sums, the same scales)."""
-    if not native_lib.quant_kind(LEVEL[qtype] + OFFSET[rounding]):
-        pytest.skip(f"{native_lib.tier} packs {qtype} as Q8_0 tiles")
     raw = level_raw(qtype, 48, 320, tokens)
     levels = quant.pack(LEVEL[qtype], raw, 320, native_lib, rounding)
     q8 = quant.pack(quant.Q8_0, as_q8_0(qtype, raw), 320, native_lib, rounding)
@@ -104,17 +100,14 @@ def test_level_tiles_exact_products_equal_the_dequantized_weights(native_lib, qt
 
 
 def test_iq4_xs_whole_superblocks_take_level_tiles_and_a_cut_share_classic_ones(native_lib):
-    """IQ4_XS's superblocks (the loader's IQ4_XSS blocks) pack as IQ4_XSL level tiles where
-    the library has them, 2208 bytes a 16 x 256; a rank's share starting inside a superblock
+    """IQ4_XS's superblocks (the loader's IQ4_XSS blocks) pack as IQ4_XSL level tiles,
+    2208 bytes a 16 x 256; a rank's share starting inside a superblock
     as the classic tiles (Q6_K's float32 scales) of the same values."""
     raw = random_blocks("IQ4_XS", 16, 512, np.random.default_rng(6))
     values = torch.from_numpy(dequantized(raw, "IQ4_XS")).double()
     _, blocks = gguf_blocks.k_quant_super_blocks(gguf_blocks.IQ4_XS, raw)
     whole = quant.pack(quant.IQ4_XSS, blocks, 512, native_lib)
-    has = native_lib.quant_kind(quant.IQ4_XSL)
-    assert whole.kind == (quant.IQ4_XSL if has else quant.IQ4_XSS)
-    if has:
-        assert whole.nbytes == 2 * 2208
+    assert whole.kind == quant.IQ4_XSL and whole.nbytes == 2 * 2208
     per_block = blocks.shape[1] // 16
     cut = quant.pack(quant.IQ4_XSS, blocks[:, 4 * per_block:12 * per_block], 256, native_lib)
     assert cut.kind == quant.Q6_K
