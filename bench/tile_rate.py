@@ -2,12 +2,13 @@
 decode step's inner loop, GB/s of tiles and G weights a second.
 
     python bench/tile_rate.py [--types Q4_K,Q6_K,Q8_0,Q4_0] [--threads 2] [--classic]
-                              [--rounding exact|int16|int8] [--tier avx2]
+                              [--codes] [--rounding exact|int16|int8] [--tier avx2]
 
 A down projection's shape (14336 x 4096, an 8B model's), random blocks, bfloat16 activations,
 exact products; four copies of the weight (beyond the L3 cache) multiplied in turn, best of
 seven. `--classic` adds the K-quants' classic tiles (float32 scales a block) beside their
-superblock tiles; `--rounding int8` rounds the activations per block to int8 (as
+superblock tiles; `--codes` Q6_K's and Q3_K's int8 code tiles (Q6_KS) beside the bit planes
+a tier keeps them as (Q6_KP, avx512_bf16's); `--rounding int8` rounds the activations per block to int8 (as
 --quantized-activations int8 does); `--tier` takes a lower tier's kernels. Compare within
 one run: the host's bandwidth varies between runs.
 """
@@ -28,7 +29,8 @@ from pagewire.testing.gguf_writer import random_blocks  # noqa: E402
 ROWS, COLS = 14336, 4096
 
 
-def packed(qtype: str, classic: bool, lib, rounding: str) -> quant.QuantWeight:
+def packed(qtype: str, classic: bool, lib, rounding: str,
+           planes: bool = True) -> quant.QuantWeight:
     import gguf
     kind = int(gguf.GGMLQuantizationType[qtype])
     rng = np.random.default_rng(0)
@@ -40,7 +42,7 @@ def packed(qtype: str, classic: bool, lib, rounding: str) -> quant.QuantWeight:
     if kind in gguf_blocks.SUPERBLOCKS:
         convert = gguf_blocks.k_quant_blocks if classic else gguf_blocks.k_quant_super_blocks
         kind, raw = convert(kind, raw)
-    return quant.pack(kind, raw, COLS, lib, rounding)
+    return quant.pack(kind, raw, COLS, lib, rounding, planes)
 
 
 def rate(weights: list[quant.QuantWeight]) -> float:
@@ -67,16 +69,24 @@ def main() -> None:
     p.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--classic", action="store_true")
+    p.add_argument("--codes", action="store_true")
     p.add_argument("--rounding", default="exact", choices=("exact", "int16", "int8"))
     p.add_argument("--tier", default=None, help="a native tier (default: the CPU's best)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     lib = native.load(a.tier)
     for qtype in a.types.split(","):
-        for classic in (False, True) if a.classic and qtype.endswith("_K") else (False,):
-            weights = [packed(qtype, classic, lib, a.rounding) for _ in range(4)]
+        variants = [(False, True)]
+        if a.classic and qtype.endswith("_K"):
+            variants.append((True, True))
+        if a.codes and qtype in ("Q3_K", "Q6_K"):
+            variants.append((False, False))
+        for classic, planes in variants:
+            weights = [packed(qtype, classic, lib, a.rounding, planes) for _ in range(4)]
             seconds = rate(weights)
-            name = f"{qtype}{' classic' if classic else ''}"
+            kind = weights[0].kind % 100
+            name = f"{qtype}{' classic' if classic else ''}" + \
+                (" planes" if kind == quant.Q6_KP else " codes" if kind == quant.Q6_KS else "")
             print(f"{name}: {weights[0].nbytes / 1e6:.0f} MB in {seconds * 1e3:.2f} ms: "
                   f"{weights[0].nbytes / seconds / 1e9:.1f} GB/s, "
                   f"{ROWS * COLS / seconds / 1e9:.1f} G weights/s ({a.threads} threads, "

@@ -22,7 +22,7 @@ import torch
 
 from . import native, native_api
 from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0,
-                          Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KS, Q8_0,
+                          Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KP, Q6_KS, Q8_0,
                           SUPER_PARTS, iq4_xs_level_parts, mxfp4_as_level_blocks,
                           super_as_classic, super_parts)
 
@@ -47,17 +47,17 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 # (native.Library.quant_kind), else their values as Q8_0 tiles (AS_TILE_BLOCKS). MXFP4's
 # exponent byte becomes the fp16 d (gguf_blocks.mxfp4_as_level_blocks).
 _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
-# Superblock tile types kept as level superblock tiles where the library has them: (the level
-# type, its parts from the superblock's: gguf_blocks.super_parts'). IQ4_XSS's whole
-# superblocks become IQ4_XSL's.
-_LEVEL_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts)}
-_LEVEL_TYPES = (*_LEVELS, *(level for level, _ in _LEVEL_SUPERS.values()))
+# Superblock tile types kept nearer the file's bytes where the library has them: (that type,
+# its parts from the superblock's: gguf_blocks.super_parts'). IQ4_XSS's whole superblocks
+# become IQ4_XSL's level tiles, Q6_KS's Q6_KP's bit planes (the same parts: _plane_bytes).
+_STORED_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts), Q6_KS: (Q6_KP, lambda parts: parts)}
+_LEVEL_TYPES = (*_LEVELS, IQ4_XSL)
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
 assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
                                       ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS),
-                                      ("IQ4_XSL", IQ4_XSL)))
+                                      ("IQ4_XSL", IQ4_XSL), ("Q6_KP", Q6_KP)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic); or
 # "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the int8
@@ -73,7 +73,8 @@ _KIND_OFFSET = {rounding: _ROUNDING[rounding.upper().replace("-", "_")]
 # multiplied by the same entry point (csrc/bf16_matmul.cpp).
 BF16 = _TILE["BF16"]
 KINDS = (*(t + o for r, o in _KIND_OFFSET.items() for t in (*_SCALES, *_SUPER)
-            if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)), BF16)
+            if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)),
+         Q6_KP, Q6_KP + _KIND_OFFSET["int8"], BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -99,6 +100,9 @@ class QuantWeight:
             raise ValueError(f"{lib} has no quantized matmuls")
         if order is not None and (order.dtype != torch.int64 or order.shape != (cols,)):
             raise ValueError(f"a column order must be int64 [{cols}]")
+        missing = {s.kind for s in segments if not lib.quant_kind(s.kind)}
+        if missing:     # another tier's tiles (Q6_KP is avx512_bf16's): no kernel to call
+            raise ValueError(f"the {lib.tier} kernels multiply no tiles of kind {sorted(missing)}")
         self.segments, self.cols, self.order = segments, cols, order
         self.rows = sum(s.rows for s in segments)
         self.kernels = {dtype: lib.typed("pw_quant_matmul", dtype)
@@ -185,17 +189,19 @@ def available(lib: native.Library | None) -> bool:
 
 
 def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
-         rounding: str = "exact") -> QuantWeight:
+         rounding: str = "exact", planes: bool = True) -> QuantWeight:
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
-    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's: _LEVEL_SUPERS); those and Q4_0,
+    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's, Q6_KS's Q6_KP's: _STORED_SUPERS);
+    those and Q4_0,
     Q5_0 and Q5_1 blocks otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or
     Q6_K's); superblock tile blocks pack 8 a tile, or as the classic tiles of the same values
     where a superblock was cut (a rank's share of its columns). rounding (one of ROUNDINGS):
     int16 and int8 round the activations per 32-column block and multiply in integers
     (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a row's four adjacent columns
-    together (Q2_K too)."""
+    together (Q2_K too). planes=False keeps Q6_KS's int8 codes where the library has bit
+    planes (to compare the two)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
@@ -211,9 +217,10 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     parts = super_parts(ggml_type, raw) if ggml_type in _SUPER else None
     if parts is not None and not _whole_superblocks(parts[0], cols):
         ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
-    level, as_level = _LEVEL_SUPERS.get(ggml_type, (None, None))
-    if parts is not None and level is not None and lib.quant_kind(level + _KIND_OFFSET[rounding]):
-        ggml_type, parts = level, as_level(parts)
+    stored, as_stored = _STORED_SUPERS.get(ggml_type, (None, None))
+    if parts is not None and stored is not None and (planes or stored != Q6_KP) and \
+            lib.quant_kind(stored + _KIND_OFFSET[rounding]):
+        ggml_type, parts = stored, as_stored(parts)
     if parts is not None:
         tiles = _super_tiles(ggml_type, parts, cols, rounding)
     else:
@@ -262,6 +269,8 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     rows] (exact), or _level_steps'."""
     groups, nb = quants.shape[0], quants.shape[2]
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
+    if ggml_type == Q6_KP:
+        return _plane_bytes(quants, rounding)
     if ggml_type in _LEVEL_TYPES:
         qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
     elif ggml_type in _NIBBLES:
@@ -271,6 +280,34 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     else:
         qs = quants.transpose(2, 3)                           # [G, nb, 32 columns, 16 rows]
     return qs.reshape(groups, nb, -1)
+
+
+def _plane_bytes(codes: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Six-bit codes uint8 [G, nb, 16 rows, 32 columns] (int8 -32..31) as Q6_KP's planes
+    [G, nb, 384]: 256 bytes of nibbles, then 128 of crumbs, of q = code + 32 (csrc:
+    quant_decode_bf16.h PlaneCodes for exact activations, quant_step_vnni.h plane_operands
+    for int8)."""
+    g, nb = codes.shape[:2]
+    q = (codes.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
+    nib, crumb = q & 0x0F, q >> 4
+    if rounding == "exact":
+        # step s: byte 2l + c = columns 2s + c (low), 2s + 16 + c (high) of row l
+        n = nib.reshape(g, nb, 16, 2, 8, 2)                       # [G, nb, l, half, s, c]
+        nibbles = (n[:, :, :, 0] | (n[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4)
+        # steps 2t, 2t + 1: byte 2l + c = their crumbs (low, high) XOR 2 (two's complement)
+        h = (crumb ^ 2).reshape(g, nb, 16, 2, 4, 2, 2)            # [.., l, half, t, par, c]
+        crumbs = (h[:, :, :, 0, :, 0] | (h[:, :, :, 1, :, 0] << 2) | (h[:, :, :, 0, :, 1] << 4)
+                  | (h[:, :, :, 1, :, 1] << 6)).permute(0, 1, 3, 2, 4)
+    else:
+        # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
+        n = nib.reshape(g, nb, 16, 4, 2, 4)                       # [G, nb, l, p, half, c]
+        nibbles = (n[..., 0, :] | (n[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+        # byte 4l + c of pair p: the crumbs of nibble bytes 4l + c (rows l < 8) and 4l + c + 32
+        h = crumb.reshape(g, nb, 2, 8, 4, 2, 4)                   # [.., a, l, p, half, c]
+        crumbs = (h[:, :, 0, ..., 0, :] | (h[:, :, 1, ..., 0, :] << 2)
+                  | (h[:, :, 0, ..., 1, :] << 4) | (h[:, :, 1, ..., 1, :] << 6)).permute(
+                      0, 1, 3, 2, 4)
+    return torch.cat([nibbles.reshape(g, nb, 256), crumbs.reshape(g, nb, 128)], dim=2)
 
 
 def _whole_superblocks(heads: torch.Tensor, cols: int) -> bool:

@@ -48,8 +48,8 @@ constexpr int kGemmTokens = 8;   // tokens a kernel call keeps in registers (8 s
 //   dx     [sets][nb][kGemmTokens] each block's scale (a unit of q);
 //   xsum   [sets][nb][groups][kGemmTokens] the sums of the unrounded x over each column
 //          group that a tile's minimums meet (groups = Tile::kSumGroups; 0: none);
-//   start  [sets][nb][splits][kGemmTokens] for Q8 tiles (splits > 0): -128 * the sum of q
-//          over each split's columns, where the split's chains start;
+//   start  [sets][nb][splits][kGemmTokens] for Q8 tiles (splits > 0): -bias (Tile::kBias) *
+//          the sum of q over each split's columns, where the split's chains start;
 //   x8     [sets][nb][kGemmTokens] for Q4 tiles with minimums (`fold`): -8 * xsum, what a
 //          Q4_0 block's minimum (-8 d) meets (gemm_tokens' kFold).
 struct Int8Rows : avx2::RoundedRows {
@@ -59,10 +59,12 @@ struct Int8Rows : avx2::RoundedRows {
   std::vector<float> dx, xsum, x8;
   std::vector<int32_t> start;
 
+  int bias;
+
   template <typename In>
   Int8Rows(const In* x, int64_t x_stride, int64_t T_, int64_t K_, int groups_, int splits_,
-           bool fold)
-      : RoundedRows(x, x_stride, T_, K_, groups_, 127.f), splits(splits_),
+           int bias_, bool fold)
+      : RoundedRows(x, x_stride, T_, K_, groups_, 127.f), splits(splits_), bias(bias_),
         q(sets() * K * kSet), dx(sets() * nb * kSet), xsum(sets() * nb * groups * kSet),
         x8(fold ? sets() * nb * kSet : 0), start(sets() * nb * splits * kSet) {
     at::parallel_for(0, sets(), 1, [&](int64_t s0, int64_t s1) {
@@ -86,7 +88,7 @@ struct Int8Rows : avx2::RoundedRows {
       xsum[(i * groups + g) * kSet + m] = sum[(t * nb + b) * groups + g];
     if (!x8.empty()) x8[i * kSet + m] = -8.f * sum[t * nb + b];
     for (int s = 0; s < splits; ++s)
-      start[(i * splits + s) * kSet + m] = split_start(value.data() + t * K + b * 32, s, splits);
+      start[(i * splits + s) * kSet + m] = split_start(value.data() + t * K + b * 32, s, splits, bias);
   }
 };
 
@@ -240,7 +242,7 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
     return matmul_int8_step<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   constexpr bool kMayFold = Tile::kQ4 && Tile::kMin;
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits,
-                   kMayFold);
+                   Tile::kBias, kMayFold);
   const int64_t nb = K / 32;
   // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
   // between chunks (a panel fill prefetches the next group's tiles, or the next chunk's first).

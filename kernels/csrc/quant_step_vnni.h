@@ -49,14 +49,14 @@ inline __m512i load_halves(const uint8_t* p) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
 }
 
-// Where a Q8 tile split's vpdpbusd chain starts: -128 times the sum of a token's int8 x over
-// the split's columns (`block`: the token's 32 rounded values), since its codes are stored
-// + 128. Split `split` of `splits` (1, or 2: columns < 16 and >= 16).
-inline int32_t split_start(const int16_t* block, int split, int splits) {
+// Where a Q8 tile split's vpdpbusd chain starts: -bias times the sum of a token's int8 x over
+// the split's columns (`block`: the token's 32 rounded values), since its codes are operands
+// + bias (Tile::kBias). Split `split` of `splits` (1, or 2: columns < 16 and >= 16).
+inline int32_t split_start(const int16_t* block, int split, int splits, int bias) {
   const int width = 32 / splits;
   int32_t total = 0;
   for (int k = split * width; k < (split + 1) * width; ++k) total += block[k];
-  return -128 * total;
+  return -bias * total;
 }
 
 // A Q4 tile's 64 bytes at `step_pair` (steps 2i, 2i + 1) with row l's four bytes qs[4i ..
@@ -97,8 +97,28 @@ inline __m512i biased_levels() {
   return _mm512_inserti64x4(_mm512_castsi256_si512(t), t, 1);
 }
 
-// Steps j and j + 1 of a Q8 tile (integer layout) or a level tile, as vpdpbusd's unsigned
-// operand (code + 128). A level tile's 64 bytes are the two steps' nibbles (quant_tiles.h
+// Q6_KP's bit planes for integer activations, steps j and j + 1 (j even) as vpdpbusd's
+// operands: code + 32, six bits. Their 64 nibble bytes (at 32 j) are both steps' operand
+// order: byte 4l + c holds row l's column 4j + c (low nibble) and 4j + 4 + c (high). Their
+// 32 crumb bytes (at 256 + 16 j), byte k, hold the high bits of nibble bytes k and k + 32:
+// bits 0-1 byte k's low, 2-3 byte k + 32's low, 4-5 byte k's high, 6-7 byte k + 32's high.
+// Broadcast to both halves, each half's crumb shifts to bits 4-5 (a word's shift carries
+// bits between its bytes: the mask drops them).
+inline void plane_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
+  const __m512i v = load_halves(tile + 32 * j);
+  const __m512i crumbs = _mm512_broadcast_i64x4(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 + 16 * j)));
+  const __m512i to_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i to_high = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), crumb = _mm512_set1_epi8(0x30);
+  const __m512i lo_bits = _mm512_and_si512(_mm512_sllv_epi16(crumbs, to_low), crumb);
+  const __m512i hi_bits = _mm512_and_si512(_mm512_srlv_epi16(crumbs, to_high), crumb);
+  w[0] = _mm512_ternarylogic_epi32(v, nibble, lo_bits, 0xEA);                 // A & B | C
+  w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, hi_bits, 0xEA);
+}
+
+// Steps j and j + 1 of a Q8 tile (integer layout), a level tile or a plane tile, as
+// vpdpbusd's unsigned operand (code + Tile::kBias). A level tile's 64 bytes are the two steps' nibbles (quant_tiles.h
 // Levels: byte [j][w][p], rows 0-3, 8-11, 4-7, 12-15 a word each), looked up; interleaving
 // the low nibbles' levels (columns 4j + p) with the high ones' (4j + 2 + p) by 16-bit words
 // gives, 128-bit lane by lane, rows 0-3, 4-7 of each step (unpacklo) and 8-11, 12-15
@@ -115,6 +135,8 @@ inline void q8_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
     const __m512i rows_hi = _mm512_unpackhi_epi16(lo, hi);   // rows 8-11, 12-15
     w[0] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0x44);    // lanes 0, 1 of each: step j
     w[1] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0xEE);    // lanes 2, 3: step j + 1
+  } else if constexpr (Tile::kPlanes) {
+    plane_operands(tile, j, w);
   } else {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     w[0] = _mm512_xor_si512(load_halves(tile + 64 * j), bias);
@@ -200,7 +222,7 @@ void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
       for (int64_t b = 0; b < nb; ++b)
         for (int s = 0; s < Tile::kSplits; ++s)
           starts[(t * nb + b) * Tile::kSplits + s] =
-              split_start(a.value.data() + t * K + b * 32, s, Tile::kSplits);
+              split_start(a.value.data() + t * K + b * 32, s, Tile::kSplits, Tile::kBias);
   }
   at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
     switch (tokens) {

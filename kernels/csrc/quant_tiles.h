@@ -18,6 +18,11 @@
 //         level tiles, below)
 // The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
 // sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
+//   Q6_KP  Q6_K's superblocks as bit planes (kPlanes; the avx512_bf16 tier): a block's six-bit
+//         codes q + 32 as 256 bytes of low nibbles and 128 of high crumbs (two bits each),
+//         26.25 bytes a 32 weights with the scales, the file's own, where Q6_KS takes 34.25.
+//         Their order serves the kernel reading them (quant_decode_bf16.h PlaneCodes for
+//         exact activations, quant_step_vnni.h q8_operands for int8 ones).
 //
 // A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
 // a block's scales through scales8 / scales16(tile, b, array): one interface for both.
@@ -48,13 +53,18 @@ enum Levels { kNoLevels, kIQ4NLLevels, kMXFP4Levels };
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
 // kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
+// kPlanes: six-bit codes held as bit planes (Q6_KP). kBias: what vpdpbusd's unsigned operand
+// adds to a Q8 tile's code (its chains start at -kBias sum(x): quant_step_vnni.h): 128 (code
+// ^ 0x80), or a plane tile's 32 (its planes join into code + 32 with no further step).
 // What the kernels read of every layout (Tile, SuperTile).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_,
-          Levels kLevels_ = kNoLevels>
+          Levels kLevels_ = kNoLevels, bool kPlanes_ = false>
 struct TileShape {
   static constexpr int64_t kQuantBytes = kQuantBytes_;
   static constexpr int kSplits = kSplits_;
   static constexpr Levels kLevels = kLevels_;
+  static constexpr bool kPlanes = kPlanes_;
+  static constexpr int kBias = kPlanes_ ? 32 : 128;
   // kQ4: Q4_1's nibbles (codes 0..15); a level tile's nibbles are codebook indices
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256 && !kLevels_, kFp8 = kFp8_;
   static constexpr Codes kCodes = kCodes_;
@@ -102,9 +112,9 @@ struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_, kLevels_>
 // integer of at most 7 bits, exact in float32, the very float32 the classic tile holds, so
 // both multiply alike (Q4_K: 4.625 bits a weight against its 6; the file's 4.5).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyInt8,
-          Levels kLevels_ = kNoLevels>
-struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_> {
-  using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_>;
+          Levels kLevels_ = kNoLevels, bool kPlanes_ = false>
+struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_, kPlanes_> {
+  using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_, kPlanes_>;
   using Shape::kArrays, Shape::kQuantBytes, Shape::kSplits;
   static constexpr int kHeads = kMin_ ? 2 : 1;
   static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
@@ -155,6 +165,8 @@ using Q5_KSuper = SuperTile<512, 1, true, kUnsigned6>;     // Q5_K
 using Q6_KSuper = SuperTile<512, 2, false, kSigned6>;      // Q6_K, Q3_K
 using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
 using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
+// Q6_K (and Q3_K) as bit planes: 384 bytes a block, 26.25 a 32 weights with the scales
+using Q6_KPSuper = SuperTile<384, 2, false, kSigned6, kNoLevels, true>;
 // IQ4_XS as level superblocks: the file's nibbles and sub-block scales, 4.31 bits a weight
 using IQ4_XSLSuper = SuperTile<256, 1, false, kAnyInt8, kIQ4NLLevels>;
 using IQ4_NLTile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kIQ4NLLevels>;

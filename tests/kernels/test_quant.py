@@ -22,6 +22,16 @@ TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quan
 # the types kept as level tiles (nibbles indexing a codebook) where the library has them
 # (native.Library.quant_kind: the avx2 and avx512 tiers), else TILE's Q8_0 tiles
 LEVEL = {"IQ4_NL": quant.IQ4_NL, "MXFP4": quant.MXFP4, "IQ4_XS": quant.IQ4_XSL}
+# and as bit planes (test_quant_planes.py: the avx512_bf16 tier's)
+PLANES = {"Q3_K": quant.Q6_KP, "Q6_K": quant.Q6_KP}
+
+
+def kept_as(native_lib, qtype: str, offset: int) -> int:
+    """The tile type a `qtype` weight packs as with that rounding's kind offset."""
+    for kept in (LEVEL, PLANES):
+        if qtype in kept and native_lib.quant_kind(kept[qtype] + offset):
+            return kept[qtype]
+    return TILE[qtype]
 ALL = sorted(TILE)
 # the type pack() takes: the file's, or a K-quant's superblock tile type (blocks_of converts
 # them, as the loader does)
@@ -219,8 +229,7 @@ def _assert_within_rounding(native_lib, qtype, tokens, dtype, rounding, top, col
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
     weight = quant.pack(TYPES[qtype], raw, cols, native_lib, rounding)
     offset = {"int8": 100, "int16": 200}[rounding]
-    level = qtype in LEVEL and native_lib.quant_kind(LEVEL[qtype] + offset)
-    assert weight.kind == (LEVEL[qtype] if level else TILE[qtype]) + offset
+    assert weight.kind == kept_as(native_lib, qtype, offset) + offset
     x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
     _check_within_rounding(quant.matmul(x, weight), x, w, top, dtype)
 
@@ -310,7 +319,7 @@ def test_superblock_tiles_multiply_as_the_classic_tiles(native_lib, qtype, round
     classic = quant.pack(*gguf_blocks.k_quant_blocks(kind, raw), 512, native_lib, rounding)
     offset = classic.kind - classic.kind % 100
     level = qtype in LEVEL and native_lib.quant_kind(LEVEL[qtype] + offset)
-    assert sup.kind == (LEVEL[qtype] if level else TILE[qtype]) + offset
+    assert sup.kind == kept_as(native_lib, qtype, offset) + offset
     assert sup.nbytes < classic.nbytes
     if qtype == "Q4_K":
         assert (sup.nbytes, classic.nbytes) == (32 * 512 * 37 // 64, 32 * 512 * 48 // 64)
@@ -378,7 +387,8 @@ def test_a_weight_of_segments_of_different_types_multiplies_each_into_its_own_co
          in zip(parts, ("Q4_K", "Q6_K", "Q8_0"), ("exact", "exact", "int16"))], native_lib)
     assert weight.rows == 96 and weight.kind is None
     assert weight.table.tolist() == [3, 0, weight.segments[0].tiles.data_ptr(), quant.Q4_KS, 32,
-                                     weight.segments[1].tiles.data_ptr(), quant.Q6_KS, 16,
+                                     weight.segments[1].tiles.data_ptr(),
+                                     kept_as(native_lib, "Q6_K", 0), 16,
                                      weight.segments[2].tiles.data_ptr(), quant.Q8_0 + 200, 48]
     x = torch.from_numpy(rng.standard_normal((tokens, 256)).astype(np.float32))
     out = quant.matmul(x, weight)

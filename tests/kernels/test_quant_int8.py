@@ -101,12 +101,13 @@ def test_vnni_small_steps_equal_the_avx2_kernels(qtype, dtype):
     (csrc/quant_step_vnni.h): the AVX2 kernels' integer sums and float steps in their order,
     so the outputs equal the avx2 library's bit for bit, on rows of 10 blocks (or 2
     superblocks), tiles with and without minimums and with two scales a block, and level
-    tiles. Both multiply the tiles avx512_bf16 packs."""
+    tiles. Both multiply the tiles avx512_bf16 packs (Q6_K's as Q6_KS's codes, which avx2
+    multiplies too: its bit planes equal them in test_quant_planes.py)."""
     vnni, avx2 = native.load("avx512_bf16"), native.load("avx2")
     cols = cols_of(qtype, 320)
     rng = np.random.default_rng(len(qtype))
     raw, w = blocks_of(rng.standard_normal((48, cols)) * 0.1, qtype)
-    fast = quant.pack(TYPES[qtype], raw, cols, vnni, "int8")
+    fast = quant.pack(TYPES[qtype], raw, cols, vnni, "int8", planes=False)
     reference = quant.QuantWeight(fast.segments, cols, avx2)
     for tokens in range(1, 8):
         x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
