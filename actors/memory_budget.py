@@ -36,8 +36,7 @@ MXFP4, MXFP4_BLOCK_BYTES = 39, 17
 # Bytes of tiles a row's 32 weights of each GGML type become (kernels/quant.py; the K-quants
 # and IQ4_XS as superblock tiles, csrc/quant_tiles.h): Q4_0 as Q4_1 (20 against the file's
 # 18), Q5_0, IQ4_NL and MXFP4 as Q8_0 (MXFP4 with exponents beyond fp16's range as Q6_K, 40),
-# Q5_1 as Q5_K, Q4_K 18.5 against 18, Q6_K 34.25 against 26.25 (as bit planes its own 26.25:
-# PLANE_TILE_BYTES).
+# Q5_1 as Q5_K, Q4_K 18.5 against 18, Q6_K 34.25 against 26.25.
 # tests/actors/test_memory_budget.py holds it to what pack() makes.
 TILE_BYTES = {2: 20, 3: 20, 6: 34, 7: 40, 8: 34, 20: 34, 10: 36.5, 11: 34.25, 12: 18.5,
               13: 34.5, 14: 34.25, 23: 34.25, 39: 34}
@@ -46,10 +45,6 @@ FLOAT_BYTES = 2        # a dequantized tensor's (embedding, norms) element in bf
 # csrc/quant_tiles.h Levels): 256 bytes of nibbles and 16 fp16 d a 16 x 32 tile, the file's 4.5 bits a
 # weight; IQ4_XS's superblock tiles its 8 blocks' scale bytes beside one fp16 d.
 LEVEL_TILE_BYTES = {20: 18, 39: 18, 23: 17.25}
-# Q6_K and Q3_K (in Q6_K's form) where the tier keeps Q6_K's bit planes (avx512_bf16's
-# Q6_KP: nibbles and crumbs, the file's 26.25 bytes a 32 weights with the scales).
-PLANE_TILE_BYTES = {11: 26.25, 14: 26.25}
-PLANE_TIER = "avx512_bf16"
 # Types whose embedding stays blocks (executor/block_embedding.py: gguf_weights dequantizes
 # them with torch; one rank)
 BLOCK_EMBEDDINGS = {2, 3, 8, 10, 11, 12, 13, 14, 39}
@@ -110,7 +105,7 @@ def weights_estimate(info, quantized_matmul_tokens: int | None) -> int:
     dense = 2 * _parameters(info) if quantized_matmul_tokens and quantized_matmul_tokens > 0 \
         else 0
     held = _gguf_held(info.path) if info.format == "gguf" else None
-    overhead = tile_bytes(_level_tiles(), _plane_tiles())[MXFP4] / MXFP4_BLOCK_BYTES \
+    overhead = tile_bytes(_level_tiles())[MXFP4] / MXFP4_BLOCK_BYTES \
         if info.stored_quantization == "mxfp4" else TILE_OVERHEAD
     return (held if held is not None else int(size * overhead)) + dense
 
@@ -121,17 +116,10 @@ def _level_tiles() -> bool:
     return tiers.best() is not None
 
 
-def _plane_tiles() -> bool:
-    """Whether the executor keeps Q6_K's bit planes: where --kernels auto's tier has them."""
-    return tiers.best() == PLANE_TIER
-
-
-def tile_bytes(level_tiles: bool, plane_tiles: bool = False) -> dict[int, float]:
+def tile_bytes(level_tiles: bool) -> dict[int, float]:
     """Bytes of tiles a row's 32 weights of each GGML type become (TILE_BYTES), with
-    LEVEL_TILE_BYTES where the tier has level tiles and PLANE_TILE_BYTES where it has bit
-    planes."""
-    return {**TILE_BYTES, **(LEVEL_TILE_BYTES if level_tiles else {}),
-            **(PLANE_TILE_BYTES if plane_tiles else {})}
+    LEVEL_TILE_BYTES where the tier has level tiles."""
+    return {**TILE_BYTES, **LEVEL_TILE_BYTES} if level_tiles else TILE_BYTES
 
 
 def _gguf_held(path: str) -> int | None:
@@ -144,7 +132,7 @@ def _gguf_held(path: str) -> int | None:
         tensors = read_gguf_header(path).tensors.values()
     except (OSError, ValueError):
         return None
-    held, sizes = 0, tile_bytes(_level_tiles(), _plane_tiles())
+    held, sizes = 0, tile_bytes(_level_tiles())
     for t in tensors:
         count, embedding = math.prod(t.shape), "token_embd" in t.name
         if embedding and t.ggml_type in BLOCK_EMBEDDINGS:

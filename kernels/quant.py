@@ -74,7 +74,7 @@ _KIND_OFFSET = {rounding: _ROUNDING[rounding.upper().replace("-", "_")]
 BF16 = _TILE["BF16"]
 KINDS = (*(t + o for r, o in _KIND_OFFSET.items() for t in (*_SCALES, *_SUPER)
             if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)),
-         Q6_KP, Q6_KP + _KIND_OFFSET["int8"], BF16)
+         Q6_KP + _KIND_OFFSET["int8"], BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -270,7 +270,7 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     groups, nb = quants.shape[0], quants.shape[2]
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
     if ggml_type == Q6_KP:
-        return _plane_bytes(quants, rounding)
+        return _plane_bytes(quants)
     if ggml_type in _LEVEL_TYPES:
         qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
     elif ggml_type in _NIBBLES:
@@ -282,31 +282,21 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     return qs.reshape(groups, nb, -1)
 
 
-def _plane_bytes(codes: torch.Tensor, rounding: str) -> torch.Tensor:
+def _plane_bytes(codes: torch.Tensor) -> torch.Tensor:
     """Six-bit codes uint8 [G, nb, 16 rows, 32 columns] (int8 -32..31) as Q6_KP's planes
-    [G, nb, 384]: 256 bytes of nibbles, then 128 of crumbs, of q = code + 32 (csrc:
-    quant_decode_bf16.h PlaneCodes for exact activations, quant_step_vnni.h plane_operands
-    for int8)."""
+    [G, nb, 384] for int8 activations: 256 bytes of nibbles, then 128 of crumbs, of q = code
+    + 32 (csrc/quant_step_vnni.h plane_operands)."""
     g, nb = codes.shape[:2]
     q = (codes.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
     nib, crumb = q & 0x0F, q >> 4
-    if rounding == "exact":
-        # step s: byte 2l + c = columns 2s + c (low), 2s + 16 + c (high) of row l
-        n = nib.reshape(g, nb, 16, 2, 8, 2)                       # [G, nb, l, half, s, c]
-        nibbles = (n[:, :, :, 0] | (n[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4)
-        # steps 2t, 2t + 1: byte 2l + c = their crumbs (low, high) XOR 2 (two's complement)
-        h = (crumb ^ 2).reshape(g, nb, 16, 2, 4, 2, 2)            # [.., l, half, t, par, c]
-        crumbs = (h[:, :, :, 0, :, 0] | (h[:, :, :, 1, :, 0] << 2) | (h[:, :, :, 0, :, 1] << 4)
-                  | (h[:, :, :, 1, :, 1] << 6)).permute(0, 1, 3, 2, 4)
-    else:
-        # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
-        n = nib.reshape(g, nb, 16, 4, 2, 4)                       # [G, nb, l, p, half, c]
-        nibbles = (n[..., 0, :] | (n[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
-        # byte 4l + c of pair p: the crumbs of nibble bytes 4l + c (rows l < 8) and 4l + c + 32
-        h = crumb.reshape(g, nb, 2, 8, 4, 2, 4)                   # [.., a, l, p, half, c]
-        crumbs = (h[:, :, 0, ..., 0, :] | (h[:, :, 1, ..., 0, :] << 2)
-                  | (h[:, :, 0, ..., 1, :] << 4) | (h[:, :, 1, ..., 1, :] << 6)).permute(
-                      0, 1, 3, 2, 4)
+    # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
+    n = nib.reshape(g, nb, 16, 4, 2, 4)                           # [G, nb, l, p, half, c]
+    nibbles = (n[..., 0, :] | (n[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+    # byte 4l + c of pair p: the crumbs of nibble bytes 4l + c (rows l < 8) and 4l + c + 32
+    h = crumb.reshape(g, nb, 2, 8, 4, 2, 4)                       # [.., a, l, p, half, c]
+    crumbs = (h[:, :, 0, ..., 0, :] | (h[:, :, 1, ..., 0, :] << 2)
+              | (h[:, :, 0, ..., 1, :] << 4) | (h[:, :, 1, ..., 1, :] << 6)).permute(
+                  0, 1, 3, 2, 4)
     return torch.cat([nibbles.reshape(g, nb, 256), crumbs.reshape(g, nb, 128)], dim=2)
 
 

@@ -119,35 +119,6 @@ struct SixBitCodes {
   }
 };
 
-// Q6_KP's bit planes for exact activations. Step s's 32 nibble bytes (at 32 s) are already a
-// row's pairs: byte 2l + c holds row l's column 2s + c (low nibble) and 2s + 16 + c (high).
-// The crumb bytes of steps s and s + 1 (s even; 32 at 256 + 16 s), byte 2l + c, hold that
-// byte's high bits in bits 0-1 (step s, low), 2-3 (s, high), 4-5 (s + 1, low), 6-7 (s + 1,
-// high), each XOR 2: a nibble with its crumb above it is then the code's six-bit two's
-// complement, SixBitCodes' table index (vpermt2w reads an index's low 6 bits, so whatever
-// lies above them needs no mask). Ten vector ops a 64 weights against SixBitCodes' eight,
-// on 0.77x its bytes.
-struct PlaneCodes {
-  const __m512i low = six_bit_table<pw::kSigned6>(0), high = six_bit_table<pw::kSigned6>(1);
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
-  static constexpr int x0(int s) { return 2 * s; }
-  static constexpr int x1(int s) { return 2 * s + 16; }
-  // bits 0-3 of `nibbles`, bits 4 and up of `crumbs`
-  __m512i joined(__m512i nibbles, __m512i crumbs) const {
-    return _mm512_ternarylogic_epi32(nibble, nibbles, crumbs, 0xCA);   // A ? B : C
-  }
-  void operator()(const uint8_t* tile, int s, __m512bh& w0, __m512bh& w1) const {
-    const __m512i codes = _mm512_cvtepu8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * s)));
-    const __m512i crumbs = _mm512_cvtepu8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 + 16 * (s & ~1))));
-    const __m512i c0 = s & 1 ? crumbs : _mm512_slli_epi16(crumbs, 4);
-    const __m512i c1 = s & 1 ? _mm512_srli_epi16(crumbs, 2) : _mm512_slli_epi16(crumbs, 2);
-    w0 = (__m512bh)_mm512_permutex2var_epi16(low, joined(codes, c0), high);
-    w1 = (__m512bh)_mm512_permutex2var_epi16(low, joined(_mm512_srli_epi16(codes, 4), c1), high);
-  }
-};
-
 // A level tile's codebook (quant_tiles.h level_table) as bfloat16, indexed by a word's low 5
 // bits: entries i and i + 16 alike, so that a byte's low nibble needs no mask (exact: the
 // levels are integers of at most 8 bits).

@@ -166,7 +166,7 @@ void q8_pair_groups(Out* out, int64_t out_stride, const bf16* x, int64_t K,
 }
 
 // The tiles pair_groups multiplies through a decoder (Nibbles, Fp8Codes, SixBitCodes,
-// LevelCodes, PlaneCodes).
+// LevelCodes).
 template <typename Tile>
 constexpr bool kDecoded = Tile::kQ4 || Tile::kFp8 || Tile::kCodes != pw::kAnyInt8 ||
                           Tile::kLevels != pw::kNoLevels;
@@ -186,8 +186,7 @@ void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t*
     if constexpr (kDecoded<Tile>) {
       using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, std::conditional_t<
           Tile::kQ4, Nibbles, std::conditional_t<Tile::kLevels != pw::kNoLevels,
-          LevelCodes<Tile::kLevels>, std::conditional_t<Tile::kPlanes, PlaneCodes,
-          SixBitCodes<Tile::kCodes>>>>>;
+          LevelCodes<Tile::kLevels>, SixBitCodes<Tile::kCodes>>>>;
       const bf16* x = a.parts.data() + t * a.K;
       const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
       if (a.P == 1)
@@ -239,8 +238,10 @@ namespace pw {
   X(Q5_K, Q5_KTile) X(Q6_K, Q6_KTile) X(Q2_K, Q2_KTile) X(Q4_KS, Q4_KSuper)           \
   X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper) \
   X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
-// Q6_K's bit planes: avx512_bf16's kernels only (exact, and int8 on VNNI); elsewhere
-// kernels/quant.py keeps Q6_KS tiles (pw_quant_kind).
+// Q6_K's bit planes: int8 activations on VNNI only (avx512_bf16); elsewhere, and for the
+// other roundings, kernels/quant.py keeps Q6_KS tiles (pw_quant_kind). Its exact kernels
+// joined a nibble and a crumb into SixBitCodes' index at 0.70-0.89x Q6_KS's rate (shifts and
+// shuffles share a Zen 4 core's two pipes; bench/NOTES.md "Q6_K's bit planes").
 #define PW_PLANE_TILES(X) X(Q6_KP, Q6_KPSuper)
 #define PW_TILES(X) PW_INT_TILES(X) PW_PLANE_TILES(X) X(FP8, FP8Tile)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)
@@ -293,7 +294,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
     PW_INT_TILES(PW_EXACT) PW_EXACT(FP8, FP8Tile)
     PW_INT_TILES(PW_INT8)
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-    PW_PLANE_TILES(PW_EXACT) PW_PLANE_TILES(PW_INT8)
+    PW_PLANE_TILES(PW_INT8)
 #endif
     PW_INT_TILES(PW_INT16)
     PW_Q4_TILES(PW_INT8_LARGE)

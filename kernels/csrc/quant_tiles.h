@@ -18,11 +18,10 @@
 //         level tiles, below)
 // The K-quants' superblock tiles (SuperTile) hold the same values in fewer bytes: the file's
 // sub-block scales as it stores them, int8 a row, beside their superblock's fp16 d.
-//   Q6_KP  Q6_K's superblocks as bit planes (kPlanes; the avx512_bf16 tier): a block's six-bit
-//         codes q + 32 as 256 bytes of low nibbles and 128 of high crumbs (two bits each),
-//         26.25 bytes a 32 weights with the scales, the file's own, where Q6_KS takes 34.25.
-//         Their order serves the kernel reading them (quant_decode_bf16.h PlaneCodes for
-//         exact activations, quant_step_vnni.h q8_operands for int8 ones).
+//   Q6_KP  Q6_K's superblocks as bit planes (kPlanes; int8 activations on avx512_bf16): a
+//         block's six-bit codes q + 32 as 256 bytes of low nibbles and 128 of high crumbs (two
+//         bits each), 26.25 bytes a 32 weights with the scales, the file's own, where Q6_KS
+//         takes 34.25 (quant_step_vnni.h plane_operands reads them).
 //
 // A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
 // a block's scales through scales8 / scales16(tile, b, array): one interface for both.
