@@ -102,17 +102,17 @@ inline __m512i biased_levels() {
 // order: byte 4l + c holds row l's column 4j + c (low nibble) and 4j + 4 + c (high). Their
 // 32 crumb bytes (at 256 + 16 j), byte k, hold the high bits of nibble bytes k and k + 32:
 // bits 0-1 byte k's low, 2-3 byte k + 32's low, 4-5 byte k's high, 6-7 byte k + 32's high.
-// Broadcast to both halves, each half's crumb shifts to bits 4-5 (a word's shift carries
-// bits between its bytes: the mask drops them).
+// The crumbs, and beside them the same shifted right by 2 (nibble bytes 32-63's), give the
+// low nibbles' high bits shifted left by 4, the high nibbles' as they lie (a word's shift
+// carries bits between its bytes: the mask drops them). Fixed shifts: vpsllvw's variable
+// ones ran slower.
 inline void plane_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
   const __m512i v = load_halves(tile + 32 * j);
-  const __m512i crumbs = _mm512_broadcast_i64x4(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 + 16 * j)));
-  const __m512i to_low = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  const __m512i to_high = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 + 16 * j));
+  const __m512i crumbs = _mm512_inserti64x4(_mm512_castsi256_si512(c), _mm256_srli_epi16(c, 2), 1);
   const __m512i nibble = _mm512_set1_epi8(0x0F), crumb = _mm512_set1_epi8(0x30);
-  const __m512i lo_bits = _mm512_and_si512(_mm512_sllv_epi16(crumbs, to_low), crumb);
-  const __m512i hi_bits = _mm512_and_si512(_mm512_srlv_epi16(crumbs, to_high), crumb);
+  const __m512i lo_bits = _mm512_and_si512(_mm512_slli_epi16(crumbs, 4), crumb);
+  const __m512i hi_bits = _mm512_and_si512(crumbs, crumb);
   w[0] = _mm512_ternarylogic_epi32(v, nibble, lo_bits, 0xEA);                 // A & B | C
   w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, hi_bits, 0xEA);
 }
