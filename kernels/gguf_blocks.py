@@ -242,8 +242,8 @@ Q2_KS, Q4_KS, Q5_KS, Q6_KS, IQ4_XSS = 60, 62, 63, 64, 73
 # kernels/quant.py packs IQ4_XSS blocks as where the library has them (iq4_xs_level_parts)
 IQ4_XSL = 74
 # Q6_K's superblocks (and Q3_K's, in Q6_K's form) as bit planes: the codes' low nibbles and
-# high crumbs, the file's 6.56 bits a weight (kernels/quant.py plane_bytes); the same parts
-# as Q6_KS's, which kernels/quant.py packs so where the library has them
+# high crumbs, the file's 6.56 bits a weight (kernels/quant.py _plane_bytes); the same parts
+# as Q6_KS's, which kernels/quant.py packs so for int8 activations where the library has them
 Q6_KP = 75
 SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: IQ4_XSS}
 CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K, IQ4_XSS: Q6_K}

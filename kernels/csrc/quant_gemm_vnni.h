@@ -15,7 +15,8 @@
 // 32-bit word broadcast by vpbroadcastd: the embedded-broadcast form ran slower on Zen 4,
 // 2.7 G/s a core against 3.3 in a bare loop). Q4 nibbles (0..15) already are unsigned; Q8
 // tiles' int8 codes are stored + 128 in the panel, so a sum is S + 128 sum(x): its chain
-// starts at -128 sum(x) over the split's columns (exact).
+// starts at -128 sum(x) over the split's columns (exact); Q6_K's bit planes join into code
+// + 32, their chains starting at -32 sum(x) (Tile::kBias).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -88,7 +89,8 @@ struct Int8Rows : avx2::RoundedRows {
       xsum[(i * groups + g) * kSet + m] = sum[(t * nb + b) * groups + g];
     if (!x8.empty()) x8[i * kSet + m] = -8.f * sum[t * nb + b];
     for (int s = 0; s < splits; ++s)
-      start[(i * splits + s) * kSet + m] = split_start(value.data() + t * K + b * 32, s, splits, bias);
+      start[(i * splits + s) * kSet + m] =
+          split_start(value.data() + t * K + b * 32, s, splits, bias);
   }
 };
 

@@ -17,7 +17,8 @@
 // Q8 tiles (integer layout: byte [j][l][c] is row l's column 4j + c): code ^ 0x80 is the
 // code + 128 as vpdpbusd's unsigned operand; a split's chain starts at -128 sum(x) over it.
 // Level tiles (IQ4_NL, MXFP4, IQ4_XS) multiply as the Q8 tiles of their levels, looked up
-// (q8_operands): the same integer sums, so the same outputs bit for bit.
+// (q8_operands): the same integer sums, so the same outputs bit for bit; Q6_K's bit planes
+// as its codes + 32, their chains starting at -32 sum(x) (plane_operands).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -109,7 +110,8 @@ inline __m512i biased_levels() {
 inline void plane_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
   const __m512i v = load_halves(tile + 32 * j);
   const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256 + 16 * j));
-  const __m512i crumbs = _mm512_inserti64x4(_mm512_castsi256_si512(c), _mm256_srli_epi16(c, 2), 1);
+  const __m512i crumbs =
+      _mm512_inserti64x4(_mm512_castsi256_si512(c), _mm256_srli_epi16(c, 2), 1);
   const __m512i nibble = _mm512_set1_epi8(0x0F), crumb = _mm512_set1_epi8(0x30);
   const __m512i lo_bits = _mm512_and_si512(_mm512_slli_epi16(crumbs, 4), crumb);
   const __m512i hi_bits = _mm512_and_si512(crumbs, crumb);
@@ -118,8 +120,9 @@ inline void plane_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
 }
 
 // Steps j and j + 1 of a Q8 tile (integer layout), a level tile or a plane tile, as
-// vpdpbusd's unsigned operand (code + Tile::kBias). A level tile's 64 bytes are the two steps' nibbles (quant_tiles.h
-// Levels: byte [j][w][p], rows 0-3, 8-11, 4-7, 12-15 a word each), looked up; interleaving
+// vpdpbusd's unsigned operand (code + Tile::kBias). A level tile's 64 bytes are the two
+// steps' nibbles (quant_tiles.h Levels: byte [j][w][p], rows 0-3, 8-11, 4-7, 12-15 a word
+// each), looked up; interleaving
 // the low nibbles' levels (columns 4j + p) with the high ones' (4j + 2 + p) by 16-bit words
 // gives, 128-bit lane by lane, rows 0-3, 4-7 of each step (unpacklo) and 8-11, 12-15
 // (unpackhi), which two lane shuffles order: ten ops a 128 codes.
