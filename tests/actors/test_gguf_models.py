@@ -196,6 +196,38 @@ def test_weight_cache_is_used_and_survives_damage(tiny_llama, tmp_path, tokenize
     assert weight_cache.load(info.digest, torch.float32) is not None    # whole again
 
 
+def test_int8_all_multiplies_q6_k_as_bit_planes_as_it_does_its_codes(tiny_llama, tmp_path,
+                                                                     tokenizer_meta,
+                                                                     monkeypatch):
+    """--quantized-activations int8-all on avx512_bf16: a Q4_K_M file's Q6_K linears (v_proj's
+    rows of qkv, down, the LM head) multiply as bit planes (Q6_KP), prompts through the GEMM
+    and decodes through the small steps, answering the tokens of the same engine with
+    Q6_KS's int8 codes (the same integer sums: equal logits)."""
+    from pagewire.kernels import quant, tiers
+    if tiers.best() != "avx512_bf16":
+        pytest.skip("Q6_K's bit planes are avx512_bf16's")
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")        # each engine packs its own tiles
+    path = _gguf_from_hf_dir(tiny_llama("gqa2-d128", intermediate_size=512),
+                             str(tmp_path / "t.gguf"), tokenizer_meta, "Q4_K_M")
+    prompts = [{"prompt_token_ids": [5, 77, 300, 12, 9, 41, 8, 100, 3, 250]},
+               {"prompt_token_ids": [7, 7, 42, 19, 300, 2, 61, 5, 90]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def answer() -> tuple[set[int], list]:
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256,
+                  quantized_activations="int8-all")
+        kinds = {s.kind for m in llm.runner.model.modules() if isinstance(m, Linear)
+                 for s in m.quantized.segments}
+        return kinds, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                       for o in llm.generate(prompts, params)]
+    planes, planes_out = answer()
+    monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
+    codes, codes_out = answer()
+    assert quant.Q6_KP + 100 in planes and quant.Q6_KS + 100 not in planes
+    assert quant.Q6_KS + 100 in codes and quant.Q6_KP + 100 not in codes
+    assert planes_out == codes_out
+
+
 def test_a_restart_maps_the_packed_tiles(tiny_llama, tmp_path, tokenizer_meta, monkeypatch):
     """The first start packs a Q4_K_M file's blocks and caches the tiles (tile_cache.py); the
     next packs nothing and answers the same tokens; a damaged cache file is packed again."""
