@@ -111,6 +111,36 @@ def test_fused_decode_of_experts_equals_the_per_op_path(tmp_path, smol_tokenizer
                                VOCAB)
 
 
+def test_int8_all_experts_take_q6_k_bit_planes_as_they_take_its_codes(
+        tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, monkeypatch):
+    """int8-all on avx512_bf16: Qwen3-MoE Q4_K_M's Q6_K experts multiply as bit planes
+    (Q6_KP) through csrc/moe.cpp and the fused stack, answering what the same engine answers
+    with Q6_KS's codes (the same integer sums)."""
+    from pagewire.kernels import quant, tiers
+    if tiers.best() != "avx512_bf16":
+        pytest.skip("Q6_K's bit planes are avx512_bf16's")
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")        # each engine packs its own tiles
+    path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
+                                  "qwen3-moe-Q4_K_M")
+    prompts = [{"prompt_token_ids": [5, 77, 300, 12, 9, 41, 8, 100, 3, 250]},
+               {"prompt_token_ids": [7, 42, 19, 2, 61]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def answer() -> tuple[set[int], list]:
+        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
+                  num_kv_blocks=64, quantized_activations="int8-all")
+        kinds = {s.kind for sparse in llm.runner.model.modules() if isinstance(sparse, SparseMoE)
+                 for expert in sparse.experts.values() for linear in (expert.gate_up, expert.down)
+                 for s in linear.quantized.segments}
+        return kinds, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                       for o in llm.generate(prompts, params)]
+    planes, planes_out = answer()
+    monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
+    codes, codes_out = answer()
+    assert quant.Q6_KP + 100 in planes and quant.Q6_KS + 100 in codes
+    assert planes_out == codes_out
+
+
 def test_moe_on_each_tier(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta, tier):
     path, ref = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                     "qwen2-moe-Q4_0")
