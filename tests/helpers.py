@@ -161,3 +161,24 @@ def use_private_cache(tmp_path, monkeypatch) -> None:
     tokenizers.mkdir(exist_ok=True)
     (cache / "tokenizers").symlink_to(tokenizers)
     monkeypatch.setenv("PAGEWIRE_CACHE_DIR", str(cache))
+
+
+def answers_as_planes_and_codes(make_llm, linears, prompts: list[dict], monkeypatch) -> dict:
+    """{"planes" / "codes": (the kinds of `linears(model)`' segments, each prompt's greedy
+    tokens and cumulative logprob)} from two engines `make_llm()` builds (int8-all on
+    avx512_bf16): Q6_K's superblocks as bit planes (Q6_KP), then as Q6_KS's int8 codes. The
+    tile cache is off, so each engine packs its own tiles."""
+    from pagewire import SamplingParams
+    from pagewire.kernels import quant
+    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    answers = {}
+    for packing in ("planes", "codes"):
+        if packing == "codes":
+            monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
+        llm = make_llm()
+        kinds = {s.kind for linear in linears(llm.runner.model)
+                 for s in linear.quantized.segments}
+        answers[packing] = kinds, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
+                                   for o in llm.generate(prompts, params)]
+    return answers

@@ -20,8 +20,8 @@ from pagewire.kernels.linear import Linear
 from pagewire.model_info import default_model_path, resolve_model
 from pagewire.testing.gguf_writer import TOKENIZER_KEYS, write_gguf
 from pagewire.testing.real_shapes import cut_tokenizer
-from tests.helpers import (HFOracle, assert_greedy_equal, rank_blocks,
-                           use_private_cache)
+from tests.helpers import (HFOracle, answers_as_planes_and_codes, assert_greedy_equal,
+                           rank_blocks, use_private_cache)
 
 
 @pytest.fixture(scope="module")
@@ -206,23 +206,16 @@ def test_int8_all_multiplies_q6_k_as_bit_planes_as_it_does_its_codes(tiny_llama,
     from pagewire.kernels import quant, tiers
     if tiers.best() != "avx512_bf16":
         pytest.skip("Q6_K's bit planes are avx512_bf16's")
-    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")        # each engine packs its own tiles
     path = _gguf_from_hf_dir(tiny_llama("gqa2-d128", intermediate_size=512),
                              str(tmp_path / "t.gguf"), tokenizer_meta, "Q4_K_M")
     prompts = [{"prompt_token_ids": [5, 77, 300, 12, 9, 41, 8, 100, 3, 250]},
                {"prompt_token_ids": [7, 7, 42, 19, 300, 2, 61, 5, 90]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-
-    def answer() -> tuple[set[int], list]:
-        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256,
-                  quantized_activations="int8-all")
-        kinds = {s.kind for m in llm.runner.model.modules() if isinstance(m, Linear)
-                 for s in m.quantized.segments}
-        return kinds, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
-                       for o in llm.generate(prompts, params)]
-    planes, planes_out = answer()
-    monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
-    codes, codes_out = answer()
+    answers = answers_as_planes_and_codes(
+        lambda: LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256,
+                    quantized_activations="int8-all"),
+        lambda model: [m for m in model.modules() if isinstance(m, Linear)], prompts,
+        monkeypatch)
+    (planes, planes_out), (codes, codes_out) = answers["planes"], answers["codes"]
     assert quant.Q6_KP + 100 in planes and quant.Q6_KS + 100 not in planes
     assert quant.Q6_KS + 100 in codes and quant.Q6_KP + 100 not in codes
     assert planes_out == codes_out

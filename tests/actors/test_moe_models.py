@@ -20,7 +20,8 @@ from pagewire.kernels.linear import Linear
 from pagewire.model_info import hf_text_config, resolve_model
 from pagewire.testing.gguf_writer import write_gguf
 from tests.actors.test_architectures import VOCAB, make_model
-from tests.helpers import HFOracle, assert_greedy_equal, use_private_cache
+from tests.helpers import (HFOracle, answers_as_planes_and_codes, assert_greedy_equal,
+                           use_private_cache)
 
 # (test_architectures config, GGUF arch, type, overrides): llama.cpp has no sliding window
 # for Mixtral nor dense layers among Qwen2-MoE's sparse ones; K-quants need 256-wide rows.
@@ -119,24 +120,17 @@ def test_int8_all_experts_take_q6_k_bit_planes_as_they_take_its_codes(
     from pagewire.kernels import quant, tiers
     if tiers.best() != "avx512_bf16":
         pytest.skip("Q6_K's bit planes are avx512_bf16's")
-    monkeypatch.setenv("PAGEWIRE_WEIGHT_CACHE", "0")        # each engine packs its own tiles
     path, _ = _gguf_and_reference(tmp_path, smol_tokenizer_dir, gguf_tokenizer_meta,
                                   "qwen3-moe-Q4_K_M")
     prompts = [{"prompt_token_ids": [5, 77, 300, 12, 9, 41, 8, 100, 3, 250]},
                {"prompt_token_ids": [7, 42, 19, 2, 61]}]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-
-    def answer() -> tuple[set[int], list]:
-        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
-                  num_kv_blocks=64, quantized_activations="int8-all")
-        kinds = {s.kind for sparse in llm.runner.model.modules() if isinstance(sparse, SparseMoE)
-                 for expert in sparse.experts.values() for linear in (expert.gate_up, expert.down)
-                 for s in linear.quantized.segments}
-        return kinds, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)
-                       for o in llm.generate(prompts, params)]
-    planes, planes_out = answer()
-    monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
-    codes, codes_out = answer()
+    answers = answers_as_planes_and_codes(
+        lambda: LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=24,
+                    num_kv_blocks=64, quantized_activations="int8-all"),
+        lambda model: [linear for sparse in model.modules() if isinstance(sparse, SparseMoE)
+                       for expert in sparse.experts.values()
+                       for linear in (expert.gate_up, expert.down)], prompts, monkeypatch)
+    (planes, planes_out), (codes, codes_out) = answers["planes"], answers["codes"]
     assert quant.Q6_KP + 100 in planes and quant.Q6_KS + 100 in codes
     assert planes_out == codes_out
 
