@@ -1,14 +1,15 @@
-"""Q6_K's bit planes (csrc/quant_tiles.h Q6_KP) against its int8 code tiles (Q6_KS), both with
-int8 activations on the avx512_bf16 tier: one linear by step size, or a GGUF's decode.
+"""Bit planes (csrc/quant_tiles.h Q6_KP, Q5_KP) against the int8 code tiles (Q6_KS, Q5_KS),
+both with int8 activations on the avx512_bf16 tier: one linear by step size, or a GGUF's
+decode.
 
-    python bench/q6_planes.py [--tokens 1,4,16,64,256] [--threads 2]
+    python bench/q6_planes.py [--type Q6_K|Q5_K] [--tokens 1,4,16,64,256] [--threads 2]
     python bench/q6_planes.py --decode FILE.gguf [--activations int8-all]
 
 Linears: a 1B model's down (2048 x 8192), gate_up (16384 x 2048) and v (512 x 2048), random
-Q6_K blocks, three copies each way (beyond the L2 cache), best of five passes, the two
-alternating twice. --decode: two engines in this process whose only difference is the Q6_K
-packing (the tile cache off), ms a decoded token (the difference of 8 and 72 generated
-tokens after a 16-token prompt, best of two), three rounds alternating.
+blocks, three copies each way (beyond the L2 cache), best of five passes, the two
+alternating twice. --decode: two engines in this process whose only difference is the
+packing of Q6_K and Q5_K (the tile cache off), ms a decoded token (the difference of 8 and
+72 generated tokens after a 16-token prompt, best of two), three rounds alternating.
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ def best_ms(weights: list[quant.QuantWeight], x: torch.Tensor) -> float:
     return best_pass(weights, x, 5) / len(weights) * 1e3
 
 
-def steps(tokens: list[int]) -> None:
+def steps(qtype: str, tokens: list[int]) -> None:
     lib = native.load("avx512_bf16")
     rng = np.random.default_rng(0)
+    ggml_type = {"Q6_K": gguf_blocks.Q6_K, "Q5_K": gguf_blocks.Q5_K}[qtype]
     for name, (n, k) in SHAPES.items():
-        _, blocks = gguf_blocks.k_quant_super_blocks(gguf_blocks.Q6_K,
-                                                     random_blocks("Q6_K", n, k, rng))
-        weights = {planes: [quant.pack(quant.Q6_KS, blocks, k, lib, "int8", planes)
+        kind, blocks = gguf_blocks.k_quant_super_blocks(ggml_type,
+                                                        random_blocks(qtype, n, k, rng))
+        weights = {planes: [quant.pack(kind, blocks, k, lib, "int8", planes)
                             for _ in range(3)] for planes in (True, False)}
         for t in tokens:
             x = torch.randn(t, k).bfloat16()
@@ -57,7 +59,7 @@ def decode(path: str, activations: str) -> None:
     def engine(planes: bool) -> LLM:
         quant._STORED_SUPERS.clear()
         quant._STORED_SUPERS.update({t: v for t, v in stored.items()
-                                     if planes or t != quant.Q6_KS})
+                                     if planes or t not in (quant.Q6_KS, quant.Q5_KS)})
         return LLM(path, quantized_activations=activations, max_model_len=1024,
                    enable_prefix_caching=False)
 
@@ -83,6 +85,7 @@ def decode(path: str, activations: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--type", default="Q6_K", choices=("Q6_K", "Q5_K"))
     p.add_argument("--tokens", default="1,4,16,64,256")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--decode", metavar="GGUF")
@@ -92,7 +95,7 @@ def main() -> None:
     if a.decode:
         decode(a.decode, a.activations)
     else:
-        steps([int(t) for t in a.tokens.split(",")])
+        steps(a.type, [int(t) for t in a.tokens.split(",")])
 
 
 if __name__ == "__main__":

@@ -245,6 +245,9 @@ IQ4_XSL = 74
 # high crumbs, the file's 6.56 bits a weight (kernels/quant.py _plane_bytes); the same parts
 # as Q6_KS's, which kernels/quant.py packs so for int8 activations where the library has them
 Q6_KP = 75
+# Q5_K's superblocks likewise: the codes' low nibbles and fifth bits (the file's 5.5 bits a
+# weight; kernels/quant.py _fifth_bit_bytes), Q5_KS's parts
+Q5_KP = 76
 SUPER = {Q2_K: Q2_KS, Q3_K: Q6_KS, Q4_K: Q4_KS, Q5_K: Q5_KS, Q6_K: Q6_KS, IQ4_XS: IQ4_XSS}
 CLASSIC = {Q2_KS: Q2_K, Q4_KS: Q4_K, Q5_KS: Q5_K, Q6_KS: Q6_K, IQ4_XSS: Q6_K}
 # a superblock tile type's (fp16 heads, int8 scale arrays, quant bytes) a 32-weight block

@@ -22,7 +22,8 @@ import torch
 
 from . import native, native_api
 from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0,
-                          Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KS, Q6_K, Q6_KP, Q6_KS, Q8_0,
+                          Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KP, Q5_KS, Q6_K, Q6_KP, Q6_KS,
+                          Q8_0,
                           SUPER_PARTS, iq4_xs_level_parts, mxfp4_as_level_blocks,
                           super_as_classic, super_parts)
 
@@ -49,15 +50,19 @@ _NIBBLES = (Q4_1, Q4_K, Q4_KS)
 _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
 # Superblock tile types kept nearer the file's bytes where the library has them: (that type,
 # its parts from the superblock's: gguf_blocks.super_parts'). IQ4_XSS's whole superblocks
-# become IQ4_XSL's level tiles, Q6_KS's Q6_KP's bit planes (the same parts: _plane_bytes).
-_STORED_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts), Q6_KS: (Q6_KP, lambda parts: parts)}
+# become IQ4_XSL's level tiles, Q6_KS's and Q5_KS's bit planes (the same parts: _plane_bytes,
+# _fifth_bit_bytes).
+_STORED_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts), Q6_KS: (Q6_KP, lambda parts: parts),
+                  Q5_KS: (Q5_KP, lambda parts: parts)}
+_PLANES = (Q6_KP, Q5_KP)
 _LEVEL_TYPES = (*_LEVELS, IQ4_XSL)
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
 _SUPER = tuple(SUPER_PARTS)
 assert all(_TILE[n] == t for n, t in (("Q2_KS", Q2_KS), ("Q4_KS", Q4_KS), ("Q5_KS", Q5_KS),
                                       ("Q6_KS", Q6_KS), ("IQ4_XSS", IQ4_XSS),
-                                      ("IQ4_XSL", IQ4_XSL), ("Q6_KP", Q6_KP)))
+                                      ("IQ4_XSL", IQ4_XSL), ("Q6_KP", Q6_KP),
+                                      ("Q5_KP", Q5_KP)))
 # How a packed weight's tiles meet the activations: as they are ("exact", float32 products),
 # or rounded per 32-column block to "int16" (15 bits) or "int8" (llama.cpp's arithmetic); or
 # "int8-large": int8 in steps of 8 tokens and more (prefill chunks, big batches: the int8
@@ -74,7 +79,7 @@ _KIND_OFFSET = {rounding: _ROUNDING[rounding.upper().replace("-", "_")]
 BF16 = _TILE["BF16"]
 KINDS = (*(t + o for r, o in _KIND_OFFSET.items() for t in (*_SCALES, *_SUPER)
             if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)),
-         Q6_KP + _KIND_OFFSET["int8"], BF16)
+         *(t + _KIND_OFFSET["int8"] for t in _PLANES), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -101,7 +106,7 @@ class QuantWeight:
         if order is not None and (order.dtype != torch.int64 or order.shape != (cols,)):
             raise ValueError(f"a column order must be int64 [{cols}]")
         missing = {s.kind for s in segments if not lib.quant_kind(s.kind)}
-        if missing:     # another tier's tiles (Q6_KP is avx512_bf16's): no kernel to call
+        if missing:     # another tier's tiles (bit planes are avx512_bf16's): no kernel to call
             raise ValueError(f"the {lib.tier} kernels multiply no tiles of kind {sorted(missing)}")
         self.segments, self.cols, self.order = segments, cols, order
         self.rows = sum(s.rows for s in segments)
@@ -193,15 +198,16 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     """raw: uint8 [rows, cols / 32 * block bytes], 32-weight blocks row by row (the file's, or
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
-    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's, Q6_KS's Q6_KP's: _STORED_SUPERS);
+    them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's, Q6_KS's and Q5_KS's bit planes for
+    int8 activations: _STORED_SUPERS);
     those and Q4_0,
     Q5_0 and Q5_1 blocks otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or
     Q6_K's); superblock tile blocks pack 8 a tile, or as the classic tiles of the same values
     where a superblock was cut (a rank's share of its columns). rounding (one of ROUNDINGS):
     int16 and int8 round the activations per 32-column block and multiply in integers
     (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a row's four adjacent columns
-    together (Q2_K too). planes=False keeps Q6_KS's int8 codes where the library has bit
-    planes (to compare the two)."""
+    together (Q2_K too). planes=False keeps Q6_KS's and Q5_KS's int8 codes where the library
+    has bit planes (to compare the two)."""
     rows = raw.shape[0]
     if not packable(ggml_type, rows, cols):
         raise ValueError(f"cannot pack GGML type {ggml_type} of shape [{rows}, {cols}]")
@@ -218,7 +224,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     if parts is not None and not _whole_superblocks(parts[0], cols):
         ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
     stored, as_stored = _STORED_SUPERS.get(ggml_type, (None, None))
-    if parts is not None and stored is not None and (planes or stored != Q6_KP) and \
+    if parts is not None and stored is not None and (planes or stored not in _PLANES) and \
             lib.quant_kind(stored + _KIND_OFFSET[rounding]):
         ggml_type, parts = stored, as_stored(parts)
     if parts is not None:
@@ -271,6 +277,8 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     quants = quants.transpose(1, 2)                                  # [G, nb, 16 rows, bytes]
     if ggml_type == Q6_KP:
         return _plane_bytes(quants)
+    if ggml_type == Q5_KP:
+        return _fifth_bit_bytes(quants)
     if ggml_type in _LEVEL_TYPES:
         qs = quants.transpose(2, 3) if rounding == "exact" else _level_steps(quants)
     elif ggml_type in _NIBBLES:
@@ -298,6 +306,22 @@ def _plane_bytes(codes: torch.Tensor) -> torch.Tensor:
               | (h[:, :, 0, ..., 1, :] << 4) | (h[:, :, 1, ..., 1, :] << 6)).permute(
                   0, 1, 3, 2, 4)
     return torch.cat([nibbles.reshape(g, nb, 256), crumbs.reshape(g, nb, 128)], dim=2)
+
+
+def _fifth_bit_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """Five-bit codes uint8 [G, nb, 16 rows, 32 columns] (0..31) as Q5_KP's planes [G, nb,
+    320] for int8 activations: 256 bytes of nibbles as _plane_bytes lays them, then 64 of
+    fifth bits, a pair of steps two 64-bit masks (csrc/quant_step_vnni.h fifth_bit_operands).
+    """
+    g, nb = codes.shape[:2]
+    # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
+    q = codes.reshape(g, nb, 16, 4, 2, 4).permute(0, 1, 3, 4, 2, 5)   # [G, nb, p, half, l, c]
+    nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [G, nb, p, l, c]
+    # pair p: the low nibbles' mask, then the high ones': bit n (byte n // 8) nibble byte n's
+    fifth = (q >> 4).reshape(g, nb, 4, 2, 8, 8).to(torch.int32)    # [G, nb, p, half, byte, bit]
+    masks = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1)
+    return torch.cat([nibbles.reshape(g, nb, 256), masks.to(torch.uint8).reshape(g, nb, 64)],
+                     dim=2)
 
 
 def _whole_superblocks(heads: torch.Tensor, cols: int) -> bool:

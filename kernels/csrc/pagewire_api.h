@@ -118,6 +118,7 @@ enum PwTile : int64_t {
   PW_TILE_IQ4_XSS = 73,
   PW_TILE_IQ4_XSL = 74,   // IQ4_XS's superblocks as level tiles (nibbles: 4.31 bits a weight)
   PW_TILE_Q6_KP = 75,     // Q6_K's superblocks as bit planes (nibbles, crumbs: the file's 6.56)
+  PW_TILE_Q5_KP = 76,     // Q5_K's superblocks as bit planes (nibbles, a bit: the file's 5.5)
   PW_TILE_FP8 = 90,       // an FP8 checkpoint's e4m3 codes
 };
 

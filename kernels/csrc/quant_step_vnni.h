@@ -18,7 +18,8 @@
 // code + 128 as vpdpbusd's unsigned operand; a split's chain starts at -128 sum(x) over it.
 // Level tiles (IQ4_NL, MXFP4, IQ4_XS) multiply as the Q8 tiles of their levels, looked up
 // (q8_operands): the same integer sums, so the same outputs bit for bit; Q6_K's bit planes
-// as its codes + 32, their chains starting at -32 sum(x) (plane_operands).
+// as its codes + 32, their chains starting at -32 sum(x) (plane_operands), Q5_K's as its
+// codes, from 0 (fifth_bit_operands).
 #pragma once
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -119,6 +120,21 @@ inline void plane_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
   w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, hi_bits, 0xEA);
 }
 
+// Q5_KP's bit planes, steps j and j + 1 (j even): code, five bits. The nibbles as Q6_KP's;
+// their fifth bits (16 bytes at 256 + 8 j) two 64-bit masks, bit n nibble byte n's: its low
+// nibble's, then its high one's, added as 16 under the mask (no shift or lane insert: the
+// pipes vpdpbusd's broadcasts share).
+inline void fifth_bit_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
+  const __m512i v = load_halves(tile + 32 * j);
+  uint64_t fifth[2];
+  std::memcpy(fifth, tile + 256 + 8 * j, sizeof fifth);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi8(0x10);
+  const __m512i lo = _mm512_and_si512(v, nibble);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  w[0] = _mm512_mask_add_epi8(lo, _cvtu64_mask64(fifth[0]), lo, bit);
+  w[1] = _mm512_mask_add_epi8(hi, _cvtu64_mask64(fifth[1]), hi, bit);
+}
+
 // Steps j and j + 1 of a Q8 tile (integer layout), a level tile or a plane tile, as
 // vpdpbusd's unsigned operand (code + Tile::kBias). A level tile's 64 bytes are the two
 // steps' nibbles (quant_tiles.h Levels: byte [j][w][p], rows 0-3, 8-11, 4-7, 12-15 a word
@@ -138,8 +154,10 @@ inline void q8_operands(const uint8_t* tile, int j, __m512i (&w)[2]) {
     const __m512i rows_hi = _mm512_unpackhi_epi16(lo, hi);   // rows 8-11, 12-15
     w[0] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0x44);    // lanes 0, 1 of each: step j
     w[1] = _mm512_shuffle_i64x2(rows_lo, rows_hi, 0xEE);    // lanes 2, 3: step j + 1
-  } else if constexpr (Tile::kPlanes) {
+  } else if constexpr (Tile::kPlanes && Tile::kCodes == kSigned6) {
     plane_operands(tile, j, w);
+  } else if constexpr (Tile::kPlanes) {
+    fifth_bit_operands(tile, j, w);
   } else {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     w[0] = _mm512_xor_si512(load_halves(tile + 64 * j), bias);

@@ -22,6 +22,8 @@
 //         block's six-bit codes q + 32 as 256 bytes of low nibbles and 128 of high crumbs (two
 //         bits each), 26.25 bytes a 32 weights with the scales, the file's own, where Q6_KS
 //         takes 34.25 (quant_step_vnni.h plane_operands reads them).
+//   Q5_KP  Q5_K's superblocks likewise: its five-bit codes as 256 bytes of low nibbles and 64
+//         of fifth bits a block, 22.5 bytes a 32 weights (the file's 22) where Q5_KS takes 34.5.
 //
 // A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
 // a block's scales through scales8 / scales16(tile, b, array): one interface for both.
@@ -52,9 +54,9 @@ enum Levels { kNoLevels, kIQ4NLLevels, kMXFP4Levels };
 // a scale each (Q6_K, Q2_K: 2 of 16 columns); kMin: a minimum added to each group's weights
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
 // kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
-// kPlanes: six-bit codes held as bit planes (Q6_KP). kBias: what vpdpbusd's unsigned operand
+// kPlanes: codes held as bit planes (Q6_KP, Q5_KP). kBias: what vpdpbusd's unsigned operand
 // adds to a Q8 tile's code (its chains start at -kBias sum(x): quant_step_vnni.h): 128 (code
-// ^ 0x80), or a plane tile's 32 (its planes join into code + 32 with no further step).
+// ^ 0x80), or a plane tile's 32 (signed codes: its planes join into code + 32) or 0.
 // What the kernels read of every layout (Tile, SuperTile).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_,
           Levels kLevels_ = kNoLevels, bool kPlanes_ = false>
@@ -63,7 +65,7 @@ struct TileShape {
   static constexpr int kSplits = kSplits_;
   static constexpr Levels kLevels = kLevels_;
   static constexpr bool kPlanes = kPlanes_;
-  static constexpr int kBias = kPlanes_ ? 32 : 128;
+  static constexpr int kBias = !kPlanes_ ? 128 : kCodes_ == kSigned6 ? 32 : 0;
   // kQ4: Q4_1's nibbles (codes 0..15); a level tile's nibbles are codebook indices
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256 && !kLevels_, kFp8 = kFp8_;
   static constexpr Codes kCodes = kCodes_;
@@ -166,6 +168,8 @@ using Q2_KSuper = SuperTile<512, 2, true, kUnsigned6>;     // Q2_K
 using IQ4_XSSuper = SuperTile<512, 2, false>;              // IQ4_XS's int8 levels
 // Q6_K (and Q3_K) as bit planes: 384 bytes a block, 26.25 a 32 weights with the scales
 using Q6_KPSuper = SuperTile<384, 2, false, kSigned6, kNoLevels, true>;
+// Q5_K as bit planes: 320 bytes a block, 22.5 a 32 weights with scales and minimums
+using Q5_KPSuper = SuperTile<320, 1, true, kUnsigned6, kNoLevels, true>;
 // IQ4_XS as level superblocks: the file's nibbles and sub-block scales, 4.31 bits a weight
 using IQ4_XSLSuper = SuperTile<256, 1, false, kAnyInt8, kIQ4NLLevels>;
 using IQ4_NLTile = Tile<256, 1, uint16_t, false, false, kAnyInt8, kIQ4NLLevels>;

@@ -17,7 +17,7 @@ CUDA = torch.device("cuda", 0)      # only named: nothing here touches a GPU
 def test_each_tier_states_what_its_kernels_do(native_lib):
     caps = CpuOps(native_lib).capabilities
     bf16 = native_lib.tier == "avx512_bf16"
-    planes = {quant.Q6_KP + 100}        # Q6_K's bit planes: avx512_bf16's int8 kernels only
+    planes = {quant.Q6_KP + 100, quant.Q5_KP + 100}   # bit planes: avx512_bf16's int8 only
     assert caps == Capabilities(
         host_memory=True, native_weights=True, fused_decode=True, bf16_dot=bf16,
         block_kinds=frozenset(quant.KINDS) - (set() if bf16 else planes),

@@ -52,7 +52,7 @@ def test_the_python_codes_are_the_headers():
     assert quant.KINDS == (3, 8, 12, 13, 14, 10, 90, 20, 39, 60, 62, 63, 64, 73, 74,
                            103, 108, 112, 113, 114, 110, 120, 139, 160, 162, 163, 164, 173, 174,
                            203, 208, 212, 213, 214, 210, 220, 239, 260, 262, 263, 264, 273, 274,
-                           303, 312, 362, 175, 30)
+                           303, 312, 362, 175, 176, 30)
     assert (quant.FP8, quant.BF16) == (90, 30)
     assert kv_quant.KINDS == {kv_quant.torch.int8: 0, kv_quant.torch.float8_e4m3fn: 1,
                               kv_quant.torch.float8_e5m2: 2} and kv_quant.PLAIN == -1

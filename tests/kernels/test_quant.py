@@ -23,7 +23,7 @@ TILE = {"Q4_0": quant.Q4_1, "Q4_1": quant.Q4_1, "Q8_0": quant.Q8_0, "Q5_0": quan
 # (native.Library.quant_kind: the avx2 and avx512 tiers), else TILE's Q8_0 tiles
 LEVEL = {"IQ4_NL": quant.IQ4_NL, "MXFP4": quant.MXFP4, "IQ4_XS": quant.IQ4_XSL}
 # and as bit planes (test_quant_planes.py: the avx512_bf16 tier's)
-PLANES = {"Q3_K": quant.Q6_KP, "Q6_K": quant.Q6_KP}
+PLANES = {"Q3_K": quant.Q6_KP, "Q6_K": quant.Q6_KP, "Q5_K": quant.Q5_KP}
 
 
 def kept_as(native_lib, qtype: str, offset: int) -> int:
