@@ -166,7 +166,7 @@ def use_private_cache(tmp_path, monkeypatch) -> None:
 def answers_as_planes_and_codes(make_llm, linears, prompts: list[dict], monkeypatch) -> dict:
     """{"planes" / "codes": (the kinds of `linears(model)`' segments, each prompt's greedy
     tokens and cumulative logprob)} from two engines `make_llm()` builds (int8-all on
-    avx512_bf16): Q6_K's superblocks as bit planes (Q6_KP), then as Q6_KS's int8 codes. The
+    avx512_bf16): Q6_K's and Q5_K's superblocks as bit planes, then as their int8 codes. The
     tile cache is off, so each engine packs its own tiles."""
     from pagewire import SamplingParams
     from pagewire.kernels import quant
@@ -175,7 +175,8 @@ def answers_as_planes_and_codes(make_llm, linears, prompts: list[dict], monkeypa
     answers = {}
     for packing in ("planes", "codes"):
         if packing == "codes":
-            monkeypatch.delitem(quant._STORED_SUPERS, quant.Q6_KS)
+            for codes in (quant.Q6_KS, quant.Q5_KS):
+                monkeypatch.delitem(quant._STORED_SUPERS, codes)
         llm = make_llm()
         kinds = {s.kind for linear in linears(llm.runner.model)
                  for s in linear.quantized.segments}
