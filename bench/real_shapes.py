@@ -6,8 +6,8 @@ people serve (actors/testing/real_shapes.py writes them; quality is not the poin
 
 prints each path written (or found whole). Shapes: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b,
 qwen2.5-1.5b, qwen2.5-7b (their config.json values, the default model's 49,152-token
-vocabulary and tokenizer, a 32k context). Formats: Q4_0, Q4_K_M, Q8_0 (GGUF files) and bf16
-(a Hugging Face directory). Out: $PAGEWIRE_BENCH_MODELS, else ~/.cache/pagewire/bench-models.
+vocabulary and tokenizer, a 32k context). Formats: Q4_0, Q4_K_M, Q5_K_M, Q8_0 (GGUF files)
+and bf16 (a Hugging Face directory). Out: $PAGEWIRE_BENCH_MODELS, else ~/.cache/pagewire/bench-models.
 From another bench script: `model_path(shape, fmt)` writes on first use and returns the path.
 """
 from __future__ import annotations

@@ -312,13 +312,14 @@ def write_gguf(path: str, arch: str, state: dict[str, torch.Tensor], cfg: dict,
 
 def tensor_type(qtype: str, name: str) -> str:
     """The GGML type a 2-D weight `name` (Hugging Face name) is stored as in a `qtype` file:
-    `qtype` itself, except in Q4_K_M's mix."""
-    if qtype != "Q4_K_M":
+    `qtype` itself, except in Q4_K_M's and Q5_K_M's mixes (Q4_K or Q5_K, Q6_K where
+    llama.cpp gives more bits)."""
+    if qtype not in ("Q4_K_M", "Q5_K_M"):
         return qtype
     more_bits = name.endswith(("down_proj.weight", "lm_head.weight", "dense_4h_to_h.weight",
                                "embed_out.weight")) or \
         name == "model.layers.0.self_attn.v_proj.weight"
-    return "Q6_K" if more_bits else "Q4_K"
+    return "Q6_K" if more_bits else qtype[:4]
 
 
 QUANTIZERS = {"IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs, "Q4_K": quantize_q4_k,

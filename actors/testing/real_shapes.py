@@ -62,7 +62,7 @@ SHAPES = {
 }
 # MXFP4: gpt-oss's experts MXFP4, its other linears and embedding Q8_0 (gpt-oss only).
 # IQ4_XS: the linears IQ4_XS, the embedding and LM head Q6_K (llama.cpp's choice for them).
-FORMATS = ("Q4_0", "Q4_K_M", "Q8_0", "bf16", "MXFP4", "IQ4_XS")
+FORMATS = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q8_0", "bf16", "MXFP4", "IQ4_XS")
 MAX_POSITION = 32768          # a 32k context is servable
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "OlmoeForCausalLM": "olmoe", "GPTNeoXForCausalLM": "gptneox",
@@ -77,6 +77,7 @@ BLOCKS = {
     "Q4_0": (18, 32, ((0, 0.002, 0.006),)),
     "Q8_0": (34, 32, ((0, 1.5e-4, 4e-4),)),
     "Q4_K": (144, 256, ((0, 6.5e-5, 1.1e-4), (2, 5e-4, 8e-4))),
+    "Q5_K": (176, 256, ((0, 3.2e-5, 5.5e-5), (2, 5e-4, 8e-4))),   # q to 31: half Q4_K's d
     "Q6_K": (210, 256, ((208, 8e-5, 1.6e-4),)),
     "MXFP4": (17, 32, ()),     # E8M0 exponents 119-121 (below): 2^-9..2^-7 x levels to 12
     "IQ4_XS": (136, 256, ((0, 1.2e-5, 2e-5),)),   # d x (-32..31) x levels of rms ~68
@@ -129,7 +130,8 @@ def hf_config(shape: dict, vocab_size: int, bos: int, eos: int) -> dict:
 
 def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
     """Every tensor of the model, in llama.cpp's order, with its type in a `fmt` file
-    (Q4_0, Q4_K_M, Q8_0: the embedding stored like the linears, Q4_K_M's from its Q4_K;
+    (Q4_0, Q4_K_M, Q5_K_M, Q8_0: the embedding stored like the linears, Q4_K_M's and
+    Q5_K_M's from its Q4_K or Q5_K;
     bf16: all "BF16")."""
     hidden = shape["hidden_size"]
     if shape["architecture"] == "GptOssForCausalLM":
@@ -149,7 +151,9 @@ def tensor_plan(shape: dict, fmt: str, vocab_size: int) -> list[Planned]:
         embedding = hf_name.endswith(("embed_tokens.weight", "embed_in.weight"))
         if fmt == "IQ4_XS":
             return "Q6_K" if embedding or hf_name.endswith("lm_head.weight") else "IQ4_XS"
-        return "Q4_K" if fmt == "Q4_K_M" and embedding else tensor_type(fmt, hf_name)
+        if fmt in ("Q4_K_M", "Q5_K_M") and embedding:
+            return fmt[:4]
+        return tensor_type(fmt, hf_name)
 
     if shape["architecture"] == "GPTNeoXForCausalLM":
         return [Planned(hf, gg, dims, kind(hf, dims)) for hf, gg, dims in

@@ -79,7 +79,7 @@ def test_iq4_xs_keeps_the_embedding_and_head_in_q6_k(tmp_path, tokenizer_meta):
 
 
 def test_weights_are_small_and_norms_ones(tmp_path, tokenizer_meta):
-    for fmt in ("Q4_0", "Q4_K_M", "Q8_0", "IQ4_XS"):
+    for fmt in ("Q4_0", "Q4_K_M", "Q5_K_M", "Q8_0", "IQ4_XS"):
         path = write_gguf_model(str(tmp_path / f"{fmt}.gguf"), TINY, fmt, tokenizer_meta)
         weights = read_gguf_weights(path, read_gguf_header(path), 4, 2)
         for name, w in weights.items():
@@ -150,9 +150,9 @@ def _generate(path: str) -> None:
 @pytest.mark.parametrize("fmt,shape", [("Q4_0", TINY), ("Q4_K_M", TINY_QWEN),
                                        ("Q8_0", TINY), ("Q4_K_M", TINY_OLMOE),
                                        ("Q4_K_M", TINY_NEOX), ("MXFP4", TINY_GPT_OSS),
-                                       ("IQ4_XS", TINY)],
+                                       ("IQ4_XS", TINY), ("Q5_K_M", TINY)],
                          ids=["llama-Q4_0", "qwen-Q4_K_M", "llama-Q8_0", "olmoe", "gpt-neox",
-                              "gpt-oss", "llama-IQ4_XS"])
+                              "gpt-oss", "llama-IQ4_XS", "llama-Q5_K_M"])
 def test_engine_generates_from_gguf(tmp_path, monkeypatch, tokenizer_meta, fmt, shape):
     use_private_cache(tmp_path, monkeypatch)
     _generate(write_gguf_model(str(tmp_path / "m.gguf"), shape, fmt, tokenizer_meta))
