@@ -23,8 +23,7 @@ import torch
 from . import native, native_api
 from .gguf_blocks import (AS_TILE_BLOCKS, IQ4_NL, IQ4_XSL, IQ4_XSS, MXFP4, Q2_K, Q2_KS, Q4_0,
                           Q4_1, Q4_K, Q4_KS, Q5_0, Q5_1, Q5_K, Q5_KP, Q5_KS, Q6_K, Q6_KP, Q6_KS,
-                          Q8_0,
-                          SUPER_PARTS, iq4_xs_level_parts, mxfp4_as_level_blocks,
+                          Q8_0, SUPER_PARTS, iq4_xs_level_parts, mxfp4_as_level_blocks,
                           super_as_classic, super_parts)
 
 # The tile types and roundings whose sum is a packed weight's kind, as csrc/pagewire_api.h
@@ -52,9 +51,9 @@ _LEVELS = {IQ4_NL: lambda raw: raw, MXFP4: mxfp4_as_level_blocks}
 # its parts from the superblock's: gguf_blocks.super_parts'). IQ4_XSS's whole superblocks
 # become IQ4_XSL's level tiles, Q6_KS's and Q5_KS's bit planes (the same parts: _plane_bytes,
 # _fifth_bit_bytes).
-_STORED_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts), Q6_KS: (Q6_KP, lambda parts: parts),
-                  Q5_KS: (Q5_KP, lambda parts: parts)}
-_PLANES = (Q6_KP, Q5_KP)
+_PLANES = {Q6_KS: Q6_KP, Q5_KS: Q5_KP}
+_STORED_SUPERS = {IQ4_XSS: (IQ4_XSL, iq4_xs_level_parts),
+                  **{codes: (planes, lambda parts: parts) for codes, planes in _PLANES.items()}}
 _LEVEL_TYPES = (*_LEVELS, IQ4_XSL)
 # The superblock tile types (gguf_blocks.SUPER: a K-quant's scales as stored, csrc/quant_tiles.h
 # SuperTile), packed 8 blocks a tile where a weight's blocks keep their superblocks whole.
@@ -79,7 +78,7 @@ _KIND_OFFSET = {rounding: _ROUNDING[rounding.upper().replace("-", "_")]
 BF16 = _TILE["BF16"]
 KINDS = (*(t + o for r, o in _KIND_OFFSET.items() for t in (*_SCALES, *_SUPER)
             if (t != FP8 or not o) and (r != "int8-large" or t in _NIBBLES)),
-         *(t + _KIND_OFFSET["int8"] for t in _PLANES), BF16)
+         *(t + _KIND_OFFSET["int8"] for t in _PLANES.values()), BF16)
 _ROWS = 16                                   # output rows per tile
 
 
@@ -199,11 +198,10 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     for the K-quants gguf_blocks.k_quant_super_blocks' or k_quant_blocks'); the weight
     multiplies with `lib`'s kernels. IQ4_NL and MXFP4 blocks stay level tiles where `lib` has
     them (_LEVELS; IQ4_XSS's whole superblocks IQ4_XSL's, Q6_KS's and Q5_KS's bit planes for
-    int8 activations: _STORED_SUPERS);
-    those and Q4_0,
-    Q5_0 and Q5_1 blocks otherwise become a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or
-    Q6_K's); superblock tile blocks pack 8 a tile, or as the classic tiles of the same values
-    where a superblock was cut (a rank's share of its columns). rounding (one of ROUNDINGS):
+    int8 activations: _STORED_SUPERS); those and Q4_0, Q5_0 and Q5_1 blocks otherwise become
+    a tile type's first (AS_TILE_BLOCKS; MXFP4 Q8_0's or Q6_K's); superblock tile blocks
+    pack 8 a tile, or as the classic tiles of the same values where a superblock was cut (a
+    rank's share of its columns). rounding (one of ROUNDINGS):
     int16 and int8 round the activations per 32-column block and multiply in integers
     (csrc/quant_avx2.h); Q8 tiles (Q8_0, Q6_K, Q5_K) then hold a row's four adjacent columns
     together (Q2_K too). planes=False keeps Q6_KS's and Q5_KS's int8 codes where the library
@@ -224,7 +222,7 @@ def pack(ggml_type: int, raw: torch.Tensor, cols: int, lib: native.Library,
     if parts is not None and not _whole_superblocks(parts[0], cols):
         ggml_type, raw, parts = *super_as_classic(ggml_type, raw), None
     stored, as_stored = _STORED_SUPERS.get(ggml_type, (None, None))
-    if parts is not None and stored is not None and (planes or stored not in _PLANES) and \
+    if parts is not None and stored is not None and (planes or ggml_type not in _PLANES) and \
             lib.quant_kind(stored + _KIND_OFFSET[rounding]):
         ggml_type, parts = stored, as_stored(parts)
     if parts is not None:
@@ -290,38 +288,39 @@ def _quant_bytes(ggml_type: int, quants: torch.Tensor, rounding: str) -> torch.T
     return qs.reshape(groups, nb, -1)
 
 
+def _step_pair_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes q uint8 [G, nb, p, half, 16 rows, 4] (pair p's steps: half 0 columns 8p .. 8p + 3,
+    half 1 the next four) as a plane tile's 256 nibble bytes [G, nb, 256]: steps 2p, 2p + 1
+    in byte 4l + c of pair p, column 8p + c of row l in the low nibble, 8p + 4 + c high."""
+    g, nb = q.shape[:2]
+    return ((q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)).reshape(g, nb, 256)
+
+
 def _plane_bytes(codes: torch.Tensor) -> torch.Tensor:
     """Six-bit codes uint8 [G, nb, 16 rows, 32 columns] (int8 -32..31) as Q6_KP's planes
     [G, nb, 384] for int8 activations: 256 bytes of nibbles, then 128 of crumbs, of q = code
     + 32 (csrc/quant_step_vnni.h plane_operands)."""
     g, nb = codes.shape[:2]
     q = (codes.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
-    nib, crumb = q & 0x0F, q >> 4
-    # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
-    n = nib.reshape(g, nb, 16, 4, 2, 4)                           # [G, nb, l, p, half, c]
-    nibbles = (n[..., 0, :] | (n[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+    nibbles = _step_pair_nibbles(q.reshape(g, nb, 16, 4, 2, 4).permute(0, 1, 3, 4, 2, 5))
     # byte 4l + c of pair p: the crumbs of nibble bytes 4l + c (rows l < 8) and 4l + c + 32
-    h = crumb.reshape(g, nb, 2, 8, 4, 2, 4)                       # [.., a, l, p, half, c]
+    h = (q >> 4).reshape(g, nb, 2, 8, 4, 2, 4)                    # [.., a, l, p, half, c]
     crumbs = (h[:, :, 0, ..., 0, :] | (h[:, :, 1, ..., 0, :] << 2)
               | (h[:, :, 0, ..., 1, :] << 4) | (h[:, :, 1, ..., 1, :] << 6)).permute(
                   0, 1, 3, 2, 4)
-    return torch.cat([nibbles.reshape(g, nb, 256), crumbs.reshape(g, nb, 128)], dim=2)
+    return torch.cat([nibbles, crumbs.reshape(g, nb, 128)], dim=2)
 
 
 def _fifth_bit_bytes(codes: torch.Tensor) -> torch.Tensor:
     """Five-bit codes uint8 [G, nb, 16 rows, 32 columns] (0..31) as Q5_KP's planes [G, nb,
-    320] for int8 activations: 256 bytes of nibbles as _plane_bytes lays them, then 64 of
-    fifth bits, a pair of steps two 64-bit masks (csrc/quant_step_vnni.h fifth_bit_operands).
-    """
+    320] for int8 activations: 256 bytes of nibbles as Q6_KP's, then 64 of fifth bits, a pair
+    of steps two 64-bit masks (csrc/quant_step_vnni.h fifth_bit_operands)."""
     g, nb = codes.shape[:2]
-    # steps 2p, 2p + 1: byte 4l + c = columns 8p + c (low), 8p + 4 + c (high) of row l
     q = codes.reshape(g, nb, 16, 4, 2, 4).permute(0, 1, 3, 4, 2, 5)   # [G, nb, p, half, l, c]
-    nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [G, nb, p, l, c]
     # pair p: the low nibbles' mask, then the high ones': bit n (byte n // 8) nibble byte n's
     fifth = (q >> 4).reshape(g, nb, 4, 2, 8, 8).to(torch.int32)    # [G, nb, p, half, byte, bit]
     masks = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1)
-    return torch.cat([nibbles.reshape(g, nb, 256), masks.to(torch.uint8).reshape(g, nb, 64)],
-                     dim=2)
+    return torch.cat([_step_pair_nibbles(q), masks.to(torch.uint8).reshape(g, nb, 64)], dim=2)
 
 
 def _whole_superblocks(heads: torch.Tensor, cols: int) -> bool:

@@ -49,8 +49,8 @@ constexpr int kGemmTokens = 8;   // tokens a kernel call keeps in registers (8 s
 //   dx     [sets][nb][kGemmTokens] each block's scale (a unit of q);
 //   xsum   [sets][nb][groups][kGemmTokens] the sums of the unrounded x over each column
 //          group that a tile's minimums meet (groups = Tile::kSumGroups; 0: none);
-//   start  [sets][nb][splits][kGemmTokens] for Q8 tiles (splits > 0): -bias (Tile::kBias) *
-//          the sum of q over each split's columns, where the split's chains start;
+//   start  [sets][nb][splits][kGemmTokens] for biased operands (Tile::kBias; splits > 0):
+//          -bias * the sum of q over each split's columns, where the split's chains start;
 //   x8     [sets][nb][kGemmTokens] for Q4 tiles with minimums (`fold`): -8 * xsum, what a
 //          Q4_0 block's minimum (-8 d) meets (gemm_tokens' kFold).
 struct Int8Rows : avx2::RoundedRows {
@@ -196,8 +196,9 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
     for (int s = 0; s < Tile::kSplits; ++s) {
       __m512i sum[M];
       for (int m = 0; m < M; ++m)
-        sum[m] = Tile::kQ4 ? _mm512_setzero_si512()
-                           : _mm512_set1_epi32(start[(b * Tile::kSplits + s) * kSet + m]);
+        sum[m] = Tile::kBias == 0
+                     ? _mm512_setzero_si512()
+                     : _mm512_set1_epi32(start[(b * Tile::kSplits + s) * kSet + m]);
 #pragma GCC unroll 8
       for (int j = s * kSteps; j < (s + 1) * kSteps; ++j) {
         const __m512i wj = _mm512_load_si512(w + j);
@@ -243,8 +244,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
   if (tokens < kGemmFrom)
     return matmul_int8_step<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
   constexpr bool kMayFold = Tile::kQ4 && Tile::kMin;
-  const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups, Tile::kQ4 ? 0 : Tile::kSplits,
-                   Tile::kBias, kMayFold);
+  const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups,
+                   Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kMayFold);
   const int64_t nb = K / 32;
   // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
   // between chunks (a panel fill prefetches the next group's tiles, or the next chunk's first).

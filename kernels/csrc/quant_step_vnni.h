@@ -215,8 +215,10 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
         if constexpr (Tile::kQ4) {
           q4_sums<M>(sum, tile, x);
         } else {
-          int32_t start[M];
-          for (int m = 0; m < M; ++m) start[m] = starts[((t + m) * nb + b) * Tile::kSplits + s];
+          int32_t start[M] = {};
+          if constexpr (Tile::kBias != 0)
+            for (int m = 0; m < M; ++m)
+              start[m] = starts[((t + m) * nb + b) * Tile::kSplits + s];
           constexpr int kSteps = 8 / Tile::kSplits;
           q8_sums<M, Tile>(sum, tile, s * kSteps, (s + 1) * kSteps, x, start);
         }
@@ -236,8 +238,8 @@ void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
                       const uint8_t* packed, int64_t N, int64_t K) {
   const avx2::IntActivations<1> a(x, x_stride, tokens, K, Tile::kSumGroups);
   const int64_t nb = K / 32;
-  std::vector<int32_t> starts;
-  if constexpr (!Tile::kQ4) {
+  std::vector<int32_t> starts;      // where each split's chains start (biased operands)
+  if constexpr (Tile::kBias != 0) {
     starts.resize(tokens * nb * Tile::kSplits);
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t b = 0; b < nb; ++b)

@@ -55,8 +55,9 @@ enum Levels { kNoLevels, kIQ4NLLevels, kMXFP4Levels };
 // too. The arrays after the quants: each group's scales, then (kMin) each group's minimums.
 // kFp8: the quants are e4m3 codes, not int8 (fp8_lanes decodes them); kCodes: their range.
 // kPlanes: codes held as bit planes (Q6_KP, Q5_KP). kBias: what vpdpbusd's unsigned operand
-// adds to a Q8 tile's code (its chains start at -kBias sum(x): quant_step_vnni.h): 128 (code
-// ^ 0x80), or a plane tile's 32 (signed codes: its planes join into code + 32) or 0.
+// adds to a tile's code (its chains start at -kBias sum(x): quant_step_vnni.h; none where
+// 0): 128 (a Q8 tile's code ^ 0x80), a plane tile's 32 (signed codes: its planes join into
+// code + 32), or 0 (Q4 nibbles, Q5_KP's codes: unsigned as they are).
 // What the kernels read of every layout (Tile, SuperTile).
 template <int64_t kQuantBytes_, int kSplits_, bool kMin_, bool kFp8_, Codes kCodes_,
           Levels kLevels_ = kNoLevels, bool kPlanes_ = false>
@@ -65,9 +66,9 @@ struct TileShape {
   static constexpr int kSplits = kSplits_;
   static constexpr Levels kLevels = kLevels_;
   static constexpr bool kPlanes = kPlanes_;
-  static constexpr int kBias = !kPlanes_ ? 128 : kCodes_ == kSigned6 ? 32 : 0;
   // kQ4: Q4_1's nibbles (codes 0..15); a level tile's nibbles are codebook indices
   static constexpr bool kMin = kMin_, kQ4 = kQuantBytes == 256 && !kLevels_, kFp8 = kFp8_;
+  static constexpr int kBias = kQ4 ? 0 : !kPlanes_ ? 128 : kCodes_ == kSigned6 ? 32 : 0;
   static constexpr Codes kCodes = kCodes_;
   static constexpr int kArrays = kSplits * (kMin ? 2 : 1);
   // The column groups of a block whose activation sums the minimums meet (0: none needed).
