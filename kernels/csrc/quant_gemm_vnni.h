@@ -106,16 +106,10 @@ struct Panel {
   bool q4_0 = false;           // every block's minimums are -8 d (Q4_0's blocks as Q4_1)
   explicit Panel(int64_t nb) : q(nb * 8), scales(nb * Tile::kArrays * 16) {}
 
-  // `next`: the tiles the next fill reads (nullptr: none), fetched into L2 meanwhile, so that
-  // small steps (16 tokens: ~2 ms of reading against ~3 of products) overlap the two.
-  void fill(const uint8_t* tiles, int64_t nb, const uint8_t* next) {
+  void fill(const uint8_t* tiles, int64_t nb) {
     q4_0 = Tile::kQ4 && Tile::kMin;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(tiles, b);
-      if (next)
-        for (int64_t line = 0; line < Tile::kBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + b * Tile::kBytes + line),
-                       _MM_HINT_T1);
       __m512i* out = reinterpret_cast<__m512i*>(q.data() + b * 8);
       if constexpr (Tile::kQ4) nibbles(tile, out);
       else bytes(tile, out);
@@ -178,8 +172,13 @@ inline void add_minimums(__m512 (&acc)[M], const float* sc, const float* xsum) {
 // tiles scale then add minimums, Q8 tiles the reverse. kFold (Q4 tiles whose minimums are
 // all -8 d: Q4_0's): d (sum * scale(x) - 8 sum(x)) in two FMAs instead of their three, equal
 // to the float rounding (the 3 a block beside 8 vpdpbusd bound the kernel).
+// `ahead` (nullptr: none): the tiles the next panel fill reads, fetched into L2 a block's
+// share at a time while these products run, so that a small step's reading (16 tokens: about
+// a quarter of its time) overlaps its products; a burst of prefetches in the fill itself
+// stalled it until they landed and overlapped nothing (bench/NOTES.md).
 template <int M, bool kFold, typename Tile, typename Out>
-void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel<Tile>& p) {
+void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel<Tile>& p,
+                 const uint8_t* ahead) {
   constexpr int kSteps = 8 / Tile::kSplits, kSet = Int8Rows::kSet;
   const int64_t set = t / kSet, nb = a.nb;
   const int32_t* x = reinterpret_cast<const int32_t*>(a.q.data() + set * nb * kSet * 32);
@@ -191,6 +190,9 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, x += kSet * 8, dx += kSet, x8 += kFold ? kSet : 0) {
     const __m512i* w = reinterpret_cast<const __m512i*>(p.q.data() + b * 8);
+    if (ahead)
+      for (int64_t at = b * Tile::kBytes & ~int64_t(63); at < (b + 1) * Tile::kBytes; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
     if constexpr (!Tile::kQ4) add_minimums<Tile>(acc, sc, xsum + b * Tile::kSumGroups * kSet);
     for (int s = 0; s < Tile::kSplits; ++s) {
@@ -218,21 +220,22 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
   for (int m = 0; m < M; ++m) avx512::store_rows(out + (t + m) * os, acc[m]);
 }
 
-// Tokens [t0, t1) of a group from its panel: kGemmTokens a call, then the rest.
+// Tokens [t0, t1) of a group from its panel: kGemmTokens a call, then the rest; the first
+// call fetches `ahead`.
 template <bool kFold, typename Tile, typename Out>
 void gemm_group(Out* o, int64_t os, const Int8Rows& a, int64_t t0, int64_t t1,
-                const Panel<Tile>& p) {
+                const Panel<Tile>& p, const uint8_t* ahead) {
   int64_t t = t0;
-  for (; t + kGemmTokens <= t1; t += kGemmTokens)
-    gemm_tokens<kGemmTokens, kFold, Tile>(o, os, a, t, p);
+  for (; t + kGemmTokens <= t1; t += kGemmTokens, ahead = nullptr)
+    gemm_tokens<kGemmTokens, kFold, Tile>(o, os, a, t, p, ahead);
   switch (t1 - t) {
-    case 1: gemm_tokens<1, kFold, Tile>(o, os, a, t, p); break;
-    case 2: gemm_tokens<2, kFold, Tile>(o, os, a, t, p); break;
-    case 3: gemm_tokens<3, kFold, Tile>(o, os, a, t, p); break;
-    case 4: gemm_tokens<4, kFold, Tile>(o, os, a, t, p); break;
-    case 5: gemm_tokens<5, kFold, Tile>(o, os, a, t, p); break;
-    case 6: gemm_tokens<6, kFold, Tile>(o, os, a, t, p); break;
-    case 7: gemm_tokens<7, kFold, Tile>(o, os, a, t, p); break;
+    case 1: gemm_tokens<1, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 2: gemm_tokens<2, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 3: gemm_tokens<3, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 4: gemm_tokens<4, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 5: gemm_tokens<5, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 6: gemm_tokens<6, kFold, Tile>(o, os, a, t, p, ahead); break;
+    case 7: gemm_tokens<7, kFold, Tile>(o, os, a, t, p, ahead); break;
   }
 }
 
@@ -248,7 +251,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
                    Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kMayFold);
   const int64_t nb = K / 32;
   // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
-  // between chunks (a panel fill prefetches the next group's tiles, or the next chunk's first).
+  // between chunks (a group's products fetch the next group's tiles, or the next chunk's
+  // first).
   at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
     Panel<Tile> panel(nb);
     for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
@@ -256,10 +260,13 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
       for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* tiles = packed + g * nb * Tile::kBytes;
         const int64_t next = g + 1 < g1 ? g + 1 : t1 < tokens ? g0 : -1;
-        panel.fill(tiles, nb, next < 0 ? nullptr : packed + next * nb * Tile::kBytes);
+        const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
+        panel.fill(tiles, nb);
         T* o = out + g * avx2::kRows;
-        if (kMayFold && panel.q4_0) gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel);
-        else gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel);
+        if (kMayFold && panel.q4_0)
+          gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel, ahead);
+        else
+          gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel, ahead);
       }
     }
   });
