@@ -99,6 +99,11 @@ struct Int8Rows : avx2::RoundedRows {
 // 128), and each block's scale arrays as float32 [nb][arrays][16].
 struct alignas(64) Step { uint8_t bytes[64]; };   // one vpdpbusd operand (C++17 new aligns it)
 
+// Tiles whose blocks may all be Q4_0's (minimums -8 d): the classic Q4 tiles with minimums,
+// which a Q4_0 file's blocks become; a superblock tile's are -dmin m, not worth a check.
+template <typename Tile>
+constexpr bool kMayFold = Tile::kQ4 && Tile::kMin && !Tile::kSuper;
+
 template <typename Tile>
 struct Panel {
   std::vector<Step> q;         // [nb][8]
@@ -107,18 +112,17 @@ struct Panel {
   explicit Panel(int64_t nb) : q(nb * 8), scales(nb * Tile::kArrays * 16) {}
 
   void fill(const uint8_t* tiles, int64_t nb) {
-    q4_0 = Tile::kQ4 && Tile::kMin;
+    q4_0 = kMayFold<Tile>;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(tiles, b);
       __m512i* out = reinterpret_cast<__m512i*>(q.data() + b * 8);
       if constexpr (Tile::kQ4) nibbles(tile, out);
       else bytes(tile, out);
+      float* sc = scales.data() + b * Tile::kArrays * 16;
       for (int a = 0; a < Tile::kArrays; ++a)
-        _mm512_storeu_ps(scales.data() + (b * Tile::kArrays + a) * 16,
-                         Tile::scales16(tile, b, a));
-      if constexpr (Tile::kQ4 && Tile::kMin) {   // exact: m and d are fp16 (or float32)
-        const __m512 d = Tile::scales16(tile, b, 0);
-        const __m512 m = Tile::scales16(tile, b, Tile::minimum(0));
+        _mm512_storeu_ps(sc + a * 16, Tile::scales16(tile, b, a));
+      if constexpr (kMayFold<Tile>) {   // exact: m and d are fp16 (or float32)
+        const __m512 d = _mm512_loadu_ps(sc), m = _mm512_loadu_ps(sc + Tile::minimum(0) * 16);
         q4_0 = q4_0 && _mm512_cmp_ps_mask(m, _mm512_mul_ps(d, _mm512_set1_ps(-8.f)),
                                           _CMP_EQ_OQ) == 0xFFFF;
       }
@@ -246,9 +250,9 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
                  const uint8_t* packed, int64_t N, int64_t K) {
   if (tokens < kGemmFrom)
     return matmul_int8_step<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
-  constexpr bool kMayFold = Tile::kQ4 && Tile::kMin;
+  constexpr bool kFoldable = kMayFold<Tile>;
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups,
-                   Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kMayFold);
+                   Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kFoldable);
   const int64_t nb = K / 32;
   // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
   // between chunks (a group's products fetch the next group's tiles, or the next chunk's
@@ -263,8 +267,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
         const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
         panel.fill(tiles, nb);
         T* o = out + g * avx2::kRows;
-        if (kMayFold && panel.q4_0)
-          gemm_group<kMayFold, Tile>(o, out_stride, a, t0, t1, panel, ahead);
+        if (kFoldable && panel.q4_0)
+          gemm_group<kFoldable, Tile>(o, out_stride, a, t0, t1, panel, ahead);
         else
           gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel, ahead);
       }

@@ -79,6 +79,7 @@ struct TileShape {
 template <int64_t kQuantBytes_, int kSplits_, typename S, bool kMin_, bool kFp8_ = false,
           Codes kCodes_ = kAnyInt8, Levels kLevels_ = kNoLevels>
 struct Tile : TileShape<kQuantBytes_, kSplits_, kMin_, kFp8_, kCodes_, kLevels_> {
+  static constexpr bool kSuper = false;
   static constexpr int64_t kBytes = kQuantBytes_ + kSplits_ * (kMin_ ? 2 : 1) * 16 * sizeof(S);
 
   static const S* scales(const uint8_t* tile, int array) {
@@ -118,6 +119,7 @@ template <int64_t kQuantBytes_, int kSplits_, bool kMin_, Codes kCodes_ = kAnyIn
 struct SuperTile : TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_, kPlanes_> {
   using Shape = TileShape<kQuantBytes_, kSplits_, kMin_, false, kCodes_, kLevels_, kPlanes_>;
   using Shape::kArrays, Shape::kQuantBytes, Shape::kSplits;
+  static constexpr bool kSuper = true;
   static constexpr int kHeads = kMin_ ? 2 : 1;
   static constexpr int64_t kSuperBytes = 8 * (kQuantBytes + kArrays * 16) + kHeads * 32;
   static constexpr int64_t kBytes = kSuperBytes / 8;   // a block's share: a group is nb of it
