@@ -34,9 +34,17 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 namespace pw::vnni {
 
-// From this many tokens of a step the GEMM beats quant_int_avx2.h's kernels, whose every
-// pass of 4 tokens reads all the tiles again (bench/int8_gemm.py measures both).
-constexpr int64_t kGemmFrom = 8;
+// From this many tokens of a step the GEMM beats quant_step_vnni.h's kernels, which turn
+// every tile into operands once per step where a panel serves up to 8 tokens a call (Zen 4,
+// tiles streamed from memory: bench/NOTES.md "Small steps on the GEMM"; bench/gemm_from.py
+// measures both). Planes and superblocks cost the small kernels most to decode: Q5_KP 2,
+// Q6_KP 3, the other superblock tiles (Q4_K, Q2_K, IQ4_XS's levels) 3, classic tiles 5.
+template <typename Tile>
+#ifdef PW_GEMM_FROM   // bench/gemm_from.py's builds: every tile type from this many
+constexpr int64_t kGemmFrom = PW_GEMM_FROM;
+#else
+constexpr int64_t kGemmFrom = Tile::kPlanes ? (Tile::kBias == 0 ? 2 : 3) : Tile::kSuper ? 3 : 5;
+#endif
 // Token chunk a panel serves before the next group's (a multiple of kGemmTokens): its int8
 // activations (chunk x K bytes) stay in L2 while every group of a thread's share reads them.
 constexpr int64_t kGemmChunk = 128;
@@ -244,12 +252,13 @@ void gemm_group(Out* o, int64_t os, const Int8Rows& a, int64_t t0, int64_t t1,
 }
 
 // out [T, N] = x [T, K] @ W^T with x rounded to int8 per block (N a multiple of 16, K of 32):
-// steps of kGemmFrom tokens and more take the GEMM, smaller ones quant_step_vnni.h's.
+// steps of kGemmFrom<Tile> tokens and more take the GEMM, smaller ones quant_step_vnni.h's.
 template <typename Tile, typename T>
 void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                  const uint8_t* packed, int64_t N, int64_t K) {
-  if (tokens < kGemmFrom)
-    return matmul_int8_step<Tile>(out, out_stride, x, x_stride, tokens, packed, N, K);
+  if (tokens < kGemmFrom<Tile>)
+    return matmul_int8_step<Tile, kGemmFrom<Tile>>(out, out_stride, x, x_stride, tokens, packed,
+                                                    N, K);
   constexpr bool kFoldable = kMayFold<Tile>;
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups,
                    Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kFoldable);

@@ -278,7 +278,7 @@ QuantMatmul<T> quant_matmul(int64_t kind) {
 #elif defined(__AVX2__)
 #define PW_EXACT(name, Tile) case PW_TILE_##name: return avx2::matmul<Tile, T>;
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)   // vpdpbusd's GEMM from kGemmFrom tokens
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)   // vpdpbusd: small steps, then the GEMM
 #define PW_INT8(name, Tile) \
   case PW_TILE_##name + PW_ROUNDING_INT8: return vnni::matmul_int8<Tile, T>;
 #elif defined(__AVX2__)

@@ -232,10 +232,12 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
   }
 }
 
-// out [T, N] = x [T, K] @ W^T for T < 8 tokens with x rounded to int8 per block.
-template <typename Tile, typename T>
+// out [T, N] = x [T, K] @ W^T for T < kUpTo (at most 8) tokens with x rounded to int8 per
+// block (larger steps take quant_gemm_vnni.h's GEMM: only these sizes are built).
+template <typename Tile, int64_t kUpTo, typename T>
 void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                       const uint8_t* packed, int64_t N, int64_t K) {
+  static_assert(kUpTo <= 8, "step_groups keeps at most 7 tokens' sums");
   const avx2::IntActivations<1> a(x, x_stride, tokens, K, Tile::kSumGroups);
   const int64_t nb = K / 32;
   std::vector<int32_t> starts;      // where each split's chains start (biased operands)
@@ -249,8 +251,11 @@ void matmul_int8_step(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
   }
   at::parallel_for(0, N / avx2::kRows, 1, [&](int64_t g0, int64_t g1) {
     switch (tokens) {
-#define PW_STEP(M) \
-      case M: return step_groups<M, Tile>(out, out_stride, a, starts.data(), 0, packed, g0, g1);
+#define PW_STEP(M)                                                                          \
+      case M:                                                                                 \
+        if constexpr (M < kUpTo)                                                              \
+          return step_groups<M, Tile>(out, out_stride, a, starts.data(), 0, packed, g0, g1);  \
+        break;
       PW_STEP(1) PW_STEP(2) PW_STEP(3) PW_STEP(4) PW_STEP(5) PW_STEP(6) PW_STEP(7)
 #undef PW_STEP
     }

@@ -1,7 +1,7 @@
 """Quantized matmuls with int8 activations (--quantized-activations int8, int8-prefill): the
 small steps' kernels (csrc/quant_int_avx2.h; vpdpbusd's on avx512_bf16, quant_step_vnni.h),
-the GEMMs from 8 tokens (quant_gemm_vnni.h on avx512_bf16, quant_gemm_int8_avx2.h below it),
-and which steps each serves."""
+the GEMMs for larger ones (quant_gemm_vnni.h on avx512_bf16 from 2-5 tokens by tile type,
+kGemmFrom; quant_gemm_int8_avx2.h below it from 8 or 32), and which steps each serves."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,15 +34,15 @@ def test_int8_blocks_serve_large_steps_where_an_int8_gemm_runs(native_lib, round
 @pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtype):
-    """From 8 tokens int8 activations take a GEMM (vpdpbusd on avx512_bf16,
+    """Larger steps with int8 activations take a GEMM (vpdpbusd on avx512_bf16,
     csrc/quant_gemm_vnni.h; vpmaddubsw below it, quant_gemm_int8_avx2.h): the same integer
     sums and the same float steps in the same order, so its outputs equal, bit for bit, those
-    of the small kernels (quant_int_avx2.h), which serve calls of up to 7 tokens (here 4 at a
-    time), and stay within the rounding of the torch reference. On VNNI Q4_0 (minimums -8 d)
-    folds its minimum into the scale's FMA: equal to float32 rounding (a few units of 2^-24
-    of the sum of |x w|), bfloat16 outputs then to one unit of their last place. 17, 100 and
-    257 tokens end in short sets after the GEMMs' calls of 8 (VNNI) or 2 (AVX2) tokens, 257
-    past their 128-token chunk."""
+    of the small kernels (quant_int_avx2.h, quant_step_vnni.h; here a token a call, which
+    every tier serves with them), and stay within the rounding of the torch reference. On
+    VNNI Q4_0 (minimums -8 d) folds its minimum into the scale's FMA: equal to float32
+    rounding (_assert_equal_but_folded). 3 tokens take VNNI's GEMM for superblock tiles and
+    planes only; 17, 100 and 257 end in short sets after the GEMMs' calls of 8 (VNNI) or 2
+    (AVX2) tokens, 257 past their 128-token chunk."""
     _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols_of(qtype, 320))
 
 
@@ -59,14 +59,21 @@ def _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols):
     weight = quant.pack(TYPES[qtype], raw, cols, native_lib, "int8")
     x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
     out = quant.matmul(x, weight)
-    small = torch.cat([quant.matmul(x[t:t + 4], weight) for t in range(0, tokens, 4)])
-    if qtype == "Q4_0":                  # its folded minimum: equal to float32 rounding
+    small = torch.cat([quant.matmul(x[t:t + 1], weight) for t in range(tokens)])
+    _assert_equal_but_folded(out, small, qtype, x, w, dtype)
+    _check_within_rounding(out, x, w, 127, dtype)
+
+
+def _assert_equal_but_folded(out, small, qtype, x, w, dtype):
+    """out equals small bit for bit, or for Q4_0 (whose minimum VNNI's GEMM folds) to float32
+    rounding: a few units of 2^-24 of the sum of |x w|, bfloat16 outputs then to one unit
+    of their last place."""
+    if qtype == "Q4_0":
         tol = (x.double().abs() @ w.abs().T) * 1e-6 + \
             (small.double().abs() * 2.0 ** -8 if dtype == torch.bfloat16 else 0)
         assert ((out.double() - small.double()).abs() <= tol).all()
     else:
         assert torch.equal(out, small)
-    _check_within_rounding(out, x, w, 127, dtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
@@ -98,11 +105,12 @@ def test_int8_for_large_steps_only(native_lib, qtype, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vnni_small_steps_equal_the_avx2_kernels(qtype, dtype):
     """Steps of 1-7 tokens (decode) with int8 activations take vpdpbusd on avx512_bf16
-    (csrc/quant_step_vnni.h): the AVX2 kernels' integer sums and float steps in their order,
-    so the outputs equal the avx2 library's bit for bit, on rows of 10 blocks (or 2
-    superblocks), tiles with and without minimums and with two scales a block, and level
-    tiles. Both multiply the tiles avx512_bf16 packs (Q6_K's as Q6_KS's codes, which avx2
-    multiplies too: its bit planes equal them in test_quant_planes.py)."""
+    (csrc/quant_step_vnni.h, and its GEMM from kGemmFrom tokens): the AVX2 kernels' integer
+    sums and float steps in their order, so the outputs equal the avx2 library's bit for bit
+    (Q4_0 in the GEMM to float32 rounding), on rows of 10 blocks (or 2 superblocks), tiles
+    with and without minimums and with two scales a block, and level tiles. Both multiply
+    the tiles avx512_bf16 packs (Q6_K's as Q6_KS's codes, which avx2 multiplies too: its bit
+    planes equal them in test_quant_planes.py)."""
     vnni, avx2 = native.load("avx512_bf16"), native.load("avx2")
     cols = cols_of(qtype, 320)
     rng = np.random.default_rng(len(qtype))
@@ -112,5 +120,5 @@ def test_vnni_small_steps_equal_the_avx2_kernels(qtype, dtype):
     for tokens in range(1, 8):
         x = torch.from_numpy(rng.standard_normal((tokens, cols)).astype(np.float32)).to(dtype)
         out = quant.matmul(x, fast)
-        assert torch.equal(out, quant.matmul(x, reference)), tokens
+        _assert_equal_but_folded(out, quant.matmul(x, reference), qtype, x, w, dtype)
         _check_within_rounding(out, x, w, 127, dtype)
