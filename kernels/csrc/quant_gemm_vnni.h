@@ -261,9 +261,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
   if (tokens < kGemmFrom<Tile>)
     return matmul_int8_step<Tile, kGemmFrom<Tile>>(out, out_stride, x, x_stride, tokens, packed,
                                                     N, K);
-  constexpr bool kFoldable = kMayFold<Tile>;
   const Int8Rows a(x, x_stride, tokens, K, Tile::kSumGroups,
-                   Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kFoldable);
+                   Tile::kBias == 0 ? 0 : Tile::kSplits, Tile::kBias, kMayFold<Tile>);
   const int64_t nb = K / 32;
   // One parallel region for the step: each thread's groups, chunk by chunk, with no barrier
   // between chunks (a group's products fetch the next group's tiles, or the next chunk's
@@ -278,8 +277,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
         const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
         panel.fill(tiles, nb);
         T* o = out + g * avx2::kRows;
-        if (kFoldable && panel.q4_0)
-          gemm_group<kFoldable, Tile>(o, out_stride, a, t0, t1, panel, ahead);
+        if (kMayFold<Tile> && panel.q4_0)
+          gemm_group<kMayFold<Tile>, Tile>(o, out_stride, a, t0, t1, panel, ahead);
         else
           gemm_group<false, Tile>(o, out_stride, a, t0, t1, panel, ahead);
       }

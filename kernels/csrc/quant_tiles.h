@@ -26,7 +26,8 @@
 //         of fifth bits a block, 22.5 bytes a 32 weights (the file's 22) where Q5_KS takes 34.5.
 //
 // A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
-// a block's scales through scales8 / scales16(tile, b, array): one interface for both.
+// a block's scales through scales8 / scales16(tile, b, array): one interface for both (kSuper
+// tells them apart where a kernel's choices differ: quant_gemm_vnni.h kGemmFrom, kMayFold).
 #pragma once
 #include <immintrin.h>
 
