@@ -175,12 +175,13 @@ inline void q4_block_sums(__m256i (&sum)[2][4], const __m256i* w, const int8_t* 
 // sums (four tokens': q4_block_sums; fewer, the chunk's last, the intrinsics below).
 template <int M, typename Tile, typename Out>
 void int8_gemm_q4(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
-                  const Int8Panel<Tile>& p) {
+                  const Int8Panel<Tile>& p, const uint8_t* ahead) {
   static_assert(Tile::kSplits == 1, "a Q4 block has one scale (and minimum) a row");
   const int64_t nb = a.K / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   alignas(32) float acc[M][16] = {};     // [token][rows 0-15]
   for (int64_t b = 0; b < nb; ++b) {
+    fetch_ahead<Tile>(ahead, b);
     const __m256i* w = p.q.data() + b * 16;
     __m256i sum[2][M];               // int16 pair sums, [rows 0-7, 8-15][token]
     if constexpr (M == kQ4GemmTokens) {
@@ -271,11 +272,12 @@ inline void six_bit_sums(__m256i (&sum)[2][M], const Int8GemmRows& a, int64_t t,
 // Q8 tiles: the small kernels' order, each split's minimums first, then its sums.
 template <int M, typename Tile, typename Out>
 void int8_gemm_q8(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
-                  const uint8_t* group, const Int8Panel<Tile>& p) {
+                  const uint8_t* group, const Int8Panel<Tile>& p, const uint8_t* ahead) {
   const int64_t nb = a.K / 32;
   __m256 acc[2][M];
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    fetch_ahead<Tile>(ahead, b);
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
     if constexpr (Tile::kMin)
       for (int h = 0; h < 2; ++h)
@@ -307,15 +309,17 @@ void int8_gemm_q8(Out* out, int64_t os, const Int8GemmRows& a, int64_t t,
     for (int h = 0; h < 2; ++h) store8(out + m * os + 8 * h, acc[h][m]);
 }
 
+// `ahead`: the next group's tiles, fetched while these products run (fetch_ahead).
 template <int M, typename Tile, typename Out>
 inline void int8_gemm_call(Out* o, int64_t os, const Int8GemmRows& a, int64_t t,
-                           const uint8_t* group, const Int8Panel<Tile>& p) {
-  if constexpr (Tile::kQ4) int8_gemm_q4<M, Tile>(o + t * os, os, a, t, p);
-  else int8_gemm_q8<M, Tile>(o + t * os, os, a, t, group, p);
+                           const uint8_t* group, const Int8Panel<Tile>& p, const uint8_t* ahead) {
+  if constexpr (Tile::kQ4) int8_gemm_q4<M, Tile>(o + t * os, os, a, t, p, ahead);
+  else int8_gemm_q8<M, Tile>(o + t * os, os, a, t, group, p, ahead);
 }
 
 // out [T, N] = x [T, K] @ W^T with x rounded to int8 per block, for T >= kInt8GemmFrom<Tile>:
-// one parallel region, each thread's groups chunk of tokens by chunk.
+// one parallel region, each thread's groups chunk of tokens by chunk, a group's first call
+// fetching the next group's tiles (or the next chunk's first).
 template <typename Tile, typename T>
 void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t tokens,
                       const uint8_t* packed, int64_t N, int64_t K) {
@@ -328,15 +332,17 @@ void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
       const int64_t t1 = std::min(tokens, t0 + chunk);
       for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* group = packed + g * nb * Tile::kBytes;
+        const int64_t next = g + 1 < g1 ? g + 1 : t1 < tokens ? g0 : -1;
+        const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
         panel.fill(group, nb);
         T* o = out + g * kRows;
         int64_t t = t0;
         if constexpr (Tile::kQ4)
-          for (; t + kQ4GemmTokens <= t1; t += kQ4GemmTokens)
-            int8_gemm_call<kQ4GemmTokens, Tile>(o, out_stride, a, t, group, panel);
-        for (; t < t1; t += kInt8GemmTokens)
-          if (t + 1 < t1) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel);
-          else int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel);
+          for (; t + kQ4GemmTokens <= t1; t += kQ4GemmTokens, ahead = nullptr)
+            int8_gemm_call<kQ4GemmTokens, Tile>(o, out_stride, a, t, group, panel, ahead);
+        for (; t < t1; t += kInt8GemmTokens, ahead = nullptr)
+          if (t + 1 < t1) int8_gemm_call<2, Tile>(o, out_stride, a, t, group, panel, ahead);
+          else int8_gemm_call<1, Tile>(o, out_stride, a, t, group, panel, ahead);
       }
     }
   });

@@ -186,10 +186,8 @@ inline void add_minimums(__m512 (&acc)[M], const float* sc, const float* xsum) {
 // tiles scale then add minimums, Q8 tiles the reverse. kFold (Q4 tiles whose minimums are
 // all -8 d: Q4_0's): d (sum * scale(x) - 8 sum(x)) in two FMAs instead of their three, equal
 // to the float rounding (the 3 a block beside 8 vpdpbusd bound the kernel).
-// `ahead` (nullptr: none): the tiles the next panel fill reads, fetched into L2 a block's
-// share at a time while these products run, so that a small step's reading (16 tokens: about
-// a quarter of its time) overlaps its products; a burst of prefetches in the fill itself
-// stalled it until they landed and overlapped nothing (bench/NOTES.md).
+// `ahead` (nullptr: none): the tiles the next panel fill reads, fetched while these products
+// run (fetch_ahead; at 16 tokens reading was about a quarter of a step's time).
 template <int M, bool kFold, typename Tile, typename Out>
 void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel<Tile>& p,
                  const uint8_t* ahead) {
@@ -204,9 +202,7 @@ void gemm_tokens(Out* out, int64_t os, const Int8Rows& a, int64_t t, const Panel
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, x += kSet * 8, dx += kSet, x8 += kFold ? kSet : 0) {
     const __m512i* w = reinterpret_cast<const __m512i*>(p.q.data() + b * 8);
-    if (ahead)
-      for (int64_t at = b * Tile::kBytes & ~int64_t(63); at < (b + 1) * Tile::kBytes; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+    fetch_ahead<Tile>(ahead, b);
     const float* sc = p.scales.data() + b * Tile::kArrays * 16;
     if constexpr (!Tile::kQ4) add_minimums<Tile>(acc, sc, xsum + b * Tile::kSumGroups * kSet);
     for (int s = 0; s < Tile::kSplits; ++s) {

@@ -218,6 +218,19 @@ inline __m256i int_codes(const uint8_t* tile, int j, int h) {
 }
 #endif
 
+// Block b's share of a 16-row group's tiles at `ahead` (nullptr: none) fetched into L2. The
+// GEMMs call it block by block while they multiply a group, for the next group, so that a
+// small step's reading overlaps its products (prefetching a whole group at once stalled the
+// core until the lines landed: bench/NOTES.md "Small steps on the GEMM").
+#if defined(__AVX2__)
+template <typename Tile>
+inline void fetch_ahead(const uint8_t* ahead, int64_t b) {
+  if (ahead)
+    for (int64_t at = b * Tile::kBytes & ~int64_t(63); at < (b + 1) * Tile::kBytes; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T1);
+}
+#endif
+
 // e4m3 (fn) codes, widened to int32 lanes, as float32 (the AVX2 kernels'; the AVX512-BF16
 // ones decode to bfloat16 pairs instead): a normal code's exponent and mantissa bits moved
 // into float32's and rebiased (120 = 127 - 7), a subnormal's mantissa times 2^-9; both exact.
