@@ -269,7 +269,8 @@ void large_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
 
 // Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
 // AVX512-BF16's where the CPU has it, else AVX2's; the integer ones AVX2's on every tier but
-// int8's on AVX512-VNNI (quant_step_vnni.h below 8 tokens, quant_gemm_vnni.h from 8).
+// int8's on AVX512-VNNI (quant_step_vnni.h for the smallest steps, quant_gemm_vnni.h from
+// its kGemmFrom<Tile>: 2-6 tokens by tile type).
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
   if (kind == PW_TILE_BF16) return bf16_matmul<T>();
