@@ -332,8 +332,7 @@ void matmul_int8_gemm(T* out, int64_t out_stride, const T* x, int64_t x_stride, 
       const int64_t t1 = std::min(tokens, t0 + chunk);
       for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* group = packed + g * nb * Tile::kBytes;
-        const int64_t next = g + 1 < g1 ? g + 1 : t1 < tokens ? g0 : -1;
-        const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
+        const uint8_t* ahead = group_ahead(packed, nb * Tile::kBytes, g, g0, g1, t1 < tokens);
         panel.fill(group, nb);
         T* o = out + g * kRows;
         int64_t t = t0;

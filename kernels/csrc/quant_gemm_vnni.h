@@ -268,10 +268,8 @@ void matmul_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64
     for (int64_t t0 = 0; t0 < tokens; t0 += kGemmChunk) {
       const int64_t t1 = std::min(tokens, t0 + kGemmChunk);
       for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* tiles = packed + g * nb * Tile::kBytes;
-        const int64_t next = g + 1 < g1 ? g + 1 : t1 < tokens ? g0 : -1;
-        const uint8_t* ahead = next < 0 ? nullptr : packed + next * nb * Tile::kBytes;
-        panel.fill(tiles, nb);
+        const uint8_t* ahead = group_ahead(packed, nb * Tile::kBytes, g, g0, g1, t1 < tokens);
+        panel.fill(packed + g * nb * Tile::kBytes, nb);
         T* o = out + g * avx2::kRows;
         if (kMayFold<Tile> && panel.q4_0)
           gemm_group<kMayFold<Tile>, Tile>(o, out_stride, a, t0, t1, panel, ahead);

@@ -239,9 +239,10 @@ namespace pw {
   X(Q5_KS, Q5_KSuper) X(Q6_KS, Q6_KSuper) X(Q2_KS, Q2_KSuper) X(IQ4_XSS, IQ4_XSSuper) \
   X(IQ4_NL, IQ4_NLTile) X(MXFP4, MXFP4Tile) X(IQ4_XSL, IQ4_XSLSuper)
 // Q6_K's and Q5_K's bit planes: int8 activations on VNNI only (avx512_bf16); elsewhere, and
-// for the other roundings, kernels/quant.py keeps Q6_KS and Q5_KS tiles (pw_quant_kind). Its exact kernels
-// joined a nibble and a crumb into SixBitCodes' index at 0.70-0.89x Q6_KS's rate (shifts and
-// shuffles share a Zen 4 core's two pipes; bench/NOTES.md "Q6_K's bit planes").
+// for the other roundings, kernels/quant.py keeps Q6_KS and Q5_KS tiles (pw_quant_kind).
+// Exact kernels on Q6_KP joined a nibble and a crumb into SixBitCodes' index at 0.70-0.89x
+// Q6_KS's rate (shifts and shuffles share a Zen 4 core's two pipes; bench/NOTES.md "Q6_K's
+// bit planes").
 #define PW_PLANE_TILES(X) X(Q6_KP, Q6_KPSuper) X(Q5_KP, Q5_KPSuper)
 #define PW_TILES(X) PW_INT_TILES(X) PW_PLANE_TILES(X) X(FP8, FP8Tile)
 #define PW_Q4_TILES(X) X(Q4_1, Q4_1Tile) X(Q4_K, Q4_KTile) X(Q4_KS, Q4_KSuper)

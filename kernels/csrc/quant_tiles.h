@@ -222,6 +222,13 @@ inline __m256i int_codes(const uint8_t* tile, int j, int h) {
 // GEMMs call it block by block while they multiply a group, for the next group, so that a
 // small step's reading overlaps its products (prefetching a whole group at once stalled the
 // core until the lines landed: bench/NOTES.md "Small steps on the GEMM").
+// Its `ahead` for group g of a thread's share [g0, g1), groups `bytes` apart from `packed`:
+// the next group's tiles, at the share's end its first again if another chunk of tokens
+// follows (`more`), else none.
+inline const uint8_t* group_ahead(const uint8_t* packed, int64_t bytes, int64_t g, int64_t g0,
+                                  int64_t g1, bool more) {
+  return g + 1 < g1 ? packed + (g + 1) * bytes : more ? packed + g0 * bytes : nullptr;
+}
 #if defined(__AVX2__)
 template <typename Tile>
 inline void fetch_ahead(const uint8_t* ahead, int64_t b) {
