@@ -55,8 +55,10 @@ struct Activations {
 // superblock tile's scales lie up to 4 KB past its first quants, often in a page the hardware
 // prefetcher has not entered yet (it stops at page ends): on Zen 3 a superblock's first scale
 // load waited on DRAM, and the AVX2 one-token kernels call this once a block (bench/NOTES.md,
-// "Real shapes on an AVX2-only core"). The AVX-512 kernels have none: on Zen 4 it measured
-// slower there. A hint only: no result depends on it.
+// "Real shapes on an AVX2-only core"). The AVX-512 kernels fetch the next group's tiles a
+// block at a time instead, from 2 tokens only (quant_tiles.h fetch_ahead: on Zen 4 one token
+// streams at about the read bandwidth without it, and ran slower with it). A hint only: no
+// result depends on it.
 constexpr int64_t kAheadBytes = 6144;
 
 template <typename Tile>

@@ -35,17 +35,16 @@
 namespace pw::vnni {
 
 // From this many tokens of a step the GEMM beats quant_step_vnni.h's kernels, which turn
-// every tile into operands once per step where a panel serves up to 8 tokens a call (Zen 4,
-// tiles streamed from memory: bench/NOTES.md "Small steps on the GEMM"; bench/gemm_from.py
-// measures both). Planes and superblocks cost the small kernels most to decode: Q5_KP 2,
-// Q6_KP 3, the other superblock tiles (Q4_K, Q2_K, IQ4_XS's levels) 3; classic tiles 5
-// (Q4_0, Q8_0), level ones 6 (IQ4_NL, MXFP4: about even at 4-7).
+// every tile into operands once per step where a panel serves up to 8 tokens a call. With
+// both fetching the next group's tiles while they multiply (Zen 4, tiles streamed from
+// memory: bench/NOTES.md "Small steps fetch ahead"; bench/gemm_from.py measures both), the
+// small kernels win up to 7 tokens for every tile type but Q6_K's planes, whose decode costs
+// them most (the GEMM from 7).
 template <typename Tile>
 #ifdef PW_GEMM_FROM   // bench/gemm_from.py's builds: every tile type from this many
 constexpr int64_t kGemmFrom = PW_GEMM_FROM;
 #else
-constexpr int64_t kGemmFrom = Tile::kPlanes ? (Tile::kBias == 0 ? 2 : 3)
-                              : Tile::kSuper ? 3 : Tile::kLevels != kNoLevels ? 6 : 5;
+constexpr int64_t kGemmFrom = Tile::kPlanes && Tile::kBias != 0 ? 7 : 8;
 #endif
 // Token chunk a panel serves before the next group's (a multiple of kGemmTokens): its int8
 // activations (chunk x K bytes) stay in L2 while every group of a thread's share reads them.

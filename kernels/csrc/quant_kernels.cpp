@@ -75,10 +75,15 @@ inline void walk_groups(Out* out, int64_t out_stride, const float* sums, const u
                         int64_t nb, int64_t g0, int64_t g1, const Chains& chains) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = packed + g * nb * Tile::kBytes;
+    // the next group's tiles, fetched while these products run (as quant_step_vnni.h's
+    // step_groups: from 2 tokens)
+    const uint8_t* ahead =
+        M > 1 ? pw::group_ahead(packed, nb * Tile::kBytes, g, g0, g1, false) : nullptr;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = Tile::at(group, b);
+      pw::fetch_ahead<Tile>(ahead, b);
       __m512 first[M], second[M];
       for (int m = 0; m < M; ++m) first[m] = second[m] = _mm512_setzero_ps();
       chains(tile, b, first, second);
@@ -271,7 +276,7 @@ void large_int8(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_
 // Kinds: a tile type plus a rounding (pagewire_api.h PwTile, PwRounding). The exact kernels are
 // AVX512-BF16's where the CPU has it, else AVX2's; the integer ones AVX2's on every tier but
 // int8's on AVX512-VNNI (quant_step_vnni.h for the smallest steps, quant_gemm_vnni.h from
-// its kGemmFrom<Tile>: 2-6 tokens by tile type).
+// its kGemmFrom<Tile>: 7 tokens for Q6_K's planes, 8 for the rest).
 template <typename T>
 QuantMatmul<T> quant_matmul(int64_t kind) {
   if (kind == PW_TILE_BF16) return bf16_matmul<T>();

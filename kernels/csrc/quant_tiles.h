@@ -219,9 +219,10 @@ inline __m256i int_codes(const uint8_t* tile, int j, int h) {
 #endif
 
 // Block b's share of a 16-row group's tiles at `ahead` (nullptr: none) fetched into L2. The
-// GEMMs call it block by block while they multiply a group, for the next group, so that a
-// small step's reading overlaps its products (prefetching a whole group at once stalled the
-// core until the lines landed: bench/NOTES.md "Small steps on the GEMM").
+// GEMMs, and the AVX-512 small steps of 2-7 tokens (exact and int8), call it block by block
+// while they multiply a group, for the next group, so that a step's reading overlaps its
+// products (prefetching a whole group at once stalled the core until the lines landed:
+// bench/NOTES.md "Small steps on the GEMM"; small steps: "Small steps fetch ahead").
 // Its `ahead` for group g of a thread's share [g0, g1), groups `bytes` apart from `packed`:
 // the next group's tiles, at the share's end its first again if another chunk of tokens
 // follows (`more`), else none.

@@ -149,6 +149,33 @@ def test_native_block_equals_torch_grouping(native_lib, dtype, shared):
         assert torch.allclose(got.float()[clear], want.float()[clear], **tol), tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_block_is_the_same_whichever_thread_runs_an_expert(native_lib, dtype):
+    """csrc/moe.cpp hands its experts out largest first to whichever thread is free
+    (each_task): the outputs are the same bits on one thread as on two or three, for steps
+    whose experts hold different counts of tokens (a decode step's) and for one token (its
+    experts' rows split into tasks)."""
+    from pagewire.kernels.ops import CpuOps
+    block = _quantized_moe(native_lib, True, dtype)
+    ops = CpuOps(native_lib)
+    block.native_spec = moe.native_spec(block, ops.capabilities.block_kinds)
+    torch.manual_seed(7)
+    threads = torch.get_num_threads()
+    try:
+        for tokens in (1, 5, 16, 33):
+            x = torch.randn(tokens, 32).to(dtype)
+            outs = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                with torch.no_grad():
+                    outs.append(ops.moe(block, x))
+            counts = torch.bincount(moe.block_route(block, x)[1].flatten(), minlength=6)
+            assert tokens == 1 or len(set(counts[counts > 0].tolist())) > 1, counts
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_counts_follow_the_model_wherever_it_moves():
     """LlamaForCausalLM.expert_reads: each sparse layer's block counts into its row, on the
     model's device, the links kept when the model is moved or converted."""

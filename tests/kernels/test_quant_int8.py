@@ -1,6 +1,6 @@
 """Quantized matmuls with int8 activations (--quantized-activations int8, int8-prefill): the
 small steps' kernels (csrc/quant_int_avx2.h; vpdpbusd's on avx512_bf16, quant_step_vnni.h),
-the GEMMs for larger ones (quant_gemm_vnni.h on avx512_bf16 from 2-5 tokens by tile type,
+the GEMMs for larger ones (quant_gemm_vnni.h on avx512_bf16 from 7 or 8 tokens by tile type,
 kGemmFrom; quant_gemm_int8_avx2.h below it from 8 or 32), and which steps each serves."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_int8_blocks_serve_large_steps_where_an_int8_gemm_runs(native_lib, round
 
 
 @pytest.mark.parametrize("qtype", ALL)
-@pytest.mark.parametrize("tokens", [1, 3, 17, 100, 257])
+@pytest.mark.parametrize("tokens", [1, 7, 17, 100, 257])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtype):
     """Larger steps with int8 activations take a GEMM (vpdpbusd on avx512_bf16,
@@ -40,9 +40,9 @@ def test_int8_gemm_equals_the_small_int8_kernels(native_lib, qtype, tokens, dtyp
     of the small kernels (quant_int_avx2.h, quant_step_vnni.h; here a token a call, which
     every tier serves with them), and stay within the rounding of the torch reference. On
     VNNI Q4_0 (minimums -8 d) folds its minimum into the scale's FMA: equal to float32
-    rounding (_assert_equal_but_folded). 3 tokens take VNNI's GEMM for superblock tiles and
-    planes only; 17, 100 and 257 end in short sets after the GEMMs' calls of 8 (VNNI) or 2
-    (AVX2) tokens, 257 past their 128-token chunk."""
+    rounding (_assert_equal_but_folded). 7 tokens take VNNI's GEMM for Q6_K's planes only;
+    17, 100 and 257 end in short sets after the GEMMs' calls of 8 (VNNI) or 2 (AVX2) tokens,
+    257 past their 128-token chunk."""
     _assert_int8_gemm_equals_small(native_lib, qtype, tokens, dtype, cols_of(qtype, 320))
 
 
