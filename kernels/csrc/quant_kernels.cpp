@@ -181,31 +181,29 @@ template <typename Tile, typename Out>
 constexpr bool kQ8Pairs = !kDecoded<Tile> && !Tile::kMin && std::is_same<Out, bf16>::value;
 constexpr int64_t kQ8PairTokens = 4;
 
-// One chunk of up to kMaxBatch tokens of one tile format: its weights are unpacked once for
-// all of them.
+// One chunk of up to kMaxBatch tokens of one tile format over output groups [g0, g1): its
+// weights are unpacked once for all of them.
 template <int M, typename Tile, typename Out>
 void chunk(Out* out, int64_t os, const Activations& a, int64_t t, const uint8_t* packed,
-           int64_t groups) {
+           int64_t g0, int64_t g1) {
   const int64_t nb = a.K / 32;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if constexpr (kDecoded<Tile>) {
-      using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, std::conditional_t<
-          Tile::kQ4, Nibbles, std::conditional_t<Tile::kLevels != pw::kNoLevels,
-          LevelCodes<Tile::kLevels>, SixBitCodes<Tile::kCodes>>>>;
-      const bf16* x = a.parts.data() + t * a.K;
-      const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
-      if (a.P == 1)
-        pair_groups<M, 1, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
-      else
-        pair_groups<M, 3, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
-    } else if (!a.parts.empty()) {    // kQ8Pairs: bfloat16 activations as parts (P == 1)
-      if constexpr (kQ8Pairs<Tile, Out>)
-        q8_pair_groups<M, Tile>(out, os, a.parts.data() + t * a.K, a.K, packed, nb, g0, g1);
-    } else {
-      const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
-      q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
-    }
-  });
+  if constexpr (kDecoded<Tile>) {
+    using Decode = std::conditional_t<Tile::kFp8, Fp8Codes, std::conditional_t<
+        Tile::kQ4, Nibbles, std::conditional_t<Tile::kLevels != pw::kNoLevels,
+        LevelCodes<Tile::kLevels>, SixBitCodes<Tile::kCodes>>>>;
+    const bf16* x = a.parts.data() + t * a.K;
+    const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
+    if (a.P == 1)
+      pair_groups<M, 1, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+    else
+      pair_groups<M, 3, Tile, Decode>(out, os, x, a.T * a.K, a.K, sums, packed, nb, g0, g1);
+  } else if (!a.parts.empty()) {    // kQ8Pairs: bfloat16 activations as parts (P == 1)
+    if constexpr (kQ8Pairs<Tile, Out>)
+      q8_pair_groups<M, Tile>(out, os, a.parts.data() + t * a.K, a.K, packed, nb, g0, g1);
+  } else {
+    const float* sums = Tile::kMin ? a.sums.data() + t * nb * Tile::kSplits : nullptr;
+    q8_groups<M, Tile>(out, os, a.xf.data() + t * a.K, sums, a.K, packed, nb, g0, g1);
+  }
 }
 
 template <typename Tile, typename Out>
@@ -214,20 +212,23 @@ void matmul(Out* out, int64_t out_stride, const Out* x, int64_t x_stride, int64_
   const bool pairs = kQ8Pairs<Tile, Out> && tokens >= kQ8PairTokens;
   const Activations a(x, x_stride, tokens, K, kDecoded<Tile> || pairs ? kParts : kFloat,
                       Tile::kSumGroups);
-  for (int64_t t = 0; t < a.T; t += kMaxBatch) {
-    Out* o = out + t * out_stride;
-    const int64_t g = N / kRows;
-    switch (std::min<int64_t>(kMaxBatch, a.T - t)) {
-      case 1: chunk<1, Tile>(o, out_stride, a, t, packed, g); break;
-      case 2: chunk<2, Tile>(o, out_stride, a, t, packed, g); break;
-      case 3: chunk<3, Tile>(o, out_stride, a, t, packed, g); break;
-      case 4: chunk<4, Tile>(o, out_stride, a, t, packed, g); break;
-      case 5: chunk<5, Tile>(o, out_stride, a, t, packed, g); break;
-      case 6: chunk<6, Tile>(o, out_stride, a, t, packed, g); break;
-      case 7: chunk<7, Tile>(o, out_stride, a, t, packed, g); break;
-      default: chunk<8, Tile>(o, out_stride, a, t, packed, g); break;
+  // One parallel region for the step, each thread's share of the groups chunk by chunk: no
+  // barrier between chunks (a prefill step has hundreds).
+  at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t t = 0; t < a.T; t += kMaxBatch) {
+      Out* o = out + t * out_stride;
+      switch (std::min<int64_t>(kMaxBatch, a.T - t)) {
+        case 1: chunk<1, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 2: chunk<2, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 3: chunk<3, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 4: chunk<4, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 5: chunk<5, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 6: chunk<6, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        case 7: chunk<7, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+        default: chunk<8, Tile>(o, out_stride, a, t, packed, g0, g1); break;
+      }
     }
-  }
+  });
 }
 
 #endif  // __AVX512BF16__
