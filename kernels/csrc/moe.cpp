@@ -187,11 +187,13 @@ void each_task(const std::vector<Work>& work, Rows rows_of, Fn fn) {
   const bool whole = items >= 2 * at::get_num_threads();
   struct Task { int64_t item, r0, r1, cost; };
   std::vector<Task> tasks;
-  for (int64_t i = 0; i < items; ++i)
-    for (int64_t r = 0; r < rows_of(work[i]); r += whole ? rows_of(work[i]) : kTaskRows) {
-      const int64_t r1 = whole ? rows_of(work[i]) : std::min(r + kTaskRows, rows_of(work[i]));
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t rows = rows_of(work[i]), step = whole ? rows : kTaskRows;
+    for (int64_t r = 0; r < rows; r += step) {
+      const int64_t r1 = std::min(r + step, rows);
       tasks.push_back({i, r, r1, (r1 - r) * (work[i].count + kTaskFixed)});
     }
+  }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};

@@ -75,10 +75,7 @@ inline void walk_groups(Out* out, int64_t out_stride, const float* sums, const u
                         int64_t nb, int64_t g0, int64_t g1, const Chains& chains) {
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = packed + g * nb * Tile::kBytes;
-    // the next group's tiles, fetched while these products run (as quant_step_vnni.h's
-    // step_groups: from 2 tokens)
-    const uint8_t* ahead =
-        M > 1 ? pw::group_ahead(packed, nb * Tile::kBytes, g, g0, g1, false) : nullptr;
+    const uint8_t* ahead = pw::step_ahead<M>(packed, nb * Tile::kBytes, g, g0, g1);
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {

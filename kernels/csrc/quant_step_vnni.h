@@ -199,11 +199,7 @@ void step_groups(Out* out, int64_t os, const avx2::IntActivations<1>& a, const i
   const float* sums = Tile::kMin ? a.sum.data() + t * nb * Tile::kSplits : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = packed + g * nb * Tile::kBytes;
-    // the next group's tiles, fetched while these products run: from 2 tokens a group's
-    // products outlast its reading (from DRAM, 1.4x at 2 tokens); one token streams at
-    // about the read bandwidth without them, and the fetches' loads cost more than they gain
-    const uint8_t* ahead =
-        M > 1 ? group_ahead(packed, nb * Tile::kBytes, g, g0, g1, false) : nullptr;
+    const uint8_t* ahead = step_ahead<M>(packed, nb * Tile::kBytes, g, g0, g1);
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {

@@ -27,7 +27,7 @@
 //
 // A kernel walks a 16-row group's blocks b = 0 .. K / 32 - 1 through at(group, b), and reads
 // a block's scales through scales8 / scales16(tile, b, array): one interface for both (kSuper
-// tells them apart where a kernel's choices differ: quant_gemm_vnni.h kGemmFrom, kMayFold).
+// tells them apart where a kernel's choices differ: quant_gemm_vnni.h kMayFold).
 #pragma once
 #include <immintrin.h>
 
@@ -229,6 +229,15 @@ inline __m256i int_codes(const uint8_t* tile, int j, int h) {
 inline const uint8_t* group_ahead(const uint8_t* packed, int64_t bytes, int64_t g, int64_t g0,
                                   int64_t g1, bool more) {
   return g + 1 < g1 ? packed + (g + 1) * bytes : more ? packed + g0 * bytes : nullptr;
+}
+// A small step's `ahead` (M tokens, one pass over the groups): the next group's tiles from 2
+// tokens, where a group's products outlast its reading (from DRAM, 1.4x at 2 tokens); none
+// for one token, which streams at about the read bandwidth without them and whose fetches'
+// loads cost more than they gain (bench/NOTES.md "Small steps fetch ahead").
+template <int M>
+inline const uint8_t* step_ahead(const uint8_t* packed, int64_t bytes, int64_t g, int64_t g0,
+                                 int64_t g1) {
+  return M > 1 ? group_ahead(packed, bytes, g, g0, g1, false) : nullptr;
 }
 #if defined(__AVX2__)
 template <typename Tile>
