@@ -1,15 +1,22 @@
-"""CUDA figures: single stream and offline throughput, CUDA graphs on and off, in one run.
+"""CUDA figures: single stream and offline throughput, CUDA graphs on (and off), in one run.
 
-    python bench/gpu.py [--model PATH] [--requests 64] [--input-len 128] [--output-len 128]
+    python bench/gpu.py [--model PATH | --shape llama-3.1-8b] [--requests 64]
+                        [--input-len 128] [--output-len 128] [--eager] [--kv-memory-gib 2]
 
-The default model where its package is installed; else (a GPU machine without it) random
-weights of its shape in bfloat16, with the tokenizer saved at PAGEWIRE_TEST_TOKENIZER. Every
-request is `--input-len` random tokens then `--output-len` greedy ones (EOS ignored); output
-tok/s over the whole run, prefill included.
+The model: --model; else --shape, random bfloat16 weights of a real shape written once under
+--out (bench/real_shapes.py's shapes, the default tokenizer); else the default model where
+its package is installed; else (a GPU machine without it) random weights of its shape in
+bfloat16. A machine without the default model's package names its saved tokenizer with
+PAGEWIRE_TEST_TOKENIZER (and its GGUF metadata with PAGEWIRE_TEST_GGUF_TOKENIZER, which
+--shape reads). Every request is `--input-len` random tokens then `--output-len` greedy ones
+(EOS ignored); output tok/s over the whole run, prefill included. The single-stream ceiling
+printed beside it: the bytes a decode step reads (every weight but the embedding table) over
+the device's copy bandwidth, measured here.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shutil
@@ -36,34 +43,104 @@ def smollm2_shape(tokenizer_dir: str) -> str:
     return path
 
 
+def real_shape(shape: str, out_dir: str) -> str:
+    """A bfloat16 Hugging Face directory of `shape` under `out_dir`, written unless whole."""
+    from pagewire.testing.real_shapes import SHAPES
+    from pagewire.testing.real_shapes_hf import hf_is_whole, write_hf_model
+    path = os.path.join(out_dir, f"{shape}-bf16")
+    if not hf_is_whole(path, SHAPES[shape]):
+        start = time.perf_counter()
+        write_hf_model(path, SHAPES[shape], os.environ.get("PAGEWIRE_TEST_TOKENIZER"))
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    return path
+
+
+def shm_or_tmp() -> str:
+    """/dev/shm where it has room for an 8B shape (no disk writes), else the temp folder."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 24 * 10**9:
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def step_bytes(path: str) -> int:
+    """Bytes a decode step reads of the weights: every tensor but the embedding table (a
+    step gathers a row of it), unless the output head is that table (tied)."""
+    from safetensors import safe_open
+    total, embed, tied = 0, 0, True
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in f.keys():
+                nbytes = 2 * math.prod(f.get_slice(key).get_shape())     # bfloat16
+                total += nbytes
+                embed += nbytes if key.endswith("embed_tokens.weight") else 0
+                tied &= not key.startswith("lm_head")
+    return total if tied else total - embed
+
+
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes/s: a 4 GiB device-to-device copy, read plus write."""
+    src = torch.empty(2**32, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = begin.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 10 * 2 * 2**32 / seconds
+
+
+def run(model: str, prompts: list, params: SamplingParams, eager: bool, kv_gib: float,
+        max_len: int) -> None:
+    llm = LLM(model, dtype="bfloat16", device="cuda", enforce_eager=eager,
+              max_model_len=max_len, kv_cache_memory=int(kv_gib * 2**30))
+    llm.generate(prompts[:2], params)                     # Triton compiles, graphs warm
+    for n in sorted({1, len(prompts)}):
+        start = time.perf_counter()
+        outs = llm.generate(prompts[:n], params)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"  enforce_eager={eager} batch {n}: {tokens / seconds:.1f} output tok/s "
+              f"({seconds:.2f} s)", flush=True)
+    del llm
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
+    ap.add_argument("--shape", help="a real shape (bench/real_shapes.py), random bfloat16")
+    ap.add_argument("--out", default=shm_or_tmp(), help="where --shape's directory is kept")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--eager", action="store_true", help="also run with --enforce-eager")
+    ap.add_argument("--kv-memory-gib", type=float, default=2.0)
     args = ap.parse_args()
     model = args.model
-    if model is None and os.environ.get("PAGEWIRE_TEST_TOKENIZER"):
+    if model is None and args.shape:
+        model = real_shape(args.shape, args.out)
+    elif model is None and os.environ.get("PAGEWIRE_TEST_TOKENIZER"):
         model = smollm2_shape(os.environ["PAGEWIRE_TEST_TOKENIZER"])
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)]}
                for _ in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     print(f"{torch.cuda.get_device_name()}: {args.input_len} in, {args.output_len} out")
-    for eager in (False, True):
-        llm = LLM(model, dtype="bfloat16", device="cuda", enforce_eager=eager,
-                  max_model_len=args.input_len + args.output_len + 16)
-        llm.generate(prompts[:2], params)                     # Triton compiles, graphs warm
-        for n in (1, args.requests):
-            start = time.perf_counter()
-            outs = llm.generate(prompts[:n], params)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            print(f"  enforce_eager={eager} batch {n}: {tokens / seconds:.1f} output tok/s "
-                  f"({seconds:.2f} s)", flush=True)
-        del llm
-        torch.cuda.empty_cache()
+    if model is not None and os.path.isdir(model):
+        bw, nbytes = copy_bandwidth(), step_bytes(model)
+        print(f"  copy bandwidth {bw / 1e12:.2f} TB/s; a step reads {nbytes / 1e9:.2f} GB of "
+              f"weights: single-stream ceiling {bw / nbytes:.0f} tok/s", flush=True)
+    max_len = args.input_len + args.output_len + 16
+    for eager in (False, True) if args.eager else (False,):
+        run(model, prompts, params, eager, args.kv_memory_gib, max_len)
 
 
 if __name__ == "__main__":

@@ -94,15 +94,7 @@ def tiny_llama(tmp_path, smol_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def gguf_tokenizer_meta() -> dict:
-    """The default model's tokenizer as its GGUF holds it, for the GGUF files tests write.
-    PAGEWIRE_TEST_GGUF_TOKENIZER names a JSON copy instead (tests/gpu_prepare.sh writes it for
-    a machine without the default model's package)."""
-    if os.environ.get("PAGEWIRE_TEST_GGUF_TOKENIZER"):
-        import json
-        with open(os.environ["PAGEWIRE_TEST_GGUF_TOKENIZER"]) as f:
-            return json.load(f)
-    from pagewire.gguf_header import read_gguf_header
-    from pagewire.model_info import default_model_path
-    from pagewire.testing.gguf_writer import TOKENIZER_KEYS
-    meta = read_gguf_header(default_model_path()).metadata
-    return {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
+    """The default model's tokenizer as its GGUF holds it, for the GGUF files tests write
+    (PAGEWIRE_TEST_GGUF_TOKENIZER names a JSON copy on a machine without its package)."""
+    from pagewire.testing.real_shapes import default_tokenizer_meta
+    return default_tokenizer_meta()

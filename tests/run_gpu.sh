@@ -7,7 +7,9 @@
 # tests that load the default model itself fail.
 # On the lent GPU machine (no registries): tests/gpu_prepare.sh, run here, puts the wheels it
 # installs in .whl/ and the tokenizer in .gpu/tokenizer; carry both. BENCH=1 runs
-# bench/gpu.py after the tests. TRITON_INTERPRET=0 matters: tests/conftest.py defaults it to 1.
+# the GPU benchmarks (bench/gpu.py: the default model's shape, then Llama-3.1-8B's, random
+# bfloat16 weights) after the tests, BENCH=only instead of them. TRITON_INTERPRET=0 matters:
+# tests/conftest.py defaults it to 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
@@ -19,6 +21,15 @@ if [ -d .whl ]; then
 fi
 [ -d .gpu/tokenizer ] && export PAGEWIRE_TEST_TOKENIZER="${PAGEWIRE_TEST_TOKENIZER:-$PWD/.gpu/tokenizer}"
 [ -f .gpu/gguf_tokenizer.json ] && export PAGEWIRE_TEST_GGUF_TOKENIZER="$PWD/.gpu/gguf_tokenizer.json"
+# The native CPU kernels, every tier this CPU runs, built once before the tests: built by the
+# first tests instead, beside a dozen workers, a build outlasted the per-test timeout.
+python3 -c 'from pagewire.kernels import native, tiers
+for tier in tiers.runnable(): print("native", tier, native.library_path(tier))' || exit 1
+gpu_bench() {
+    python3 bench/gpu.py
+    python3 bench/gpu.py --shape llama-3.1-8b --requests 1000 --kv-memory-gib 24
+}
+[ "${BENCH:-}" = only ] && { gpu_bench; exit; }
 workers=()
 python3 -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
 python3 -m pytest -q "${workers[@]}" -p no:cacheprovider --timeout 150 -rfE \
@@ -38,5 +49,5 @@ python3 -m pytest -q "${workers[@]}" -p no:cacheprovider --timeout 150 -rfE \
     tests/e2e/test_lora.py tests/e2e/test_kv_tier.py tests/e2e/test_disagg.py \
     tests/e2e/test_tensor_parallel.py tests/actors/test_backend.py "$@"
 status=$?
-[ -n "${BENCH:-}" ] && python3 bench/gpu.py
+[ -n "${BENCH:-}" ] && gpu_bench
 exit $status

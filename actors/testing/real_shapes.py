@@ -10,6 +10,7 @@ about 0.02 root mean square (like a checkpoint's init), which keeps the residual
 logits finite through 32 layers. The vocabulary and tokenizer are the default model's."""
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
@@ -93,10 +94,15 @@ class Planned(NamedTuple):
 
 def default_tokenizer_meta(limit: int | None = None) -> dict:
     """The default model's tokenizer as its GGUF holds it, cut to its first `limit` tokens
-    where given (cut_tokenizer)."""
-    from pagewire.gguf_header import read_gguf_header
-    from pagewire.model_info import default_model_path
-    meta = read_gguf_header(default_model_path()).metadata
+    where given (cut_tokenizer). PAGEWIRE_TEST_GGUF_TOKENIZER names a JSON copy instead
+    (tests/gpu_prepare.sh writes it for a machine without the default model's package)."""
+    if os.environ.get("PAGEWIRE_TEST_GGUF_TOKENIZER"):
+        with open(os.environ["PAGEWIRE_TEST_GGUF_TOKENIZER"]) as f:
+            meta = json.load(f)
+    else:
+        from pagewire.gguf_header import read_gguf_header
+        from pagewire.model_info import default_model_path
+        meta = read_gguf_header(default_model_path()).metadata
     meta = {k: meta[k] for k in TOKENIZER_KEYS if k in meta}
     return meta if limit is None else cut_tokenizer(meta, limit)
 

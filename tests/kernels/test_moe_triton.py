@@ -213,6 +213,8 @@ def test_stacked_experts_are_the_experts_weights_once():
         assert stacked_experts(packed) is None and stacked_experts(packed) is None
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton runs CPU tensors only interpreted")
 def test_triton_ops_moe_on_cpu_tensors_is_torchs_grouping():
     from pagewire.kernels.triton_ops import TritonOps
     block = _block(seed=7)
