@@ -35,6 +35,7 @@ from .config import EngineConfig
 from .disagg import answer_params, request_transfer
 from .detokenizer import Detokenizer
 from .executor.pooling_runner import runner_for
+from .executor.step_overlap import OverlappedExecutor
 from .hf_tokenizer import load_tokenizer
 from .llm_pooling import PoolingCalls, PoolingOutput, PoolingRequestOutput
 from .llm_prompts import Prompt, listed, per_prompt, piece_prompt, set_prompt
@@ -86,10 +87,12 @@ class LLM(PoolingCalls, SleepCalls):
         self._notices: queue.SimpleQueue = queue.SimpleQueue()
         self.runner = runner_for(self.config, notify=self._notices.put)
         threads = torch.get_num_threads()    # OpenMP's thread count is per calling thread
-        # runner.execute is looked up at each step, so a wrapper set on the runner later runs.
-        executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
-                                     on_thread=self.config.scheduler.async_scheduling,
-                                     thread_init=lambda: torch.set_num_threads(threads))
+        if getattr(self.runner, "overlap", False):       # executor/step_overlap.py
+            executor = OverlappedExecutor(self.runner, lambda: torch.set_num_threads(threads))
+        else:  # runner.execute is looked up each step: a wrapper set on the runner later runs
+            executor = InProcessExecutor(lambda plan: self.runner.execute(plan),
+                                         on_thread=self.config.scheduler.async_scheduling,
+                                         thread_init=lambda: torch.set_num_threads(threads))
         self.engine = StepEngine(core, executor)
         self.scheduler = self.engine.scheduler
         self._kv_events = publisher_for(self.config.kv_events_config)   # as the actor does

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import traceback
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from .parallel import init_group
 from .ranks import AttachFailed, RankClient, RankFailure, RankServer
 from .pooling_runner import runner_for
 from .runner import ModelRunner
+from .step_overlap import POLL_SECONDS, StepOverlap
 
 log = logging.getLogger(__name__)
 LOCAL_ATTACH_TIMEOUT = 120.0      # ranks the engine starts itself attach within this
@@ -69,6 +71,8 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
     env.ready(runner.backend.name)
     if ranks is not None:
         ranks.loaded()
+    elif getattr(runner, "overlap", False):
+        return serve_overlapped(env, runner, inbox, results)
     while True:
         plan = inbox.recv(timeout_ms=1000)
         env.heartbeat()          # a step that hangs stops these: the supervisor notices
@@ -93,6 +97,29 @@ def serve_steps(env, runner: ModelRunner, ranks: RankServer | None = None) -> No
             runner.fail(plan)
             result = StepResult(plan.step_id, [], [], error=f"{type(e).__name__}: {e}")
         results.send(result)
+
+
+def serve_overlapped(env, runner: ModelRunner, inbox, results) -> None:
+    """serve_steps on one rank with overlapped steps (step_overlap.py): while a step is held,
+    the next plan is polled for (launched ahead when it comes) until the held step's tokens
+    are back. A failed step's requests fail; the executor lives on."""
+    overlap = StepOverlap(runner)
+    while True:
+        plan = inbox.recv(timeout_ms=1000 if overlap.held is None else 0)
+        env.heartbeat()
+        if plan is not None:
+            outcomes = overlap.run(plan, plan)
+        elif overlap.held is not None and overlap.ready():
+            outcomes = overlap.finish_held()
+        else:
+            time.sleep(POLL_SECONDS if overlap.held is not None else 0)
+            continue
+        for sent, out in outcomes:
+            if isinstance(out, Exception):
+                log.error("step %d failed: %s", sent.step_id, "".join(
+                    traceback.format_exception(out)))
+                out = StepResult(sent.step_id, [], [], error=f"{type(out).__name__}: {out}")
+            results.send(out)
 
 
 def run_collective_step(runner: ModelRunner, plan) -> StepResult:

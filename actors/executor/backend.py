@@ -157,8 +157,9 @@ class Backend:
         """A step's inputs (laid out in host memory) where the kernels read them."""
         if self.capabilities.host_memory:
             return input_ids, positions, batch
-        dev = self.device
-        return input_ids.to(dev), positions.to(dev), batch_to(batch, dev)
+        dev = self.device      # (not blocking: a blocking copy waits for the steps queued)
+        return (input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
+                batch_to(batch, dev))
 
     def sample(self, logits: torch.Tensor, batch, spans=()) -> torch.Tensor:
         """sampler.sample through this backend's kernels."""

@@ -41,14 +41,17 @@ def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) ->
 
 def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
     """The batch's tensors on `dev`; the batch itself where they are there already (the
-    runner lays batches out in host memory)."""
+    runner lays batches out in host memory). The copies do not block: a blocking one would
+    wait for every step queued on the device (overlapped steps, step_overlap.py)."""
     if batch.slot_mapping.device == dev:
         return batch
+
+    def to(t):
+        return None if t is None else t.to(dev, non_blocking=True)
     return AttentionBatch(
-        batch.slot_mapping.to(dev), batch.num_decode_tokens,
-        *(t.to(dev) if t is not None else None
-          for t in (batch.decode_block_tables, batch.decode_context_lens)),
-        [PrefillSpan(p.start, p.num_tokens, p.context_len, p.block_table.to(dev), p.key_ends)
+        to(batch.slot_mapping), batch.num_decode_tokens,
+        to(batch.decode_block_tables), to(batch.decode_context_lens),
+        [PrefillSpan(p.start, p.num_tokens, p.context_len, to(p.block_table), p.key_ends)
          for p in batch.prefills],
         None if batch.cascade is None else batch.cascade.to(dev),
         None if batch.heads is None else batch.heads.to(dev))

@@ -47,6 +47,7 @@ from .parallel import TensorParallel, context_groups
 from .prompt_logprobs import prompt_logprobs, spans_of
 from .seq_table import SeqState, SeqTable
 from .sleep_mode import SleepState, run_control
+from .step_overlap import Launched
 from .step_sampler import StepSampler
 from .token_rows import pooled_result
 from .draft_proposers import InStepDraft, Proposer
@@ -81,6 +82,9 @@ class ModelRunner:
         self.matchers = Matchers(config.model.model_info, config.model.model_info.vocab_size,
                                  self.eos_ids) if self.tp.rank == 0 else None
         spec = config.speculative_config
+        # Overlapped steps (step_overlap.py): where plans come ahead, on one rank, no drafting.
+        self.overlap = bool(config.scheduler.async_scheduling) and self.tp.size == 1 \
+            and spec is None and config.cache.kv_compress_rate is None
         self.table = SeqTable(self.eos_ids, self.matchers, Proposer(spec) if spec else None)
         self.sampler = StepSampler(self.backend, self.tp, self.matchers, self.eos_ids)
         self.build_kv()
@@ -182,17 +186,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan | EngineControl) -> StepResult | ControlDone:
         """One step; or a sleep-mode control, which comes in a plan's place (sleep_mode.py)."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan | EngineControl, after: Launched | None = None) -> Launched:
+        """A step up to its tokens drawn on the device; finish() reads them back. `after`: the
+        step launched before it and not finished (overlapped steps, step_overlap.py: both
+        plain), whose sampled tokens its rows take on the device."""
         if not isinstance(plan, StepPlan):
-            return run_control(self, plan)
+            return Launched(plan, run_control(self, plan))
+        reserve = self.overlap and self.table.plain_plan(plan)
         order = self.table.apply(plan)
         loaded = self._move_blocks(plan)
         self._copy_blocks(plan)
         if not order:             # only tier and transfer work, or every row's sequence stopped
-            return StepResult(plan.step_id, [], [], tier=loaded)
+            return Launched(plan, StepResult(plan.step_id, [], [], tier=loaded))
         to_draft = [seq for _, seq in order if seq.num_draft_slots > len(seq.verifying)]
         if to_draft:              # methods self, draft_model: a model drafts now
             self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows, pooled = self._layout(order)
+        if after is not None:
+            input_ids = after.feed(input_ids, rows, self.device)
         masks = self.sampler.grammar_masks(sample_seqs)      # filled while the model runs
         lora = self._lora_batch(rows, len(input_ids))
         images = self.images.step(rows, self.device) if self.images is not None else None
@@ -210,12 +224,27 @@ class ModelRunner:
                                                                           spans))
         if pooled:      # a causal model's last token (pooler_info.LAST), or every token's
             result.pooled = pooled_result(hidden, pooled, self._pooled_output)
-        produced = []
+        step = Launched(plan, result, order, sample_seqs, batch)
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
-            produced = self.sampler.sample(logits, sample_seqs, masks, result)
+            step.drawn = self.sampler.draw(logits, sample_seqs, masks).copy_back()
+        if reserve:
+            step.places = self.table.reserve(order, sample_seqs)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: Launched) -> StepResult | ControlDone:
+        """A launched step's tokens read back and appended: its result."""
+        result, order, sample_seqs = step.result, step.order, step.sample_seqs
+        if order is None:         # a control, or a plan that ran no sequence
+            return result
+        produced = self.sampler.read(step.drawn, sample_seqs, result) \
+            if step.drawn is not None else []
+        if step.places is not None:
+            step.keep(self.table.settle(sample_seqs, step.places, [t[0] for t in produced]))
+            return result
         if self.compressor is not None:       # before finish_step counts the step computed
-            head_lens = self.compressor.compress(order, batch.heads, self.kv_caches[0])
+            head_lens = self.compressor.compress(order, step.batch.heads, self.kv_caches[0])
             result.compress = CompressResult(head_lens) if head_lens else None
         result.errors = self.table.finish_step(order, [
             (sid, seq, tokens) for (sid, seq), tokens in zip(sample_seqs, produced)]) or None

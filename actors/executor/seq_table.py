@@ -23,6 +23,16 @@ from pagewire.wire.pooling import PoolingSeq
 from pagewire.wire.sampling_params import SamplingParams, stops_on
 from pagewire.wire.to_executor import StepPlan
 
+# A token sampled by a step that was launched and not yet finished (overlapped steps,
+# step_overlap.py): its place in token_ids, filled when that step finishes; the next step's row
+# reads it from the device.
+PENDING = -1
+
+
+def plain_sampling(s: SamplingParams) -> bool:
+    """Sampling whose next step needs nothing of a token but the token (SeqState.plain)."""
+    return s.structured_outputs is None and not s.use_beam_search and not s.has_logits_processors
+
 
 @dataclass
 class SeqState:
@@ -57,6 +67,14 @@ class SeqState:
         """Its rows are decode rows: one token, or a last token and its draft slots (known
         from the plan; a model fills the drafts later in the step)."""
         return self.num_scheduled == 1 or self.num_draft_slots > 0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing on the host reads its sampled tokens before the next step needs them (no
+        grammar, drafts, beams or logits processors): that step may run before they are
+        known (overlapped steps, step_overlap.py)."""
+        return (plain_sampling(self.sampling) and self.matcher is None and not self.drafts
+                and self.pooling is None and not self.compress)
 
     @property
     def samples(self) -> bool:
@@ -146,6 +164,47 @@ class SeqTable:
                 seq.drafts = self._drafts(seq)
         return errors
 
+    def plain_plan(self, plan: StepPlan) -> bool:
+        """Whether every sequence the plan runs is plain (SeqState.plain)."""
+        if not isinstance(plan, StepPlan) or plan.swap_in or plan.swap_out:
+            return False       # a sleep-mode control; swaps move blocks a held step writes
+        for new in plan.new:
+            if new.pooling is not None or new.compress or not plain_sampling(new.sampling):
+                return False
+        for run in plan.running:
+            seq = self.seqs.get(run.seq_id)
+            if seq is not None and not seq.plain:
+                return False
+        return True
+
+    def reserve(self, order: list[tuple[SeqId, SeqState]],
+                sample_seqs: list[tuple[SeqId, SeqState]]) -> list[tuple[int, int]]:
+        """A plain step (every sampler SeqState.plain) was launched: advance what is computed
+        and hold a PENDING place for each sampled token, as finish_step would once it is
+        known. Returns each sampled token's (place, output count: what stops_on reads)."""
+        for _, seq in order:
+            seq.num_computed += seq.num_scheduled
+        places = []
+        for _, seq in sample_seqs:
+            seq.token_ids.append(PENDING)
+            places.append((len(seq.token_ids) - 1, seq.num_output_tokens))
+        return places
+
+    def settle(self, sample_seqs: list[tuple[SeqId, SeqState]], places: list[tuple[int, int]],
+               tokens: list[int]) -> list[int]:
+        """A reserved step finished: its tokens take their places. Returns the indices of the
+        sequences whose token counts: not one stopped by an earlier token (that step finished
+        after this one was launched; the scheduler has ended it and expects nothing)."""
+        kept = []
+        for i, ((_, seq), (at, count), token) in enumerate(zip(sample_seqs, places, tokens)):
+            if seq.stopped:
+                del seq.token_ids[at:]       # its place and any after it: never computed
+                continue
+            seq.token_ids[at] = token
+            seq.stopped = stops_on(seq.sampling, token, count, self.eos_ids)
+            kept.append(i)
+        return kept
+
     def _drafts(self, seq: SeqState) -> list[int]:
         """A constrained sequence drafts what its grammar forces (jump-forward: those tokens
         are certain), else the proposer's drafts as far as the grammar allows them."""
@@ -183,5 +242,7 @@ class SeqTable:
         """The plan raised: its sequences' state may be half-applied, so drop it. The scheduler
         ends them on the error; a plan made before it knew may still name them."""
         for sid in [s.seq_id for s in plan.new] + [r.seq_id for r in plan.running]:
-            self.seqs.pop(sid, None)
+            seq = self.seqs.pop(sid, None)
+            if seq is not None:    # a step launched after it (overlapped) drops its rows
+                seq.stopped = True
             self.failed.add(sid)

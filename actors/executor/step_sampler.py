@@ -10,6 +10,8 @@ every rank's.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from pagewire.wire.ids import SeqId
@@ -24,16 +26,50 @@ from .sampler import DraftedSpan, LogprobRequest, SamplingBatch
 from .seq_table import SeqState
 
 
+class Drawn(NamedTuple):
+    """A step's draw: token ids [S] and the logprobs asked for, still on the device, and (on
+    CUDA) a copy of the ids on its way to pinned host memory."""
+    tokens: torch.Tensor
+    wanted: LogprobRequest
+    logprobs: torch.Tensor | None
+    copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def copy_back(self) -> Drawn:
+        """Start the ids' copy to the host behind the step's work (CUDA; else as it is)."""
+        if self.tokens.device.type != "cuda":
+            return self
+        host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        host.copy_(self.tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return self._replace(copy=(host, done))
+
+    def ready(self) -> bool:
+        """Whether the ids can be read without waiting for the device."""
+        return self.copy is None or self.copy[1].query()
+
+    def host_tokens(self) -> list[int]:
+        if self.copy is None:
+            return self.tokens.tolist()
+        self.copy[1].synchronize()
+        return self.copy[0].tolist()
+
+
 class StepSampler:
     def __init__(self, backend: Backend, tp: TensorParallel, matchers: Matchers | None,
                  eos_ids: list[int]):
         self.backend, self.tp, self.matchers, self.eos_ids = backend, tp, matchers, eos_ids
 
     def sample(self, logits: torch.Tensor, sample_seqs: list[tuple[SeqId, SeqState]], masks,
-                result: StepResult) -> list[list[int]]:
+               result: StepResult) -> list[list[int]]:
         """Sample every row (a speculative sequence has one per position: its last token's
         and each draft's), fill the result's tokens and logprobs; returns each sequence's
         tokens: one, or the drafts verified and the first token that differed."""
+        return self.read(self.draw(logits, sample_seqs, masks), sample_seqs, result)
+
+    def draw(self, logits: torch.Tensor, sample_seqs: list[tuple[SeqId, SeqState]],
+             masks) -> Drawn:
+        """The device's part: the rows' tokens (and logprobs) as tensors, nothing read back."""
         batch = self._batch(sample_seqs, masks)
         wanted = LogprobRequest.of(batch.params)
         logprobs = wanted.log_softmax(logits)              # before sampling edits the logits
@@ -45,7 +81,13 @@ class StepSampler:
                 spans.append(DraftedSpan(r, list(seq.verifying), torch.stack(seq.draft_probs)))
             r += 1 + len(seq.verifying)
         tokens = self.tp.broadcast(self.backend.sample(logits, batch, spans))
-        flat, first, produced, extra, r = tokens.tolist(), [], [], {}, 0
+        return Drawn(tokens, wanted, logprobs)
+
+    def read(self, drawn: Drawn, sample_seqs: list[tuple[SeqId, SeqState]],
+             result: StepResult) -> list[list[int]]:
+        """The host's part: the tokens read back, drafts judged, the result filled."""
+        tokens, wanted, logprobs = drawn.tokens, drawn.wanted, drawn.logprobs
+        flat, first, produced, extra, r = drawn.host_tokens(), [], [], {}, 0
         for sid, seq in sample_seqs:
             k = len(seq.verifying)
             first.append(r)

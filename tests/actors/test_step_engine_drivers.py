@@ -162,13 +162,16 @@ def test_the_offline_llm_runs_through_the_step_engine(tiny_llama, spy, pipelined
     llm = LLM(tiny_llama(), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=64,
               async_scheduling=pipelined)
     executed, answered = [], []
-    execute = llm.runner.execute
+    launch, finish = llm.runner.launch, llm.runner.finish    # execute() is the two in one
 
-    def recorded(plan):
+    def launched(plan, after=None):
         executed.append(plan)
-        answered.append(execute(plan))
+        return launch(plan, after)
+
+    def finished(step):
+        answered.append(finish(step))
         return answered[-1]
-    llm.runner.execute = recorded
+    llm.runner.launch, llm.runner.finish = launched, finished
     outs = llm.generate(PROMPTS, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6, 6]
     assert len(executed) == 6 and all(a is b for a, b in zip(executed, spy["plans"]))
