@@ -109,8 +109,57 @@ def run(model: str, prompts: list, params: SamplingParams, eager: bool, kv_gib: 
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"  enforce_eager={eager} batch {n}: {tokens / seconds:.1f} output tok/s "
               f"({seconds:.2f} s)", flush=True)
+    batch = min(64, len(prompts))
+    print(f"  decode steps of {batch}: {step_timeline(llm, prompts[:batch], params)}", flush=True)
     del llm
     torch.cuda.empty_cache()
+
+
+def step_timeline(llm, prompts: list, params: SamplingParams) -> str:
+    """The steady decode steps of one run of `prompts` (every sequence decoding): the wall
+    time a step, the GPU busy between the first's start and the last's end (CUDA events
+    recorded as each step is launched and after its tokens), and the host time in launch and
+    in finish (finish timed once its tokens are back: waiting for them is the GPU's time)."""
+    runner, steps = llm.runner, []
+    launch, finish = runner.launch, runner.finish
+
+    def timed_launch(plan, after=None):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        t0 = time.perf_counter()
+        step = launch(plan, after)
+        host = time.perf_counter() - t0
+        end.record()
+        if not getattr(plan, "new", True) and len(plan.running) == len(prompts):
+            steps.append([begin, end, host, 0.0, time.perf_counter()])
+            step.timing = steps[-1]
+        return step
+
+    def timed_finish(step):
+        end = getattr(step, "timing", None)
+        if end is not None:
+            end[1].synchronize()
+        t0 = time.perf_counter()
+        out = finish(step)
+        if end is not None:
+            end[3] = time.perf_counter() - t0
+        return out
+    runner.launch, runner.finish = timed_launch, timed_finish
+    try:
+        llm.generate(prompts, params)
+    finally:
+        runner.launch, runner.finish = launch, finish
+    torch.cuda.synchronize()
+    steps = steps[2:]                        # past the first prompt's decode steps
+    if len(steps) < 4:
+        return "too few"
+    busy = sum(b.elapsed_time(e) for b, e, *_ in steps)
+    span = steps[0][0].elapsed_time(steps[-1][1])
+    wall = (steps[-1][4] - steps[0][4]) / (len(steps) - 1) * 1e3
+    launch_ms = sorted(s[2] for s in steps)[len(steps) // 2] * 1e3
+    finish_ms = sorted(s[3] for s in steps)[len(steps) // 2] * 1e3
+    return (f"{len(steps)} steps, {wall:.2f} ms a step, GPU busy {100 * busy / span:.0f} %, "
+            f"host {launch_ms:.2f} ms launching + {finish_ms:.2f} ms finishing (medians)")
 
 
 def main() -> None:

@@ -161,6 +161,17 @@ class Backend:
         return (input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
                 batch_to(batch, dev))
 
+    def copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
+        """A step's sampled ids on their way to pinned host memory behind the step's work,
+        with the event that marks them there; None where the device is host memory."""
+        if self.capabilities.host_memory:
+            return None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
     def sample(self, logits: torch.Tensor, batch, spans=()) -> torch.Tensor:
         """sampler.sample through this backend's kernels."""
         return sample(logits, batch, self.ops, spans)

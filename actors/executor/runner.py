@@ -227,7 +227,7 @@ class ModelRunner:
         step = Launched(plan, result, order, sample_seqs, batch)
         if sample_rows:
             logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
-            step.drawn = self.sampler.draw(logits, sample_seqs, masks).copy_back()
+            step.drawn = self.sampler.draw(logits, sample_seqs, masks)
         if reserve:
             step.places = self.table.reserve(order, sample_seqs)
         return step

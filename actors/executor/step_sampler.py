@@ -27,22 +27,13 @@ from .seq_table import SeqState
 
 
 class Drawn(NamedTuple):
-    """A step's draw: token ids [S] and the logprobs asked for, still on the device, and (on
-    CUDA) a copy of the ids on its way to pinned host memory."""
+    """A step's draw: token ids [S] and the logprobs asked for, still on the device, and
+    (where the device is not host memory) a copy of the ids on its way to the host
+    (Backend.copy_back)."""
     tokens: torch.Tensor
     wanted: LogprobRequest
     logprobs: torch.Tensor | None
     copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
-
-    def copy_back(self) -> Drawn:
-        """Start the ids' copy to the host behind the step's work (CUDA; else as it is)."""
-        if self.tokens.device.type != "cuda":
-            return self
-        host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-        host.copy_(self.tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return self._replace(copy=(host, done))
 
     def ready(self) -> bool:
         """Whether the ids can be read without waiting for the device."""
@@ -81,7 +72,7 @@ class StepSampler:
                 spans.append(DraftedSpan(r, list(seq.verifying), torch.stack(seq.draft_probs)))
             r += 1 + len(seq.verifying)
         tokens = self.tp.broadcast(self.backend.sample(logits, batch, spans))
-        return Drawn(tokens, wanted, logprobs)
+        return Drawn(tokens, wanted, logprobs, self.backend.copy_back(tokens))
 
     def read(self, drawn: Drawn, sample_seqs: list[tuple[SeqId, SeqState]],
              result: StepResult) -> list[list[int]]:
