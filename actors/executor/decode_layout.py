@@ -19,12 +19,13 @@ def decode_tables(decodes: list[tuple[SeqState, int]], block_size: int,
     once (kernels/cascade.py)."""
     if not decodes:
         return {"decode_block_tables": None, "decode_context_lens": None}
-    context = np.array([c for _, c in decodes], dtype=np.int64)
-    width = int(-(-context.max() // block_size))
-    tables = np.zeros((len(decodes), width), dtype=np.int64)
-    for i, (seq, _) in enumerate(decodes):
-        blocks = seq.block_ids[:width]
-        tables[i, :len(blocks)] = blocks
+    context = [c for _, c in decodes]
+    width = -(-max(context) // block_size)
+    pad = [0] * width           # rows padded in lists, then one conversion (not one per row)
+    tables = np.array([blocks + pad[:width - len(blocks)]
+                       for blocks in (seq.block_ids[:width] for seq, _ in decodes)],
+                      dtype=np.int64)
+    context = np.array(context, dtype=np.int64)
     return {"decode_block_tables": torch.from_numpy(tables),
             "decode_context_lens": torch.from_numpy(context),
             "cascade": shared_prefix(tables, context, block_size, *cascade) if cascade else None}

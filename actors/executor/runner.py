@@ -348,22 +348,17 @@ class ModelRunner:
         # small speculative steps take the fused decode path).
         decodes = [(seq, seq.num_computed + i + 1) for _, seq in order if seq.runs_as_decode
                    for i in range(seq.num_scheduled)]
+        plain_rows = self.compressor is None     # (else each head row's slot: head_blocks.py)
         for rid, seq in order:
             start, n = seq.num_computed, seq.num_scheduled
-            p = np.arange(start, start + n)
-            blocks = np.asarray(seq.block_ids)
             row = len(ids)
             rows.append((rid, seq, row))
-            ids.extend(seq.token_ids[start:start + n])    # drafts run after its last token
-            ids.extend(seq.verifying)
-            pos.append(rope_positions(seq.images, p))     # p, or M-RoPE's (mrope.py)
-            if self.compressor is None:        # (else each head row's own: head_blocks.py)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            if not seq.runs_as_decode:
-                nb = -(-(start + n) // bs)
-                ends = image_key_ends(seq.images, start, n) if self.whole_images else None
-                prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb]),
-                                            ends))
+            if n == 1 and plain_rows and not seq.images:     # a decode row: most rows, in ints
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(seq.block_ids[start // bs] * bs + start % bs)
+            else:
+                self._lay_span(seq, row, ids, pos, slots, prefills)
             if seq.pooling is not None:     # read, not sampled (token_rows.py)
                 pooled.append((rid, seq, row, n))
             elif seq.samples:             # the last position; every drafted one too
@@ -371,10 +366,27 @@ class ModelRunner:
                 sample_seqs.append((rid, seq))
         cascade = self.config.device.disable_cascade_attn or self.compressor is not None
         batch = AttentionBatch(
-            slot_mapping=torch.from_numpy(np.concatenate(slots or [np.zeros(0, np.int64)])),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decode_tokens=len(decodes), prefills=prefills,
             **decode_tables(decodes, bs, None if cascade else self.backend.ops.cascade_thresholds))
         if self.compressor is not None:
             batch.heads = self.compressor.layout(order)
-        return (torch.tensor(ids), torch.from_numpy(np.concatenate(pos)), batch,
+        return (torch.tensor(ids), torch.tensor(pos, dtype=torch.int64), batch,
                 sample_rows, sample_seqs, rows, pooled)
+
+    def _lay_span(self, seq: SeqState, row: int, ids: list, pos: list, slots: list,
+                  prefills: list) -> None:
+        """_layout's rows of a sequence that is not one plain decode row: a prompt's span, a
+        last token and its drafts, or rows whose positions images shift."""
+        bs, start, n = self.block_size, seq.num_computed, seq.num_scheduled
+        p = np.arange(start, start + n)
+        blocks = np.asarray(seq.block_ids)
+        ids.extend(seq.token_ids[start:start + n])    # drafts run after its last token
+        ids.extend(seq.verifying)
+        pos.extend(rope_positions(seq.images, p).tolist())     # p, or M-RoPE's (mrope.py)
+        if self.compressor is None:        # (else each head row's own: head_blocks.py)
+            slots.extend((blocks[p // bs] * bs + p % bs).tolist())
+        if not seq.runs_as_decode:
+            nb = -(-(start + n) // bs)
+            ends = image_key_ends(seq.images, start, n) if self.whole_images else None
+            prefills.append(PrefillSpan(row, n, start + n, torch.from_numpy(blocks[:nb]), ends))
