@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -100,6 +101,8 @@ class StepOverlap:
         self.held: tuple[Launched, Any] | None = None
 
     def run(self, plan, tag) -> list[tuple[Any, Any]]:
+        """Launch `plan` (after the held step, or once it is finished); the outcomes now
+        known. A plain step stays held; any other is finished at once."""
         done = []
         if self.held is not None and not (self.held[0].reserved
                                           and self.runner.table.plain_plan(plan)):
@@ -143,13 +146,14 @@ class OverlappedExecutor:
     """The offline LLM's executor handle (scheduler/engine.py ExecutorHandle) with overlapped
     steps: plans run on a worker thread in the order sent; while a step is held, the worker
     waits for the next plan (to launch it ahead) or for the held step's tokens, whichever
-    comes first. An exception from a step is raised by collect."""
+    comes first. An exception from a step is raised by collect. The worker holds the runner
+    only while this handle lives: it ends when the handle is collected."""
 
     def __init__(self, runner, thread_init: Callable[[], None] | None = None):
-        self.overlap = StepOverlap(runner)
         self.plans: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread_init = thread_init
-        threading.Thread(target=self._loop, name="pagewire-executor", daemon=True).start()
+        weakref.finalize(self, self.plans.put, None)          # the worker's stop
+        threading.Thread(target=_work, args=(self.plans, StepOverlap(runner), thread_init),
+                         name="pagewire-executor", daemon=True).start()
 
     def send(self, plan) -> Future:
         future: Future = Future()
@@ -159,18 +163,22 @@ class OverlappedExecutor:
     def collect(self, ticket: Future):
         return ticket.result()
 
-    def _loop(self) -> None:
-        if self.thread_init is not None:
-            self.thread_init()
-        while True:
-            try:
-                plan, future = self.plans.get(
-                    timeout=None if self.overlap.held is None else POLL_SECONDS)
-            except queue.Empty:
-                if self.overlap.ready():
-                    _deliver(self.overlap.finish_held())
-                continue
-            _deliver(self.overlap.run(plan, future))
+
+def _work(plans: queue.SimpleQueue, overlap: StepOverlap, thread_init) -> None:
+    """OverlappedExecutor's worker: until a None comes, run each (plan, future)."""
+    if thread_init is not None:
+        thread_init()
+    while True:
+        try:
+            item = plans.get(timeout=None if overlap.held is None else POLL_SECONDS)
+        except queue.Empty:
+            if overlap.ready():
+                _deliver(overlap.finish_held())
+            continue
+        if item is None:
+            _deliver(overlap.finish_held())
+            return
+        _deliver(overlap.run(*item))
 
 
 def _deliver(outcomes: list[tuple[Future, Any]]) -> None:

@@ -145,3 +145,28 @@ def test_outcomes_leave_in_plan_order_and_a_failed_launch_finishes_the_held_step
     assert done[0] == (4, "result 7") and done[1][0] == 5
     assert isinstance(done[1][1], ValueError) and overlap.held is None
     assert overlap.finish_held() == []
+
+
+def test_the_overlapping_worker_lets_its_engine_go(tiny_llama):
+    """The offline LLM's worker thread holds the runner (its weights and KV pool) only while
+    the LLM lives."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    from pagewire import LLM
+    before = set(threading.enumerate())
+    llm = LLM(tiny_llama(), dtype="float32", block_size=4, num_kv_blocks=32, max_model_len=32,
+              async_scheduling=True)
+    llm.generate([[5, 6, 9]], SamplingParams(temperature=0, max_tokens=3))
+    runner = weakref.ref(llm.runner)
+    workers = [t for t in threading.enumerate()
+               if t not in before and t.name == "pagewire-executor"]
+    assert len(workers) == 1
+    del llm
+    gc.collect()
+    for worker in workers:
+        worker.join(timeout=5)
+    time.sleep(0.05)
+    assert runner() is None and not any(t.is_alive() for t in workers)
