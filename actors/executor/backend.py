@@ -150,16 +150,28 @@ class Backend:
                             config.lora.max_lora_rank) \
             if with_adapters and self.capabilities.lora_in_graphs else None
         return DecodeGraphs(model, kv_caches, config.scheduler.max_num_seqs, width,
-                            config.cache.block_size, scratch_block, capture, lora)
+                            config.cache.block_size, scratch_block, capture, lora, self.staged)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor,
                   batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """A step's inputs (laid out in host memory) where the kernels read them."""
         if self.capabilities.host_memory:
             return input_ids, positions, batch
-        dev = self.device      # (not blocking: a blocking copy waits for the steps queued)
-        return (input_ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
-                batch_to(batch, dev))
+        return self.upload(input_ids), self.upload(positions), batch_to(batch, self.device,
+                                                                         self.staged)
+
+    def staged(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor in pinned memory, where the device's copy engine reads it without
+        waiting: a copy from pageable memory may synchronise with every step queued (and a
+        blocking one does), which would stall overlapped steps (step_overlap.py)."""
+        return t.pin_memory() if t.is_cpu and not self.capabilities.host_memory else t
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A step's host tensor where the kernels read it, its copy queued behind the steps
+        there (the tensor itself where the kernels read host memory)."""
+        if self.capabilities.host_memory:
+            return t
+        return self.staged(t).to(self.device, non_blocking=True)
 
     def copy_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event] | None:
         """A step's sampled ids on their way to pinned host memory behind the step's work,

@@ -28,10 +28,13 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], max_batch: int, max_width: int,
                  block_size: int, scratch_block: int, capture: bool,
-                 lora: "GraphLora | None" = None):
+                 lora: "GraphLora | None" = None, staged=None):
         """lora: static LoRA inputs, captured into every graph (steps with adapters and
-        without replay the same graphs); None: steps with adapters run eagerly."""
+        without replay the same graphs); None: steps with adapters run eagerly. `staged`:
+        a step's host inputs where the buffers' copies read them without waiting for the
+        steps queued (Backend.staged); None: as they are."""
         self.model, self.kv_caches, self.lora = model, kv_caches, lora
+        self.staged = staged or (lambda t: t)
         self.sizes = capture_sizes(max_batch)
         self.max_width, self.block_size, self.scratch_block = max_width, block_size, scratch_block
         device = kv_caches[0].device
@@ -60,11 +63,12 @@ class DecodeGraphs:
         size = self.size_for(batch)
         if self.lora is not None:
             self.lora.load(lora, batch, size)
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slots[:batch].copy_(slots, non_blocking=True)
-        self.tables[:batch, :width].copy_(tables, non_blocking=True)
-        self.context_lens[:batch].copy_(context_lens, non_blocking=True)
+        staged = self.staged
+        self.input_ids[:batch].copy_(staged(input_ids), non_blocking=True)
+        self.positions[:batch].copy_(staged(positions), non_blocking=True)
+        self.slots[:batch].copy_(staged(slots), non_blocking=True)
+        self.tables[:batch, :width].copy_(staged(tables), non_blocking=True)
+        self.context_lens[:batch].copy_(staged(context_lens), non_blocking=True)
         # Padding rows: token 0 at position 0, written to and read from the scratch block only.
         self.input_ids[batch:size] = 0
         self.positions[batch:size] = 0

@@ -40,15 +40,18 @@ def decode_batch(seqs: list[SeqState], positions: list[int], block_size: int) ->
                                                        block_size))
 
 
-def batch_to(batch: AttentionBatch, dev: torch.device) -> AttentionBatch:
+def batch_to(batch: AttentionBatch, dev: torch.device, staged=None) -> AttentionBatch:
     """The batch's tensors on `dev`; the batch itself where they are there already (the
     runner lays batches out in host memory). The copies do not block: a blocking one would
-    wait for every step queued on the device (overlapped steps, step_overlap.py)."""
+    wait for every step queued on the device (overlapped steps, step_overlap.py); `staged`
+    (Backend.staged) puts a host tensor where such a copy reads it."""
     if batch.slot_mapping.device == dev:
         return batch
 
     def to(t):
-        return None if t is None else t.to(dev, non_blocking=True)
+        if t is None:
+            return None
+        return (t if staged is None else staged(t)).to(dev, non_blocking=True)
     return AttentionBatch(
         to(batch.slot_mapping), batch.num_decode_tokens,
         to(batch.decode_block_tables), to(batch.decode_context_lens),

@@ -206,7 +206,7 @@ class ModelRunner:
             self.drafter.fill(to_draft)
         input_ids, positions, batch, sample_rows, sample_seqs, rows, pooled = self._layout(order)
         if after is not None:
-            input_ids = after.feed(input_ids, rows, self.device)
+            input_ids = after.feed(input_ids, rows, self.backend.upload)
         masks = self.sampler.grammar_masks(sample_seqs)      # filled while the model runs
         lora = self._lora_batch(rows, len(input_ids))
         images = self.images.step(rows, self.device) if self.images is not None else None
@@ -226,7 +226,9 @@ class ModelRunner:
             result.pooled = pooled_result(hidden, pooled, self._pooled_output)
         step = Launched(plan, result, order, sample_seqs, batch)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])            # [R, V]
+            # (a device tensor indexed by a list copies the list over, waiting for the device)
+            rows_at = self.backend.upload(torch.tensor(sample_rows))
+            logits = self.model.compute_logits(hidden[rows_at])                # [R, V]
             step.drawn = self.sampler.draw(logits, sample_seqs, masks)
         if reserve:
             step.places = self.table.reserve(order, sample_seqs)

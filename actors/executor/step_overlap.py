@@ -56,9 +56,9 @@ class Launched:
         """Whether finishing it would not wait for the device."""
         return self.drawn is None or self.drawn.ready()
 
-    def feed(self, input_ids: torch.Tensor, rows: list, device: torch.device) -> torch.Tensor:
-        """The next step's ids on the device, its PENDING rows (this step's tokens, not yet
-        read back) taken from this step's draw there."""
+    def feed(self, input_ids: torch.Tensor, rows: list, upload) -> torch.Tensor:
+        """The next step's ids on the device (`upload`: Backend.upload), its PENDING rows
+        (this step's tokens, not yet read back) taken from this step's draw there."""
         at = {id(seq): i for i, (_, seq) in enumerate(self.sample_seqs)}
         dst, src = [], []
         for _, seq, row in rows:
@@ -71,10 +71,9 @@ class Launched:
                 if token == PENDING:
                     dst.append(row + k)
                     src.append(at[id(seq)])
-        ids = input_ids.to(device, non_blocking=True)
+        ids = upload(input_ids)
         if dst:
-            take = torch.tensor(src).to(device, non_blocking=True)
-            ids[torch.tensor(dst).to(device, non_blocking=True)] = self.drawn.tokens[take]
+            ids[upload(torch.tensor(dst))] = self.drawn.tokens[upload(torch.tensor(src))]
         return ids
 
     def keep(self, kept: list[int]) -> None:
