@@ -111,6 +111,14 @@ def run(model: str, prompts: list, params: SamplingParams, eager: bool, kv_gib: 
               f"({seconds:.2f} s)", flush=True)
     batch = min(64, len(prompts))
     print(f"  decode steps of {batch}: {step_timeline(llm, prompts[:batch], params)}", flush=True)
+    if getattr(llm.runner, "overlap", False):      # the same engine, steps one at a time
+        llm.runner.overlap = False
+        start = time.perf_counter()
+        outs = llm.generate(prompts[:1], params)
+        seconds = time.perf_counter() - start
+        print(f"  overlap off, batch 1: {len(outs[0].outputs[0].token_ids) / seconds:.1f} "
+              f"output tok/s; decode steps of {batch}: "
+              f"{step_timeline(llm, prompts[:batch], params)}", flush=True)
     del llm
     torch.cuda.empty_cache()
 
