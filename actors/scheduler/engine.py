@@ -16,7 +16,8 @@ simply wait a step. Without async_scheduling one plan is in flight.
 Three drivers move messages to and from it and read nothing else: the scheduler actor's loop
 (actor.py: sockets, results in the inbox), `pagewire replay` (replay.py: a recorded inbox, an
 in-process executor) and the offline LLM (llm.py: in-process queues, the executor on a worker
-thread when pipelining).
+thread when pipelining: executor/step_overlap.py's OverlappedExecutor where the executor
+overlaps its steps, else InProcessExecutor's).
 
 Sleep mode's controls (core.py control_due) enter the ledger like plans: sent in the place of
 the next plan once nothing is in flight, answered by a ControlDone in the result's place.
