@@ -17,6 +17,7 @@ are masked (min_p 0: no min-p). The most likely token always survives every cut.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,6 +35,14 @@ class SamplingTensors:
     top_p: torch.Tensor            # [S] float32 in (0, 1]; >= 1: no top-p
     min_p: torch.Tensor            # [S] float32 in [0, 1]; 0: no min-p
     greedy: torch.Tensor           # [S] bool
+    # How a host tensor reaches the logits' device without waiting for the work queued there
+    # (the engine's backend: through pinned memory); None: a plain copy, which may wait.
+    upload: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def on(self, t: torch.Tensor, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+        """A per-row tensor derived from these, where `logits` are (as `dtype`)."""
+        t = self.upload(t) if self.upload is not None else t.to(logits.device)
+        return t if dtype is None else t.to(dtype)
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor,
@@ -47,7 +56,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, uniforms: torch.Tensor
     sampled = draw(sampling_logits(logits, params), uniforms, lib)
     if greedy_tokens is None:
         return sampled
-    return torch.where(params.greedy.to(logits.device), greedy_tokens, sampled.to(logits.device))
+    return torch.where(params.on(params.greedy, logits), greedy_tokens, sampled.to(logits.device))
 
 
 def sampling_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -58,15 +67,15 @@ def sampling_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tens
     random = ~params.greedy
     temperature = torch.where(random, params.temperature, 1.0)
     if bool((temperature != 1.0).any()):
-        logits.div_(temperature.to(logits.device, logits.dtype).unsqueeze(1))
+        logits.div_(params.on(temperature, logits, logits.dtype).unsqueeze(1))
     vocab = logits.shape[1]
     top_k = torch.where(random, params.top_k, 0)
     top_p = torch.where(random, params.top_p, 1.0)
     if bool((((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)).any()):
-        logits = top_k_top_p_mask(logits, top_k, top_p)
+        logits = top_k_top_p_mask(logits, top_k, top_p, params.on)
     min_p = torch.where(random, params.min_p, 0.0)
     if bool((min_p > 0).any()):
-        min_p_mask_(logits, min_p)
+        min_p_mask_(logits, min_p, params.on)
     return logits
 
 
@@ -101,30 +110,34 @@ def _draw_weights(weights: torch.Tensor, u: float) -> int:
     return int(torch.searchsorted(cdf, cdf[-1:] * u).clamp_(max=len(cdf) - 1))
 
 
-def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor) -> torch.Tensor:
+def _to(t: torch.Tensor, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+    return t.to(logits.device, dtype)
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     on=_to) -> torch.Tensor:
     """logits [S, V]; top_k [S] int; top_p [S] float. Returns a masked copy (the module
-    docstring's top-k and top-p cuts)."""
+    docstring's top-k and top-p cuts). `on(t, logits, dtype)`: a per-row tensor moved where
+    the logits are (SamplingTensors.on)."""
     vocab = logits.shape[1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(logits.device)
+    k = on(torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), logits)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)                                  # [S, V] in sorted order
     sorted_logits.masked_fill_(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = top_p.to(device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    p = on(top_p, logits, probs.dtype).unsqueeze(1)
     drop |= (mass_before >= p) & (p < 1.0)      # top_p = 1 keeps the tail cumsum rounds to 1
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def min_p_mask_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+def min_p_mask_(logits: torch.Tensor, min_p: torch.Tensor, on=_to) -> None:
     """Mask, in place, each row's tokens less likely than min_p [S] times its top token (which
     min_p <= 1 always keeps)."""
     probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * \
-        min_p.to(logits.device, probs.dtype).unsqueeze(1)
+    threshold = probs.amax(dim=-1, keepdim=True) * on(min_p, logits, probs.dtype).unsqueeze(1)
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 

@@ -185,8 +185,9 @@ class Backend:
         return host, done
 
     def sample(self, logits: torch.Tensor, batch, spans=()) -> torch.Tensor:
-        """sampler.sample through this backend's kernels."""
-        return sample(logits, batch, self.ops, spans)
+        """sampler.sample through this backend's kernels (parameters uploaded without a
+        wait)."""
+        return sample(logits, batch, self.ops, spans, self.upload)
 
 
 def _own_memory(model) -> None:

@@ -53,11 +53,12 @@ class DraftedSpan:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
-           spans: list[DraftedSpan] = ()) -> torch.Tensor:
+           spans: list[DraftedSpan] = (), upload=None) -> torch.Tensor:
     """logits: [S, V] float32 (overwritten) -> token ids [S] int64. `ops`: the backend's
     kernel set, whose sample() draws the rows (None: the torch reference's). A span's rows
     get its kept drafts then the token rejection sampling drew (kernels/token_sampling.py), the
-    rows after that as sampled."""
+    rows after that as sampled. `upload`: how the rows' parameters reach the logits' device
+    without waiting (Backend.upload; None: plain copies)."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
     _apply_bans(logits, batch.banned)
@@ -68,7 +69,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
     rows = [s.row + i for s in spans for i in range(len(s.drafts) + 1)]
     p = token_sampling.probabilities(
         logits[rows], sampling_tensors([batch.params[r] for r in rows])) if rows else None
-    tokens = (ops or _REFERENCE).sample(logits, sampling_tensors(batch.params),
+    tokens = (ops or _REFERENCE).sample(logits, sampling_tensors(batch.params, upload),
                                         _uniforms(batch, logits.device))
     if rows:
         _judge(tokens, p.cpu(), spans, rows, batch)
@@ -92,15 +93,16 @@ def _judge(tokens: torch.Tensor, p: torch.Tensor, spans: list[DraftedSpan], rows
         at += k + 1
 
 
-def sampling_tensors(params: list[SamplingParams]) -> token_sampling.SamplingTensors:
+def sampling_tensors(params: list[SamplingParams],
+                     upload=None) -> token_sampling.SamplingTensors:
     """The kernels' per-row parameters, on the CPU (the kernels' sampler reads them there to
-    skip the stages no row uses)."""
+    skip the stages no row uses), and how they reach the logits' device (`upload`)."""
     return token_sampling.SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool))
+        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool), upload=upload)
 
 
 def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
