@@ -61,7 +61,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops=None,
     without waiting (Backend.upload; None: plain copies)."""
     if batch.histories is not None:
         apply_logits_processors(logits, batch.params, batch.histories)
-    _apply_bans(logits, batch.banned)
+    _apply_bans(logits, batch.banned, upload)
     if batch.grammar_rows:
         apply_bitmasks(logits, batch.grammar_rows, batch.grammar_masks)
     if batch.all_greedy:                # no parameters to build, no uniforms drawn
@@ -105,11 +105,12 @@ def sampling_tensors(params: list[SamplingParams],
         greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool), upload=upload)
 
 
-def _apply_bans(logits: torch.Tensor, banned: list[list[int]]) -> None:
+def _apply_bans(logits: torch.Tensor, banned: list[list[int]], upload=None) -> None:
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     if rows:
-        cols = [t for ids in banned for t in ids]
-        logits[rows, cols] = float("-inf")
+        at = torch.tensor([rows, [t for ids in banned for t in ids]])     # [2, N] rows, cols
+        at = upload(at) if upload is not None else at.to(logits.device)
+        logits[at[0], at[1]] = float("-inf")
 
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
@@ -162,9 +163,14 @@ class LogprobRequest:
                 top_k.append(k)
         return cls(rows, top_k, len(params))
 
-    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """[S, V] -> [len(rows), V], or None when no row asked."""
-        return torch.log_softmax(logits[self.rows], dim=-1) if self.rows else None
+    def log_softmax(self, logits: torch.Tensor, upload=None) -> torch.Tensor | None:
+        """[S, V] -> [len(rows), V], or None when no row asked. `upload`: how the rows'
+        index reaches the logits' device without waiting (Backend.upload)."""
+        if not self.rows:
+            return None
+        rows = torch.tensor(self.rows)
+        rows = upload(rows) if upload is not None else rows.to(logits.device)
+        return torch.log_softmax(logits[rows], dim=-1)
 
     def gather(self, logprobs: torch.Tensor, tokens: torch.Tensor):
         """Per row of the batch: the sampled token's logprob, the top-k ids and logprobs

@@ -63,7 +63,7 @@ class StepSampler:
         """The device's part: the rows' tokens (and logprobs) as tensors, nothing read back."""
         batch = self._batch(sample_seqs, masks)
         wanted = LogprobRequest.of(batch.params)
-        logprobs = wanted.log_softmax(logits)              # before sampling edits the logits
+        logprobs = wanted.log_softmax(logits, self.backend.upload)   # before sampling edits them
         # Every rank samples (they keep the tokens for the next step); rank 0's choice is
         # everyone's, so a rank never runs ahead on a token rank 0 did not pick.
         spans, r = [], 0
