@@ -33,6 +33,7 @@ gpu_bench() {
 workers=()
 python3 -c 'import xdist' 2>/dev/null && workers=(-n "${WORKERS:-8}")
 python3 -m pytest -q "${workers[@]}" -p no:cacheprovider --timeout 150 -rfE \
+    tests/actors/test_step_overlap.py tests/actors/test_step_engine_drivers.py \
     tests/kernels/test_triton.py tests/kernels/test_kv_quant.py tests/kernels/test_cascade.py \
     tests/kernels/test_moe_triton.py tests/kernels/test_attention_sinks.py \
     tests/actors/test_moe_models.py tests/actors/test_gpt_oss.py tests/actors/test_gpt_family.py \

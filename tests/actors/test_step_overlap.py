@@ -170,3 +170,21 @@ def test_the_overlapping_worker_lets_its_engine_go(tiny_llama):
         worker.join(timeout=5)
     time.sleep(0.05)
     assert runner() is None and not any(t.is_alive() for t in workers)
+
+
+def test_overlapped_steps_under_preemption_give_the_same_tokens(tiny_llama):
+    """A pool too small for every sequence preempts (by recompute) while steps overlap: the
+    tokens are those of one step at a time, and every block comes back."""
+    from pagewire import LLM
+    model = tiny_llama()
+    prompts = [[5, 6, 9], [11, 12, 13, 14, 15], [8] * 9, [20, 21], [30] * 6, [40, 41, 42]]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    outs, preempted = [], []
+    for overlap in (False, True):
+        llm = LLM(model, dtype="float32", block_size=4, num_kv_blocks=12, max_model_len=40,
+                  max_num_seqs=6, async_scheduling=overlap)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        preempted.append(llm.scheduler.num_preemptions)
+        assert llm.engine.num_in_flight == 0 and llm.scheduler.kv.num_free == 12
+    assert outs[0] == outs[1] and all(len(t) == 14 for t in outs[0])
+    assert min(preempted) > 0
