@@ -16,20 +16,26 @@ the device's copy bandwidth, measured here.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 
 import torch
 
 from pagewire import LLM, SamplingParams
+from pagewire.model_files import safetensors_files, safetensors_header
+from pagewire.testing.real_shapes_hf import save_default_tokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))       # bench's own modules
+from real_shapes import model_path  # noqa: E402
 
 
-def smollm2_shape(tokenizer_dir: str) -> str:
-    """Random bfloat16 weights in SmolLM2-135M's shape, saved with the borrowed tokenizer."""
+def smollm2_shape() -> str:
+    """Random bfloat16 weights in SmolLM2-135M's shape, saved with the borrowed tokenizer
+    (PAGEWIRE_TEST_TOKENIZER's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     path = tempfile.mkdtemp(prefix="smollm2-shape-")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -38,20 +44,7 @@ def smollm2_shape(tokenizer_dir: str) -> str:
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return path
-
-
-def real_shape(shape: str, out_dir: str) -> str:
-    """A bfloat16 Hugging Face directory of `shape` under `out_dir`, written unless whole."""
-    from pagewire.testing.real_shapes import SHAPES
-    from pagewire.testing.real_shapes_hf import hf_is_whole, write_hf_model
-    path = os.path.join(out_dir, f"{shape}-bf16")
-    if not hf_is_whole(path, SHAPES[shape]):
-        start = time.perf_counter()
-        write_hf_model(path, SHAPES[shape], os.environ.get("PAGEWIRE_TEST_TOKENIZER"))
-        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    save_default_tokenizer(path)
     return path
 
 
@@ -65,17 +58,15 @@ def shm_or_tmp() -> str:
 def step_bytes(path: str) -> int:
     """Bytes a decode step reads of the weights: every tensor but the embedding table (a
     step gathers a row of it), unless the output head is that table (tied)."""
-    from safetensors import safe_open
     total, embed, tied = 0, 0, True
-    for name in sorted(os.listdir(path)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(path, name), "pt") as f:
-            for key in f.keys():
-                nbytes = 2 * math.prod(f.get_slice(key).get_shape())     # bfloat16
-                total += nbytes
-                embed += nbytes if key.endswith("embed_tokens.weight") else 0
-                tied &= not key.startswith("lm_head")
+    for file in safetensors_files(path):
+        for name, meta in safetensors_header(file).items():
+            if name == "__metadata__":
+                continue
+            begin, end = meta["data_offsets"]
+            total += end - begin
+            embed += end - begin if name.endswith("embed_tokens.weight") else 0
+            tied &= not name.startswith("lm_head")
     return total if tied else total - embed
 
 
@@ -131,11 +122,11 @@ def step_timeline(llm, prompts: list, params: SamplingParams) -> str:
     runner, steps = llm.runner, []
     launch, finish = runner.launch, runner.finish
 
-    def timed_launch(plan, after=None):
+    def timed_launch(plan, after=None, plain=None):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         t0 = time.perf_counter()
-        step = launch(plan, after)
+        step = launch(plan, after, plain)
         host = time.perf_counter() - t0
         end.record()
         if not getattr(plan, "new", True) and len(plan.running) == len(prompts):
@@ -183,9 +174,9 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model
     if model is None and args.shape:
-        model = real_shape(args.shape, args.out)
+        model = model_path(args.shape, "bf16", args.out)     # written once, then kept
     elif model is None and os.environ.get("PAGEWIRE_TEST_TOKENIZER"):
-        model = smollm2_shape(os.environ["PAGEWIRE_TEST_TOKENIZER"])
+        model = smollm2_shape()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.input_len)]}
                for _ in range(args.requests)]

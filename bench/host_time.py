@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
-import sys
 import tempfile
 import time
 
+import torch
+
 from pagewire import LLM, SamplingParams
+from pagewire.testing.real_shapes_hf import save_default_tokenizer
 
 
 def tiny_model(path: str) -> str:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from helpers import make_tiny_llama                      # the test suite's tiny Llama
-    from pagewire.hf_tokenizer import load_tokenizer
-    from pagewire.model_info import resolve_model
-    tokenizer = os.environ.get("PAGEWIRE_TEST_TOKENIZER")
-    if tokenizer is None:
-        tokenizer = os.path.join(path, "tokenizer")
-        load_tokenizer(resolve_model(None)).save_pretrained(tokenizer)
-    return make_tiny_llama(os.path.join(path, "model"), tokenizer, vocab_size=512,
-                           num_layers=1, max_position=2048)
+    """A one-layer Llama with a 512-token vocabulary (random float32 weights) and the
+    default tokenizer (PAGEWIRE_TEST_TOKENIZER's where the default model is absent)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    save_default_tokenizer(path)
+    return path
 
 
 def timed(totals: collections.Counter, obj, name: str, key: str) -> None:

@@ -109,10 +109,12 @@ def serve_overlapped(env, runner: ModelRunner, inbox, results) -> None:
         env.heartbeat()
         if plan is not None:
             outcomes = overlap.run(plan, plan)
-        elif overlap.held is not None and overlap.ready():
+        elif overlap.held is None:
+            continue
+        elif overlap.ready():
             outcomes = overlap.finish_held()
         else:
-            time.sleep(POLL_SECONDS if overlap.held is not None else 0)
+            time.sleep(POLL_SECONDS)
             continue
         for sent, out in outcomes:
             if isinstance(out, Exception):

@@ -189,13 +189,15 @@ class ModelRunner:
         return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan | EngineControl, after: Launched | None = None) -> Launched:
+    def launch(self, plan: StepPlan | EngineControl, after: Launched | None = None,
+               plain: bool | None = None) -> Launched:
         """A step up to its tokens drawn on the device; finish() reads them back. `after`: the
         step launched before it and not finished (overlapped steps, step_overlap.py: both
-        plain), whose sampled tokens its rows take on the device."""
+        plain), whose sampled tokens its rows take on the device. `plain`: the plan's
+        SeqTable.plain_plan where the caller knows it already."""
         if not isinstance(plan, StepPlan):
             return Launched(plan, run_control(self, plan))
-        reserve = self.overlap and self.table.plain_plan(plan)
+        reserve = self.overlap and (self.table.plain_plan(plan) if plain is None else plain)
         order = self.table.apply(plan)
         loaded = self._move_blocks(plan)
         self._copy_blocks(plan)

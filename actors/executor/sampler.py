@@ -108,9 +108,14 @@ def sampling_tensors(params: list[SamplingParams],
 def _apply_bans(logits: torch.Tensor, banned: list[list[int]], upload=None) -> None:
     rows = [r for r, ids in enumerate(banned) for _ in ids]
     if rows:
-        at = torch.tensor([rows, [t for ids in banned for t in ids]])     # [2, N] rows, cols
-        at = upload(at) if upload is not None else at.to(logits.device)
-        logits[at[0], at[1]] = float("-inf")
+        at = _where(torch.tensor([rows, [t for ids in banned for t in ids]]), logits, upload)
+        logits[at[0], at[1]] = float("-inf")                    # at: [2, N] rows, cols
+
+
+def _where(t: torch.Tensor, logits: torch.Tensor, upload) -> torch.Tensor:
+    """A host tensor where the logits are: through `upload` (Backend.upload: no wait for
+    the steps queued there) where given."""
+    return upload(t) if upload is not None else t.to(logits.device)
 
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
@@ -168,9 +173,7 @@ class LogprobRequest:
         index reaches the logits' device without waiting (Backend.upload)."""
         if not self.rows:
             return None
-        rows = torch.tensor(self.rows)
-        rows = upload(rows) if upload is not None else rows.to(logits.device)
-        return torch.log_softmax(logits[rows], dim=-1)
+        return torch.log_softmax(logits[_where(torch.tensor(self.rows), logits, upload)], dim=-1)
 
     def gather(self, logprobs: torch.Tensor, tokens: torch.Tensor):
         """Per row of the batch: the sampled token's logprob, the top-k ids and logprobs

@@ -102,12 +102,14 @@ class StepOverlap:
     def run(self, plan, tag) -> list[tuple[Any, Any]]:
         """Launch `plan` (after the held step, or once it is finished); the outcomes now
         known. A plain step stays held; any other is finished at once."""
-        done = []
-        if self.held is not None and not (self.held[0].reserved
-                                          and self.runner.table.plain_plan(plan)):
-            done.append(self._finish())
+        done, plain = [], None
+        if self.held is not None:
+            plain = self.runner.table.plain_plan(plan)       # (launch is told: asked once)
+            if not (plain and self.held[0].reserved):
+                done.append(self._finish())
         try:
-            step = self.runner.launch(plan, self.held[0] if self.held is not None else None)
+            step = self.runner.launch(plan, self.held[0] if self.held is not None else None,
+                                      plain)
         except Exception as e:
             self._fail(plan)
             return done + self.finish_held() + [(tag, e)]

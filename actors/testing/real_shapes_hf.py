@@ -91,7 +91,7 @@ def write_hf_model(path: str, shape: dict, tokenizer_dir: str | None = None, see
     _write_json(os.path.join(part, "config.json"),
                 hf_config(shape, vocab, int(meta["tokenizer.ggml.bos_token_id"]),
                           int(meta["tokenizer.ggml.eos_token_id"])))
-    _save_tokenizer(part, tokenizer_dir)
+    save_default_tokenizer(part, tokenizer_dir)
     shutil.rmtree(path, ignore_errors=True)
     os.rename(part, path)
     return path
@@ -102,7 +102,11 @@ def _write_json(path: str, value: dict) -> None:
         json.dump(value, f, indent=2)
 
 
-def _save_tokenizer(path: str, tokenizer_dir: str | None) -> None:
+def save_default_tokenizer(path: str, tokenizer_dir: str | None = None) -> None:
+    """Into `path`: the tokenizer files of `tokenizer_dir`; else PAGEWIRE_TEST_TOKENIZER's (a
+    saved copy, on a machine without the default model's package: tests/gpu_prepare.sh);
+    else the default model's."""
+    tokenizer_dir = tokenizer_dir or os.environ.get("PAGEWIRE_TEST_TOKENIZER")
     if tokenizer_dir is not None:
         for name in os.listdir(tokenizer_dir):
             shutil.copy(os.path.join(tokenizer_dir, name), path)

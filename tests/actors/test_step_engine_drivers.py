@@ -164,9 +164,9 @@ def test_the_offline_llm_runs_through_the_step_engine(tiny_llama, spy, pipelined
     executed, answered = [], []
     launch, finish = llm.runner.launch, llm.runner.finish    # execute() is the two in one
 
-    def launched(plan, after=None):
+    def launched(plan, after=None, plain=None):
         executed.append(plan)
-        return launch(plan, after)
+        return launch(plan, after, plain)
 
     def finished(step):
         answered.append(finish(step))

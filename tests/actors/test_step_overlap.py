@@ -24,9 +24,9 @@ def _run(model: str, overlap: bool, batches):
     assert llm.runner.overlap == overlap
     launch, ahead = llm.runner.launch, []
 
-    def counted(plan, after=None):
+    def counted(plan, after=None, plain=None):
         ahead.append(after is not None)
-        return launch(plan, after)
+        return launch(plan, after, plain)
     llm.runner.launch = counted
     outs = []
     for prompts, params in batches:
@@ -116,7 +116,7 @@ class _Runner:
     def __init__(self):
         self.calls, self.failed = [], []
 
-    def launch(self, plan, after=None):
+    def launch(self, plan, after=None, plain=None):
         self.calls.append(("launch", plan, after is not None))
         if plan == "boom":
             raise ValueError("boom")
